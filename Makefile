@@ -1,0 +1,30 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv, install torch first (so no step pulls the
+# multi-GB CUDA build from the registry), then opweave with its extras. Elsewhere: make test TORCH_SPEC='torch>=2.4'
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.opweave-installed
+
+.PHONY: setup demo test lint bench-cpu clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev,serve]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/opweave simulate lios-fig3 --streams 3
+	$(BIN)/opweave bench --model inception_v3 --device auto --schedulers sequential,lios,opara,nimble --runs 10
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

@@ -1,0 +1,42 @@
+"""opweave: inter-operator parallel DNN inference on GPUs.
+
+Capture a model into an :class:`~opweave.ir.OpGraph`, schedule its independent operators onto streams and devices
+with one of the papers' schedulers, lower the schedule to a race-checked :class:`~opweave.plan.LaunchPlan`, and run
+it (CPU threads, CUDA streams recorded into a CUDA Graph) or simulate it.
+
+    import opweave
+    model, inputs = opweave.zoo.create("inception_v3")
+    fast = opweave.compile(model, inputs, scheduler="lios", device="cpu")
+    out = fast(*inputs)
+
+Submodules that import torch load lazily, so graph-only work (``opweave.ir``, schedulers, the simulator) stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from opweave import schedulers
+from opweave.ir import Edge, GraphError, Op, OpGraph
+
+__version__ = "0.1.0"
+__all__ = ["Edge", "GraphError", "Op", "OpGraph", "capture", "compile", "examples", "schedulers", "synth", "zoo"]
+
+_LAZY = {"compile": ("opweave.api", "compile"), "capture": ("opweave.capture", "capture"),
+         "zoo": ("opweave.zoo", None), "examples": ("opweave.examples", None), "synth": ("opweave.synth", None)}
+
+if TYPE_CHECKING:
+    from opweave import examples, synth, zoo
+    from opweave.api import compile
+    from opweave.capture import capture
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'opweave' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value

@@ -1,0 +1,87 @@
+"""``opweave.compile``: capture → costs → scheduler → plan → backend, in one call (DESIGN.md §2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from opweave import schedulers
+from opweave.costs import Costs
+from opweave.ir import OpGraph
+from opweave.lower import lower
+from opweave.plan import LaunchPlan
+from opweave.schedule import Schedule
+from opweave.validate import validate
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class Compiled:
+    """A model compiled by opweave: call it like the model. ``schedule`` and ``plan`` say what was decided."""
+
+    graph: OpGraph
+    costs: Costs
+    schedule: Schedule
+    plan: LaunchPlan
+    backend: Any
+    device: str
+
+    def __call__(self, *args) -> Any:
+        return self.backend(*args)
+
+
+def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | None = None, devices: int = 1,
+             **options) -> tuple[Schedule, LaunchPlan]:
+    """Schedule and lower ``graph``; the plan has passed the validator."""
+    sched = schedulers.run(scheduler, graph, costs, streams=streams, devices=devices, **options)
+    plan = lower(graph, sched)
+    validate(graph, plan, sched)
+    return sched, plan
+
+
+def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "cpu", streams: int | None = None,
+            costs: Costs | None = None, cost_model: str = "ideal", fold_bn: bool = False, **backend_options) -> Compiled:
+    """Compile ``model`` for ``example_inputs``; the result's outputs equal ``model(*inputs)`` (allclose).
+
+    ``costs`` defaults to the roofline estimate for the device (a measured profile when one is loaded, see
+    ``opweave.profile``). ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
+    """
+    from opweave.capture import capture
+    from opweave.roofline import estimate
+
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if device == "cuda":
+        from opweave.backends.cuda import require_cuda
+
+        require_cuda()
+    captured = capture(model, example_inputs, fold_bn=fold_bn)
+    graph = captured.graph
+    if costs is None:
+        costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset())
+        costs.model = cost_model
+    sched, plan = plan_for(graph, costs, scheduler, streams=streams)
+    if device == "cpu":
+        if backend_options:
+            raise TypeError(f"the cpu backend takes no options, got {', '.join(backend_options)}")
+        from opweave.backends.cpu import CpuBackend
+
+        backend = CpuBackend(captured, plan)
+    else:
+        from opweave.backends.cuda import CudaBackend
+
+        backend = CudaBackend(captured, plan, example_inputs, **backend_options)
+    return Compiled(graph, costs, sched, plan, backend, device)
+
+
+def _cuda_preset() -> str:
+    """The roofline preset closest to the visible GPU (H100 when unknown)."""
+    import torch
+
+    name = torch.cuda.get_device_name().lower()
+    for preset in ("h200", "h100", "a100", "v100"):
+        if preset in name:
+            return preset
+    return "rtx2080super" if "2080" in name else "h100"

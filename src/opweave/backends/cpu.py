@@ -1,0 +1,97 @@
+"""CPU backend: an interpreter of the LaunchPlan with one worker thread per stream (DESIGN.md §2).
+
+Each (device, stream) lane is a long-lived worker thread that runs its steps in order; a plan's record/send become
+``threading.Event.set`` and its wait/recv become ``Event.wait``. Intermediates stay in one environment dict until
+the call returns, so no buffer is reused while another lane may still read it. PyTorch releases the GIL inside its
+kernels, so independent ops do overlap on a multi-core CPU.
+
+A lane that raises releases every signal so that no other lane blocks forever, and the first error is re-raised
+in the caller.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+from opweave.backends.base import Lane, Program, Step
+from opweave.plan import LaunchPlan
+
+
+class CpuBackend:
+    def __init__(self, captured, plan: LaunchPlan):
+        self.captured = captured
+        self.program = Program.from_plan(plan)
+        self._lock = threading.Lock()  # one call at a time: the workers share one environment per call
+        self._workers = {lane: _Worker(lane, steps, captured) for lane, steps in self.program.lanes.items()}
+
+    def __call__(self, *args) -> Any:
+        with self._lock:
+            env = self.captured.bind(args)
+            if len(self._workers) == 1:  # a single lane needs no threads
+                (worker,) = self._workers.values()
+                for step in worker.steps:
+                    if step.kind == "launch":
+                        self.captured.run_op(step.op, env)
+                return self.captured.output(env)
+            call = _Call(env, self.program.num_signals, len(self._workers))
+            for worker in self._workers.values():
+                worker.inbox.put(call)
+            call.done.wait()
+            if call.errors:
+                raise call.errors[0]
+            return self.captured.output(env)
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            worker.inbox.put(None)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _Call:
+    def __init__(self, env: dict, num_signals: int, num_lanes: int):
+        self.env = env
+        self.signals = [threading.Event() for _ in range(num_signals)]
+        self.errors: list[BaseException] = []
+        self.remaining = num_lanes
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+    def fail(self, exc: BaseException) -> None:
+        with self.lock:
+            self.errors.append(exc)
+        for s in self.signals:  # unblock every waiter; they see the error and stop
+            s.set()
+
+    def lane_finished(self) -> None:
+        with self.lock:
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
+
+
+class _Worker:
+    def __init__(self, lane: Lane, steps: list[Step], captured):
+        self.steps, self.captured = steps, captured
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=f"opweave-d{lane[0]}s{lane[1]}", daemon=True).start()
+
+    def _loop(self) -> None:
+        while (call := self.inbox.get()) is not None:
+            try:
+                for step in self.steps:
+                    if call.errors:
+                        break
+                    if step.kind == "launch":
+                        self.captured.run_op(step.op, call.env)
+                    elif step.kind == "signal":
+                        call.signals[step.signal].set()
+                    else:
+                        call.signals[step.signal].wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                call.fail(exc)
+            finally:
+                call.lane_finished()

@@ -1,0 +1,100 @@
+"""Real-run latency measurement shared by ``opweave bench`` and the benchmark scripts.
+
+Every mode is timed the same way: the whole call (input copy included) after ``warmup`` calls, median over ``runs``.
+On CUDA the time comes from CUDA events around the call (and a synchronize per run), on CPU from perf_counter.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def median_ms(fn: Callable, args: Sequence, *, runs: int = 20, warmup: int = 3, device: str = "cpu") -> float:
+    """Median wall time of ``fn(*args)`` in milliseconds."""
+    with torch.inference_mode():
+        for _ in range(warmup):
+            fn(*args)
+        times = []
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(runs):
+                start.record()
+                fn(*args)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        else:
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                fn(*args)
+                times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def max_abs_diff(a, b) -> float:
+    """Largest absolute difference between two outputs of the same structure (tensors, tuples, lists, dicts)."""
+    if isinstance(a, torch.Tensor):
+        return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+    if isinstance(a, dict):
+        return max((max_abs_diff(a[k], b[k]) for k in a), default=0.0)
+    if isinstance(a, (tuple, list)):
+        return max((max_abs_diff(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
+    return 0.0 if a == b else float("inf")
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` becomes ``cuda`` when a GPU is visible, else ``cpu``."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
+    return device
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    import platform
+
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def bench_model(model_name: str, *, device: str = "cpu", batch_size: int = 1, scheduler_names: Sequence[str] = (),
+                streams: int | None = None, runs: int = 20, warmup: int = 3, progress: bool = True) -> dict:
+    """Eager vs ``opweave.compile`` with each scheduler on one zoo model; returns a JSON-ready dict."""
+    from rich.progress import Progress
+
+    from opweave import zoo
+    from opweave.api import compile
+
+    if device == "cuda":
+        from opweave.backends.cuda import require_cuda
+
+        require_cuda()
+    model, inputs = zoo.create(model_name, batch_size=batch_size)
+    model, inputs = model.to(device), tuple(x.to(device) for x in inputs)
+    with torch.inference_mode():
+        reference = model(*inputs)
+    rows = []
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task(f"{model_name}: eager", total=1 + len(scheduler_names))
+        eager_ms = median_ms(model, inputs, runs=runs, warmup=warmup, device=device)
+        rows.append({"mode": "eager", "median_ms": eager_ms, "speedup_vs_eager": 1.0})
+        bar.advance(task)
+        for name in scheduler_names:
+            bar.update(task, description=f"{model_name}: opweave {name}")
+            fast = compile(model, inputs, scheduler=name, device=device, streams=streams)
+            with torch.inference_mode():
+                diff = max_abs_diff(reference, fast(*inputs))
+            ms = median_ms(fast, inputs, runs=runs, warmup=warmup, device=device)
+            rows.append({"mode": f"opweave {name}", "scheduler": name, "median_ms": ms,
+                         "speedup_vs_eager": eager_ms / ms, "streams": fast.schedule.streams_used,
+                         "syncs": fast.plan.syncs, "max_abs_diff": diff, "ops": len(fast.graph)})
+            bar.advance(task)
+    return {"model": model_name, "batch_size": batch_size, "device": device, "device_name": device_name(device),
+            "torch": torch.__version__, "runs": runs, "warmup": warmup, "rows": rows}

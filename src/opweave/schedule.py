@@ -1,0 +1,60 @@
+"""What a scheduler decides: per op its device, stream, launch position and (for stage schedulers) stage.
+
+A :class:`Schedule` is plain data. ``order`` is the global launch order, a topological order of the graph; the ops
+of one (device, stream) are issued in the order they appear in it. Stream numbers are local to a device.
+Stage schedulers (IOS, HIOS, wavefront, TOP) set ``stage_of``: every op of stage k+1 starts after every op of
+stage k on the same device has finished (lowering adds the barrier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opweave.ir import OpGraph
+
+
+class ScheduleError(ValueError):
+    """A schedule that does not fit its graph."""
+
+
+@dataclass
+class Schedule:
+    scheduler: str
+    order: list[str]
+    stream_of: dict[str, int]
+    device_of: dict[str, int] = field(default_factory=dict)
+    stage_of: dict[str, int] | None = None
+    predicted_ms: float | None = None
+    scheduling_time_s: float = 0.0
+    options: dict = field(default_factory=dict)
+
+    def device(self, op: str) -> int:
+        return self.device_of.get(op, 0)
+
+    @property
+    def streams_used(self) -> int:
+        return len({(self.device(o), s) for o, s in self.stream_of.items()})
+
+    @property
+    def devices_used(self) -> int:
+        return len({self.device(o) for o in self.order})
+
+    def check(self, graph: OpGraph) -> None:
+        """Raise :class:`ScheduleError` unless every op is placed once and ``order`` is topological."""
+        if sorted(self.order) != sorted(graph.ids):
+            missing = set(graph.ids) - set(self.order)
+            extra = [o for o in self.order if o not in graph.op or self.order.count(o) > 1]
+            raise ScheduleError(f"{self.scheduler}: order must list each op once (missing {sorted(missing)[:3]}, "
+                                f"unknown or repeated {extra[:3]})")
+        pos = {o: i for i, o in enumerate(self.order)}
+        for (u, v) in graph.edge:
+            if pos[u] > pos[v]:
+                raise ScheduleError(f"{self.scheduler}: op {v!r} is launched before its predecessor {u!r}")
+        for o in graph.ids:
+            if o not in self.stream_of:
+                raise ScheduleError(f"{self.scheduler}: op {o!r} has no stream")
+        if self.stage_of is not None:
+            for (u, v) in graph.edge:
+                if self.device(u) == self.device(v) and self.stage_of[u] > self.stage_of[v]:
+                    raise ScheduleError(f"{self.scheduler}: edge {u!r} -> {v!r} goes back from stage "
+                                        f"{self.stage_of[u]} to {self.stage_of[v]}")

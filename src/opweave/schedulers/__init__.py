@@ -1,0 +1,51 @@
+"""Schedulers: pure functions ``(graph, costs, options) -> Schedule``, one module per algorithm.
+
+Every module exposes ``schedule(graph, costs, *, streams=None, devices=1, **options) -> Schedule``.
+:func:`run` looks one up by name, times it and checks the result fits the graph.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+from opweave.costs import Costs
+from opweave.ir import OpGraph
+from opweave.schedule import Schedule
+
+# name -> module under opweave.schedulers (several names may share a module, told apart by the "variant" option)
+_MODULES: dict[str, tuple[str, dict]] = {
+    "sequential": ("sequential", {}),
+    "wavefront": ("wavefront", {}),
+    "nimble": ("nimble", {}),
+    "opara": ("opara", {}),
+    "lios": ("lios", {}),
+    "ios": ("ios", {}),
+    "hios-lp": ("hios", {"variant": "lp"}),
+    "hios-mr": ("hios", {"variant": "mr"}),
+}
+MULTI_DEVICE = ("hios-lp", "hios-mr")
+
+
+def names() -> list[str]:
+    """Names of every scheduler, in the order tables list them."""
+    return list(_MODULES)
+
+
+def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, devices: int = 1,
+        **options) -> Schedule:
+    """Schedule ``graph`` with the scheduler called ``name``; fills in ``scheduling_time_s``."""
+    if name not in _MODULES:
+        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(names())}")
+    if streams is not None and streams < 1:
+        raise ValueError(f"streams must be at least 1, got {streams}")
+    if devices < 1:
+        raise ValueError(f"devices must be at least 1, got {devices}")
+    module_name, fixed = _MODULES[name]
+    module = importlib.import_module(f"opweave.schedulers.{module_name}")
+    start = time.perf_counter()
+    sched = module.schedule(graph, costs, streams=streams, devices=devices, **fixed, **options)
+    sched.scheduling_time_s = time.perf_counter() - start
+    sched.scheduler = name
+    sched.check(graph)
+    return sched

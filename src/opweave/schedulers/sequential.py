@@ -1,0 +1,16 @@
+"""Sequential baseline: every op on stream 0 of device 0, in capture order (what the framework does eagerly).
+
+Complexity O(V + E) for the topological order.
+"""
+
+from __future__ import annotations
+
+from opweave.costs import Costs
+from opweave.ir import OpGraph
+from opweave.schedule import Schedule
+
+
+def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, devices: int = 1) -> Schedule:
+    order = graph.topo_order
+    return Schedule("sequential", list(order), {o: 0 for o in order}, {o: 0 for o in order},
+                    predicted_ms=sum(costs.latency_ms[o] for o in order))
