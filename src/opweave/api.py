@@ -41,7 +41,8 @@ def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | Non
 
 
 def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "cpu", streams: int | None = None,
-            costs: Costs | None = None, cost_model: str = "ideal", fold_bn: bool = False, **backend_options) -> Compiled:
+            costs: Costs | None = None, cost_model: str = "ideal", fold_bn: bool = False,
+            **backend_options) -> Compiled:
     """Compile ``model`` for ``example_inputs``; the result's outputs equal ``model(*inputs)`` (allclose).
 
     ``costs`` defaults to the roofline estimate for the device (a measured profile when one is loaded, see

@@ -53,6 +53,8 @@ def resolve_device(device: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("CUDA is not available on this machine; use --device cpu (or auto)")
     return device
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -46,9 +46,9 @@ def _guard(fn):
 
 
 # ---- shared options -----------------------------------------------------------------------------------------------
-GraphArg = Annotated[Optional[str], typer.Argument(help="graph JSON file or example name (e.g. lios-fig3)")]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", help="zoo model name instead of a graph")]
-StreamsOpt = Annotated[Optional[int], typer.Option("--streams", min=1, help="max streams per device")]
+GraphArg = Annotated[str | None, typer.Argument(help="graph JSON file or example name (e.g. lios-fig3)")]
+ModelOpt = Annotated[str | None, typer.Option("--model", help="zoo model name instead of a graph")]
+StreamsOpt = Annotated[int | None, typer.Option("--streams", min=1, help="max streams per device")]
 DevicesOpt = Annotated[int, typer.Option("--devices", min=1, help="number of devices")]
 CostOpt = Annotated[str, typer.Option("--cost-model", help="ideal | gpu")]
 PresetOpt = Annotated[str, typer.Option("--preset", help="device preset for zoo models' estimated latencies")]
@@ -130,8 +130,9 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
     for col in ("op", "device", "stream", "stage", "start ms", "finish ms"):
         table.add_column(col, justify="left" if col == "op" else "right")
     for row in result["ops"]:
-        table.add_row(row["id"], str(row["device"]), str(row["stream"]), "" if row["stage"] is None else str(row["stage"]),
-                      f"{row['start_ms']:.3f}", f"{row['finish_ms']:.3f}")
+        stage = "" if row["stage"] is None else str(row["stage"])
+        table.add_row(row["id"], str(row["device"]), str(row["stream"]), stage, f"{row['start_ms']:.3f}",
+                      f"{row['finish_ms']:.3f}")
     out.print(table)
     out.print(f"streams {sched.streams_used}, devices {sched.devices_used}, syncs {plan.syncs}, "
               f"scheduling time {sched.scheduling_time_s * 1e3:.2f} ms")
@@ -142,8 +143,8 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
 def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "all",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, batch_size: BatchOpt = 1, preset: PresetOpt = "h100",
-             gantt: Annotated[Optional[Path], typer.Option(help="write a Gantt chart PNG (one scheduler)")] = None,
-             trace: Annotated[Optional[Path], typer.Option(help="write a Chrome trace JSON (one scheduler)")] = None,
+             gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart PNG (one scheduler)")] = None,
+             trace: Annotated[Path | None, typer.Option(help="write a Chrome trace JSON (one scheduler)")] = None,
              as_json: JsonOpt = False):
     """Compare schedulers on one graph: makespan, speedup over sequential, syncs, scheduling time."""
     from opweave import simulate as sim_mod
@@ -181,9 +182,9 @@ def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
 @app.command()
 @_guard
 def synth(ops: Annotated[int, typer.Option(min=1)] = 200, layers: Annotated[int, typer.Option(min=1)] = 14,
-          edges: Annotated[Optional[int], typer.Option(help="default 2 x ops")] = None, seed: int = 0,
+          edges: Annotated[int | None, typer.Option(help="default 2 x ops")] = None, seed: int = 0,
           comm_ratio: Annotated[float, typer.Option(help="transfer = max(0.1 ms, p x producer latency)")] = 0.8,
-          output: Annotated[Optional[Path], typer.Option("-o", "--output", help="write here (default stdout)")] = None):
+          output: Annotated[Path | None, typer.Option("-o", "--output", help="write here (default stdout)")] = None):
     """Write a HIOS-style random layered DAG (HIOS §V-A) as graph JSON."""
     from opweave.synth import random_dag
 
@@ -250,7 +251,7 @@ def bench(model: Annotated[str, typer.Option("--model")] = "inception_v3",
 @_guard
 def profile(model: Annotated[str, typer.Option("--model")] = "inception_v3",
             device: Annotated[str, typer.Option(help="cuda | cpu")] = "cuda", batch_size: BatchOpt = 1,
-            output: Annotated[Optional[Path], typer.Option("-o", "--output")] = None):
+            output: Annotated[Path | None, typer.Option("-o", "--output")] = None):
     """Measure each op's latency (and kernel resources on CUDA) and save a profile the cost model loads."""
     from opweave import zoo
     from opweave.capture import capture

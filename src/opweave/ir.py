@@ -184,12 +184,13 @@ class OpGraph:
             cycle = nx.find_cycle(self.nx())
         except nx.NetworkXNoCycle:
             return
-        raise GraphError(f"cycle through op {cycle[0][0]!r}: " + " -> ".join(u for u, _ in cycle) + f" -> {cycle[0][0]}")
+        path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
+        raise GraphError(f"cycle through op {cycle[0][0]!r}: {path}")
 
     # ---- JSON ---------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        def compact(d: dict) -> dict:
-            return {k: v for k, v in d.items() if v is not None and v != 0.0 and v != "data" or k in ("id", "src", "dst")}
+        def compact(d: dict) -> dict:  # drop fields at their defaults
+            return {k: v for k, v in d.items() if k in ("id", "src", "dst") or v not in (None, 0.0, "data")}
 
         ops = [compact(asdict(o)) for o in self.ops]
         for o in ops:
@@ -246,4 +247,4 @@ def _build(kind: type, raw: object, what: str):
 def chain(latencies_ms: Iterable[float], name: str = "chain") -> OpGraph:
     """A linear graph v0 → v1 → …, handy in tests and examples."""
     ops = [Op(f"v{i}", latency_ms=lat) for i, lat in enumerate(latencies_ms)]
-    return OpGraph(ops, [Edge(a.id, b.id) for a, b in zip(ops, ops[1:])], name)
+    return OpGraph(ops, [Edge(a.id, b.id) for a, b in zip(ops, ops[1:], strict=False)], name)

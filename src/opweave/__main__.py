@@ -1,0 +1,3 @@
+from opweave.cli import app
+
+app(prog_name="opweave")
