@@ -64,7 +64,7 @@ class Costs:
         """Latency of a stage: the groups run concurrently, each group's ops in sequence on its own stream.
 
         Under ``ideal`` this is the longest group; under ``gpu`` the groups share the device (see
-        :func:`opweave.contention.run`), plus one event per extra group to fork/join.
+        :func:`opweave.contention.run_streams`), plus one event per extra group to fork/join.
         """
         if self.model == "ideal" or len(groups) <= 1:
             return max((sum(self.latency_ms[o] for o in g) for g in groups), default=0.0)
