@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Any
 
 from opweave.backends.base import Lane, Program, Step
@@ -25,6 +26,10 @@ class CpuBackend:
         self.program = Program.from_plan(plan)
         self._lock = threading.Lock()  # one call at a time: the workers share one environment per call
         self._workers = {lane: _Worker(lane, steps, captured) for lane, steps in self.program.lanes.items()}
+        # Stop the workers when the backend is collected or the interpreter exits: a thread that used torch's
+        # intra-op pool and is still alive at teardown aborts the process ("terminate called without an active
+        # exception").
+        self.close = weakref.finalize(self, _stop, list(self._workers.values()))
 
     def __call__(self, *args) -> Any:
         with self._lock:
@@ -43,12 +48,13 @@ class CpuBackend:
                 raise call.errors[0]
             return self.captured.output(env)
 
-    def close(self) -> None:
-        for worker in self._workers.values():
-            worker.inbox.put(None)
 
-    def __del__(self) -> None:
-        self.close()
+
+def _stop(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.inbox.put(None)
+    for worker in workers:
+        worker.thread.join(timeout=10)
 
 
 class _Call:
@@ -77,7 +83,8 @@ class _Worker:
     def __init__(self, lane: Lane, steps: list[Step], captured):
         self.steps, self.captured = steps, captured
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name=f"opweave-d{lane[0]}s{lane[1]}", daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, name=f"opweave-d{lane[0]}s{lane[1]}", daemon=True)
+        self.thread.start()
 
     def _loop(self) -> None:
         while (call := self.inbox.get()) is not None:
