@@ -78,7 +78,7 @@ def from_graph(graph: OpGraph, model: str = "ideal", gpu: GpuModel | None = None
     """Costs read off the graph's own fields (latency_ms, utilization, category, resources, edge transfer_ms)."""
     missing = [o.id for o in graph.ops if o.latency_ms is None]
     if missing:
-        raise ValueError(f"op {missing[0]!r} has no latency_ms; estimate costs with opweave.costs.estimate() first")
+        raise ValueError(f"op {missing[0]!r} has no latency_ms; estimate costs with opweave.roofline.estimate() first")
     return Costs(
         latency_ms=graph.latencies(),
         utilization={o.id: o.utilization for o in graph.ops if o.utilization is not None},
