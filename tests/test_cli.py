@@ -70,7 +70,8 @@ def test_simulate_all_schedulers_table_and_json(tmp_path):
 
 def test_simulate_writes_gantt_and_trace(tmp_path):
     png, trace = tmp_path / "g.png", tmp_path / "t.json"
-    opweave("simulate", "lios-fig3", "--scheduler", "lios", "--streams", "3", "--gantt", str(png), "--trace", str(trace))
+    opweave("simulate", "lios-fig3", "--scheduler", "lios", "--streams", "3",
+            "--gantt", str(png), "--trace", str(trace))
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert len([e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]) == 10
 
