@@ -1,0 +1,115 @@
+"""When may a backend free a buffer that several streams read? A liveness analysis that knows about joins.
+
+The CUDA caching allocator hands a freed block back to the pool of the stream that *allocated* it, and gives it to
+the next allocation on that same stream at once, without waiting for other streams (DESIGN.md §4). So freeing a
+buffer (dropping its last reference on the host) is safe at a point of the allocating stream's lane only when that
+point is ordered — through the lane's own FIFO order and the plan's record/wait joins — after the launch of every op
+that uses the buffer (reads it, writes it in place, or holds a view of it). Anything issued later to the allocating
+stream then starts after those uses have finished, and it is the only work that can reuse the block.
+
+:func:`release_points` finds, for every buffer, the earliest such point on its allocating lane; a buffer with no
+such point is kept until the final join (the caller's environment is dropped after the call, or the capture ends).
+
+Happens-before is computed with vector clocks over the plan's issue order: ``clock[lane][i][m]`` is how many steps
+of lane ``m`` are ordered at or before step ``i`` of ``lane`` (its own entry counts step ``i`` itself). A wait
+joins the clock of the signal it waits for (the clock of the signalling lane when the signal was raised).
+Because a wait is always issued after the record it refers to, every use ordered before a release point was also
+issued (on the host) before it, so a host-side interpreter can apply the releases in issue order.
+
+Complexity: O(S·L) for the clocks (S steps, L lanes), then O(U·log S) per buffer with U users.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from opweave.backends.base import Lane, Program, Step
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One allocation seen by the interpreter: where it was allocated and which ops touch it.
+
+    ``keys`` are the environment entries (fx node names) that hold references to it; they are dropped together.
+    """
+
+    name: str
+    alloc_lane: Lane
+    users: frozenset[str]
+    keys: tuple[str, ...] = ()
+
+
+Clock = dict[Lane, int]
+
+
+def vector_clocks(program: Program) -> dict[Lane, list[Clock]]:
+    """``clocks[lane][i]``: for every lane, how many of its steps are ordered at or before step ``i`` of ``lane``."""
+    current: dict[Lane, Clock] = {lane: {} for lane in program.lanes}
+    clocks: dict[Lane, list[Clock]] = {lane: [] for lane in program.lanes}
+    raised: dict[int, Clock] = {}
+    for lane, step in program.issue_order:
+        clock = current[lane]
+        if step.kind == "wait":
+            for other, count in raised[step.signal].items():
+                if count > clock.get(other, 0):
+                    clock[other] = count
+        clock[lane] = len(clocks[lane]) + 1
+        if step.kind == "signal":
+            raised[step.signal] = dict(clock)
+        clocks[lane].append(dict(clock))
+    return clocks
+
+
+def launch_positions(program: Program) -> dict[str, tuple[Lane, int]]:
+    """Lane and step index of every launched op."""
+    return {step.op: (lane, i) for lane, steps in program.lanes.items()
+            for i, step in enumerate(steps) if step.kind == "launch"}
+
+
+def ordered_before(clocks: dict[Lane, list[Clock]], use: tuple[Lane, int], lane: Lane, index: int) -> bool:
+    """True iff step ``use`` (lane, index) is ordered at or before step ``index`` of ``lane``."""
+    use_lane, use_index = use
+    return clocks[lane][index].get(use_lane, 0) > use_index
+
+
+def steps_with_releases(program: Program, releases: dict[tuple[Lane, int], list[str]]
+                        ) -> Iterator[tuple[Lane, Step, list[str] | tuple]]:
+    """The program in issue order, each step with what to release right after it: how an interpreter applies
+    :func:`release_points` (or the same mapping with buffer names replaced by environment keys)."""
+    position = dict.fromkeys(program.lanes, 0)
+    for lane, step in program.issue_order:
+        index = position[lane]
+        position[lane] = index + 1
+        yield lane, step, releases.get((lane, index), ())
+
+
+def release_points(program: Program, buffers: Iterable[Buffer]) -> dict[tuple[Lane, int], list[str]]:
+    """Earliest safe release of every buffer: ``{(lane, step index): [buffer names]}``, to apply right after that
+    step of that lane. Buffers that appear in no entry must be kept until the final join.
+
+    Tiny example: lane A launches ``x`` then records signal 0; lane B waits on it and launches ``y``; lane A then
+    waits for signal 1 raised by B after ``y``. A buffer allocated on A and read by ``y`` is released right after
+    A's wait for signal 1 (not after ``x``, and not at all if A never waits for B).
+    """
+    clocks = vector_clocks(program)
+    where = launch_positions(program)
+    out: dict[tuple[Lane, int], list[str]] = {}
+    for buf in buffers:
+        if not buf.users:
+            raise ValueError(f"buffer {buf.name!r} has no users (its allocating op at least must be one)")
+        missing = [u for u in buf.users if u not in where]
+        if missing:
+            raise ValueError(f"buffer {buf.name!r}: user op {missing[0]!r} is not launched by the plan")
+        if buf.alloc_lane not in clocks:
+            raise ValueError(f"buffer {buf.name!r}: allocating lane {buf.alloc_lane} has no steps")
+        lane_clocks = clocks[buf.alloc_lane]
+        # Clocks only grow along a lane, so the first covering step of each use can be found by bisection.
+        earliest = 0
+        for use_lane, use_index in (where[u] for u in buf.users):
+            first = bisect_left(lane_clocks, use_index + 1, key=lambda c, m=use_lane: c.get(m, 0))
+            earliest = max(earliest, first)
+        if earliest < len(lane_clocks):
+            out.setdefault((buf.alloc_lane, earliest), []).append(buf.name)
+    return out

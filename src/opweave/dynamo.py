@@ -1,0 +1,120 @@
+"""``torch.compile(model, backend="opweave")``: opweave as a TorchDynamo backend.
+
+Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so no import is needed::
+
+    fast = torch.compile(model, backend="opweave", options={"scheduler": "lios", "streams": 4})
+
+Dynamo hands the backend each graph it extracted as an ``fx.GraphModule`` with real example inputs; in recent
+PyTorch versions the module's parameters and buffers are among those inputs (lifted, marked static). Each graph is
+captured, scheduled, lowered and validated as ``opweave.compile`` does, and runs on the CPU backend or the CUDA
+backend according to the example inputs' device. Lifted parameters and buffers are first turned back into the
+module's attributes (:func:`bake_static_inputs`): the CUDA backend then neither copies them per call nor checks
+their addresses, as for a module's own weights. The returned callable returns what the graph module returns (dynamo
+expects its tuple/list back).
+
+``options`` (``torch.compile(..., options=...)`` arrives here as ``options=``, as for inductor and apex's
+``torchsched``): ``scheduler`` (default ``"opara"``), ``streams``, ``cost_model``, ``fold_bn``, and the CUDA
+backend's ``mode``, ``static_outputs``, ``fallback``, ``cache_size``, ``warmup``. ``torch.compile``'s own ``mode``
+(e.g. ``"reduce-overhead"``) is accepted and ignored: the CUDA backend records a CUDA graph by default.
+
+A graph with symbolic shapes (dynamo's ``dynamic=True``, or its automatic dynamic shapes after a recompilation)
+cannot be scheduled for one fixed shape; it runs eagerly, with a warning. Pass ``dynamic=False`` to get one
+compiled graph per shape instead.
+
+Every compiled graph is kept (the last :data:`KEEP` of them) for introspection: :func:`last_compiled` and
+:func:`compiled_graphs` return the :class:`opweave.api.Compiled` objects, with their ``schedule`` and ``plan``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+KEEP = 32
+_COMPILED: deque = deque(maxlen=KEEP)
+_COMPILE_KEYS = ("scheduler", "streams", "cost_model", "fold_bn", "costs")
+
+
+def opweave_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                    options: dict | None = None) -> Callable:
+    """TorchDynamo backend: compile ``gm`` with opweave for ``example_inputs`` (see the module docstring)."""
+    from opweave.api import compile as opweave_compile
+
+    options = dict(options or {})
+    example_inputs = tuple(example_inputs)
+    if any(isinstance(x, torch.SymInt) or _symbolic(x) for x in example_inputs):
+        warnings.warn("opweave: this dynamo graph has symbolic shapes; running it eagerly "
+                      "(torch.compile(..., dynamic=False) compiles one schedule per shape)", stacklevel=2)
+        return gm.forward
+    device = "cuda" if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs) else "cpu"
+    gm, dynamic = bake_static_inputs(gm, example_inputs)
+    compile_options = {k: options.pop(k) for k in _COMPILE_KEYS if k in options}
+    scheduler = compile_options.pop("scheduler", "opara")
+    if device == "cpu" and options:
+        raise ValueError(f"opweave: option(s) {', '.join(sorted(options))} apply to CUDA graphs only "
+                         f"(the example inputs are on the CPU); known options: {', '.join(_COMPILE_KEYS)}")
+    # Outside dynamo's tracing context: shape propagation would otherwise pick up its fake mode and symbolic sizes.
+    with torch._guards.tracing(None):
+        compiled = opweave_compile(gm, tuple(example_inputs[i] for i in dynamic), scheduler=scheduler,
+                                   device=device, **compile_options, **options)
+    _COMPILED.append(compiled)
+
+    def run(*args):
+        return compiled(*[args[i] for i in dynamic])
+
+    run.compiled = compiled
+    return run
+
+
+def bake_static_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, list[int]]:
+    """A copy of ``gm`` whose static inputs (the parameters and buffers dynamo lifted to inputs) are attributes of
+    the module again, and the positions of the inputs that remain.
+
+    Dynamo does not guard their addresses ("unguarded" static inputs) and passes the same tensors on every call, so
+    they are the model's weights as far as a CUDA graph is concerned, exactly as for ``opweave.compile`` on the
+    module. Baked in, they are neither copied into static buffers nor checked on every call.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    static = [i for i, x in enumerate(example_inputs) if _static_input(x)]
+    if not static or len(placeholders) != len(example_inputs):
+        return gm, list(range(len(example_inputs)))
+    baked = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    nodes = [n for n in baked.graph.nodes if n.op == "placeholder"]
+    for i in static:
+        name = f"_opweave_input_{i}"
+        value = example_inputs[i]
+        if isinstance(value, nn.Parameter):
+            baked.register_parameter(name, value)
+        else:
+            baked.register_buffer(name, value)
+        with baked.graph.inserting_before(nodes[i]):
+            attr = baked.graph.get_attr(name)
+        attr.meta = dict(nodes[i].meta)
+        nodes[i].replace_all_uses_with(attr)
+        baked.graph.erase_node(nodes[i])
+    baked.recompile()
+    return baked, [i for i in range(len(example_inputs)) if i not in set(static)]
+
+
+def _static_input(x: Any) -> bool:
+    return isinstance(x, nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) is not None
+
+
+def last_compiled():
+    """The :class:`opweave.api.Compiled` of the last graph the backend compiled (None before any)."""
+    return _COMPILED[-1] if _COMPILED else None
+
+
+def compiled_graphs() -> list:
+    """The last :data:`KEEP` compiled graphs, oldest first."""
+    return list(_COMPILED)
+
+
+def _symbolic(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape)

@@ -1,0 +1,80 @@
+"""``torch.compile(model, backend="opweave")`` on the CPU: registered by entry point, same results as eager,
+options reach the scheduler, symbolic shapes fall back to eager with a warning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import opweave.dynamo
+from opweave import zoo
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(3, 8, 1), nn.Conv2d(3, 8, 5, padding=2)
+        self.norm = nn.BatchNorm2d(24)
+
+    def forward(self, x):
+        y = torch.cat([self.a(x).relu(), self.b(x).sigmoid(), self.c(x)], 1)
+        return self.norm(y).relu_(), x.mean()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_backend_is_registered_by_entry_point():
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    assert "opweave" in list_backends(exclude_tags=())
+    assert lookup_backend("opweave") is opweave.dynamo.opweave_backend
+
+
+def test_branchy_model_matches_eager_and_options_reach_the_scheduler():
+    torch.manual_seed(0)
+    model, x = Branchy().eval(), torch.randn(2, 3, 16, 16)
+    fast = torch.compile(model, backend="opweave", options={"scheduler": "lios", "streams": 3})
+    with torch.no_grad():
+        expected, got = model(x), fast(x)
+    assert isinstance(got, tuple) and len(got) == 2
+    for e, g in zip(expected, got, strict=True):
+        assert torch.allclose(e, g, atol=1e-5)
+    compiled = opweave.dynamo.last_compiled()
+    assert compiled.schedule.scheduler == "lios" and compiled.device == "cpu"
+    assert 1 < compiled.schedule.streams_used <= 3
+    placeholders = [n for n in compiled.backend.captured.gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == 1  # the lifted parameters and buffers were baked back into the module
+    with torch.no_grad():  # replay with new values, same shapes: no recompilation
+        x2 = torch.randn_like(x)
+        assert torch.allclose(model(x2)[0], fast(x2)[0], atol=1e-5)
+    assert opweave.dynamo.compiled_graphs()[-1] is compiled
+
+
+def test_zoo_model_matches_eager():
+    model, inputs = zoo.create("squeezenet")
+    fast = torch.compile(model, backend="opweave")
+    with torch.no_grad():
+        assert torch.allclose(model(*inputs), fast(*inputs), atol=1e-4)
+    assert opweave.dynamo.last_compiled().schedule.scheduler == "opara"
+
+
+def test_symbolic_shapes_run_eagerly_with_a_warning():
+    model = Branchy().eval()
+    fast = torch.compile(model, backend="opweave", dynamic=True)
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad(), pytest.warns(UserWarning, match="symbolic shapes"):
+        got = fast(x)
+    with torch.no_grad():
+        assert torch.allclose(model(x)[0], got[0], atol=1e-5)
+
+
+def test_cuda_only_options_are_refused_for_cpu_graphs():
+    fast = torch.compile(Branchy().eval(), backend="opweave", options={"static_outputs": True})
+    with torch.no_grad(), pytest.raises(Exception, match="static_outputs apply to CUDA graphs only"):
+        fast(torch.randn(1, 3, 8, 8))
