@@ -14,18 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-class BasicConv2d(nn.Module):
-    """Conv (no bias) -> BatchNorm -> ReLU."""
-
-    def __init__(self, in_ch: int, out_ch: int, **conv_kwargs) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(in_ch, out_ch, bias=False, **conv_kwargs)
-        self.bn = nn.BatchNorm2d(out_ch, eps=0.001)
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.relu(self.bn(self.conv(x)))
+from opweave.zoo.inception_v3 import BasicConv2d  # the same conv-BN-ReLU unit
 
 
 class Inception(nn.Module):
