@@ -1,5 +1,6 @@
 """HIOS-LP / HIOS-MR (paper 002): valid multi-GPU stage schedules on random DAGs, predictions that the ideal replay
-reproduces, Fig. 4's longest-valid-path walk-through, Algorithm 2's cycle check, and two chains on two GPUs."""
+reproduces, Fig. 4's longest-valid-path walk-through, Algorithm 2's cycle check and incremental timing, and two
+chains on two GPUs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from opweave.costs import Costs, from_graph
 from opweave.ir import Edge, Op, OpGraph
 from opweave.schedulers import hios
 from opweave.schedulers._listsched import ideal_finish_times
-from opweave.schedulers.hios_window import Problem, evaluate
+from opweave.schedulers.hios_window import Problem, WorkingPlan, evaluate
 
 
 def with_transfers(graph: OpGraph, ratio: float, model: str = "ideal") -> Costs:
@@ -126,6 +127,52 @@ def test_window_merges_are_checked_for_deadlock():
     assert evaluate(problem, device_of, [[(a,), (d,)], [(b,), (c,)]])[0] == 4.0
     assert evaluate(problem, device_of, [[(a, d)], [(b,), (c,)]]) is None
     assert evaluate(problem, device_of, [[(a, d)], [(c,), (b,)]])[0] == 2.0
+
+
+def merged_plan(work: WorkingPlan, window: list[int], merged: tuple[int, ...]) -> list[list[tuple[int, ...]]]:
+    plan = []
+    for leader in work.first_stages:
+        plan.append([])
+        while leader >= 0:
+            if leader not in window[1:]:
+                plan[-1].append(merged if leader == window[0] else work.ops_of[leader])
+            leader = work.next_stage[leader]
+    return plan
+
+
+@settings(max_examples=40, deadline=None)
+@given(graph=dags(max_ops=30), devices=st.integers(1, 4), ratio=st.sampled_from([0.0, 0.4, 3.0]),
+       model=st.sampled_from(["ideal", "gpu"]), data=st.data())
+def test_incremental_timing_matches_evaluate(graph, devices, ratio, model, data):
+    # Algorithm 2's WorkingPlan must see the same cycles and the same times, bit for bit, as evaluate() on the
+    # merged plan, also after merges that reorder its topological order (merges here are random, not improving)
+    problem = Problem(graph, with_transfers(graph, ratio, model))
+    topo = [graph.index[op] for op in graph.topo_order]
+    device_of = [data.draw(st.integers(0, devices - 1)) for _ in topo]
+    plan = [[(v,) for v in topo if device_of[v] == dev] for dev in range(devices)]
+    work = WorkingPlan(problem, device_of, plan)
+    for v in topo:
+        window = [v]
+        while work.ops_of[v] == (v,) and work.next_stage[window[-1]] >= 0 and len(window) < 4:
+            window.append(work.next_stage[window[-1]])
+            if len(work.ops_of[window[-1]]) > 1 or not problem.independent(window):
+                break
+            merged = tuple(sorted(window, key=problem.topo_pos.__getitem__))
+            expected = evaluate(problem, device_of, merged_plan(work, window, merged))
+            assert work.creates_cycle(window) == (expected is None)
+            if expected is None:
+                break
+            timing = work.time_merge(window, merged, beat_ms=float("inf"))
+            assert timing[0] == expected.makespan_ms and timing[1] == expected.finish_ms
+            beat_ms = data.draw(st.floats(0.0, 2 * expected.makespan_ms))
+            makespan_ms = work.time_merge(window, merged, beat_ms)[0]
+            assert (makespan_ms < beat_ms) == (expected.makespan_ms < beat_ms)
+            assert makespan_ms == expected.makespan_ms or makespan_ms >= beat_ms
+            if data.draw(st.booleans()):
+                work.merge(window, merged, timing)
+                now = evaluate(problem, device_of, work.plan())
+                assert (now.makespan_ms, now.finish_ms) == (work.makespan_ms, work.finish_ms)
+                break
 
 
 def test_lios_fig3_on_one_gpu():

@@ -66,7 +66,7 @@ def priorities(problem: Problem, topo: list[int]) -> list[float]:
 
 def longest_valid_path(problem: Problem, topo: list[int], mapped: list[bool]) -> list[int]:
     """Alg. 1 Line 5: the longest valid path of unmapped ops (see the module docstring), as op indices in order."""
-    lat = problem.latency_ms
+    lat, preds, out_edges = problem.latency_ms, problem.preds, problem.out_edges
     neg = -math.inf
     open_ms = [neg] * len(topo)  # best path ending at v that may continue through v (v first, or v free)
     open_from = [-1] * len(topo)
@@ -74,11 +74,15 @@ def longest_valid_path(problem: Problem, topo: list[int], mapped: list[bool]) ->
     for v in topo:
         if mapped[v]:
             continue
-        head_ms = max((t for u, t in problem.preds[v] if mapped[u]), default=0.0)
-        tail_ms = max((t for w, t in problem.out_edges[v] if mapped[w]), default=0.0)
-        free = not any(mapped[u] for u, _ in problem.preds[v]) and not any(mapped[w] for w, _ in problem.out_edges[v])
+        free, head_ms, tail_ms = True, 0.0, 0.0  # v touches no mapped op; heaviest edges from / to mapped ops
+        for u, transfer_ms in preds[v]:
+            if mapped[u]:
+                free, head_ms = False, max(head_ms, transfer_ms)
+        for w, transfer_ms in out_edges[v]:
+            if mapped[w]:
+                free, tail_ms = False, max(tail_ms, transfer_ms)
         via_ms, via = head_ms, -1
-        for u, transfer_ms in problem.preds[v]:
+        for u, transfer_ms in preds[v]:
             if not mapped[u] and open_ms[u] + transfer_ms > via_ms:
                 via_ms, via = open_ms[u] + transfer_ms, u
         if via_ms + lat[v] + tail_ms > best_ms:
@@ -127,6 +131,8 @@ class ListSchedule:
 def map_lp(problem: Problem, topo: list[int], order: list[int], devices: int) -> list[int]:
     """Algorithm 1, Lines 1–16: the GPU of every op."""
     n = len(topo)
+    if devices == 1:
+        return [0] * n  # nothing to choose
     mapped = [False] * n
     device_of = [-1] * n
     rank = [0] * n
