@@ -21,7 +21,7 @@ from opweave import costs as costs_mod
 from opweave import schedulers
 from opweave.api import plan_for
 from opweave.backends.base import Program
-from opweave.backends.cuda import CudaBackend, on_device, require_cuda, storage_buffers
+from opweave.backends.cuda import CudaBackend, on_device, release_keys, require_cuda, storage_buffers
 from opweave.backends.liveness import Buffer, launch_positions, release_points, steps_with_releases
 from opweave.capture import capture
 from opweave.ir import OpGraph
@@ -192,19 +192,23 @@ def test_release_points_reject_unknown_users():
 # ---- buffers of a real run, released where the analysis says ---------------------------------------------------------
 
 
+def keep_all_run(cap, program, inputs) -> dict:
+    """The environment after running every op in issue order, keeping every intermediate."""
+    env = cap.bind(inputs)
+    for _, step in program.issue_order:
+        if step.kind == "launch":
+            cap.run_op(step.op, env)
+    return env
+
+
 def run_with_releases(cap, plan, inputs):
     """A keep-all run, the storage groups and their release points, then a run that drops each group's env keys
     right after its release step (in issue order, as the CUDA interpreter does). Returns (output, groups, dropped)."""
     program = Program.from_plan(plan)
-    lane_of = {s.op: lane for lane, s in program.issue_order if s.kind == "launch"}
-    order = [s.op for _, s in program.issue_order if s.kind == "launch"]
     with torch.no_grad():
-        env = cap.bind(inputs)
-        for op in order:
-            cap.run_op(op, env)
-        groups = storage_buffers(cap, env, lane_of, order)
-        keys = {b.name: b.keys for b in groups}
-        releases = {at: [k for n in names for k in keys[n]] for at, names in release_points(program, groups).items()}
+        env = keep_all_run(cap, program, inputs)
+        groups = storage_buffers(cap, env, program)
+        releases = release_keys(cap, env, program)
         env, dropped = cap.bind(inputs), 0
         for _, step, released in steps_with_releases(program, releases):
             if step.kind == "launch":
@@ -219,13 +223,9 @@ def test_storage_groups_join_views_and_in_place_results():
     model, x, cap = branchy()
     _, plan = plan_for(cap.graph, estimate(cap.graph, "cpu"), "sequential")
     program = Program.from_plan(plan)
-    lane_of = {s.op: lane for lane, s in program.issue_order if s.kind == "launch"}
-    order = [s.op for _, s in program.issue_order if s.kind == "launch"]
     with torch.no_grad():
-        env = cap.bind(x)
-        for op in order:
-            cap.run_op(op, env)
-    groups = storage_buffers(cap, env, lane_of, order)
+        env = keep_all_run(cap, program, x)
+    groups = storage_buffers(cap, env, program)
     storage = {k: env[k].untyped_storage().data_ptr() for b in groups for k in b.keys}
     for b in groups:
         assert len({storage[k] for k in b.keys}) == 1

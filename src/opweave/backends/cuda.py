@@ -242,15 +242,8 @@ class CudaBackend:
         entry = _Entry(captured, {})
         env = captured.bind(args)
         self._issue(entry, env, origin)
-        entry.releases = self._release_keys(captured, env)
+        entry.releases = release_keys(captured, env, self.program)
         return entry
-
-    def _release_keys(self, captured: Captured, env: dict) -> dict[tuple[Lane, int], list[str]]:
-        lane_of = {step.op: lane for lane, step in self.program.issue_order if step.kind == "launch"}
-        buffers = storage_buffers(captured, env, lane_of, [s.op for _, s in self.program.issue_order if s.op])
-        names = {b.name: b.keys for b in buffers}
-        return {at: [k for name in group for k in names[name]]
-                for at, group in release_points(self.program, buffers).items()}
 
     # ---- streams mode -------------------------------------------------------------------------------------------
     def _prepare_streams(self, captured: Captured, args: tuple) -> _Entry:
@@ -357,13 +350,23 @@ def _module_tensors(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     return out
 
 
-def storage_buffers(captured: Captured, env: dict, lane_of: dict[str, Lane], issue_order: list[str]) -> list[Buffer]:
+def release_keys(captured: Captured, env: dict, program: Program) -> dict[tuple[Lane, int], list[str]]:
+    """From the environment of a finished keep-all run: after which step of which lane each env key may be dropped."""
+    buffers = storage_buffers(captured, env, program)
+    keys = {b.name: b.keys for b in buffers}
+    return {at: [k for name in group for k in keys[name]] for at, group in release_points(program, buffers).items()}
+
+
+def storage_buffers(captured: Captured, env: dict, program: Program) -> list[Buffer]:
     """Group the environment of a finished keep-all run by shared storage (a view, an in-place result and its base
     are one group) into :class:`Buffer` s for the liveness analysis.
 
     Only groups computed by ops are returned: a group that holds a model input, a parameter or anything computed
     in ``bind``, a group the output returns, and a group allocated by ops on several lanes are left out (kept).
     """
+    launches = [(lane, step.op) for lane, step in program.issue_order if step.kind == "launch"]
+    lane_of = {op: lane for lane, op in launches}
+    issue_order = [op for _, op in launches]
     owner = {n.name: op for op, group in captured.nodes.items() for n in group}
     readers = captured.readers()
     output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
