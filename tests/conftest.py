@@ -1,5 +1,10 @@
 import torch
+from hypothesis import HealthCheck, settings
 
 # Tests run two pytest workers on a 2-core machine; one intra-op thread per worker keeps them from spinning
 # against each other (the CPU backend's concurrency comes from its lane threads, not from intra-op threads).
 torch.set_num_threads(1)
+
+# A loaded CI machine can make data generation slow; that says nothing about the code under test.
+settings.register_profile("opweave", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("opweave")
