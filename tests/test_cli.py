@@ -98,3 +98,23 @@ def test_bench_cuda_without_gpu_is_one_line():
         pytest.skip("a GPU is present")
     proc = opweave("bench", "--model", "squeezenet", "--device", "cuda", check_rc=2)
     assert "CUDA" in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
+def test_profile_without_gpu_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = opweave("profile", "--model", "squeezenet", "--device", "cuda", check_rc=2)
+    assert "CUDA is not available" in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
+def test_cpu_profile_feeds_simulate_and_is_refused_for_another_model(tmp_path):
+    path = tmp_path / "sq.json"
+    opweave("profile", "--model", "deepfm", "--device", "cpu", "-o", str(path))
+    measured = json.loads(path.read_text())["latency_ms"]
+    result = json.loads(opweave("schedule", "--model", "deepfm", "--profile", str(path), "--scheduler", "sequential",
+                                "--json").stdout)
+    assert result["sequential_ms"] == pytest.approx(sum(measured.values()))
+    proc = opweave("simulate", "--model", "squeezenet", "--profile", str(path), check_rc=2)
+    assert "measured for model 'deepfm'" in proc.stderr

@@ -74,3 +74,19 @@ def test_an_error_inside_an_op_reaches_the_caller_without_hanging():
 def test_bad_device_is_refused():
     with pytest.raises(ValueError, match="device"):
         opweave.compile(torch.nn.ReLU(), (torch.randn(2),), device="tpu")
+
+
+def test_compile_schedules_on_a_measured_profile_and_refuses_a_stale_one(tmp_path):
+    from opweave.profile import ProfileKeyError, profile_model
+
+    model, inputs = zoo.create("deepfm")
+    prof = profile_model(capture(model, inputs, name="deepfm"), inputs, device="cpu", repeats=2, warmup=0)
+    path = tmp_path / "deepfm.profile.json"
+    prof.save(path)
+    fast = opweave.compile(model, inputs, scheduler="lios", profile=path)
+    assert fast.costs.source == "profile" and fast.costs.latency_ms == prof.latency_ms
+    with torch.inference_mode():
+        assert max_abs_diff(model(*inputs), fast(*inputs)) < 1e-5
+    other_batch = zoo.create("deepfm", batch_size=2)[1]
+    with pytest.raises(ProfileKeyError, match="input_shapes"):
+        opweave.compile(model, other_batch, scheduler="lios", profile=path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from opweave import schedulers
@@ -41,12 +42,13 @@ def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | Non
 
 
 def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "cpu", streams: int | None = None,
-            costs: Costs | None = None, cost_model: str = "ideal", fold_bn: bool = False,
-            **backend_options) -> Compiled:
+            costs: Costs | None = None, profile: str | Path | None = None, cost_model: str = "ideal",
+            fold_bn: bool = False, **backend_options) -> Compiled:
     """Compile ``model`` for ``example_inputs``; the result's outputs equal ``model(*inputs)`` (allclose).
 
-    ``costs`` defaults to the roofline estimate for the device (a measured profile when one is loaded, see
-    ``opweave.profile``). ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
+    Costs: ``costs`` if given, else the measured ``profile`` (a file written by ``opweave profile``, refused when it
+    was measured for other shapes, dtype, device or torch), else the roofline estimate for the device.
+    ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
     """
     from opweave.capture import capture
     from opweave.roofline import estimate
@@ -60,7 +62,11 @@ def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "c
         require_cuda()
     captured = capture(model, example_inputs, fold_bn=fold_bn)
     graph = captured.graph
-    if costs is None:
+    if costs is None and profile is not None:
+        from opweave.profile import load_for
+
+        costs = load_for(profile, captured, example_inputs, device).costs(graph, model=cost_model)
+    elif costs is None:
         costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset())
         costs.model = cost_model
     sched, plan = plan_for(graph, costs, scheduler, streams=streams)

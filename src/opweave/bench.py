@@ -59,15 +59,14 @@ def resolve_device(device: str) -> str:
 
 
 def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    import platform
+    from opweave.profile import device_name as measured_on
 
-    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    return measured_on(device) + ("" if device == "cuda" else f" ({torch.get_num_threads()} threads)")
 
 
 def bench_model(model_name: str, *, device: str = "cpu", batch_size: int = 1, scheduler_names: Sequence[str] = (),
-                streams: int | None = None, runs: int = 20, warmup: int = 3, progress: bool = True) -> dict:
+                streams: int | None = None, runs: int = 20, warmup: int = 3, progress: bool = True,
+                profile: str | None = None) -> dict:
     """Eager vs ``opweave.compile`` with each scheduler on one zoo model; returns a JSON-ready dict."""
     from rich.progress import Progress
 
@@ -90,7 +89,7 @@ def bench_model(model_name: str, *, device: str = "cpu", batch_size: int = 1, sc
         bar.advance(task)
         for name in scheduler_names:
             bar.update(task, description=f"{model_name}: opweave {name}")
-            fast = compile(model, inputs, scheduler=name, device=device, streams=streams)
+            fast = compile(model, inputs, scheduler=name, device=device, streams=streams, profile=profile)
             with torch.inference_mode():
                 diff = max_abs_diff(reference, fast(*inputs))
             ms = median_ms(fast, inputs, runs=runs, warmup=warmup, device=device)
@@ -99,4 +98,5 @@ def bench_model(model_name: str, *, device: str = "cpu", batch_size: int = 1, sc
                          "syncs": fast.plan.syncs, "max_abs_diff": diff, "ops": len(fast.graph)})
             bar.advance(task)
     return {"model": model_name, "batch_size": batch_size, "device": device, "device_name": device_name(device),
+            "costs": "profile " + str(profile) if profile else "roofline estimate",
             "torch": torch.__version__, "runs": runs, "warmup": warmup, "rows": rows}

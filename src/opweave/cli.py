@@ -54,21 +54,34 @@ CostOpt = Annotated[str, typer.Option("--cost-model", help="ideal | gpu")]
 PresetOpt = Annotated[str, typer.Option("--preset", help="device preset for zoo models' estimated latencies")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", min=1)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
+ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="measured profile (opweave profile) for --model")]
 
 
-def load_graph(graph: str | None, model: str | None, *, batch_size: int = 1, preset: str = "h100") -> OpGraph:
-    """A graph from a JSON file, a shipped example, or a captured zoo model with roofline latencies."""
+def load_graph(graph: str | None, model: str | None, *, batch_size: int = 1, preset: str = "h100",
+               profile: Path | None = None) -> OpGraph:
+    """A graph from a JSON file, a shipped example, or a captured zoo model with roofline latencies (measured ones
+    from ``profile``)."""
     from opweave import examples
 
     if (graph is None) == (model is None):
         raise UsageError("give a GRAPH (file or example name) or --model NAME, not both")
+    if profile is not None and model is None:
+        raise UsageError("--profile goes with --model (a graph file carries its own latencies)")
     if model is not None:
         from opweave import zoo
         from opweave.capture import capture
         from opweave.roofline import with_estimates
 
         module, inputs = zoo.create(model, batch_size=batch_size)
-        return with_estimates(capture(module, inputs, name=model).graph, preset)
+        estimated = with_estimates(capture(module, inputs, name=model).graph, preset)
+        if profile is None:
+            return estimated
+        from opweave.profile import Profile
+
+        measured = Profile.load(profile)
+        if measured.key.get("model") != model:
+            raise UsageError(f"{profile} was measured for model {measured.key.get('model')!r}, not {model!r}")
+        return measured.apply(estimated)
     if graph in examples.names():
         return examples.load(graph)
     if not Path(graph).exists():
@@ -117,9 +130,10 @@ def schedule_json(sched, plan, sim) -> dict:
 @_guard
 def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "lios",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
-             model: ModelOpt = None, batch_size: BatchOpt = 1, preset: PresetOpt = "h100", as_json: JsonOpt = False):
+             model: ModelOpt = None, batch_size: BatchOpt = 1, preset: PresetOpt = "h100",
+             profile: ProfileOpt = None, as_json: JsonOpt = False):
     """Schedule a graph with one scheduler and show where each op runs."""
-    g = load_graph(graph, model, batch_size=batch_size, preset=preset)
+    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile)
     (name,) = _scheduler_names(scheduler)
     sched, plan, sim = run_one(g, graph_costs(g, cost_model), name, streams, devices)
     result = schedule_json(sched, plan, sim)
@@ -143,13 +157,14 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
 def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "all",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, batch_size: BatchOpt = 1, preset: PresetOpt = "h100",
+             profile: ProfileOpt = None,
              gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart PNG (one scheduler)")] = None,
              trace: Annotated[Path | None, typer.Option(help="write a Chrome trace JSON (one scheduler)")] = None,
              as_json: JsonOpt = False):
     """Compare schedulers on one graph: makespan, speedup over sequential, syncs, scheduling time."""
     from opweave import simulate as sim_mod
 
-    g = load_graph(graph, model, batch_size=batch_size, preset=preset)
+    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile)
     names = _scheduler_names(scheduler)
     if (gantt or trace) and len(names) != 1:
         raise UsageError("--gantt and --trace need a single --scheduler")
@@ -222,7 +237,9 @@ def bench(model: Annotated[str, typer.Option("--model")] = "inception_v3",
           batch_size: BatchOpt = 1,
           schedulers_: Annotated[str, typer.Option("--schedulers", help="comma list or all")] = "sequential,lios,opara",
           streams: StreamsOpt = None, runs: Annotated[int, typer.Option(min=1)] = 20,
-          warmup: Annotated[int, typer.Option(min=0)] = 3, as_json: JsonOpt = False):
+          warmup: Annotated[int, typer.Option(min=0)] = 3,
+          profile: Annotated[Path | None, typer.Option(help="schedule on this measured profile")] = None,
+          as_json: JsonOpt = False):
     """Real runs: eager vs opweave with each scheduler, median latency after warm-up."""
     from opweave.bench import bench_model, resolve_device
 
@@ -231,7 +248,7 @@ def bench(model: Annotated[str, typer.Option("--model")] = "inception_v3",
     for name in names:
         _scheduler_names(name)
     result = bench_model(model, device=device, batch_size=batch_size, scheduler_names=names, streams=streams,
-                         runs=runs, warmup=warmup, progress=not as_json)
+                         runs=runs, warmup=warmup, progress=not as_json, profile=profile)
     if as_json:
         print(json.dumps(result))
         return
@@ -250,19 +267,17 @@ def bench(model: Annotated[str, typer.Option("--model")] = "inception_v3",
 @app.command()
 @_guard
 def profile(model: Annotated[str, typer.Option("--model")] = "inception_v3",
-            device: Annotated[str, typer.Option(help="cuda | cpu")] = "cuda", batch_size: BatchOpt = 1,
+            device: Annotated[str, typer.Option(help="cuda | cpu | auto")] = "cuda", batch_size: BatchOpt = 1,
             output: Annotated[Path | None, typer.Option("-o", "--output")] = None):
     """Measure each op's latency (and kernel resources on CUDA) and save a profile the cost model loads."""
     from opweave import zoo
+    from opweave.bench import resolve_device
     from opweave.capture import capture
     from opweave.profile import profile_model
 
+    device = resolve_device(device)
     module, inputs = zoo.create(model, batch_size=batch_size)
-    if device == "cuda":
-        from opweave.backends.cuda import require_cuda
-
-        require_cuda()
-        module, inputs = module.cuda(), tuple(x.cuda() for x in inputs)
+    module, inputs = module.to(device), tuple(x.to(device) for x in inputs)
     prof = profile_model(capture(module, inputs, name=model), inputs, device=device)
     path = output or Path(f"{model}-b{batch_size}-{device}.profile.json")
     prof.save(path)

@@ -31,12 +31,12 @@ import threading
 import time
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from opweave.costs import Costs
+from opweave.costs import Costs, from_graph
 from opweave.ir import OpGraph
 
 FORMAT = "opweave.profile/1"
@@ -129,22 +129,32 @@ class Profile:
             raise ProfileKeyError(f"{source} was measured for {k} {self.key.get(k)!r}, not {expect.get(k)!r}; "
                                   "profile again (`opweave profile`)")
 
-    def costs(self, graph: OpGraph, model: str = "ideal") -> Costs:
-        """Costs for ``graph`` from this profile (every op of the graph must have been measured)."""
+    def apply(self, graph: OpGraph) -> OpGraph:
+        """A copy of ``graph`` whose ops carry this profile's measurements (latency, and utilization, resources and
+        category where measured); every op of the graph must have been measured."""
         missing = [o for o in graph.ids if o not in self.latency_ms]
         if missing:
             raise ProfileKeyError(f"profile has no latency for op {missing[0]!r} of graph {graph.name!r}; "
                                   "it was measured for another graph")
-        ops = graph.ids
-        return Costs(
-            latency_ms={o: self.latency_ms[o] for o in ops},
-            utilization={o: self.utilization[o] for o in ops if o in self.utilization},
-            category={o: self.category.get(o, graph.op[o].category) for o in ops},
-            resources={o: dict(self.resources[o]) for o in ops if o in self.resources},
-            edge_transfer_ms={(e.src, e.dst): e.transfer_ms for e in graph.edges if e.transfer_ms is not None},
-            model=model,
-            source="profile",
-        )
+        ops = [replace(o, latency_ms=self.latency_ms[o.id], utilization=self.utilization.get(o.id, o.utilization),
+                       resources=self.resources.get(o.id, o.resources), category=self.category.get(o.id, o.category))
+               for o in graph.ops]
+        return OpGraph(ops, [replace(e) for e in graph.edges], graph.name)
+
+    def costs(self, graph: OpGraph, model: str = "ideal") -> Costs:
+        """Costs for ``graph`` from this profile (see :meth:`apply`)."""
+        costs = from_graph(self.apply(graph), model=model)
+        costs.source = "profile"
+        return costs
+
+
+def load_for(path: str | Path, captured, inputs: Sequence, device: str) -> Profile:
+    """The profile at ``path``, refused unless it was measured for these input shapes and dtype, this device and
+    this torch (the model is identified by its op ids, which :meth:`Profile.apply` checks)."""
+    prof = Profile.load(path)
+    expect = profile_key(prof.key.get("model", ""), tuple(inputs), device, _model_dtype(captured, inputs))
+    prof.check_key(expect, source=str(path))
+    return prof
 
 
 # ---- measuring ------------------------------------------------------------------------------------------------------
