@@ -1,17 +1,17 @@
 """What every backend needs from a LaunchPlan: per (device, stream) the steps it runs, with each wait resolved.
 
 A ``wait`` waits for the latest ``record`` of its event issued before it on the same device (DESIGN.md §3); a
-``recv`` waits for the matching ``send`` (same op, devices swapped). Resolving both here, once, lets a backend treat
-every synchronization as "wait for signal k" / "raise signal k" without re-reading the plan's issue order.
+``recv`` waits for the matching ``send`` (same op, devices swapped) — :func:`opweave.validate.sync_sources` pairs
+them, the same rule the validator proves the plan with. Resolved once here, every synchronization becomes "wait for
+signal k" / "raise signal k" and a backend need not re-read the plan's issue order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from opweave.plan import LaunchPlan, PlanError
-
-Lane = tuple[int, int]  # (device, stream)
+from opweave.plan import LaunchPlan
+from opweave.validate import Lane, sync_sources
 
 
 @dataclass(frozen=True)
@@ -31,34 +31,19 @@ class Program:
 
     @classmethod
     def from_plan(cls, plan: LaunchPlan) -> Program:
+        sources = sync_sources(plan)  # checks every instruction; each wait/recv -> the record/send it waits for
+        raising = [i for i, ins in enumerate(plan.instrs) if ins.kind in ("record", "send")]
+        signal_of = {i: signal for signal, i in enumerate(raising)}  # instruction index -> dense signal number
         lanes: dict[Lane, list[Step]] = {}
         issue_order: list[tuple[Lane, Step]] = []
-        latest_record: dict[tuple[int, int], int] = {}  # (device, event) -> signal of its latest record
-        sent: dict[tuple[str, int, int], int] = {}  # (op, from device, to device) -> signal
-        num_signals = 0
-        for ins in plan.instrs:
-            lane = (ins.device, ins.stream)
+        for i, ins in enumerate(plan.instrs):
             if ins.kind == "launch":
                 step = Step("launch", op=ins.op)
-            elif ins.kind in ("record", "send"):
-                step = Step("signal", signal=num_signals)
-                if ins.kind == "record":
-                    latest_record[(ins.device, ins.event)] = num_signals
-                else:
-                    sent[(ins.op, ins.device, ins.peer)] = num_signals
-                num_signals += 1
-            elif ins.kind == "wait":
-                if (ins.device, ins.event) not in latest_record:
-                    raise PlanError(f"wait on device {ins.device} stream {ins.stream} for event {ins.event} "
-                                    "that no earlier record sets")
-                step = Step("wait", signal=latest_record[(ins.device, ins.event)])
-            elif ins.kind == "recv":
-                if (ins.op, ins.peer, ins.device) not in sent:
-                    raise PlanError(f"recv of op {ins.op!r} on device {ins.device} from device {ins.peer} "
-                                    "has no matching send before it")
-                step = Step("wait", signal=sent[(ins.op, ins.peer, ins.device)])
+            elif i in signal_of:
+                step = Step("signal", signal=signal_of[i])
             else:
-                raise PlanError(f"unknown instruction kind {ins.kind!r}")
+                step = Step("wait", signal=signal_of[sources[i]])
+            lane = (ins.device, ins.stream)
             lanes.setdefault(lane, []).append(step)
             issue_order.append((lane, step))
-        return cls(lanes, num_signals, issue_order)
+        return cls(lanes, len(signal_of), issue_order)

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from opweave.backends.base import Lane, Program, Step
+from opweave.validate import Clock, join_clocks
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,6 @@ class Buffer:
     keys: tuple[str, ...] = ()
 
 
-Clock = dict[Lane, int]
-
 
 def vector_clocks(program: Program) -> dict[Lane, list[Clock]]:
     """``clocks[lane][i]``: for every lane, how many of its steps are ordered at or before step ``i`` of ``lane``."""
@@ -52,9 +51,7 @@ def vector_clocks(program: Program) -> dict[Lane, list[Clock]]:
     for lane, step in program.issue_order:
         clock = current[lane]
         if step.kind == "wait":
-            for other, count in raised[step.signal].items():
-                if count > clock.get(other, 0):
-                    clock[other] = count
+            join_clocks(clock, raised[step.signal])
         clock[lane] = len(clocks[lane]) + 1
         if step.kind == "signal":
             raised[step.signal] = dict(clock)
