@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import re
 import statistics
@@ -243,6 +244,7 @@ def time_mode(build, inputs, reference, dtype: str, args) -> dict:
     """Build a mode, check its output against eager, time it; every figure or the error."""
     import torch
 
+    from opweave import timing
     from opweave.bench import max_abs_diff
 
     gc.collect()
@@ -258,17 +260,8 @@ def time_mode(build, inputs, reference, dtype: str, args) -> dict:
             torch.cuda.synchronize()
             diff = max_abs_diff(reference, out)
             scale = max(1.0, _max_abs(reference))
-            for _ in range(args.warmup):
-                fn(*inputs)
-            times = []
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            for _ in range(args.replays):
-                start.record()
-                fn(*inputs)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
+            times = timing.times_ms(functools.partial(fn, *inputs), runs=args.replays, warmup=args.warmup,
+                                    device="cuda")
         peak = torch.cuda.max_memory_allocated()
     except Exception as exc:  # noqa: BLE001 - one failing mode must not stop the benchmark
         return {"error": _line(exc)}

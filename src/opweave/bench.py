@@ -6,34 +6,17 @@ On CUDA the time comes from CUDA events around the call (and a synchronize per r
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
+from opweave import timing
+
 
 def median_ms(fn: Callable, args: Sequence, *, runs: int = 20, warmup: int = 3, device: str = "cpu") -> float:
-    """Median wall time of ``fn(*args)`` in milliseconds."""
+    """Median wall time of ``fn(*args)`` in milliseconds (:mod:`opweave.timing`), under inference mode."""
     with torch.inference_mode():
-        for _ in range(warmup):
-            fn(*args)
-        times = []
-        if device == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(runs):
-                start.record()
-                fn(*args)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-        else:
-            for _ in range(runs):
-                t0 = time.perf_counter()
-                fn(*args)
-                times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        return timing.median_ms(lambda: fn(*args), runs=runs, warmup=warmup, device=device)
 
 
 def max_abs_diff(a, b) -> float:

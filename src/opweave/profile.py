@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from opweave import timing
 from opweave.costs import Costs, from_graph
 from opweave.ir import OpGraph
 
@@ -204,24 +205,9 @@ def full_env(captured, inputs: Sequence) -> dict:
 
 
 def _median_ms(captured, op: str, env: dict, device: str, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        captured.run_op(op, env)
-    if device == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-        torch.cuda.synchronize()
-        for start, end in zip(starts, ends, strict=True):
-            start.record()
-            captured.run_op(op, env)
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        captured.run_op(op, env)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    # queued back to back: one op is microseconds, a host sync per run would time the sync
+    return timing.median_ms(lambda: captured.run_op(op, env), runs=repeats, warmup=warmup, device=device,
+                            sync_each_run=False)
 
 
 def measure_stage(captured, inputs: Sequence, groups: Sequence[Sequence[str]], *, device: str = "cuda",
