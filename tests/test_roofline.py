@@ -92,3 +92,13 @@ def test_latency_is_monotone_in_flops_and_bytes(flops, bytes_, more, device, cat
     assert roofline.op_latency_ms(Op("a", category=category, flops=flops * more, bytes=bytes_), dev) >= base
     assert roofline.op_latency_ms(Op("a", category=category, flops=flops, bytes=bytes_ * more), dev) >= base
     assert base >= dev.floor_ms
+
+
+def test_gpu_names_map_to_presets():
+    from opweave.roofline import preset_for_gpu
+
+    assert preset_for_gpu("NVIDIA H100 80GB HBM3") == "h100"
+    assert preset_for_gpu("NVIDIA H200") == "h200"
+    assert preset_for_gpu("Tesla V100-SXM2-16GB") == "v100"
+    assert preset_for_gpu("NVIDIA GeForce RTX 2080 SUPER") == "rtx2080super"
+    assert preset_for_gpu("NVIDIA L4") is None

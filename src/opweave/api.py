@@ -84,11 +84,9 @@ def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "c
 
 
 def _cuda_preset() -> str:
-    """The roofline preset closest to the visible GPU (H100 when unknown)."""
+    """The roofline preset of the visible GPU (H100 when unknown)."""
     import torch
 
-    name = torch.cuda.get_device_name().lower()
-    for preset in ("h200", "h100", "a100", "v100"):
-        if preset in name:
-            return preset
-    return "rtx2080super" if "2080" in name else "h100"
+    from opweave.roofline import preset_for_gpu
+
+    return preset_for_gpu(torch.cuda.get_device_name()) or "h100"

@@ -409,14 +409,9 @@ def _ridge(device: str, dtype: str) -> float | None:
     """Peak FLOP/s over bandwidth of the device's roofline preset (tensor-core peak for float16/bfloat16)."""
     from opweave import roofline
 
-    if device == "cpu":
-        name = "cpu"
-    else:
-        gpu = torch.cuda.get_device_name().lower()
-        known = [p for p in ("h200", "h100", "a100", "v100") if p in gpu] + (["rtx2080super"] if "2080" in gpu else [])
-        name = known[0] if known else None
-        if name is None:
-            return None
+    name = "cpu" if device == "cpu" else roofline.preset_for_gpu(torch.cuda.get_device_name())
+    if name is None:
+        return None
     dev = roofline.preset(name)
     tensor_cores = dtype == "float16" or (dtype == "bfloat16" and dev.bf16)
     return (dev.fp16_tflops if tensor_cores else dev.fp32_tflops) * 1e12 / (dev.bandwidth_gbs * 1e9)

@@ -70,6 +70,15 @@ PRESETS: dict[str, Device] = {
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def preset_for_gpu(gpu_name: str) -> str | None:
+    """The preset of a GPU named as ``torch.cuda.get_device_name()`` names it, or None for an unknown GPU."""
+    gpu = gpu_name.lower()
+    for name in ("h200", "h100", "a100", "v100"):
+        if name in gpu:
+            return name
+    return "rtx2080super" if "2080" in gpu else None
+
+
 def preset(name: str) -> Device:
     """The preset called ``name`` (case-insensitive)."""
     preset = PRESETS.get(name.lower())
