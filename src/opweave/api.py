@@ -51,16 +51,20 @@ def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "c
     ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
     """
     from opweave.capture import capture
+
+    example_inputs = _check(device, example_inputs)
+    captured = capture(model, example_inputs, fold_bn=fold_bn)
+    return compile_captured(captured, example_inputs, scheduler=scheduler, device=device, streams=streams,
+                            costs=costs, profile=profile, cost_model=cost_model, **backend_options)
+
+
+def compile_captured(captured, example_inputs, *, scheduler: str = "opara", device: str = "cpu",
+                     streams: int | None = None, costs: Costs | None = None, profile: str | Path | None = None,
+                     cost_model: str = "ideal", **backend_options) -> Compiled:
+    """:func:`compile` from an already captured model (``opweave.capture``): one capture can serve many schedules."""
     from opweave.roofline import estimate
 
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    if device == "cuda":
-        from opweave.backends.cuda import require_cuda
-
-        require_cuda()
-    captured = capture(model, example_inputs, fold_bn=fold_bn)
+    example_inputs = _check(device, example_inputs)
     graph = captured.graph
     if costs is None and profile is not None:
         from opweave.profile import load_for
@@ -81,6 +85,17 @@ def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "c
 
         backend = CudaBackend(captured, plan, example_inputs, **backend_options)
     return Compiled(graph, costs, sched, plan, backend, device)
+
+
+def _check(device: str, example_inputs) -> tuple:
+    """The inputs as a tuple, once the device is known to be usable."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda":
+        from opweave.backends.cuda import require_cuda
+
+        require_cuda()
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
 def _cuda_preset() -> str:

@@ -54,7 +54,8 @@ def bench_model(model_name: str, *, device: str = "cpu", batch_size: int = 1, sc
     from rich.progress import Progress
 
     from opweave import zoo
-    from opweave.api import compile
+    from opweave.api import compile_captured
+    from opweave.capture import capture
 
     if device == "cuda":
         from opweave.backends.cuda import require_cuda
@@ -64,6 +65,7 @@ def bench_model(model_name: str, *, device: str = "cpu", batch_size: int = 1, sc
     model, inputs = model.to(device), tuple(x.to(device) for x in inputs)
     with torch.inference_mode():
         reference = model(*inputs)
+    captured = capture(model, inputs, name=model_name)  # once: every scheduler plans the same graph
     rows = []
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"{model_name}: eager", total=1 + len(scheduler_names))
@@ -72,7 +74,7 @@ def bench_model(model_name: str, *, device: str = "cpu", batch_size: int = 1, sc
         bar.advance(task)
         for name in scheduler_names:
             bar.update(task, description=f"{model_name}: opweave {name}")
-            fast = compile(model, inputs, scheduler=name, device=device, streams=streams, profile=profile)
+            fast = compile_captured(captured, inputs, scheduler=name, device=device, streams=streams, profile=profile)
             with torch.inference_mode():
                 diff = max_abs_diff(reference, fast(*inputs))
             ms = median_ms(fast, inputs, runs=runs, warmup=warmup, device=device)
