@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from opweave import schedulers, zoo
-from opweave.cli import load_graph
+from opweave.api import load_graph
 from opweave.ir import OpGraph
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -11,7 +11,7 @@ the output's scale, fp16 within 1e-2) and timed the same way:
 * ``cuda-graph`` — the whole model captured into one ``torch.cuda.CUDAGraph`` on one stream (static inputs copied
   in, outputs cloned): the sequential CUDA Graph every speedup is measured against;
 * ``torch.compile`` — ``torch.compile(model, mode="reduce-overhead")`` (inductor + CUDA graphs);
-* ``opweave <scheduler>`` — the model captured once, profiled on this GPU (:func:`opweave.profile.profile_model`),
+* ``opweave <scheduler>`` — the model captured once, profiled on this GPU (:func:`opweave.costs.profile.profile_model`),
   each scheduler run on the measured costs, the plan lowered, validated and recorded by the CUDA backend in graph
   mode (static inputs copied in, outputs cloned).
 
@@ -138,7 +138,7 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], args, com
 
     from opweave import zoo
     from opweave.capture import capture
-    from opweave.profile import profile_model
+    from opweave.costs.profile import profile_model
 
     base = {"model": name, "batch_size": batch, "dtype": dtype}
     try:
@@ -192,8 +192,8 @@ def _schedule(name, graph, costs, streams):
 
 def _opweave(captured, sched, inputs, extra: dict):
     from opweave.backends.cuda import CudaBackend
-    from opweave.lower import lower
-    from opweave.validate import validate
+    from opweave.plan.lower import lower
+    from opweave.plan.validate import validate
 
     plan = lower(captured.graph, sched)
     validate(captured.graph, plan, sched)
@@ -244,8 +244,8 @@ def time_mode(build, inputs, reference, dtype: str, args) -> dict:
     """Build a mode, check its output against eager, time it; every figure or the error."""
     import torch
 
-    from opweave import timing
     from opweave.bench import max_abs_diff
+    from opweave.costs import timing
 
     gc.collect()
     torch.cuda.empty_cache()

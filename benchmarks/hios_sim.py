@@ -5,7 +5,7 @@
 Around the paper's default point (§V-A: 200 ops, 14 layers, 2 × 200 = 400 edges, 4 GPUs, transfer ratio p = 0.8;
 30 random instances per point) it sweeps GPUs 2–12 (§V-C, Fig. 7), ops 100–400 (§V-D, Fig. 8), edges 400–600
 (§V-E, Fig. 9), layers 6–22 (§V-F, Fig. 10) and p 0.4–1.2 (§V-G, Fig. 11). Graphs come from
-``opweave.synth.random_dag`` (latency uniform 0.1–4 ms, transfer = max(0.1 ms, p × producer latency)).
+``opweave.ir.synth.random_dag`` (latency uniform 0.1–4 ms, transfer = max(0.1 ms, p × producer latency)).
 
 Every number is a scheduler's own ``predicted_ms``; speedup = sequential_ms / predicted_ms per instance, averaged
 over the seeds (mean ± standard deviation). Columns: ``lp-inter``/``mr-inter`` are the mappings before
@@ -192,7 +192,7 @@ def main() -> None:
         "benchmark": "hios_sim", "machine": common.machine_info(), "wall_s": round(wall_s, 2),
         "total_s": clock.elapsed_s,
         "settings": {"seeds": seeds, "jobs": args.jobs, "cost_model": args.cost_model, "ios": args.ios,
-                     "default": DEFAULT, "sweeps": SWEEPS, "generator": "opweave.synth.random_dag",
+                     "default": DEFAULT, "sweeps": SWEEPS, "generator": "opweave.ir.synth.random_dag",
                      "speedup": "sequential predicted_ms / scheduler predicted_ms, per instance, then mean ± std"},
         "paper": PAPER, "points": points, "ios_timing": timing})
 

@@ -28,7 +28,7 @@ import _common as common
 
 from opweave import schedulers, zoo
 from opweave.cli import graph_costs, run_one
-from opweave.synth import random_dag
+from opweave.ir.synth import random_dag
 
 EXPONENTIAL = ("ios",)
 LIMIT_S = 1.0

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/sim_quality.py [--quick] [--models a,b] [--schedulers x,y] [--out DIR]
 
 For each cost model (``ideal``, ``gpu``; see ``opweave.costs``) the scheduler gets that model's costs, its plan is
-lowered, validated and replayed by ``opweave.simulate`` (all through ``opweave.cli.run_one``), and the table shows
+lowered, validated and replayed by ``opweave.backends.simulate`` (through ``opweave.cli.run_one``), and the table shows
 
 * **makespan / lower bound**, where lower bound = max(critical path, total work / k): the critical path is the
   longest chain of op latencies, total work the sum of all op latencies, and k the number of streams the schedule

@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 
 from dags import dags
 from opweave import schedulers
+from opweave.backends.simulate import simulate
 from opweave.costs import from_graph
 from opweave.ir import chain
-from opweave.lower import lower
-from opweave.simulate import simulate
-from opweave.validate import validate
+from opweave.plan.lower import lower
+from opweave.plan.validate import validate
 
 LIST_SCHEDULERS = ("sequential", "nimble", "opara", "lios", "wavefront")  # replay never exceeds sequential
 EXACT_PREDICTION = ("sequential", "nimble", "lios")  # ideal replay equals the scheduler's own predicted_ms

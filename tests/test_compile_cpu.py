@@ -11,7 +11,7 @@ from opweave.api import plan_for
 from opweave.backends.cpu import CpuBackend
 from opweave.bench import max_abs_diff
 from opweave.capture import capture
-from opweave.roofline import estimate
+from opweave.costs.roofline import estimate
 
 SMALL = {"bert_base": {"num_layers": 2}}  # the scheduler sweep runs 8 plans per model: a shorter BERT there
 
@@ -77,7 +77,7 @@ def test_bad_device_is_refused():
 
 
 def test_compile_schedules_on_a_measured_profile_and_refuses_a_stale_one(tmp_path):
-    from opweave.profile import ProfileKeyError, profile_model
+    from opweave.costs.profile import ProfileKeyError, profile_model
 
     model, inputs = zoo.create("deepfm")
     prof = profile_model(capture(model, inputs, name="deepfm"), inputs, device="cpu", repeats=2, warmup=0)

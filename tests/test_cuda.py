@@ -17,7 +17,7 @@ from opweave.api import plan_for
 from opweave.backends.cuda import CudaBackend, GraphCaptureError
 from opweave.bench import max_abs_diff
 from opweave.capture import capture
-from opweave.roofline import estimate
+from opweave.costs.roofline import estimate
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -20,24 +20,17 @@ from dags import dags
 from opweave import costs as costs_mod
 from opweave import schedulers
 from opweave.api import plan_for
-from opweave.backends.base import Program
 from opweave.backends.cuda import CudaBackend, on_device, release_keys, require_cuda, storage_buffers
 from opweave.backends.liveness import Buffer, launch_positions, release_points, steps_with_releases
+from opweave.backends.program import Program
 from opweave.capture import capture
+from opweave.costs.profile import Profile, ProfileKeyError, profile_key, profile_model
+from opweave.costs.profile.kineto import kernels_by_op
+from opweave.costs.profile.occupancy import occupancy, op_demand
+from opweave.costs.roofline import estimate
 from opweave.ir import OpGraph
-from opweave.lower import lower
 from opweave.plan import Instr, LaunchPlan
-from opweave.profile import (
-    Profile,
-    ProfileKeyError,
-    kernels_by_op,
-    measure_stage,
-    occupancy,
-    op_demand,
-    profile_key,
-    profile_model,
-)
-from opweave.roofline import estimate
+from opweave.plan.lower import lower
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 
@@ -337,13 +330,6 @@ def test_profiling_a_model_that_is_not_on_the_device_is_refused():
     _, x, cap = branchy()
     with pytest.raises(ValueError, match="profiling on cuda, but the model or its inputs are on cpu"):
         profile_model(cap, x, device="cuda")
-
-
-def test_a_stage_is_timed_with_its_groups_running_concurrently():
-    _, x, cap = branchy()
-    groups = [["a", "relu"], ["b", "sigmoid"], ["c"]]
-    latency_ms = measure_stage(cap, x, groups, device="cpu", repeats=3, warmup=1)
-    assert latency_ms > 0
 
 
 def test_profile_load_rejects_other_files(tmp_path):

@@ -4,6 +4,8 @@ chains on two GPUs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,14 +16,15 @@ from opweave.costs import Costs, from_graph
 from opweave.ir import Edge, Op, OpGraph
 from opweave.schedulers import hios
 from opweave.schedulers._listsched import ideal_finish_times
-from opweave.schedulers.hios_window import Problem, WorkingPlan, evaluate
+from opweave.schedulers.hios.grouping import WorkingPlan
+from opweave.schedulers.hios.stages import Problem, evaluate
 
 
 def with_transfers(graph: OpGraph, ratio: float, model: str = "ideal") -> Costs:
     """HIOS §V-A transfer times: max(0.1 ms, ratio × producer latency) per edge (0 everywhere when ratio is 0)."""
     costs = from_graph(graph, model)
     if ratio:
-        costs.edge_transfer_ms = {(u, v): max(0.1, ratio * costs.latency_ms[u]) for u, v in graph.edge}
+        costs = replace(costs, edge_transfer_ms={(u, v): max(0.1, ratio * costs.latency_ms[u]) for u, v in graph.edge})
     return costs
 
 
@@ -104,7 +107,7 @@ def test_fig4_longest_valid_paths():
     mapped = [False] * len(graph)
 
     def take_path() -> list[str]:
-        path = [graph.ids[v] for v in hios.longest_valid_path(problem, topo, mapped)]
+        path = [graph.ids[v] for v in hios.mapping.longest_valid_path(problem, topo, mapped)]
         for op in path:
             mapped[graph.index[op]] = True
         return path

@@ -9,10 +9,10 @@ from dags import dags
 from opweave import examples, schedulers
 from opweave.costs import from_graph
 from opweave.ir import Edge, Op, OpGraph
-from opweave.lower import lower
 from opweave.plan import LaunchPlan, PlanError
-from opweave.schedule import Schedule
-from opweave.validate import validate
+from opweave.plan.lower import lower
+from opweave.plan.validate import validate
+from opweave.schedulers.schedule import Schedule
 
 
 @st.composite

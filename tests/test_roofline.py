@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from opweave import roofline
 from opweave.capture import capture
+from opweave.costs import roofline
 from opweave.ir import Op, OpGraph
 
 
@@ -95,7 +95,7 @@ def test_latency_is_monotone_in_flops_and_bytes(flops, bytes_, more, device, cat
 
 
 def test_gpu_names_map_to_presets():
-    from opweave.roofline import preset_for_gpu
+    from opweave.costs.roofline import preset_for_gpu
 
     assert preset_for_gpu("NVIDIA H100 80GB HBM3") == "h100"
     assert preset_for_gpu("NVIDIA H200") == "h200"

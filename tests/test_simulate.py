@@ -6,12 +6,13 @@ import pytest
 from hypothesis import given, settings
 
 from opweave import examples, schedulers
-from opweave.contention import FluidDevice, run_streams
+from opweave.backends.render import chrome_trace, gantt
+from opweave.backends.simulate import simulate
 from opweave.costs import Costs, GpuModel, from_graph
+from opweave.costs.contention import FluidDevice, run_streams
 from opweave.ir import Edge, Op, OpGraph, chain
-from opweave.lower import lower
-from opweave.schedule import Schedule
-from opweave.simulate import chrome_trace, gantt, simulate
+from opweave.plan.lower import lower
+from opweave.schedulers.schedule import Schedule
 from test_lower import scheduled_dags
 
 NO_OVERHEAD = GpuModel(launch_overhead_ms=0.0, graph_launch_overhead_ms=0.0, event_overhead_ms=0.0)

@@ -1,6 +1,6 @@
 import pytest
 
-from opweave.synth import random_dag
+from opweave.ir.synth import random_dag
 
 
 def test_default_hios_point():

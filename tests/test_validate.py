@@ -4,8 +4,8 @@ import pytest
 
 from opweave.ir import Edge, Op, OpGraph
 from opweave.plan import Instr, LaunchPlan, PlanError
-from opweave.schedule import Schedule
-from opweave.validate import validate
+from opweave.plan.validate import validate
+from opweave.schedulers.schedule import Schedule
 
 
 def graph_of(ids: str, edges: list[tuple[str, str]], war: tuple[tuple[str, str], ...] = ()) -> OpGraph:

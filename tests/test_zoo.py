@@ -11,6 +11,7 @@ import torch
 import torch.fx
 
 from opweave import zoo
+from opweave.errors import UsageError
 
 # Keep the suite fast: two BERT layers are as good as twelve for checking shapes, tracing and determinism.
 TEST_KWARGS = {"bert_base": {"num_layers": 2}}
@@ -141,7 +142,7 @@ def test_variants_trace(name, kwargs):
 
 
 def test_unknown_name_lists_valid_names():
-    with pytest.raises(KeyError, match="inception_v3.*deepfm"):
+    with pytest.raises(UsageError, match="inception_v3.*deepfm"):
         zoo.create("no_such_model")
     with pytest.raises(ValueError, match="bypass"):
         zoo.create("squeezenet", bypass="sideways")
@@ -177,7 +178,7 @@ def test_external_prefixes_build_offline_with_fake_packages(monkeypatch):
     assert image.shape == (2, 3, 299, 299) and not model.training
     model, (image,) = zoo.create("torchvision:resnet18")
     assert model.kwargs == {"weights": None} and image.shape == (1, 3, 224, 224)
-    with pytest.raises(KeyError, match="no_such_net"):
+    with pytest.raises(UsageError, match="no_such_net"):
         zoo.create("torchvision:no_such_net")
 
     def timm_create_model(name, pretrained, **kwargs):
@@ -200,7 +201,7 @@ def test_external_prefixes_build_offline_with_fake_packages(monkeypatch):
     model, (ids,) = zoo.create("hf:bert-base-uncased", seq_len=16, num_hidden_layers=2)
     assert model.kwargs["config"].model_type == "bert" and model.kwargs["config"].num_hidden_layers == 2
     assert ids.shape == (1, 16) and ids.dtype == torch.int64 and int(ids.max()) < 30522
-    with pytest.raises(KeyError, match="bert-base-uncased"):
+    with pytest.raises(UsageError, match="bert-base-uncased"):
         zoo.create("hf:some-org/unknown-model")
 
 

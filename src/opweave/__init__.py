@@ -18,18 +18,20 @@ import importlib
 from typing import TYPE_CHECKING
 
 from opweave import schedulers
+from opweave.errors import OpweaveError
 from opweave.ir import Edge, GraphError, Op, OpGraph
 
 __version__ = "0.1.0"
-__all__ = ["Edge", "GraphError", "Op", "OpGraph", "capture", "compile", "examples", "schedulers", "synth", "zoo"]
+__all__ = ["Edge", "GraphError", "Op", "OpGraph", "OpweaveError", "capture", "compile", "examples", "schedulers",
+           "synth", "zoo"]
 
-_LAZY = {"compile": ("opweave.api", "compile"), "capture": ("opweave.capture", "capture"),
-         "zoo": ("opweave.zoo", None), "examples": ("opweave.examples", None), "synth": ("opweave.synth", None)}
+_LAZY = {"compile": ("opweave.api", "compile"), "capture": ("opweave.capture", None),
+         "zoo": ("opweave.zoo", None), "examples": ("opweave.ir.examples", None), "synth": ("opweave.ir.synth", None)}
 
 if TYPE_CHECKING:
-    from opweave import examples, synth, zoo
+    from opweave import capture, zoo
     from opweave.api import compile
-    from opweave.capture import capture
+    from opweave.ir import examples, synth
 
 
 def __getattr__(name: str):

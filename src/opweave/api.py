@@ -1,4 +1,5 @@
-"""``opweave.compile``: capture → costs → scheduler → plan → backend, in one call (DESIGN.md §2)."""
+"""``opweave.compile``: capture → costs → scheduler → plan → backend, in one call; and :func:`load_graph`, the
+graph a command works on."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from typing import Any
 
 from opweave import schedulers
 from opweave.costs import Costs
+from opweave.errors import UsageError
 from opweave.ir import OpGraph
-from opweave.lower import lower
 from opweave.plan import LaunchPlan
-from opweave.schedule import Schedule
-from opweave.validate import validate
+from opweave.plan.lower import lower
+from opweave.plan.validate import validate
+from opweave.schedulers.schedule import Schedule
 
 DEVICES = ("cpu", "cuda")
 
@@ -62,21 +64,20 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
                      streams: int | None = None, costs: Costs | None = None, profile: str | Path | None = None,
                      cost_model: str = "ideal", **backend_options) -> Compiled:
     """:func:`compile` from an already captured model (``opweave.capture``): one capture can serve many schedules."""
-    from opweave.roofline import estimate
+    from opweave.costs.roofline import estimate
 
     example_inputs = _check(device, example_inputs)
     graph = captured.graph
     if costs is None and profile is not None:
-        from opweave.profile import load_for
+        from opweave.costs.profile import load_for
 
         costs = load_for(profile, captured, example_inputs, device).costs(graph, model=cost_model)
     elif costs is None:
-        costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset())
-        costs.model = cost_model
+        costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset(), model=cost_model)
     sched, plan = plan_for(graph, costs, scheduler, streams=streams)
     if device == "cpu":
         if backend_options:
-            raise TypeError(f"the cpu backend takes no options, got {', '.join(backend_options)}")
+            raise UsageError(f"the cpu backend takes no options, got {', '.join(backend_options)}")
         from opweave.backends.cpu import CpuBackend
 
         backend = CpuBackend(captured, plan)
@@ -87,10 +88,51 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
     return Compiled(graph, costs, sched, plan, backend, device)
 
 
+def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,
+               preset: str = "h100", profile: str | Path | None = None) -> OpGraph:
+    """The graph the CLI's ``schedule`` and ``simulate`` work on: a graph JSON file or a shipped example
+    (``graph``), or a zoo ``model`` captured at ``batch_size`` with roofline latencies for ``preset``, or with the
+    latencies measured in ``profile``.
+
+    A profile must have been measured for this model, batch (input shapes) and dtype; otherwise
+    :class:`~opweave.costs.profile.ProfileKeyError`. Its device and torch version are not checked: scheduling and
+    simulating a GPU's profile on another machine is the point (the graph then carries that GPU's costs).
+    """
+    from opweave.ir import examples
+
+    if (graph is None) == (model is None):
+        raise UsageError("give a GRAPH (file or example name) or --model NAME, not both")
+    if profile is not None and model is None:
+        raise UsageError("--profile goes with --model (a graph file carries its own latencies)")
+    if model is not None:
+        from opweave import zoo
+        from opweave.capture import capture
+        from opweave.costs.profile import Profile, profile_key
+        from opweave.costs.profile.store import model_dtype
+        from opweave.costs.roofline import with_estimates
+
+        module, inputs = zoo.create(model, batch_size=batch_size)
+        captured = capture(module, inputs, name=model)
+        estimated = with_estimates(captured.graph, preset)
+        if profile is None:
+            return estimated
+        measured = Profile.load(profile)
+        expect = profile_key(model, inputs, "cpu", model_dtype(captured, inputs))
+        expect = {k: v for k, v in expect.items() if k not in ("device", "torch")}
+        measured.check_key({**expect, "device": measured.key.get("device"), "torch": measured.key.get("torch")},
+                           source=str(profile))
+        return measured.apply(estimated)
+    if str(graph) in examples.names():
+        return examples.load(str(graph))
+    if not Path(graph).exists():
+        raise UsageError(f"no graph file {str(graph)!r} (examples: {', '.join(examples.names())})")
+    return OpGraph.load(graph)
+
+
 def _check(device: str, example_inputs) -> tuple:
     """The inputs as a tuple, once the device is known to be usable."""
     if device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+        raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "cuda":
         from opweave.backends.cuda import require_cuda
 
@@ -102,6 +144,6 @@ def _cuda_preset() -> str:
     """The roofline preset of the visible GPU (H100 when unknown)."""
     import torch
 
-    from opweave.roofline import preset_for_gpu
+    from opweave.costs.roofline import preset_for_gpu
 
     return preset_for_gpu(torch.cuda.get_device_name()) or "h100"

@@ -10,11 +10,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from opweave import timing
+from opweave.costs import timing
+from opweave.errors import DeviceError, UsageError
 
 
 def median_ms(fn: Callable, args: Sequence, *, runs: int = 20, warmup: int = 3, device: str = "cpu") -> float:
-    """Median wall time of ``fn(*args)`` in milliseconds (:mod:`opweave.timing`), under inference mode."""
+    """Median wall time of ``fn(*args)`` in milliseconds (:mod:`opweave.costs.timing`), under inference mode."""
     with torch.inference_mode():
         return timing.median_ms(lambda: fn(*args), runs=runs, warmup=warmup, device=device)
 
@@ -35,14 +36,14 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be cpu, cuda or auto, got {device!r}")
+        raise UsageError(f"device must be cpu, cuda or auto, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("CUDA is not available on this machine; use --device cpu (or auto)")
+        raise DeviceError("CUDA is not available on this machine; use --device cpu (or auto)")
     return device
 
 
 def device_name(device: str) -> str:
-    from opweave.profile import device_name as measured_on
+    from opweave.costs.profile import device_name as measured_on
 
     return measured_on(device) + ("" if device == "cuda" else f" ({torch.get_num_threads()} threads)")
 

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from opweave.errors import UsageError
+
 KEEP = 32
 _COMPILED: deque = deque(maxlen=KEEP)
 _COMPILE_KEYS = ("scheduler", "streams", "cost_model", "fold_bn", "costs")
@@ -57,7 +59,7 @@ def opweave_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: 
     compile_options = {k: options.pop(k) for k in _COMPILE_KEYS if k in options}
     scheduler = compile_options.pop("scheduler", "opara")
     if device == "cpu" and options:
-        raise ValueError(f"opweave: option(s) {', '.join(sorted(options))} apply to CUDA graphs only "
+        raise UsageError(f"opweave: option(s) {', '.join(sorted(options))} apply to CUDA graphs only "
                          f"(the example inputs are on the CPU); known options: {', '.join(_COMPILE_KEYS)}")
     # Outside dynamo's tracing context: shape propagation would otherwise pick up its fake mode and symbolic sizes.
     with torch._guards.tracing(None):

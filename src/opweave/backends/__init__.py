@@ -1,0 +1,8 @@
+"""Backends: what runs a :class:`~opweave.plan.LaunchPlan`. None re-decides the schedule.
+
+* :mod:`.program` — the plan split into lanes with every wait resolved (what every backend interprets);
+* :mod:`.liveness` — when a buffer several streams read may be freed (join-aware);
+* :mod:`.simulate` — a replay under a cost model, no device; :mod:`.render` draws it;
+* :mod:`.cpu` — worker threads, one per lane;
+* :mod:`.cuda` — CUDA streams, recorded ahead of time into a CUDA Graph.
+"""

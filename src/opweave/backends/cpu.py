@@ -1,4 +1,4 @@
-"""CPU backend: an interpreter of the LaunchPlan with one worker thread per stream (DESIGN.md §2).
+"""CPU backend: an interpreter of the LaunchPlan with one worker thread per stream.
 
 Each (device, stream) lane is a long-lived worker thread that runs its steps in order; a plan's record/send become
 ``threading.Event.set`` and its wait/recv become ``Event.wait``. Intermediates stay in one environment dict until
@@ -16,8 +16,8 @@ import threading
 import weakref
 from typing import Any
 
-from opweave.backends.base import Lane, Program, Step
-from opweave.plan import LaunchPlan
+from opweave.backends.program import Lane, Program, Step
+from opweave.plan.launchplan import LaunchPlan
 
 
 class CpuBackend:

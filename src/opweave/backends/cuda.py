@@ -16,7 +16,7 @@ A plan for several devices runs all its devices on the current GPU (their lanes 
 ``send``/``recv`` pair becomes an event), which keeps every schedule runnable and checkable on one GPU; the
 distributed backend places devices on real GPUs.
 
-**Buffers** (DESIGN.md §4). The first run of an input signature keeps every intermediate alive until the final
+**Buffers**. The first run of an input signature keeps every intermediate alive until the final
 join. From it, environment entries are grouped by the storage they share (views and in-place results included),
 each group's allocating lane is the lane of the first op that held it, and :func:`opweave.backends.liveness.
 release_points` says after which step of that lane every op touching the group is ordered: later runs (the other
@@ -55,10 +55,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from opweave.backends.base import Lane, Program
 from opweave.backends.liveness import Buffer, release_points, steps_with_releases
-from opweave.capture import Captured, CaptureError
-from opweave.plan import LaunchPlan
+from opweave.backends.program import Lane, Program
+from opweave.capture.runtime import Captured
+from opweave.errors import CaptureError, DeviceError, UsageError
+from opweave.plan.launchplan import LaunchPlan
 
 MODES = ("graph", "streams")
 FALLBACKS = ("error", "eager")
@@ -76,7 +77,7 @@ def require_cuda() -> None:
         return
     reason = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
               else "no CUDA device is visible to PyTorch")
-    raise RuntimeError(f"CUDA is not available: {reason} (torch {torch.__version__}); use device='cpu'")
+    raise DeviceError(f"CUDA is not available: {reason} (torch {torch.__version__}); use device='cpu'")
 
 
 @dataclass
@@ -96,11 +97,11 @@ class CudaBackend:
                  static_outputs: bool = False, fallback: str = "error", cache_size: int = 8, warmup: int = 3):
         require_cuda()
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+            raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+            raise UsageError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
         if cache_size < 1 or warmup < 1:
-            raise ValueError(f"cache_size and warmup must be at least 1, got {cache_size} and {warmup}")
+            raise UsageError(f"cache_size and warmup must be at least 1, got {cache_size} and {warmup}")
         self.mode, self.static_outputs, self.fallback = mode, static_outputs, fallback
         self.cache_size, self.warmup = cache_size, warmup
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -207,7 +208,7 @@ class CudaBackend:
         try:
             ShapeProp(gm).propagate(*args)
         except Exception as exc:  # noqa: BLE001 - re-raised with the signature named
-            raise ValueError(f"{self.captured.graph.name}: inputs with shapes {_shapes(args)} cannot run through the "
+            raise UsageError(f"{self.captured.graph.name}: inputs with shapes {_shapes(args)} cannot run through the "
                              f"graph captured for {self._example_shapes}: {type(exc).__name__}: {exc}") from exc
         return Captured(self.captured.graph, gm, self.captured.nodes)
 

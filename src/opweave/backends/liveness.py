@@ -1,7 +1,7 @@
 """When may a backend free a buffer that several streams read? A liveness analysis that knows about joins.
 
 The CUDA caching allocator hands a freed block back to the pool of the stream that *allocated* it, and gives it to
-the next allocation on that same stream at once, without waiting for other streams (DESIGN.md §4). So freeing a
+the next allocation on that same stream at once, without waiting for other streams. So freeing a
 buffer (dropping its last reference on the host) is safe at a point of the allocating stream's lane only when that
 point is ordered — through the lane's own FIFO order and the plan's record/wait joins — after the launch of every op
 that uses the buffer (reads it, writes it in place, or holds a view of it). Anything issued later to the allocating
@@ -25,8 +25,8 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from opweave.backends.base import Lane, Program, Step
-from opweave.validate import Clock, join_clocks
+from opweave.backends.program import Lane, Program, Step
+from opweave.plan.semantics import Clock, join_clocks
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,6 @@ def launch_positions(program: Program) -> dict[str, tuple[Lane, int]]:
     """Lane and step index of every launched op."""
     return {step.op: (lane, i) for lane, steps in program.lanes.items()
             for i, step in enumerate(steps) if step.kind == "launch"}
-
-
-def ordered_before(clocks: dict[Lane, list[Clock]], use: tuple[Lane, int], lane: Lane, index: int) -> bool:
-    """True iff step ``use`` (lane, index) is ordered at or before step ``index`` of ``lane``."""
-    use_lane, use_index = use
-    return clocks[lane][index].get(use_lane, 0) > use_index
 
 
 def steps_with_releases(program: Program, releases: dict[tuple[Lane, int], list[str]]

@@ -9,9 +9,10 @@ from __future__ import annotations
 import importlib
 import time
 
-from opweave.costs import Costs
-from opweave.ir import OpGraph
-from opweave.schedule import Schedule
+from opweave.costs.model import Costs
+from opweave.errors import UsageError
+from opweave.ir.graph import OpGraph
+from opweave.schedulers.schedule import Schedule
 
 # name -> module under opweave.schedulers (several names may share a module, told apart by the "variant" option)
 _MODULES: dict[str, tuple[str, dict]] = {
@@ -36,11 +37,11 @@ def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, 
         **options) -> Schedule:
     """Schedule ``graph`` with the scheduler called ``name``; fills in ``scheduling_time_s``."""
     if name not in _MODULES:
-        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(names())}")
+        raise UsageError(f"unknown scheduler {name!r}; choose one of {', '.join(names())}")
     if streams is not None and streams < 1:
-        raise ValueError(f"streams must be at least 1, got {streams}")
+        raise UsageError(f"streams must be at least 1, got {streams}")
     if devices < 1:
-        raise ValueError(f"devices must be at least 1, got {devices}")
+        raise UsageError(f"devices must be at least 1, got {devices}")
     module_name, fixed = _MODULES[name]
     module = importlib.import_module(f"opweave.schedulers.{module_name}")
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Shared helpers for list schedulers: replay a stream assignment under the ideal cost model.
 
-The ideal model (DESIGN.md §3) is the papers' own: an op takes ``costs.latency_ms[op]`` whatever runs beside it,
+The ideal model is the papers' own: an op takes ``costs.latency_ms[op]`` whatever runs beside it,
 each (device, stream) is a FIFO queue, an op starts once its stream is free and its predecessors have finished
 (plus ``costs.transfer_ms`` for a predecessor on another device), and launches and syncs are free.
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from opweave.costs import Costs
-from opweave.ir import OpGraph
+from opweave.costs.model import Costs
+from opweave.errors import ScheduleError
+from opweave.ir.graph import OpGraph
 
 
 def ideal_finish_times(graph: OpGraph, costs: Costs, order: Sequence[str], stream_of: Mapping[str, int], *,
@@ -39,7 +40,7 @@ def ideal_finish_times(graph: OpGraph, costs: Costs, order: Sequence[str], strea
         start = stream_free_ms.get(key, 0.0)
         for pred in graph.preds[op]:
             if pred not in times:
-                raise ValueError(f"op {op!r} is issued before its predecessor {pred!r}")
+                raise ScheduleError(f"op {op!r} is issued before its predecessor {pred!r}")
             arrival = times[pred][1]
             if device(pred) != dev:
                 arrival += costs.transfer_ms(pred, op)
@@ -47,7 +48,8 @@ def ideal_finish_times(graph: OpGraph, costs: Costs, order: Sequence[str], strea
         if stage_of is not None:
             stage = stage_of[op]
             if dev in stage_now and stage < stage_now[dev]:
-                raise ValueError(f"op {op!r} of stage {stage} is issued after stage {stage_now[dev]} on device {dev}")
+                raise ScheduleError(f"op {op!r} of stage {stage} is issued after stage {stage_now[dev]} "
+                                    f"on device {dev}")
             if stage != stage_now.get(dev):
                 stage_now[dev] = stage
                 barrier_ms[dev] = done_ms.get(dev, 0.0)

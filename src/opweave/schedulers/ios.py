@@ -46,9 +46,10 @@ from collections.abc import Iterator
 
 import networkx as nx
 
-from opweave.costs import Costs
-from opweave.ir import OpGraph
-from opweave.schedule import Schedule
+from opweave.costs.model import Costs
+from opweave.errors import UsageError
+from opweave.ir.graph import OpGraph
+from opweave.schedulers.schedule import Schedule
 
 DEFAULT_MAX_GROUP_OPS = 3  # IOS's r
 DEFAULT_MAX_GROUPS = 8  # IOS's s
@@ -198,7 +199,7 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
              max_block_ops: int = DEFAULT_MAX_BLOCK_OPS, max_states: int = DEFAULT_MAX_STATES) -> Schedule:
     """IOS on one device (``devices`` > 1 is ignored). ``streams`` caps the groups per stage."""
     if max_group_ops < 1 or max_groups < 1 or max_block_ops < 1 or max_states < 2:
-        raise ValueError("IOS needs max_group_ops, max_groups, max_block_ops >= 1 and max_states >= 2")
+        raise UsageError("IOS needs max_group_ops, max_groups, max_block_ops >= 1 and max_states >= 2")
     group_cap = max_groups if streams is None else min(max_groups, streams)
     order: list[str] = []
     stream_of: dict[str, int] = {}

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from opweave.costs import Costs
-from opweave.ir import OpGraph
-from opweave.schedule import Schedule
+from opweave.costs.model import Costs
+from opweave.ir.graph import OpGraph
+from opweave.schedulers.schedule import Schedule
 
 DEFAULT_STREAMS = 8
 

@@ -32,10 +32,11 @@ from __future__ import annotations
 import networkx as nx
 from networkx.algorithms import bipartite
 
-from opweave.costs import Costs
-from opweave.ir import OpGraph
-from opweave.schedule import Schedule
+from opweave.costs.model import Costs
+from opweave.errors import UsageError
+from opweave.ir.graph import OpGraph
 from opweave.schedulers._listsched import ideal_finish_times, makespan_ms, merge_streams, renumber_streams
+from opweave.schedulers.schedule import Schedule
 
 
 def minimum_equivalent_graph(graph: OpGraph) -> nx.DiGraph:
@@ -80,7 +81,7 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
              max_streams: int | None = None) -> Schedule:
     caps = [c for c in (streams, max_streams) if c is not None]
     if any(c < 1 for c in caps):
-        raise ValueError(f"max_streams must be at least 1, got {min(caps)}")
+        raise UsageError(f"max_streams must be at least 1, got {min(caps)}")
     order = list(graph.topo_order)
     position = {op: i for i, op in enumerate(order)}
     chains = sorted(nimble_chains(graph), key=lambda chain: position[chain[0]])

@@ -32,10 +32,10 @@ Complexity: Alg. 1 O(V + E); Alg. 2 O(V·W + E) for ready lists of width W; the 
 
 from __future__ import annotations
 
-from opweave.costs import Costs
-from opweave.ir import OpGraph
-from opweave.schedule import Schedule
+from opweave.costs.model import Costs
+from opweave.ir.graph import OpGraph
 from opweave.schedulers._listsched import ideal_finish_times, makespan_ms, merge_streams, renumber_streams
+from opweave.schedulers.schedule import Schedule
 
 
 def allocate_streams(graph: OpGraph) -> dict[str, int]:

@@ -5,9 +5,9 @@ Complexity O(V + E) for the topological order.
 
 from __future__ import annotations
 
-from opweave.costs import Costs
-from opweave.ir import OpGraph
-from opweave.schedule import Schedule
+from opweave.costs.model import Costs
+from opweave.ir.graph import OpGraph
+from opweave.schedulers.schedule import Schedule
 
 
 def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, devices: int = 1) -> Schedule:

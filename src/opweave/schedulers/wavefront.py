@@ -16,9 +16,9 @@ Complexity O(V·K + V log V + E).
 
 from __future__ import annotations
 
-from opweave.costs import Costs
-from opweave.ir import OpGraph
-from opweave.schedule import Schedule
+from opweave.costs.model import Costs
+from opweave.ir.graph import OpGraph
+from opweave.schedulers.schedule import Schedule
 
 
 def levels(graph: OpGraph) -> dict[str, int]:

@@ -33,6 +33,8 @@ import importlib
 import torch
 from torch import nn
 
+from opweave.errors import MissingPackageError, UsageError
+
 # Built-in name -> module of this package whose ``create(batch_size, **kwargs)`` builds it.
 _BUILTIN = {
     "inception_v3": "inception_v3",
@@ -84,10 +86,10 @@ def names() -> list[str]:
 def create(name: str, batch_size: int = 1, **kwargs) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Build model ``name`` with seeded random weights, in eval mode, and a batch of example inputs for it."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise UsageError(f"batch_size must be >= 1, got {batch_size}")
     prefix, _, external_name = name.partition(":")
     if name not in _BUILTIN and prefix not in _EXTERNAL:
-        raise KeyError(f"unknown model {name!r}; built-in models: {', '.join(names())}; "
+        raise UsageError(f"unknown model {name!r}; built-in models: {', '.join(names())}; "
                        f"or use a prefix: {', '.join(p + ':<name>' for p in _EXTERNAL)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -122,8 +124,8 @@ def _require(package: str, name: str):
         return importlib.import_module(package)
     except ImportError as err:
         if err.name != package:  # installed, but one of its own dependencies is missing
-            raise ImportError(f"{package} could not be imported ({err}); it is needed for {name!r}") from err
-        raise ImportError(f"{package} is not installed; `pip install {package}` to use {name!r}") from err
+            raise MissingPackageError(f"{package} could not be imported ({err}); it is needed for {name!r}") from err
+        raise MissingPackageError(f"{package} is not installed; `pip install {package}` to use {name!r}") from err
 
 
 def _images(batch_size: int, size: tuple[int, ...]) -> tuple[torch.Tensor]:
@@ -135,7 +137,7 @@ def _torchvision(name: str, batch_size: int, image_size: int | None = None, **kw
     models = _require("torchvision", f"torchvision:{name}").models
     builder = getattr(models, name, None)
     if builder is None or not callable(builder) or name.startswith("_"):
-        raise KeyError(f"torchvision.models has no model {name!r}")
+        raise UsageError(f"torchvision.models has no model {name!r}")
     if name in ("googlenet", "inception_v3"):  # aux classifiers only run in training; explicit init avoids a warning
         kwargs = {"aux_logits": False, "init_weights": True, **kwargs}
     model = builder(weights=None, **kwargs)
@@ -153,7 +155,7 @@ def _timm(name: str, batch_size: int, **kwargs):
 def _huggingface(model_id: str, batch_size: int, seq_len: int = 128, **overrides):
     transformers = _require("transformers", f"hf:{model_id}")
     if model_id not in HF_CONFIGS:
-        raise KeyError(f"unknown Hugging Face id {model_id!r} (configs are built locally, without network); "
+        raise UsageError(f"unknown Hugging Face id {model_id!r} (configs are built locally, without network); "
                        f"known ids: {', '.join(HF_CONFIGS)}")
     model_type, defaults = HF_CONFIGS[model_id]
     config = transformers.AutoConfig.for_model(model_type, **{**defaults, **overrides})

@@ -1,4 +1,4 @@
-"""LaunchPlan: the lowered form every backend executes (DESIGN.md §2–3).
+"""LaunchPlan: the lowered form every backend executes.
 
 Per device an ordered list (issue order) of instructions:
 
@@ -15,10 +15,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 KINDS = ("launch", "record", "wait", "send", "recv")
-
-
-class PlanError(ValueError):
-    """A plan that would race or is malformed; the message names the offending edge or instruction."""
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""The plan validator: proves that every dependency of the graph is ordered by the plan (DESIGN.md §2, §4).
+"""The plan validator: proves that every dependency of the graph is ordered by the plan.
 
 :func:`validate` accepts a :class:`~opweave.plan.LaunchPlan` only if
 
 * every op of the graph is launched exactly once, and nothing else is launched;
 * every ``wait`` refers to an event recorded earlier on its device, every ``recv`` to a ``send`` of the same op
-  between the same two devices earlier in the plan (backends pair them the same way, ``backends/base.py``);
+  between the same two devices earlier in the plan (backends pair them the same way, ``backends/program.py``);
 * for every edge ``u -> v`` (data and write-after-read alike) the launch of ``u`` *happens before* the launch of
   ``v``; for a data edge across devices, a ``recv`` of ``u`` on ``v``'s device also happens before ``v``;
 * given a stage schedule, every op of a stage is ordered after every op of the device's previous stage.
@@ -21,91 +21,11 @@ Complexity O(I·S) for I instructions and S streams (a join or a copy touches at
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from opweave.ir import OpGraph
-from opweave.plan import KINDS, Instr, LaunchPlan, PlanError
-from opweave.schedule import Schedule
-
-Lane = tuple[int, int]  # (device, stream)
-Clock = dict[Lane, int]  # lane -> highest position known complete
-
-
-def sync_sources(plan: LaunchPlan) -> list[int | None]:
-    """Per instruction, the index of the instruction it waits for (``None`` for none).
-
-    A ``wait`` waits for the latest ``record`` of its event issued before it on the same device; a ``recv`` for the
-    latest ``send`` of the same op from its peer to its device earlier in the plan. Raises :class:`PlanError` for a
-    malformed instruction or a wait/recv with nothing to wait for.
-    """
-    latest_record: dict[tuple[int, int], int] = {}  # (device, event) -> index
-    latest_send: dict[tuple[str, int, int], int] = {}  # (op, from device, to device) -> index
-    sources: list[int | None] = []
-    for i, ins in enumerate(plan.instrs):
-        _check_instr(i, ins)
-        source = None
-        if ins.kind == "record":
-            latest_record[(ins.device, ins.event)] = i
-        elif ins.kind == "send":
-            latest_send[(ins.op, ins.device, ins.peer)] = i
-        elif ins.kind == "wait":
-            source = latest_record.get((ins.device, ins.event))
-            if source is None:
-                raise PlanError(f"instruction {i}: wait on device {ins.device} stream {ins.stream} for event "
-                                f"{ins.event}, which no earlier record on that device sets")
-        elif ins.kind == "recv":
-            source = latest_send.get((ins.op, ins.peer, ins.device))
-            if source is None:
-                raise PlanError(f"instruction {i}: recv of op {ins.op!r} on device {ins.device} from device "
-                                f"{ins.peer} has no matching send before it")
-        sources.append(source)
-    return sources
-
-
-def _check_instr(i: int, ins: Instr) -> None:
-    if ins.kind not in KINDS:
-        raise PlanError(f"instruction {i}: unknown kind {ins.kind!r}")
-    if ins.kind in ("record", "wait") and ins.event is None:
-        raise PlanError(f"instruction {i}: {ins.kind} on device {ins.device} stream {ins.stream} has no event")
-    if ins.kind in ("launch", "send", "recv") and ins.op is None:
-        raise PlanError(f"instruction {i}: {ins.kind} on device {ins.device} stream {ins.stream} has no op")
-    if ins.kind in ("send", "recv") and (ins.peer is None or ins.peer == ins.device):
-        raise PlanError(f"instruction {i}: {ins.kind} of op {ins.op!r} on device {ins.device} needs another "
-                        f"device as peer, got {ins.peer!r}")
-
-
-def stage_barriers(launches: Iterable[tuple[str, int, int]], stage_of: dict[str, int]) -> dict[str, list[str]]:
-    """Ops each launch must follow because of stage barriers.
-
-    ``launches`` lists ``(op, device, stream)`` in issue order. The first op of each stream in a stage must follow
-    the last op of every stream in the device's previous stage (FIFO streams and transitivity then order every op
-    of every earlier stage before every op of the later one). Raises :class:`PlanError` when a device's stages
-    decrease along the issue order (the barrier would wait on an op issued later).
-    """
-    stage_now: dict[int, int] = {}
-    last_in_stage: dict[int, dict[int, str]] = {}  # device -> stream -> last op of the current stage
-    last_in_previous: dict[int, dict[int, str]] = {}
-    barriers: dict[str, list[str]] = {}
-    for op, device, stream in launches:
-        stage = stage_of[op]
-        if device in stage_now and stage < stage_now[device]:
-            raise PlanError(f"op {op!r} of stage {stage} is issued after stage {stage_now[device]} on device "
-                            f"{device}; order the ops of a device by stage")
-        if stage != stage_now.get(device):
-            stage_now[device] = stage
-            last_in_previous[device] = last_in_stage.get(device, {})
-            last_in_stage[device] = {}
-        if stream not in last_in_stage[device]:
-            barriers[op] = [x for _, x in sorted(last_in_previous[device].items())]
-        last_in_stage[device][stream] = op
-    return barriers
-
-
-def join_clocks(into: Clock, other: Clock) -> None:
-    """Raise ``into`` to at least ``other``, lane by lane (the vector-clock join)."""
-    for lane, pos in other.items():
-        if into.get(lane, 0) < pos:
-            into[lane] = pos
+from opweave.errors import PlanError
+from opweave.ir.graph import OpGraph
+from opweave.plan.launchplan import LaunchPlan
+from opweave.plan.semantics import Clock, Lane, join_clocks, stage_barriers, sync_sources
+from opweave.schedulers.schedule import Schedule
 
 
 def validate(graph: OpGraph, plan: LaunchPlan, sched: Schedule | None = None) -> None:

@@ -1,7 +1,7 @@
 """What every backend needs from a LaunchPlan: per (device, stream) the steps it runs, with each wait resolved.
 
-A ``wait`` waits for the latest ``record`` of its event issued before it on the same device (DESIGN.md §3); a
-``recv`` waits for the matching ``send`` (same op, devices swapped) — :func:`opweave.validate.sync_sources` pairs
+A ``wait`` waits for the latest ``record`` of its event issued before it on the same device; a
+``recv`` waits for the matching ``send`` (same op, devices swapped) — :func:`opweave.plan.semantics.sync_sources` pairs
 them, the same rule the validator proves the plan with. Resolved once here, every synchronization becomes "wait for
 signal k" / "raise signal k" and a backend need not re-read the plan's issue order.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from opweave.plan import LaunchPlan
-from opweave.validate import Lane, sync_sources
+from opweave.plan.launchplan import LaunchPlan
+from opweave.plan.semantics import Lane, sync_sources
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Lowering: a :class:`~opweave.schedule.Schedule` becomes a :class:`~opweave.plan.LaunchPlan` (DESIGN.md §2–3).
+"""Lowering: a :class:`~opweave.schedulers.schedule.Schedule` becomes a :class:`~opweave.plan.launchplan.LaunchPlan`.
 
 Ops are issued in the schedule's ``order``. Before launching ``v`` on ``(device d, stream s)`` lowering makes
 every dependency of ``v`` visible to stream ``s``:
@@ -8,7 +8,7 @@ every dependency of ``v`` visible to stream ``s``:
 * a predecessor ``u`` on another device — ``send(u)`` on ``u``'s stream right after ``u`` (one per consumer
   device) and ``recv(u)`` on stream ``s`` unless a ``recv`` of ``u`` on another stream of ``d`` is already
   ordered before this point. One ``send`` may thus serve recvs on several streams of the peer (each pairs with the
-  latest send before it, as ``backends/base.py`` does). A recv per consuming stream, rather than one recv per
+  latest send before it, as ``backends/program.py`` does). A recv per consuming stream, rather than one recv per
   device plus event waits, lets each stream get the tensor at ``finish(u) + transfer``: a shared recv would sit
   behind whatever else the first consumer's stream receives (the ideal replay would then lag the schedulers'
   own predictions). Recvs come before the launch's waits (a wait may then prove unneeded, never a recv), so a
@@ -17,7 +17,7 @@ every dependency of ``v`` visible to stream ``s``:
 * stage schedules: the first op of each stream in a stage waits for the last op of every stream of the device's
   previous stage.
 
-A wait is emitted only when the stream's vector clock (the same happens-before that :mod:`opweave.validate`
+A wait is emitted only when the stream's vector clock (the same happens-before that :mod:`opweave.plan.validate`
 computes) does not already order the dependency. The dependencies of one launch are taken latest-recorded first:
 an event's clock only holds work issued before its record, so no later-taken wait can cover an earlier-taken one,
 and every emitted wait is needed — dropping any one makes the validator reject the plan. Events are recorded only
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from opweave.ir import OpGraph
-from opweave.plan import Instr, LaunchPlan
-from opweave.schedule import Schedule
-from opweave.validate import Clock, Lane, join_clocks, stage_barriers
+from opweave.ir.graph import OpGraph
+from opweave.plan.launchplan import Instr, LaunchPlan
+from opweave.plan.semantics import Clock, Lane, join_clocks, stage_barriers
+from opweave.schedulers.schedule import Schedule
 
 
 class _Builder:

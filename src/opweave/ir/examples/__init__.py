@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from importlib import resources
 
-from opweave.ir import OpGraph
+from opweave.errors import UsageError
+from opweave.ir.graph import OpGraph
 
 
 def names() -> list[str]:
@@ -14,5 +15,5 @@ def names() -> list[str]:
 
 def load(name: str) -> OpGraph:
     if name not in names():
-        raise KeyError(f"no example graph {name!r}; examples: {', '.join(names())}")
+        raise UsageError(f"no example graph {name!r}; examples: {', '.join(names())}")
     return OpGraph.from_dict(json.loads(resources.files(__name__).joinpath(f"{name}.json").read_text()))

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from opweave.ir import OpGraph
-
-
-class ScheduleError(ValueError):
-    """A schedule that does not fit its graph."""
+from opweave.errors import ScheduleError
+from opweave.ir.graph import OpGraph
 
 
 @dataclass

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from opweave.costs import Costs
-from opweave.ir import Op, OpGraph
+from opweave.costs.model import Costs
+from opweave.errors import UsageError
+from opweave.ir.graph import Op, OpGraph
 
 UTILIZATION_MIN = 0.05
 
@@ -83,7 +84,7 @@ def preset(name: str) -> Device:
     """The preset called ``name`` (case-insensitive)."""
     preset = PRESETS.get(name.lower())
     if preset is None:
-        raise ValueError(f"unknown device {name!r}; presets: {', '.join(PRESETS)}")
+        raise UsageError(f"unknown device {name!r}; presets: {', '.join(PRESETS)}")
     return preset
 
 
@@ -99,7 +100,7 @@ def op_latency_ms(op: Op, dev: Device, dtype: str = "float32") -> float:
 
 def _check_dtype(dtype: str) -> None:
     if dtype not in _ITEMSIZE:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(_ITEMSIZE)}")
+        raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(_ITEMSIZE)}")
 
 
 def op_utilization(op: Op, dev: Device) -> float:
@@ -110,8 +111,9 @@ def op_utilization(op: Op, dev: Device) -> float:
     return min(1.0, max(UTILIZATION_MIN, elements / (dev.units * dev.threads_per_unit)))
 
 
-def estimate(graph: OpGraph, device: str = "h100", dtype: str = "float32") -> Costs:
-    """Roofline costs of every op of ``graph`` on preset ``device``, for the ``gpu`` contention model."""
+def estimate(graph: OpGraph, device: str = "h100", dtype: str = "float32", model: str = "gpu") -> Costs:
+    """Roofline costs of every op of ``graph`` on preset ``device``, under cost model ``model`` (default the ``gpu``
+    contention model, for which the utilizations are estimated)."""
     dev = preset(device)
     _check_dtype(dtype)
     return Costs(
@@ -119,7 +121,7 @@ def estimate(graph: OpGraph, device: str = "h100", dtype: str = "float32") -> Co
         utilization={o.id: op_utilization(o, dev) for o in graph.ops},
         category={o.id: o.category for o in graph.ops},
         edge_transfer_ms={(e.src, e.dst): e.transfer_ms for e in graph.edges if e.transfer_ms is not None},
-        model="gpu",
+        model=model,
         source=f"roofline:{device.lower()}:{dtype}",
     )
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import random
 
-from opweave.ir import Edge, Op, OpGraph
+from opweave.errors import UsageError
+from opweave.ir.graph import Edge, Op, OpGraph
 
 
 def random_dag(ops: int = 200, layers: int = 14, edges: int | None = None, seed: int = 0, *,
@@ -25,12 +26,12 @@ def random_dag(ops: int = 200, layers: int = 14, edges: int | None = None, seed:
     """A layered random DAG with ``ops`` ops, ``layers`` layers and ``edges`` edges (default ``2 * ops``)."""
     edges = 2 * ops if edges is None else edges
     if ops < 1 or not 1 <= layers <= ops:
-        raise ValueError(f"need ops >= 1 and 1 <= layers <= ops, got ops={ops}, layers={layers}")
+        raise UsageError(f"need ops >= 1 and 1 <= layers <= ops, got ops={ops}, layers={layers}")
     sizes = [ops // layers + (i < ops % layers) for i in range(layers)]
     layer_of: list[int] = [i for i, n in enumerate(sizes) for _ in range(n)]
     later_pairs = sum(a * b for i, a in enumerate(sizes) for b in sizes[i + 1:])
     if not ops - sizes[0] <= edges <= later_pairs:
-        raise ValueError(f"{ops} ops in {layers} layers take between {ops - sizes[0]} and {later_pairs} edges, "
+        raise UsageError(f"{ops} ops in {layers} layers take between {ops - sizes[0]} and {later_pairs} edges, "
                          f"asked for {edges}")
     rng = random.Random(seed)
     first = [sum(sizes[:i]) for i in range(layers)]

@@ -1,6 +1,6 @@
 """Costs: what a scheduler knows about each op, and the cost models that turn concurrency into time.
 
-Two cost models (DESIGN.md §3):
+Two cost models:
 
 * ``ideal`` — the papers' model: an op takes its ``latency_ms`` whatever runs beside it, streams are FIFO, a
   cross-device edge adds its ``transfer_ms``, launches and syncs are free.
@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from opweave.ir import OpGraph
+from opweave.errors import GraphError, UsageError
+from opweave.ir.graph import OpGraph
 
 COST_MODELS = ("ideal", "gpu")
 
@@ -36,9 +37,13 @@ class GpuModel:
     cuda_graph: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class Costs:
-    """Per-op costs of one graph on one device kind (the same for every device of a multi-GPU run)."""
+    """Per-op costs of one graph on one device kind (the same for every device of a multi-GPU run).
+
+    Frozen: a scheduler may keep it and rely on it; derive a changed copy with :func:`dataclasses.replace`, which
+    checks the cost model again.
+    """
 
     latency_ms: dict[str, float]
     utilization: dict[str, float] = field(default_factory=dict)
@@ -51,7 +56,7 @@ class Costs:
 
     def __post_init__(self) -> None:
         if self.model not in COST_MODELS:
-            raise ValueError(f"unknown cost model {self.model!r}; choose one of {', '.join(COST_MODELS)}")
+            raise UsageError(f"unknown cost model {self.model!r}; choose one of {', '.join(COST_MODELS)}")
 
     def util(self, op: str) -> float:
         return self.utilization.get(op, 1.0)
@@ -64,21 +69,22 @@ class Costs:
         """Latency of a stage: the groups run concurrently, each group's ops in sequence on its own stream.
 
         Under ``ideal`` this is the longest group; under ``gpu`` the groups share the device (see
-        :func:`opweave.contention.run_streams`), plus one event per extra group to fork/join.
+        :func:`opweave.costs.contention.run_streams`), plus one event per extra group to fork/join.
         """
         if self.model == "ideal" or len(groups) <= 1:
             return max((sum(self.latency_ms[o] for o in g) for g in groups), default=0.0)
-        from opweave.contention import run_streams
+        from opweave.costs.contention import run_streams
 
         finish = run_streams([[(o, self.latency_ms[o], self.util(o)) for o in g] for g in groups])
         return max(finish.values()) + self.gpu.event_overhead_ms * (len(groups) - 1)
 
 
-def from_graph(graph: OpGraph, model: str = "ideal", gpu: GpuModel | None = None) -> Costs:
+def from_graph(graph: OpGraph, model: str = "ideal", gpu: GpuModel | None = None, source: str = "graph") -> Costs:
     """Costs read off the graph's own fields (latency_ms, utilization, category, resources, edge transfer_ms)."""
     missing = [o.id for o in graph.ops if o.latency_ms is None]
     if missing:
-        raise ValueError(f"op {missing[0]!r} has no latency_ms; estimate costs with opweave.roofline.estimate() first")
+        raise GraphError(f"op {missing[0]!r} has no latency_ms; estimate costs with "
+                         "opweave.costs.roofline.estimate() first")
     return Costs(
         latency_ms=graph.latencies(),
         utilization={o.id: o.utilization for o in graph.ops if o.utilization is not None},
@@ -87,4 +93,5 @@ def from_graph(graph: OpGraph, model: str = "ideal", gpu: GpuModel | None = None
         edge_transfer_ms={(e.src, e.dst): e.transfer_ms for e in graph.edges if e.transfer_ms is not None},
         model=model,
         gpu=gpu or GpuModel(),
+        source=source,
     )

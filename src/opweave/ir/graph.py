@@ -19,12 +19,10 @@ from pathlib import Path
 
 import networkx as nx
 
+from opweave.errors import GraphError
+
 FORMAT = "opweave.graph/1"
 CATEGORIES = ("compute", "memory")
-
-
-class GraphError(ValueError):
-    """A malformed graph; the message is one line naming the offending id."""
 
 
 @dataclass
@@ -149,11 +147,6 @@ class OpGraph:
         for u in self.topo_order:
             finish[u] = max((finish[p] for p in self.preds[u]), default=0.0) + lat[u]
         return max(finish.values(), default=0.0)
-
-    def with_latencies(self, latency: dict[str, float]) -> OpGraph:
-        """A copy whose ops carry the given latencies."""
-        ops = [Op(**{**asdict(o), "latency_ms": latency[o.id]}) for o in self.ops]
-        return OpGraph(ops, [Edge(**asdict(e)) for e in self.edges], self.name)
 
     # ---- validation ---------------------------------------------------------------------------------------------
     def validate(self) -> None:

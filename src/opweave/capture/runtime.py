@@ -1,0 +1,175 @@
+"""The captured model at run time: :class:`Captured` binds inputs, runs one op's fx nodes, and rebuilds the output.
+
+Every fx node becomes a closure ``env -> value`` (:func:`_compile`) that runs it as ``torch.fx.Interpreter`` would,
+with its arguments read from the environment by precompiled loaders: no per-node dispatch on the node kind at run
+time. An op that raises is re-raised as :class:`~opweave.errors.CaptureError` naming the op and its fx node
+("while executing ..."), with the original error as its cause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any
+
+import torch
+from torch import fx
+
+from opweave.capture import opinfo
+from opweave.errors import CaptureError, UsageError
+from opweave.ir.graph import OpGraph
+
+Step = Callable[[dict[str, Any]], Any]
+
+
+@dataclass(eq=False)
+class Captured:
+    """A captured model: its OpGraph and everything needed to run it op by op.
+
+    Execution contract (what the CPU and CUDA backends rely on)::
+
+        env = captured.bind(args)              # inputs, parameters, input-only views
+        for op in captured.graph.topo_order:   # or any order/streams that respect graph.edges
+            captured.run_op(op, env)
+        out = captured.output(env)             # same structure and values as model(*args)
+
+    ``run_op`` writes only the env keys of its own fx nodes, so distinct ops may run on different threads.
+    Parameters live in ``gm``; move them with ``captured.gm.to(device)`` (in place: ``run_op`` holds ``gm``'s
+    submodules, and ``bind`` re-reads ``get_attr`` constants on every call).
+    """
+
+    graph: OpGraph
+    gm: fx.GraphModule
+    nodes: dict[str, list[fx.Node]]
+    _inputs: list[tuple[fx.Node, tuple | None]] = field(init=False, repr=False)
+    _constants: list[tuple[str, list[str]]] = field(init=False, repr=False)
+    _prelude: list[tuple[str, Step]] = field(init=False, repr=False)
+    _steps: dict[str, list[tuple[str, Step]]] = field(init=False, repr=False)
+    _output: Step = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        owned = {n for group in self.nodes.values() for n in group}
+        self._inputs, self._constants, self._prelude = [], [], []
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                metas = opinfo.node_metas(node)
+                self._inputs.append((node, (tuple(metas[0].shape), metas[0].dtype) if metas else None))
+            elif node.op == "get_attr":
+                self._constants.append((node.name, node.target.split(".")))
+            elif node.op == "output":
+                self._output = _loader(node.args[0])
+            elif node not in owned:
+                self._prelude.append((node.name, _compile(node, self.gm)))
+        self._steps = {op: [(n.name, _compile(n, self.gm)) for n in group] for op, group in self.nodes.items()}
+
+    def bind(self, args: tuple) -> dict[str, Any]:
+        """The environment for one run: placeholders ← ``args`` (checked against the captured shapes and dtypes),
+        ``get_attr`` constants, and the trivial nodes that depend only on those."""
+        flat = list(self.gm.graph.process_inputs(*args))
+        if len(flat) > len(self._inputs):
+            raise UsageError(f"{self.graph.name}: expected {len(self._inputs)} inputs, got {len(flat)}")
+        env: dict[str, Any] = {}
+        for i, (node, expected) in enumerate(self._inputs):
+            if i < len(flat):
+                value = flat[i]
+            elif node.args:  # a forward() default
+                value = node.args[0]
+            else:
+                raise UsageError(f"{self.graph.name}: missing input {i} ({node.name!r})")
+            signature = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
+            if expected is not None and signature is not None and signature != expected:
+                raise UsageError(f"{self.graph.name}: input {i} ({node.name!r}) has shape {tuple(value.shape)} and "
+                                 f"dtype {value.dtype}; it was captured with {expected[0]} and {expected[1]} "
+                                 "(capture again for this signature)")
+            env[node.name] = value
+        for name, path in self._constants:
+            value = self.gm
+            for part in path:
+                value = getattr(value, part)
+            env[name] = value
+        for name, step in self._prelude:
+            env[name] = step(env)
+        return env
+
+    def run_op(self, op_id: str, env: dict[str, Any]) -> None:
+        """Run op ``op_id``'s fx nodes in order (main node, then absorbed trivial nodes), reading/writing ``env``."""
+        for name, step in self._steps[op_id]:
+            try:
+                env[name] = step(env)
+            except Exception as exc:
+                raise self._failure(op_id, name, exc) from exc
+
+    def _failure(self, op_id: str, name: str, exc: Exception) -> CaptureError:
+        """The error of a failed op, naming it and its fx node as ``torch.fx.Interpreter`` does."""
+        node = next(n for n in self.nodes[op_id] if n.name == name)
+        text = str(exc).strip().splitlines()
+        return CaptureError(f"{self.graph.name}: op {op_id!r} failed while executing fx node {name!r} "
+                            f"({node.format_node()}): {type(exc).__name__}: {text[0] if text else ''}")
+
+    def output(self, env: dict[str, Any]) -> Any:
+        """The model's output, in the structure ``model(*args)`` returns, rebuilt from ``env``."""
+        return self.gm.graph.process_outputs(self._output(env))
+
+    def readers(self) -> dict[str, list[str]]:
+        """fx node name → ids of the ops that read its value (a value may be freed once all of them finished)."""
+        out: dict[str, list[str]] = {}
+        for op, group in self.nodes.items():
+            for node in group:
+                for arg in node.all_input_nodes:
+                    if op not in out.setdefault(arg.name, []):
+                        out[arg.name].append(op)
+        return out
+
+
+# ---- 7. node closures ---------------------------------------------------------------------------------------------
+def _compile(node: fx.Node, gm: fx.GraphModule) -> Step:
+    """A closure ``env -> value`` that runs one node as torch.fx.Interpreter would."""
+    if node.op == "call_function":
+        fn = node.target
+    elif node.op == "call_method":
+        method = node.target
+
+        def fn(self, *args, **kwargs):
+            return getattr(self, method)(*args, **kwargs)
+    elif node.op == "call_module":
+        fn = gm.get_submodule(node.target)
+    else:
+        raise CaptureError(f"cannot run fx node {node.name!r} of kind {node.op!r}")
+    args = _loader(tuple(node.args))
+    if not node.kwargs:
+        return lambda env: fn(*args(env))
+    kwargs = _loader(dict(node.kwargs))
+    return lambda env: fn(*args(env), **kwargs(env))
+
+
+def _has_node(arg: Any) -> bool:
+    found: list[fx.Node] = []
+    fx.node.map_arg(arg, found.append)
+    return bool(found)
+
+
+def _loader(arg: Any) -> Step:
+    """A closure ``env -> arg`` with every fx Node in ``arg`` replaced by its value in ``env``."""
+    if isinstance(arg, fx.Node):
+        return itemgetter(arg.name)
+    if not _has_node(arg):
+        return lambda env: arg
+    if isinstance(arg, tuple) and not hasattr(arg, "_fields") and all(isinstance(a, fx.Node) for a in arg):
+        getter = itemgetter(*(a.name for a in arg))
+        return (lambda env: (getter(env),)) if len(arg) == 1 else getter
+    if isinstance(arg, (tuple, list)):
+        parts = [_loader(a) for a in arg]
+        if hasattr(arg, "_fields"):  # a namedtuple
+            return lambda env: type(arg)(*(p(env) for p in parts))
+        build = tuple if isinstance(arg, tuple) else list
+        return lambda env: build([p(env) for p in parts])
+    if isinstance(arg, dict):
+        parts_by_key = {k: _loader(v) for k, v in arg.items()}
+        return lambda env: {k: p(env) for k, p in parts_by_key.items()}
+    if isinstance(arg, slice):
+        start, stop, step = _loader(arg.start), _loader(arg.stop), _loader(arg.step)
+        return lambda env: slice(start(env), stop(env), step(env))
+    raise CaptureError(f"cannot load fx argument {arg!r}")
+
+

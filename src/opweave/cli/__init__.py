@@ -1,0 +1,20 @@
+"""The ``opweave`` command line: one Typer app (:mod:`.app`), its commands grouped by what they need.
+
+* :mod:`.graphs` — ``schedule``, ``simulate``, ``synth``, ``models``: graphs only, any machine;
+* :mod:`.runs` — ``bench``, ``profile``: real runs on a CPU or GPU.
+
+Bad input exits with status 2 and one line on stderr (:func:`.app.guard`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from opweave.cli import graphs, runs  # noqa: F401 - registers the commands
+from opweave.cli.app import app, graph_costs, run_one
+
+__all__ = ["app", "graph_costs", "main", "run_one"]
+
+
+def main() -> None:  # pragma: no cover - console entry
+    sys.exit(app())

@@ -1,0 +1,93 @@
+"""The ``opweave`` Typer app, its error contract and the options several commands share.
+
+Contract: an :class:`~opweave.errors.OpweaveError` (bad input, an unmet precondition) exits with status 2 and one
+line on stderr; anything else escaping a command is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from opweave import schedulers
+from opweave.costs import COST_MODELS, Costs, from_graph
+from opweave.errors import OpweaveError, UsageError
+from opweave.ir import OpGraph
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Inter-operator parallel DNN inference: schedule, simulate and run models on many streams.")
+out = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    err.print(f"opweave: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def guard(fn):
+    """Turn the library's deliberate errors into the CLI contract: one line on stderr, exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OpweaveError as exc:
+            text = str(exc).strip()
+            fail(text.splitlines()[0] if text else type(exc).__name__)
+
+    return wrapper
+
+
+# ---- shared options -----------------------------------------------------------------------------------------------
+GraphArg = Annotated[str | None, typer.Argument(help="graph JSON file or example name (e.g. lios-fig3)")]
+ModelOpt = Annotated[str | None, typer.Option("--model", help="zoo model name instead of a graph")]
+StreamsOpt = Annotated[int | None, typer.Option("--streams", min=1, help="max streams per device")]
+DevicesOpt = Annotated[int, typer.Option("--devices", min=1, help="number of devices")]
+CostOpt = Annotated[str, typer.Option("--cost-model", help="ideal | gpu")]
+PresetOpt = Annotated[str, typer.Option("--preset", help="device preset for zoo models' estimated latencies")]
+BatchOpt = Annotated[int, typer.Option("--batch-size", min=1)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
+ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="measured profile (opweave profile) for --model")]
+
+
+def graph_costs(graph: OpGraph, cost_model: str) -> Costs:
+    if cost_model not in COST_MODELS:
+        raise UsageError(f"unknown cost model {cost_model!r}; choose one of {', '.join(COST_MODELS)}")
+    return from_graph(graph, model=cost_model)
+
+
+def scheduler_names(name: str) -> list[str]:
+    if name == "all":
+        return schedulers.names()
+    if name not in schedulers.names():
+        raise UsageError(f"unknown scheduler {name!r}; choose one of {', '.join(schedulers.names())} or all")
+    return [name]
+
+
+def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, devices: int):
+    """Schedule, lower, validate and replay one scheduler: (schedule, plan, simulation result)."""
+    from opweave.api import plan_for
+    from opweave.backends.simulate import simulate
+
+    sched, plan = plan_for(graph, costs, name, streams=streams,
+                           devices=devices if name in schedulers.MULTI_DEVICE else 1)
+    return sched, plan, simulate(graph, plan, costs)
+
+
+def schedule_json(sched, plan, sim) -> dict:
+    return {
+        "scheduler": sched.scheduler, "makespan_ms": sim.makespan_ms, "sequential_ms": sim.sequential_ms,
+        "scheduling_time_s": sched.scheduling_time_s, "streams_used": sched.streams_used,
+        "devices_used": sched.devices_used, "syncs": plan.syncs,
+        "ops": [{"id": o, "device": sched.device(o), "stream": sched.stream_of[o],
+                 "stage": None if sched.stage_of is None else sched.stage_of[o],
+                 "start_ms": sim.start_ms[o], "finish_ms": sim.finish_ms[o]} for o in sched.order],
+        "plan": plan.to_list(),
+    }
+
+

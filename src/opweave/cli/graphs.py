@@ -1,0 +1,138 @@
+"""Commands on graphs, no device needed: ``schedule``, ``simulate``, ``synth``, ``models``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from opweave.api import load_graph
+from opweave.cli.app import (
+    BatchOpt,
+    CostOpt,
+    DevicesOpt,
+    GraphArg,
+    JsonOpt,
+    ModelOpt,
+    PresetOpt,
+    ProfileOpt,
+    StreamsOpt,
+    app,
+    err,
+    graph_costs,
+    guard,
+    out,
+    run_one,
+    schedule_json,
+    scheduler_names,
+)
+from opweave.errors import UsageError
+
+
+@app.command()
+@guard
+def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "lios",
+             streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
+             model: ModelOpt = None, batch_size: BatchOpt = 1, preset: PresetOpt = "h100",
+             profile: ProfileOpt = None, as_json: JsonOpt = False):
+    """Schedule a graph with one scheduler and show where each op runs."""
+    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile)
+    (name,) = scheduler_names(scheduler)
+    sched, plan, sim = run_one(g, graph_costs(g, cost_model), name, streams, devices)
+    result = schedule_json(sched, plan, sim)
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table(title=f"{name} on {g.name}: makespan {sim.makespan_ms:.3f} ms (sequential {sim.sequential_ms:.3f})")
+    for col in ("op", "device", "stream", "stage", "start ms", "finish ms"):
+        table.add_column(col, justify="left" if col == "op" else "right")
+    for row in result["ops"]:
+        stage = "" if row["stage"] is None else str(row["stage"])
+        table.add_row(row["id"], str(row["device"]), str(row["stream"]), stage, f"{row['start_ms']:.3f}",
+                      f"{row['finish_ms']:.3f}")
+    out.print(table)
+    out.print(f"streams {sched.streams_used}, devices {sched.devices_used}, syncs {plan.syncs}, "
+              f"scheduling time {sched.scheduling_time_s * 1e3:.2f} ms")
+
+
+@app.command()
+@guard
+def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "all",
+             streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
+             model: ModelOpt = None, batch_size: BatchOpt = 1, preset: PresetOpt = "h100",
+             profile: ProfileOpt = None,
+             gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart PNG (one scheduler)")] = None,
+             trace: Annotated[Path | None, typer.Option(help="write a Chrome trace JSON (one scheduler)")] = None,
+             as_json: JsonOpt = False):
+    """Compare schedulers on one graph: makespan, speedup over sequential, syncs, scheduling time."""
+    from opweave.backends import render
+
+    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile)
+    names = scheduler_names(scheduler)
+    if (gantt or trace) and len(names) != 1:
+        raise UsageError("--gantt and --trace need a single --scheduler")
+    costs = graph_costs(g, cost_model)
+    rows = []
+    for name in names:
+        sched, plan, sim = run_one(g, costs, name, streams, devices)
+        rows.append({"scheduler": name, "makespan_ms": sim.makespan_ms, "sequential_ms": sim.sequential_ms,
+                     "speedup": sim.sequential_ms / sim.makespan_ms if sim.makespan_ms else 1.0,
+                     "streams_used": sched.streams_used, "devices_used": sched.devices_used, "syncs": plan.syncs,
+                     "scheduling_time_s": sched.scheduling_time_s})
+        if gantt:
+            render.gantt(sim, gantt)
+        if trace:
+            render.chrome_trace(sim, trace)
+    if as_json:
+        print(json.dumps({"graph": g.name, "ops": len(g), "edges": len(g.edges), "cost_model": cost_model,
+                          "critical_path_ms": g.critical_path_ms(), "results": rows}))
+        return
+    table = Table(title=f"{g.name}: {len(g)} ops, {len(g.edges)} edges, cost model {cost_model}, "
+                        f"critical path {g.critical_path_ms():.3f} ms")
+    for col in ("scheduler", "makespan ms", "speedup", "streams", "devices", "syncs", "sched time ms"):
+        table.add_column(col, justify="left" if col == "scheduler" else "right")
+    for r in rows:
+        table.add_row(r["scheduler"], f"{r['makespan_ms']:.3f}", f"{r['speedup']:.2f}x", str(r["streams_used"]),
+                      str(r["devices_used"]), str(r["syncs"]), f"{r['scheduling_time_s'] * 1e3:.2f}")
+    out.print(table)
+
+
+@app.command()
+@guard
+def synth(ops: Annotated[int, typer.Option(min=1)] = 200, layers: Annotated[int, typer.Option(min=1)] = 14,
+          edges: Annotated[int | None, typer.Option(help="default 2 x ops")] = None, seed: int = 0,
+          comm_ratio: Annotated[float, typer.Option(help="transfer = max(0.1 ms, p x producer latency)")] = 0.8,
+          output: Annotated[Path | None, typer.Option("-o", "--output", help="write here (default stdout)")] = None):
+    """Write a HIOS-style random layered DAG (HIOS §V-A) as graph JSON."""
+    from opweave.ir.synth import random_dag
+
+    g = random_dag(ops, layers, edges, seed, comm_ratio=comm_ratio)
+    if output is None:
+        print(json.dumps(g.to_dict()))
+    else:
+        g.save(output)
+        err.print(f"wrote {output}: {len(g)} ops, {len(g.edges)} edges")
+
+
+@app.command()
+@guard
+def models(as_json: JsonOpt = False):
+    """List the built-in model zoo."""
+    from opweave import zoo
+
+    if as_json:
+        print(json.dumps(zoo.names()))
+        return
+    table = Table(title="opweave zoo (random weights, no downloads)")
+    table.add_column("model")
+    table.add_column("paper op/edge counts")
+    for name in zoo.names():
+        counts = zoo.PAPER_COUNTS.get(name)
+        table.add_row(name, "" if counts is None else f"{counts['ops']} / {counts.get('edges') or '?'}")
+    out.print(table)
+    out.print("also: torchvision:<name>, timm:<name>, hf:<model-id> where those packages are installed")
+
+

@@ -1,0 +1,67 @@
+"""Commands that run models on a device: ``bench`` and ``profile``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from opweave import schedulers
+from opweave.cli.app import BatchOpt, JsonOpt, StreamsOpt, app, err, guard, out, scheduler_names
+
+
+@app.command()
+@guard
+def bench(model: Annotated[str, typer.Option("--model")] = "inception_v3",
+          device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when present)")] = "cpu",
+          batch_size: BatchOpt = 1,
+          schedulers_: Annotated[str, typer.Option("--schedulers", help="comma list or all")] = "sequential,lios,opara",
+          streams: StreamsOpt = None, runs: Annotated[int, typer.Option(min=1)] = 20,
+          warmup: Annotated[int, typer.Option(min=0)] = 3,
+          profile: Annotated[Path | None, typer.Option(help="schedule on this measured profile")] = None,
+          as_json: JsonOpt = False):
+    """Real runs: eager vs opweave with each scheduler, median latency after warm-up."""
+    from opweave.bench import bench_model, resolve_device
+
+    device = resolve_device(device)
+    names = schedulers.names() if schedulers_ == "all" else [s.strip() for s in schedulers_.split(",") if s.strip()]
+    for name in names:
+        scheduler_names(name)
+    result = bench_model(model, device=device, batch_size=batch_size, scheduler_names=names, streams=streams,
+                         runs=runs, warmup=warmup, progress=not as_json, profile=profile)
+    if as_json:
+        print(json.dumps(result))
+        return
+    table = Table(title=f"{model} batch {batch_size} on {result['device_name']} (median of {runs} runs, "
+                        f"torch {result['torch']})")
+    for col in ("mode", "median ms", "vs eager", "streams", "syncs", "max |diff|"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for r in result["rows"]:
+        table.add_row(r["mode"], f"{r['median_ms']:.3f}", f"{r['speedup_vs_eager']:.2f}x",
+                      "" if r.get("streams") is None else str(r["streams"]),
+                      "" if r.get("syncs") is None else str(r["syncs"]),
+                      "" if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:.1e}")
+    out.print(table)
+
+
+@app.command()
+@guard
+def profile(model: Annotated[str, typer.Option("--model")] = "inception_v3",
+            device: Annotated[str, typer.Option(help="cuda | cpu | auto")] = "cuda", batch_size: BatchOpt = 1,
+            output: Annotated[Path | None, typer.Option("-o", "--output")] = None):
+    """Measure each op's latency (and kernel resources on CUDA) and save a profile the cost model loads."""
+    from opweave import zoo
+    from opweave.bench import resolve_device
+    from opweave.capture import capture
+    from opweave.costs.profile import profile_model
+
+    device = resolve_device(device)
+    module, inputs = zoo.create(model, batch_size=batch_size)
+    module, inputs = module.to(device), tuple(x.to(device) for x in inputs)
+    prof = profile_model(capture(module, inputs, name=model), inputs, device=device)
+    path = output or Path(f"{model}-b{batch_size}-{device}.profile.json")
+    prof.save(path)
+    err.print(f"wrote {path}")

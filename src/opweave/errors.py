@@ -1,0 +1,59 @@
+"""The errors opweave raises on purpose, one family under :class:`OpweaveError` (as networkx's ``NetworkXError``).
+
+Each is a bad input or an unmet precondition, reported by the CLI as one line and exit status 2; anything else
+that escapes is a bug and keeps its traceback. Each also derives from the builtin it refines (``ValueError`` or
+``RuntimeError``), so ``except ValueError`` written before this family existed still catches it.
+
+========================  =================================================================================
+``GraphError``            a malformed operator graph (names the offending op or edge)
+``ScheduleError``         a schedule that does not fit its graph
+``PlanError``             a launch plan that would race or is malformed (names the edge or instruction)
+``CaptureError``          a model that cannot be captured, or an op that fails while running (names the op)
+``ProfileError``          a profile measured for something else, or a measurement that cannot be trusted
+``UsageError``            a bad argument or option combination, an unknown name
+``MissingPackageError``   an optional package (torchvision, timm, transformers, ...) that is not installed
+``DeviceError``           a device that is not there or cannot do what was asked (no CUDA, too few GPUs)
+========================  =================================================================================
+"""
+
+from __future__ import annotations
+
+
+class OpweaveError(Exception):
+    """Base of every error opweave raises on purpose."""
+
+
+class GraphError(OpweaveError, ValueError):
+    """A malformed graph; the message is one line naming the offending id."""
+
+
+class ScheduleError(OpweaveError, ValueError):
+    """A schedule that does not fit its graph."""
+
+
+class PlanError(OpweaveError, ValueError):
+    """A plan that would race or is malformed; the message names the offending edge or instruction."""
+
+
+class CaptureError(OpweaveError, RuntimeError):
+    """The model could not be captured or one of its ops failed; the message names the model or op and why."""
+
+
+class ProfileError(OpweaveError, ValueError):
+    """A profile that does not fit (model, shapes, dtype, device, torch) or a measurement that cannot be trusted."""
+
+
+class UsageError(OpweaveError, ValueError):
+    """Bad input from a caller: an unknown name, an option out of range, options that do not go together."""
+
+
+class MissingPackageError(UsageError, ImportError):
+    """An optional package needed for what was asked is not installed (or does not import)."""
+
+
+class DeviceError(OpweaveError, RuntimeError):
+    """A device that is not available, or fewer devices than asked for."""
+
+
+__all__ = ["CaptureError", "DeviceError", "GraphError", "MissingPackageError", "OpweaveError", "PlanError",
+           "ProfileError", "ScheduleError", "UsageError"]

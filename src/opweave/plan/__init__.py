@@ -1,0 +1,12 @@
+"""The plan: a schedule lowered to per-stream instructions that every backend executes and the validator proves.
+
+* :mod:`.launchplan` — :class:`LaunchPlan` and :class:`Instr` (launch, record, wait, send, recv);
+* :mod:`.semantics` — what orders one instruction before another (the one definition of happens-before);
+* :mod:`.lower` — ``lower(graph, schedule)``: a plan with only the waits it needs;
+* :mod:`.validate` — ``validate(graph, plan, schedule)``: every dependency ordered, or a :class:`PlanError`.
+"""
+
+from opweave.errors import PlanError
+from opweave.plan.launchplan import KINDS, Instr, LaunchPlan
+
+__all__ = ["KINDS", "Instr", "LaunchPlan", "PlanError"]
