@@ -114,7 +114,9 @@ def test_cpu_profile_feeds_simulate_and_is_refused_for_another_model(tmp_path):
     opweave("profile", "--model", "deepfm", "--device", "cpu", "-o", str(path))
     measured = json.loads(path.read_text())["latency_ms"]
     result = json.loads(opweave("schedule", "--model", "deepfm", "--profile", str(path), "--scheduler", "sequential",
-                                "--json").stdout)
+                                "--coarsen", "--json").stdout)  # `opweave profile` measures the coarsened graph
     assert result["sequential_ms"] == pytest.approx(sum(measured.values()))
     proc = opweave("simulate", "--model", "squeezenet", "--profile", str(path), check_rc=2)
     assert "measured for model 'deepfm'" in proc.stderr
+    proc = opweave("simulate", "--model", "deepfm", "--profile", str(path), check_rc=2)  # the fine graph
+    assert "other granularity" in proc.stderr and proc.stderr.strip().count("\n") == 0

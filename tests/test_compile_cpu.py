@@ -10,7 +10,7 @@ from opweave import schedulers, zoo
 from opweave.api import plan_for
 from opweave.backends.cpu import CpuBackend
 from opweave.bench import max_abs_diff
-from opweave.capture import capture
+from opweave.capture import capture, coarsen
 from opweave.costs.roofline import estimate
 
 SMALL = {"bert_base": {"num_layers": 2}}  # the scheduler sweep runs 8 plans per model: a shorter BERT there
@@ -80,7 +80,7 @@ def test_compile_schedules_on_a_measured_profile_and_refuses_a_stale_one(tmp_pat
     from opweave.costs.profile import ProfileKeyError, profile_model
 
     model, inputs = zoo.create("deepfm")
-    prof = profile_model(capture(model, inputs, name="deepfm"), inputs, device="cpu", repeats=2, warmup=0)
+    prof = profile_model(coarsen(capture(model, inputs, name="deepfm")), inputs, device="cpu", repeats=2, warmup=0)
     path = tmp_path / "deepfm.profile.json"
     prof.save(path)
     fast = opweave.compile(model, inputs, scheduler="lios", profile=path)

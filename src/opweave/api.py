@@ -45,11 +45,13 @@ def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | Non
 
 def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "cpu", streams: int | None = None,
             costs: Costs | None = None, profile: str | Path | None = None, cost_model: str = "ideal",
-            fold_bn: bool = False, **backend_options) -> Compiled:
+            fold_bn: bool = False, coarsen: bool = True, **backend_options) -> Compiled:
     """Compile ``model`` for ``example_inputs``; the result's outputs equal ``model(*inputs)`` (allclose).
 
     Costs: ``costs`` if given, else the measured ``profile`` (a file written by ``opweave profile``, refused when it
-    was measured for other shapes, dtype, device or torch), else the roofline estimate for the device.
+    was measured for other shapes, dtype, device or torch, or for the other granularity), else the roofline
+    estimate for the device. ``coarsen`` schedules the papers' operators (:func:`opweave.capture.coarsen`: each op
+    merged with its epilogues, BatchNorm folded) instead of one op per fx node.
     ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
     """
     from opweave.capture import capture
@@ -57,16 +59,20 @@ def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "c
     example_inputs = _check(device, example_inputs)
     captured = capture(model, example_inputs, fold_bn=fold_bn)
     return compile_captured(captured, example_inputs, scheduler=scheduler, device=device, streams=streams,
-                            costs=costs, profile=profile, cost_model=cost_model, **backend_options)
+                            costs=costs, profile=profile, cost_model=cost_model, coarsen=coarsen, **backend_options)
 
 
 def compile_captured(captured, example_inputs, *, scheduler: str = "opara", device: str = "cpu",
                      streams: int | None = None, costs: Costs | None = None, profile: str | Path | None = None,
-                     cost_model: str = "ideal", **backend_options) -> Compiled:
+                     cost_model: str = "ideal", coarsen: bool = True, **backend_options) -> Compiled:
     """:func:`compile` from an already captured model (``opweave.capture``): one capture can serve many schedules."""
     from opweave.costs.roofline import estimate
 
     example_inputs = _check(device, example_inputs)
+    if coarsen:
+        from opweave.capture import coarsen as coarsen_ops
+
+        captured = coarsen_ops(captured)
     graph = captured.graph
     if costs is None and profile is not None:
         from opweave.costs.profile import load_for
@@ -89,10 +95,10 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
 
 
 def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,
-               preset: str = "h100", profile: str | Path | None = None) -> OpGraph:
+               preset: str = "h100", profile: str | Path | None = None, coarsen: bool = False) -> OpGraph:
     """The graph the CLI's ``schedule`` and ``simulate`` work on: a graph JSON file or a shipped example
-    (``graph``), or a zoo ``model`` captured at ``batch_size`` with roofline latencies for ``preset``, or with the
-    latencies measured in ``profile``.
+    (``graph``), or a zoo ``model`` captured at ``batch_size`` (and coarsened with ``coarsen``) with roofline
+    latencies for ``preset``, or with the latencies measured in ``profile``.
 
     A profile must have been measured for this model, batch (input shapes) and dtype; otherwise
     :class:`~opweave.costs.profile.ProfileKeyError`. Its device and torch version are not checked: scheduling and
@@ -102,17 +108,20 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
 
     if (graph is None) == (model is None):
         raise UsageError("give a GRAPH (file or example name) or --model NAME, not both")
-    if profile is not None and model is None:
-        raise UsageError("--profile goes with --model (a graph file carries its own latencies)")
+    if (profile is not None or coarsen) and model is None:
+        raise UsageError("--profile and --coarsen go with --model (a graph file carries its own ops and latencies)")
     if model is not None:
         from opweave import zoo
         from opweave.capture import capture
+        from opweave.capture import coarsen as coarsen_ops
         from opweave.costs.profile import Profile, profile_key
         from opweave.costs.profile.store import model_dtype
         from opweave.costs.roofline import with_estimates
 
         module, inputs = zoo.create(model, batch_size=batch_size)
         captured = capture(module, inputs, name=model)
+        if coarsen:
+            captured = coarsen_ops(captured)
         estimated = with_estimates(captured.graph, preset)
         if profile is None:
             return estimated

@@ -50,7 +50,7 @@ def device_name(device: str) -> str:
 
 def bench_model(model_name: str, *, device: str = "cpu", batch_size: int = 1, scheduler_names: Sequence[str] = (),
                 streams: int | None = None, runs: int = 20, warmup: int = 3, progress: bool = True,
-                profile: str | None = None) -> dict:
+                profile: str | None = None, coarsen: bool = True) -> dict:
     """Eager vs ``opweave.compile`` with each scheduler on one zoo model; returns a JSON-ready dict."""
     from rich.progress import Progress
 
@@ -75,7 +75,8 @@ def bench_model(model_name: str, *, device: str = "cpu", batch_size: int = 1, sc
         bar.advance(task)
         for name in scheduler_names:
             bar.update(task, description=f"{model_name}: opweave {name}")
-            fast = compile_captured(captured, inputs, scheduler=name, device=device, streams=streams, profile=profile)
+            fast = compile_captured(captured, inputs, scheduler=name, device=device, streams=streams, profile=profile,
+                                    coarsen=coarsen)
             with torch.inference_mode():
                 diff = max_abs_diff(reference, fast(*inputs))
             ms = median_ms(fast, inputs, runs=runs, warmup=warmup, device=device)
@@ -84,5 +85,5 @@ def bench_model(model_name: str, *, device: str = "cpu", batch_size: int = 1, sc
                          "syncs": fast.plan.syncs, "max_abs_diff": diff, "ops": len(fast.graph)})
             bar.advance(task)
     return {"model": model_name, "batch_size": batch_size, "device": device, "device_name": device_name(device),
-            "costs": "profile " + str(profile) if profile else "roofline estimate",
+            "costs": "profile " + str(profile) if profile else "roofline estimate", "coarsen": coarsen,
             "torch": torch.__version__, "runs": runs, "warmup": warmup, "rows": rows}

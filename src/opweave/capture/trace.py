@@ -10,7 +10,8 @@ Pipeline (each step a plain function over the fx graph, as torch.fx passes are):
    and :meth:`Captured.output` undo with ``graph.process_inputs``/``process_outputs``. Its ``_guards_fn`` input
    guard is dropped: ``bind`` checks input shapes and dtypes itself. If both fail: :class:`CaptureError` naming the
    model class and both reasons.
-2. **Fold BN** (``fold_bn=True``, fx route, eval models only): ``torch.fx.experimental.optimization.fuse``.
+2. **Fold BN** (``fold_bn=True``, fx route, eval models only): :func:`~opweave.capture.coarsen.fold_batchnorm`, every
+   BatchNorm module that alone reads a Conv/Linear module's output folded into its weights.
 3. **In-place → out-of-place** (:mod:`.functionalize`), where that keeps eager's meaning; otherwise the op stays
    in place and step 6 orders it with ``war`` edges. (``x += y`` on a traced tensor is already recorded by fx as
    ``operator.add`` and a rebinding; if eager's result depended on the mutation through another name, step 5
@@ -31,6 +32,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree as pytree
 
+from opweave.capture.coarsen import fold_batchnorm
 from opweave.capture.functionalize import rewrite_inplace
 from opweave.capture.partition import build_graph, partition
 from opweave.capture.runtime import Captured
@@ -60,9 +62,7 @@ def capture(model: nn.Module, example_inputs: tuple, *, fold_bn: bool = False, n
             if fold_bn and route == "torch.export":
                 warnings.warn(f"{model_name}: fold_bn applies to symbolic_trace graphs only; not folded", stacklevel=2)
             elif fold_bn:
-                from torch.fx.experimental.optimization import fuse
-
-                gm = fuse(gm, inplace=False, no_trace=True)
+                gm = fold_batchnorm(gm)
             kept = rewrite_inplace(gm)
             result = _propagate_shapes(gm, example_inputs)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means "try the next route"

@@ -53,6 +53,8 @@ PresetOpt = Annotated[str, typer.Option("--preset", help="device preset for zoo 
 BatchOpt = Annotated[int, typer.Option("--batch-size", min=1)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
 ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="measured profile (opweave profile) for --model")]
+CoarsenOpt = Annotated[bool, typer.Option("--coarsen/--no-coarsen",
+                                           help="the papers' operators: each op merged with its epilogues")]
 
 
 def graph_costs(graph: OpGraph, cost_model: str) -> Costs:

@@ -12,6 +12,7 @@ from rich.table import Table
 from opweave.api import load_graph
 from opweave.cli.app import (
     BatchOpt,
+    CoarsenOpt,
     CostOpt,
     DevicesOpt,
     GraphArg,
@@ -37,9 +38,9 @@ from opweave.errors import UsageError
 def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "lios",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, batch_size: BatchOpt = 1, preset: PresetOpt = "h100",
-             profile: ProfileOpt = None, as_json: JsonOpt = False):
+             profile: ProfileOpt = None, coarsen: CoarsenOpt = False, as_json: JsonOpt = False):
     """Schedule a graph with one scheduler and show where each op runs."""
-    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile)
+    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen)
     (name,) = scheduler_names(scheduler)
     sched, plan, sim = run_one(g, graph_costs(g, cost_model), name, streams, devices)
     result = schedule_json(sched, plan, sim)
@@ -63,14 +64,14 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
 def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "all",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, batch_size: BatchOpt = 1, preset: PresetOpt = "h100",
-             profile: ProfileOpt = None,
+             profile: ProfileOpt = None, coarsen: CoarsenOpt = False,
              gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart PNG (one scheduler)")] = None,
              trace: Annotated[Path | None, typer.Option(help="write a Chrome trace JSON (one scheduler)")] = None,
              as_json: JsonOpt = False):
     """Compare schedulers on one graph: makespan, speedup over sequential, syncs, scheduling time."""
     from opweave.backends import render
 
-    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile)
+    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen)
     names = scheduler_names(scheduler)
     if (gantt or trace) and len(names) != 1:
         raise UsageError("--gantt and --trace need a single --scheduler")
