@@ -71,6 +71,28 @@ def test_an_error_inside_an_op_reaches_the_caller_without_hanging():
     assert max_abs_diff(Branchy()(spd, y), fast(spd, y)) == 0.0
 
 
+def test_lanes_run_without_autograd_even_on_inference_tensors():
+    """Worker threads do not inherit the caller's inference mode: with autograd on there, a Linear on an inference
+    tensor raised "Inference tensors cannot be saved for backward"."""
+
+    class TwoBranches(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.a(x)), self.b(x) * 2
+
+    model = TwoBranches()
+    fast = opweave.compile(model, (torch.randn(4, 8),), scheduler="lios", device="cpu")
+    assert fast.schedule.streams_used == 2
+    with torch.inference_mode():
+        x = torch.randn(4, 8)
+        got, expected = fast(x), model(x)
+    assert max_abs_diff(expected, got) == 0.0
+    assert not any(t.requires_grad for t in fast(torch.randn(4, 8)))  # no autograd graph outside inference mode
+
+
 def test_bad_device_is_refused():
     with pytest.raises(ValueError, match="device"):
         opweave.compile(torch.nn.ReLU(), (torch.randn(2),), device="tpu")

@@ -6,7 +6,8 @@ the call returns, so no buffer is reused while another lane may still read it. P
 kernels, so independent ops do overlap on a multi-core CPU.
 
 A lane that raises releases every signal so that no other lane blocks forever, and the first error is re-raised
-in the caller.
+in the caller. Inference only, as the CUDA backend: every lane runs under ``torch.no_grad`` (grad mode is per
+thread, so the workers do not see the caller's ``no_grad`` or ``inference_mode``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import queue
 import threading
 import weakref
 from typing import Any
+
+import torch
 
 from opweave.backends.program import Lane, Program, Step
 from opweave.plan.launchplan import LaunchPlan
@@ -32,7 +35,7 @@ class CpuBackend:
         self.close = weakref.finalize(self, _stop, list(self._workers.values()))
 
     def __call__(self, *args) -> Any:
-        with self._lock:
+        with self._lock, torch.no_grad():
             env = self.captured.bind(args)
             if len(self._workers) == 1:  # a single lane needs no threads
                 (worker,) = self._workers.values()
@@ -89,16 +92,20 @@ class _Worker:
     def _loop(self) -> None:
         while (call := self.inbox.get()) is not None:
             try:
-                for step in self.steps:
-                    if call.errors:
-                        break
-                    if step.kind == "launch":
-                        self.captured.run_op(step.op, call.env)
-                    elif step.kind == "signal":
-                        call.signals[step.signal].set()
-                    else:
-                        call.signals[step.signal].wait()
+                with torch.no_grad():
+                    self._run(call)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 call.fail(exc)
             finally:
                 call.lane_finished()
+
+    def _run(self, call: _Call) -> None:
+        for step in self.steps:
+            if call.errors:
+                break
+            if step.kind == "launch":
+                self.captured.run_op(step.op, call.env)
+            elif step.kind == "signal":
+                call.signals[step.signal].set()
+            else:
+                call.signals[step.signal].wait()
