@@ -29,6 +29,7 @@ class Compiled:
     plan: LaunchPlan
     backend: Any
     device: str
+    fused: Any = None  # with fuse=...: the Segmented model (its stats: segments, compiles, compile_s)
 
     def __call__(self, *args) -> Any:
         return self.backend(*args)
@@ -45,13 +46,14 @@ def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | Non
 
 def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "cpu", streams: int | None = None,
             costs: Costs | None = None, profile: str | Path | None = None, cost_model: str = "ideal",
-            fold_bn: bool = False, coarsen: bool = True, **backend_options) -> Compiled:
+            fold_bn: bool = False, coarsen: bool = True, fuse: str | None = None, **backend_options) -> Compiled:
     """Compile ``model`` for ``example_inputs``; the result's outputs equal ``model(*inputs)`` (allclose).
 
     Costs: ``costs`` if given, else the measured ``profile`` (a file written by ``opweave profile``, refused when it
     was measured for other shapes, dtype, device or torch, or for the other granularity), else the roofline
     estimate for the device. ``coarsen`` schedules the papers' operators (:func:`opweave.capture.coarsen`: each op
-    merged with its epilogues, BatchNorm folded) instead of one op per fx node.
+    merged with its epilogues, BatchNorm folded) instead of one op per fx node. ``fuse="inductor"`` compiles every
+    stream segment of the plan with TorchInductor (:mod:`opweave.backends.segments`).
     ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
     """
     from opweave.capture import capture
@@ -59,12 +61,14 @@ def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "c
     example_inputs = _check(device, example_inputs)
     captured = capture(model, example_inputs, fold_bn=fold_bn)
     return compile_captured(captured, example_inputs, scheduler=scheduler, device=device, streams=streams,
-                            costs=costs, profile=profile, cost_model=cost_model, coarsen=coarsen, **backend_options)
+                            costs=costs, profile=profile, cost_model=cost_model, coarsen=coarsen, fuse=fuse,
+                            **backend_options)
 
 
 def compile_captured(captured, example_inputs, *, scheduler: str = "opara", device: str = "cpu",
                      streams: int | None = None, costs: Costs | None = None, profile: str | Path | None = None,
-                     cost_model: str = "ideal", coarsen: bool = True, **backend_options) -> Compiled:
+                     cost_model: str = "ideal", coarsen: bool = True, fuse: str | None = None,
+                     **backend_options) -> Compiled:
     """:func:`compile` from an already captured model (``opweave.capture``): one capture can serve many schedules."""
     from opweave.costs.roofline import estimate
 
@@ -81,17 +85,24 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
     elif costs is None:
         costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset(), model=cost_model)
     sched, plan = plan_for(graph, costs, scheduler, streams=streams)
+    if device == "cpu" and backend_options:
+        raise UsageError(f"the cpu backend takes no options, got {', '.join(backend_options)}")
+    runner, run_plan = captured, plan
+    if fuse is not None:
+        from opweave.backends.segments import fuse_segments
+
+        runner, run_plan = fuse_segments(captured, plan, fuse)
+        if device == "cpu":  # compile now, not in the first call (the CUDA backend's warm-up runs compile there)
+            runner.prepare(example_inputs, run_plan)
     if device == "cpu":
-        if backend_options:
-            raise UsageError(f"the cpu backend takes no options, got {', '.join(backend_options)}")
         from opweave.backends.cpu import CpuBackend
 
-        backend = CpuBackend(captured, plan)
+        backend = CpuBackend(runner, run_plan)
     else:
         from opweave.backends.cuda import CudaBackend
 
-        backend = CudaBackend(captured, plan, example_inputs, **backend_options)
-    return Compiled(graph, costs, sched, plan, backend, device)
+        backend = CudaBackend(runner, run_plan, example_inputs, **backend_options)
+    return Compiled(graph, costs, sched, plan, backend, device, fused=runner if fuse is not None else None)
 
 
 def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,

@@ -45,6 +45,7 @@ previous call, since both share streams, events and static buffers. Inference on
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import warnings
 from collections import OrderedDict
@@ -210,7 +211,7 @@ class CudaBackend:
         except Exception as exc:  # noqa: BLE001 - re-raised with the signature named
             raise UsageError(f"{self.captured.graph.name}: inputs with shapes {_shapes(args)} cannot run through the "
                              f"graph captured for {self._example_shapes}: {type(exc).__name__}: {exc}") from exc
-        return Captured(self.captured.graph, gm, self.captured.nodes)
+        return dataclasses.replace(self.captured, gm=gm)  # keeps a subclass (backends/segments.py: Segmented)
 
     # ---- the interpreter ----------------------------------------------------------------------------------------
     def _issue(self, entry: _Entry, env: dict, origin: torch.cuda.Stream) -> None:
@@ -336,7 +337,8 @@ def on_device(captured: Captured, device: torch.device) -> Captured:
             if isinstance(value, torch.Tensor) and value.device != device and not isinstance(value, nn.Parameter):
                 setattr(owner, leaf, value.to(device))
     by_name = {n.name: n for n in gm.graph.nodes}
-    return Captured(captured.graph, gm, {op: [by_name[n.name] for n in group] for op, group in captured.nodes.items()})
+    return dataclasses.replace(captured, gm=gm, nodes={op: [by_name[n.name] for n in group]
+                                                       for op, group in captured.nodes.items()})
 
 
 def _module_tensors(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
