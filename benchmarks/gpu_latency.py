@@ -13,7 +13,13 @@ the output's scale, fp16 within 1e-2) and timed the same way:
 * ``torch.compile`` — ``torch.compile(model, mode="reduce-overhead")`` (inductor + CUDA graphs);
 * ``opweave <scheduler>`` — the model captured once, profiled on this GPU (:func:`opweave.costs.profile.profile_model`),
   each scheduler run on the measured costs, the plan lowered, validated and recorded by the CUDA backend in graph
-  mode (static inputs copied in, outputs cloned).
+  mode (static inputs copied in, outputs cloned);
+* ``opweave <scheduler>+inductor`` — the captured graph coarsened (:func:`opweave.capture.coarsen`), profiled,
+  scheduled, lowered and validated the same way, every stream segment compiled by TorchInductor
+  (:mod:`opweave.backends.segments`) and the whole plan recorded by the CUDA backend in graph mode.
+
+Beside the latency, ``kernels/call``: the CUDA kernels one call runs (a CUDA graph replay's included), counted in a
+``torch.profiler`` trace of a few calls after the timing.
 
 Timing (benchmarks/README and the device METHOD): CUDA events around the whole call — input copy and output clone
 included — on the current stream, a synchronize after each call, ``--warmup`` calls first, the median (and 10th/90th
@@ -181,7 +187,33 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], args, com
         extra = {"scheduler": sched_name, "streams": sched.streams_used, "scheduling_time_s": sched.scheduling_time_s,
                  "predicted_ms": sched.predicted_ms, "ops": len(captured.graph)}
         measure(f"opweave {sched_name}", lambda s=sched, e=extra: _opweave(captured, s, inputs, e), extra)
+    rows.extend(_fused_rows(captured, scheds, inputs, args, common, measure, base))
     return rows
+
+
+def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[dict]:
+    """The ``opweave <scheduler>+inductor`` modes (measured through ``measure``); rows only for what failed."""
+    from opweave.capture import coarsen
+    from opweave.costs.profile import profile_model
+
+    try:
+        coarse = coarsen(captured)
+        costs = profile_model(coarse, inputs, device="cuda", repeats=args.profile_repeats, warmup=3).costs(coarse.graph)
+    except Exception as exc:  # noqa: BLE001 - recorded, the other modes stand
+        return [{**base, "mode": "opweave +inductor", "error": f"coarsen/profile failed: {_line(exc)}"}]
+    failed = []
+    for sched_name in scheds:
+        mode = f"opweave {sched_name}+inductor"
+        status, sched = common.run_limited(_schedule, (sched_name, coarse.graph, costs, args.streams or None),
+                                           args.sched_timeout_s)
+        if status != "ok":
+            failed.append({**base, "mode": mode, "scheduler": sched_name,
+                           "error": "scheduling timed out" if status == "timeout" else sched})
+            continue
+        extra = {"scheduler": sched_name, "streams": sched.streams_used, "scheduling_time_s": sched.scheduling_time_s,
+                 "predicted_ms": sched.predicted_ms, "ops": len(coarse.graph), "fuse": "inductor"}
+        measure(mode, lambda s=sched, e=extra: _opweave(coarse, s, inputs, e, fuse="inductor"), extra)
+    return failed
 
 
 def _schedule(name, graph, costs, streams):
@@ -190,7 +222,9 @@ def _schedule(name, graph, costs, streams):
     return schedulers.run(name, graph, costs, streams=streams)
 
 
-def _opweave(captured, sched, inputs, extra: dict):
+def _opweave(captured, sched, inputs, extra: dict, fuse: str | None = None):
+    import time
+
     from opweave.backends.cuda import CudaBackend
     from opweave.plan.lower import lower
     from opweave.plan.validate import validate
@@ -198,7 +232,15 @@ def _opweave(captured, sched, inputs, extra: dict):
     plan = lower(captured.graph, sched)
     validate(captured.graph, plan, sched)
     extra["syncs"] = plan.syncs
-    return CudaBackend(captured, plan, inputs, mode="graph")
+    if fuse is None:
+        return CudaBackend(captured, plan, inputs, mode="graph")
+    from opweave.backends.segments import fuse_segments
+
+    start = time.perf_counter()
+    segmented, segment_plan = fuse_segments(captured, plan, fuse)
+    backend = CudaBackend(segmented, segment_plan, inputs, mode="graph")  # its warm-up runs compile the segments
+    extra.update(build_s=time.perf_counter() - start, **{f"fuse_{k}": v for k, v in segmented.stats.items()})
+    return backend
 
 
 def _compiled(model, inputs):
@@ -263,14 +305,38 @@ def time_mode(build, inputs, reference, dtype: str, args) -> dict:
             times = timing.times_ms(functools.partial(fn, *inputs), runs=args.replays, warmup=args.warmup,
                                     device="cuda")
         peak = torch.cuda.max_memory_allocated()
+        try:
+            kernels = kernels_per_call(fn, inputs)
+        except Exception:  # noqa: BLE001 - the count is extra information; the latency stands without it
+            kernels = None
     except Exception as exc:  # noqa: BLE001 - one failing mode must not stop the benchmark
         return {"error": _line(exc)}
     finally:
         del fn
     quantiles = statistics.quantiles(times, n=10)
     return {"median_ms": statistics.median(times), "p10_ms": quantiles[0], "p90_ms": quantiles[-1],
+            "kernels_per_call": kernels,
             "replays": len(times), "max_abs_diff": diff, "ok": diff <= TOLERANCE[dtype] * scale,
             "peak_memory_mb": (peak - baseline) / 2**20, "baseline_memory_mb": baseline / 2**20}
+
+
+def kernels_per_call(fn, inputs, calls: int = 5) -> float:
+    """CUDA kernels per call of ``fn`` (those of a CUDA graph replay included), from a ``torch.profiler`` trace."""
+    import json
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(*inputs)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    return sum(isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") == "kernel" for e in events) / calls
 
 
 def _max_abs(value) -> float:
@@ -297,14 +363,16 @@ def speedup_table(name: str, batch: int, dtype: str, rows: list[dict], common):
     for r in rows:
         ms = r.get("median_ms")
         if ms is None:
-            cells.append([r["mode"], "-", "-", "-", "-", "-", "-", r.get("error", "")[:60]])
+            cells.append([r["mode"], "-", "-", "-", "-", "-", "-", "-", r.get("error", "")[:60]])
             continue
         cells.append([r["mode"], f"{ms:.3f}", ratio(graph_ms, ms), ratio(compile_ms, ms),
+                      "" if r.get("kernels_per_call") is None else f"{r['kernels_per_call']:.0f}",
                       "" if r.get("streams") is None else str(r["streams"]),
                       "" if r.get("syncs") is None else str(r["syncs"]), f"{r['peak_memory_mb']:.0f}",
                       "ok" if r["ok"] else f"WRONG ({r['max_abs_diff']:.1e})"])
     return common.table(f"{name}, batch {batch}, {dtype}", ["mode", "median ms", "vs CUDA graph", "vs torch.compile",
-                                                            "streams", "syncs", "peak MB", "output"], cells)
+                                                            "kernels/call", "streams", "syncs", "peak MB", "output"],
+                        cells)
 
 
 if __name__ == "__main__":
