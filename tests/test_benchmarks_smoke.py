@@ -50,3 +50,18 @@ def test_sim_quality_quick(tmp_path):
     ideal_sequential = next(r for r in data["results"] if r["cost_model"] == "ideal" and r["scheduler"] == "sequential")
     assert ideal_sequential["speedup"] == pytest.approx(1.0)
     assert (tmp_path / "sim_quality.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_fused_cpu_quick(tmp_path):
+    """Three modes of one small model, each in its own process with a cold Inductor cache (about a minute)."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "fused_cpu.py"), "--quick", "--out", str(tmp_path),
+                             "--schedulers", "sequential", "--no-torch-compile"],
+                            capture_output=True, text=True, timeout=600, cwd=BENCHMARKS.parent)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((tmp_path / "fused_cpu.json").read_text())
+    assert [r["mode"] for r in data["rows"]] == ["eager", "opweave sequential", "opweave sequential+inductor"]
+    assert all("error" not in r and r["max_abs_diff"] < 1e-4 for r in data["rows"]), data["rows"]
+    fused = data["rows"][-1]
+    assert fused["segments"] == 1 and fused["inductor_s"] > 0 and fused["compile_s"] >= fused["inductor_s"]
+    assert data["settings"]["inductor_cache"] == "cold"

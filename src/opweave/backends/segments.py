@@ -7,6 +7,8 @@ ops, its fx nodes kept in graph order) and the plan becomes a plan of segments (
 segment is launched where its first op was, the other launches dropped, every sync instruction kept). The
 backends run that plan unchanged: on the CPU a lane's worker thread calls one compiled segment where it called
 each op; on CUDA the segment's kernels go to the lane's stream, inside the one CUDA Graph the backend records.
+(On the CPU, Inductor's own C++ kernels hold the GIL while they run: torch 2.13's binding for them does not release
+it. Library calls inside a segment, convolutions and matrix products, do release it, so lanes overlap in those.)
 
 **Why a segment keeps every ordering the plan proved.** The validator proves, on the op-level plan, that each
 dependency ``u -> v`` is ordered by FIFO order on a lane or by a record after ``u`` and a wait before ``v``
