@@ -29,8 +29,13 @@ class Compiled:
     plan: LaunchPlan
     backend: Any
     device: str
+    captured: Any = None
 
-    def __call__(self, *args) -> Any:
+    def __call__(self, *args, **kwargs) -> Any:
+        if kwargs:  # keyword arguments bound to the model's forward(), as at capture
+            from opweave.capture.runtime import positional
+
+            args = positional(self.captured.signature, args, kwargs, self.graph.name)
         return self.backend(*args)
 
 
@@ -43,19 +48,27 @@ def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | Non
     return sched, plan
 
 
-def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "cpu", streams: int | None = None,
-            costs: Costs | None = None, profile: str | Path | None = None, cost_model: str = "ideal",
-            fold_bn: bool = False, **backend_options) -> Compiled:
-    """Compile ``model`` for ``example_inputs``; the result's outputs equal ``model(*inputs)`` (allclose).
+def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, scheduler: str = "opara",
+            device: str = "cpu", streams: int | None = None, costs: Costs | None = None,
+            profile: str | Path | None = None, cost_model: str = "ideal", fold_bn: bool = False,
+            **backend_options) -> Compiled:
+    """Compile ``model`` for ``example_inputs`` (and ``example_kwargs``, keyword arguments of its ``forward``); the
+    result's outputs equal ``model(*inputs, **kwargs)`` (allclose), and compiling leaves the model unchanged.
+
+    ``model`` is an ``nn.Module``, a ``torch.export.ExportedProgram``, or the path of a ``.pt2`` file written by
+    ``torch.export.save``; a program's own example inputs are used when none are given.
 
     Costs: ``costs`` if given, else the measured ``profile`` (a file written by ``opweave profile``, refused when it
     was measured for other shapes, dtype, device or torch), else the roofline estimate for the device.
     ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
     """
-    from opweave.capture import capture
+    from opweave.capture import capture, load_program
 
+    if isinstance(model, (str, Path)):
+        model = load_program(model)
     example_inputs = _check(device, example_inputs)
-    captured = capture(model, example_inputs, fold_bn=fold_bn)
+    captured = capture(model, example_inputs, example_kwargs=example_kwargs, fold_bn=fold_bn)
+    example_inputs = captured.example_inputs
     return compile_captured(captured, example_inputs, scheduler=scheduler, device=device, streams=streams,
                             costs=costs, profile=profile, cost_model=cost_model, **backend_options)
 
@@ -85,7 +98,7 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
         from opweave.backends.cuda import CudaBackend
 
         backend = CudaBackend(captured, plan, example_inputs, **backend_options)
-    return Compiled(graph, costs, sched, plan, backend, device)
+    return Compiled(graph, costs, sched, plan, backend, device, captured)
 
 
 def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,

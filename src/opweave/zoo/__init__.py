@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from opweave.errors import MissingPackageError, UsageError
+from opweave.zoo.torchvision_cpu import ensure_importable as ensure_torchvision_importable
 
 # Built-in name -> module of this package whose ``create(batch_size, **kwargs)`` builds it.
 _BUILTIN = {
@@ -120,7 +121,10 @@ def _calibrate_batchnorm(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> 
 
 
 def _require(package: str, name: str):
+    """Import ``package`` (torchvision, timm, transformers), torchvision first made importable beside a CPU-only torch
+    (:mod:`.torchvision_cpu`): timm and transformers import it too."""
     try:
+        ensure_torchvision_importable()
         return importlib.import_module(package)
     except ImportError as err:
         if err.name != package:  # installed, but one of its own dependencies is missing
