@@ -104,13 +104,18 @@ class Captured:
             try:
                 env[name] = step(env)
             except Exception as exc:
-                raise self._failure(op_id, name, exc) from exc
+                raise self._failure(op_id, name, exc, env) from exc
 
-    def _failure(self, op_id: str, name: str, exc: Exception) -> CaptureError:
-        """The error of a failed op, naming it and its fx node as ``torch.fx.Interpreter`` does."""
+    def _failure(self, op_id: str, name: str, exc: Exception, env: dict[str, Any]) -> CaptureError:
+        """The error of a failed op: the op, what it runs on which tensors (dtype and shape), and its fx node as
+        ``torch.fx.Interpreter`` names it."""
         node = next(n for n in self.nodes[op_id] if n.name == name)
         text = str(exc).strip().splitlines()
-        return CaptureError(f"{self.graph.name}: op {op_id!r} failed while executing fx node {name!r} "
+        tensors = [env.get(a.name) for a in node.all_input_nodes]
+        shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors
+                           if isinstance(t, torch.Tensor))
+        return CaptureError(f"{self.graph.name}: op {op_id!r} ({opinfo.target_name(node, self.gm)} on "
+                            f"{shapes or 'no tensors'}) failed while executing fx node {name!r} "
                             f"({node.format_node()}): {type(exc).__name__}: {text[0] if text else ''}")
 
     def output(self, env: dict[str, Any]) -> Any:

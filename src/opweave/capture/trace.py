@@ -66,11 +66,11 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
     inputs (skipped for models in training mode, whose dropout makes outputs random); a mismatch on the fx route
     falls back to torch.export. Cost: two forward passes (eager and ShapeProp) plus tracing.
     """
-    program = model if isinstance(model, torch.export.ExportedProgram) else None
-    if program is not None:
-        if not example_inputs and example_kwargs is None and program.example_inputs is not None:
-            example_inputs, example_kwargs = program.example_inputs
-        model = _ProgramModule(program)
+    if isinstance(model, torch.export.ExportedProgram):
+        model = ExportedModule(model)
+    program = model.exported if isinstance(model, ExportedModule) else None
+    if program is not None and not example_inputs and example_kwargs is None and program.example_inputs:
+        example_inputs, example_kwargs = program.example_inputs
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
     model_name = name or ("ExportedProgram" if program is not None else type(model).__name__)
@@ -117,24 +117,30 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
     raise CaptureError(f"cannot capture {model_name} as one graph{at}: {reasons}. {SUGGESTION}")
 
 
-def load_program(path: str | Path) -> torch.export.ExportedProgram:
-    """The ``ExportedProgram`` saved at ``path`` by ``torch.export.save`` (a ``.pt2`` file)."""
+def load_program(path: str | Path) -> ExportedModule:
+    """The ``ExportedProgram`` saved at ``path`` by ``torch.export.save`` (a ``.pt2`` file), as an
+    :class:`ExportedModule`; its example inputs, keyword arguments bound by position, are ``.example_inputs``."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"no model file {str(path)!r}")
     try:
-        return torch.export.load(path)
+        module = ExportedModule(torch.export.load(path))
     except Exception as exc:  # noqa: BLE001 - any failure to read means "not an exported program"
         raise UsageError(f"{str(path)!r} is not a program saved by torch.export.save ({_first_line(exc)})") from exc
+    args, kwargs = module.exported.example_inputs or ((), {})
+    module.example_inputs = positional(module.signature, args, kwargs, path.name)
+    return module
 
 
 # ---- 0. arguments, the eager run, the model's state ---------------------------------------------------------------
-class _ProgramModule(nn.Module):
-    """An ``ExportedProgram``'s module called by position: the arguments that were exported as keywords are passed
-    on as keywords, as the program's input spec requires."""
+class ExportedModule(nn.Module):
+    """An ``ExportedProgram`` as a module called by position (what :func:`capture` and ``opweave bench`` call): the
+    arguments that were exported as keywords are passed on as keywords, as the program's input spec requires.
+    :func:`capture` captures ``exported`` itself."""
 
     def __init__(self, program: torch.export.ExportedProgram):
         super().__init__()
+        self.exported = program
         self.program = program.module()
         self.signature = inspect.signature(self.program.forward)
         spec = program.call_spec.in_spec  # (args tuple, kwargs dict)
@@ -205,7 +211,7 @@ def where(exc: BaseException, model: nn.Module) -> str:
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and id(owner) in paths:
             module = owner
-        if not frame.f_code.co_filename.startswith(_LIBRARIES):
+        if not frame.f_code.co_filename.startswith(_LIBRARIES + ("<",)):  # "<": generated code (fx, eval)
             line = (frame.f_code.co_filename, lineno)
     if module is None and line is None:
         return ""
