@@ -88,18 +88,16 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
     failures: list[str] = []
     located = ""
     for route, trace in routes:
-        try:
-            with _state_kept(model, model_name, check_changes=False):
-                gm = trace()
-                if fold_bn and route == "torch.export":
-                    warnings.warn(f"{model_name}: fold_bn applies to symbolic_trace graphs only; not folded",
-                                  stacklevel=2)
-                elif fold_bn:
-                    from torch.fx.experimental.optimization import fuse
+        try:  # the eager run changed no state, so neither does its trace
+            gm = trace()
+            if fold_bn and route == "torch.export":
+                warnings.warn(f"{model_name}: fold_bn applies to symbolic_trace graphs only; not folded", stacklevel=2)
+            elif fold_bn:
+                from torch.fx.experimental.optimization import fuse
 
-                    gm = fuse(gm, inplace=False, no_trace=True)
-                kept = rewrite_inplace(gm)
-                result = _propagate_shapes(gm, example_inputs)
+                gm = fuse(gm, inplace=False, no_trace=True)
+            kept = rewrite_inplace(gm)
+            result = _propagate_shapes(gm, example_inputs)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means "try the next route"
             failures.append(f"{route}: {_first_line(exc)}")
             located = where(exc, model) or located
@@ -159,9 +157,9 @@ def _signature(model: nn.Module) -> inspect.Signature | None:
 
 
 @contextlib.contextmanager
-def _state_kept(model: nn.Module, model_name: str, check_changes: bool = True):
-    """Save the model's parameters and buffers, run the block, put them back bit for bit. With ``check_changes``,
-    a block that changed one is refused (after the restore) naming it."""
+def _state_kept(model: nn.Module, model_name: str):
+    """Save the model's parameters and buffers, run the block, put them back bit for bit; a block that changed one
+    is refused (after the restore) naming it."""
     saved = {k: v.detach().clone() for k, v in _state(model).items()}
     try:
         yield
@@ -174,7 +172,7 @@ def _state_kept(model: nn.Module, model_name: str, check_changes: bool = True):
                     changed.append(key)
                     if before is not None and tensor.shape == before.shape:
                         tensor.copy_(before)
-    if check_changes and changed:
+    if changed:
         owner = type(model.get_submodule(changed[0].rpartition(".")[0])).__name__
         hint = " (BatchNorm in training mode: call model.eval())" if "running_" in changed[0] else ""
         raise CaptureError(f"cannot capture {model_name}: its forward changes {', '.join(changed)} (in {owner})"

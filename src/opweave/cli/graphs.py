@@ -134,6 +134,7 @@ def models(as_json: JsonOpt = False):
         counts = zoo.PAPER_COUNTS.get(name)
         table.add_row(name, "" if counts is None else f"{counts['ops']} / {counts.get('edges') or '?'}")
     out.print(table)
-    out.print("also: torchvision:<name>, timm:<name>, hf:<model-id> where those packages are installed")
+    out.print("also: torchvision:<name>, timm:<name>, hf:<model-id> or hf:<ModelClass> (e.g. hf:T5EncoderModel) "
+              "where those packages are installed")
 
 
