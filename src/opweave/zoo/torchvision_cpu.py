@@ -34,6 +34,8 @@ def ensure_importable() -> ModuleType | None:
     """Import torchvision (None when it is not installed), defining its missing operator schemas if its compiled
     extension failed to load (see the module docstring). Call it before importing timm or transformers."""
     global _library
+    if "torchvision" in sys.modules:  # imported already (or stood in for)
+        return sys.modules["torchvision"]
     if importlib.util.find_spec("torchvision") is None:
         return None
     try:
