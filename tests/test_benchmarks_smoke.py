@@ -50,3 +50,14 @@ def test_sim_quality_quick(tmp_path):
     ideal_sequential = next(r for r in data["results"] if r["cost_model"] == "ideal" and r["scheduler"] == "sequential")
     assert ideal_sequential["speedup"] == pytest.approx(1.0)
     assert (tmp_path / "sim_quality.png").stat().st_size > 1000
+
+
+def test_coverage_one_model(tmp_path):
+    result = run_script("coverage.py", tmp_path, "--models", "torchvision:squeezenet1_1", "--schedulers",
+                        "sequential,lios")
+    data = json.loads((tmp_path / "coverage.json").read_text())
+    assert data["summary"] == {"models": 1, "schedulers": 2, "pairs_passed": 2, "pairs": 2}
+    assert [r["model"] for r in data["results"]] == ["torchvision:squeezenet1_1"]
+    table = (tmp_path / "coverage.md").read_text()
+    assert "| torchvision:squeezenet1_1 |" in table and "2/2 model x scheduler pairs pass" in table
+    assert "pass" in result.stdout

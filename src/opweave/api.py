@@ -29,8 +29,13 @@ class Compiled:
     plan: LaunchPlan
     backend: Any
     device: str
+    captured: Any = None
 
-    def __call__(self, *args) -> Any:
+    def __call__(self, *args, **kwargs) -> Any:
+        if kwargs:  # keyword arguments bound to the model's forward(), as at capture
+            from opweave.capture.runtime import positional
+
+            args = positional(self.captured.signature, args, kwargs, self.graph.name)
         return self.backend(*args)
 
 
@@ -43,19 +48,28 @@ def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | Non
     return sched, plan
 
 
-def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "cpu", streams: int | None = None,
-            costs: Costs | None = None, profile: str | Path | None = None, cost_model: str = "ideal",
-            fold_bn: bool = False, **backend_options) -> Compiled:
-    """Compile ``model`` for ``example_inputs``; the result's outputs equal ``model(*inputs)`` (allclose).
+def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, scheduler: str = "opara",
+            device: str = "cpu", streams: int | None = None, costs: Costs | None = None,
+            profile: str | Path | None = None, cost_model: str = "ideal", fold_bn: bool = False,
+            **backend_options) -> Compiled:
+    """Compile ``model`` for ``example_inputs`` (and ``example_kwargs``, keyword arguments of its ``forward``); the
+    result's outputs equal ``model(*inputs, **kwargs)`` (allclose), and compiling leaves the model unchanged.
+
+    ``model`` is an ``nn.Module``, a ``torch.export.ExportedProgram``, or the path of a ``.pt2`` file written by
+    ``torch.export.save`` (:func:`opweave.capture.load_program`); a program's own example inputs are used when none
+    are given.
 
     Costs: ``costs`` if given, else the measured ``profile`` (a file written by ``opweave profile``, refused when it
     was measured for other shapes, dtype, device or torch), else the roofline estimate for the device.
     ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
     """
-    from opweave.capture import capture
+    from opweave.capture import capture, load_program
 
+    if isinstance(model, (str, Path)):
+        model = load_program(model)
     example_inputs = _check(device, example_inputs)
-    captured = capture(model, example_inputs, fold_bn=fold_bn)
+    captured = capture(model, example_inputs, example_kwargs=example_kwargs, fold_bn=fold_bn)
+    example_inputs = captured.example_inputs
     return compile_captured(captured, example_inputs, scheduler=scheduler, device=device, streams=streams,
                             costs=costs, profile=profile, cost_model=cost_model, **backend_options)
 
@@ -85,14 +99,34 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
         from opweave.backends.cuda import CudaBackend
 
         backend = CudaBackend(captured, plan, example_inputs, **backend_options)
-    return Compiled(graph, costs, sched, plan, backend, device)
+    return Compiled(graph, costs, sched, plan, backend, device, captured)
+
+
+def load_model(model: str | None = None, model_file: str | Path | None = None, *,
+               batch_size: int = 1) -> tuple[Any, tuple, str]:
+    """The model a CLI command runs, its example inputs and its name: zoo ``model`` at ``batch_size``, or the
+    ``.pt2`` file ``model_file`` (``torch.export.save``) with the inputs it was exported with."""
+    if (model is None) == (model_file is None):
+        raise UsageError("give --model NAME or --model-file PATH.pt2, not both")
+    if model_file is not None:
+        from opweave.capture import load_program
+
+        if batch_size != 1:
+            raise UsageError("--batch-size does not apply to --model-file: an exported program's shapes are fixed")
+        module = load_program(model_file)
+        return module, module.example_inputs, Path(model_file).stem
+    from opweave import zoo
+
+    module, inputs = zoo.create(model, batch_size=batch_size)
+    return module, inputs, model
 
 
 def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,
-               preset: str = "h100", profile: str | Path | None = None) -> OpGraph:
+               preset: str = "h100", profile: str | Path | None = None,
+               model_file: str | Path | None = None) -> OpGraph:
     """The graph the CLI's ``schedule`` and ``simulate`` work on: a graph JSON file or a shipped example
-    (``graph``), or a zoo ``model`` captured at ``batch_size`` with roofline latencies for ``preset``, or with the
-    latencies measured in ``profile``.
+    (``graph``), or a zoo ``model`` captured at ``batch_size`` (or the ``.pt2`` ``model_file``) with roofline
+    latencies for ``preset``, or with the latencies measured in ``profile``.
 
     A profile must have been measured for this model, batch (input shapes) and dtype; otherwise
     :class:`~opweave.costs.profile.ProfileKeyError`. Its device and torch version are not checked: scheduling and
@@ -100,10 +134,16 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
     """
     from opweave.ir import examples
 
-    if (graph is None) == (model is None):
-        raise UsageError("give a GRAPH (file or example name) or --model NAME, not both")
+    if sum(x is not None for x in (graph, model, model_file)) != 1:
+        raise UsageError("give a GRAPH (file or example name), --model NAME or --model-file PATH.pt2, one of them")
     if profile is not None and model is None:
         raise UsageError("--profile goes with --model (a graph file carries its own latencies)")
+    if model_file is not None:
+        from opweave.capture import capture
+        from opweave.costs.roofline import with_estimates
+
+        module, inputs, name = load_model(model_file=model_file, batch_size=batch_size)
+        return with_estimates(capture(module, inputs, name=name).graph, preset)
     if model is not None:
         from opweave import zoo
         from opweave.capture import capture

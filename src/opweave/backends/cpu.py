@@ -7,6 +7,15 @@ kernels, so independent ops do overlap on a multi-core CPU.
 
 A lane that raises releases every signal so that no other lane blocks forever, and the first error is re-raised
 in the caller.
+
+Every lane runs its ops with autograd off, whichever thread it is and whatever the caller's mode. Autograd mode is
+thread-local, and some kernels pick their algorithm, hence their output's strides, by it: CPU
+``scaled_dot_product_attention`` takes its flash kernel ((B, L, H, E) memory order) when no input requires grad and
+its math kernel (contiguous) otherwise. A graph captured through torch.export has turned the model's
+``transpose().contiguous()`` into nothing where the traced tensor was already contiguous, so its next ``view`` then
+failed on the lanes that ran with grad on (worker threads start with it on) and not in the caller's ``no_grad``
+thread: the layout depended on the schedule. Capture propagates shapes and verifies under ``no_grad``, so that is
+the mode every lane uses.
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ import queue
 import threading
 import weakref
 from typing import Any
+
+import torch
 
 from opweave.backends.program import Lane, Program, Step
 from opweave.plan.launchplan import LaunchPlan
@@ -32,7 +43,7 @@ class CpuBackend:
         self.close = weakref.finalize(self, _stop, list(self._workers.values()))
 
     def __call__(self, *args) -> Any:
-        with self._lock:
+        with self._lock, torch.no_grad():
             env = self.captured.bind(args)
             if len(self._workers) == 1:  # a single lane needs no threads
                 (worker,) = self._workers.values()
@@ -89,16 +100,20 @@ class _Worker:
     def _loop(self) -> None:
         while (call := self.inbox.get()) is not None:
             try:
-                for step in self.steps:
-                    if call.errors:
-                        break
-                    if step.kind == "launch":
-                        self.captured.run_op(step.op, call.env)
-                    elif step.kind == "signal":
-                        call.signals[step.signal].set()
-                    else:
-                        call.signals[step.signal].wait()
+                self._run(call)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 call.fail(exc)
             finally:
                 call.lane_finished()
+
+    @torch.no_grad()
+    def _run(self, call: _Call) -> None:
+        for step in self.steps:
+            if call.errors:
+                break
+            if step.kind == "launch":
+                self.captured.run_op(step.op, call.env)
+            elif step.kind == "signal":
+                call.signals[step.signal].set()
+            else:
+                call.signals[step.signal].wait()

@@ -46,6 +46,8 @@ def guard(fn):
 # ---- shared options -----------------------------------------------------------------------------------------------
 GraphArg = Annotated[str | None, typer.Argument(help="graph JSON file or example name (e.g. lios-fig3)")]
 ModelOpt = Annotated[str | None, typer.Option("--model", help="zoo model name instead of a graph")]
+ModelFileOpt = Annotated[Path | None, typer.Option("--model-file", help="a model saved by torch.export.save (.pt2) "
+                                                                        "instead of a zoo name")]
 StreamsOpt = Annotated[int | None, typer.Option("--streams", min=1, help="max streams per device")]
 DevicesOpt = Annotated[int, typer.Option("--devices", min=1, help="number of devices")]
 CostOpt = Annotated[str, typer.Option("--cost-model", help="ideal | gpu")]
