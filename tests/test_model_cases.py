@@ -223,6 +223,20 @@ def test_a_counter_buffer_is_refused_naming_it_and_left_unchanged():
     assert_bit_identical(before, model)
 
 
+def test_a_forward_that_writes_a_parameter_is_refused_naming_it():
+    class Drifts(nn.Module):  # parameters are not copied during capture: the write is detected, not undone
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.fc.bias.add_(1.0)
+            return self.fc(x)
+
+    with pytest.raises(CaptureError, match=r"its forward changes fc\.bias .*a parameter was written"):
+        opweave.compile(Drifts(), (torch.randn(2, 4),))
+
+
 def test_batchnorm_in_training_mode_is_refused_naming_its_statistics():
     model = Branchy().train()
     before = state(model)

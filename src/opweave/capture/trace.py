@@ -158,30 +158,36 @@ def _signature(model: nn.Module) -> inspect.Signature | None:
 
 @contextlib.contextmanager
 def _state_kept(model: nn.Module, model_name: str):
-    """Save the model's parameters and buffers, run the block, put them back bit for bit; a block that changed one
-    is refused (after the restore) naming it."""
-    saved = {k: v.detach().clone() for k, v in _state(model).items()}
+    """Run the block and leave the model's state as it was; a block that changed it is refused, naming the tensor.
+
+    Buffers (running statistics, counters: the state a forward may update) are saved and put back bit for bit.
+    Parameters, the bulk of a model's memory, are not copied: a forward that writes one in place (its version
+    counter moves) or rebinds one is refused all the same, and the message says it could not be undone.
+    """
+    params = {k: (p, p._version) for k, p in model.named_parameters()}
+    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
     try:
         yield
     finally:
-        changed = []
+        changed, kept = [], True
         with torch.no_grad():
-            for key, tensor in _state(model).items():
+            for key, tensor in model.named_buffers():
                 before = saved.get(key)
                 if before is None or tensor.shape != before.shape or not torch.equal(tensor, before):
                     changed.append(key)
                     if before is not None and tensor.shape == before.shape:
                         tensor.copy_(before)
+            for key, param in model.named_parameters():
+                if key not in params or params[key][0] is not param or params[key][1] != param._version:
+                    changed.append(key)
+                    kept = False
     if changed:
         owner = type(model.get_submodule(changed[0].rpartition(".")[0])).__name__
         hint = " (BatchNorm in training mode: call model.eval())" if "running_" in changed[0] else ""
+        undone = "" if kept else " (a parameter was written: it keeps the new value)"
         raise CaptureError(f"cannot capture {model_name}: its forward changes {', '.join(changed)} (in {owner})"
-                           f"{hint}; a captured graph runs for inference and would not repeat the update "
+                           f"{hint}{undone}; a captured graph runs for inference and would not repeat the update "
                            "(keep such state outside forward)")
-
-
-def _state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
 def _eager(model: nn.Module, example_inputs: tuple, model_name: str) -> Any:
