@@ -16,9 +16,10 @@ from opweave.schedulers.schedule import Schedule
 
 
 @st.composite
-def scheduled_dags(draw, max_ops: int = 30, max_streams: int = 4, max_devices: int = 2):
-    """A random DAG with a random schedule: any topological order, streams, devices, and maybe stages."""
-    graph = draw(dags(max_ops=max_ops))
+def scheduled_dags(draw, max_ops: int = 30, max_streams: int = 4, max_devices: int = 2, graphs=None):
+    """A random DAG (from ``graphs``, default :func:`dags`) with a random schedule: any topological order, streams,
+    devices, and maybe stages."""
+    graph = draw(graphs if graphs is not None else dags(max_ops=max_ops))
     priority = {op: draw(st.integers(0, 1000)) for op in graph.ids}
     order = list(nx.lexicographical_topological_sort(graph.nx(), key=priority.__getitem__))
     stream_of = {op: draw(st.integers(0, max_streams - 1)) for op in order}
