@@ -56,8 +56,9 @@ def covers(clock: Clock, at: Point) -> bool:
 
 def join_clocks(into: Clock, other: Clock) -> None:
     """Raise ``into`` to at least ``other``, lane by lane (the vector-clock join)."""
+    get = into.get
     for lane, pos in other.items():
-        if into.get(lane, 0) < pos:
+        if get(lane, 0) < pos:
             into[lane] = pos
 
 
@@ -106,13 +107,15 @@ class PlanInterpreter:
         _check_instr(i, ins)
         source = self.pair(i, ins)
         lane = (ins.device, ins.stream)
-        here = self.clock.setdefault(lane, {})
+        here = self.clock.get(lane)
+        if here is None:
+            here = self.clock[lane] = {}
         at = (lane, here.get(lane, 0) + 1)
         here[lane] = at[1]
         if source is not None:
             join_clocks(here, self.snapshot[source])
-        if ins.kind in ("record", "send"):
-            self.snapshot[i] = dict(here)
+        elif ins.kind == "record" or ins.kind == "send":
+            self.snapshot[i] = here.copy()
         self.instrs.append(ins)
         self.point.append(at)
         self.source.append(source)
