@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import functools
 import gzip
-import importlib.util
 import json
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import opweave
+from benchmark_module import gpu_latency
 from dags import dags
 from opweave import costs as costs_mod
 from opweave import schedulers
@@ -593,22 +593,14 @@ def test_capture_errors_name_the_op_in_one_line():
     wrapped.__cause__ = inner
     assert "synchronizes the CPU with the GPU" in str(capture_error(cap, op, wrapped, sync=True))
     assert "a step outside the ops" in str(capture_error(cap, None, ValueError("bad input")))
-    assert "ending the capture failed: RuntimeError: CUDA error: operation failed due to a previous error" in str(
-        capture_error(cap, None, RuntimeError("CUDA error: operation failed due to a previous error"),
-                      where="ending the capture"))
+    assert err.endswith("pass fallback='eager' or mode='streams' to run it without a graph")
+    during = str(capture_error(cap, None, RuntimeError("CUDA error: operation failed due to a previous error"),
+                               where="ending the capture", during_capture=True))
+    assert "ending the capture failed: RuntimeError: CUDA error: operation failed due to a previous error" in during
+    assert "fallback='eager'" not in during and "is never run eagerly" in during
 
 
 # ---- the GPU benchmark's parts that need no GPU ---------------------------------------------------------------------
-
-
-@functools.cache
-def gpu_latency():
-    bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"
-    sys.path.insert(0, str(bench_dir))  # for its ``import _common``
-    spec = importlib.util.spec_from_file_location("gpu_latency", bench_dir / "gpu_latency.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("name", ["bert_base", "deepfm", "squeezenet"])

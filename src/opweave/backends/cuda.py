@@ -422,7 +422,7 @@ class CudaBackend:
         _settle()
         if not isinstance(failure, Exception):
             raise failure
-        raise self._capture_error(failure, where=where) from failure
+        raise self._capture_error(failure, where=where, during_capture=True) from failure
 
     def _join_quietly(self, origin: torch.cuda.Stream) -> None:
         """After an op failed mid-capture: join the other lanes into ``origin`` so that the capture can end. Each
@@ -448,17 +448,19 @@ class CudaBackend:
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
 
-    def _capture_error(self, exc: BaseException, sync: bool = False, where: str | None = None) -> GraphCaptureError:
+    def _capture_error(self, exc: BaseException, sync: bool = False, where: str | None = None,
+                       during_capture: bool = False) -> GraphCaptureError:
         op, self._current_op = self._current_op, None
-        return capture_error(self.captured, op, exc, sync=sync, where=where)
+        return capture_error(self.captured, op, exc, sync=sync, where=where, during_capture=during_capture)
 
 
 # ---- helpers (no CUDA needed) ----------------------------------------------------------------------------------
 
 
 def capture_error(captured: Captured, op: str | None, exc: BaseException, *, sync: bool = False,
-                  where: str | None = None) -> GraphCaptureError:
-    """The one-line :class:`GraphCaptureError` for ``exc`` raised while op ``op`` ran (None: outside the ops)."""
+                  where: str | None = None, during_capture: bool = False) -> GraphCaptureError:
+    """The one-line :class:`GraphCaptureError` for ``exc`` raised while op ``op`` ran (None: outside the ops), in
+    the checked run before capture or ``during_capture``."""
     text = " ".join(str(e) for e in _chain(exc))
     if sync or any(s in text for s in ("capturing", "not permitted", "synchroniz")):
         cause = _SYNC_HINT
@@ -472,8 +474,9 @@ def capture_error(captured: Captured, op: str | None, exc: BaseException, *, syn
         place = f"op {op!r} ({captured.graph.op[op].target}; fx nodes {nodes})"
     else:
         place = "a step outside the ops (binding the inputs or building the output)"
-    return GraphCaptureError(f"cannot record {captured.graph.name} into a CUDA graph: {place} {cause}; "
-                             "pass fallback='eager' or mode='streams' to run it without a graph")
+    remedy = ("mode='streams' runs it without a graph (a failure during the capture is never run eagerly instead)"
+              if during_capture else "pass fallback='eager' or mode='streams' to run it without a graph")
+    return GraphCaptureError(f"cannot record {captured.graph.name} into a CUDA graph: {place} {cause}; {remedy}")
 
 
 def check_distinct_streams(streams: list[tuple[str, int]]) -> None:
