@@ -61,6 +61,8 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, sch
 
     Costs: ``costs`` if given, else the measured ``profile`` (a file written by ``opweave profile``, refused when it
     was measured for other shapes, dtype, device or torch), else the roofline estimate for the device.
+    ``streams`` caps the streams the scheduler may use; for CUDA it defaults to
+    :func:`opweave.backends.cuda.default_streams` (8, the GPU's hardware queues), on the CPU to no cap.
     ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
     """
     from opweave.capture import capture, load_program
@@ -88,6 +90,10 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
         costs = load_for(profile, captured, example_inputs, device).costs(graph, model=cost_model)
     elif costs is None:
         costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset(), model=cost_model)
+    if device == "cuda" and streams is None:
+        from opweave.backends.cuda import default_streams
+
+        streams = default_streams()  # more lanes than the GPU's hardware queues only add false dependencies
     sched, plan = plan_for(graph, costs, scheduler, streams=streams)
     if device == "cpu":
         if backend_options:
