@@ -40,19 +40,31 @@ from opweave.schedulers.schedule import Schedule
 
 
 def minimum_equivalent_graph(graph: OpGraph) -> nx.DiGraph:
-    """G': the transitive reduction of the graph's DAG (same reachability, fewest edges)."""
-    return nx.transitive_reduction(graph.nx())
+    """G': the transitive reduction of the graph's DAG (same reachability, fewest edges), nodes in capture order
+    and each op's edges in the order of its successors in the graph (not networkx's set order, which changes with
+    the process's string-hash seed)."""
+    reduced = nx.transitive_reduction(graph.nx())
+    meg = nx.DiGraph()
+    meg.add_nodes_from(graph.ids)
+    meg.add_edges_from((u, v) for u in graph.ids for v in graph.succs[u] if reduced.has_edge(u, v))
+    return meg
 
 
 def maximum_matching(meg: nx.DiGraph) -> dict[str, str]:
-    """A maximum matching of the bipartite graph B of Algorithm 1 step 2, as ``successor_of[v_i] = v_j``."""
+    """A maximum matching of the bipartite graph B of Algorithm 1 step 2, as ``successor_of[v_i] = v_j``.
+
+    B's nodes are integers (x_i = i, y_j = n + j for the i-th and j-th node of ``meg``): networkx's Hopcroft–Karp
+    walks its left side as a set, and a set of integers, unlike one of strings, iterates in the same order in every
+    process, so the matching (and the schedule) does not depend on the string-hash seed."""
+    nodes = list(meg.nodes)
+    n = len(nodes)
+    number = {u: i for i, u in enumerate(nodes)}
     bip = nx.Graph()
-    left = [("L", u) for u in meg.nodes]
-    bip.add_nodes_from(left, bipartite=0)
-    bip.add_nodes_from((("R", v) for v in meg.nodes), bipartite=1)
-    bip.add_edges_from((("L", u), ("R", v)) for u, v in meg.edges)
-    matching = bipartite.hopcroft_karp_matching(bip, top_nodes=left)
-    return {u: matching[("L", u)][1] for side, u in left if ("L", u) in matching}
+    bip.add_nodes_from(range(n), bipartite=0)
+    bip.add_nodes_from(range(n, 2 * n), bipartite=1)
+    bip.add_edges_from((number[u], n + number[v]) for u, v in meg.edges)
+    matching = bipartite.hopcroft_karp_matching(bip, top_nodes=range(n))
+    return {nodes[i]: nodes[matching[i] - n] for i in range(n) if i in matching}
 
 
 def nimble_stats(graph: OpGraph) -> tuple[int, int]:
