@@ -24,7 +24,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import networkx as nx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from opweave import schedulers, zoo
 from opweave.costs import from_graph
@@ -135,6 +138,24 @@ def test_random_dag_schedules_unchanged(spec):
 @pytest.mark.parametrize("model", zoo.names())
 def test_zoo_schedules_unchanged(model):
     _check(digests_of(model, _fresh_zoo(model), zoo_costs))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.integers(1, 40), seed=st.integers(0, 10**6), data=st.data())
+def test_topo_order_and_reachability_match_networkx(ops, seed, data):
+    """The graph's cached structure, which every scheduler reads, as networkx computes it, also when the capture
+    order is not topological (ops shuffled)."""
+    layers = data.draw(st.integers(1, ops))
+    sizes = [ops // layers + (i < ops % layers) for i in range(layers)]
+    most = sum(a * b for i, a in enumerate(sizes) for b in sizes[i + 1:])
+    edges = data.draw(st.integers(ops - sizes[0], max(ops - sizes[0], most)))
+    base = random_dag(ops, layers, edges, seed)
+    shuffled = data.draw(st.permutations(base.ops))
+    graph = OpGraph(list(shuffled), base.edges, "shuffled")
+    ref = graph.nx()
+    assert graph.topo_order == list(nx.lexicographical_topological_sort(ref, key=graph.index.__getitem__))
+    for u in graph.ids:
+        assert {v for v in graph.ids if graph.reaches(u, v)} == nx.descendants(ref, u)
 
 
 _DIGESTS_IN_CHILD = """
