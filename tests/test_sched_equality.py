@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -35,6 +36,8 @@ from opweave.costs.model import Costs
 from opweave.costs.roofline import estimate
 from opweave.ir.graph import OpGraph
 from opweave.ir.synth import random_dag
+from opweave.schedulers.hios.grouping import ChainPlan, WorkingPlan
+from opweave.schedulers.hios.stages import Problem, evaluate
 from opweave.schedulers.schedule import Schedule
 
 FIXTURE = Path(__file__).parent / "data" / "sched_digests.json"
@@ -140,22 +143,84 @@ def test_zoo_schedules_unchanged(model):
     _check(digests_of(model, _fresh_zoo(model), zoo_costs))
 
 
+def _draw_random_dag(ops: int, seed: int, data) -> OpGraph:
+    """A layered random DAG of ``ops`` ops, with as many layers and edges as ``data`` draws."""
+    layers = data.draw(st.integers(1, ops))
+    sizes = [ops // layers + (i < ops % layers) for i in range(layers)]
+    most = sum(a * b for i, a in enumerate(sizes) for b in sizes[i + 1:])
+    return random_dag(ops, layers, data.draw(st.integers(ops - sizes[0], max(ops - sizes[0], most))), seed)
+
+
 @settings(max_examples=200, deadline=None)
 @given(ops=st.integers(1, 40), seed=st.integers(0, 10**6), data=st.data())
 def test_topo_order_and_reachability_match_networkx(ops, seed, data):
     """The graph's cached structure, which every scheduler reads, as networkx computes it, also when the capture
     order is not topological (ops shuffled)."""
-    layers = data.draw(st.integers(1, ops))
-    sizes = [ops // layers + (i < ops % layers) for i in range(layers)]
-    most = sum(a * b for i, a in enumerate(sizes) for b in sizes[i + 1:])
-    edges = data.draw(st.integers(ops - sizes[0], max(ops - sizes[0], most)))
-    base = random_dag(ops, layers, edges, seed)
+    base = _draw_random_dag(ops, seed, data)
     shuffled = data.draw(st.permutations(base.ops))
     graph = OpGraph(list(shuffled), base.edges, "shuffled")
     ref = graph.nx()
     assert graph.topo_order == list(nx.lexicographical_topological_sort(ref, key=graph.index.__getitem__))
     for u in graph.ids:
         assert {v for v in graph.ids if graph.reaches(u, v)} == nx.descendants(ref, u)
+
+
+LATENCIES_MS = (0.0, 1e-3, 0.1, 0.2, 0.3, 0.7, 1.0, 1 / 3, 2.5, 1e3)  # ties, zeros, inexact binary fractions
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.integers(1, 30), seed=st.integers(0, 10**6), model=st.sampled_from(COST_MODELS), data=st.data())
+def test_chain_plan_times_like_working_plan_and_evaluate(ops, seed, model, data):
+    """HIOS's one-device grouping (:class:`ChainPlan`) gives the makespans of :class:`WorkingPlan` and of
+    ``evaluate()``, bit for bit, for every window on a chain in priority order, also after random merges."""
+    base = _draw_random_dag(ops, seed, data)
+    lat = data.draw(st.lists(st.sampled_from(LATENCIES_MS), min_size=ops, max_size=ops))
+    graph = OpGraph([dataclasses.replace(o, latency_ms=t) for o, t in zip(base.ops, lat, strict=True)], base.edges)
+    problem = Problem(graph, from_graph(graph, model=model))
+    chain = _topological_order(problem, data.draw(st.lists(st.floats(0, 1), min_size=ops, max_size=ops)))
+    device_of = [0] * ops
+    plan = [[(v,) for v in chain]]
+    fast, slow = ChainPlan(problem, device_of, plan), WorkingPlan(problem, device_of, plan)
+    assert fast.makespan_ms == slow.makespan_ms
+    for v in chain:
+        window = [v]
+        while fast.ops_of[v] == (v,) and fast.next_stage[window[-1]] >= 0 and len(window) < 4:
+            window.append(fast.next_stage[window[-1]])
+            if len(fast.ops_of[window[-1]]) > 1 or not problem.independent(window):
+                break
+            merged = tuple(sorted(window, key=problem.topo_pos.__getitem__))
+            assert not fast.creates_cycle(window) and not slow.creates_cycle(window)
+            fast_times, slow_times = fast.time_merge(window, merged, 0.0), slow.time_merge(window, merged, math.inf)
+            expected = evaluate(problem, device_of, _merged(fast.plan(), window, merged))
+            assert fast_times.makespan_ms == slow_times.makespan_ms == expected.makespan_ms
+            if data.draw(st.booleans()):
+                fast.merge(window, merged, fast_times)
+                slow.merge(window, merged, slow_times)
+                assert fast.plan() == slow.plan()
+                assert fast.makespan_ms == slow.makespan_ms == evaluate(problem, device_of, fast.plan()).makespan_ms
+                break
+
+
+def _topological_order(problem: Problem, keys: list[float]) -> list[int]:
+    """The topological order that always takes the ready op of smallest key (as HIOS's priority order does)."""
+    indegree = [len(p) for p in problem.preds]
+    ready = [(keys[v], v) for v, d in enumerate(indegree) if not d]
+    order = []
+    while ready:
+        ready.sort()
+        _, v = ready.pop(0)
+        order.append(v)
+        for w in problem.succs[v]:
+            indegree[w] -= 1
+            if not indegree[w]:
+                ready.append((keys[w], w))
+    return order
+
+
+def _merged(plan: list[list[tuple[int, ...]]], window: list[int], merged: tuple[int, ...]):
+    """``plan`` with the stages led by ``window`` replaced by the stage ``merged``."""
+    return [[merged if stage[0] == window[0] else stage for stage in seq if stage[0] not in window[1:]]
+            for seq in plan]
 
 
 _DIGESTS_IN_CHILD = """
