@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import subprocess
@@ -246,6 +247,20 @@ def test_schedules_do_not_depend_on_the_hash_seed():
                               env={**os.environ, "PYTHONHASHSEED": seed})
         results.append(json.loads(proc.stdout))
     assert results[0] == results[1]
+
+
+def test_run_logs_its_decisions_at_debug_level_only(caplog):
+    graph = random_dag(30, 6, 60, 0)
+    with caplog.at_level(logging.INFO, logger="opweave.schedulers"):
+        schedulers.run("lios", graph, from_graph(graph))
+    assert not caplog.records
+    with caplog.at_level(logging.DEBUG, logger="opweave.schedulers"):
+        sched = schedulers.run("lios", graph, from_graph(graph), streams=3)
+    (record,) = caplog.records
+    assert record.levelno == logging.DEBUG
+    message = record.getMessage()
+    assert message.startswith(f"lios on {graph.name} (30 ops): {sched.streams_used} streams on 1 devices")
+    assert f"predicted {sched.predicted_ms:.4f} ms, critical path {graph.critical_path_ms():.4f} ms" in message
 
 
 def test_fixture_covers_every_scheduler():

@@ -1,12 +1,15 @@
 """Schedulers: pure functions ``(graph, costs, options) -> Schedule``, one module per algorithm.
 
 Every module exposes ``schedule(graph, costs, *, streams=None, devices=1, **options) -> Schedule``.
-:func:`run` looks one up by name, times it and checks the result fits the graph.
+:func:`run` looks one up by name, times it and checks the result fits the graph. It logs what was decided (streams
+and devices used, predicted makespan against the critical path, scheduling time) at DEBUG level on the
+``opweave.schedulers`` logger, silent unless an application turns it on (``logging.basicConfig(level="DEBUG")``).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 
 from opweave.costs.model import Costs
@@ -26,6 +29,8 @@ _MODULES: dict[str, tuple[str, dict]] = {
     "hios-mr": ("hios", {"variant": "mr"}),
 }
 MULTI_DEVICE = ("hios-lp", "hios-mr")
+
+log = logging.getLogger(__name__)
 
 
 def names() -> list[str]:
@@ -49,4 +54,9 @@ def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, 
     sched.scheduling_time_s = time.perf_counter() - start
     sched.scheduler = name
     sched.check(graph)
+    if log.isEnabledFor(logging.DEBUG):
+        predicted = "-" if sched.predicted_ms is None else f"{sched.predicted_ms:.4f} ms"
+        log.debug("%s on %s (%d ops): %d streams on %d devices, predicted %s, critical path %.4f ms, "
+                  "scheduled in %.1f ms", name, graph.name, len(graph), sched.streams_used, sched.devices_used,
+                  predicted, graph.critical_path_ms(costs.latency_ms), sched.scheduling_time_s * 1e3)
     return sched
