@@ -40,6 +40,7 @@ def test_every_scheduler_module_is_registered():
     assert algorithms == {module for module, _ in schedulers._MODULES.values()}
 
 
+@pytest.mark.slow
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graph=dags(max_ops=60), streams=st.sampled_from([None, 1, 2, 3]), data=st.data())
 def test_every_scheduler_on_random_dags(graph, streams, data):

@@ -49,6 +49,7 @@ def run_script(name: str, out: Path, *extra: str) -> subprocess.CompletedProcess
     return result
 
 
+@pytest.mark.slow
 def test_sched_time_quick(tmp_path):
     result = run_script("sched_time.py", tmp_path, "--models", "squeezenet,lios-fig3")
     data = json.loads((tmp_path / "sched_time.json").read_text())
@@ -90,6 +91,7 @@ def test_a_benchmark_whose_own_check_fails_fails_the_smoke_test(tmp_path, row, e
         run_script(str(fake), tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_sim_quality_quick(tmp_path):
     run_script("sim_quality.py", tmp_path)
     data = json.loads((tmp_path / "sim_quality.json").read_text())

@@ -25,6 +25,7 @@ def captured_model(name: str):
     return capture(model, inputs, name=name), inputs, reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.names())
 def test_compile_matches_eager_for_every_zoo_model(name):
     model, inputs = zoo.create(name, batch_size=1)  # the full models (bert_base with all 12 layers)
@@ -36,6 +37,7 @@ def test_compile_matches_eager_for_every_zoo_model(name):
     assert fast.schedule.streams_used >= 1 and len(fast.graph) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.names())
 def test_every_scheduler_matches_eager(name):
     cap, inputs, reference = captured_model(name)

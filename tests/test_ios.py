@@ -66,6 +66,7 @@ def test_dp_equals_brute_force(graph, max_group_ops, max_groups, model):
     assert sched.predicted_ms == pytest.approx(brute_force_ms(graph, costs, max_group_ops, max_groups))
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(graph=dags(max_ops=40, shuffle=True), streams=st.one_of(st.none(), st.integers(1, 4)))
 def test_valid_and_never_worse_than_sequential(graph, streams):

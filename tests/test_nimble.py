@@ -57,6 +57,7 @@ def test_stream_cap():
         schedulers.run("nimble", graph, costs, max_streams=0)
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None)
 @given(graph=dags(max_ops=60, shuffle=True))
 def test_theorems_on_random_dags(graph):

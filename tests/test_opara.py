@@ -67,6 +67,7 @@ def test_stream_cap():
     assert schedulers.run("opara", graph, costs, streams=1).predicted_ms == 73.0
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(graph=dags(max_ops=60, shuffle=True), cap=st.one_of(st.none(), st.integers(1, 5)))
 def test_random_dags(graph, cap):
