@@ -21,7 +21,7 @@ LIST_SCHEDULERS = ("sequential", "nimble", "opara", "lios", "wavefront")  # repl
 @pytest.mark.parametrize("name", schedulers.names())
 def test_registered_module_imports_and_runs(name):
     # a scheduler whose module fails to import (or whose schedule() fails) fails here and in every test below
-    module_name, fixed = schedulers._MODULES[name]
+    module_name, _ = schedulers._MODULES[name]
     module = importlib.import_module(f"opweave.schedulers.{module_name}")
     assert callable(module.schedule)
     graph = examples.load("lios-fig3")
