@@ -26,10 +26,11 @@ demo: $(STAMP)
 	$(BIN)/opweave bench --model inception_v3 --device auto --schedulers sequential,lios,opara,nimble --runs 10
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest -q -n 2
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

@@ -1,10 +1,17 @@
-"""The benchmark scripts run end to end (``--quick``: small zoo graphs and one small random DAG) and write JSON."""
+"""The benchmark scripts run end to end (``--quick``: small zoo graphs and one small random DAG), write JSON, and
+pass their own checks: a script that exits non-zero, or writes a JSON that marks a result as failed, fails here.
+
+A benchmark marks a failed check in its JSON (:func:`failed_checks`) with ``"status"`` other than ``"ok"`` (an
+error or a timeout), ``"ok": false`` (e.g. an output that differs from eager), ``"pass": false`` (an acceptance
+verdict) or a non-null ``"error"``.
+"""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -12,13 +19,37 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def failed_checks(data: object, where: str = "") -> list[str]:
+    """Where ``data`` (a benchmark's JSON) marks a failed check, as ``path: reason`` strings (see the docstring)."""
+    found: list[str] = []
+    if isinstance(data, dict):
+        if "status" in data and data["status"] != "ok":
+            found.append(f"{where}: status {data['status']!r}")
+        for key in ("ok", "pass"):
+            if data.get(key) is False:
+                found.append(f"{where}: {key} is false")
+        if data.get("error") is not None:
+            found.append(f"{where}: error {data['error']!r}")
+        for key, value in data.items():
+            found += failed_checks(value, f"{where}.{key}")
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            found += failed_checks(value, f"{where}[{i}]")
+    return found
+
+
 def run_script(name: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run ``benchmarks/<name> --quick --out OUT``; fail unless it exits 0 and no JSON it wrote marks a failure."""
     result = subprocess.run([sys.executable, str(BENCHMARKS / name), "--quick", "--out", str(out), *extra],
                             capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    failures = [f for path in sorted(out.glob("*.json")) for f in failed_checks(json.loads(path.read_text()),
+                                                                               path.name)]
+    assert not failures, failures
     return result
 
 
+@pytest.mark.slow
 def test_sched_time_quick(tmp_path):
     result = run_script("sched_time.py", tmp_path, "--models", "squeezenet,lios-fig3")
     data = json.loads((tmp_path / "sched_time.json").read_text())
@@ -35,6 +66,32 @@ def test_sched_time_quick(tmp_path):
     assert ("PASS" if data["acceptance"]["pass"] else "FAIL") + ": every polynomial scheduler" in result.stdout
 
 
+def test_failed_checks_reads_what_a_benchmark_marks():
+    good = {"results": [{"status": "ok", "ok": True, "error": None}], "acceptance": {"pass": True}}
+    assert failed_checks(good) == []
+    bad = {"results": [{"status": "ok"}, {"status": "timeout"}, {"mode": "x", "ok": False, "error": "E: boom"}],
+           "acceptance": {"pass": False}}
+    assert failed_checks(bad, "b.json") == ["b.json.results[1]: status 'timeout'", "b.json.results[2]: ok is false",
+                                            "b.json.results[2]: error 'E: boom'", "b.json.acceptance: pass is false"]
+
+
+@pytest.mark.parametrize("row, exit_code, message", [({"status": "ok", "ok": False}, 0, "ok is false"),
+                                                     ({"status": "ok"}, 1, "FAIL: the fake check")])
+def test_a_benchmark_whose_own_check_fails_fails_the_smoke_test(tmp_path, row, exit_code, message):
+    fake = tmp_path / "fake_bench.py"  # writes its JSON as the real scripts do, prints its verdict, exits
+    fake.write_text(textwrap.dedent(f"""
+        import json, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        open(out + "/fake.json", "w").write(json.dumps({{"results": [{row!r}]}}))
+        print("PASS" if {exit_code} == 0 else "FAIL: the fake check")
+        sys.exit({exit_code})
+    """))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(AssertionError, match=message):
+        run_script(str(fake), tmp_path / "out")
+
+
+@pytest.mark.slow
 def test_sim_quality_quick(tmp_path):
     run_script("sim_quality.py", tmp_path)
     data = json.loads((tmp_path / "sim_quality.json").read_text())
@@ -49,6 +106,9 @@ def test_sim_quality_quick(tmp_path):
             assert row["makespan_ms"] >= row["lower_bound_ms"] - 1e-9
     ideal_sequential = next(r for r in data["results"] if r["cost_model"] == "ideal" and r["scheduler"] == "sequential")
     assert ideal_sequential["speedup"] == pytest.approx(1.0)
+    for row in data["results"]:  # under the ideal model every scheduler predicts its replay exactly
+        if row["cost_model"] == "ideal":
+            assert row["predicted_ms"] == pytest.approx(row["makespan_ms"], abs=1e-9), row["scheduler"]
     assert (tmp_path / "sim_quality.png").stat().st_size > 1000
 
 

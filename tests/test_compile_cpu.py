@@ -10,8 +10,9 @@ from opweave import schedulers, zoo
 from opweave.api import plan_for
 from opweave.backends.cpu import CpuBackend
 from opweave.bench import max_abs_diff
-from opweave.capture import capture
+from opweave.capture import CaptureError, capture
 from opweave.costs.roofline import estimate
+from rendezvous import TwoBranches, armed
 
 SMALL = {"bert_base": {"num_layers": 2}}  # the scheduler sweep runs 8 plans per model: a shorter BERT there
 
@@ -24,6 +25,7 @@ def captured_model(name: str):
     return capture(model, inputs, name=name), inputs, reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.names())
 def test_compile_matches_eager_for_every_zoo_model(name):
     model, inputs = zoo.create(name, batch_size=1)  # the full models (bert_base with all 12 layers)
@@ -35,6 +37,7 @@ def test_compile_matches_eager_for_every_zoo_model(name):
     assert fast.schedule.streams_used >= 1 and len(fast.graph) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.names())
 def test_every_scheduler_matches_eager(name):
     cap, inputs, reference = captured_model(name)
@@ -69,6 +72,21 @@ def test_an_error_inside_an_op_reaches_the_caller_without_hanging():
     with pytest.raises(RuntimeError):
         fast(-spd, y)  # not positive definite: the op fails on one lane while the other lane runs
     assert max_abs_diff(Branchy()(spd, y), fast(spd, y)) == 0.0
+
+
+def test_independent_branches_run_concurrently_on_two_lanes():
+    # the two rendezvous ops wait at a barrier for each other: the call only returns if two lanes ran them at once
+    x = torch.randn(4, 3)
+    fast = opweave.compile(TwoBranches(), (x,), scheduler="lios", device="cpu")
+    lane = {ins.op: (ins.device, ins.stream) for ins in fast.plan.instrs if ins.kind == "launch"}
+    meet = [o.id for o in fast.graph.ops if o.target.endswith("rendezvous")]
+    assert len(meet) == 2 and lane[meet[0]] != lane[meet[1]]
+    with armed(parties=2), torch.inference_mode():
+        got = fast(x)  # BrokenBarrierError unless both rendezvous ops ran at once
+    assert max_abs_diff(TwoBranches()(x), got) == 0.0
+    one_lane = opweave.compile(TwoBranches(), (x,), scheduler="sequential", device="cpu")
+    with armed(parties=2, timeout_s=0.2), pytest.raises(CaptureError, match="BrokenBarrierError"):
+        one_lane(x)  # on one lane the barrier breaks: the check above can fail
 
 
 def test_bad_device_is_refused():

@@ -37,6 +37,7 @@ def drop(plan: LaunchPlan, index: int) -> LaunchPlan:
     return LaunchPlan(plan.instrs[:index] + plan.instrs[index + 1:])
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(scheduled_dags())
 def test_plans_validate_and_every_wait_is_needed(case):
