@@ -1,0 +1,87 @@
+"""Putting a server together from options: models, executor, policy, engine (shared by ``opweave serve``,
+``opweave loadgen --simulate`` and the serving benchmark)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opweave.errors import UsageError
+from opweave.serve import policies
+from opweave.serve.engine import Engine
+from opweave.serve.executors import CpuExecutor, CudaExecutor, Part, RealClock, SimClock, SimExecutor
+from opweave.serve.models import ServedModel, load
+
+DEVICES = ("cpu", "cuda", "sim")
+
+
+def load_models(names: list[str], files: dict[str, Path] | None = None, *, device: str = "cpu", max_batch: int = 8,
+                image_size: int | None = None, cuts: dict[str, list[str]] | None = None) -> dict[str, ServedModel]:
+    """Zoo models ``names`` and exported programs ``files`` (name -> path), captured and split into blocks.
+    ``device`` "sim" loads on the CPU (only the graphs are used)."""
+    files = files or {}
+    both = sorted(set(names) & set(files))
+    if both:
+        raise UsageError(f"model {both[0]!r} is both a zoo name and a --model-file")
+    if not names and not files:
+        raise UsageError("no model to serve; give --models and/or --model-file")
+    where = "cpu" if device == "sim" else device
+    out = {}
+    for name in [*names, *files]:
+        out[name] = load(name, path=files.get(name), device=where, max_batch=max_batch, image_size=image_size,
+                         cuts=(cuts or {}).get(name))
+    return out
+
+
+def parse_cuts(items: list[str] | None) -> dict[str, list[str]]:
+    """``MODEL=op1+op2`` items (the manual block cuts) as a dict."""
+    out: dict[str, list[str]] = {}
+    for item in items or []:
+        model, sep, ops = item.partition("=")
+        if not sep or not model or not ops:
+            raise UsageError(f"--cuts {item!r} must be MODEL=OP[+OP...]")
+        out[model] = [o for o in ops.split("+") if o]
+    return out
+
+
+def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", policy: str = "heuristic",
+                policy_options: dict | None = None, max_queue: int = 64, max_batch: int = 8, max_sub_blocks: int = 4,
+                timeout_s: float | None = None, scheduler: str = "lios", streams: int | None = None,
+                preset: str = "h100", step_overhead_ms: float = 0.03, warm: bool = True) -> Engine:
+    """An engine on the real executor of ``device`` (cpu, cuda) or on the simulator (``sim``, roofline ``preset``).
+    ``warm`` compiles every block alone at batch 1 first (and checks it runs)."""
+    if device not in DEVICES:
+        raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    blocked = {name: m.blocked for name, m in models.items()}
+    if device == "sim":
+        executor = SimExecutor(blocked, preset=preset, scheduler=scheduler, streams=streams or 8,
+                               step_overhead_ms=step_overhead_ms)
+        clock = SimClock()
+    elif device == "cuda":
+        executor = CudaExecutor(blocked, scheduler=scheduler, streams=streams)
+        clock = RealClock()
+    else:
+        executor = CpuExecutor(blocked, scheduler=scheduler, streams=streams or 2)
+        clock = RealClock()
+    engine = Engine(executor, policies.create(policy, **(policy_options or {})), clock, max_queue=max_queue,
+                    max_batch=max_batch, max_sub_blocks=max_sub_blocks, timeout_s=timeout_s)
+    if warm:
+        warm_up(engine)
+    return engine
+
+
+def warm_up(engine: Engine) -> None:
+    """Run each model once, block by block alone at batch 1, on its example inputs (compiles those signatures)."""
+    ex = engine.executor
+    for name, model in ex.models.items():
+        state = ex.prepare(name, [model.flat_inputs(model.example_inputs)]) if device_of(ex) != "sim" else None
+        for b in range(len(model.blocks)):
+            part = Part(name, b, 1, state)
+            ex.run([part])
+            state = part.state
+
+
+def device_of(executor) -> str:
+    return "sim" if isinstance(executor, SimExecutor) else "real"
+
+
+__all__ = ["DEVICES", "load_models", "make_engine", "parse_cuts", "warm_up"]
