@@ -143,3 +143,16 @@ def test_sim_executor_times_a_combined_block_no_longer_than_its_parts_one_after_
     both = ex.run([Part("tiny", 0, 1), Part("tiny", 1, 1)])
     assert max(alone) <= both.seconds <= sum(alone)
     assert 0 < both.utilization <= 1
+
+
+@given(dags(max_ops=20), st.sampled_from(["ideal", "gpu"]))
+def test_makespan_ms_is_what_simulate_reports(graph, model):
+    from dataclasses import replace
+
+    from opweave.api import plan_for
+    from opweave.backends.simulate import makespan_ms, simulate
+    from opweave.costs import from_graph
+
+    costs = replace(from_graph(graph), model=model)
+    _, plan = plan_for(graph, costs, "lios", streams=3)
+    assert makespan_ms(graph, plan, costs) == simulate(graph, plan, costs).makespan_ms
