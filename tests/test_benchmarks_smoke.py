@@ -50,3 +50,16 @@ def test_sim_quality_quick(tmp_path):
     ideal_sequential = next(r for r in data["results"] if r["cost_model"] == "ideal" and r["scheduler"] == "sequential")
     assert ideal_sequential["speedup"] == pytest.approx(1.0)
     assert (tmp_path / "sim_quality.png").stat().st_size > 1000
+
+
+def test_serving_quick(tmp_path):
+    result = run_script("serving.py", tmp_path)
+    data = json.loads((tmp_path / "serving_sim.json").read_text())
+    assert data["mode"] == "sim" and {"machine", "settings", "results", "acceptance"} <= set(data)
+    assert [(e["pattern"], e["policy"]) for e in data["results"]] == [
+        ("squeezenet:240", p) for p in ("static", "batch", "heuristic")]
+    for entry in data["results"]:
+        for scale, row in entry["scales"].items():
+            assert row["sent"] == row["answered"] + row["rejected"] + row["timeouts"] + row["errors"]
+            assert row["throughput_rps"] > 0 and row["p50_ms"] <= row["p99_ms"]
+    assert (tmp_path / "serving_sim.png").stat().st_size > 1000 and "serving (sim)" in result.stdout

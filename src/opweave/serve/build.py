@@ -15,9 +15,12 @@ DEVICES = ("cpu", "cuda", "sim")
 
 
 def load_models(names: list[str], files: dict[str, Path] | None = None, *, device: str = "cpu", max_batch: int = 8,
-                image_size: int | None = None, cuts: dict[str, list[str]] | None = None) -> dict[str, ServedModel]:
+                image_size: int | dict[str, int] | None = None,
+                cuts: dict[str, list[str]] | None = None) -> dict[str, ServedModel]:
     """Zoo models ``names`` and exported programs ``files`` (name -> path), captured and split into blocks.
-    ``device`` "sim" loads on the CPU (only the graphs are used)."""
+    ``image_size``: one size for every zoo CNN, or per model (see :func:`parse_image_size`). ``device`` "sim" loads
+    on the CPU (only the graphs are used)."""
+    sizes = image_size if isinstance(image_size, dict) else {"*": image_size}
     files = files or {}
     both = sorted(set(names) & set(files))
     if both:
@@ -27,8 +30,22 @@ def load_models(names: list[str], files: dict[str, Path] | None = None, *, devic
     where = "cpu" if device == "sim" else device
     out = {}
     for name in [*names, *files]:
-        out[name] = load(name, path=files.get(name), device=where, max_batch=max_batch, image_size=image_size,
-                         cuts=(cuts or {}).get(name))
+        out[name] = load(name, path=files.get(name), device=where, max_batch=max_batch,
+                         image_size=sizes.get(name, sizes.get("*")), cuts=(cuts or {}).get(name))
+    return out
+
+
+def parse_image_size(text: str | None) -> dict[str, int] | None:
+    """``"64"`` (every model) or ``"64,inception_v3=75"`` (a default and per-model sizes) as a dict, ``*`` the
+    default."""
+    if not text:
+        return None
+    out: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        model, sep, size = item.rpartition("=")
+        if not size.isdigit() or int(size) < 1:
+            raise UsageError(f"--image-size {item!r} must be N or MODEL=N with N a positive integer")
+        out[model if sep else "*"] = int(size)
     return out
 
 
@@ -84,4 +101,4 @@ def device_of(executor) -> str:
     return "sim" if isinstance(executor, SimExecutor) else "real"
 
 
-__all__ = ["DEVICES", "load_models", "make_engine", "parse_cuts", "warm_up"]
+__all__ = ["DEVICES", "load_models", "make_engine", "parse_cuts", "parse_image_size", "warm_up"]
