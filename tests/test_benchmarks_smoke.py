@@ -59,7 +59,7 @@ def test_serving_quick(tmp_path):
     assert [(e["pattern"], e["policy"]) for e in data["results"]] == [
         ("squeezenet:240", p) for p in ("static", "batch", "heuristic")]
     for entry in data["results"]:
-        for scale, row in entry["scales"].items():
+        for row in entry["scales"].values():
             assert row["sent"] == row["answered"] + row["rejected"] + row["timeouts"] + row["errors"]
             assert row["throughput_rps"] > 0 and row["p50_ms"] <= row["p99_ms"]
     assert (tmp_path / "serving_sim.png").stat().st_size > 1000 and "serving (sim)" in result.stdout
