@@ -223,3 +223,29 @@ def test_unknown_models_and_policies_are_usage_errors(two_tiny):
 def test_registered_policies():
     assert {"static", "batch", "heuristic"} <= set(policies.names())
     assert engine.Engine is Engine and Part
+
+
+def test_patterns_and_arrivals():
+    assert loadgen.parse_pattern("inception_v3:30, resnet50:60") == {"inception_v3": 30.0, "resnet50": 60.0}
+    for bad in ("a", "a:x", "a:-1", "a:1,a:2", ""):
+        with pytest.raises(UsageError):
+            loadgen.parse_pattern(bad)
+    constant = loadgen.arrivals({"a": 10.0, "b": 5.0}, 2.0, "constant")
+    assert [a.model for a in constant].count("a") == 20 and [a.model for a in constant].count("b") == 10
+    assert constant[0].time == pytest.approx(0.05)
+    poisson = loadgen.arrivals({"a": 1000.0}, 2.0, seed=3)
+    assert poisson == loadgen.arrivals({"a": 1000.0}, 2.0, seed=3) != loadgen.arrivals({"a": 1000.0}, 2.0, seed=4)
+    assert 1800 < len(poisson) < 2200 and all(0 <= a.time < 2.0 for a in poisson)
+    assert len(loadgen.arrivals({"a": 1000.0}, 2.0, scale=2.0)) > 3600
+
+
+def test_report_counts_every_outcome_and_only_the_patterns_queues():
+    out = [loadgen.Outcome("a", 0.0, "answered", 0.010), loadgen.Outcome("a", 0.1, "rejected"),
+           loadgen.Outcome("b", 0.2, "answered", 0.030), loadgen.Outcome("b", 0.3, "timeout")]
+    samples = [(0.0, {"a": 2, "b": 0, "idle": 9}), (0.1, {"a": 4, "b": 2, "idle": 9})]
+    rep = loadgen.report(out, samples, pattern={"a": 1.0, "b": 1.0}, duration_s=1.0, mode="test")
+    assert rep["total"]["sent"] == 4 and rep["total"]["answered"] == 2 and rep["total"]["rejected"] == 1
+    assert rep["total"]["timeouts"] == 1 and rep["total"]["p99_all_ms"] == float("inf")
+    assert rep["models"]["a"]["p50_ms"] == pytest.approx(10.0) and rep["models"]["a"]["queue_var"] == 1.0
+    assert rep["queue_variance"] == pytest.approx(1.0)  # (2-1)^2 at both samples: "idle" is not the pattern's
+    assert not loadgen.sustainable(rep)

@@ -102,7 +102,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 def report(outcomes: list[Outcome], samples: list[tuple[float, dict[str, int]]], *, pattern: dict[str, float],
            duration_s: float, mode: str, **about) -> dict:
-    """The load report (module docstring). ``about`` is copied in (policy, url, scale, arrivals, ...)."""
+    """The load report (module docstring). ``about`` is copied in (policy, url, scale, arrivals, ...). Queue samples
+    count the pattern's models only (a server may serve others)."""
+    samples = [(t, {m: s.get(m, 0) for m in pattern}) for t, s in samples]
     models: dict[str, dict] = {}
     end = max([duration_s] + [o.sent + o.latency_s for o in outcomes if o.status == "answered"])
     for name in pattern:
