@@ -249,3 +249,23 @@ def test_report_counts_every_outcome_and_only_the_patterns_queues():
     assert rep["models"]["a"]["p50_ms"] == pytest.approx(10.0) and rep["models"]["a"]["queue_var"] == 1.0
     assert rep["queue_variance"] == pytest.approx(1.0)  # (2-1)^2 at both samples: "idle" is not the pattern's
     assert not loadgen.sustainable(rep)
+
+
+def test_a_measured_profile_sets_the_simulated_latencies(two_tiny):
+    from opweave.costs.profile import profile_model
+
+    _, models = two_tiny
+    bm = models["a"]
+    prof = profile_model(bm.captured, bm.example_inputs, device="cpu", repeats=3, warmup=1, kernels=False)
+    ex = SimExecutor({"a": bm}, profiles={"a": {1: prof}}, cost_model="ideal", step_overhead_ms=0.0)
+    costs = ex.part_costs("a", 0, 1)
+    assert costs.source == "profile@1"
+    assert costs.latency_ms == {op: prof.latency_ms[op] for op in bm.blocks[0].ops}
+    # at batch 4: the measured latency times the roofline ratio of batch 4 to batch 1
+    roof = SimExecutor({"a": bm}, cost_model="ideal")
+    four, one = roof.part_costs("a", 0, 4), roof.part_costs("a", 0, 1)
+    op = bm.blocks[0].ops[0]
+    assert ex.part_costs("a", 0, 4).latency_ms[op] == pytest.approx(prof.latency_ms[op] * four.latency_ms[op]
+                                                                    / one.latency_ms[op])
+    chain = ex.run([Part("a", 0, 1)]).seconds * 1e3
+    assert chain >= max(prof.latency_ms[o] for o in bm.blocks[0].ops)

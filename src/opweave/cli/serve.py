@@ -89,6 +89,8 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
             policy: PolicyOpt = "heuristic", policy_options: PolicyOptionsOpt = None, max_queue: MaxQueueOpt = 64,
             max_batch: MaxBatchOpt = 8, max_sub_blocks: HOpt = 4, scheduler: SchedulerOpt = "lios",
             streams: StreamsOpt = None, image_size: ImageSizeOpt = None,
+            profile: Annotated[list[str] | None, typer.Option("--profile", help="MODEL=PATH: measured profile "
+                                                              "(opweave profile) for simulation")] = None,
             output: Annotated[Path | None, typer.Option("--output", "-o", help="write the JSON report here")] = None,
             plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG here")] = None,
             as_json: JsonOpt = False):
@@ -100,15 +102,17 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
     rates = lg.parse_pattern(pattern)
     if simulate == (url is not None):
         raise UsageError("give --url URL to load a server, or --simulate to run the engine in simulation")
+    if profile and not simulate:
+        raise UsageError("--profile goes with --simulate")
     if simulate:
-        from opweave.serve.build import load_models, make_engine, parse_image_size
+        from opweave.serve.build import load_models, load_profiles, make_engine, parse_image_size
 
         served = load_models(list(rates), device="sim", max_batch=max_batch,
                              image_size=parse_image_size(image_size))
         engine = make_engine(served, device="sim", policy=policy,
                              policy_options=policies.parse_options(policy_options), max_queue=max_queue,
                              max_batch=max_batch, max_sub_blocks=max_sub_blocks, scheduler=scheduler,
-                             streams=streams, preset=device_preset)
+                             streams=streams, preset=device_preset, profiles=load_profiles(profile, served))
         rep, outcomes = lg.run_simulated(engine, rates, duration, arrivals, seed=seed, scale=scale)
         rep["device_preset"] = device_preset
     else:

@@ -49,6 +49,26 @@ def parse_image_size(text: str | None) -> dict[str, int] | None:
     return out
 
 
+def load_profiles(items: list[str] | None, models: dict[str, ServedModel]) -> dict[str, dict[int, object]]:
+    """``MODEL=PATH`` items: profiles (``opweave profile``) of served models, by the batch they were measured at (the
+    first dimension of the profile's first input shape). A profile measured for another model is refused."""
+    from opweave.costs.profile import Profile
+
+    out: dict[str, dict[int, object]] = {}
+    for item in items or []:
+        model, sep, path = item.partition("=")
+        if not sep or model not in models:
+            raise UsageError(f"--profile {item!r} must be MODEL=PATH with MODEL one of {', '.join(models)}")
+        prof = Profile.load(path)
+        missing = [op for op in models[model].blocked.captured.graph.ids if op not in prof.latency_ms]
+        if missing:
+            raise UsageError(f"--profile {path}: no latency for op {missing[0]!r} of {model} (measured for "
+                             f"{prof.key.get('model')!r})")
+        shapes = prof.key.get("input_shapes") or [[1]]
+        out.setdefault(model, {})[int(shapes[0][0]) if shapes[0] else 1] = prof
+    return out
+
+
 def parse_cuts(items: list[str] | None) -> dict[str, list[str]]:
     """``MODEL=op1+op2`` items (the manual block cuts) as a dict."""
     out: dict[str, list[str]] = {}
@@ -63,15 +83,17 @@ def parse_cuts(items: list[str] | None) -> dict[str, list[str]]:
 def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", policy: str = "heuristic",
                 policy_options: dict | None = None, max_queue: int = 64, max_batch: int = 8, max_sub_blocks: int = 4,
                 timeout_s: float | None = None, scheduler: str = "lios", streams: int | None = None,
-                preset: str = "h100", step_overhead_ms: float = 0.03, warm: bool = True) -> Engine:
+                preset: str = "h100", step_overhead_ms: float = 0.03, profiles: dict | None = None,
+                warm: bool = True) -> Engine:
     """An engine on the real executor of ``device`` (cpu, cuda) or on the simulator (``sim``, roofline ``preset``).
-    ``warm`` compiles every block alone at batch 1 first (and checks it runs)."""
+    ``profiles`` (simulation, see :func:`load_profiles`) replace roofline latencies. ``warm`` compiles every block
+    alone at batch 1 first (and checks it runs)."""
     if device not in DEVICES:
         raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     blocked = {name: m.blocked for name, m in models.items()}
     if device == "sim":
         executor = SimExecutor(blocked, preset=preset, scheduler=scheduler, streams=streams or 8,
-                               step_overhead_ms=step_overhead_ms)
+                               step_overhead_ms=step_overhead_ms, profiles=profiles)
         clock = SimClock()
     elif device == "cuda":
         executor = CudaExecutor(blocked, scheduler=scheduler, streams=streams)
@@ -101,4 +123,4 @@ def device_of(executor) -> str:
     return "sim" if isinstance(executor, SimExecutor) else "real"
 
 
-__all__ = ["DEVICES", "load_models", "make_engine", "parse_cuts", "parse_image_size", "warm_up"]
+__all__ = ["DEVICES", "load_models", "load_profiles", "make_engine", "parse_cuts", "parse_image_size", "warm_up"]
