@@ -258,6 +258,7 @@ def print_tables(out: dict) -> None:
 
 def plot(out: dict, path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -273,6 +274,7 @@ def plot(out: dict, path) -> None:
             ax.plot([x for x, _ in points], [y for _, y in points], marker="o", markersize=3, label=e["policy"])
         ax.axhline(SLO_MS, color="grey", linestyle="--", linewidth=1)
         ax.set(xscale="log", yscale="log", xlabel="offered load (req/s)", ylabel="p99 of all sent (ms)", title=name)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(f"serving policies ({out['mode']}): p99 vs load, rejections as infinite (plotted at 10 s)")
