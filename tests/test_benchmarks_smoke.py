@@ -121,3 +121,16 @@ def test_coverage_one_model(tmp_path):
     table = (tmp_path / "coverage.md").read_text()
     assert "| torchvision:squeezenet1_1 |" in table and "2/2 model x scheduler pairs pass" in table
     assert "pass" in result.stdout
+
+
+def test_serving_quick(tmp_path):
+    result = run_script("serving.py", tmp_path)
+    data = json.loads((tmp_path / "serving_sim.json").read_text())
+    assert data["mode"] == "sim" and {"machine", "settings", "results", "acceptance"} <= set(data)
+    assert [(e["pattern"], e["policy"]) for e in data["results"]] == [
+        ("squeezenet:240", p) for p in ("static", "batch", "heuristic")]
+    for entry in data["results"]:
+        for row in entry["scales"].values():
+            assert row["sent"] == row["answered"] + row["rejected"] + row["timeouts"] + row["errors"]
+            assert row["throughput_rps"] > 0 and row["p50_ms"] <= row["p99_ms"]
+    assert (tmp_path / "serving_sim.png").stat().st_size > 1000 and "serving (sim)" in result.stdout

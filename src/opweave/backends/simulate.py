@@ -71,6 +71,11 @@ def simulate(graph: OpGraph, plan: LaunchPlan, costs: Costs, *, cuda_graph: bool
     return SimResult(makespan, start, finish, busy, sequential_ms, plan.syncs, lane_of, costs.model, graph.name)
 
 
+def makespan_ms(graph: OpGraph, plan: LaunchPlan, costs: Costs, *, cuda_graph: bool | None = None) -> float:
+    """The makespan :func:`simulate` reports, without its sequential replay (for callers that time many plans)."""
+    return _replay(graph, plan, costs, costs.gpu.cuda_graph if cuda_graph is None else cuda_graph)[2]
+
+
 def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
             cuda_graph: bool) -> tuple[dict[str, float], dict[str, float], float]:
     """Event-driven replay: (start_ms per op, finish_ms per op, makespan_ms)."""
