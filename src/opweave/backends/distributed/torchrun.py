@@ -27,6 +27,7 @@ from opweave.backends.distributed import wire
 from opweave.backends.distributed.launch import DEFAULT_TIMEOUT_S, check_devices
 from opweave.backends.distributed.rank import RankRuntime, init_group
 from opweave.backends.distributed.split import RankPart, split
+from opweave.errors import OpweaveError, RankError
 
 
 def launched() -> bool:
@@ -41,7 +42,22 @@ def rank_and_world() -> tuple[int, int]:
 def run(prepare: Callable[[], tuple[Any, Any, tuple]], *, device: str = "cpu", runs: int = 10, warmup: int = 2,
         timeout_s: float = DEFAULT_TIMEOUT_S) -> dict | None:
     """Run ``warmup + runs`` calls as this rank. ``prepare()`` runs on rank 0 only and returns ``(captured, plan,
-    inputs)``. Rank 0 returns ``{"times_ms": [...], "output": ..., "ranks": [info per rank]}``; others None."""
+    inputs)``. Rank 0 returns ``{"times_ms": [...], "output": ..., "ranks": [info per rank]}``; others None.
+    A failure other than an :class:`~opweave.errors.OpweaveError` (bad input, raised as is) is raised as
+    :class:`~opweave.errors.RankError` naming this rank."""
+    rank, _ = rank_and_world()
+    try:
+        result = _run(prepare, device, runs, warmup, timeout_s)
+    except OpweaveError:
+        raise
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise RankError(f"rank {rank} failed: {type(exc).__name__}: {text[0] if text else ''}") from exc
+    dist.destroy_process_group()
+    return result
+
+
+def _run(prepare, device: str, runs: int, warmup: int, timeout_s: float) -> dict | None:
     rank, world = rank_and_world()
     local = int(os.environ.get("LOCAL_RANK", rank))
     if device == "cuda":
