@@ -37,10 +37,9 @@ def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
         timeout: Annotated[float, typer.Option(min=1, help="process-group timeout, seconds")] = 300.0,
         as_json: JsonOpt = False):
     """Run a model with a multi-device plan, one rank process per device; print the median latency."""
-    from opweave.backends.distributed import torchrun
+    from opweave.backends.distributed import check_devices, torchrun
 
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"device must be cpu or cuda, got {device!r}")
+    check_devices(1 if torchrun.launched() else devices or 2, device)  # before building the model: one line
     kwargs = {"image_size": image_size} if image_size else {}
     if torchrun.launched():
         result = _run_torchrun(model, scheduler, devices, device, runs, warmup, batch_size, kwargs, streams, link,

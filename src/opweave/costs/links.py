@@ -96,7 +96,10 @@ def load(spec: str | Path | Link) -> Link:
 def fit(samples: list[tuple[float, float]], name: str = "measured", source: str = "") -> Link:
     """Least-squares fit of ``ms = latency + bytes / bandwidth`` to ``(bytes, ms)`` samples (numpy ``lstsq``).
 
-    A fitted latency below 0 (noise on a fast link) is clamped to 0. Raises :class:`UsageError` when the samples
+    Plain (absolute) residuals: the largest messages dominate, so the bandwidth is robust to the noise of small
+    messages on a busy machine and the latency is what the large messages leave over (relative residuals were
+    tried: on a loaded 2-core machine the noise of small messages then decides the slope, sometimes negative). A
+    fitted latency below 0 (noise on a fast link) is clamped to 0. Raises :class:`UsageError` when the samples
     cannot determine a positive bandwidth (fewer than two sizes, or time not growing with size)."""
     import numpy as np
 
