@@ -16,26 +16,38 @@ inputs are used) and each rank count M:
    ``--runs`` calls after a warm-up.
 
 Speedups are against 1 rank (measured/measured, simulated/simulated) and measured against single-process eager
-(all cores). Writes ``DIR/multi_device.json``. Timings on a shared machine are noisy: the JSON records the load
-average; compare numbers of one run only.
+(all cores). For comparison, the same graphs are also scheduled and simulated as they would run on 1, 2 and 4
+H100 GPUs joined by NVLink 4 (roofline H100 latencies, the ``gpu`` contention model, the ``nvlink4`` link): what
+this script cannot measure here. Writes ``DIR/multi_device.json``. Timings on a shared machine are noisy: the JSON
+records the load average; compare numbers of one run only.
+
+``OMP_WAIT_POLICY=PASSIVE`` is set before torch loads (unless already set): on the shared, oversubscribed 2-core
+machine, OpenMP's spinning waits made a forward pass run from the main thread (eager, the per-op profiler) 4-8x
+slower than the same pass run from another thread (where the ranks run their ops), which would have compared
+unlike things; with passive waits both take the same time.
 """
 
 from __future__ import annotations
 
-import statistics
+import os
 
-import _common as common
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see the docstring)
 
-from opweave import zoo
-from opweave.api import compile_ranks, plan_ranks
-from opweave.backends.distributed import profile_link
-from opweave.backends.distributed.launch import usable_cores
-from opweave.backends.simulate import simulate
-from opweave.bench import max_abs_diff, median_ms
-from opweave.capture import capture
-from opweave.costs.links import fit
-from opweave.costs.profile import profile_model
+import statistics  # noqa: E402
+
+import _common as common  # noqa: E402
+import torch  # noqa: E402
+
+from opweave import zoo  # noqa: E402
+from opweave.api import compile_ranks, plan_ranks  # noqa: E402
+from opweave.backends.distributed import profile_link  # noqa: E402
+from opweave.backends.distributed.launch import usable_cores  # noqa: E402
+from opweave.backends.simulate import simulate  # noqa: E402
+from opweave.bench import max_abs_diff, median_ms  # noqa: E402
+from opweave.capture import capture  # noqa: E402
+from opweave.costs.links import fit  # noqa: E402
+from opweave.costs.profile import profile_model  # noqa: E402
+from opweave.costs.roofline import estimate  # noqa: E402
 
 DEFAULT_SIZES = "inception_v3=512,nasnet_a_mobile=448"
 QUICK_SIZES = "squeezenet=64"
@@ -69,11 +81,16 @@ def measure_model(name: str, size: int, ranks: list[int], args, link) -> dict:
                      "sum_of_op_latencies_ms": sim.sequential_ms, "max_abs_diff": diff,
                      "messages": sum(i["messages"] for i in info), "ops_per_rank": [i["ops"] for i in info],
                      "param_mb_per_rank": [round(i["param_bytes"] / 1e6, 2) for i in info]})
+    for row in rows:  # the same graph on H100 GPUs with NVLink 4, simulated
+        h100, _, h100_plan = plan_ranks(captured, scheduler=args.scheduler, devices=row["ranks"],
+                                        costs=estimate(captured.graph, "h100", model="gpu"), link="nvlink4")
+        row["simulated_h100_nvlink4_ms"] = simulate(captured.graph, h100_plan, h100).makespan_ms
     base = rows[0]
     for row in rows:
         row["measured_speedup_vs_1_rank"] = base["measured_ms"] / row["measured_ms"]
         row["simulated_speedup_vs_1_rank"] = base["simulated_ms"] / row["simulated_ms"]
         row["measured_speedup_vs_eager"] = eager_ms / row["measured_ms"]
+        row["simulated_h100_speedup_vs_1_gpu"] = base["simulated_h100_nvlink4_ms"] / row["simulated_h100_nvlink4_ms"]
     return {"model": name, "image_size": size, "ops": len(captured.graph), "eager_ms": eager_ms,
             "eager_threads": cores, "rows": rows}
 
@@ -103,15 +120,16 @@ def main() -> None:
             f"{name} {size}x{size}, {result['ops']} ops, {args.scheduler}: eager {result['eager_ms']:.0f} ms "
             f"({result['eager_threads']} threads)",
             ["ranks", "threads/rank", "devices used", "messages", "measured ms", "simulated ms", "measured speedup",
-             "simulated speedup", "vs eager", "max |diff|"],
+             "simulated speedup", "vs eager", "max |diff|", "H100 sim speedup"],
             [[str(r["ranks"]), str(r["threads_per_rank"]), str(r["devices_used"]), str(r["messages"]),
               f"{r['measured_ms']:.0f}", f"{r['simulated_ms']:.0f}", f"{r['measured_speedup_vs_1_rank']:.2f}x",
               f"{r['simulated_speedup_vs_1_rank']:.2f}x", f"{r['measured_speedup_vs_eager']:.2f}x",
-              f"{r['max_abs_diff']:.1e}"] for r in result["rows"]]))
+              f"{r['max_abs_diff']:.1e}", f"{r['simulated_h100_speedup_vs_1_gpu']:.2f}x"] for r in result["rows"]]))
     common.write_json(args.out / ("multi_device_quick.json" if args.quick else "multi_device.json"), {
         "benchmark": "multi_device", "machine": common.machine_info(), "wall_s": clock.elapsed_s,
         "settings": {"scheduler": args.scheduler, "ranks": ranks, "runs": args.runs, "profile_repeats": args.repeats,
-                     "cost_model": "ideal", "backend": "gloo rank processes on one machine"},
+                     "cost_model": "ideal", "backend": "gloo rank processes on one machine",
+                     "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
         "link": {"latency_ms": link.latency_ms, "bandwidth_gbs": link.bandwidth_gbs, "samples": link.samples},
         "results": results})
 

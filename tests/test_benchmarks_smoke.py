@@ -50,3 +50,15 @@ def test_sim_quality_quick(tmp_path):
     ideal_sequential = next(r for r in data["results"] if r["cost_model"] == "ideal" and r["scheduler"] == "sequential")
     assert ideal_sequential["speedup"] == pytest.approx(1.0)
     assert (tmp_path / "sim_quality.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_multi_device_quick(tmp_path):
+    run_script("multi_device.py", tmp_path)
+    data = json.loads((tmp_path / "multi_device_quick.json").read_text())
+    assert data["link"]["bandwidth_gbs"] > 0 and data["settings"]["ranks"] == [1, 2]
+    (result,) = data["results"]
+    assert [r["ranks"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["measured_ms"] > 0 and row["simulated_ms"] > 0 and row["max_abs_diff"] < 1e-4
+        assert sum(row["ops_per_rank"]) == result["ops"]

@@ -376,3 +376,16 @@ def test_no_rank_outlives_a_caller_that_crashes(tmp_path):
         pids = [int(p) for p in proc.stdout.split()]
         assert len(pids) == 2
         assert wait_gone(pids) == [], f"rank processes left after the caller died of {how.name}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("scheduler", ["hios-lp", "hios-mr"])
+def test_nccl_ranks_on_two_gpus_equal_eager(scheduler):
+    model, inputs, cap, reference = captured_model("googlenet")
+    with compile_ranks(cap, scheduler=scheduler, devices=2, device="cuda", link=FREE, timeout_s=120) as fast:
+        got = fast(*inputs)
+        pids = fast.backend.pids
+    assert fast.schedule.devices_used == 2
+    assert max_abs_diff(reference, got) < 1e-3  # TF32 convolutions on the GPUs
+    assert wait_gone(pids) == []

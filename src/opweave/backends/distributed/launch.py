@@ -184,6 +184,11 @@ class Ranks:
                 return f"died (signal {-code})"
         return f"died (exit status {code})"
 
+    def abort(self, reason: str) -> None:
+        """Stop every rank; later calls raise :class:`RankError` with ``reason``."""
+        self.failure = f"{reason} (all {self.world} ranks stopped)"
+        self.close()
+
     def _fail(self, failures: dict[int, tuple[str, str]]) -> None:
         r, (kind, text) = min(failures.items(), key=lambda item: (_PRIORITY.index(item[1][0]), item[0]))
         what = {"op": "failed", "error": "failed", "comm": "lost contact with its peers"}.get(kind)
@@ -255,7 +260,14 @@ class DistributedBackend:
             env = self.captured.bind(args)
             for r in range(self.world):
                 self.ranks.send(r, ("run", {name: _to_cpu(env[name]) for name in self.inputs[r]}))
-            for outputs in self.ranks.gather().values():
+            try:
+                replies = self.ranks.gather()
+            except RankError:
+                raise
+            except BaseException:  # interrupted (Ctrl-C): the ranks are mid-call, their next replies would not match
+                self.ranks.abort("a call was interrupted")
+                raise
+            for outputs in replies.values():
                 env.update(outputs)
             return self.captured.output(env)
 
