@@ -134,3 +134,15 @@ def test_serving_quick(tmp_path):
             assert row["sent"] == row["answered"] + row["rejected"] + row["timeouts"] + row["errors"]
             assert row["throughput_rps"] > 0 and row["p50_ms"] <= row["p99_ms"]
     assert (tmp_path / "serving_sim.png").stat().st_size > 1000 and "serving (sim)" in result.stdout
+
+
+@pytest.mark.slow
+def test_multi_device_quick(tmp_path):
+    run_script("multi_device.py", tmp_path)
+    data = json.loads((tmp_path / "multi_device_quick.json").read_text())
+    assert data["link"]["bandwidth_gbs"] > 0 and data["settings"]["ranks"] == [1, 2]
+    (result,) = data["results"]
+    assert [r["ranks"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["measured_ms"] > 0 and row["simulated_ms"] > 0 and row["max_abs_diff"] < 1e-4
+        assert sum(row["ops_per_rank"]) == result["ops"]

@@ -38,6 +38,18 @@ class Compiled:
             args = positional(self.captured.signature, args, kwargs, self.graph.name)
         return self.backend(*args)
 
+    def close(self) -> None:
+        """Release what the backend holds (worker threads, rank processes); also done when it is collected."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Compiled:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | None = None, devices: int = 1,
              **options) -> tuple[Schedule, LaunchPlan]:
@@ -50,8 +62,8 @@ def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | Non
 
 def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, scheduler: str = "opara",
             device: str = "cpu", streams: int | None = None, costs: Costs | None = None,
-            profile: str | Path | None = None, cost_model: str = "ideal", fold_bn: bool = False,
-            **backend_options) -> Compiled:
+            profile: str | Path | None = None, cost_model: str = "ideal", fold_bn: bool = False, devices: int = 1,
+            link: str | Path | None = None, **backend_options) -> Compiled:
     """Compile ``model`` for ``example_inputs`` (and ``example_kwargs``, keyword arguments of its ``forward``); the
     result's outputs equal ``model(*inputs, **kwargs)`` (allclose), and compiling leaves the model unchanged.
 
@@ -64,6 +76,11 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, sch
     ``streams`` caps the streams the scheduler may use; for CUDA it defaults to
     :func:`opweave.backends.cuda.default_streams` (8, the GPU's hardware queues), on the CPU to no cap.
     ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
+
+    ``devices > 1`` (with ``hios-lp`` or ``hios-mr``): the plan spans ``devices`` devices and runs on as many
+    persistent rank processes (:class:`opweave.backends.distributed.DistributedBackend`; ``backend_options``:
+    ``threads``, ``timeout_s``, ``start_method``); ``link`` (a preset name or a file written by ``opweave
+    profile-links``) gives the edges their transfer times. ``close()`` or a ``with`` block stops the ranks.
     """
     from opweave.capture import capture, load_program
 
@@ -73,12 +90,14 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, sch
     captured = capture(model, example_inputs, example_kwargs=example_kwargs, fold_bn=fold_bn)
     example_inputs = captured.example_inputs
     return compile_captured(captured, example_inputs, scheduler=scheduler, device=device, streams=streams,
-                            costs=costs, profile=profile, cost_model=cost_model, **backend_options)
+                            costs=costs, profile=profile, cost_model=cost_model, devices=devices, link=link,
+                            **backend_options)
 
 
 def compile_captured(captured, example_inputs, *, scheduler: str = "opara", device: str = "cpu",
                      streams: int | None = None, costs: Costs | None = None, profile: str | Path | None = None,
-                     cost_model: str = "ideal", **backend_options) -> Compiled:
+                     cost_model: str = "ideal", devices: int = 1, link: str | Path | None = None,
+                     **backend_options) -> Compiled:
     """:func:`compile` from an already captured model (``opweave.capture``): one capture can serve many schedules."""
     from opweave.costs.roofline import estimate
 
@@ -90,6 +109,9 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
         costs = load_for(profile, captured, example_inputs, device).costs(graph, model=cost_model)
     elif costs is None:
         costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset(), model=cost_model)
+    if devices != 1:
+        return compile_ranks(captured, scheduler=scheduler, device=device, devices=devices, streams=streams,
+                             costs=costs, link=link, **backend_options)
     if device == "cuda" and streams is None:
         from opweave.backends.cuda import default_streams
 
@@ -125,6 +147,50 @@ def load_model(model: str | None = None, model_file: str | Path | None = None, *
 
     module, inputs = zoo.create(model, batch_size=batch_size)
     return module, inputs, model
+
+
+# ---- several devices (HIOS): one rank process per device -------------------------------------------------------
+DEFAULT_LINK = {"cpu": "loopback", "cuda": "nvlink4"}
+
+
+def plan_ranks(captured, *, scheduler: str = "hios-lp", device: str = "cpu", devices: int = 2,
+               streams: int | None = None, costs: Costs | None = None, link: str | Path | None = None,
+               cost_model: str = "ideal") -> tuple[Costs, Schedule, LaunchPlan]:
+    """Costs, schedule and validated plan of ``captured`` on ``devices`` devices. Edge transfer times come from
+    ``link`` (a preset or a ``profile-links`` file); when none is given, from the costs' own, else the default
+    link of the device kind (loopback for CPU ranks, NVLink 4 for GPUs)."""
+    from dataclasses import replace
+
+    from opweave.backends.distributed import check_devices
+    from opweave.costs.links import transfer_times
+    from opweave.costs.roofline import estimate
+
+    graph = captured.graph
+    if devices > 1 and scheduler not in schedulers.MULTI_DEVICE:
+        raise UsageError(f"scheduler {scheduler!r} places every op on one device; use one of "
+                         f"{', '.join(schedulers.MULTI_DEVICE)} with devices > 1")
+    check_devices(devices, device, ops=len(graph))
+    if costs is None:
+        costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset(), model=cost_model)
+    if link is not None or not costs.edge_transfer_ms:
+        costs = replace(costs, edge_transfer_ms=transfer_times(graph, link or DEFAULT_LINK[device]))
+    sched, plan = plan_for(graph, costs, scheduler, streams=streams, devices=devices)
+    return costs, sched, plan
+
+
+def compile_ranks(captured, *, scheduler: str = "hios-lp", device: str = "cpu", devices: int = 2,
+                  streams: int | None = None, costs: Costs | None = None, link: str | Path | None = None,
+                  cost_model: str = "ideal", **backend_options) -> Compiled:
+    """``captured`` planned for ``devices`` devices (:func:`plan_ranks`) and run by as many persistent rank
+    processes (:class:`opweave.backends.distributed.DistributedBackend`; ``backend_options``: ``threads``,
+    ``timeout_s``, ``start_method``). ``devices=1`` runs the plan in one rank process, the baseline to compare the
+    others with. What :func:`compile` does for ``devices > 1``."""
+    from opweave.backends.distributed import DistributedBackend
+
+    costs, sched, plan = plan_ranks(captured, scheduler=scheduler, device=device, devices=devices, streams=streams,
+                                    costs=costs, link=link, cost_model=cost_model)
+    backend = DistributedBackend(captured, plan, world=devices, device=device, **backend_options)
+    return Compiled(captured.graph, costs, sched, plan, backend, device, captured)
 
 
 def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,

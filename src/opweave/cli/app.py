@@ -55,6 +55,9 @@ PresetOpt = Annotated[str, typer.Option("--preset", help="device preset for zoo 
 BatchOpt = Annotated[int, typer.Option("--batch-size", min=1)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
 ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="measured profile (opweave profile) for --model")]
+LinkOpt = Annotated[str | None, typer.Option(
+    "--link", help="link between devices: nvlink4, pcie4, pcie5, loopback or a file from opweave profile-links; "
+                   "sets every edge's transfer time (HIOS schedulers, simulator)")]
 
 
 def graph_costs(graph: OpGraph, cost_model: str) -> Costs:
@@ -69,6 +72,15 @@ def scheduler_names(name: str) -> list[str]:
     if name not in schedulers.names():
         raise UsageError(f"unknown scheduler {name!r}; choose one of {', '.join(schedulers.names())} or all")
     return [name]
+
+
+def linked(graph: OpGraph, link: str | None) -> OpGraph:
+    """``graph`` with every edge's transfer time over ``link`` (unchanged when no link is given)."""
+    if link is None:
+        return graph
+    from opweave.costs.links import with_link
+
+    return with_link(graph, link)
 
 
 def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, devices: int):

@@ -16,6 +16,7 @@ from opweave.cli.app import (
     DevicesOpt,
     GraphArg,
     JsonOpt,
+    LinkOpt,
     ModelFileOpt,
     ModelOpt,
     PresetOpt,
@@ -25,6 +26,7 @@ from opweave.cli.app import (
     err,
     graph_costs,
     guard,
+    linked,
     out,
     run_one,
     schedule_json,
@@ -38,9 +40,11 @@ from opweave.errors import UsageError
 def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "lios",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
-             preset: PresetOpt = "h100", profile: ProfileOpt = None, as_json: JsonOpt = False):
+             preset: PresetOpt = "h100", profile: ProfileOpt = None, link: LinkOpt = None,
+             as_json: JsonOpt = False):
     """Schedule a graph with one scheduler and show where each op runs."""
-    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, model_file=model_file)
+    g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile,
+                          model_file=model_file), link)
     (name,) = scheduler_names(scheduler)
     sched, plan, sim = run_one(g, graph_costs(g, cost_model), name, streams, devices)
     result = schedule_json(sched, plan, sim)
@@ -64,14 +68,15 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
 def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "all",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
-             preset: PresetOpt = "h100", profile: ProfileOpt = None,
+             preset: PresetOpt = "h100", profile: ProfileOpt = None, link: LinkOpt = None,
              gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart PNG (one scheduler)")] = None,
              trace: Annotated[Path | None, typer.Option(help="write a Chrome trace JSON (one scheduler)")] = None,
              as_json: JsonOpt = False):
     """Compare schedulers on one graph: makespan, speedup over sequential, syncs, scheduling time."""
     from opweave.backends import render
 
-    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, model_file=model_file)
+    g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile,
+                          model_file=model_file), link)
     names = scheduler_names(scheduler)
     if (gantt or trace) and len(names) != 1:
         raise UsageError("--gantt and --trace need a single --scheduler")
