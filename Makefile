@@ -1,7 +1,10 @@
 # `make demo` and `make test` work on a fresh machine: they create .venv, install torch first (so no step pulls the
-# multi-GB CUDA build from the registry), then opweave with its extras. Elsewhere: make test TORCH_SPEC='torch>=2.4'
+# multi-GB CUDA build from the registry), then the torchvision release made for that torch (0.(minor+15): 0.28 for
+# 2.13; any other would replace torch), then opweave with its extras, `models` (timm, transformers) among them.
+# Elsewhere: make test TORCH_SPEC='torch>=2.4'
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
+TORCHVISION_FOR_TORCH := import torch; v = torch.__version__.split("+")[0].split("."); print(f"torchvision==0.{int(v[1]) + 15}.*")
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.opweave-installed
@@ -13,7 +16,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev,serve]"
+	$(BIN)/pip show -q torchvision 2>/dev/null || $(BIN)/pip install -q "$$($(BIN)/python -c '$(TORCHVISION_FOR_TORCH)')"
+	$(BIN)/pip install -q -e ".[dev,serve,models]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -22,10 +26,11 @@ demo: $(STAMP)
 	$(BIN)/opweave bench --model inception_v3 --device auto --schedulers sequential,lios,opara,nimble --runs 10
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest -q -n 2
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

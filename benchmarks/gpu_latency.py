@@ -1,35 +1,43 @@
 """Inference latency on a real GPU: eager, a sequential CUDA Graph, torch.compile and opweave with every scheduler.
 
     .venv/bin/python benchmarks/gpu_latency.py [--quick] [--models a,b] [--schedulers x,y] [--batch-sizes 1,8]
-                                               [--dtypes fp32,fp16] [--replays 200] [--out DIR]
+                                               [--dtypes fp32,fp16] [--replays 200] [--streams 8] [--out DIR]
 
 For each model (the zoo, plus torchvision's googlenet and inception_v3 where torchvision is installed), batch size
-and dtype, every mode below is built, checked against eager (max |difference| of the outputs; fp32 within 1e-3 of
-the output's scale, fp16 within 1e-2) and timed the same way:
+and dtype, every mode below is built, checked against eager and timed the same way:
 
 * ``eager`` — ``model(*inputs)``;
 * ``cuda-graph`` — the whole model captured into one ``torch.cuda.CUDAGraph`` on one stream (static inputs copied
   in, outputs cloned): the sequential CUDA Graph every speedup is measured against;
-* ``torch.compile`` — ``torch.compile(model, mode="reduce-overhead")`` (inductor + CUDA graphs);
-* ``opweave <scheduler>`` — the model captured once, profiled on this GPU (:func:`opweave.costs.profile.profile_model`),
-  each scheduler run on the measured costs, the plan lowered, validated and recorded by the CUDA backend in graph
-  mode (static inputs copied in, outputs cloned);
-* ``opweave <scheduler>+inductor`` — the captured graph coarsened (:func:`opweave.capture.coarsen`), profiled,
-  scheduled, lowered and validated the same way, every stream segment compiled by TorchInductor
-  (:mod:`opweave.backends.segments`) and the whole plan recorded by the CUDA backend in graph mode.
+* ``torch.compile`` — ``torch.compile(model, mode="reduce-overhead")`` (inductor + CUDA graphs), outputs cloned
+  like every other mode's (its CUDA graphs' outputs are overwritten by the next replay);
+* ``opweave <scheduler>`` — the model captured once, profiled on this GPU (:func:`opweave.costs.profile.profile_model`;
+  if profiling fails, the roofline estimate, recorded as the row's ``costs``), each scheduler run on those costs with
+  at most ``--streams`` streams (default 8, the GPU's hardware queues), the plan lowered, validated and recorded by
+  the CUDA backend in graph mode (static inputs copied in, outputs cloned);
+* ``opweave <scheduler>+inductor`` — the captured graph coarsened (:func:`opweave.capture.coarsen`), profiled (or
+  estimated) on its own, scheduled, lowered and validated the same way, every stream segment compiled by
+  TorchInductor (:mod:`opweave.backends.segments`) and the whole plan recorded by the CUDA backend in graph mode.
 
-Beside the latency, ``kernels/call``: the CUDA kernels one call runs (a CUDA graph replay's included), counted in a
+**Checked** on two inputs: the example (which the warm-ups computed) and a second, fresh random input of the same
+shapes and dtypes (:func:`fresh_inputs`: floats drawn with the example's mean and spread, integers — token ids,
+embedding indices — drawn within the example's range, so they stay valid), each against eager on that input; a
+mode passes when both differences are within tolerance (:func:`check_output`: fp32 within 1e-3 of the output's
+scale, fp16 within 1e-2; scale = max(1, max |eager output|)).
+
+**Timing** (the device METHOD): CUDA events around the whole call — input copy and output clone included — on the
+current stream, a synchronize after each call, ``--warmup`` calls first, the median (and 10th/90th percentiles) of
+``--replays`` calls. Peak memory: ``torch.cuda.max_memory_allocated`` from building the mode to the end of its
+timing, minus what was allocated before (weights and inputs). Each mode is freed before the next. Beside the
+latency, ``kernels/call``: the CUDA kernels one call runs (a CUDA graph replay's included), counted in a
 ``torch.profiler`` trace of a few calls after the timing.
 
-Timing (benchmarks/README and the device METHOD): CUDA events around the whole call — input copy and output clone
-included — on the current stream, a synchronize after each call, ``--warmup`` calls first, the median (and 10th/90th
-percentiles) of ``--replays`` calls. Peak memory: ``torch.cuda.max_memory_allocated`` from building the mode to the
-end of its timing, minus what was allocated before (weights and inputs). Each mode is freed before the next.
-
-Writes ``DIR/<device>-<date>.json`` (device name, torch version, date, settings, every figure) and prints, per
-model, batch and dtype, a table of latencies with speedups over the sequential CUDA Graph and over torch.compile.
+Writes ``DIR/<device>-<date>.json`` (device name, torch version, date, settings, every figure, and per model, batch
+and dtype a summary: the best unfused scheduler and the best ``+inductor`` one, their speed-ups over the sequential
+CUDA Graph and over torch.compile, their peak memory against the CUDA Graph's) and prints a table per configuration.
 Without CUDA it exits with status 2 and one line on stderr. ``--quick`` (squeezenet and googlenet, batch 1, fp32)
-fits well within 10 minutes on an H100.
+fits well within 10 minutes on an H100. The parts that need no GPU (fresh inputs, the check, the summary, the
+table, the JSON) are tested on the CPU (tests/test_cuda_cpu_paths.py).
 """
 
 from __future__ import annotations
@@ -59,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", default=None, help="comma list of fp32, fp16 (default both; --quick: fp32)")
     p.add_argument("--replays", type=int, default=200, help="timed calls per mode (default %(default)s)")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls before timing (default %(default)s)")
-    p.add_argument("--streams", type=int, default=0, help="stream cap for every scheduler; 0 = none (default)")
+    p.add_argument("--streams", type=int, default=8, help="stream cap for every scheduler; 0 = none "
+                                                          "(default %(default)s, the GPU's hardware queues)")
     p.add_argument("--profile-repeats", type=int, default=20, help="runs per op when profiling (default %(default)s)")
     p.add_argument("--sched-timeout-s", type=float, default=120.0, help="give up on one schedule after this long")
     p.add_argument("--no-torch-compile", action="store_true", help="skip the torch.compile mode")
@@ -98,20 +107,18 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.timezone.utc)
-    results: list[dict] = []
-    data = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "date": date.isoformat(timespec="seconds"), "machine": common.machine_info(),
-            "settings": {"models": models, "schedulers": scheds, "batch_sizes": batches, "dtypes": dtypes,
-                         "replays": args.replays, "warmup": args.warmup, "streams": args.streams or None,
-                         "profile_repeats": args.profile_repeats, "timing": "CUDA events around the whole call, "
-                         "synchronize after each, median"},
-            "results": results}
-    path = args.out / f"{_slug(device)}-{date.strftime('%Y-%m-%d')}.json"
+    settings = {"models": models, "schedulers": scheds, "batch_sizes": batches, "dtypes": dtypes,
+                "replays": args.replays, "warmup": args.warmup, "streams": args.streams or None,
+                "profile_repeats": args.profile_repeats, "tolerance": TOLERANCE,
+                "timing": "CUDA events around the whole call, synchronize after each, median",
+                "check": "every mode against eager on the example and on a fresh random input"}
+    data = results_document(device, torch.__version__, torch.version.cuda, date, common.machine_info(), settings)
+    path = result_path(args.out, device, date)
     for name in models:
         for batch in batches:
             for dtype in dtypes:
                 rows = bench_config(name, batch, dtype, scheds, args, common)
-                results.extend(rows)
+                add_configuration(data, rows)
                 common.console.print(speedup_table(name, batch, dtype, rows, common))
                 common.write_json(path, data)  # after every configuration: a crash keeps what was measured
     return 0
@@ -144,7 +151,6 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], args, com
 
     from opweave import zoo
     from opweave.capture import capture
-    from opweave.costs.profile import profile_model
 
     base = {"model": name, "batch_size": batch, "dtype": dtype}
     try:
@@ -154,15 +160,17 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], args, com
     torch_dtype = getattr(torch, DTYPES[dtype])
     model = model.cuda().to(torch_dtype).eval()
     inputs = tuple(x.cuda().to(torch_dtype) if x.is_floating_point() else x.cuda() for x in inputs)
+    fresh = fresh_inputs(inputs, seed=1)
     with torch.no_grad():
-        reference = model(*inputs)
+        reference, fresh_reference = model(*inputs), model(*fresh)
     torch.cuda.synchronize()
+    checks = ((inputs, reference), (fresh, fresh_reference))
     rows = []
 
     def measure(mode: str, build, extra: dict | None = None) -> None:
         """``build`` may add to ``extra`` (e.g. the plan's syncs) while it runs."""
         extra = {} if extra is None else extra
-        timing = time_mode(build, inputs, reference, dtype, args)
+        timing = time_mode(build, inputs, checks, dtype, args)
         rows.append({**base, "mode": mode, **extra, **timing})
 
     measure("eager", lambda: model)
@@ -172,46 +180,62 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], args, com
         torch._dynamo.reset()  # frees its CUDA graphs before the next modes are measured
     try:
         captured = capture(model, inputs, name=name)
-        profile = profile_model(captured, inputs, device="cuda", repeats=args.profile_repeats, warmup=3)
     except Exception as exc:  # noqa: BLE001 - recorded, the other modes stand
-        rows.append({**base, "mode": "opweave", "error": f"capture/profile failed: {_line(exc)}"})
+        rows.append({**base, "mode": "opweave", "error": f"capture failed: {_line(exc)}"})
         return rows
-    costs = profile.costs(captured.graph)
+    costs, source = _costs(captured, inputs, args)
     for sched_name in scheds:
         status, sched = common.run_limited(_schedule, (sched_name, captured.graph, costs, args.streams or None),
                                            args.sched_timeout_s)
         if status != "ok":
-            rows.append({**base, "mode": f"opweave {sched_name}", "scheduler": sched_name,
+            rows.append({**base, "mode": f"opweave {sched_name}", "scheduler": sched_name, "costs": source,
                          "error": "scheduling timed out" if status == "timeout" else sched})
             continue
-        extra = {"scheduler": sched_name, "streams": sched.streams_used, "scheduling_time_s": sched.scheduling_time_s,
-                 "predicted_ms": sched.predicted_ms, "ops": len(captured.graph)}
+        extra = {"scheduler": sched_name, "costs": source, "streams": sched.streams_used,
+                 "scheduling_time_s": sched.scheduling_time_s, "predicted_ms": sched.predicted_ms,
+                 "ops": len(captured.graph)}
         measure(f"opweave {sched_name}", lambda s=sched, e=extra: _opweave(captured, s, inputs, e), extra)
     rows.extend(_fused_rows(captured, scheds, inputs, args, common, measure, base))
     return rows
 
 
+def _costs(captured, inputs, args):
+    """The costs the schedulers see and where they come from: measured on this GPU
+    (:func:`opweave.costs.profile.profile_model`), else, if profiling fails, the roofline estimate of its preset."""
+    import torch
+
+    from opweave.costs.profile import profile_model
+    from opweave.costs.roofline import estimate, preset_for_gpu
+
+    try:
+        profile = profile_model(captured, inputs, device="cuda", repeats=args.profile_repeats, warmup=3)
+        return profile.costs(captured.graph), "profile"
+    except Exception as exc:  # noqa: BLE001 - recorded; the schedulers still run, on estimated costs
+        preset = preset_for_gpu(torch.cuda.get_device_name()) or "h100"
+        return estimate(captured.graph, preset), f"roofline {preset} (profile failed: {_line(exc)})"
+
+
 def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[dict]:
     """The ``opweave <scheduler>+inductor`` modes (measured through ``measure``); rows only for what failed."""
     from opweave.capture import coarsen
-    from opweave.costs.profile import profile_model
 
     try:
         coarse = coarsen(captured)
-        costs = profile_model(coarse, inputs, device="cuda", repeats=args.profile_repeats, warmup=3).costs(coarse.graph)
     except Exception as exc:  # noqa: BLE001 - recorded, the other modes stand
-        return [{**base, "mode": "opweave +inductor", "error": f"coarsen/profile failed: {_line(exc)}"}]
+        return [{**base, "mode": "opweave +inductor", "error": f"coarsening failed: {_line(exc)}"}]
+    costs, source = _costs(coarse, inputs, args)
     failed = []
     for sched_name in scheds:
         mode = f"opweave {sched_name}+inductor"
         status, sched = common.run_limited(_schedule, (sched_name, coarse.graph, costs, args.streams or None),
                                            args.sched_timeout_s)
         if status != "ok":
-            failed.append({**base, "mode": mode, "scheduler": sched_name,
+            failed.append({**base, "mode": mode, "scheduler": sched_name, "costs": source, "fuse": "inductor",
                            "error": "scheduling timed out" if status == "timeout" else sched})
             continue
-        extra = {"scheduler": sched_name, "streams": sched.streams_used, "scheduling_time_s": sched.scheduling_time_s,
-                 "predicted_ms": sched.predicted_ms, "ops": len(coarse.graph), "fuse": "inductor"}
+        extra = {"scheduler": sched_name, "costs": source, "streams": sched.streams_used,
+                 "scheduling_time_s": sched.scheduling_time_s, "predicted_ms": sched.predicted_ms,
+                 "ops": len(coarse.graph), "fuse": "inductor"}
         measure(mode, lambda s=sched, e=extra: _opweave(coarse, s, inputs, e, fuse="inductor"), extra)
     return failed
 
@@ -251,13 +275,12 @@ def _compiled(model, inputs):
     with torch.no_grad():
         for _ in range(3):  # compile and record its CUDA graphs before timing
             fn(*inputs)
-    return fn
+    return lambda *args: _clone(fn(*args))  # its CUDA graphs' outputs are overwritten by the next replay
 
 
 def plain_cuda_graph(model, inputs, warmup: int = 3):
     """The whole model recorded into one CUDA graph on one stream: static inputs copied in, outputs cloned."""
     import torch
-    from torch.utils import _pytree as pytree
 
     static_inputs = tuple(x.clone() for x in inputs)
     side = torch.cuda.Stream()
@@ -274,7 +297,7 @@ def plain_cuda_graph(model, inputs, warmup: int = 3):
         for static, x in zip(static_inputs, args, strict=True):
             static.copy_(x)
         graph.replay()
-        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, static_output)
+        return _clone(static_output)
 
     return run
 
@@ -282,11 +305,11 @@ def plain_cuda_graph(model, inputs, warmup: int = 3):
 # ---- timing ----------------------------------------------------------------------------------------------------------
 
 
-def time_mode(build, inputs, reference, dtype: str, args) -> dict:
-    """Build a mode, check its output against eager, time it; every figure or the error."""
+def time_mode(build, inputs, checks, dtype: str, args) -> dict:
+    """Build a mode, check its output against eager on each ``(inputs, eager output)`` of ``checks``, time it on
+    ``inputs``; every figure or the error."""
     import torch
 
-    from opweave.bench import max_abs_diff
     from opweave.costs import timing
 
     gc.collect()
@@ -298,10 +321,7 @@ def time_mode(build, inputs, reference, dtype: str, args) -> dict:
     try:
         fn = build()
         with torch.no_grad():
-            out = fn(*inputs)
-            torch.cuda.synchronize()
-            diff = max_abs_diff(reference, out)
-            scale = max(1.0, _max_abs(reference))
+            results = [check_output(reference, fn(*check_inputs), dtype) for check_inputs, reference in checks]
             times = timing.times_ms(functools.partial(fn, *inputs), runs=args.replays, warmup=args.warmup,
                                     device="cuda")
         peak = torch.cuda.max_memory_allocated()
@@ -316,7 +336,8 @@ def time_mode(build, inputs, reference, dtype: str, args) -> dict:
     quantiles = statistics.quantiles(times, n=10)
     return {"median_ms": statistics.median(times), "p10_ms": quantiles[0], "p90_ms": quantiles[-1],
             "kernels_per_call": kernels,
-            "replays": len(times), "max_abs_diff": diff, "ok": diff <= TOLERANCE[dtype] * scale,
+            "replays": len(times), "max_abs_diff": max(r["max_abs_diff"] for r in results),
+            "fresh_input_max_abs_diff": results[-1]["max_abs_diff"], "ok": all(r["ok"] for r in results),
             "peak_memory_mb": (peak - baseline) / 2**20, "baseline_memory_mb": baseline / 2**20}
 
 
@@ -339,12 +360,104 @@ def kernels_per_call(fn, inputs, calls: int = 5) -> float:
     return sum(isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") == "kernel" for e in events) / calls
 
 
+# ---- the parts that need no GPU (tested on the CPU) -----------------------------------------------------------------
+
+
+def fresh_inputs(inputs: tuple, seed: int) -> tuple:
+    """Inputs of the same shapes, dtypes and devices as ``inputs`` with new random values: floating tensors drawn
+    from a normal with the example's mean and standard deviation, integer tensors uniformly within the example's
+    [min, max] (token ids and embedding indices stay valid), booleans at random; anything else as it is."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def fresh(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.dtype == torch.bool:
+            new = torch.randint(0, 2, x.shape, generator=generator).bool()
+        elif x.is_floating_point() or x.is_complex():
+            sample = x.detach().float()
+            std = float(sample.std()) if sample.numel() > 1 else 1.0
+            new = torch.randn(x.shape, generator=generator) * (std or 1.0) + (float(sample.mean()) if x.numel() else 0)
+        else:
+            low, high = (int(x.min()), int(x.max())) if x.numel() else (0, 0)
+            new = torch.randint(low, high + 1, x.shape, generator=generator)
+        return new.to(dtype=x.dtype, device=x.device)
+
+    return tuple(fresh(x) for x in inputs)
+
+
+def check_output(reference, out, dtype: str) -> dict:
+    """Max |difference| between a mode's output and eager's, and whether it is within ``TOLERANCE[dtype]`` of the
+    output's scale (max(1, max |eager output|))."""
+    from opweave.bench import max_abs_diff
+
+    diff = max_abs_diff(reference, out)
+    return {"max_abs_diff": diff, "ok": diff <= TOLERANCE[dtype] * max(1.0, _max_abs(reference))}
+
+
 def _max_abs(value) -> float:
     import torch
     from torch.utils import _pytree as pytree
 
     return max((float(t.detach().abs().max()) for t in pytree.tree_leaves(value)
                 if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point()), default=1.0)
+
+
+def _clone(value):
+    import torch
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+def result_path(out: Path, device: str, date: datetime.datetime) -> Path:
+    return out / f"{_slug(device)}-{date.strftime('%Y-%m-%d')}.json"
+
+
+def results_document(device: str, torch_version: str, cuda: str | None, date: datetime.datetime, machine: dict,
+                     settings: dict) -> dict:
+    """The JSON document, before any configuration was measured."""
+    return {"device": device, "torch": torch_version, "cuda": cuda, "date": date.isoformat(timespec="seconds"),
+            "machine": machine, "settings": settings, "results": [], "summaries": []}
+
+
+def add_configuration(data: dict, rows: list[dict]) -> None:
+    """Add one configuration's rows, and its summary when any mode was measured."""
+    data["results"].extend(rows)
+    if rows and any("median_ms" in r for r in rows):
+        data["summaries"].append(summarize(rows))
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per configuration: the fastest unfused opweave scheduler whose output was right (``best_scheduler``,
+    ``best_ms``, ``speedup_vs_cuda_graph``, ``speedup_vs_torch_compile``, ``peak_memory_vs_cuda_graph``: its peak
+    memory over the CUDA Graph's) and the same figures of the fastest right ``+inductor`` mode, prefixed
+    ``inductor_`` (None where a figure is missing)."""
+    first = rows[0]
+    by_mode = {r["mode"]: r for r in rows if "median_ms" in r}
+    graph, compiled = by_mode.get("cuda-graph"), by_mode.get("torch.compile")
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    def best_of(fused: bool) -> dict:
+        right = [r for r in by_mode.values() if r["mode"].startswith("opweave ") and r["ok"] and ("fuse" in r) == fused]
+        best = min(right, key=lambda r: r["median_ms"], default=None)
+        return {"scheduler": best["scheduler"] if best else None, "ms": best["median_ms"] if best else None,
+                "speedup_vs_cuda_graph": ratio(graph and graph["median_ms"], best and best["median_ms"]),
+                "speedup_vs_torch_compile": ratio(compiled and compiled["median_ms"], best and best["median_ms"]),
+                "peak_memory_vs_cuda_graph": ratio(best and best["peak_memory_mb"], graph and graph["peak_memory_mb"])}
+
+    unfused = best_of(False)
+    return {"model": first["model"], "batch_size": first["batch_size"], "dtype": first["dtype"],
+            "best_scheduler": unfused.pop("scheduler"), "best_ms": unfused.pop("ms"), **unfused,
+            **{f"inductor_{k}": v for k, v in best_of(True).items()},
+            "cuda_graph_ms": graph["median_ms"] if graph else None,
+            "torch_compile_ms": compiled["median_ms"] if compiled else None,
+            "all_outputs_ok": all(r["ok"] for r in by_mode.values()),
+            "failed_modes": sorted(r["mode"] for r in rows if "median_ms" not in r)}
 
 
 def _line(exc: BaseException) -> str:
@@ -370,9 +483,10 @@ def speedup_table(name: str, batch: int, dtype: str, rows: list[dict], common):
                       "" if r.get("streams") is None else str(r["streams"]),
                       "" if r.get("syncs") is None else str(r["syncs"]), f"{r['peak_memory_mb']:.0f}",
                       "ok" if r["ok"] else f"WRONG ({r['max_abs_diff']:.1e})"])
+    sources = sorted({r["costs"] for r in rows if r.get("costs")})
     return common.table(f"{name}, batch {batch}, {dtype}", ["mode", "median ms", "vs CUDA graph", "vs torch.compile",
                                                             "kernels/call", "streams", "syncs", "peak MB", "output"],
-                        cells)
+                        cells, caption=f"opweave schedules on costs from: {'; '.join(sources)}" if sources else None)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ costs (``--cost-model``) and at most ``--streams`` streams. Synthetic graphs fol
 layers, 400 edges, seeds 0, 1, …).
 
 Acceptance: every polynomial scheduler (all but IOS, whose dynamic program is exponential in the graph's width)
-schedules the largest zoo graph in under 1 s. Writes ``DIR/sched_time.json`` with the machine, the settings, every
-run's time, the acceptance verdict and, for context, the scheduling times the LIOS and Opara papers report.
+schedules the largest zoo graph (nasnet_a_mobile, 906 ops) in under 100 ms (issue 8; it was 1 s). Writes
+``DIR/sched_time.json`` with the machine, the settings, every run's time, the acceptance verdict and, for context,
+the scheduling times the LIOS and Opara papers report.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from opweave.cli import graph_costs, run_one
 from opweave.ir.synth import random_dag
 
 EXPONENTIAL = ("ios",)
-LIMIT_S = 1.0
+LIMIT_S = 0.1
 
 # The papers' own scheduling times, as printed (numbers only), for context: different machines, graphs and code.
 PAPER_REFERENCE = {
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                  and r["scheduler"] in verdict["schedulers"]), default=float("nan"))
     failing = ", ".join(f["scheduler"] for f in verdict["failures"])
     common.console.print(f"{'PASS' if verdict['pass'] else 'FAIL'}: every polynomial scheduler "
-                         f"({', '.join(verdict['schedulers'])}) under {LIMIT_S:g} s on the largest zoo graph "
+                         f"({', '.join(verdict['schedulers'])}) under {LIMIT_S * 1e3:g} ms on the largest zoo graph "
                          f"{verdict['graph']} ({verdict['ops']} ops); slowest {worst * 1e3:.1f} ms"
                          + (f"; failing: {failing}" if failing else ""), soft_wrap=True)
 

@@ -1,10 +1,17 @@
-"""The benchmark scripts run end to end (``--quick``: small zoo graphs and one small random DAG) and write JSON."""
+"""The benchmark scripts run end to end (``--quick``: small zoo graphs and one small random DAG), write JSON, and
+pass their own checks: a script that exits non-zero, or writes a JSON that marks a result as failed, fails here.
+
+A benchmark marks a failed check in its JSON (:func:`failed_checks`) with ``"status"`` other than ``"ok"`` (an
+error or a timeout), ``"ok": false`` (e.g. an output that differs from eager), ``"pass": false`` (an acceptance
+verdict) or a non-null ``"error"``.
+"""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -12,13 +19,37 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def failed_checks(data: object, where: str = "") -> list[str]:
+    """Where ``data`` (a benchmark's JSON) marks a failed check, as ``path: reason`` strings (see the docstring)."""
+    found: list[str] = []
+    if isinstance(data, dict):
+        if "status" in data and data["status"] != "ok":
+            found.append(f"{where}: status {data['status']!r}")
+        for key in ("ok", "pass"):
+            if data.get(key) is False:
+                found.append(f"{where}: {key} is false")
+        if data.get("error") is not None:
+            found.append(f"{where}: error {data['error']!r}")
+        for key, value in data.items():
+            found += failed_checks(value, f"{where}.{key}")
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            found += failed_checks(value, f"{where}[{i}]")
+    return found
+
+
 def run_script(name: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run ``benchmarks/<name> --quick --out OUT``; fail unless it exits 0 and no JSON it wrote marks a failure."""
     result = subprocess.run([sys.executable, str(BENCHMARKS / name), "--quick", "--out", str(out), *extra],
                             capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    failures = [f for path in sorted(out.glob("*.json")) for f in failed_checks(json.loads(path.read_text()),
+                                                                               path.name)]
+    assert not failures, failures
     return result
 
 
+@pytest.mark.slow
 def test_sched_time_quick(tmp_path):
     result = run_script("sched_time.py", tmp_path, "--models", "squeezenet,lios-fig3")
     data = json.loads((tmp_path / "sched_time.json").read_text())
@@ -35,6 +66,32 @@ def test_sched_time_quick(tmp_path):
     assert ("PASS" if data["acceptance"]["pass"] else "FAIL") + ": every polynomial scheduler" in result.stdout
 
 
+def test_failed_checks_reads_what_a_benchmark_marks():
+    good = {"results": [{"status": "ok", "ok": True, "error": None}], "acceptance": {"pass": True}}
+    assert failed_checks(good) == []
+    bad = {"results": [{"status": "ok"}, {"status": "timeout"}, {"mode": "x", "ok": False, "error": "E: boom"}],
+           "acceptance": {"pass": False}}
+    assert failed_checks(bad, "b.json") == ["b.json.results[1]: status 'timeout'", "b.json.results[2]: ok is false",
+                                            "b.json.results[2]: error 'E: boom'", "b.json.acceptance: pass is false"]
+
+
+@pytest.mark.parametrize("row, exit_code, message", [({"status": "ok", "ok": False}, 0, "ok is false"),
+                                                     ({"status": "ok"}, 1, "FAIL: the fake check")])
+def test_a_benchmark_whose_own_check_fails_fails_the_smoke_test(tmp_path, row, exit_code, message):
+    fake = tmp_path / "fake_bench.py"  # writes its JSON as the real scripts do, prints its verdict, exits
+    fake.write_text(textwrap.dedent(f"""
+        import json, sys
+        out = sys.argv[sys.argv.index("--out") + 1]
+        open(out + "/fake.json", "w").write(json.dumps({{"results": [{row!r}]}}))
+        print("PASS" if {exit_code} == 0 else "FAIL: the fake check")
+        sys.exit({exit_code})
+    """))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(AssertionError, match=message):
+        run_script(str(fake), tmp_path / "out")
+
+
+@pytest.mark.slow
 def test_sim_quality_quick(tmp_path):
     run_script("sim_quality.py", tmp_path)
     data = json.loads((tmp_path / "sim_quality.json").read_text())
@@ -49,19 +106,55 @@ def test_sim_quality_quick(tmp_path):
             assert row["makespan_ms"] >= row["lower_bound_ms"] - 1e-9
     ideal_sequential = next(r for r in data["results"] if r["cost_model"] == "ideal" and r["scheduler"] == "sequential")
     assert ideal_sequential["speedup"] == pytest.approx(1.0)
+    for row in data["results"]:  # under the ideal model every scheduler predicts its replay exactly
+        if row["cost_model"] == "ideal":
+            assert row["predicted_ms"] == pytest.approx(row["makespan_ms"], abs=1e-9), row["scheduler"]
     assert (tmp_path / "sim_quality.png").stat().st_size > 1000
+
+
+def test_coverage_one_model(tmp_path):
+    result = run_script("coverage.py", tmp_path, "--models", "torchvision:squeezenet1_1", "--schedulers",
+                        "sequential,lios")
+    data = json.loads((tmp_path / "coverage.json").read_text())
+    assert data["summary"] == {"models": 1, "schedulers": 2, "pairs_passed": 2, "pairs": 2}
+    assert [r["model"] for r in data["results"]] == ["torchvision:squeezenet1_1"]
+    table = (tmp_path / "coverage.md").read_text()
+    assert "| torchvision:squeezenet1_1 |" in table and "2/2 model x scheduler pairs pass" in table
+    assert "pass" in result.stdout
+
+
+def test_serving_quick(tmp_path):
+    result = run_script("serving.py", tmp_path)
+    data = json.loads((tmp_path / "serving_sim.json").read_text())
+    assert data["mode"] == "sim" and {"machine", "settings", "results", "acceptance"} <= set(data)
+    assert [(e["pattern"], e["policy"]) for e in data["results"]] == [
+        ("squeezenet:240", p) for p in ("static", "batch", "heuristic")]
+    for entry in data["results"]:
+        for row in entry["scales"].values():
+            assert row["sent"] == row["answered"] + row["rejected"] + row["timeouts"] + row["errors"]
+            assert row["throughput_rps"] > 0 and row["p50_ms"] <= row["p99_ms"]
+    assert (tmp_path / "serving_sim.png").stat().st_size > 1000 and "serving (sim)" in result.stdout
+
+
+@pytest.mark.slow
+def test_multi_device_quick(tmp_path):
+    run_script("multi_device.py", tmp_path)
+    data = json.loads((tmp_path / "multi_device_quick.json").read_text())
+    assert data["link"]["bandwidth_gbs"] > 0 and data["settings"]["ranks"] == [1, 2]
+    (result,) = data["results"]
+    assert [r["ranks"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["measured_ms"] > 0 and row["simulated_ms"] > 0 and row["max_abs_diff"] < 1e-4
+        assert sum(row["ops_per_rank"]) == result["ops"]
 
 
 @pytest.mark.slow
 def test_fused_cpu_quick(tmp_path):
-    """Three modes of one small model, each in its own process with a cold Inductor cache (about a minute)."""
-    result = subprocess.run([sys.executable, str(BENCHMARKS / "fused_cpu.py"), "--quick", "--out", str(tmp_path),
-                             "--schedulers", "sequential", "--no-torch-compile"],
-                            capture_output=True, text=True, timeout=600, cwd=BENCHMARKS.parent)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    """Three modes of one small model, each in its own process with a cold Inductor cache (about half a minute)."""
+    run_script("fused_cpu.py", tmp_path, "--schedulers", "sequential", "--no-torch-compile")
     data = json.loads((tmp_path / "fused_cpu.json").read_text())
     assert [r["mode"] for r in data["rows"]] == ["eager", "opweave sequential", "opweave sequential+inductor"]
-    assert all("error" not in r and r["max_abs_diff"] < 1e-4 for r in data["rows"]), data["rows"]
+    assert all(r["ok"] and r["max_abs_diff"] < 1e-4 for r in data["rows"]), data["rows"]
     fused = data["rows"][-1]
     assert fused["segments"] == 1 and fused["inductor_s"] > 0 and fused["compile_s"] >= fused["inductor_s"]
     assert data["settings"]["inductor_cache"] == "cold"

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from opweave import zoo
 from opweave.capture import Captured, CaptureError, capture
+from rendezvous import TwoBranches, armed
 
 
 def run_sequential(captured: Captured, args: tuple, order: list[str] | None = None):
@@ -133,6 +134,24 @@ def test_run_op_from_threads_in_dependency_order(branchy):
     with ThreadPoolExecutor(max_workers=len(g)) as pool:  # one thread per op: all start at once, each waits
         list(pool.map(run, reversed(g.topo_order)))
     assert_same(cap.output(env), eager(model, args))
+
+
+def test_independent_ops_run_concurrently_from_threads():
+    # each rendezvous op waits at a barrier for the other: run_op must let two threads run ops at the same time
+    x = torch.randn(4, 3)
+    cap = capture(TwoBranches(), (x,))
+    meet = [o.id for o in cap.graph.ops if o.target.endswith("rendezvous")]
+    assert len(meet) == 2 and cap.graph.independent(*meet)
+    env = cap.bind((x,))
+    with armed(parties=2), ThreadPoolExecutor(max_workers=2) as pool:
+        for op in cap.graph.topo_order:
+            if op not in meet:
+                cap.run_op(op, env)
+            elif op == meet[-1]:
+                list(pool.map(lambda o: cap.run_op(o, env), meet))  # BrokenBarrierError unless both run at once
+    assert_same(cap.output(env), TwoBranches()(x))
+    with armed(parties=2, timeout_s=0.2), pytest.raises(CaptureError, match="BrokenBarrierError"):
+        run_sequential(cap, (x,))  # one after the other, the barrier does break: the check above can fail
 
 
 def test_bind_rejects_another_shape(branchy):

@@ -1,19 +1,43 @@
-"""The command line contract of DESIGN.md §3, run as a user would."""
+"""The command line contract, run as a user would: JSON output, files written, and the error contract — an
+``OpweaveError`` (bad input, a missing device) exits with status 2 and one line on stderr; anything else is a bug
+and keeps its traceback.
+
+Commands run in-process through ``typer.testing.CliRunner`` (the same Typer app the ``opweave`` script runs); the
+tests that are about the process itself (what reaches stderr, the exit status) run ``python -m opweave`` in a
+subprocess. The README's own commands and their tables are in ``test_readme.py``.
+"""
 
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
+import typer
+from typer.testing import CliRunner
 
+import opweave as ow
+from opweave import errors
+from opweave.cli import app
+from opweave.cli.app import guard
 from opweave.ir import OpGraph
 
 
-def opweave(*args: str, check_rc: int | None = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, timeout=300)
+def opweave(*args: str, check_rc: int | None = 0):
+    """Run ``opweave ARGS`` in-process; the click Result (``stdout``, ``stderr``, ``exit_code``, ``exception``)."""
+    result = CliRunner().invoke(app, list(args))
     if check_rc is not None:
-        assert proc.returncode == check_rc, proc.stderr
-    return proc
+        assert result.exit_code == check_rc, (result.stderr, result.exception)
+    return result
+
+
+def one_line(result) -> str:
+    assert result.stderr.startswith("opweave: error: ") and result.stderr.count("\n") == 1, result.stderr
+    return result.stderr
+
+
+def opweave_process(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_schedule_json_lios_fig3():
@@ -32,8 +56,9 @@ def test_schedule_json_lios_fig3():
 def test_bad_graph_exits_2_with_one_line_naming_the_op(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "opweave.graph/1", "ops": [{"id": "a"}, {"id": "a"}], "edges": []}))
-    proc = opweave("schedule", str(bad), "--scheduler", "lios", check_rc=2)
-    assert proc.stderr.strip().count("\n") == 0 and "duplicate op id 'a'" in proc.stderr
+    proc = opweave_process("schedule", str(bad), "--scheduler", "lios")  # the whole process: status and stderr
+    assert proc.returncode == 2
+    assert proc.stderr == "opweave: error: duplicate op id 'a'\n"
     assert proc.stdout == ""
 
 
@@ -42,10 +67,11 @@ def test_bad_graph_exits_2_with_one_line_naming_the_op(tmp_path):
     (["schedule", "no-such-file.json"], "no graph file"),
     (["simulate", "lios-fig3", "--cost-model", "quantum"], "unknown cost model"),
     (["schedule"], "give a GRAPH"),
+    (["bench", "--model", "squeezenet", "--device", "tpu"], "device must be cpu, cuda or auto"),
+    (["simulate", "--model", "deepfm", "--profile", "no-such.profile.json"], "cannot read profile"),
 ])
 def test_usage_errors_exit_2(args, needle):
-    proc = opweave(*args, check_rc=2)
-    assert needle in proc.stderr and proc.stderr.strip().count("\n") == 0
+    assert needle in one_line(opweave(*args, check_rc=2))
 
 
 def test_synth_is_deterministic(tmp_path):
@@ -55,58 +81,34 @@ def test_synth_is_deterministic(tmp_path):
     assert a.read_bytes() == b.read_bytes()
     g = OpGraph.load(a)
     assert len(g) == 200 and len(g.edges) == 400
+    assert json.loads(opweave("synth", "--ops", "200", "--layers", "14", "--seed", "1").stdout) == g.to_dict()
 
 
-def test_simulate_all_schedulers_table_and_json(tmp_path):
-    proc = opweave("simulate", "lios-fig3", "--streams", "3", "--json")
-    rows = json.loads(proc.stdout)["results"]
-    import opweave as ow
-
+def test_simulate_all_schedulers_json():
+    rows = json.loads(opweave("simulate", "lios-fig3", "--streams", "3", "--json").stdout)["results"]
     assert [r["scheduler"] for r in rows] == ow.schedulers.names()
     assert all(r["makespan_ms"] >= 38.0 - 1e-9 for r in rows)
-    table = opweave("simulate", "lios-fig3", "--streams", "3").stdout
-    assert "lios" in table and "38.000" in table
 
 
 def test_simulate_writes_gantt_and_trace(tmp_path):
     png, trace = tmp_path / "g.png", tmp_path / "t.json"
-    opweave("simulate", "lios-fig3", "--scheduler", "lios", "--streams", "3",
-            "--gantt", str(png), "--trace", str(trace))
+    opweave("simulate", "lios-fig3", "--scheduler", "lios", "--streams", "3", "--gantt", str(png),
+            "--trace", str(trace))
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert len([e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]) == 10
+    assert "need a single --scheduler" in one_line(opweave("simulate", "lios-fig3", "--gantt", str(png), check_rc=2))
 
 
-def test_models_lists_the_zoo():
-    names = json.loads(opweave("models", "--json").stdout)
-    assert {"inception_v3", "googlenet", "squeezenet", "resnet50", "nasnet_a_mobile", "randwire", "bert_base",
-            "deepfm"} <= set(names)
+def test_models_json_lists_the_zoo():
+    assert json.loads(opweave("models", "--json").stdout) == ow.zoo.names()
 
 
 def test_bench_cpu_json():
-    proc = opweave("bench", "--model", "squeezenet", "--device", "cpu", "--schedulers", "sequential,lios",
-                   "--runs", "2", "--warmup", "1", "--json")
-    result = json.loads(proc.stdout)
+    result = json.loads(opweave("bench", "--model", "squeezenet", "--device", "cpu", "--schedulers", "sequential,lios",
+                                "--runs", "2", "--warmup", "1", "--json").stdout)
     assert [r["mode"] for r in result["rows"]] == ["eager", "opweave sequential", "opweave lios"]
     assert all(r["median_ms"] > 0 for r in result["rows"])
     assert all(r["max_abs_diff"] < 1e-3 for r in result["rows"][1:])
-
-
-def test_bench_cuda_without_gpu_is_one_line():
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    proc = opweave("bench", "--model", "squeezenet", "--device", "cuda", check_rc=2)
-    assert "CUDA" in proc.stderr and proc.stderr.strip().count("\n") == 0
-
-
-def test_profile_without_gpu_is_one_line():
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
-    proc = opweave("profile", "--model", "squeezenet", "--device", "cuda", check_rc=2)
-    assert "CUDA is not available" in proc.stderr and proc.stderr.strip().count("\n") == 0
 
 
 def test_cpu_profile_feeds_simulate_and_is_refused_for_another_model(tmp_path):
@@ -116,7 +118,68 @@ def test_cpu_profile_feeds_simulate_and_is_refused_for_another_model(tmp_path):
     result = json.loads(opweave("schedule", "--model", "deepfm", "--profile", str(path), "--scheduler", "sequential",
                                 "--coarsen", "--json").stdout)  # `opweave profile` measures the coarsened graph
     assert result["sequential_ms"] == pytest.approx(sum(measured.values()))
-    proc = opweave("simulate", "--model", "squeezenet", "--profile", str(path), check_rc=2)
-    assert "measured for model 'deepfm'" in proc.stderr
-    proc = opweave("simulate", "--model", "deepfm", "--profile", str(path), check_rc=2)  # the fine graph
-    assert "other granularity" in proc.stderr and proc.stderr.strip().count("\n") == 0
+    assert "measured for model 'deepfm'" in one_line(opweave("simulate", "--model", "squeezenet", "--profile",
+                                                             str(path), check_rc=2))
+    assert "other granularity" in one_line(opweave("simulate", "--model", "deepfm", "--profile", str(path),
+                                                    check_rc=2))  # the fine graph
+
+
+# ---- the guard: only the OpweaveError family becomes one line and status 2 -----------------------------------------
+def guarded_app(exc: BaseException) -> typer.Typer:
+    """A one-command app whose command raises ``exc`` through the CLI's guard."""
+    one = typer.Typer()
+
+    @one.command()
+    @guard
+    def fail():
+        raise exc
+
+    return one
+
+
+OPWEAVE_ERRORS = [getattr(errors, name) for name in errors.__all__]
+
+
+@pytest.mark.parametrize("cls", OPWEAVE_ERRORS, ids=lambda cls: cls.__name__)
+def test_guard_turns_every_opweave_error_into_one_line(cls):
+    assert issubclass(cls, errors.OpweaveError)
+    result = CliRunner().invoke(guarded_app(cls("op 'v3': first line\nsecond line")), [])
+    assert result.exit_code == 2 and result.stderr == "opweave: error: op 'v3': first line\n"
+
+
+@pytest.mark.parametrize("exc", [KeyError(0), ValueError("bad value"), RuntimeError("boom"), TypeError("t"),
+                                 ImportError("no module")], ids=lambda exc: type(exc).__name__)
+def test_guard_lets_every_other_error_through(exc):
+    # a KeyError once became "opweave: error: 0" and status 2; the builtins the OpweaveError family also derives
+    # from (ValueError, RuntimeError, ImportError) must not be caught either
+    result = CliRunner().invoke(guarded_app(exc), [])
+    assert result.exception is exc and result.exit_code == 1
+    assert "opweave: error" not in result.stderr
+
+
+def test_a_bug_in_a_real_command_is_not_turned_into_a_usage_error(monkeypatch):
+    def broken():
+        raise KeyError(0)
+
+    monkeypatch.setattr(ow.zoo, "names", broken)  # `opweave models` once exited 2 with "opweave: error: 0"
+    result = CliRunner().invoke(app, ["models"])
+    assert isinstance(result.exception, KeyError) and result.exit_code == 1
+    assert "opweave: error" not in result.stderr
+
+
+def test_a_bug_prints_its_traceback():
+    script = textwrap.dedent("""
+        from opweave.cli import app
+        from opweave.cli.app import guard
+
+        @app.command()
+        @guard
+        def broken():
+            return {}[0]
+
+        app(["broken"], prog_name="opweave")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr and proc.stderr.endswith("KeyError: 0\n")
+    assert "opweave: error" not in proc.stderr

@@ -10,8 +10,9 @@ from opweave import schedulers, zoo
 from opweave.api import plan_for
 from opweave.backends.cpu import CpuBackend
 from opweave.bench import max_abs_diff
-from opweave.capture import capture, coarsen
+from opweave.capture import CaptureError, capture, coarsen
 from opweave.costs.roofline import estimate
+from rendezvous import TwoBranches, armed
 
 SMALL = {"bert_base": {"num_layers": 2}}  # the scheduler sweep runs 8 plans per model: a shorter BERT there
 
@@ -24,6 +25,7 @@ def captured_model(name: str):
     return capture(model, inputs, name=name), inputs, reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.names())
 def test_compile_matches_eager_for_every_zoo_model(name):
     model, inputs = zoo.create(name, batch_size=1)  # the full models (bert_base with all 12 layers)
@@ -35,6 +37,7 @@ def test_compile_matches_eager_for_every_zoo_model(name):
     assert fast.schedule.streams_used >= 1 and len(fast.graph) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.names())
 def test_every_scheduler_matches_eager(name):
     cap, inputs, reference = captured_model(name)
@@ -75,7 +78,7 @@ def test_lanes_run_without_autograd_even_on_inference_tensors():
     """Worker threads do not inherit the caller's inference mode: with autograd on there, a Linear on an inference
     tensor raised "Inference tensors cannot be saved for backward"."""
 
-    class TwoBranches(torch.nn.Module):
+    class TwoLinears(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
@@ -83,7 +86,7 @@ def test_lanes_run_without_autograd_even_on_inference_tensors():
         def forward(self, x):
             return torch.relu(self.a(x)), self.b(x) * 2
 
-    model = TwoBranches()
+    model = TwoLinears()
     fast = opweave.compile(model, (torch.randn(4, 8),), scheduler="lios", device="cpu")
     assert fast.schedule.streams_used == 2
     with torch.inference_mode():
@@ -91,6 +94,21 @@ def test_lanes_run_without_autograd_even_on_inference_tensors():
         got, expected = fast(x), model(x)
     assert max_abs_diff(expected, got) == 0.0
     assert not any(t.requires_grad for t in fast(torch.randn(4, 8)))  # no autograd graph outside inference mode
+
+
+def test_independent_branches_run_concurrently_on_two_lanes():
+    # the two rendezvous ops wait at a barrier for each other: the call only returns if two lanes ran them at once
+    x = torch.randn(4, 3)
+    fast = opweave.compile(TwoBranches(), (x,), scheduler="lios", device="cpu")
+    lane = {ins.op: (ins.device, ins.stream) for ins in fast.plan.instrs if ins.kind == "launch"}
+    meet = [o.id for o in fast.graph.ops if o.target.endswith("rendezvous")]
+    assert len(meet) == 2 and lane[meet[0]] != lane[meet[1]]
+    with armed(parties=2), torch.inference_mode():
+        got = fast(x)  # BrokenBarrierError unless both rendezvous ops ran at once
+    assert max_abs_diff(TwoBranches()(x), got) == 0.0
+    one_lane = opweave.compile(TwoBranches(), (x,), scheduler="sequential", device="cpu")
+    with armed(parties=2, timeout_s=0.2), pytest.raises(CaptureError, match="BrokenBarrierError"):
+        one_lane(x)  # on one lane the barrier breaks: the check above can fail
 
 
 def test_bad_device_is_refused():

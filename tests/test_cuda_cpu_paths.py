@@ -1,9 +1,15 @@
 """The CUDA backend's parts that run without a GPU: the one-line error, the join-aware liveness analysis, buffer
-aliasing, and the profiler's CPU path (round trip, key check, costs)."""
+aliasing, input signatures and copies, stream checks, capture error messages; the profiler's CPU path (round trip,
+key check, costs) and its reading of Kineto traces (a synthetic CUDA trace in torch's export format under
+tests/data/, a real CPU trace, and a real CUDA trace once one is committed); and the GPU benchmark's checks,
+summary, table and JSON."""
 
 from __future__ import annotations
 
+import datetime
 import functools
+import gzip
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,19 +22,35 @@ from hypothesis import strategies as st
 from torch import nn
 
 import opweave
+from benchmark_module import gpu_latency
 from dags import dags
 from opweave import costs as costs_mod
 from opweave import schedulers
 from opweave.api import plan_for
-from opweave.backends.cuda import CudaBackend, on_device, release_keys, require_cuda, storage_buffers
+from opweave.backends.cuda import (
+    CudaBackend,
+    InputCopies,
+    _static_copy,
+    capture_error,
+    check_distinct_streams,
+    default_streams,
+    input_signature,
+    on_device,
+    release_keys,
+    require_cuda,
+    storage_buffers,
+)
 from opweave.backends.liveness import Buffer, launch_positions, release_points, steps_with_releases
 from opweave.backends.program import Program
 from opweave.capture import capture
 from opweave.costs.profile import Profile, ProfileKeyError, profile_key, profile_model
-from opweave.costs.profile.kineto import kernels_by_op
+from opweave.costs.profile.kineto import kernels_by_op, range_runs, trace_ops
+from opweave.costs.profile.measure import full_env, latencies_from_runs
 from opweave.costs.profile.occupancy import occupancy, op_demand
 from opweave.costs.roofline import estimate
+from opweave.errors import CaptureError, DeviceError, ProfileError
 from opweave.ir import OpGraph
+from opweave.ir.graph import Op
 from opweave.plan import Instr, LaunchPlan
 from opweave.plan.lower import lower
 
@@ -403,3 +425,258 @@ def test_utilization_is_the_share_of_block_slots_filled():
     assert demand["threads"] == 66 * 256 and demand["registers"] == 66 * 256 * 32
     big = {**small, "grid": [5000, 1, 1], "duration_us": 30.0}
     assert op_demand([small, big], H100_LIKE)[1] == pytest.approx((66 / 1056 * 10 + 30) / 40)
+
+
+# ---- per-op GPU time from Kineto traces ------------------------------------------------------------------------------
+
+DATA = Path(__file__).resolve().parent / "data"
+# tests/data/kineto_cuda_trace.json: what torch 2.x's export_chrome_trace writes for five ops run 3 times each under
+# the profiler, each run in an opweave::<op> range (metadata events, cpu_op and user_annotation ranges, cuda_runtime
+# launches, kernels / gpu_memcpy / gpu_memset on stream 7 with their correlation ids, ac2g flows,
+# gpu_user_annotation projections, a fill kernel launched before any range, a final cudaDeviceSynchronize), with a
+# few categories in other letter cases. Per run, GPU time (us): conv 22.528 / 23.104 / 37.184 (two kernels),
+# relu 1.504 / 1.6 / 1.408, view none (no launch), copy 3.008 / 3.2 / 2.912 (memcpy), zero 1.024 / 1.088 / 1.216
+# (memset).
+FIXTURE_OPS = {"conv": 2e6, "relu": 4096.0, "view": 0.0, "copy": 0.0, "zero": 0.0}
+
+
+def fixture_trace() -> dict:
+    return json.loads((DATA / "kineto_cuda_trace.json").read_text())
+
+
+def fixture_graph(**flops) -> OpGraph:
+    return OpGraph([Op(op, target=f"t.{op}", flops=flops.get(op, f)) for op, f in FIXTURE_OPS.items()])
+
+
+def test_gpu_time_per_op_is_the_median_run_of_its_kernels_memcpys_and_memsets():
+    runs = range_runs(fixture_trace())
+    assert [r.op for r in runs] == [op for op in FIXTURE_OPS for _ in range(3)]
+    assert [len(r.work) for r in runs] == [2] * 3 + [1] * 3 + [0] * 3 + [1] * 6  # the stray fill kernel: no op's
+    latency, kernels = latencies_from_runs(fixture_graph(), runs)
+    assert latency == pytest.approx({"conv": 0.023104, "relu": 0.001504, "view": 0.0, "copy": 0.003008,
+                                     "zero": 0.001088})
+    assert [k["name"].split("<")[0] for k in kernels["conv"]] == ["void cutlass::Kernel2",
+                                                                  "void at::native::elementwise_kernel"]
+    assert sum(k["duration_us"] for k in kernels["conv"]) == pytest.approx(23.104)  # the median run's own kernels
+    gemm = kernels["conv"][0]
+    assert (gemm["grid"], gemm["block"], gemm["registers_per_thread"], gemm["shared_memory_bytes"]) == (
+        [64, 1, 1], [128, 1, 1], 128, 81920)
+    assert kernels["view"] == [] and kernels["copy"] == []  # a memcpy is GPU time, not a kernel
+    assert kernels_by_op(fixture_trace(), ["relu"])["relu"] == [k for r in runs if r.op == "relu" for k in r.kernels]
+
+
+def test_trace_categories_are_compared_case_insensitively():
+    trace = fixture_trace()
+    cats = {e["cat"] for e in trace["traceEvents"] if "cat" in e}
+    assert any(c != c.lower() for c in cats)  # the fixture does mix letter cases
+    expected = [(r.op, r.duration_us) for r in range_runs(trace)]
+    for case in (str.lower, str.upper):
+        for e in trace["traceEvents"]:
+            if "cat" in e:
+                e["cat"] = case(e["cat"])
+        assert [(r.op, r.duration_us) for r in range_runs(trace)] == expected
+    old_names = {"cuda_runtime": "Runtime", "gpu_memcpy": "Memcpy", "gpu_memset": "Memset"}  # older Kineto's names
+    for e in trace["traceEvents"]:
+        e["cat"] = old_names.get(str(e.get("cat", "")).lower(), e.get("cat"))
+    assert [(r.op, r.duration_us) for r in range_runs(trace)] == expected
+
+
+def test_launches_recorded_under_another_thread_number_are_still_attributed():
+    trace = fixture_trace()
+    for e in trace["traceEvents"]:
+        if str(e.get("cat", "")).lower() == "cuda_runtime":
+            e["tid"] = 99  # no op range on that thread: every thread's ranges are searched
+    latency, _ = latencies_from_runs(fixture_graph(), range_runs(trace))
+    assert latency["conv"] == pytest.approx(0.023104) and latency["copy"] == pytest.approx(0.003008)
+
+
+def test_an_op_with_flops_but_no_gpu_work_fails_loudly():
+    runs = range_runs(fixture_trace())
+    with pytest.raises(ProfileError, match=r"op 'view' \(t\.view, 1e\+03 FLOPs\) launched no GPU kernel.* 3 profiled"):
+        latencies_from_runs(fixture_graph(view=1000.0), runs)
+    graph = OpGraph([*fixture_graph().ops, Op("ghost")])
+    with pytest.raises(ProfileError, match="no opweave::ghost range"):
+        latencies_from_runs(graph, runs)
+
+
+def test_profiler_ranges_on_a_real_cpu_trace():
+    """torch.profiler on this machine (CPU only): every run of every op is one range, in order, with no GPU work,
+    so the ops with FLOPs are refused as having launched nothing."""
+    _, x, cap = branchy()
+    with torch.no_grad():
+        env = full_env(cap, x)
+        runs = range_runs(trace_ops(cap, env, cap.graph.topo_order, 2, "cpu"))
+    assert [r.op for r in runs] == [op for op in cap.graph.topo_order for _ in range(2)]
+    assert all(r.work == [] for r in runs)
+    with pytest.raises(ProfileError, match="launched no GPU kernel"):
+        latencies_from_runs(cap.graph, runs)
+
+
+REAL_TRACE = DATA / "googlenet-trace.json.gz"
+
+
+@pytest.mark.skipif(not REAL_TRACE.exists(), reason="no real CUDA trace committed yet: scripts/gpu_check.sh trace "
+                                                    "writes one (scripts/dump_trace.py) to copy to tests/data/")
+def test_profiler_parsing_on_a_real_cuda_trace():
+    with gzip.open(REAL_TRACE, "rt") as f:
+        trace = json.load(f)
+    meta = trace["opweave"]
+    graph = OpGraph([Op(op, target=meta["targets"][op], flops=meta["flops"][op]) for op in meta["ops"]])
+    runs = range_runs(trace)
+    assert len(runs) == len(meta["ops"]) * meta["repeats"]
+    latency, kernels = latencies_from_runs(graph, runs)
+    assert all(latency[o.id] > 0 and kernels[o.id] for o in graph.ops if o.flops > 0)
+    assert all(k["grid"] and k["block"] and k["duration_us"] > 0 for ks in kernels.values() for k in ks)
+
+
+# ---- CUDA backend helpers --------------------------------------------------------------------------------------------
+
+
+def test_lanes_must_get_distinct_cuda_streams():
+    check_distinct_streams([("lane (0, 1)", 0x10), ("lane (0, 2)", 0x20), ("the capture stream", 0x30)])
+    with pytest.raises(DeviceError, match=r"^lane \(0, 1\) and the capture stream got the same CUDA stream 0x10 "
+                                          r".*streams=8\)$"):
+        check_distinct_streams([("lane (0, 1)", 0x10), ("lane (0, 2)", 0x20), ("the capture stream", 0x10)])
+
+
+def test_default_stream_cap_follows_cuda_device_max_connections(monkeypatch):
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert default_streams() == 8
+    for value, expected in (("32", 32), ("4", 4), ("0", 8), ("many", 8), ("", 8)):
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
+        assert default_streams() == expected
+
+
+def test_input_signatures_need_no_pytree_walk_for_flat_arguments():
+    cpu = torch.device("cpu")
+    x, weight = torch.randn(2, 3), nn.Parameter(torch.randn(3))
+    args = (x, weight, 4)
+    key, leaves = input_signature(args, "graph", cpu)
+    assert leaves is args  # flat: the arguments are the leaves
+    assert key == ((None, (x.shape, x.dtype, cpu), (weight.shape, weight.dtype, cpu, weight.data_ptr()),
+                    ("value", "4")))
+    assert input_signature((torch.randn(2, 3), weight, 4), "graph", cpu)[0] == key  # new values, same signature
+    assert input_signature((x, nn.Parameter(torch.randn(3)), 4), "graph", cpu)[0] != key  # another parameter
+    assert input_signature((x, weight, 5), "graph", cpu)[0] != key
+    # streams mode uses inputs in place: strides count
+    t = torch.randn(3, 2).t()
+    assert input_signature((t,), "streams", cpu)[0] != input_signature((t.contiguous(),), "streams", cpu)[0]
+    assert input_signature((t,), "graph", cpu)[0] == input_signature((t.contiguous(),), "graph", cpu)[0]
+    nested_key, nested = input_signature(([x], {"w": weight}), "graph", cpu)
+    assert nested == [x, weight] and nested_key[0] is not None and nested_key[1:] == key[1:3]
+
+
+def test_inputs_are_copied_into_the_static_buffers_and_parameters_used_in_place():
+    cpu = torch.device("cpu")
+    x, weight = torch.randn(2, 3), nn.Parameter(torch.randn(3))
+    leaves = (x, weight, 4)
+    static = [_static_copy(v, cpu) for v in leaves]
+    assert static[0] is not x and static[1] is weight and static[2] == 4
+    copies = InputCopies.plan(leaves, static, cpu)
+    assert copies.device_positions == [0] and copies.host_positions == []
+    new = torch.randn(2, 3)
+    copies.copy_in((new, weight, 4))
+    assert torch.equal(static[0], new)
+    on_other_device = InputCopies.plan(leaves, static, torch.device("meta"))
+    # a backend on another device: one copy_ each, the parameter too (it is not on the backend's device)
+    assert on_other_device.host_positions == [0, 1] and on_other_device.device_positions == []
+
+
+def test_capture_errors_name_the_op_in_one_line():
+    _, _, cap = branchy()
+    op = cap.graph.topo_order[1]
+    err = str(capture_error(cap, op, CaptureError("branchy: op failed: RuntimeError: boom")))
+    assert err.startswith(f"cannot record branchy into a CUDA graph: op {op!r} (")
+    assert "failed: CaptureError: branchy: op failed: RuntimeError: boom" in err and "\n" not in err
+    inner = RuntimeError("called a synchronizing CUDA operation")
+    wrapped = CaptureError("branchy: op 'x' failed")
+    wrapped.__cause__ = inner
+    assert "synchronizes the CPU with the GPU" in str(capture_error(cap, op, wrapped, sync=True))
+    assert "a step outside the ops" in str(capture_error(cap, None, ValueError("bad input")))
+    assert err.endswith("pass fallback='eager' or mode='streams' to run it without a graph")
+    during = str(capture_error(cap, None, RuntimeError("CUDA error: operation failed due to a previous error"),
+                               where="ending the capture", during_capture=True))
+    assert "ending the capture failed: RuntimeError: CUDA error: operation failed due to a previous error" in during
+    assert "fallback='eager'" not in during and "is never run eagerly" in during
+
+
+# ---- the GPU benchmark's parts that need no GPU ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["bert_base", "deepfm", "squeezenet"])
+def test_fresh_benchmark_inputs_differ_and_stay_valid(name):
+    from opweave import zoo
+
+    gl = gpu_latency()
+    model, inputs = zoo.create(name, **({"num_layers": 1} if name == "bert_base" else {}))
+    fresh = gl.fresh_inputs(inputs, seed=1)
+    assert [(f.shape, f.dtype, f.device) for f in fresh] == [(x.shape, x.dtype, x.device) for x in inputs]
+    assert all(not torch.equal(f, x) for f, x in zip(fresh, inputs, strict=True))
+    for f, x in zip(fresh, inputs, strict=True):
+        if not x.is_floating_point():  # token ids, embedding indices: within the example's range
+            assert x.min() <= f.min() and f.max() <= x.max()
+    with torch.no_grad():
+        out = model(*fresh)  # an index out of range would raise here
+    assert torch.isfinite(out).all()
+    assert all(torch.equal(a, b) for a, b in zip(gl.fresh_inputs(inputs, seed=1), fresh, strict=True))
+    half = gl.fresh_inputs(tuple(x.half() if x.is_floating_point() else x for x in inputs), seed=2)
+    assert all(f.dtype == (torch.float16 if x.is_floating_point() else x.dtype) for f, x in zip(half, inputs,
+                                                                                                  strict=True))
+
+
+def test_benchmark_check_is_scaled_to_the_output():
+    gl = gpu_latency()
+    big = torch.full((4,), 100.0)
+    assert gl.check_output(big, big + 0.05, "fp32")["ok"]  # 1e-3 of a scale of 100
+    assert not gl.check_output(big, big + 0.2, "fp32")["ok"]
+    small = torch.full((4,), 0.01)
+    assert gl.check_output(small, small + 5e-4, "fp32")["ok"] and not gl.check_output(small, small + 5e-3, "fp32")["ok"]
+    assert gl.check_output(small, small + 5e-3, "fp16")["ok"]  # scale at least 1, fp16 within 1e-2
+    pair = (big, small)
+    assert gl.check_output(pair, (big, small + 0.2), "fp32")["max_abs_diff"] == pytest.approx(0.2)
+
+
+def test_benchmark_summary_table_and_json(tmp_path):
+    from rich.console import Console
+
+    gl = gpu_latency()
+    import _common as common
+
+    base = {"model": "googlenet", "batch_size": 1, "dtype": "fp32"}
+
+    def row(mode, ms, ok=True, peak=100.0, **extra):
+        return {**base, "mode": mode, "median_ms": ms, "ok": ok, "peak_memory_mb": peak, "max_abs_diff": 0.0 if ok
+                else 0.5, **extra}
+
+    rows = [row("eager", 3.0), row("cuda-graph", 1.5, peak=80.0), row("torch.compile", 1.2),
+            row("opweave lios", 1.0, peak=120.0, scheduler="lios", streams=4, syncs=9, costs="profile"),
+            row("opweave opara", 0.5, ok=False, scheduler="opara", streams=8, syncs=20, costs="profile"),
+            {**base, "mode": "opweave ios", "scheduler": "ios", "error": "scheduling timed out", "costs": "profile"},
+            row("opweave lios+inductor", 0.8, peak=90.0, scheduler="lios", fuse="inductor", kernels_per_call=41.0),
+            row("opweave opara+inductor", 0.4, ok=False, scheduler="opara", fuse="inductor")]
+    summary = gl.summarize(rows)
+    assert summary["best_scheduler"] == "lios"  # unfused: opara is faster but wrong, lios+inductor is fused
+    assert summary["best_ms"] == 1.0
+    assert summary["speedup_vs_cuda_graph"] == pytest.approx(1.5)
+    assert summary["speedup_vs_torch_compile"] == pytest.approx(1.2)
+    assert summary["peak_memory_vs_cuda_graph"] == pytest.approx(1.5)
+    assert summary["inductor_scheduler"] == "lios" and summary["inductor_ms"] == 0.8  # opara+inductor is wrong
+    assert summary["inductor_speedup_vs_cuda_graph"] == pytest.approx(1.875)
+    assert summary["inductor_speedup_vs_torch_compile"] == pytest.approx(1.5)
+    assert summary["inductor_peak_memory_vs_cuda_graph"] == pytest.approx(90 / 80)
+    assert not summary["all_outputs_ok"] and summary["failed_modes"] == ["opweave ios"]
+    assert gl.summarize(rows[:6])["inductor_scheduler"] is None  # no +inductor mode measured
+    date = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    data = gl.results_document("NVIDIA H100 80GB HBM3", "2.11.0", "12.8", date, {"python": "3.11"}, {"replays": 200})
+    gl.add_configuration(data, rows)
+    gl.add_configuration(data, [{**base, "mode": "build", "error": "MissingPackageError: torchvision"}])
+    path = gl.result_path(tmp_path, data["device"], date)
+    assert path.name == "nvidia-h100-80gb-hbm3-2025-01-02.json"
+    common.write_json(path, data)
+    assert json.loads(path.read_text()) == data and len(data["summaries"]) == 1 and len(data["results"]) == 9
+    console = Console(record=True, width=200)
+    console.print(gl.speedup_table("googlenet", 1, "fp32", rows, common))
+    text = console.export_text()
+    assert "WRONG (5.0e-01)" in text and "1.50x" in text and "scheduling timed out" in text and "profile" in text
+    fused_line = next(line for line in text.splitlines() if "opweave lios+inductor" in line)
+    assert [c.strip() for c in fused_line.strip().strip("│").split("│")][4] == "41"  # kernels/call

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import opweave.dynamo
+import opweave.errors
 from opweave import zoo
 
 
@@ -78,3 +79,44 @@ def test_cuda_only_options_are_refused_for_cpu_graphs():
     fast = torch.compile(Branchy().eval(), backend="opweave", options={"static_outputs": True})
     with torch.no_grad(), pytest.raises(Exception, match="static_outputs apply to CUDA graphs only"):
         fast(torch.randn(1, 3, 8, 8))
+
+
+def test_a_swapped_weight_is_used_not_the_baked_one():
+    """Dynamo passes lifted parameters unguarded: after a swap the backend must rebuild, not run the old weight."""
+    torch.manual_seed(0)
+    model, x = Branchy().eval(), torch.randn(2, 3, 16, 16)
+    fast = torch.compile(model, backend="opweave", options={"scheduler": "lios", "streams": 2})
+    with torch.no_grad():
+        fast(x)
+        first = opweave.dynamo.last_compiled()
+        model.a.weight = nn.Parameter(torch.randn_like(model.a.weight))
+        model.norm.running_var = torch.rand_like(model.norm.running_var) + 0.5  # a buffer swapped too
+        for e, g in zip(model(x), fast(x), strict=True):
+            assert torch.allclose(e, g, atol=1e-5)
+        assert opweave.dynamo.last_compiled() is not first  # rebuilt by the identity check
+        again = opweave.dynamo.last_compiled()
+        model.a.weight.mul_(2)  # in place: same tensor, no rebuild, and the new values are read
+        for e, g in zip(model(x), fast(x), strict=True):
+            assert torch.allclose(e, g, atol=1e-5)
+        assert opweave.dynamo.last_compiled() is again
+
+
+def test_graphs_that_need_autograd_are_declined():
+    model, x = Branchy().eval(), torch.randn(1, 3, 8, 8)
+    fast = torch.compile(model, backend="opweave")
+    with pytest.raises(Exception, match="inference only.*needs autograd.*torch.no_grad") as info:
+        fast(x)  # grad mode on and the parameters require grad
+    assert any(isinstance(e, opweave.errors.UsageError) for e in _chain(info.value))
+    with torch.no_grad():  # the same model compiles under no_grad (dynamo guards on grad mode)
+        assert torch.allclose(model(x)[0], fast(x)[0], atol=1e-5)
+    with torch.inference_mode():
+        assert torch.allclose(model(x)[0], fast(x)[0], atol=1e-5)
+    frozen = Branchy().eval().requires_grad_(False)
+    plain = torch.compile(frozen, backend="opweave")  # grad mode on, but nothing requires grad: fine
+    assert torch.allclose(frozen(x)[0], plain(x)[0], atol=1e-5)
+
+
+def _chain(exc):
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__

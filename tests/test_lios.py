@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from dags import dags
 from opweave import examples, schedulers
 from opweave.costs import from_graph
-from opweave.schedulers._listsched import ideal_finish_times, makespan_ms
 from opweave.schedulers.lios import DEFAULT_STREAMS, lios_schedule
+from oracle import replay
 
 # Table III, "Schedule Tuple" column: (op, stream p1..p3 -> 0..2, start, finish), in scheduling order.
 # The table prints step 6 as (v6, p2, 8, 13); its own EFT column says 23, and 8 + 15 = 23 (papers/README.md).
@@ -36,9 +36,10 @@ def test_fig3_makespan_38_vs_sequential_73():
     assert lios.order == [op for op, *_ in TABLE_III]
     assert lios.stream_of == {op: stream for op, stream, *_ in TABLE_III}
     assert lios.streams_used == 3 and set(lios.device_of.values()) == {0}
-    # replaying the launch order under the ideal model gives back every tuple of the table
-    times = ideal_finish_times(graph, costs, lios.order, lios.stream_of)
-    assert {op: times[op] for op in times} == {op: (start, finish) for op, _, start, finish in TABLE_III}
+    # the simulator's ideal replay of the lowered plan gives back every tuple of the table
+    result = replay(graph, lios, costs)
+    assert {op: (result.start_ms[op], result.finish_ms[op]) for op in graph.ids} == {
+        op: (start, finish) for op, _, start, finish in TABLE_III}
 
 
 def test_stream_count_is_respected():
@@ -55,10 +56,10 @@ def test_random_dags(graph, streams):
     sched = schedulers.run("lios", graph, costs, streams=streams)  # run() checks coverage and topological order
     assert max(sched.stream_of.values()) < (streams or DEFAULT_STREAMS)
     steps = lios_schedule(graph, costs, streams or DEFAULT_STREAMS)
-    times = ideal_finish_times(graph, costs, sched.order, sched.stream_of)
-    for step in steps:  # LIOS's own times are the ideal replay of its launch order
-        assert times[step.op] == pytest.approx((step.start_ms, step.finish_ms))
-    assert sched.predicted_ms == pytest.approx(makespan_ms(times))
+    result = replay(graph, sched, costs)
+    for step in steps:  # LIOS's own times are the simulator's ideal replay of its lowered plan
+        assert (result.start_ms[step.op], result.finish_ms[step.op]) == pytest.approx((step.start_ms, step.finish_ms))
+    assert sched.predicted_ms == pytest.approx(result.makespan_ms, abs=1e-9)
     assert graph.critical_path_ms() - 1e-9 <= sched.predicted_ms <= graph.total_work_ms() + 1e-9
     if streams == 1:
         assert sched.predicted_ms == pytest.approx(graph.total_work_ms())

@@ -103,6 +103,17 @@ def test_cross_device_data_edge_needs_the_tensor_not_only_the_order():
     validate(graph_of("axb", [("x", "b")], war=(("a", "b"),)), LaunchPlan(plan))
 
 
+def test_cross_device_recv_must_carry_the_output_sent_after_the_producer_ran():
+    # the recv of a pairs with a send issued before a was launched (a stale buffer); a -> b is ordered through x
+    graph = graph_of("axb", [("a", "b")])
+    stale = [Instr(0, "send", 0, op="a", peer=1), launch("a", 0, 0), launch("x", 0, 0),
+             Instr(0, "send", 0, op="x", peer=1), Instr(1, "recv", 0, op="a", peer=0),
+             Instr(1, "recv", 0, op="x", peer=0), launch("b", 0, 1)]
+    with pytest.raises(PlanError, match=r"no recv of 'a' on device 1 \(sent from device 0 after 'a' ran\)"):
+        validate(graph, LaunchPlan(stale))
+    validate(graph, LaunchPlan([stale[1], stale[0], *stale[2:]]))  # send after the launch: fine
+
+
 def test_every_op_launched_exactly_once():
     graph = graph_of("ab", [])
     with pytest.raises(PlanError, match="op 'b' is never launched"):
@@ -132,7 +143,7 @@ def test_stage_barrier_is_checked_when_the_schedule_is_given():
     sched = Schedule("t", list("abc"), {"a": 0, "b": 1, "c": 1}, stage_of={"a": 0, "b": 0, "c": 1})
     racy = LaunchPlan([launch("a", 0), launch("b", 1), launch("c", 1)])
     validate(graph, racy)  # no edges: fine without the schedule
-    with pytest.raises(PlanError, match=r"stage barrier: op 'c' \(stage 1, device 0 stream 1\) is not ordered "
+    with pytest.raises(PlanError, match=r"stage order: op 'c' \(stage 1, device 0 stream 1\) is not ordered "
                                         r"after op 'a' \(stage 0, stream 0\)"):
         validate(graph, racy, sched)
     validate(graph, LaunchPlan([launch("a", 0), record(0, 0), launch("b", 1), wait(0, 1), launch("c", 1)]), sched)

@@ -90,6 +90,7 @@ def test_create_leaves_the_callers_rng_alone():
     assert torch.equal(torch.rand(3), expected)
 
 
+@pytest.mark.slow
 def test_published_sizes():
     _, (image,) = zoo.create("inception_v3")
     assert image.shape == (1, 3, 299, 299)

@@ -29,10 +29,27 @@ class Compiled:
     plan: LaunchPlan
     backend: Any
     device: str
+    captured: Any = None
     fused: Any = None  # with fuse=...: the Segmented model (its stats: segments, compiles, compile_s)
 
-    def __call__(self, *args) -> Any:
+    def __call__(self, *args, **kwargs) -> Any:
+        if kwargs:  # keyword arguments bound to the model's forward(), as at capture
+            from opweave.capture.runtime import positional
+
+            args = positional(self.captured.signature, args, kwargs, self.graph.name)
         return self.backend(*args)
+
+    def close(self) -> None:
+        """Release what the backend holds (worker threads, rank processes); also done when it is collected."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Compiled:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | None = None, devices: int = 1,
@@ -44,31 +61,48 @@ def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | Non
     return sched, plan
 
 
-def compile(model, example_inputs, *, scheduler: str = "opara", device: str = "cpu", streams: int | None = None,
-            costs: Costs | None = None, profile: str | Path | None = None, cost_model: str = "ideal",
-            fold_bn: bool = False, coarsen: bool = True, fuse: str | None = None, **backend_options) -> Compiled:
-    """Compile ``model`` for ``example_inputs``; the result's outputs equal ``model(*inputs)`` (allclose).
+def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, scheduler: str = "opara",
+            device: str = "cpu", streams: int | None = None, costs: Costs | None = None,
+            profile: str | Path | None = None, cost_model: str = "ideal", fold_bn: bool = False, devices: int = 1,
+            link: str | Path | None = None, coarsen: bool = True, fuse: str | None = None,
+            **backend_options) -> Compiled:
+    """Compile ``model`` for ``example_inputs`` (and ``example_kwargs``, keyword arguments of its ``forward``); the
+    result's outputs equal ``model(*inputs, **kwargs)`` (allclose), and compiling leaves the model unchanged.
+
+    ``model`` is an ``nn.Module``, a ``torch.export.ExportedProgram``, or the path of a ``.pt2`` file written by
+    ``torch.export.save`` (:func:`opweave.capture.load_program`); a program's own example inputs are used when none
+    are given.
 
     Costs: ``costs`` if given, else the measured ``profile`` (a file written by ``opweave profile``, refused when it
     was measured for other shapes, dtype, device or torch, or for the other granularity), else the roofline
-    estimate for the device. ``coarsen`` schedules the papers' operators (:func:`opweave.capture.coarsen`: each op
-    merged with its epilogues, BatchNorm folded) instead of one op per fx node. ``fuse="inductor"`` compiles every
-    stream segment of the plan with TorchInductor (:mod:`opweave.backends.segments`).
+    estimate for the device. ``streams`` caps the streams the scheduler may use; for CUDA it defaults to
+    :func:`opweave.backends.cuda.default_streams` (8, the GPU's hardware queues), on the CPU to no cap.
+    ``coarsen`` schedules the papers' operators (:func:`opweave.capture.coarsen`: each op merged with its
+    epilogues, BatchNorm folded) instead of one op per fx node. ``fuse="inductor"`` compiles every stream segment
+    of the plan with TorchInductor (:mod:`opweave.backends.segments`; one device only).
     ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
-    """
-    from opweave.capture import capture
 
+    ``devices > 1`` (with ``hios-lp`` or ``hios-mr``): the plan spans ``devices`` devices and runs on as many
+    persistent rank processes (:class:`opweave.backends.distributed.DistributedBackend`; ``backend_options``:
+    ``threads``, ``timeout_s``, ``start_method``); ``link`` (a preset name or a file written by ``opweave
+    profile-links``) gives the edges their transfer times. ``close()`` or a ``with`` block stops the ranks.
+    """
+    from opweave.capture import capture, load_program
+
+    if isinstance(model, (str, Path)):
+        model = load_program(model)
     example_inputs = _check(device, example_inputs)
-    captured = capture(model, example_inputs, fold_bn=fold_bn)
+    captured = capture(model, example_inputs, example_kwargs=example_kwargs, fold_bn=fold_bn)
+    example_inputs = captured.example_inputs
     return compile_captured(captured, example_inputs, scheduler=scheduler, device=device, streams=streams,
-                            costs=costs, profile=profile, cost_model=cost_model, coarsen=coarsen, fuse=fuse,
-                            **backend_options)
+                            costs=costs, profile=profile, cost_model=cost_model, devices=devices, link=link,
+                            coarsen=coarsen, fuse=fuse, **backend_options)
 
 
 def compile_captured(captured, example_inputs, *, scheduler: str = "opara", device: str = "cpu",
                      streams: int | None = None, costs: Costs | None = None, profile: str | Path | None = None,
-                     cost_model: str = "ideal", coarsen: bool = True, fuse: str | None = None,
-                     **backend_options) -> Compiled:
+                     cost_model: str = "ideal", devices: int = 1, link: str | Path | None = None,
+                     coarsen: bool = True, fuse: str | None = None, **backend_options) -> Compiled:
     """:func:`compile` from an already captured model (``opweave.capture``): one capture can serve many schedules."""
     from opweave.costs.roofline import estimate
 
@@ -84,6 +118,15 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
         costs = load_for(profile, captured, example_inputs, device).costs(graph, model=cost_model)
     elif costs is None:
         costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset(), model=cost_model)
+    if devices != 1:
+        if fuse is not None:
+            raise UsageError(f"fuse={fuse!r} runs on one device; devices={devices} runs the plan's ops unfused")
+        return compile_ranks(captured, scheduler=scheduler, device=device, devices=devices, streams=streams,
+                             costs=costs, link=link, **backend_options)
+    if device == "cuda" and streams is None:
+        from opweave.backends.cuda import default_streams
+
+        streams = default_streams()  # more lanes than the GPU's hardware queues only add false dependencies
     sched, plan = plan_for(graph, costs, scheduler, streams=streams)
     if device == "cpu" and backend_options:
         raise UsageError(f"the cpu backend takes no options, got {', '.join(backend_options)}")
@@ -102,14 +145,78 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
         from opweave.backends.cuda import CudaBackend
 
         backend = CudaBackend(runner, run_plan, example_inputs, **backend_options)
-    return Compiled(graph, costs, sched, plan, backend, device, fused=runner if fuse is not None else None)
+    return Compiled(graph, costs, sched, plan, backend, device, captured, fused=runner if fuse is not None else None)
+
+
+def load_model(model: str | None = None, model_file: str | Path | None = None, *,
+               batch_size: int = 1) -> tuple[Any, tuple, str]:
+    """The model a CLI command runs, its example inputs and its name: zoo ``model`` at ``batch_size``, or the
+    ``.pt2`` file ``model_file`` (``torch.export.save``) with the inputs it was exported with."""
+    if (model is None) == (model_file is None):
+        raise UsageError("give --model NAME or --model-file PATH.pt2, not both")
+    if model_file is not None:
+        from opweave.capture import load_program
+
+        if batch_size != 1:
+            raise UsageError("--batch-size does not apply to --model-file: an exported program's shapes are fixed")
+        module = load_program(model_file)
+        return module, module.example_inputs, Path(model_file).stem
+    from opweave import zoo
+
+    module, inputs = zoo.create(model, batch_size=batch_size)
+    return module, inputs, model
+
+
+# ---- several devices (HIOS): one rank process per device -------------------------------------------------------
+DEFAULT_LINK = {"cpu": "loopback", "cuda": "nvlink4"}
+
+
+def plan_ranks(captured, *, scheduler: str = "hios-lp", device: str = "cpu", devices: int = 2,
+               streams: int | None = None, costs: Costs | None = None, link: str | Path | None = None,
+               cost_model: str = "ideal") -> tuple[Costs, Schedule, LaunchPlan]:
+    """Costs, schedule and validated plan of ``captured`` on ``devices`` devices. Edge transfer times come from
+    ``link`` (a preset or a ``profile-links`` file); when none is given, from the costs' own, else the default
+    link of the device kind (loopback for CPU ranks, NVLink 4 for GPUs)."""
+    from dataclasses import replace
+
+    from opweave.backends.distributed import check_devices
+    from opweave.costs.links import transfer_times
+    from opweave.costs.roofline import estimate
+
+    graph = captured.graph
+    if devices > 1 and scheduler not in schedulers.MULTI_DEVICE:
+        raise UsageError(f"scheduler {scheduler!r} places every op on one device; use one of "
+                         f"{', '.join(schedulers.MULTI_DEVICE)} with devices > 1")
+    check_devices(devices, device, ops=len(graph))
+    if costs is None:
+        costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset(), model=cost_model)
+    if link is not None or not costs.edge_transfer_ms:
+        costs = replace(costs, edge_transfer_ms=transfer_times(graph, link or DEFAULT_LINK[device]))
+    sched, plan = plan_for(graph, costs, scheduler, streams=streams, devices=devices)
+    return costs, sched, plan
+
+
+def compile_ranks(captured, *, scheduler: str = "hios-lp", device: str = "cpu", devices: int = 2,
+                  streams: int | None = None, costs: Costs | None = None, link: str | Path | None = None,
+                  cost_model: str = "ideal", **backend_options) -> Compiled:
+    """``captured`` planned for ``devices`` devices (:func:`plan_ranks`) and run by as many persistent rank
+    processes (:class:`opweave.backends.distributed.DistributedBackend`; ``backend_options``: ``threads``,
+    ``timeout_s``, ``start_method``). ``devices=1`` runs the plan in one rank process, the baseline to compare the
+    others with. What :func:`compile` does for ``devices > 1``."""
+    from opweave.backends.distributed import DistributedBackend
+
+    costs, sched, plan = plan_ranks(captured, scheduler=scheduler, device=device, devices=devices, streams=streams,
+                                    costs=costs, link=link, cost_model=cost_model)
+    backend = DistributedBackend(captured, plan, world=devices, device=device, **backend_options)
+    return Compiled(captured.graph, costs, sched, plan, backend, device, captured)
 
 
 def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,
-               preset: str = "h100", profile: str | Path | None = None, coarsen: bool = False) -> OpGraph:
+               preset: str = "h100", profile: str | Path | None = None, coarsen: bool = False,
+               model_file: str | Path | None = None) -> OpGraph:
     """The graph the CLI's ``schedule`` and ``simulate`` work on: a graph JSON file or a shipped example
-    (``graph``), or a zoo ``model`` captured at ``batch_size`` (and coarsened with ``coarsen``) with roofline
-    latencies for ``preset``, or with the latencies measured in ``profile``.
+    (``graph``), or a zoo ``model`` captured at ``batch_size`` (or the ``.pt2`` ``model_file``), coarsened with
+    ``coarsen``, with roofline latencies for ``preset``, or with the latencies measured in ``profile``.
 
     A profile must have been measured for this model, batch (input shapes) and dtype; otherwise
     :class:`~opweave.costs.profile.ProfileKeyError`. Its device and torch version are not checked: scheduling and
@@ -117,10 +224,20 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
     """
     from opweave.ir import examples
 
-    if (graph is None) == (model is None):
-        raise UsageError("give a GRAPH (file or example name) or --model NAME, not both")
-    if (profile is not None or coarsen) and model is None:
-        raise UsageError("--profile and --coarsen go with --model (a graph file carries its own ops and latencies)")
+    if sum(x is not None for x in (graph, model, model_file)) != 1:
+        raise UsageError("give a GRAPH (file or example name), --model NAME or --model-file PATH.pt2, one of them")
+    if profile is not None and model is None:
+        raise UsageError("--profile goes with --model (a graph file carries its own latencies)")
+    if coarsen and graph is not None:
+        raise UsageError("--coarsen goes with --model or --model-file (a graph file carries its own ops)")
+    if model_file is not None:
+        from opweave.capture import capture
+        from opweave.capture import coarsen as coarsen_ops
+        from opweave.costs.roofline import with_estimates
+
+        module, inputs, name = load_model(model_file=model_file, batch_size=batch_size)
+        captured = capture(module, inputs, name=name)
+        return with_estimates((coarsen_ops(captured) if coarsen else captured).graph, preset)
     if model is not None:
         from opweave import zoo
         from opweave.capture import capture

@@ -48,21 +48,22 @@ def device_name(device: str) -> str:
     return measured_on(device) + ("" if device == "cuda" else f" ({torch.get_num_threads()} threads)")
 
 
-def bench_model(model_name: str, *, device: str = "cpu", batch_size: int = 1, scheduler_names: Sequence[str] = (),
-                streams: int | None = None, runs: int = 20, warmup: int = 3, progress: bool = True,
-                profile: str | None = None, coarsen: bool = True) -> dict:
-    """Eager vs ``opweave.compile`` with each scheduler on one zoo model; returns a JSON-ready dict."""
+def bench_model(model_name: str | None, *, device: str = "cpu", batch_size: int = 1,
+                scheduler_names: Sequence[str] = (), streams: int | None = None, runs: int = 20, warmup: int = 3,
+                progress: bool = True, profile: str | None = None, model_file: str | None = None,
+                coarsen: bool = True) -> dict:
+    """Eager vs ``opweave.compile`` with each scheduler on one zoo model (or the ``.pt2`` ``model_file``); returns a
+    JSON-ready dict."""
     from rich.progress import Progress
 
-    from opweave import zoo
-    from opweave.api import compile_captured
+    from opweave.api import compile_captured, load_model
     from opweave.capture import capture
 
     if device == "cuda":
         from opweave.backends.cuda import require_cuda
 
         require_cuda()
-    model, inputs = zoo.create(model_name, batch_size=batch_size)
+    model, inputs, model_name = load_model(model_name, model_file, batch_size=batch_size)
     model, inputs = model.to(device), tuple(x.to(device) for x in inputs)
     with torch.inference_mode():
         reference = model(*inputs)

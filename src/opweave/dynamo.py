@@ -12,6 +12,18 @@ module's attributes (:func:`bake_static_inputs`): the CUDA backend then neither 
 their addresses, as for a module's own weights. The returned callable returns what the graph module returns (dynamo
 expects its tuple/list back).
 
+**Swapped weights.** Dynamo does not guard the lifted parameters ("unguarded" static inputs): after
+``model.fc.weight = nn.Parameter(...)`` it simply passes the new tensor in the same position. Every call therefore
+checks that the tensors in the baked positions are the very tensors baked in (an identity check per parameter,
+no data pointer read), and compiles the graph again, with the tensors it was given, when one differs. In-place
+updates (``p.copy_(...)``, an optimizer step) keep the tensor and are seen by the graph as they are; replacing a
+parameter's storage behind its back (``p.data = other``) is not detected.
+
+**Inference only.** A graph that needs autograd (grad mode on and a parameter or an input that requires grad) is
+declined with a :class:`~opweave.errors.UsageError` rather than compiled into a callable whose outputs would
+carry no ``grad_fn``; dynamo guards on grad mode, so the same model under ``torch.no_grad()`` or
+``torch.inference_mode()`` compiles normally. (Dynamo reports the error as ``BackendCompilerFailed``.)
+
 ``options`` (``torch.compile(..., options=...)`` arrives here as ``options=``, as for inductor and apex's
 ``torchsched``): ``scheduler`` (default ``"opara"``), ``streams``, ``cost_model``, ``fold_bn``, ``coarsen``,
 ``fuse`` (``"inductor"``: each stream segment compiled by TorchInductor, :mod:`opweave.backends.segments`), and the
@@ -29,6 +41,7 @@ Every compiled graph is kept (the last :data:`KEEP` of them) for introspection: 
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,32 +60,61 @@ _COMPILE_KEYS = ("scheduler", "streams", "cost_model", "fold_bn", "costs", "coar
 def opweave_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                     options: dict | None = None) -> Callable:
     """TorchDynamo backend: compile ``gm`` with opweave for ``example_inputs`` (see the module docstring)."""
-    from opweave.api import compile as opweave_compile
-
-    options = dict(options or {})
     example_inputs = tuple(example_inputs)
     if any(isinstance(x, torch.SymInt) or _symbolic(x) for x in example_inputs):
         warnings.warn("opweave: this dynamo graph has symbolic shapes; running it eagerly "
                       "(torch.compile(..., dynamic=False) compiles one schedule per shape)", stacklevel=2)
         return gm.forward
-    device = "cuda" if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs) else "cpu"
-    gm, dynamic = bake_static_inputs(gm, example_inputs)
-    compile_options = {k: options.pop(k) for k in _COMPILE_KEYS if k in options}
-    scheduler = compile_options.pop("scheduler", "opara")
-    if device == "cpu" and options:
-        raise UsageError(f"opweave: option(s) {', '.join(sorted(options))} apply to CUDA graphs only "
-                         f"(the example inputs are on the CPU); known options: {', '.join(_COMPILE_KEYS)}")
-    # Outside dynamo's tracing context: shape propagation would otherwise pick up its fake mode and symbolic sizes.
-    with torch._guards.tracing(None):
-        compiled = opweave_compile(gm, tuple(example_inputs[i] for i in dynamic), scheduler=scheduler,
-                                   device=device, **compile_options, **options)
-    _COMPILED.append(compiled)
+    if torch.is_grad_enabled():
+        needs_grad = [f"{'parameter' if isinstance(x, nn.Parameter) else 'input'} (graph input {i})"
+                      for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+        needs_grad += [f"parameter {name!r}" for name, p in gm.named_parameters() if p.requires_grad]
+        if needs_grad:
+            raise UsageError(f"opweave runs inference only, but this graph needs autograd ({needs_grad[0]} requires "
+                             "grad and grad mode is on); call the compiled model under torch.no_grad() or "
+                             "torch.inference_mode(), or use another backend for training")
+    return OpweaveGraph(gm, example_inputs, dict(options or {}))
 
-    def run(*args):
-        return compiled(*[args[i] for i in dynamic])
 
-    run.compiled = compiled
-    return run
+class OpweaveGraph:
+    """What the backend returns for one dynamo graph: the opweave-compiled graph, rebuilt when the tensors dynamo
+    passes in the baked positions are not the ones baked in (swapped weights, see the module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: tuple, options: dict) -> None:
+        self.gm, self.options = gm, options
+        self.recompiles = 0
+        self._lock = threading.Lock()
+        self._build(example_inputs)
+
+    def _build(self, inputs: tuple) -> None:
+        from opweave.api import compile as opweave_compile
+
+        device = "cuda" if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else "cpu"
+        gm, dynamic = bake_static_inputs(self.gm, inputs)
+        options = dict(self.options)
+        compile_options = {k: options.pop(k) for k in _COMPILE_KEYS if k in options}
+        scheduler = compile_options.pop("scheduler", "opara")
+        if device == "cpu" and options:
+            raise UsageError(f"opweave: option(s) {', '.join(sorted(options))} apply to CUDA graphs only "
+                             f"(the example inputs are on the CPU); known options: {', '.join(_COMPILE_KEYS)}")
+        # Outside dynamo's tracing context: shape propagation would otherwise pick up its fake mode and symbolic sizes.
+        with torch._guards.tracing(None):
+            compiled = opweave_compile(gm, tuple(inputs[i] for i in dynamic), scheduler=scheduler, device=device,
+                                       **compile_options, **options)
+        static = [i for i in range(len(inputs)) if i not in set(dynamic)]
+        self.compiled, self.dynamic = compiled, dynamic
+        self._baked = [(i, inputs[i]) for i in static]
+        _COMPILED.append(compiled)
+
+    def __call__(self, *args):
+        for i, baked in self._baked:
+            if args[i] is not baked:
+                with self._lock:
+                    if any(args[j] is not t for j, t in self._baked):  # not already rebuilt by another thread
+                        self._build(args)
+                        self.recompiles += 1
+                break
+        return self.compiled(*[args[i] for i in self.dynamic])
 
 
 def bake_static_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, list[int]]:

@@ -13,6 +13,7 @@ that escapes is a bug and keeps its traceback. Each also derives from the builti
 ``UsageError``            a bad argument or option combination, an unknown name
 ``MissingPackageError``   an optional package (torchvision, timm, transformers, ...) that is not installed
 ``DeviceError``           a device that is not there or cannot do what was asked (no CUDA, too few GPUs)
+``RankError``             a rank of a multi-device run that raised or died (names the rank and the cause)
 ========================  =================================================================================
 """
 
@@ -55,5 +56,9 @@ class DeviceError(OpweaveError, RuntimeError):
     """A device that is not available, or fewer devices than asked for."""
 
 
+class RankError(DeviceError):
+    """A rank process of a multi-device run raised or died; every rank was stopped. Names the rank and the cause."""
+
+
 __all__ = ["CaptureError", "DeviceError", "GraphError", "MissingPackageError", "OpweaveError", "PlanError",
-           "ProfileError", "ScheduleError", "UsageError"]
+           "ProfileError", "RankError", "ScheduleError", "UsageError"]

@@ -6,8 +6,19 @@ the call returns, so no buffer is reused while another lane may still read it. P
 kernels, so independent ops do overlap on a multi-core CPU.
 
 A lane that raises releases every signal so that no other lane blocks forever, and the first error is re-raised
-in the caller. Inference only, as the CUDA backend: every lane runs under ``torch.no_grad`` (grad mode is per
-thread, so the workers do not see the caller's ``no_grad`` or ``inference_mode``).
+in the caller.
+
+Every lane runs its ops with autograd off, whichever thread it is and whatever the caller's mode. Autograd mode is
+thread-local, and some kernels pick their algorithm, hence their output's strides, by it: CPU
+``scaled_dot_product_attention`` takes its flash kernel ((B, L, H, E) memory order) when no input requires grad and
+its math kernel (contiguous) otherwise. A graph captured through torch.export has turned the model's
+``transpose().contiguous()`` into nothing where the traced tensor was already contiguous, so its next ``view`` then
+failed on the lanes that ran with grad on (worker threads start with it on) and not in the caller's ``no_grad``
+thread: the layout depended on the schedule. Capture propagates shapes and verifies under ``no_grad``, so that is
+the mode every lane uses.
+
+:class:`Call` and :class:`LaneWorker` are also what a rank of the distributed backend runs its own lanes with
+(``backends/distributed``): there some signals stand for messages from other ranks.
 """
 
 from __future__ import annotations
@@ -28,11 +39,11 @@ class CpuBackend:
         self.captured = captured
         self.program = Program.from_plan(plan)
         self._lock = threading.Lock()  # one call at a time: the workers share one environment per call
-        self._workers = {lane: _Worker(lane, steps, captured) for lane, steps in self.program.lanes.items()}
+        self._workers = {lane: LaneWorker(lane, steps, captured) for lane, steps in self.program.lanes.items()}
         # Stop the workers when the backend is collected or the interpreter exits: a thread that used torch's
         # intra-op pool and is still alive at teardown aborts the process ("terminate called without an active
         # exception").
-        self.close = weakref.finalize(self, _stop, list(self._workers.values()))
+        self.close = weakref.finalize(self, stop_workers, list(self._workers.values()))
 
     def __call__(self, *args) -> Any:
         with self._lock, torch.no_grad():
@@ -43,7 +54,7 @@ class CpuBackend:
                     if step.kind == "launch":
                         self.captured.run_op(step.op, env)
                 return self.captured.output(env)
-            call = _Call(env, self.program.num_signals, len(self._workers))
+            call = Call(env, self.program.num_signals, len(self._workers))
             for worker in self._workers.values():
                 worker.inbox.put(call)
             call.done.wait()
@@ -53,14 +64,18 @@ class CpuBackend:
 
 
 
-def _stop(workers: list[_Worker]) -> None:
+def stop_workers(workers: list[LaneWorker]) -> None:
     for worker in workers:
         worker.inbox.put(None)
     for worker in workers:
         worker.thread.join(timeout=10)
 
 
-class _Call:
+class Call:
+    """One run of the lanes: its environment, one signal per record/send of the plan (anything with ``set``,
+    ``wait`` and ``is_set``), the errors raised. ``done`` is set when every lane finished, ``settled`` as soon as
+    every lane finished or one failed."""
+
     def __init__(self, env: dict, num_signals: int, num_lanes: int):
         self.env = env
         self.signals = [threading.Event() for _ in range(num_signals)]
@@ -68,21 +83,29 @@ class _Call:
         self.remaining = num_lanes
         self.lock = threading.Lock()
         self.done = threading.Event()
+        self.settled = threading.Event()
+        if num_lanes == 0:
+            self.done.set()
+            self.settled.set()
 
     def fail(self, exc: BaseException) -> None:
         with self.lock:
             self.errors.append(exc)
         for s in self.signals:  # unblock every waiter; they see the error and stop
             s.set()
+        self.settled.set()
 
     def lane_finished(self) -> None:
         with self.lock:
             self.remaining -= 1
             if self.remaining == 0:
                 self.done.set()
+                self.settled.set()
 
 
-class _Worker:
+class LaneWorker:
+    """A long-lived thread that runs one lane's steps for every :class:`Call` put in its inbox (``None`` stops it)."""
+
     def __init__(self, lane: Lane, steps: list[Step], captured):
         self.steps, self.captured = steps, captured
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -92,14 +115,14 @@ class _Worker:
     def _loop(self) -> None:
         while (call := self.inbox.get()) is not None:
             try:
-                with torch.no_grad():
-                    self._run(call)
+                self._run(call)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 call.fail(exc)
             finally:
                 call.lane_finished()
 
-    def _run(self, call: _Call) -> None:
+    @torch.no_grad()
+    def _run(self, call: Call) -> None:
         for step in self.steps:
             if call.errors:
                 break

@@ -10,11 +10,11 @@ stream then starts after those uses have finished, and it is the only work that 
 :func:`release_points` finds, for every buffer, the earliest such point on its allocating lane; a buffer with no
 such point is kept until the final join (the caller's environment is dropped after the call, or the capture ends).
 
-Happens-before is computed with vector clocks over the plan's issue order: ``clock[lane][i][m]`` is how many steps
-of lane ``m`` are ordered at or before step ``i`` of ``lane`` (its own entry counts step ``i`` itself). A wait
-joins the clock of the signal it waits for (the clock of the signalling lane when the signal was raised).
-Because a wait is always issued after the record it refers to, every use ordered before a release point was also
-issued (on the host) before it, so a host-side interpreter can apply the releases in issue order.
+Happens-before is that of :mod:`opweave.plan.semantics`, run on the program's plan: ``clock[lane][i][m]`` is how
+many steps of lane ``m`` are ordered at or before step ``i`` of ``lane`` (its own entry counts step ``i`` itself; a
+program's step ``i`` is the semantics' position ``i + 1``). Because a wait is always issued after the record it
+refers to, every use ordered before a release point was also issued (on the host) before it, so a host-side
+interpreter can apply the releases in issue order.
 
 Complexity: O(S·L) for the clocks (S steps, L lanes), then O(U·log S) per buffer with U users.
 """
@@ -26,7 +26,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from opweave.backends.program import Lane, Program, Step
-from opweave.plan.semantics import Clock, join_clocks
+from opweave.plan.launchplan import Instr
+from opweave.plan.semantics import Clock, PlanInterpreter, Point
 
 
 @dataclass(frozen=True)
@@ -42,21 +43,23 @@ class Buffer:
     keys: tuple[str, ...] = ()
 
 
-
 def vector_clocks(program: Program) -> dict[Lane, list[Clock]]:
     """``clocks[lane][i]``: for every lane, how many of its steps are ordered at or before step ``i`` of ``lane``."""
-    current: dict[Lane, Clock] = {lane: {} for lane in program.lanes}
-    clocks: dict[Lane, list[Clock]] = {lane: [] for lane in program.lanes}
-    raised: dict[int, Clock] = {}
-    for lane, step in program.issue_order:
-        clock = current[lane]
-        if step.kind == "wait":
-            join_clocks(clock, raised[step.signal])
-        clock[lane] = len(clocks[lane]) + 1
-        if step.kind == "signal":
-            raised[step.signal] = dict(clock)
-        clocks[lane].append(dict(clock))
-    return clocks
+    return _StepClocks().run(program.plan)
+
+
+class _StepClocks(PlanInterpreter):
+    """The plan's interpreter, keeping a copy of the clock at every instruction, by lane."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clocks: dict[Lane, list[Clock]] = {}
+
+    def run_instr(self, i: int, ins: Instr, at: Point) -> None:
+        self.clocks.setdefault(at[0], []).append(dict(self.clock[at[0]]))
+
+    def output(self) -> dict[Lane, list[Clock]]:
+        return self.clocks
 
 
 def launch_positions(program: Program) -> dict[str, tuple[Lane, int]]:

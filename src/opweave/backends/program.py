@@ -1,17 +1,18 @@
 """What every backend needs from a LaunchPlan: per (device, stream) the steps it runs, with each wait resolved.
 
-A ``wait`` waits for the latest ``record`` of its event issued before it on the same device; a
-``recv`` waits for the matching ``send`` (same op, devices swapped) — :func:`opweave.plan.semantics.sync_sources` pairs
-them, the same rule the validator proves the plan with. Resolved once here, every synchronization becomes "wait for
-signal k" / "raise signal k" and a backend need not re-read the plan's issue order.
+Which record a ``wait`` (and which send a ``recv``) waits for is the pairing rule of :mod:`opweave.plan.semantics`;
+:meth:`Program.from_plan` runs that module's :class:`~opweave.plan.semantics.PlanInterpreter` and turns each pair
+into "raise signal k" (the record or send) and "wait for signal k" (the wait or recv), so a backend need not re-read
+the plan's issue order. The program keeps its plan, so analyses that need happens-before
+(:mod:`opweave.backends.liveness`) run the same interpreter on it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from opweave.plan.launchplan import LaunchPlan
-from opweave.plan.semantics import Lane, sync_sources
+from opweave.plan.launchplan import Instr, LaunchPlan
+from opweave.plan.semantics import Lane, PlanInterpreter, Point
 
 
 @dataclass(frozen=True)
@@ -23,27 +24,45 @@ class Step:
 
 @dataclass
 class Program:
-    """A plan split into lanes. ``lanes[(device, stream)]`` lists that stream's steps in issue order."""
+    """A plan split into lanes. ``lanes[(device, stream)]`` lists that stream's steps in issue order (step ``k`` of a
+    lane is the instruction at position ``k + 1`` of :mod:`opweave.plan.semantics`)."""
 
     lanes: dict[Lane, list[Step]]
     num_signals: int
     issue_order: list[tuple[Lane, Step]]
+    plan: LaunchPlan
 
     @classmethod
     def from_plan(cls, plan: LaunchPlan) -> Program:
-        sources = sync_sources(plan)  # checks every instruction; each wait/recv -> the record/send it waits for
-        raising = [i for i, ins in enumerate(plan.instrs) if ins.kind in ("record", "send")]
-        signal_of = {i: signal for signal, i in enumerate(raising)}  # instruction index -> dense signal number
-        lanes: dict[Lane, list[Step]] = {}
-        issue_order: list[tuple[Lane, Step]] = []
-        for i, ins in enumerate(plan.instrs):
-            if ins.kind == "launch":
-                step = Step("launch", op=ins.op)
-            elif i in signal_of:
-                step = Step("signal", signal=signal_of[i])
-            else:
-                step = Step("wait", signal=signal_of[sources[i]])
-            lane = (ins.device, ins.stream)
-            lanes.setdefault(lane, []).append(step)
-            issue_order.append((lane, step))
-        return cls(lanes, len(signal_of), issue_order)
+        """Split ``plan``; raises :class:`~opweave.errors.PlanError` for a malformed instruction or an unpaired
+        wait/recv."""
+        split = _Split()
+        split.run(plan)
+        return cls(split.lanes, len(split.signal_of), split.issue_order, plan)
+
+
+class _Split(PlanInterpreter):
+    """One step per instruction; records and sends raise dense signals, waits and recvs wait for their source's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lanes: dict[Lane, list[Step]] = {}
+        self.issue_order: list[tuple[Lane, Step]] = []
+        self.signal_of: dict[int, int] = {}  # instruction index of a record/send -> its signal
+
+    def _add(self, at: Point, step: Step) -> None:
+        self.lanes.setdefault(at[0], []).append(step)
+        self.issue_order.append((at[0], step))
+
+    def launch(self, i: int, ins: Instr, at: Point) -> None:
+        self._add(at, Step("launch", op=ins.op))
+
+    def record(self, i: int, ins: Instr, at: Point) -> None:
+        self.signal_of[i] = len(self.signal_of)
+        self._add(at, Step("signal", signal=self.signal_of[i]))
+
+    def wait(self, i: int, ins: Instr, at: Point) -> None:
+        self._add(at, Step("wait", signal=self.signal_of[self.source[i]]))
+
+    send = record
+    recv = wait

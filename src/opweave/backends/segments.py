@@ -113,7 +113,8 @@ def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inducto
         raise UsageError(f"fuse must be one of {', '.join(COMPILERS)} (or None), got {compiler!r}")
     groups = segment_groups(plan)
     merged = merge_ops(captured, groups)
-    segmented = Segmented(merged.graph, merged.gm, merged.nodes, compiler=compiler)
+    segmented = Segmented(merged.graph, merged.gm, merged.nodes, signature=merged.signature,
+                          example_inputs=merged.example_inputs, compiler=compiler)
     return segmented, segment_plan(plan, groups)
 
 

@@ -1,6 +1,8 @@
 """The simulator: replays a :class:`~opweave.plan.LaunchPlan` under a cost model, with no device.
 
-Every instruction runs on its (device, stream) after the previous instruction there has completed (FIFO). Besides:
+Every instruction runs once the instructions it directly follows in happens-before have completed: the previous
+instruction of its (device, stream) (FIFO) and, for a wait or recv, the record or send it pairs with
+(:meth:`opweave.plan.semantics.PlanInterpreter.predecessors`). Besides:
 
 * ``launch`` runs its op. Under ``ideal`` it takes exactly ``latency_ms``; under ``gpu`` the device's running ops
   share it by processor sharing (:mod:`opweave.costs.contention`), so an op takes longer when others crowd it.
@@ -33,7 +35,7 @@ from opweave.costs.contention import FluidDevice
 from opweave.costs.model import Costs
 from opweave.ir.graph import OpGraph
 from opweave.plan.launchplan import Instr, LaunchPlan
-from opweave.plan.semantics import Lane, sync_sources
+from opweave.plan.semantics import Lane, PlanInterpreter
 
 
 @dataclass
@@ -69,6 +71,11 @@ def simulate(graph: OpGraph, plan: LaunchPlan, costs: Costs, *, cuda_graph: bool
     return SimResult(makespan, start, finish, busy, sequential_ms, plan.syncs, lane_of, costs.model, graph.name)
 
 
+def makespan_ms(graph: OpGraph, plan: LaunchPlan, costs: Costs, *, cuda_graph: bool | None = None) -> float:
+    """The makespan :func:`simulate` reports, without its sequential replay (for callers that time many plans)."""
+    return _replay(graph, plan, costs, costs.gpu.cuda_graph if cuda_graph is None else cuda_graph)[2]
+
+
 def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
             cuda_graph: bool) -> tuple[dict[str, float], dict[str, float], float]:
     """Event-driven replay: (start_ms per op, finish_ms per op, makespan_ms)."""
@@ -77,16 +84,13 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
     deps: list[list[int]] = [[] for _ in instrs]
     dependents: list[list[int]] = [[] for _ in instrs]
     not_before_ms = [0.0] * len(instrs)  # earliest start from launch overheads
-    last_on_lane: dict[Lane, int] = {}
     launches_issued: dict[int, int] = {}
     device_of_op = {i.op: i.device for i in instrs if i.kind == "launch"}
-    for i, (ins, source) in enumerate(zip(instrs, sync_sources(plan), strict=True)):
-        lane = (ins.device, ins.stream)
-        for j in (last_on_lane.get(lane), source):
-            if j is not None:
-                deps[i].append(j)
-                dependents[j].append(i)
-        last_on_lane[lane] = i
+    order = PlanInterpreter().run(plan)
+    for i, ins in enumerate(instrs):
+        deps[i] = order.predecessors(i)  # a recv's send comes last: ready() reads it as deps[i][-1]
+        for j in deps[i]:
+            dependents[j].append(i)
         if gpu and cuda_graph:
             not_before_ms[i] = costs.gpu.graph_launch_overhead_ms
         elif gpu and ins.kind == "launch":

@@ -167,7 +167,8 @@ def merge_ops(captured: Captured, groups: list[list[str]], gm: fx.GraphModule | 
         if pair[0] != pair[1] and pair not in seen:
             seen.add(pair)
             edges.append(Edge(*pair, bytes=e.bytes, kind=e.kind))
-    return Captured(OpGraph(ops, edges, name or fine.name), gm, nodes)
+    return Captured(OpGraph(ops, edges, name or fine.name), gm, nodes, signature=captured.signature,
+                    example_inputs=captured.example_inputs)
 
 
 def _merged_op(group: list[str], members: list[fx.Node], fine: OpGraph, gm: fx.GraphModule) -> Op:

@@ -11,7 +11,8 @@ FLOP conventions (multiply-add = 2 FLOPs, bias and activation epilogues ignored)
 * conv: 2·N·Cout·Hout·Wout·(Cin/groups)·kh·kw (= 2 · output numel · weight numel / Cout; transposed convs use the
   input numel instead of the output's);
 * linear / matmul / mm / bmm / addmm / baddbmm: 2·M·N·K (= 2 · output numel · K); einsum: 2 · product of all index
-  sizes; LSTM/GRU/RNN: 2·T·B·gates·H·(I+H) per layer and direction; attention: projections + 4·L·S·E per batch;
+  sizes; LSTM/GRU/RNN: 2·T·B·gates·H·(I+H) per layer and direction; attention: Q·Kᵀ and P·V, 2·L·S·(E + Ev) per
+  batch and head, plus the four projections of ``nn.MultiheadAttention`` (k and v from its ``kdim``/``vdim``);
 * pooling: output numel × kernel area; norms and softmax: 5 · numel; reductions: input numel;
 * data movement (cat, stack, pad, clone, embedding, gather, …): 0; everything else (elementwise): output numel.
 
@@ -368,13 +369,14 @@ def _rnn_flops(module: nn.Module, short: str, input_numel: int) -> float:
 
 
 def _attention_flops(node: fx.Node, module: nn.Module | None) -> float:
-    q, k = _shape(node.args[0]), _shape(node.args[1])
-    if q is None or k is None:
+    q, k, v = (_shape(arg) for arg in node.args[:3])
+    if q is None or k is None or v is None:
         return float(_numel(node))
-    if module is None:  # scaled_dot_product_attention(q, k, v): Q·Kᵀ and P·V over (..., L, E) x (..., S, E)
-        return 4.0 * math.prod(q) * k[-2]
+    if module is None:  # scaled_dot_product_attention: Q·Kᵀ and P·V, (..., L, E) x (..., S, E) x (..., S, Ev)
+        return 2.0 * math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
     embed = module.embed_dim
-    queries, keys = math.prod(q) // embed, math.prod(k) // embed  # L·B and S·B
+    queries, keys = math.prod(q) // embed, math.prod(k) // module.kdim  # L·B and S·B
     batch = 1 if len(q) < 3 else (q[0] if module.batch_first else q[1])
-    projections = 2.0 * embed * embed * (2 * queries + 2 * keys)  # q and out over L·B, k and v over S·B
+    # q and out projections over L·B, k and v projections (from kdim and vdim) over S·B
+    projections = 2.0 * embed * (2 * embed * queries + (module.kdim + module.vdim) * keys)
     return projections + 4.0 * queries * (keys // batch) * embed

@@ -8,6 +8,7 @@ time. An op that raises is re-raised as :class:`~opweave.errors.CaptureError` na
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -29,10 +30,11 @@ class Captured:
 
     Execution contract (what the CPU and CUDA backends rely on)::
 
-        env = captured.bind(args)              # inputs, parameters, input-only views
-        for op in captured.graph.topo_order:   # or any order/streams that respect graph.edges
-            captured.run_op(op, env)
-        out = captured.output(env)             # same structure and values as model(*args)
+        with torch.no_grad():                      # on every thread that runs ops (see backends.cpu)
+            env = captured.bind(args, kwargs)      # inputs, parameters, input-only views
+            for op in captured.graph.topo_order:   # or any order/streams that respect graph.edges
+                captured.run_op(op, env)
+            out = captured.output(env)             # same structure and values as model(*args, **kwargs)
 
     ``run_op`` writes only the env keys of its own fx nodes, so distinct ops may run on different threads.
     Parameters live in ``gm``; move them with ``captured.gm.to(device)`` (in place: ``run_op`` holds ``gm``'s
@@ -42,6 +44,8 @@ class Captured:
     graph: OpGraph
     gm: fx.GraphModule
     nodes: dict[str, list[fx.Node]]
+    signature: inspect.Signature | None = None  # the model's forward(): keyword arguments are bound by it
+    example_inputs: tuple = ()  # the inputs it was captured with, keyword arguments bound to their positions
     _inputs: list[tuple[fx.Node, tuple | None]] = field(init=False, repr=False)
     _constants: list[tuple[str, list[str]]] = field(init=False, repr=False)
     _prelude: list[tuple[str, Step]] = field(init=False, repr=False)
@@ -63,9 +67,11 @@ class Captured:
                 self._prelude.append((node.name, _compile(node, self.gm)))
         self._steps = {op: [(n.name, _compile(n, self.gm)) for n in group] for op, group in self.nodes.items()}
 
-    def bind(self, args: tuple) -> dict[str, Any]:
-        """The environment for one run: placeholders ← ``args`` (checked against the captured shapes and dtypes),
-        ``get_attr`` constants, and the trivial nodes that depend only on those."""
+    def bind(self, args: tuple, kwargs: dict | None = None) -> dict[str, Any]:
+        """The environment for one run: placeholders ← ``args`` and ``kwargs`` (checked against the captured shapes
+        and dtypes), ``get_attr`` constants, and the trivial nodes that depend only on those."""
+        if kwargs:
+            args = positional(self.signature, tuple(args), kwargs, self.graph.name)
         flat = list(self.gm.graph.process_inputs(*args))
         if len(flat) > len(self._inputs):
             raise UsageError(f"{self.graph.name}: expected {len(self._inputs)} inputs, got {len(flat)}")
@@ -98,13 +104,18 @@ class Captured:
             try:
                 env[name] = step(env)
             except Exception as exc:
-                raise self._failure(op_id, name, exc) from exc
+                raise self._failure(op_id, name, exc, env) from exc
 
-    def _failure(self, op_id: str, name: str, exc: Exception) -> CaptureError:
-        """The error of a failed op, naming it and its fx node as ``torch.fx.Interpreter`` does."""
+    def _failure(self, op_id: str, name: str, exc: Exception, env: dict[str, Any]) -> CaptureError:
+        """The error of a failed op: the op, what it runs on which tensors (dtype and shape), and its fx node as
+        ``torch.fx.Interpreter`` names it."""
         node = next(n for n in self.nodes[op_id] if n.name == name)
         text = str(exc).strip().splitlines()
-        return CaptureError(f"{self.graph.name}: op {op_id!r} failed while executing fx node {name!r} "
+        tensors = [env.get(a.name) for a in node.all_input_nodes]
+        shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors
+                           if isinstance(t, torch.Tensor))
+        return CaptureError(f"{self.graph.name}: op {op_id!r} ({opinfo.target_name(node, self.gm)} on "
+                            f"{shapes or 'no tensors'}) failed while executing fx node {name!r} "
                             f"({node.format_node()}): {type(exc).__name__}: {text[0] if text else ''}")
 
     def output(self, env: dict[str, Any]) -> Any:
@@ -120,6 +131,29 @@ class Captured:
                     if op not in out.setdefault(arg.name, []):
                         out[arg.name].append(op)
         return out
+
+
+def positional(signature: inspect.Signature | None, args: tuple, kwargs: dict, model_name: str) -> tuple:
+    """``args`` and ``kwargs`` as one tuple of positional arguments of ``forward``: each keyword argument at its
+    parameter's position, skipped parameters before it at their defaults. A keyword-only parameter, or one that
+    ``forward`` takes only through ``**kwargs``, cannot be passed by position: :class:`UsageError`."""
+    if not kwargs:
+        return tuple(args)
+    if signature is None:
+        raise UsageError(f"{model_name}: keyword arguments need an inspectable forward() signature")
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as err:
+        raise UsageError(f"{model_name}: {err}") from err
+    params = [p for p in signature.parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in params]
+    extra = [k for k in kwargs if k not in names]
+    if extra:
+        raise UsageError(f"{model_name}: keyword argument(s) {', '.join(extra)} cannot be passed by position "
+                         "(keyword-only or **kwargs in forward()); wrap the model in a module whose forward takes them")
+    last = max(names.index(k) for k in bound.arguments)
+    return tuple(bound.arguments[p.name] if p.name in bound.arguments else p.default for p in params[:last + 1])
 
 
 # ---- 7. node closures ---------------------------------------------------------------------------------------------

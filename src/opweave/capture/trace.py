@@ -1,6 +1,14 @@
-"""Capture: ``nn.Module`` + example inputs → an :class:`~opweave.ir.OpGraph` and an executable fx GraphModule.
+"""Capture: ``nn.Module`` (or a ``torch.export.ExportedProgram``) + example inputs → an :class:`~opweave.ir.OpGraph`
+and an executable fx GraphModule.
 
 Pipeline (each step a plain function over the fx graph, as torch.fx passes are):
+
+0. **Eager run** on clones of the inputs, under ``no_grad``, with the model's parameters and buffers saved before
+   and restored after every step, so capturing never changes the model. A model that raises is refused naming the
+   module path and source line (:func:`where`); a forward that changes its own parameters or buffers (a counter, a
+   BatchNorm's running statistics in training mode) is refused naming the tensor: a captured graph is replayed for
+   inference and would not reproduce the update. Keyword arguments are bound to ``forward``'s parameters and
+   passed by position from here on (:func:`positional`).
 
 1. **Trace.** ``torch.fx.symbolic_trace`` first. If it fails (Python control flow on tensor values or shapes, …) or
    its graph does not reproduce eager (step 5), ``torch.export.export(strict=False)`` is tried:
@@ -8,8 +16,11 @@ Pipeline (each step a plain function over the fx graph, as torch.fx passes are):
    such as ``aten.conv2d``/``aten.linear`` stay) and ``ep.module()`` turns it back into a GraphModule whose
    parameters are ``get_attr`` nodes and whose inputs/outputs go through pytree specs, which :meth:`Captured.bind`
    and :meth:`Captured.output` undo with ``graph.process_inputs``/``process_outputs``. Its ``_guards_fn`` input
-   guard is dropped: ``bind`` checks input shapes and dtypes itself. If both fail: :class:`CaptureError` naming the
-   model class and both reasons.
+   guard is dropped: ``bind`` checks input shapes and dtypes itself. Its ``aten.view`` nodes become
+   ``aten.reshape`` (:func:`_views_as_reshapes`): export wrote them for the strides it traced, which a run need not
+   reproduce. An ``ExportedProgram`` takes this route directly. If both fail: one :class:`CaptureError` naming the
+   model class, what stopped each tracer, where in the model (module path, file, line, code) and suggesting
+   ``torch.compile(model, backend="opweave")``, which splits the model where whole-graph capture cannot go.
 2. **Fold BN** (``fold_bn=True``, fx route, eval models only): :func:`~opweave.capture.coarsen.fold_batchnorm`, every
    BatchNorm module that alone reads a Conv/Linear module's output folded into its weights.
 3. **In-place → out-of-place** (:mod:`.functionalize`), where that keeps eager's meaning; otherwise the op stays
@@ -24,7 +35,13 @@ Pipeline (each step a plain function over the fx graph, as torch.fx passes are):
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import linecache
+import os
+import traceback
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,30 +52,46 @@ from torch.utils import _pytree as pytree
 from opweave.capture.coarsen import fold_batchnorm
 from opweave.capture.functionalize import rewrite_inplace
 from opweave.capture.partition import build_graph, partition
-from opweave.capture.runtime import Captured
-from opweave.errors import CaptureError
+from opweave.capture.runtime import Captured, positional
+from opweave.errors import CaptureError, UsageError
+
+SUGGESTION = 'torch.compile(model, backend="opweave") schedules each subgraph it can capture around such code'
 
 
-def capture(model: nn.Module, example_inputs: tuple, *, fold_bn: bool = False, name: str | None = None,
+def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tuple = (), *,
+            example_kwargs: dict | None = None, fold_bn: bool = False, name: str | None = None,
             verify: bool = True) -> Captured:
-    """Capture ``model`` run on ``example_inputs`` (see the module docstring for the steps).
+    """Capture ``model`` run on ``example_inputs`` and ``example_kwargs`` (see the module docstring for the steps).
 
-    ``verify`` compares the captured module's output with eager's on the example inputs (skipped for models in
-    training mode, whose dropout makes outputs random); a mismatch on the fx route falls back to torch.export.
-    Cost: two forward passes (ShapeProp and eager) plus tracing.
+    ``model`` may be an ``ExportedProgram`` (``torch.export.export``/``torch.export.load``); its own example inputs
+    are used when none are given. ``verify`` compares the captured module's output with eager's on the example
+    inputs (skipped for models in training mode, whose dropout makes outputs random); a mismatch on the fx route
+    falls back to torch.export. Cost: two forward passes (eager and ShapeProp) plus tracing.
     """
+    if isinstance(model, torch.export.ExportedProgram):
+        model = ExportedModule(model)
+    program = model.exported if isinstance(model, ExportedModule) else None
+    if program is not None and not example_inputs and example_kwargs is None and program.example_inputs:
+        example_inputs, example_kwargs = program.example_inputs
     if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
-    model_name = type(model).__name__
+        example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+    model_name = name or ("ExportedProgram" if program is not None else type(model).__name__)
+    signature = model.signature if program is not None else _signature(model)
+    example_inputs = positional(signature, example_inputs, example_kwargs or {}, model_name)
     if fold_bn and model.training:
         raise CaptureError(f"cannot fold BatchNorm into convolutions of {model_name}: it is in training mode "
                            "(call model.eval() first)")
     check = verify and not any(m.training for m in model.modules())
-    expected: list[Any] = []  # eager output, computed once when needed
+    with _state_kept(model, model_name):
+        expected = _eager(model, example_inputs, model_name)
+    routes = [("torch.export", lambda: _from_program(program))] if program is not None else [
+        ("torch.fx.symbolic_trace", lambda: fx.symbolic_trace(model)),
+        ("torch.export", lambda: _trace_export(model, example_inputs))]
     failures: list[str] = []
-    for route, trace in (("torch.fx.symbolic_trace", _trace_fx), ("torch.export", _trace_export)):
-        try:
-            gm = trace(model, example_inputs)
+    located = ""
+    for route, trace in routes:
+        try:  # the eager run changed no state, so neither does its trace
+            gm = trace()
             if fold_bn and route == "torch.export":
                 warnings.warn(f"{model_name}: fold_bn applies to symbolic_trace graphs only; not folded", stacklevel=2)
             elif fold_bn:
@@ -66,35 +99,164 @@ def capture(model: nn.Module, example_inputs: tuple, *, fold_bn: bool = False, n
             kept = rewrite_inplace(gm)
             result = _propagate_shapes(gm, example_inputs)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means "try the next route"
-            failures.append(f"{route} failed: {_first_line(exc)}")
+            failures.append(f"{route}: {_first_line(exc)}")
+            located = where(exc, model) or located
             continue
         if check:
-            if not expected:
-                with torch.no_grad():
-                    expected.append(model(*_clone(example_inputs)))
-            problem = _compare(result, expected[0])
+            problem = _compare(result, expected)
             if problem:
                 failures.append(f"{route} gave a graph whose output differs from eager ({problem})")
                 continue
         nodes, owner = partition(gm, kept)
-        graph = build_graph(gm, nodes, owner, kept, name or model_name)
-        return Captured(graph, gm, nodes)
-    raise CaptureError(f"cannot capture {model_name}: " + "; ".join(failures))
+        graph = build_graph(gm, nodes, owner, kept, model_name)
+        return Captured(graph, gm, nodes, signature, example_inputs)
+    at = f" at {located}" if located else ""
+    reasons = "; ".join(f.rstrip(". ") for f in failures)
+    raise CaptureError(f"cannot capture {model_name} as one graph{at}: {reasons}. {SUGGESTION}")
+
+
+def load_program(path: str | Path) -> ExportedModule:
+    """The ``ExportedProgram`` saved at ``path`` by ``torch.export.save`` (a ``.pt2`` file), as an
+    :class:`ExportedModule`; its example inputs, keyword arguments bound by position, are ``.example_inputs``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"no model file {str(path)!r}")
+    try:
+        module = ExportedModule(torch.export.load(path))
+    except Exception as exc:  # noqa: BLE001 - any failure to read means "not an exported program"
+        raise UsageError(f"{str(path)!r} is not a program saved by torch.export.save ({_first_line(exc)})") from exc
+    args, kwargs = module.exported.example_inputs or ((), {})
+    module.example_inputs = positional(module.signature, args, kwargs, path.name)
+    return module
+
+
+# ---- 0. arguments, the eager run, the model's state ---------------------------------------------------------------
+class ExportedModule(nn.Module):
+    """An ``ExportedProgram`` as a module called by position (what :func:`capture` and ``opweave bench`` call): the
+    arguments that were exported as keywords are passed on as keywords, as the program's input spec requires.
+    :func:`capture` captures ``exported`` itself."""
+
+    def __init__(self, program: torch.export.ExportedProgram):
+        super().__init__()
+        self.exported = program
+        self.program = program.module()
+        self.signature = inspect.signature(self.program.forward)
+        spec = program.call_spec.in_spec  # (args tuple, kwargs dict)
+        args_spec, kwargs_spec = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
+        self.num_args, self.keywords = args_spec.num_children, list(kwargs_spec.context)
+
+    def forward(self, *args):
+        return self.program(*args[:self.num_args], **dict(zip(self.keywords, args[self.num_args:], strict=False)))
+
+
+def _signature(model: nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module, model_name: str):
+    """Run the block and leave the model's state as it was; a block that changed it is refused, naming the tensor.
+
+    Buffers (running statistics, counters: the state a forward may update) are saved and put back bit for bit.
+    Parameters, the bulk of a model's memory, are not copied: a forward that writes one in place (its version
+    counter moves) or rebinds one is refused all the same, and the message says it could not be undone.
+    """
+    params = {k: (p, p._version) for k, p in model.named_parameters()}
+    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
+    try:
+        yield
+    finally:
+        changed, kept = [], True
+        with torch.no_grad():
+            for key, tensor in model.named_buffers():
+                before = saved.get(key)
+                if before is None or tensor.shape != before.shape or not torch.equal(tensor, before):
+                    changed.append(key)
+                    if before is not None and tensor.shape == before.shape:
+                        tensor.copy_(before)
+            for key, param in model.named_parameters():
+                if key not in params or params[key][0] is not param or params[key][1] != param._version:
+                    changed.append(key)
+                    kept = False
+    if changed:
+        owner = type(model.get_submodule(changed[0].rpartition(".")[0])).__name__
+        hint = " (BatchNorm in training mode: call model.eval())" if "running_" in changed[0] else ""
+        undone = "" if kept else " (a parameter was written: it keeps the new value)"
+        raise CaptureError(f"cannot capture {model_name}: its forward changes {', '.join(changed)} (in {owner})"
+                           f"{hint}{undone}; a captured graph runs for inference and would not repeat the update "
+                           "(keep such state outside forward)")
+
+
+def _eager(model: nn.Module, example_inputs: tuple, model_name: str) -> Any:
+    """The model's output on clones of the inputs; a model that raises is refused naming where."""
+    try:
+        with torch.no_grad():
+            return model(*_clone(example_inputs))
+    except Exception as exc:  # noqa: BLE001 - whatever the model raises, the user must fix it first
+        at = where(exc, model)
+        raise CaptureError(f"{model_name} raises on the example inputs{' at ' + at if at else ''}: "
+                           f"{_first_line(exc)}") from exc
+
+
+_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib)) + (
+    os.path.dirname(os.path.dirname(__file__)) + os.sep,)
+
+
+def where(exc: BaseException, model: nn.Module) -> str:
+    """Where in ``model`` ``exc`` was raised: ``<module path> (<class>), <file>:<line>: <code>``, the module being
+    the innermost submodule of ``model`` whose ``forward`` was running and the line the innermost one outside torch,
+    opweave and the standard library (the user's code, or a model library's such as transformers'); "" if none."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    module, line = None, None
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in paths:
+            module = owner
+        if not frame.f_code.co_filename.startswith(_LIBRARIES + ("<",)):  # "<": generated code (fx, eval)
+            line = (frame.f_code.co_filename, lineno)
+    if module is None and line is None:
+        return ""
+    text = ""
+    if module is not None:
+        text = f"{paths[id(module)] or '<root>'} ({type(module).__name__})"
+    if line is not None:
+        code = linecache.getline(line[0], line[1]).strip()
+        text += f"{', ' if text else ''}{line[0]}:{line[1]}" + (f" `{code}`" if code else "")
+    return text
 
 
 # ---- 1. tracing ---------------------------------------------------------------------------------------------------
-def _trace_fx(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
-    return fx.symbolic_trace(model)
-
-
 def _trace_export(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
-    program = torch.export.export(model, example_inputs, strict=False).run_decompositions({})
-    gm = program.module()
+    return _from_program(torch.export.export(model, example_inputs, strict=False))
+
+
+def _from_program(program: torch.export.ExportedProgram) -> fx.GraphModule:
+    gm = program.run_decompositions({}).module()
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
             gm.graph.erase_node(node)
+    _views_as_reshapes(gm)
     gm.recompile()
     return gm
+
+
+def _views_as_reshapes(gm: fx.GraphModule) -> None:
+    """Every ``aten.view`` of an exported graph becomes ``aten.reshape``: the same values, copied when the input's
+    strides do not allow a view.
+
+    Export decomposes the model's ``reshape``/``flatten``/``contiguous().view`` into a plain ``view`` wherever the
+    tensor it traced had compatible strides, so the graph silently assumes those strides. A run can have others: a
+    channels_last input of the captured shape, or a kernel that picks another algorithm (and output layout) than
+    the traced one. The exported graph is functional (no in-place op reads a view afterwards), so a copy instead of
+    an alias changes nothing else.
+    """
+    view, reshape = torch.ops.aten.view.default, torch.ops.aten.reshape.default
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is view:
+            node.target = reshape
 
 
 def _first_line(exc: BaseException) -> str:

@@ -46,6 +46,8 @@ def guard(fn):
 # ---- shared options -----------------------------------------------------------------------------------------------
 GraphArg = Annotated[str | None, typer.Argument(help="graph JSON file or example name (e.g. lios-fig3)")]
 ModelOpt = Annotated[str | None, typer.Option("--model", help="zoo model name instead of a graph")]
+ModelFileOpt = Annotated[Path | None, typer.Option("--model-file", help="a model saved by torch.export.save (.pt2) "
+                                                                        "instead of a zoo name")]
 StreamsOpt = Annotated[int | None, typer.Option("--streams", min=1, help="max streams per device")]
 DevicesOpt = Annotated[int, typer.Option("--devices", min=1, help="number of devices")]
 CostOpt = Annotated[str, typer.Option("--cost-model", help="ideal | gpu")]
@@ -55,6 +57,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object ins
 ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="measured profile (opweave profile) for --model")]
 CoarsenOpt = Annotated[bool, typer.Option("--coarsen/--no-coarsen",
                                            help="the papers' operators: each op merged with its epilogues")]
+LinkOpt = Annotated[str | None, typer.Option(
+    "--link", help="link between devices: nvlink4, pcie4, pcie5, loopback or a file from opweave profile-links; "
+                   "sets every edge's transfer time (HIOS schedulers, simulator)")]
 
 
 def graph_costs(graph: OpGraph, cost_model: str) -> Costs:
@@ -69,6 +74,15 @@ def scheduler_names(name: str) -> list[str]:
     if name not in schedulers.names():
         raise UsageError(f"unknown scheduler {name!r}; choose one of {', '.join(schedulers.names())} or all")
     return [name]
+
+
+def linked(graph: OpGraph, link: str | None) -> OpGraph:
+    """``graph`` with every edge's transfer time over ``link`` (unchanged when no link is given)."""
+    if link is None:
+        return graph
+    from opweave.costs.links import with_link
+
+    return with_link(graph, link)
 
 
 def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, devices: int):

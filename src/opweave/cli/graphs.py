@@ -17,6 +17,8 @@ from opweave.cli.app import (
     DevicesOpt,
     GraphArg,
     JsonOpt,
+    LinkOpt,
+    ModelFileOpt,
     ModelOpt,
     PresetOpt,
     ProfileOpt,
@@ -25,6 +27,7 @@ from opweave.cli.app import (
     err,
     graph_costs,
     guard,
+    linked,
     out,
     run_one,
     schedule_json,
@@ -37,10 +40,12 @@ from opweave.errors import UsageError
 @guard
 def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "lios",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
-             model: ModelOpt = None, batch_size: BatchOpt = 1, preset: PresetOpt = "h100",
-             profile: ProfileOpt = None, coarsen: CoarsenOpt = False, as_json: JsonOpt = False):
+             model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
+             preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = False,
+             link: LinkOpt = None, as_json: JsonOpt = False):
     """Schedule a graph with one scheduler and show where each op runs."""
-    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen)
+    g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
+                          model_file=model_file), link)
     (name,) = scheduler_names(scheduler)
     sched, plan, sim = run_one(g, graph_costs(g, cost_model), name, streams, devices)
     result = schedule_json(sched, plan, sim)
@@ -63,15 +68,17 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
 @guard
 def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "all",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
-             model: ModelOpt = None, batch_size: BatchOpt = 1, preset: PresetOpt = "h100",
-             profile: ProfileOpt = None, coarsen: CoarsenOpt = False,
+             model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
+             preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = False,
+             link: LinkOpt = None,
              gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart PNG (one scheduler)")] = None,
              trace: Annotated[Path | None, typer.Option(help="write a Chrome trace JSON (one scheduler)")] = None,
              as_json: JsonOpt = False):
     """Compare schedulers on one graph: makespan, speedup over sequential, syncs, scheduling time."""
     from opweave.backends import render
 
-    g = load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen)
+    g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
+                          model_file=model_file), link)
     names = scheduler_names(scheduler)
     if (gantt or trace) and len(names) != 1:
         raise UsageError("--gantt and --trace need a single --scheduler")
@@ -134,6 +141,7 @@ def models(as_json: JsonOpt = False):
         counts = zoo.PAPER_COUNTS.get(name)
         table.add_row(name, "" if counts is None else f"{counts['ops']} / {counts.get('edges') or '?'}")
     out.print(table)
-    out.print("also: torchvision:<name>, timm:<name>, hf:<model-id> where those packages are installed")
+    out.print("also: torchvision:<name>, timm:<name>, hf:<model-id> or hf:<ModelClass> (e.g. hf:T5EncoderModel) "
+              "where those packages are installed")
 
 

@@ -10,12 +10,24 @@ import typer
 from rich.table import Table
 
 from opweave import schedulers
-from opweave.cli.app import BatchOpt, CoarsenOpt, JsonOpt, StreamsOpt, app, err, guard, out, scheduler_names
+from opweave.cli.app import (
+    BatchOpt,
+    CoarsenOpt,
+    JsonOpt,
+    ModelFileOpt,
+    StreamsOpt,
+    app,
+    err,
+    guard,
+    out,
+    scheduler_names,
+)
 
 
 @app.command()
 @guard
-def bench(model: Annotated[str, typer.Option("--model")] = "inception_v3",
+def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (default inception_v3)")] = None,
+          model_file: ModelFileOpt = None,
           device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when present)")] = "cpu",
           batch_size: BatchOpt = 1,
           schedulers_: Annotated[str, typer.Option("--schedulers", help="comma list or all")] = "sequential,lios,opara",
@@ -30,12 +42,15 @@ def bench(model: Annotated[str, typer.Option("--model")] = "inception_v3",
     names = schedulers.names() if schedulers_ == "all" else [s.strip() for s in schedulers_.split(",") if s.strip()]
     for name in names:
         scheduler_names(name)
+    if model is None and model_file is None:
+        model = "inception_v3"
     result = bench_model(model, device=device, batch_size=batch_size, scheduler_names=names, streams=streams,
-                         runs=runs, warmup=warmup, progress=not as_json, profile=profile, coarsen=coarsen)
+                         runs=runs, warmup=warmup, progress=not as_json, profile=profile, model_file=model_file,
+                         coarsen=coarsen)
     if as_json:
         print(json.dumps(result))
         return
-    table = Table(title=f"{model} batch {batch_size} on {result['device_name']} (median of {runs} runs, "
+    table = Table(title=f"{result['model']} batch {batch_size} on {result['device_name']} (median of {runs} runs, "
                         f"torch {result['torch']})")
     for col in ("mode", "median ms", "vs eager", "streams", "syncs", "max |diff|"):
         table.add_column(col, justify="left" if col == "mode" else "right")

@@ -1,10 +1,11 @@
-"""One way to time things, used by the profiler, ``opweave bench`` and the GPU benchmark.
+"""One way to time things, used by the profiler's CPU path, ``opweave bench`` and the GPU benchmark.
 
 ``warmup`` calls first (lazy initialization, cuDNN/cuBLAS handles, allocator growth), then ``runs`` timed calls.
-On CUDA each call is bracketed by CUDA events; with ``sync_each_run`` (the default, used for whole model calls)
-the host waits for every call before issuing the next, so each figure covers one call and nothing queued behind
-it; without it (per-op profiling) every call is queued back to back and the events are read at the end. On the CPU
-each call is timed with ``perf_counter``.
+On CUDA each call is bracketed by CUDA events on the current stream and the host waits for every call before
+issuing the next, so each figure covers one whole call (host issue included) and nothing queued behind it; this
+is how model calls are timed. (An op's GPU time is not measured this way: at batch 1 a kernel is shorter than one
+Python dispatch, so back-to-back events would time the launch path; the profiler reads kernel durations instead,
+see :mod:`opweave.costs.profile.measure`.) On the CPU each call is timed with ``perf_counter``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from collections.abc import Callable
 import torch
 
 
-def times_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str = "cpu",
-             sync_each_run: bool = True) -> list[float]:
+def times_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str = "cpu") -> list[float]:
     """Milliseconds of each of ``runs`` calls of ``fn()`` after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
@@ -35,13 +35,11 @@ def times_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str = 
         start.record()
         fn()
         end.record()
-        if sync_each_run:
-            end.synchronize()
+        end.synchronize()
     torch.cuda.synchronize()
     return [start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)]
 
 
-def median_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str = "cpu",
-              sync_each_run: bool = True) -> float:
+def median_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str = "cpu") -> float:
     """Median of :func:`times_ms`."""
-    return statistics.median(times_ms(fn, runs=runs, warmup=warmup, device=device, sync_each_run=sync_each_run))
+    return statistics.median(times_ms(fn, runs=runs, warmup=warmup, device=device))

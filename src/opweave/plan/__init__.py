@@ -1,7 +1,8 @@
 """The plan: a schedule lowered to per-stream instructions that every backend executes and the validator proves.
 
 * :mod:`.launchplan` — :class:`LaunchPlan` and :class:`Instr` (launch, record, wait, send, recv);
-* :mod:`.semantics` — what orders one instruction before another (the one definition of happens-before);
+* :mod:`.semantics` — what orders one instruction before another: :class:`~.semantics.PlanInterpreter`, the one
+  owner of happens-before (pairing and vector clocks) that lowering, the validator and the backends build on;
 * :mod:`.lower` — ``lower(graph, schedule)``: a plan with only the waits it needs;
 * :mod:`.validate` — ``validate(graph, plan, schedule)``: every dependency ordered, or a :class:`PlanError`.
 """

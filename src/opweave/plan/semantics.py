@@ -1,51 +1,180 @@
-"""Plan semantics: when one instruction of a :class:`~opweave.plan.launchplan.LaunchPlan` is ordered before another.
+"""Plan semantics, in one place: when one instruction of a :class:`~opweave.plan.launchplan.LaunchPlan` happens before
+another. Lowering, the validator, the simulator and the backends all ask :class:`PlanInterpreter`; nothing else
+pairs a wait with its record or computes a clock.
 
-* a ``wait`` waits for the latest ``record`` of its event issued before it on the same device; a ``recv`` for the
-  latest ``send`` of the same op from its peer to its device earlier in the plan (:func:`sync_sources`);
-* happens-before is tracked with vector clocks over lanes ``(device, stream)`` (:func:`join_clocks`);
-* stage schedules add barriers between consecutive stages of a device (:func:`stage_barriers`).
+**Lanes.** Each ``(device, stream)`` is a lane; an instruction's *point* is ``(lane, position)``, its 1-based
+position among the instructions of its lane in issue order (the plan's list order).
+
+**Pairing** (the rule every backend implements). A ``wait`` waits for the latest ``record`` of its event issued
+before it *on the same device*; a ``recv`` of op ``u`` for the latest ``send`` of ``u`` issued before it *from its
+peer to its device*. A wait or recv with no such instruction is an error (:class:`PlanError`), so every sync source
+precedes its sink in issue order.
+
+**Happens-before** is the smallest transitive relation with
+
+* program order: an instruction after every earlier instruction of its lane (streams are FIFO);
+* sync order: a ``wait`` (``recv``) after the ``record`` (``send``) it pairs with.
+
+It is tracked with vector clocks: ``clock[lane][m]`` is the highest position of lane ``m`` known complete at the
+lane's latest instruction (its own entry counts that instruction). Issuing an instruction sets its own entry; a
+wait or recv joins the clock its source had when issued. Because sources precede sinks, one pass in issue order
+sees every clock complete, and "``a`` happens before ``b``" implies "``a`` is issued before ``b``".
+
+Tiny example (device 0)::
+
+    0  launch a  (stream 0)   point ((0, 0), 1)   clock[(0, 0)] = {(0, 0): 1}
+    1  record 7  (stream 0)   point ((0, 0), 2)   clock[(0, 0)] = {(0, 0): 2}
+    2  wait 7    (stream 1)   point ((0, 1), 1)   clock[(0, 1)] = {(0, 1): 1, (0, 0): 2}   pairs with 1
+    3  launch b  (stream 1)   point ((0, 1), 2)   clock[(0, 1)] = {(0, 1): 2, (0, 0): 2}
+
+``a`` (point ``((0, 0), 1)``) happens before ``b``: ``b``'s clock holds ``(0, 0): 2 >= 1``. Drop the wait and it
+does not. Stage barriers are not part of the semantics: a stage schedule *requires* an order (the validator checks
+it from this relation), and lowering meets it with ordinary record/wait pairs.
+
+:class:`PlanInterpreter` is modelled on :class:`torch.fx.Interpreter`: ``run(plan)`` walks the plan and calls
+overridable per-kind steps; subclasses (the validator, the backends' :class:`~opweave.backends.program.Program`,
+the liveness analysis) extend it instead of copying the walk, and lowering's builder calls :meth:`~PlanInterpreter.
+issue` directly while it emits instructions. Complexity O(I·L) for I instructions and L lanes (a join or a copy
+touches at most L entries).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 from opweave.errors import PlanError
 from opweave.plan.launchplan import KINDS, Instr, LaunchPlan
 
 Lane = tuple[int, int]  # (device, stream)
 Clock = dict[Lane, int]  # lane -> highest position known complete
+Point = tuple[Lane, int]  # where an instruction sits: (lane, 1-based position on the lane)
 
 
-def sync_sources(plan: LaunchPlan) -> list[int | None]:
-    """Per instruction, the index of the instruction it waits for (``None`` for none).
+def covers(clock: Clock, at: Point) -> bool:
+    """Whether ``clock`` orders the instruction at ``at`` (at or before the point the clock belongs to)."""
+    lane, pos = at
+    return clock.get(lane, 0) >= pos
 
-    A ``wait`` waits for the latest ``record`` of its event issued before it on the same device; a ``recv`` for the
-    latest ``send`` of the same op from its peer to its device earlier in the plan. Raises :class:`PlanError` for a
-    malformed instruction or a wait/recv with nothing to wait for.
+
+def join_clocks(into: Clock, other: Clock) -> None:
+    """Raise ``into`` to at least ``other``, lane by lane (the vector-clock join)."""
+    get = into.get
+    for lane, pos in other.items():
+        if get(lane, 0) < pos:
+            into[lane] = pos
+
+
+class PlanInterpreter:
+    """Happens-before over a plan, built one instruction at a time in issue order (see the module docstring).
+
+    Overridable methods, by call hierarchy (as :class:`torch.fx.Interpreter`'s)::
+
+        run(plan)
+        +-- issue(ins)                 pair, place on its lane, advance the lane's clock; callable alone
+        |   +-- run_instr(i, ins, at)  dispatch by kind
+        |       +-- launch() / record() / wait() / send() / recv()
+        +-- output()                   what ``run`` returns
+
+    Each step gets the instruction's index ``i``, the instruction and its point ``at``; when it runs,
+    ``self.clock[at[0]]`` is the clock at that instruction and ``self.source[i]`` the record/send it pairs with.
+
+    State, readable by subclasses and callers: ``instrs`` (issued so far), ``point[i]``, ``source[i]`` (``None``
+    unless a wait/recv), ``previous[i]`` (the instruction before ``i`` on its lane, or ``None``), ``clock`` (per lane,
+    at its latest instruction) and ``snapshot[i]`` (the clock at each record and send, what a sink joins).
     """
-    latest_record: dict[tuple[int, int], int] = {}  # (device, event) -> index
-    latest_send: dict[tuple[str, int, int], int] = {}  # (op, from device, to device) -> index
-    sources: list[int | None] = []
-    for i, ins in enumerate(plan.instrs):
+
+    def __init__(self) -> None:
+        self.instrs: list[Instr] = []
+        self.point: list[Point] = []
+        self.source: list[int | None] = []
+        self.previous: list[int | None] = []
+        self.clock: dict[Lane, Clock] = {}
+        self.snapshot: dict[int, Clock] = {}
+        self._last_on_lane: dict[Lane, int] = {}
+        self._latest_record: dict[tuple[int, int], int] = {}  # (device, event) -> index
+        self._latest_send: dict[tuple[str, int, int], int] = {}  # (op, from device, to device) -> index
+
+    def run(self, plan: LaunchPlan):
+        """Issue every instruction of ``plan`` in order, then return :meth:`output`."""
+        for ins in plan.instrs:
+            self.issue(ins)
+        return self.output()
+
+    def issue(self, ins: Instr) -> Point:
+        """Append ``ins`` to the plan seen so far, run its step, and return its point.
+
+        Raises :class:`PlanError` for a malformed instruction or a wait/recv with nothing to pair with.
+        """
+        i = len(self.instrs)
         _check_instr(i, ins)
-        source = None
+        source = self.pair(i, ins)
+        lane = (ins.device, ins.stream)
+        here = self.clock.get(lane)
+        if here is None:
+            here = self.clock[lane] = {}
+        at = (lane, here.get(lane, 0) + 1)
+        here[lane] = at[1]
+        if source is not None:
+            join_clocks(here, self.snapshot[source])
+        elif ins.kind == "record" or ins.kind == "send":
+            self.snapshot[i] = here.copy()
+        self.instrs.append(ins)
+        self.point.append(at)
+        self.source.append(source)
+        self.previous.append(self._last_on_lane.get(lane))
+        self._last_on_lane[lane] = i
+        self.run_instr(i, ins, at)
+        return at
+
+    def pair(self, i: int, ins: Instr) -> int | None:
+        """The pairing rule: the index of the record/send that instruction ``i`` waits for (``None`` for none)."""
         if ins.kind == "record":
-            latest_record[(ins.device, ins.event)] = i
+            self._latest_record[(ins.device, ins.event)] = i
         elif ins.kind == "send":
-            latest_send[(ins.op, ins.device, ins.peer)] = i
+            self._latest_send[(ins.op, ins.device, ins.peer)] = i
         elif ins.kind == "wait":
-            source = latest_record.get((ins.device, ins.event))
+            source = self._latest_record.get((ins.device, ins.event))
             if source is None:
                 raise PlanError(f"instruction {i}: wait on device {ins.device} stream {ins.stream} for event "
                                 f"{ins.event}, which no earlier record on that device sets")
+            return source
         elif ins.kind == "recv":
-            source = latest_send.get((ins.op, ins.peer, ins.device))
+            source = self._latest_send.get((ins.op, ins.peer, ins.device))
             if source is None:
                 raise PlanError(f"instruction {i}: recv of op {ins.op!r} on device {ins.device} from device "
                                 f"{ins.peer} has no matching send before it")
-        sources.append(source)
-    return sources
+            return source
+        return None
+
+    def ordered(self, at: Point, lane: Lane) -> bool:
+        """Whether the instruction at ``at`` happens before (or is) the latest instruction issued on ``lane``."""
+        return covers(self.clock.get(lane, {}), at)
+
+    def predecessors(self, i: int) -> list[int]:
+        """The instructions ``i`` directly follows (its lane predecessor, then its sync source); happens-before is
+        the transitive closure of these edges."""
+        return [j for j in (self.previous[i], self.source[i]) if j is not None]
+
+    def run_instr(self, i: int, ins: Instr, at: Point) -> None:
+        """Dispatch to the step named by ``ins.kind``; override to act on every instruction."""
+        getattr(self, ins.kind)(i, ins, at)
+
+    def launch(self, i: int, ins: Instr, at: Point) -> None:
+        """Step for a ``launch``; does nothing here."""
+
+    def record(self, i: int, ins: Instr, at: Point) -> None:
+        """Step for a ``record``; does nothing here."""
+
+    def wait(self, i: int, ins: Instr, at: Point) -> None:
+        """Step for a ``wait``; does nothing here."""
+
+    def send(self, i: int, ins: Instr, at: Point) -> None:
+        """Step for a ``send``; does nothing here."""
+
+    def recv(self, i: int, ins: Instr, at: Point) -> None:
+        """Step for a ``recv``; does nothing here."""
+
+    def output(self):
+        """What :meth:`run` returns; the interpreter itself here."""
+        return self
 
 
 def _check_instr(i: int, ins: Instr) -> None:
@@ -58,37 +187,3 @@ def _check_instr(i: int, ins: Instr) -> None:
     if ins.kind in ("send", "recv") and (ins.peer is None or ins.peer == ins.device):
         raise PlanError(f"instruction {i}: {ins.kind} of op {ins.op!r} on device {ins.device} needs another "
                         f"device as peer, got {ins.peer!r}")
-
-
-def stage_barriers(launches: Iterable[tuple[str, int, int]], stage_of: dict[str, int]) -> dict[str, list[str]]:
-    """Ops each launch must follow because of stage barriers.
-
-    ``launches`` lists ``(op, device, stream)`` in issue order. The first op of each stream in a stage must follow
-    the last op of every stream in the device's previous stage (FIFO streams and transitivity then order every op
-    of every earlier stage before every op of the later one). Raises :class:`PlanError` when a device's stages
-    decrease along the issue order (the barrier would wait on an op issued later).
-    """
-    stage_now: dict[int, int] = {}
-    last_in_stage: dict[int, dict[int, str]] = {}  # device -> stream -> last op of the current stage
-    last_in_previous: dict[int, dict[int, str]] = {}
-    barriers: dict[str, list[str]] = {}
-    for op, device, stream in launches:
-        stage = stage_of[op]
-        if device in stage_now and stage < stage_now[device]:
-            raise PlanError(f"op {op!r} of stage {stage} is issued after stage {stage_now[device]} on device "
-                            f"{device}; order the ops of a device by stage")
-        if stage != stage_now.get(device):
-            stage_now[device] = stage
-            last_in_previous[device] = last_in_stage.get(device, {})
-            last_in_stage[device] = {}
-        if stream not in last_in_stage[device]:
-            barriers[op] = [x for _, x in sorted(last_in_previous[device].items())]
-        last_in_stage[device][stream] = op
-    return barriers
-
-
-def join_clocks(into: Clock, other: Clock) -> None:
-    """Raise ``into`` to at least ``other``, lane by lane (the vector-clock join)."""
-    for lane, pos in other.items():
-        if into.get(lane, 0) < pos:
-            into[lane] = pos

@@ -24,10 +24,13 @@ Departures from the paper:
 
 ``predicted_ms`` replays the assignment under the ideal model (:func:`ideal_finish_times`).
 
-Complexity: transitive reduction O(V·E) (networkx), Hopcroft–Karp O(E'·√V), merging O(C log C + C·K) for C chains.
+Complexity: transitive reduction O(V + E) operations on V-bit reachability sets, Hopcroft–Karp O(E'·√V), merging
+O(C log C + C·K) for C chains.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
 
 import networkx as nx
 from networkx.algorithms import bipartite
@@ -39,32 +42,58 @@ from opweave.schedulers._listsched import ideal_finish_times, makespan_ms, merge
 from opweave.schedulers.schedule import Schedule
 
 
+def reduced_successors(graph: OpGraph) -> dict[str, list[str]]:
+    """The successors of every op in G' (capture order; each op's in the order of its successors in the graph).
+
+    An edge (u, v) is implied by others iff v is a descendant of another successor of u: one OR of the graph's
+    reachability bitsets per op. O(V + E) bitset operations."""
+    index, descendants = graph.index, graph.descendants
+    reduced = {}
+    for u in graph.ids:
+        succs = graph.succs[u]
+        implied = 0
+        for w in succs:
+            implied |= descendants[w]
+        reduced[u] = [v for v in succs if not implied >> index[v] & 1]
+    return reduced
+
+
 def minimum_equivalent_graph(graph: OpGraph) -> nx.DiGraph:
-    """G': the transitive reduction of the graph's DAG (same reachability, fewest edges)."""
-    return nx.transitive_reduction(graph.nx())
+    """G' as a networkx graph: the transitive reduction of the graph's DAG (same reachability, fewest edges), nodes
+    in capture order and each op's edges in the order of :func:`reduced_successors`."""
+    meg = nx.DiGraph()
+    meg.add_nodes_from(graph.ids)
+    meg.add_edges_from((u, v) for u, succs in reduced_successors(graph).items() for v in succs)
+    return meg
 
 
-def maximum_matching(meg: nx.DiGraph) -> dict[str, str]:
-    """A maximum matching of the bipartite graph B of Algorithm 1 step 2, as ``successor_of[v_i] = v_j``."""
+def maximum_matching(meg: Mapping[str, Iterable[str]]) -> dict[str, str]:
+    """A maximum matching of the bipartite graph B of Algorithm 1 step 2, as ``successor_of[v_i] = v_j``; ``meg``
+    maps each op of G' to its successors (a ``dict`` of lists or an ``nx.DiGraph``).
+
+    B's nodes are integers (x_i = i, y_j = n + j for the i-th and j-th op of ``meg``): networkx's Hopcroft–Karp
+    walks its left side as a set, and a set of integers, unlike one of strings, iterates in the same order in every
+    process, so the matching (and the schedule) does not depend on the string-hash seed."""
+    nodes = list(meg)
+    n = len(nodes)
+    number = {u: i for i, u in enumerate(nodes)}
     bip = nx.Graph()
-    left = [("L", u) for u in meg.nodes]
-    bip.add_nodes_from(left, bipartite=0)
-    bip.add_nodes_from((("R", v) for v in meg.nodes), bipartite=1)
-    bip.add_edges_from((("L", u), ("R", v)) for u, v in meg.edges)
-    matching = bipartite.hopcroft_karp_matching(bip, top_nodes=left)
-    return {u: matching[("L", u)][1] for side, u in left if ("L", u) in matching}
+    bip.add_nodes_from(range(2 * n))
+    bip.add_edges_from((number[u], n + number[v]) for u in nodes for v in meg[u])
+    matching = bipartite.hopcroft_karp_matching(bip, top_nodes=range(n))
+    return {nodes[i]: nodes[matching[i] - n] for i in range(n) if i in matching}
 
 
 def nimble_stats(graph: OpGraph) -> tuple[int, int]:
     """(|E'|, |M|): edges of the minimum equivalent graph and size of a maximum matching of B."""
-    meg = minimum_equivalent_graph(graph)
-    return meg.number_of_edges(), len(maximum_matching(meg))
+    reduced = reduced_successors(graph)
+    return sum(map(len, reduced.values())), len(maximum_matching(reduced))
 
 
 def nimble_chains(graph: OpGraph) -> list[list[str]]:
     """Algorithm 1's partition of V: |V| − |M| chains, each in dependency order, sorted by their first op's
     position in the topological order."""
-    successor_of = maximum_matching(minimum_equivalent_graph(graph))
+    successor_of = maximum_matching(reduced_successors(graph))
     matched_right = set(successor_of.values())
     chains = []
     for head in graph.topo_order:

@@ -19,11 +19,17 @@ deepfm. Keyword arguments go to the model's module-level ``create`` (e.g. ``num_
 Prefixed names reach other libraries, which are then required (``ImportError`` naming the package otherwise):
 
 * ``"torchvision:<name>"``: ``torchvision.models.<name>(weights=None)``; 299x299 input for inception_v3, 224 else;
-* ``"timm:<name>"``: ``timm.create_model(name, pretrained=False)``, input size from its pretrained config;
+* ``"timm:<name>"``: ``timm.create_model(name, pretrained=False, **kwargs)``, input size ``image_size`` (or
+  ``img_size``, which timm's ViTs take) else from its pretrained config;
 * ``"hf:<model-id>"``: a Hugging Face ``AutoModel`` built with ``AutoModel.from_config`` from a configuration made
-  locally (``AutoConfig.for_model``), never fetched, so only the ids in ``HF_CONFIGS`` are known; keyword arguments
-  other than ``seq_len`` (default 128) override configuration fields (e.g. ``num_hidden_layers=2``). Input: random
-  token ids. Hugging Face models return a ``ModelOutput`` and need ``transformers.utils.fx`` rather than plain fx.
+  locally (``AutoConfig.for_model``), never fetched, so only the ids in ``HF_CONFIGS`` are known; or
+  ``"hf:<ModelClass>"``, any transformers model class (``hf:T5EncoderModel``) built from its configuration class.
+  Keyword arguments other than ``seq_len`` (default 128) override configuration fields (e.g.
+  ``num_hidden_layers=2``). Input: random token ids (or images, or audio samples, by the class's
+  ``main_input_name``). Hugging Face models return a ``ModelOutput``.
+
+torchvision's PyPI wheel does not import beside the CPU build of torch; the prefixed names first make it importable
+(:mod:`.torchvision_cpu`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 from torch import nn
 
 from opweave.errors import MissingPackageError, UsageError
+from opweave.zoo.torchvision_cpu import ensure_importable as ensure_torchvision_importable
 
 # Built-in name -> module of this package whose ``create(batch_size, **kwargs)`` builds it.
 _BUILTIN = {
@@ -120,7 +127,10 @@ def _calibrate_batchnorm(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> 
 
 
 def _require(package: str, name: str):
+    """Import ``package`` (torchvision, timm, transformers), torchvision first made importable beside a CPU-only torch
+    (:mod:`.torchvision_cpu`): timm and transformers import it too."""
     try:
+        ensure_torchvision_importable()
         return importlib.import_module(package)
     except ImportError as err:
         if err.name != package:  # installed, but one of its own dependencies is missing
@@ -145,25 +155,46 @@ def _torchvision(name: str, batch_size: int, image_size: int | None = None, **kw
     return model, _images(batch_size, (3, size, size))
 
 
-def _timm(name: str, batch_size: int, **kwargs):
+def _timm(name: str, batch_size: int, image_size: int | None = None, **kwargs):
     timm = _require("timm", f"timm:{name}")
     model = timm.create_model(name, pretrained=False, **kwargs)
     cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
-    return model, _images(batch_size, tuple(cfg.get("input_size", (3, 224, 224))))
+    channels, height, width = tuple(cfg.get("input_size", (3, 224, 224)))
+    size = image_size or kwargs.get("img_size")
+    return model, _images(batch_size, (channels, size, size) if size else (channels, height, width))
 
 
-def _huggingface(model_id: str, batch_size: int, seq_len: int = 128, **overrides):
+def _huggingface(model_id: str, batch_size: int, seq_len: int = 128, attn_implementation: str | None = None,
+                 **overrides):
+    """``hf:<id>`` for the ids in ``HF_CONFIGS`` (``AutoModel``, eager attention: matmul and softmax stay visible
+    ops), or ``hf:<ModelClass>``, any transformers model class (``T5EncoderModel``, ``ViTModel``, ...) built from its
+    own configuration class with ``overrides`` and the attention a user gets by default (``sdpa`` where the class
+    has it). The input is what the class's ``main_input_name`` says: token ids below ``vocab_size``, or images of the
+    configuration's ``num_channels`` and ``image_size``, or ``seq_len`` audio samples."""
     transformers = _require("transformers", f"hf:{model_id}")
-    if model_id not in HF_CONFIGS:
+    cls = getattr(transformers, model_id, None) if model_id[:1].isupper() else None
+    if model_id in HF_CONFIGS:
+        model_type, defaults = HF_CONFIGS[model_id]
+        config = transformers.AutoConfig.for_model(model_type, **{**defaults, **overrides})
+        build = transformers.AutoModel.from_config
+        attn_implementation = attn_implementation or "eager"
+    elif isinstance(cls, type) and hasattr(cls, "config_class"):
+        config = cls.config_class(**overrides)
+        build = cls._from_config
+    else:
         raise UsageError(f"unknown Hugging Face id {model_id!r} (configs are built locally, without network); "
-                       f"known ids: {', '.join(HF_CONFIGS)}")
-    model_type, defaults = HF_CONFIGS[model_id]
-    config = transformers.AutoConfig.for_model(model_type, **{**defaults, **overrides})
-    try:  # eager attention keeps matmul/softmax visible instead of a fused kernel
-        model = transformers.AutoModel.from_config(config, attn_implementation="eager")
-    except TypeError:  # transformers older than 4.36
-        model = transformers.AutoModel.from_config(config)
+                         f"known ids: {', '.join(HF_CONFIGS)}, or a transformers model class such as T5EncoderModel")
+    try:
+        model = build(config, attn_implementation=attn_implementation) if attn_implementation else build(config)
+    except (TypeError, ValueError):  # transformers older than 4.36, or a model without that choice
+        model = build(config)
     generator = torch.Generator().manual_seed(0)
+    main_input = getattr(model, "main_input_name", "input_ids")
+    if main_input == "pixel_values":
+        size = config.image_size if isinstance(config.image_size, int) else config.image_size[0]
+        return model, (torch.randn(batch_size, config.num_channels, size, size, generator=generator),)
+    if main_input == "input_values":
+        return model, (torch.randn(batch_size, seq_len, generator=generator),)
     return model, (torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator),)
 
 

@@ -92,6 +92,8 @@ class Profile:
         """Read a profile; with ``expect`` (see :func:`profile_key`), refuse one measured for something else."""
         try:
             prof = cls.from_dict(json.loads(Path(path).read_text()))
+        except OSError as exc:  # no such file, a directory, no permission: bad input, not a bug
+            raise ProfileError(f"cannot read profile {str(path)!r}: {exc.strerror or exc}") from None
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
         if expect is not None:

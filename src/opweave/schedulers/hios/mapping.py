@@ -119,6 +119,8 @@ def map_lp(problem: Problem, topo: list[int], order: list[int], devices: int) ->
 def map_mr(problem: Problem, order: list[int], devices: int) -> list[int]:
     """Algorithm 3, Lines 1–26: the GPU of every op, from the mapping-recording table."""
     n = len(order)
+    if devices == 1:
+        return [0] * n  # nothing to choose
     rank = {v: i for i, v in enumerate(order)}
     lat = problem.latency_ms
     finish = [[math.inf] * devices for _ in range(n)]  # t_{i,j}

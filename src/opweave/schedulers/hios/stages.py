@@ -23,7 +23,14 @@ from opweave.costs.model import Costs
 from opweave.ir.graph import OpGraph
 
 Plan = list[list[tuple[int, ...]]]  # device -> stages -> op indices
-StageTimes = tuple[float, list[float], list[float]]  # makespan, finish per op, end per stage (by leader)
+
+
+class StageTimes(NamedTuple):
+    """The times of a plan as Algorithm 2 keeps them (:class:`.grouping.WorkingPlan`)."""
+
+    makespan_ms: float
+    finish_ms: list[float]  # per op
+    end_ms: list[float]  # per stage, indexed by the stage's leader
 
 
 class Timing(NamedTuple):

@@ -1,0 +1,190 @@
+"""Commands that run one model on several devices: ``run`` (one rank process per device, or one rank of a
+``torchrun`` launch) and ``profile-links`` (point-to-point time against message size between two ranks)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.table import Table
+
+from opweave.cli.app import BatchOpt, JsonOpt, LinkOpt, StreamsOpt, app, err, guard, out
+from opweave.errors import UsageError
+
+CHECK_TOLERANCE = 1e-3  # relative to the output's largest magnitude (at least 1), as capture's own check
+
+
+@app.command("run")
+@guard
+def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
+        scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "hios-lp",
+        devices: Annotated[int | None, typer.Option("--devices", min=1,
+                                                   help="ranks (default 2; under torchrun its world size)")] = None,
+        device: Annotated[str, typer.Option(help="cpu (gloo) | cuda (NCCL)")] = "cpu",
+        check: Annotated[bool, typer.Option("--check", help="compare with single-process eager; exit 1 beyond "
+                                                            "tolerance")] = False,
+        runs: Annotated[int, typer.Option(min=1)] = 10, warmup: Annotated[int, typer.Option(min=0)] = 2,
+        batch_size: BatchOpt = 1,
+        image_size: Annotated[int | None, typer.Option(help="input height and width of the CNN models")] = None,
+        streams: StreamsOpt = None, link: LinkOpt = None,
+        threads: Annotated[int | None, typer.Option(min=1, help="intra-op threads per rank (default cores / "
+                                                               "ranks)")] = None,
+        timeout: Annotated[float, typer.Option(min=1, help="process-group timeout, seconds")] = 300.0,
+        as_json: JsonOpt = False):
+    """Run a model with a multi-device plan, one rank process per device; print the median latency."""
+    from opweave.backends.distributed import check_devices, torchrun
+
+    check_devices(1 if torchrun.launched() else devices or 2, device)  # before building the model: one line
+    kwargs = {"image_size": image_size} if image_size else {}
+    if torchrun.launched():
+        result = _run_torchrun(model, scheduler, devices, device, runs, warmup, batch_size, kwargs, streams, link,
+                               timeout, check)
+        if result is None:
+            return
+    else:
+        result = _run_ranks(model, scheduler, devices or 2, device, runs, warmup, batch_size, kwargs, streams,
+                            link, threads, timeout, check)
+    _report(result, check, as_json)
+
+
+def _build(model: str, batch_size: int, kwargs: dict):
+    from opweave import zoo
+    from opweave.capture import capture
+
+    module, inputs = zoo.create(model, batch_size=batch_size, **kwargs)
+    return module, inputs, capture(module, inputs, name=model)
+
+
+def _eager(module, inputs):
+    with torch.inference_mode():
+        return module(*inputs)
+
+
+def _simulated_ms(compiled_graph, plan, costs) -> float:
+    from opweave.backends.simulate import simulate
+
+    return simulate(compiled_graph, plan, costs).makespan_ms
+
+
+def _run_ranks(model, scheduler, devices, device, runs, warmup, batch_size, kwargs, streams, link, threads,
+               timeout, check) -> dict:
+    from opweave.api import compile_ranks
+    from opweave.bench import median_ms
+
+    module, inputs, captured = _build(model, batch_size, kwargs)
+    options = {"threads": threads} if threads else {}
+    with compile_ranks(captured, scheduler=scheduler, device=device, devices=devices, streams=streams, link=link,
+                       timeout_s=timeout, **options) as fast:
+        ms = median_ms(fast, inputs, runs=runs, warmup=warmup)
+        return {"model": model, "scheduler": scheduler, "devices": devices, "device": device, "launch": "processes",
+                "median_ms": ms, "runs": runs, "simulated_ms": _simulated_ms(fast.graph, fast.plan, fast.costs),
+                "devices_used": fast.schedule.devices_used, "ranks": fast.backend.info,
+                **(_compare(module, inputs, fast(*inputs)) if check else {})}
+
+
+def _run_torchrun(model, scheduler, devices, device, runs, warmup, batch_size, kwargs, streams, link,
+                  timeout, check) -> dict | None:
+    from opweave.api import plan_ranks
+    from opweave.backends.distributed import torchrun
+
+    rank, world = torchrun.rank_and_world()
+    if devices is not None and devices != world:
+        raise UsageError(f"--devices {devices}, but torchrun started {world} ranks (--nproc-per-node x nodes)")
+    built: dict = {}
+
+    def prepare():
+        module, inputs, captured = _build(model, batch_size, kwargs)
+        costs, sched, plan = plan_ranks(captured, scheduler=scheduler, device=device, devices=world,
+                                        streams=streams, link=link)
+        built.update(module=module, inputs=inputs, costs=costs, sched=sched, plan=plan, graph=captured.graph)
+        return captured, plan, inputs
+
+    result = torchrun.run(prepare, device=device, runs=runs, warmup=warmup, timeout_s=timeout)
+    if rank != 0:
+        return None
+    module, inputs = built["module"], built["inputs"]
+    return {"model": model, "scheduler": scheduler, "devices": world, "device": device, "launch": "torchrun",
+            "median_ms": statistics.median(result["times_ms"]), "runs": runs,
+            "simulated_ms": _simulated_ms(built["graph"], built["plan"], built["costs"]),
+            "devices_used": built["sched"].devices_used, "ranks": result["ranks"],
+            **(_compare(module, inputs, result["output"]) if check else {})}
+
+
+def _compare(module, inputs, got) -> dict:
+    """Largest absolute difference from single-process eager, and the tolerance it is held to."""
+    from torch.utils import _pytree as pytree
+
+    from opweave.bench import max_abs_diff
+
+    reference = _cpu(_eager(module, inputs))
+    floats = [t for t in pytree.tree_leaves(reference) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    scale = max((float(t.abs().max()) for t in floats if t.numel()), default=1.0)
+    return {"max_abs_diff": max_abs_diff(reference, got), "tolerance": CHECK_TOLERANCE * max(1.0, scale)}
+
+
+def _cpu(value):
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, value)
+
+
+def _report(result: dict, check: bool, as_json: bool) -> None:
+    failed = check and result["max_abs_diff"] > result["tolerance"]
+    if as_json:
+        print(json.dumps(result))
+    else:
+        table = Table(title=f"{result['model']} with {result['scheduler']} on {result['devices']} {result['device']} "
+                            f"rank(s) ({result['launch']}): median {result['median_ms']:.2f} ms over {result['runs']} "
+                            f"runs, simulated {result['simulated_ms']:.2f} ms")
+        for col in ("rank", "pid", "ops", "messages", "parameters MB", "threads"):
+            table.add_column(col, justify="right")
+        for info in result["ranks"]:
+            table.add_row(str(info["rank"]), str(info["pid"]), str(info["ops"]), str(info["messages"]),
+                          f"{info['param_bytes'] / 1e6:.2f}", str(info["threads"]))
+        out.print(table)
+        out.print(f"median latency {result['median_ms']:.3f} ms")
+        if check:
+            out.print(f"max |diff| against single-process eager {result['max_abs_diff']:.2e} "
+                      f"(tolerance {result['tolerance']:.1e})")
+    if failed:
+        err.print(f"opweave: error: outputs differ from eager by {result['max_abs_diff']:.3g}, beyond the tolerance "
+                  f"{result['tolerance']:.3g}", markup=False, highlight=False)
+        raise typer.Exit(1)
+
+
+@app.command("profile-links")
+@guard
+def profile_links(device: Annotated[str, typer.Option(help="cpu (gloo ranks) | cuda (NCCL, GPUs 0 and 1)")] = "cpu",
+                  repeats: Annotated[int, typer.Option(min=1)] = 20,
+                  max_bytes: Annotated[int, typer.Option(min=1024, help="largest message")] = 2 ** 24,
+                  output: Annotated[Path | None, typer.Option("-o", "--output", help="write the link file here "
+                                                              "(for --link)")] = None,
+                  as_json: JsonOpt = False):
+    """Measure point-to-point time against message size between two ranks; fit latency + bytes / bandwidth."""
+    from opweave.backends.distributed import profile_link
+    from opweave.costs.links import fit
+
+    sizes = [2 ** k for k in range(4, max(5, max_bytes.bit_length()), 2)]
+    samples = profile_link(device, sizes, repeats=repeats)
+    link = fit(samples, name=f"measured-{device}",
+               source=f"opweave profile-links --device {device} on {platform.node()} (torch {torch.__version__})")
+    if output is not None:
+        link.save(output)
+    if as_json:
+        print(json.dumps({"name": link.name, "latency_ms": link.latency_ms, "bandwidth_gbs": link.bandwidth_gbs,
+                          "samples": link.samples}))
+        return
+    table = Table(title=f"point-to-point between two {device} ranks (median of {repeats}, one way)")
+    for col in ("bytes", "measured ms", "fit ms"):
+        table.add_column(col, justify="right")
+    for size, ms in samples:
+        table.add_row(str(size), f"{ms:.4f}", f"{link.transfer_ms(size):.4f}")
+    out.print(table)
+    out.print(f"fit: latency {link.latency_ms:.4f} ms + bytes / {link.bandwidth_gbs:.3f} GB/s")
+    if output is not None:
+        err.print(f"wrote {output}")

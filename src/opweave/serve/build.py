@@ -1,0 +1,126 @@
+"""Putting a server together from options: models, executor, policy, engine (shared by ``opweave serve``,
+``opweave loadgen --simulate`` and the serving benchmark)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opweave.errors import UsageError
+from opweave.serve import policies
+from opweave.serve.engine import Engine
+from opweave.serve.executors import CpuExecutor, CudaExecutor, Part, RealClock, SimClock, SimExecutor
+from opweave.serve.models import ServedModel, load
+
+DEVICES = ("cpu", "cuda", "sim")
+
+
+def load_models(names: list[str], files: dict[str, Path] | None = None, *, device: str = "cpu", max_batch: int = 8,
+                image_size: int | dict[str, int] | None = None,
+                cuts: dict[str, list[str]] | None = None) -> dict[str, ServedModel]:
+    """Zoo models ``names`` and exported programs ``files`` (name -> path), captured and split into blocks.
+    ``image_size``: one size for every zoo CNN, or per model (see :func:`parse_image_size`). ``device`` "sim" loads
+    on the CPU (only the graphs are used)."""
+    sizes = image_size if isinstance(image_size, dict) else {"*": image_size}
+    files = files or {}
+    both = sorted(set(names) & set(files))
+    if both:
+        raise UsageError(f"model {both[0]!r} is both a zoo name and a --model-file")
+    if not names and not files:
+        raise UsageError("no model to serve; give --models and/or --model-file")
+    where = "cpu" if device == "sim" else device
+    out = {}
+    for name in [*names, *files]:
+        out[name] = load(name, path=files.get(name), device=where, max_batch=max_batch,
+                         image_size=sizes.get(name, sizes.get("*")), cuts=(cuts or {}).get(name))
+    return out
+
+
+def parse_image_size(text: str | None) -> dict[str, int] | None:
+    """``"64"`` (every model) or ``"64,inception_v3=75"`` (a default and per-model sizes) as a dict, ``*`` the
+    default."""
+    if not text:
+        return None
+    out: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        model, sep, size = item.rpartition("=")
+        if not size.isdigit() or int(size) < 1:
+            raise UsageError(f"--image-size {item!r} must be N or MODEL=N with N a positive integer")
+        out[model if sep else "*"] = int(size)
+    return out
+
+
+def load_profiles(items: list[str] | None, models: dict[str, ServedModel]) -> dict[str, dict[int, object]]:
+    """``MODEL=PATH`` items: profiles (``opweave profile``) of served models, by the batch they were measured at (the
+    first dimension of the profile's first input shape). A profile measured for another model is refused."""
+    from opweave.costs.profile import Profile
+
+    out: dict[str, dict[int, object]] = {}
+    for item in items or []:
+        model, sep, path = item.partition("=")
+        if not sep or model not in models:
+            raise UsageError(f"--profile {item!r} must be MODEL=PATH with MODEL one of {', '.join(models)}")
+        prof = Profile.load(path)
+        missing = [op for op in models[model].blocked.captured.graph.ids if op not in prof.latency_ms]
+        if missing:
+            raise UsageError(f"--profile {path}: no latency for op {missing[0]!r} of {model} (measured for "
+                             f"{prof.key.get('model')!r})")
+        shapes = prof.key.get("input_shapes") or [[1]]
+        out.setdefault(model, {})[int(shapes[0][0]) if shapes[0] else 1] = prof
+    return out
+
+
+def parse_cuts(items: list[str] | None) -> dict[str, list[str]]:
+    """``MODEL=op1+op2`` items (the manual block cuts) as a dict."""
+    out: dict[str, list[str]] = {}
+    for item in items or []:
+        model, sep, ops = item.partition("=")
+        if not sep or not model or not ops:
+            raise UsageError(f"--cuts {item!r} must be MODEL=OP[+OP...]")
+        out[model] = [o for o in ops.split("+") if o]
+    return out
+
+
+def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", policy: str = "heuristic",
+                policy_options: dict | None = None, max_queue: int = 64, max_batch: int = 8, max_sub_blocks: int = 4,
+                timeout_s: float | None = None, scheduler: str = "lios", streams: int | None = None,
+                preset: str = "h100", step_overhead_ms: float = 0.03, profiles: dict | None = None,
+                warm: bool = True) -> Engine:
+    """An engine on the real executor of ``device`` (cpu, cuda) or on the simulator (``sim``, roofline ``preset``).
+    ``profiles`` (simulation, see :func:`load_profiles`) replace roofline latencies. ``warm`` compiles every block
+    alone at batch 1 first (and checks it runs)."""
+    if device not in DEVICES:
+        raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    blocked = {name: m.blocked for name, m in models.items()}
+    if device == "sim":
+        executor = SimExecutor(blocked, preset=preset, scheduler=scheduler, streams=streams or 8,
+                               step_overhead_ms=step_overhead_ms, profiles=profiles)
+        clock = SimClock()
+    elif device == "cuda":
+        executor = CudaExecutor(blocked, scheduler=scheduler, streams=streams)
+        clock = RealClock()
+    else:
+        executor = CpuExecutor(blocked, scheduler=scheduler, streams=streams or 2)
+        clock = RealClock()
+    engine = Engine(executor, policies.create(policy, **(policy_options or {})), clock, max_queue=max_queue,
+                    max_batch=max_batch, max_sub_blocks=max_sub_blocks, timeout_s=timeout_s)
+    if warm:
+        warm_up(engine)
+    return engine
+
+
+def warm_up(engine: Engine) -> None:
+    """Run each model once, block by block alone at batch 1, on its example inputs (compiles those signatures)."""
+    ex = engine.executor
+    for name, model in ex.models.items():
+        state = ex.prepare(name, [model.flat_inputs(model.example_inputs)]) if device_of(ex) != "sim" else None
+        for b in range(len(model.blocks)):
+            part = Part(name, b, 1, state)
+            ex.run([part])
+            state = part.state
+
+
+def device_of(executor) -> str:
+    return "sim" if isinstance(executor, SimExecutor) else "real"
+
+
+__all__ = ["DEVICES", "load_models", "load_profiles", "make_engine", "parse_cuts", "parse_image_size", "warm_up"]

@@ -1,0 +1,414 @@
+"""Clocks and executors: what the serving engine runs its combined blocks on, for real or in simulation.
+
+The engine (:mod:`opweave.serve.engine`) decides *what* runs; an executor runs it and says how long it took, and a
+clock says what time it is. Two pairs, one engine and one policy code path for both (TOP §V-A: policies are trained
+offline against a model of the device and then run online):
+
+* **real** — :class:`RealClock` (``time.monotonic``) with :class:`CpuExecutor` (the threaded CPU backend, one worker
+  per stream) or :class:`CudaExecutor` (one CUDA Graph recorded per combination signature);
+* **simulated** — :class:`SimClock` (virtual time that only moves when told) with :class:`SimExecutor`: a combined
+  block takes the makespan :func:`opweave.backends.simulate.simulate` gives for its plan under the cost model
+  (roofline estimates for a device preset, or a measured profile), plus a fixed per-step overhead.
+
+A **combined block** is a list of :class:`Part` s (TOP's sub-blocks): one block of one model for a stack of
+``batch`` samples. Its *signature* (the sorted ``(model, block, batch)`` triples) determines its graph, so every
+executor compiles a signature once — union graph, costs, scheduler (``lios`` by default, ``ios`` as an option),
+lowering, validation, backend — and keeps it in a bounded LRU cache.
+
+Every part's ops get the prefix ``p{k}_`` (k = the part's position in the signature), so the parts of one combined
+block are one graph with no edges between them: the scheduler puts them side by side on streams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from opweave.api import plan_for
+from opweave.costs.model import Costs
+from opweave.errors import UsageError
+from opweave.ir.graph import Edge, OpGraph
+from opweave.serve.blocks import BlockedModel, capture_block, combined_module
+
+Signature = tuple[tuple[str, int, int], ...]
+
+
+# ---- clocks -------------------------------------------------------------------------------------------------------
+class RealClock:
+    """Wall time (``time.monotonic``, seconds). ``spend`` does nothing: a real run has already taken its time."""
+
+    simulated = False
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def spend(self, seconds: float) -> None:
+        pass
+
+
+class SimClock:
+    """Virtual time (seconds) that moves only by ``spend`` (a combined block ran) and ``advance_to`` (idle)."""
+
+    simulated = True
+
+    def __init__(self, start: float = 0.0):
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+    def spend(self, seconds: float) -> None:
+        self.t += seconds
+
+    def advance_to(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+
+# ---- what runs ----------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Part:
+    """One sub-block of a combined block: block ``block`` of ``model`` for ``batch`` stacked samples. ``state`` holds
+    the block's inputs (real executors: a tuple of tensors; simulation: None) and, after the run, its outputs."""
+
+    model: str
+    block: int
+    batch: int
+    state: Any = None
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What running a combined block cost: seconds, and (simulation) the share of the device its ops kept busy on
+    average (sum of latency x utilization over makespan, capped at 1; None where unknown)."""
+
+    seconds: float
+    utilization: float | None = None
+
+
+def signature(parts: list[Part], bucket=lambda n: n) -> Signature:
+    """The sorted ``(model, block, batch)`` triples, each batch rounded up by ``bucket``."""
+    return tuple(sorted((p.model, p.block, bucket(p.batch)) for p in parts))
+
+
+@dataclass
+class UnionGraph(OpGraph):
+    """Graphs side by side (:func:`union_graph`). Each part is a validated :class:`OpGraph` and no edge joins two
+    parts, so the union is a valid DAG and is not checked again; its topological order is the parts' orders one after
+    another, which is exactly the capture-order-tie-broken order :attr:`OpGraph.topo_order` defines (every op of part
+    k precedes every op of part k+1 in capture order). Both save most of the cost of timing a combined block."""
+
+    def validate(self) -> None:
+        pass
+
+
+def union_graph(graphs: list[OpGraph], name: str = "combined") -> OpGraph:
+    """The graphs side by side: op ``o`` of graph ``k`` becomes ``p{k}_o``; no edges between graphs."""
+    ops, edges, order = [], [], []
+    for k, g in enumerate(graphs):
+        ops += [replace(o, id=f"p{k}_{o.id}", name=f"p{k}_{o.name or o.id}") for o in g.ops]
+        edges += [Edge(f"p{k}_{e.src}", f"p{k}_{e.dst}", e.bytes, e.transfer_ms, e.kind) for e in g.edges]
+        order += [f"p{k}_{o}" for o in g.topo_order]
+    union = UnionGraph(ops, edges, name)
+    union.__dict__["topo_order"] = order  # the cached_property's value, known without sorting
+    return union
+
+
+def union_costs(costs: list[Costs], model: str) -> Costs:
+    """Per-part costs merged with the ``p{k}_`` prefixes of :func:`union_graph`."""
+    def merged(field: str) -> dict:
+        return {f"p{k}_{op}": v for k, c in enumerate(costs) for op, v in getattr(c, field).items()}
+
+    return Costs(latency_ms=merged("latency_ms"), utilization=merged("utilization"), category=merged("category"),
+                 model=model, source=",".join(sorted({c.source for c in costs})))
+
+
+class Executor:
+    """What every executor shares: the served models, the scheduler settings and the LRU cache of compiled
+    signatures (``stats``: hits, misses, evictions, compile seconds)."""
+
+    device = "none"
+
+    def __init__(self, models: dict[str, BlockedModel], *, scheduler: str = "lios", streams: int | None = None,
+                 cache_size: int = 32, pad: bool = False):
+        if cache_size < 1:
+            raise UsageError(f"cache_size must be at least 1, got {cache_size}")
+        if scheduler not in ("lios", "ios"):
+            raise UsageError(f"the serving engine schedules combined blocks with lios or ios, not {scheduler!r}")
+        self.models = models
+        self.scheduler, self.streams, self.cache_size = scheduler, streams, cache_size
+        self.pad = pad
+        self._cache: OrderedDict[Signature, Any] = OrderedDict()
+        self.stats = {"hits": 0, "misses": 0, "evictions": 0, "compile_s": 0.0}
+
+    def bucket(self, batch: int) -> int:
+        """The batch a part of ``batch`` samples runs at: itself, or with ``pad`` the next power of two (rows of
+        zeros added, their outputs dropped), so that few signatures are compiled: CUDA graphs are recorded for fixed
+        shapes, and a max batch of 16 then needs 5 sizes per block instead of 16."""
+        return 1 << (batch - 1).bit_length() if self.pad else batch
+
+    def compiled(self, sig: Signature) -> Any:
+        """The compiled entry of ``sig`` (compiled on first use; least recently used entries dropped)."""
+        if sig in self._cache:
+            self.stats["hits"] += 1
+            self._cache.move_to_end(sig)
+            return self._cache[sig]
+        self.stats["misses"] += 1
+        start = time.perf_counter()
+        entry = self._compile(sig)
+        self.stats["compile_s"] += time.perf_counter() - start
+        self._cache[sig] = entry
+        if len(self._cache) > self.cache_size:
+            _, old = self._cache.popitem(last=False)
+            self.stats["evictions"] += 1
+            self._evict(old)
+        return entry
+
+    def _compile(self, sig: Signature) -> Any:
+        raise NotImplementedError
+
+    def _evict(self, entry: Any) -> None:
+        pass
+
+    # the engine's interface -------------------------------------------------------------------------------------
+    def prepare(self, model: str, inputs: list[Any]) -> Any:
+        """The state of a new instance holding requests with these (flat) inputs."""
+        return None
+
+    def merge(self, model: str, states: list[Any]) -> Any:
+        """One state for instances stacked along the batch dimension, in order."""
+        return None
+
+    def run(self, parts: list[Part]) -> StepCost:
+        """Run one combined block; each part's ``state`` becomes the block's outputs."""
+        raise NotImplementedError
+
+    def outputs(self, model: str, state: Any, batches: list[int]) -> list[Any]:
+        """Per request (of these batch sizes, in stacking order), its output in the model's output structure."""
+        return [None] * len(batches)
+
+
+# ---- real executors -----------------------------------------------------------------------------------------------
+class TensorExecutor(Executor):
+    """Real executors: instance states are tuples of tensors on ``self.device``, stacked with ``torch.cat`` and split
+    back per request after the last block."""
+
+    device = "cpu"
+
+    def prepare(self, model: str, inputs: list[Any]) -> Any:
+        parts = [tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in flat) for flat in inputs]
+        return parts[0] if len(parts) == 1 else self.merge(model, parts)
+
+    def merge(self, model: str, states: list[Any]) -> Any:
+        if len(states) == 1:
+            return states[0]
+        return tuple(torch.cat(column) for column in zip(*states, strict=True))
+
+    def outputs(self, model: str, state: Any, batches: list[int]) -> list[Any]:
+        result = self.models[model].unflatten_output(state)
+        if len(batches) == 1:
+            return [pytree.tree_map(_to_cpu, result)]
+        leaves, spec = pytree.tree_flatten(result)
+        pieces = [torch.split(_to_cpu(leaf), batches) for leaf in leaves]
+        return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(len(batches))]
+
+    def _states(self, parts: list[Part]) -> tuple[list[Part], Signature, list[tuple]]:
+        """Parts in signature order, the signature, and each part's inputs padded to its bucket."""
+        ordered = sorted(parts, key=lambda p: (p.model, p.block, p.batch))
+        inputs = [p.state if self.bucket(p.batch) == p.batch else _pad(p.state, self.bucket(p.batch) - p.batch)
+                  for p in ordered]
+        return ordered, signature(parts, self.bucket), inputs
+
+    def _store(self, ordered: list[Part], outs: list[Any]) -> None:
+        for part, out in zip(ordered, outs, strict=True):
+            if self.bucket(part.batch) != part.batch:
+                out = pytree.tree_map(lambda t, n=part.batch: t[:n] if isinstance(t, torch.Tensor) else t, out)
+            last = part.block == len(self.models[part.model].blocks) - 1
+            part.state = out if last else (out,)
+
+
+def _pad(state: tuple, rows: int) -> tuple:
+    return tuple(torch.cat([x, x.new_zeros((rows, *x.shape[1:]))]) if isinstance(x, torch.Tensor) else x
+                 for x in state)
+
+
+def _to_cpu(x):
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+class _Union:
+    """The parts of a combined block as one runnable for :class:`opweave.backends.cpu.CpuBackend` (the
+    ``bind``/``run_op``/``output`` contract of :class:`opweave.capture.Captured`): ``bind`` takes one input tuple per
+    part and gives one environment per part; op ``p{k}_o`` runs op ``o`` of part ``k`` in environment ``k``."""
+
+    def __init__(self, parts: list, name: str):
+        self.parts = parts
+        self.graph = union_graph([p.graph for p in parts], name)
+        self._route = {f"p{k}_{op}": (k, op) for k, p in enumerate(parts) for op in p.graph.ids}
+
+    def bind(self, args: tuple) -> list[dict]:
+        return [p.bind(tuple(a)) for p, a in zip(self.parts, args, strict=True)]
+
+    def run_op(self, op: str, env: list[dict]) -> None:
+        k, inner = self._route[op]
+        self.parts[k].run_op(inner, env[k])
+
+    def output(self, env: list[dict]) -> list[Any]:
+        return [p.output(e) for p, e in zip(self.parts, env, strict=True)]
+
+
+class CpuExecutor(TensorExecutor):
+    """Combined blocks on the CPU backend (one worker thread per stream; ``streams`` defaults to 2). A signature
+    compiles to: each part's block captured at its batch (cached per model, block and batch), the union graph,
+    roofline costs for the ``cpu`` preset, the scheduler, lowering, validation, and a ``CpuBackend``."""
+
+    device = "cpu"
+
+    def __init__(self, models: dict[str, BlockedModel], *, scheduler: str = "lios", streams: int | None = 2,
+                 cache_size: int = 32, pad: bool = False):
+        super().__init__(models, scheduler=scheduler, streams=streams, cache_size=cache_size, pad=pad)
+
+    def _compile(self, sig: Signature) -> Any:
+        from opweave.backends.cpu import CpuBackend
+        from opweave.costs.roofline import estimate
+
+        runtime = _Union([self.models[m].captured_block(b, n) for m, b, n in sig], _name(sig))
+        costs = estimate(runtime.graph, "cpu", model="ideal")
+        sched, plan = plan_for(runtime.graph, costs, self.scheduler, streams=self.streams)
+        return CpuBackend(runtime, plan)
+
+    def _evict(self, entry: Any) -> None:
+        entry.close()  # stops its worker threads
+
+    def run(self, parts: list[Part]) -> StepCost:
+        ordered, sig, inputs = self._states(parts)
+        backend = self.compiled(sig)
+        start = time.perf_counter()
+        with torch.no_grad():
+            outs = backend(*inputs)
+        seconds = time.perf_counter() - start
+        self._store(ordered, outs)
+        return StepCost(seconds)
+
+
+class CudaExecutor(TensorExecutor):
+    """Combined blocks on one GPU, each signature recorded once into a CUDA Graph (TOP §VI-A keeps one graph per
+    combined block; Nimble's ahead-of-time recording). A signature compiles to: the parts' block modules joined side
+    by side (:func:`opweave.serve.blocks.combined_module`), captured for their batches, roofline costs for the
+    visible GPU's preset, the scheduler, lowering, validation and a :class:`opweave.backends.cuda.CudaBackend` in
+    graph mode. ``cache_size`` bounds the recorded graphs (each holds its own memory pool).
+
+    The models must already be on the GPU (see :func:`opweave.serve.models.load`). Not tested without a GPU."""
+
+    def __init__(self, models: dict[str, BlockedModel], *, scheduler: str = "lios", streams: int | None = None,
+                 cache_size: int = 64, pad: bool = True):
+        from opweave.backends.cuda import require_cuda
+
+        require_cuda()
+        super().__init__(models, scheduler=scheduler, streams=streams, cache_size=cache_size, pad=pad)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def _compile(self, sig: Signature) -> Any:
+        from opweave.backends.cuda import CudaBackend
+        from opweave.costs.roofline import estimate, preset_for_gpu
+
+        module = combined_module([self.models[m].modules[b] for m, b, _ in sig], _name(sig))
+        example = tuple(x for m, b, n in sig for x in self.models[m].example(b, n))
+        captured = capture_block(module, example, _name(sig))
+        preset = preset_for_gpu(torch.cuda.get_device_name()) or "h100"
+        costs = estimate(captured.graph, preset, model="ideal")
+        sched, plan = plan_for(captured.graph, costs, self.scheduler, streams=self.streams)
+        return CudaBackend(captured, plan, example, mode="graph", cache_size=1, warmup=2)
+
+    def run(self, parts: list[Part]) -> StepCost:
+        ordered, sig, inputs = self._states(parts)
+        backend = self.compiled(sig)
+        stream = torch.cuda.current_stream(self.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            outs = backend(*[x for state in inputs for x in state])
+        stream.synchronize()
+        seconds = time.perf_counter() - start
+        self._store(ordered, list(outs))
+        return StepCost(seconds)
+
+
+def _name(sig: Signature) -> str:
+    return "+".join(f"{m}.b{b}x{n}" for m, b, n in sig)
+
+
+# ---- simulation ---------------------------------------------------------------------------------------------------
+class SimExecutor(Executor):
+    """Combined blocks timed by the simulator: each part's block graph at its batch
+    (:meth:`~opweave.serve.blocks.BlockedModel.graph_at`), costs from the roofline ``preset`` (or ``profiles``), the
+    scheduler, lowering, validation, and :func:`~opweave.backends.simulate.simulate` under ``cost_model``
+    (``gpu``: concurrent ops share the device). A step takes the makespan plus ``step_overhead_ms``.
+
+    ``step_overhead_ms`` (default 0.03 ms) stands for what a real step adds around the graph: the engine's decision,
+    stacking the inputs and one CUDA Graph launch and synchronization. It is an assumption, not a measurement.
+
+    ``profiles`` maps a model to measured profiles (:class:`opweave.costs.profile.Profile`, by the batch they were
+    measured at, for the whole model: op ids are the model's): an op's latency at batch ``n`` is its measured latency
+    at the nearest profiled batch ``m`` times the roofline ratio ``estimate(n) / estimate(m)``. Utilization comes from
+    the profile where it was measured, else from the roofline.
+    """
+
+    device = "sim"
+
+    def __init__(self, models: dict[str, BlockedModel], *, preset: str = "h100", dtype: str = "float32",
+                 cost_model: str = "gpu", profiles: dict[str, dict[int, Any]] | None = None,
+                 scheduler: str = "lios", streams: int | None = 8, step_overhead_ms: float = 0.03,
+                 cache_size: int = 1 << 16, pad: bool = True):
+        super().__init__(models, scheduler=scheduler, streams=streams, cache_size=cache_size, pad=pad)
+        from opweave.costs.roofline import preset as find_preset
+
+        find_preset(preset)
+        self.preset, self.dtype, self.cost_model = preset, dtype, cost_model
+        self.profiles = profiles or {}
+        self.step_overhead_ms = step_overhead_ms
+        self._part_costs: dict[tuple[str, int, int], Costs] = {}
+
+    def part_costs(self, model: str, block: int, batch: int) -> Costs:
+        key = (model, block, batch)
+        if key not in self._part_costs:
+            from opweave.costs.roofline import estimate
+
+            graph = self.models[model].graph_at(block, batch)
+            costs = estimate(graph, self.preset, self.dtype, model=self.cost_model)
+            measured = self.profiles.get(model)
+            if measured:
+                at = min(measured, key=lambda m: (abs(m - batch), m))
+                ref = estimate(self.models[model].graph_at(block, at), self.preset, self.dtype)
+                prof = measured[at]
+                costs = replace(costs, source=f"profile@{at}", latency_ms={
+                    op: prof.latency_ms[op] * costs.latency_ms[op] / ref.latency_ms[op] for op in graph.ids},
+                    utilization={op: prof.utilization.get(op, u) for op, u in costs.utilization.items()})
+            self._part_costs[key] = costs
+        return self._part_costs[key]
+
+    def _compile(self, sig: Signature) -> tuple[float, float]:
+        from opweave.backends.simulate import makespan_ms
+
+        graph = union_graph([self.models[m].graph_at(b, n) for m, b, n in sig], _name(sig))
+        costs = union_costs([self.part_costs(*key) for key in sig], self.cost_model)
+        sched, plan = plan_for(graph, costs, self.scheduler, streams=self.streams)
+        makespan = makespan_ms(graph, plan, costs)
+        work = sum(costs.latency_ms[o] * costs.util(o) for o in graph.ids)
+        return makespan, min(1.0, work / makespan) if makespan else 0.0
+
+    def run(self, parts: list[Part]) -> StepCost:
+        makespan_ms, utilization = self.compiled(signature(parts, self.bucket))
+        seconds = (makespan_ms + self.step_overhead_ms) / 1e3
+        return StepCost(seconds, utilization * makespan_ms / (makespan_ms + self.step_overhead_ms))
+
+    def model_latency_ms(self, model: str, batch: int = 1) -> float:
+        """One request of ``batch`` samples alone through every block of ``model`` (no queueing), in ms."""
+        return sum(self.run([Part(model, b, batch)]).seconds for b in range(len(self.models[model].blocks))) * 1e3
+
+
+__all__ = ["CpuExecutor", "CudaExecutor", "Executor", "Part", "RealClock", "SimClock", "SimExecutor", "StepCost",
+           "UnionGraph", "signature", "union_costs", "union_graph"]

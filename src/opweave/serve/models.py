@@ -1,0 +1,134 @@
+"""The models a server serves: zoo models (random weights, the same ``opweave.zoo.create(name)`` gives, so a client
+can check its answers) or the user's own ``torch.export`` files, captured and split into blocks, with the tensor
+specs the Open Inference Protocol reports (names, shapes with -1 for the batch dimension, datatypes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+
+from opweave.errors import CaptureError, UsageError
+from opweave.serve.blocks import BlockedModel, split
+
+# KServe v2 / Triton datatypes of the torch dtypes a served model may take or give.
+DATATYPES = {torch.bool: "BOOL", torch.uint8: "UINT8", torch.int8: "INT8", torch.int16: "INT16", torch.int32: "INT32",
+             torch.int64: "INT64", torch.float16: "FP16", torch.bfloat16: "BF16", torch.float32: "FP32",
+             torch.float64: "FP64"}
+DTYPES = {v: k for k, v in DATATYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output as the protocol describes it; ``shape[0]`` is -1 when requests may carry any batch."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.datatype]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+@dataclass(eq=False)
+class ServedModel:
+    name: str
+    blocked: BlockedModel
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch: int
+    source: str
+
+
+def parse_model_files(items: list[str] | None) -> dict[str, Path]:
+    """``NAME=PATH.pt2`` items as a dict."""
+    out: dict[str, Path] = {}
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"--model-file {item!r} must be NAME=PATH.pt2")
+        if not Path(path).is_file():
+            raise UsageError(f"--model-file {name}: no file {path!r}")
+        out[name] = Path(path)
+    return out
+
+
+def load(name: str, *, path: Path | None = None, device: str = "cpu", max_batch: int = 8,
+         image_size: int | None = None, cuts: list[str] | None = None) -> ServedModel:
+    """Load, capture and split one model: the zoo's ``name`` (``image_size`` goes to zoo models that take one), or
+    the ``torch.export`` program at ``path`` (its example inputs, or zeros of its input shapes, capture it).
+    Parameters stop requiring gradients (serving never trains)."""
+    if path is not None:
+        module, example = _load_exported(name, path)
+        source = str(path)
+    else:
+        from opweave import zoo
+
+        kwargs = {} if image_size is None else {"image_size": image_size}
+        try:
+            module, example = zoo.create(name, batch_size=1, **kwargs)
+        except TypeError as exc:  # a model without an image size (deepfm, bert_base)
+            if "image_size" not in str(exc):
+                raise
+            kwargs = {}
+            module, example = zoo.create(name, batch_size=1)
+        source = f"zoo:{name}" + "".join(f",{k}={v}" for k, v in kwargs.items())
+    module = module.to(device)
+    for p in module.parameters():
+        p.requires_grad_(False)
+    example = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example)
+    from opweave.capture import capture
+
+    captured = capture(module, example, name=name)
+    blocked = split(captured, example, cuts=cuts, name=name)
+    batch = max_batch if blocked.stackable else 1
+    inputs = tuple(_spec(node.name, x, blocked.stackable) for node, x in
+                   zip(blocked.input_values, blocked.flat_inputs(example), strict=True))
+    with torch.no_grad():
+        result = blocked.run(*example)
+    leaves = pytree.tree_leaves(result)
+    outputs = tuple(_spec(f"output__{i}", t, blocked.stackable) for i, t in enumerate(leaves))
+    return ServedModel(name, blocked, inputs, outputs, batch, source)
+
+
+def _spec(name: str, value, stackable: bool) -> TensorSpec:
+    if not isinstance(value, torch.Tensor) or value.dtype not in DATATYPES:
+        raise UsageError(f"{name}: only tensors of {', '.join(str(d) for d in DATATYPES)} can be served, "
+                         f"got {type(value).__name__}")
+    shape = tuple(value.shape)
+    return TensorSpec(name, DATATYPES[value.dtype], ((-1,) + shape[1:]) if stackable else shape)
+
+
+def _load_exported(name: str, path: Path):
+    """``torch.export.load(path)``: its module, and example inputs (the program's own, else zeros of the shapes
+    its input placeholders were exported with)."""
+    try:
+        program = torch.export.load(str(path))
+    except Exception as exc:  # noqa: BLE001 - any load failure is the file's
+        raise CaptureError(f"--model-file {name}: cannot load {path} with torch.export.load: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    example = getattr(program, "example_inputs", None)
+    if example is not None:
+        args, kwargs = example
+        if kwargs:
+            raise UsageError(f"--model-file {name}: keyword inputs are not supported")
+        return program.module(), tuple(args)
+    placeholders = [s for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    metas = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    args = []
+    for spec in placeholders:
+        val = metas.get(spec.arg.name)
+        if val is None or not hasattr(val, "shape"):
+            raise UsageError(f"--model-file {name}: input {spec.arg.name!r} is not a tensor")
+        args.append(torch.zeros(tuple(int(d) for d in val.shape), dtype=val.dtype))
+    return program.module(), tuple(args)
+
+
+__all__ = ["DATATYPES", "DTYPES", "ServedModel", "TensorSpec", "load", "parse_model_files"]

@@ -1,0 +1,259 @@
+"""The Open Inference Protocol (KServe v2, as Triton speaks it over HTTP/REST): request decoding with every check a
+malformed request needs, and response encoding, with and without the binary tensor data extension. No HTTP server
+here (see :mod:`opweave.serve.server`); :mod:`opweave.serve.loadgen` builds its requests with :func:`encode_tensor`.
+
+Binary tensor data extension: the body is a JSON header of ``Inference-Header-Content-Length`` bytes followed by
+the raw little-endian bytes of every input whose ``parameters.binary_data_size`` is set, in the order of
+``inputs``. An output is answered in binary when its request entry sets ``parameters.binary_data`` or, for outputs
+not listed, when the request sets ``parameters.binary_data_output`` (tritonclient sets it when it lists no outputs);
+then the response carries the same header and appends the bytes.
+
+Request ``parameters.timeout`` is Triton's per-request timeout in microseconds.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from opweave.errors import UsageError
+from opweave.serve.models import DTYPES, ServedModel, TensorSpec
+
+HEADER = "Inference-Header-Content-Length"
+
+
+class ProtocolError(UsageError):
+    """A request the protocol or the model does not accept: answered 400 with this message."""
+
+
+@dataclass
+class InferRequest:
+    """A decoded, checked request: the model's inputs (flat, in the model's order), the batch, and how to answer."""
+
+    inputs: tuple[torch.Tensor, ...]
+    batch: int
+    outputs: list[tuple[str, bool]]  # (name, binary) in the order to answer
+    id: str | None
+    timeout_s: float | None
+
+
+def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """Undo ``Content-Encoding`` gzip or deflate (tritonclient's request compression), at most ``limit`` bytes."""
+    if not encoding or encoding == "identity":
+        return body
+    try:
+        if encoding == "gzip":
+            with gzip.GzipFile(fileobj=io.BytesIO(body)) as f:
+                out = f.read(limit + 1)
+        elif encoding == "deflate":
+            d = zlib.decompressobj()
+            out = d.decompress(body, limit + 1)
+        else:
+            raise ProtocolError(f"unsupported Content-Encoding {encoding!r} (gzip, deflate)")
+    except (OSError, zlib.error, EOFError) as exc:
+        raise ProtocolError(f"request body is not valid {encoding}: {exc}") from None
+    if len(out) > limit:
+        raise ProtocolError(f"request body exceeds the limit of {limit} bytes once decompressed")
+    return out
+
+
+def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferRequest:
+    """Parse and check an infer request for ``model`` (see the module docstring); :class:`ProtocolError` says what
+    is wrong, naming the input."""
+    if header_length is not None:
+        try:
+            size = int(header_length)
+        except ValueError:
+            raise ProtocolError(f"{HEADER} {header_length!r} is not an integer") from None
+        if not 0 < size <= len(body):
+            raise ProtocolError(f"{HEADER} {size} does not fit a body of {len(body)} bytes")
+        head, blob = body[:size], memoryview(body)[size:]
+    else:
+        head, blob = body, memoryview(b"")
+    try:
+        request = json.loads(head)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"malformed JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise ProtocolError("the request must be a JSON object")
+    params = _object(request.get("parameters", {}), "parameters")
+    entries = request.get("inputs")
+    if not isinstance(entries, list) or not entries:
+        raise ProtocolError("'inputs' must be a non-empty list")
+    specs = {s.name: s for s in model.inputs}
+    given: dict[str, torch.Tensor] = {}
+    offset = 0
+    batch = None
+    for entry in entries:
+        entry = _object(entry, "an input")
+        name = entry.get("name")
+        if name not in specs:
+            raise ProtocolError(f"unknown input {name!r} for model {model.name!r} (inputs: "
+                                f"{', '.join(specs)})")
+        if name in given:
+            raise ProtocolError(f"input {name!r} is given twice")
+        spec = specs[name]
+        shape = _shape(entry.get("shape"), name)
+        if entry.get("datatype") != spec.datatype:
+            raise ProtocolError(f"input {name!r}: datatype {entry.get('datatype')!r}, expected {spec.datatype}")
+        batch = _check_shape(model, spec, shape, batch)
+        size = _object(entry.get("parameters", {}), f"input {name!r} parameters").get("binary_data_size")
+        count = math.prod(shape)
+        if size is not None:
+            if "data" in entry:
+                raise ProtocolError(f"input {name!r} has both 'data' and binary_data_size")
+            need = count * spec.dtype.itemsize
+            if not isinstance(size, int) or size != need:
+                raise ProtocolError(f"input {name!r}: binary_data_size {size!r}, expected {need} bytes for shape "
+                                    f"{shape} of {spec.datatype}")
+            if offset + size > len(blob):
+                raise ProtocolError(f"input {name!r}: the body holds {len(blob) - offset} bytes of binary data, "
+                                    f"{size} needed")
+            given[name] = decode_tensor(bytes(blob[offset:offset + size]), spec, shape)
+            offset += size
+        else:
+            given[name] = _json_tensor(entry.get("data"), spec, shape)
+    if offset != len(blob):
+        raise ProtocolError(f"the body has {len(blob) - offset} bytes of binary data that no input claims")
+    missing = [n for n in specs if n not in given]
+    if missing:
+        raise ProtocolError(f"missing input {missing[0]!r} for model {model.name!r}")
+    timeout = params.get("timeout")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
+        raise ProtocolError(f"parameters.timeout must be a positive number of microseconds, got {timeout!r}")
+    return InferRequest(tuple(given[s.name] for s in model.inputs), batch or 1,
+                        _outputs(model, request, bool(params.get("binary_data_output", False))),
+                        None if request.get("id") is None else str(request["id"]),
+                        None if timeout is None else timeout / 1e6)
+
+
+def _object(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{what} must be a JSON object")
+    return value
+
+
+def _shape(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                               for d in value):
+        raise ProtocolError(f"input {name!r}: shape must be a list of non-negative integers, got {value!r}")
+    return value
+
+
+def _check_shape(model: ServedModel, spec: TensorSpec, shape: list[int], batch: int | None) -> int | None:
+    want = list(spec.shape)
+    if len(shape) != len(want) or any(w not in (-1, d) for w, d in zip(want, shape, strict=True)):
+        raise ProtocolError(f"input {spec.name!r}: shape {shape}, expected {want}")
+    if want and want[0] == -1:
+        if not 1 <= shape[0] <= model.max_batch:
+            raise ProtocolError(f"input {spec.name!r}: batch {shape[0]} is outside 1..{model.max_batch}")
+        if batch is not None and shape[0] != batch:
+            raise ProtocolError(f"input {spec.name!r}: batch {shape[0]} differs from the other inputs' {batch}")
+        return shape[0]
+    return batch
+
+
+def decode_tensor(data: bytes, spec: TensorSpec, shape: list[int]) -> torch.Tensor:
+    if spec.datatype == "BOOL":
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.bool).reshape(shape)
+    return torch.frombuffer(bytearray(data), dtype=spec.dtype).reshape(shape) if data else \
+        torch.empty(shape, dtype=spec.dtype)
+
+
+def encode_tensor(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes as the binary extension carries them (row-major, little-endian)."""
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _json_tensor(data: Any, spec: TensorSpec, shape: list[int]) -> torch.Tensor:
+    if data is None:
+        raise ProtocolError(f"input {spec.name!r} has neither 'data' nor binary_data_size")
+    flat = _flatten(data, spec.name)
+    if len(flat) != math.prod(shape):
+        raise ProtocolError(f"input {spec.name!r}: {len(flat)} values for shape {shape} ({math.prod(shape)} needed)")
+    kind = bool if spec.datatype == "BOOL" else float if spec.dtype.is_floating_point else int
+    if not all(isinstance(v, kind) or (kind is float and isinstance(v, int)) for v in flat) or (
+            kind is not bool and any(isinstance(v, bool) for v in flat)):
+        raise ProtocolError(f"input {spec.name!r}: data must be {kind.__name__} values for {spec.datatype}")
+    try:
+        return torch.tensor(flat, dtype=spec.dtype).reshape(shape)
+    except (RuntimeError, OverflowError) as exc:
+        raise ProtocolError(f"input {spec.name!r}: {exc}") from None
+
+
+def _flatten(data: Any, name: str) -> list:
+    if not isinstance(data, list):
+        raise ProtocolError(f"input {name!r}: 'data' must be a (possibly nested) list")
+    out: list = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
+
+
+def _outputs(model: ServedModel, request: dict, binary_default: bool) -> list[tuple[str, bool]]:
+    names = [s.name for s in model.outputs]
+    asked = request.get("outputs")
+    if asked is None:
+        return [(n, binary_default) for n in names]
+    if not isinstance(asked, list):
+        raise ProtocolError("'outputs' must be a list")
+    out = []
+    for entry in asked:
+        entry = _object(entry, "an output")
+        if entry.get("name") not in names:
+            raise ProtocolError(f"unknown output {entry.get('name')!r} for model {model.name!r} (outputs: "
+                                f"{', '.join(names)})")
+        binary = _object(entry.get("parameters", {}), "output parameters").get("binary_data", binary_default)
+        out.append((entry["name"], bool(binary)))
+    return out
+
+
+def encode(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor]) -> tuple[bytes, dict[str, str]]:
+    """The response body and headers for the model's output ``leaves`` (flattened, in its outputs' order)."""
+    by_name = {s.name: (s, t) for s, t in zip(model.outputs, leaves, strict=True)}
+    outputs, blobs = [], []
+    for name, binary in request.outputs:
+        spec, t = by_name[name]
+        entry = {"name": name, "datatype": spec.datatype, "shape": list(t.shape)}
+        if binary:
+            blob = encode_tensor(t)
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = t.detach().cpu().reshape(-1).tolist()
+        outputs.append(entry)
+    response = {"model_name": model.name, "model_version": "1", "outputs": outputs}
+    if request.id is not None:
+        response["id"] = request.id
+    head = json.dumps(response).encode()
+    if not blobs:
+        return head, {"Content-Type": "application/json"}
+    return head + b"".join(blobs), {HEADER: str(len(head)), "Content-Type": "application/octet-stream"}
+
+
+def metadata(model: ServedModel) -> dict:
+    """``GET /v2/models/{name}``: name, versions, platform, inputs and outputs."""
+    return {"name": model.name, "versions": ["1"], "platform": "opweave", "source": model.source,
+            "max_batch_size": model.max_batch, "blocks": len(model.blocked.blocks),
+            "inputs": [s.to_json() for s in model.inputs], "outputs": [s.to_json() for s in model.outputs]}
+
+
+__all__ = ["DTYPES", "HEADER", "InferRequest", "ProtocolError", "decode", "decode_tensor", "decompress", "encode",
+           "encode_tensor", "metadata"]

@@ -1,0 +1,52 @@
+"""Small models for the serving tests (``from serve_models import Tiny``): two branching modules between chains,
+so that it splits into blocks, and a model whose output has no batch dimension."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Branchy(nn.Module):
+    """Two parallel convolutions concatenated: a module with operator parallelism, like a Fire module."""
+
+    def __init__(self, ch: int):
+        super().__init__()
+        self.a = nn.Conv2d(ch, ch, 1)
+        self.b = nn.Conv2d(ch, ch, 3, padding=1)
+
+    def forward(self, x):
+        return torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x))], 1)
+
+
+class Tiny(nn.Module):
+    """stem conv -> Branchy(4) -> Branchy(8) -> pool -> linear(10). Cut points after every chain op and after each
+    concatenation; two blocks once one-op segments are merged."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.m1 = Branchy(4)
+        self.m2 = Branchy(8)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.m2(self.m1(torch.relu(self.stem(x))))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+class Pooled(nn.Module):
+    """Sums over the batch: its output has no batch dimension, so its instances must not be stacked."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = Branchy(3)
+
+    def forward(self, x):
+        return self.m(x).sum(0)
+
+
+def tiny(batch: int = 1, seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(seed)
+    model = Tiny().eval()
+    return model, (torch.randn(batch, 3, 8, 8, generator=torch.Generator().manual_seed(seed)),)

@@ -1,0 +1,304 @@
+"""Every command of the README's quick starts, run for real, with what the README says about it checked.
+
+The commands are read from README.md itself: the ``python`` blocks under "Python quick start" and "Fused segments
+(TorchInductor)" (run statement by statement; an expression's value is checked against its comment) and every
+``opweave ...`` line of "Command line quick start" (run through the Typer app with ``typer.testing.CliRunner``, in
+a fresh directory; the rendered table text is checked, as a user reads it). A README command with no check here
+fails :func:`test_every_readme_command_is_checked`, so the README cannot gain an untested command.
+
+Departures from the lines as written, each to keep the suite short: ``opweave bench`` lines also get ``--runs 2
+--warmup 0`` (the timing loop is the same code with fewer iterations). Commands that need CUDA are marked ``cuda``:
+without a GPU they must fail with one line on stderr and exit status 2 (what a user without a GPU sees); with one
+they run for real. Without a GPU, the line that simulates a measured profile gets a CPU profile of the same model
+instead of the one the README's ``opweave profile --device cuda`` line would write (a profile's device is not
+checked when simulating).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import opweave
+from opweave import zoo
+from opweave.bench import max_abs_diff
+from opweave.capture import capture, coarsen
+from opweave.cli import app
+from opweave.costs.profile import profile_model
+from opweave.ir import OpGraph
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+HAS_CUDA = torch.cuda.is_available()
+FAST_BENCH = ["--runs", "2", "--warmup", "0"]
+
+
+# ---- reading the README ---------------------------------------------------------------------------------------------
+def section(title: str) -> str:
+    """The text under the ``## title`` heading, up to the next ``## `` heading."""
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def cli_lines() -> list[str]:
+    """The ``opweave ...`` commands of the command-line quick start, without their comments."""
+    (block,) = blocks(section("Command line quick start"), "")
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def python_statements(block: str) -> list[tuple[str, str, ast.stmt]]:
+    """Each statement of a README block with its source and the comment on its (last) line."""
+    lines = block.splitlines()
+    out = []
+    for node in ast.parse(block).body:
+        comment = lines[node.end_lineno - 1].partition("#")[2].strip()
+        out.append((ast.get_source_segment(block, node), comment, node))
+    return out
+
+
+def run_python(block: str) -> tuple[dict, dict[str, tuple[object, str]]]:
+    """Run a README block statement by statement: (its namespace, {expression source: (value, comment)})."""
+    namespace: dict = {}
+    values: dict[str, tuple[object, str]] = {}
+    for source, comment, node in python_statements(block):
+        if isinstance(node, ast.Expr):
+            values[source] = (eval(compile(ast.Expression(node.value), "README.md", "eval"), namespace), comment)
+        else:
+            exec(compile(ast.Module([node], []), "README.md", "exec"), namespace)
+    return namespace, values
+
+
+# ---- running a command line -----------------------------------------------------------------------------------------
+def opweave_cli(line: str, *extra: str):
+    """Run one ``opweave ...`` line through the CLI app (in the current directory); the click Result."""
+    args = shlex.split(line)
+    assert args[0] == "opweave", line
+    return CliRunner().invoke(app, [*args[1:], *extra])
+
+
+def succeeds(result) -> str:
+    assert result.exit_code == 0, (result.exit_code, result.stderr, result.exception)
+    return result.stdout
+
+
+def fails_in_one_line(result, needle: str) -> str:
+    """The CLI's contract for bad input or a missing device: status 2, one line on stderr naming the problem."""
+    assert result.exit_code == 2, (result.exit_code, result.stdout, result.exception)
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("opweave: error: "), result.stderr
+    assert needle in result.stderr, result.stderr
+    return result.stderr
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """The body rows of a rich table, by their first cell: ``│ lios │ 38.000 │ ...`` -> {"lios": ["38.000", ...]}
+    (header rows are drawn with ``┃``, so they are not among them)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if line.lstrip().startswith("│") and len(cells) > 1:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+# ---- the Python quick start -----------------------------------------------------------------------------------------
+def test_python_quick_start_has_two_blocks():
+    assert len(blocks(section("Python quick start"), "python")) == 2
+
+
+@pytest.mark.slow
+def test_python_quick_start_compile():
+    block = blocks(section("Python quick start"), "python")[0]
+    namespace, values = run_python(block)
+    model, inputs, out, fast = (namespace[k] for k in ("model", "inputs", "out", "fast"))
+    with torch.inference_mode():
+        assert max_abs_diff(model(*inputs), out) < 1e-4  # "equals model(*inputs) (allclose)"
+    (stream_of, syncs), _ = values["fast.schedule.stream_of, fast.plan.syncs"]
+    assert sorted(stream_of) == sorted(fast.graph.ids) and syncs == fast.plan.syncs > 0
+    names, comment = values["opweave.schedulers.names()"]
+    assert names == [n.strip() for n in comment.split(",")] == opweave.schedulers.names()
+
+
+def test_python_quick_start_schedulers_on_graphs():
+    block = blocks(section("Python quick start"), "python")[1]
+    namespace, values = run_python(block)
+    predicted, comment = values["s.predicted_ms"]
+    assert comment == "38.0 (sequential: 73.0)" and predicted == 38.0
+    g, schedulers = namespace["g"], namespace["schedulers"]
+    assert schedulers.run("sequential", g, namespace["from_graph"](g)).predicted_ms == 73.0
+
+
+@pytest.mark.slow
+def test_fused_segments_block():
+    (block,) = blocks(section("Fused segments (TorchInductor)"), "python")
+    namespace, values = run_python(block)
+    model, inputs, out, fused = (namespace[k] for k in ("model", "inputs", "out", "fused"))
+    with torch.inference_mode():
+        assert max_abs_diff(model(*inputs), out) < 1e-4  # "equals model(*inputs) (allclose)"
+    stats, comment = values["fused.fused.stats"]
+    assert sorted(stats) == sorted(k.strip() for k in comment.split(","))
+    assert stats["segments"] == stats["compiles"] > 1 and stats["compile_s"] > 0 and stats["fallbacks"] == 0
+    assert fused.schedule.streams_used > 1  # several streams, each with its own segments
+
+
+# ---- the command line quick start -----------------------------------------------------------------------------------
+def check_models(line: str, tmp_path: Path) -> None:
+    out = succeeds(opweave_cli(line))  # once exited 2 with "opweave: error: 0"
+    assert "opweave zoo" in out
+    rows = table_rows(out)
+    assert list(rows) == zoo.names()
+    assert rows["inception_v3"] == ["119 / 153"]  # the paper's op/edge counts
+
+
+def check_schedule_fig3(line: str, tmp_path: Path) -> None:
+    out = succeeds(opweave_cli(line))
+    assert "lios on lios-fig3: makespan 38.000 ms (sequential 73.000)" in " ".join(out.split())
+    rows = table_rows(out)
+    assert list(rows) == ["v1", "v5", "v8", "v2", "v3", "v6", "v4", "v7", "v9", "v10"]  # LIOS's Table III order
+    assert rows["v10"] == ["0", "0", "", "36.000", "38.000"]  # device, stream, stage, start, finish
+    assert "streams 3, devices 1, syncs 5" in out
+    as_json = json.loads(succeeds(opweave_cli(line, "--json")))  # "--json for machines"
+    assert as_json["makespan_ms"] == 38.0 and len(as_json["ops"]) == 10
+
+
+def check_simulate_fig3_all(line: str, tmp_path: Path) -> None:
+    rows = table_rows(succeeds(opweave_cli(line)))
+    assert list(rows) == opweave.schedulers.names()
+    assert rows["sequential"][:2] == ["73.000", "1.00x"]
+    assert rows["lios"][:2] == ["38.000", "1.92x"]
+    assert all(float(cells[0]) >= 38.0 for cells in rows.values())  # the critical path
+
+
+def check_simulate_zoo_gpu(line: str, tmp_path: Path) -> None:
+    out = succeeds(opweave_cli(line))
+    critical_ms = float(re.search(r"critical path ([0-9.]+) ms", out).group(1))
+    assert "inception_v3:" in out and "cost model gpu" in out
+    rows = table_rows(out)
+    assert list(rows) == opweave.schedulers.names()
+    assert rows["sequential"][1] == "1.00x"
+    assert all(float(cells[0]) >= critical_ms for cells in rows.values())
+
+
+def check_synth(line: str, tmp_path: Path) -> None:
+    result = opweave_cli(line)
+    succeeds(result)
+    assert result.stderr.strip() == "wrote dag.json: 200 ops, 400 edges"
+    graph = OpGraph.load(tmp_path / "dag.json")
+    assert len(graph) == 200 and len(graph.edges) == 400
+
+
+def check_simulate_file_gantt(line: str, tmp_path: Path) -> None:
+    succeeds(opweave_cli(command("synth")))  # the README line before writes dag.json
+    rows = table_rows(succeeds(opweave_cli(line)))
+    assert list(rows) == ["hios-lp"] and 1 < int(rows["hios-lp"][3]) <= 4  # devices used
+    assert (tmp_path / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def check_bench(line: str, tmp_path: Path) -> None:
+    rows = table_rows(succeeds(opweave_cli(line, *FAST_BENCH)))
+    assert list(rows) == ["eager"] + [f"opweave {name}" for name in opweave.schedulers.names()]
+    for mode, (median_ms, _, _, _, diff) in rows.items():
+        if mode.startswith("opweave"):
+            assert float(median_ms) > 0 and float(diff) < 1e-3, (mode, diff)
+
+
+def check_profile_cuda(line: str, tmp_path: Path) -> None:
+    result = opweave_cli(line)
+    if not HAS_CUDA:
+        fails_in_one_line(result, "CUDA is not available")
+        assert not (tmp_path / "googlenet.profile.json").exists()
+        return
+    succeeds(result)
+    assert json.loads((tmp_path / "googlenet.profile.json").read_text())["key"]["device"].startswith("cuda")
+
+
+def check_bench_cuda_profile(line: str, tmp_path: Path) -> None:
+    if not HAS_CUDA:
+        fails_in_one_line(opweave_cli(line, *FAST_BENCH), "CUDA is not available")
+        return
+    succeeds(opweave_cli(command("profile")))
+    check_bench(line, tmp_path)
+
+
+def check_simulate_profile(line: str, tmp_path: Path) -> None:
+    if HAS_CUDA:
+        succeeds(opweave_cli(command("profile")))  # the README line before
+    else:  # what that line writes, measured on the CPU (one timed run per op: only the file's contents matter here)
+        model, inputs = zoo.create("googlenet", batch_size=1)
+        captured = coarsen(capture(model, inputs, name="googlenet"))  # `opweave profile` coarsens by default
+        profile_model(captured, inputs, device="cpu", repeats=1, warmup=0).save(tmp_path / "googlenet.profile.json")
+    measured = json.loads((tmp_path / "googlenet.profile.json").read_text())["latency_ms"]
+    out = succeeds(opweave_cli(line))
+    assert "googlenet:" in out and "cost model gpu" in out
+    rows = table_rows(out)
+    assert list(rows) == opweave.schedulers.names()
+    # the graph carries the measured latencies: one stream replays their sum (no overheads on one stream)
+    assert float(rows["sequential"][0]) == pytest.approx(sum(measured.values()), abs=1e-3)
+
+
+def exported_model(path: Path) -> None:
+    """``m.pt2`` for the ``--model-file`` lines: a zoo model saved by torch.export.save, as the README says."""
+    model, inputs = zoo.create("squeezenet", batch_size=1)
+    torch.export.save(torch.export.export(model, inputs), path)
+
+
+def check_schedule_model_file(line: str, tmp_path: Path) -> None:
+    exported_model(tmp_path / "m.pt2")
+    out = succeeds(opweave_cli(line))
+    assert re.search(r"lios on \S+: makespan [0-9.]+ ms", " ".join(out.split()))
+    assert "scheduling time" in out
+
+
+def check_bench_model_file(line: str, tmp_path: Path) -> None:
+    exported_model(tmp_path / "m.pt2")
+    check_bench(line, tmp_path)
+
+
+# README line -> its check; marks for the slow ones and those that need CUDA to succeed
+CHECKS = {
+    "opweave models": (check_models, ()),
+    "opweave schedule lios-fig3 --scheduler lios --streams 3": (check_schedule_fig3, ()),
+    "opweave simulate lios-fig3 --scheduler all --streams 3": (check_simulate_fig3_all, ()),
+    "opweave simulate --model inception_v3 --cost-model gpu": (check_simulate_zoo_gpu, (pytest.mark.slow,)),
+    "opweave synth --ops 200 --layers 14 --seed 1 -o dag.json": (check_synth, ()),
+    "opweave simulate dag.json --devices 4 --scheduler hios-lp --gantt gantt.png": (check_simulate_file_gantt, ()),
+    "opweave bench --model googlenet --device cpu --schedulers all": (check_bench, (pytest.mark.slow,)),
+    "opweave profile --model googlenet --device cuda -o googlenet.profile.json": (check_profile_cuda,
+                                                                                 (pytest.mark.cuda,)),
+    "opweave bench --model googlenet --device cuda --profile googlenet.profile.json --schedulers all": (
+        check_bench_cuda_profile, (pytest.mark.cuda,)),
+    "opweave simulate --model googlenet --profile googlenet.profile.json --cost-model gpu --coarsen": (
+        check_simulate_profile, (pytest.mark.slow,)),
+    # the --model-file lines (README of the `models` work): a model saved by torch.export.save
+    "opweave schedule --model-file m.pt2 --scheduler lios": (check_schedule_model_file, (pytest.mark.slow,)),
+    "opweave bench --model-file m.pt2 --device cpu --schedulers all": (check_bench_model_file, (pytest.mark.slow,)),
+}
+
+
+def command(verb: str) -> str:
+    """The first README line running ``opweave <verb>`` (for a check that needs the file an earlier line writes)."""
+    return next(line for line in cli_lines() if line.split()[1] == verb)
+
+
+def test_every_readme_command_is_checked():
+    unchecked = [line for line in cli_lines() if line not in CHECKS]
+    assert not unchecked, f"README command(s) without a test here: {unchecked}"
+
+
+@pytest.mark.parametrize("line", [pytest.param(line, marks=CHECKS[line][1] if line in CHECKS else (), id=line)
+                                  for line in cli_lines()])
+def test_readme_command(line, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    check, _ = CHECKS[line]
+    check(line, tmp_path)

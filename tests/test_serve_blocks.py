@@ -1,0 +1,158 @@
+"""Blocks at single-tensor cut points (serve/blocks.py) and the combined-block graphs of the executors."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dags import dags
+from opweave import zoo
+from opweave.capture import capture
+from opweave.errors import UsageError
+from opweave.ir import OpGraph
+from opweave.serve import blocks
+from opweave.serve.executors import CpuExecutor, Part, SimExecutor, union_graph
+from serve_models import Pooled, tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_blocked():
+    model, x = tiny()
+    return model, x, blocks.split(capture(model, x), x, name="tiny")
+
+
+def test_cut_points_are_the_ops_every_path_crosses_with_one_live_tensor(tiny_blocked):
+    _, _, bm = tiny_blocked
+    # the branch convolutions and their ReLUs are not cut points (two values live: the other branch's input)
+    assert bm.cuts == ["stem", "relu", "cat", "cat_1", "adaptive_avg_pool2d"]
+    live = blocks.live_after(bm.captured)
+    order = bm.captured.graph.topo_order
+    assert live[order.index("m1_a")] and len(live[order.index("m1_a")]) == 2
+
+
+def test_one_op_segments_join_the_block_they_feed_and_a_tail_joins_the_last(tiny_blocked):
+    _, _, bm = tiny_blocked
+    assert [b.ops[-1] for b in bm.blocks] == ["cat", "fc"]
+    assert bm.blocks[0].ops[:2] == ("stem", "relu") and bm.blocks[1].ops[-2:] == ("adaptive_avg_pool2d", "fc")
+    assert bm.blocks[1].inputs == ("cat",) and bm.blocks[0].output == "cat" and bm.blocks[1].output is None
+    order = ["a", "b", "c", "d", "e", "f", "g"]
+    # segments [a] [b c] [d] [e] [f g]: a joins [b c]; d, e join [f g]
+    assert blocks.blocks_from_cuts(order, ["a", "c", "d", "e"]) == [["a", "b", "c"], ["d", "e", "f", "g"]]
+    assert blocks.blocks_from_cuts(order, ["c", "e", "f"]) == [["a", "b", "c"], ["d", "e", "f", "g"]]
+    assert blocks.blocks_from_cuts(order, order[:-1]) == [order]  # a chain is one block
+
+
+def test_block_modules_chained_give_the_models_answer(tiny_blocked):
+    model, _, bm = tiny_blocked
+    x = torch.randn(3, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.allclose(bm.run(x), model(x), atol=1e-6)
+    assert bm.stackable
+
+
+def test_manual_cuts_override_and_refuse_what_is_not_a_cut():
+    model, x = tiny()
+    bm = blocks.split(capture(model, x), x, cuts=["relu", "cat_1"])
+    assert [b.ops[-1] for b in bm.blocks] == ["relu", "cat_1", "fc"]
+    with torch.no_grad():
+        assert torch.allclose(bm.run(*x), model(*x), atol=1e-6)
+    with pytest.raises(UsageError, match="'m1_a' is not a single-tensor cut point .2 values live"):
+        blocks.split(capture(model, x), x, cuts=["m1_a"])
+    with pytest.raises(UsageError, match="'nope' is not an op"):
+        blocks.split(capture(model, x), x, cuts=["nope"])
+
+
+def test_a_model_whose_output_has_no_batch_dimension_is_not_stacked():
+    model, x = Pooled().eval(), torch.randn(1, 3, 4, 4)
+    assert not blocks.split(capture(model, x), x).stackable
+
+
+def test_graph_at_extrapolates_flops_and_bytes_exactly(tiny_blocked):
+    _, _, bm = tiny_blocked
+    for b in range(len(bm.blocks)):
+        est, real = bm.graph_at(b, 5), bm.captured_block(b, 5).graph
+        assert est.ids == real.ids == list(bm.blocks[b].ops)  # block op ids are the whole model's
+        for a, r in zip(est.ops, real.ops, strict=True):
+            assert a.flops == pytest.approx(r.flops) and a.bytes == pytest.approx(r.bytes) and a.shape == r.shape
+
+
+def test_zoo_squeezenet_splits_into_its_fire_modules():
+    model, x = zoo.create("squeezenet", image_size=64)
+    bm = blocks.split(capture(model, x, name="squeezenet"), x, name="squeezenet")
+    assert len(bm.blocks) == 8  # Fire2-Fire9; stem, pools and classifier join their neighbours
+    assert [b.ops[-1] for b in bm.blocks[:-1]] == ["cat", *(f"cat_{i}" for i in range(1, 7))]
+    assert blocks.table_ii(bm)["cut_points"] == 31
+    with torch.no_grad():
+        assert torch.allclose(bm.run(*x), model(*x), atol=1e-5)
+
+
+@given(st.lists(dags(max_ops=12), min_size=1, max_size=4))
+def test_union_graph_order_is_the_graphs_own_topological_order(graphs):
+    union = union_graph(graphs)
+    rebuilt = OpGraph(union.ops, union.edges, "check")  # validated and sorted the ordinary way
+    assert union.topo_order == rebuilt.topo_order
+    assert len(union) == sum(len(g) for g in graphs)
+
+
+def test_combined_block_on_the_cpu_backend_answers_each_part(tiny_blocked):
+    model, _, bm = tiny_blocked
+    ex = CpuExecutor({"tiny": bm}, streams=2)
+    x = torch.randn(3, 3, 8, 8)
+    first = Part("tiny", 0, 3, (x,))
+    ex.run([first])
+    second_inputs = torch.randn(2, 3, 8, 8)
+    parts = [Part("tiny", 1, 3, first.state), Part("tiny", 0, 2, (second_inputs,))]
+    ex.run(parts)  # block 1 of three samples beside block 0 of two others
+    with torch.no_grad():
+        assert torch.allclose(parts[0].state, model(x), atol=1e-5)
+        assert torch.allclose(parts[1].state[0], bm.modules[0](second_inputs), atol=1e-5)
+    assert ex.stats["misses"] == 2 and len(ex.compiled((("tiny", 0, 2), ("tiny", 1, 3))).program.lanes) >= 1
+
+
+def test_padding_rounds_batches_up_and_drops_the_extra_rows(tiny_blocked):
+    model, _, bm = tiny_blocked
+    ex = CpuExecutor({"tiny": bm}, pad=True)
+    x = torch.randn(3, 3, 8, 8)
+    state = (x,)
+    for b in range(2):
+        part = Part("tiny", b, 3, state)
+        ex.run([part])
+        state = part.state
+    with torch.no_grad():
+        assert state.shape[0] == 3 and torch.allclose(state, model(x), atol=1e-5)
+    assert all(n == 4 for sig in ex._cache for _, _, n in sig)
+
+
+def test_combined_module_runs_the_parts_side_by_side(tiny_blocked):
+    model, _, bm = tiny_blocked
+    combined = blocks.combined_module([bm.modules[0], bm.modules[1], bm.modules[0]])
+    a, b = torch.randn(2, 3, 8, 8), torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        mid = bm.modules[0](b)
+        out = combined(a, mid, b)
+        assert torch.allclose(out[0], bm.modules[0](a)) and torch.allclose(out[1], model(b), atol=1e-5)
+        assert torch.allclose(out[2], mid)
+    captured = blocks.capture_block(combined, (a, mid, b), "combined")
+    assert len(captured.graph) == 2 * len(bm.blocks[0].ops) + len(bm.blocks[1].ops)
+
+
+def test_sim_executor_times_a_combined_block_no_longer_than_its_parts_one_after_another(tiny_blocked):
+    _, _, bm = tiny_blocked
+    ex = SimExecutor({"tiny": bm})
+    alone = [ex.run([Part("tiny", b, 1)]).seconds for b in (0, 1)]
+    both = ex.run([Part("tiny", 0, 1), Part("tiny", 1, 1)])
+    assert max(alone) <= both.seconds <= sum(alone)
+    assert 0 < both.utilization <= 1
+
+
+@given(dags(max_ops=20), st.sampled_from(["ideal", "gpu"]))
+def test_makespan_ms_is_what_simulate_reports(graph, model):
+    from dataclasses import replace
+
+    from opweave.api import plan_for
+    from opweave.backends.simulate import makespan_ms, simulate
+    from opweave.costs import from_graph
+
+    costs = replace(from_graph(graph), model=model)
+    _, plan = plan_for(graph, costs, "lios", streams=3)
+    assert makespan_ms(graph, plan, costs) == simulate(graph, plan, costs).makespan_ms

@@ -1,0 +1,50 @@
+"""The serving engine on a GPU (skipped without one): combined blocks recorded into CUDA graphs, one per signature in
+a bounded LRU cache, answers equal eager."""
+
+import pytest
+import torch
+
+from opweave.capture import capture
+from opweave.serve import blocks, policies
+from opweave.serve.engine import Engine
+from opweave.serve.executors import CudaExecutor, Part, RealClock
+from serve_models import tiny
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def on_gpu():
+    model, x = tiny()
+    model, x = model.cuda(), tuple(t.cuda() for t in x)
+    return model, blocks.split(capture(model, x), x, name="tiny")
+
+
+def test_combined_blocks_are_recorded_once_per_signature_and_answer_like_eager(on_gpu):
+    model, bm = on_gpu
+    ex = CudaExecutor({"a": bm, "b": bm}, cache_size=2)
+    x, y = torch.randn(3, 3, 8, 8, device="cuda"), torch.randn(2, 3, 8, 8, device="cuda")
+    first = Part("a", 0, 3, (x,))
+    ex.run([first])
+    parts = [Part("a", 1, 3, first.state), Part("b", 0, 2, (y,))]
+    ex.run(parts)
+    with torch.no_grad():
+        assert torch.allclose(parts[0].state, model(x), atol=1e-4)
+        assert torch.allclose(parts[1].state[0], bm.modules[0](y), atol=1e-4)
+    assert [n for sig in ex._cache for _, _, n in sig] == [4, 4, 2]  # batch 3 padded to 4
+    ex.run([Part("a", 0, 1, (x[:1],))])
+    assert ex.stats["evictions"] == 1 and ex.stats["misses"] == 3
+    ex.run([Part("a", 0, 1, (x[:1],))])
+    assert ex.stats["hits"] == 1
+
+
+def test_engine_on_cuda_stacks_requests_without_mixing_them_up(on_gpu):
+    model, bm = on_gpu
+    eng = Engine(CudaExecutor({"a": bm}), policies.create("heuristic"), RealClock(), max_batch=4)
+    inputs = [torch.randn(1, 3, 8, 8) for _ in range(12)]
+    requests = [eng.submit("a", (x,)) for x in inputs]
+    while eng.busy():
+        eng.step()
+    with torch.no_grad():
+        for r, x in zip(requests, inputs, strict=True):
+            assert r.status == "done" and torch.allclose(r.output, model(x.cuda()).cpu(), atol=1e-4)

@@ -1,0 +1,271 @@
+"""The serving engine and its policies: in simulation (H100 preset) and for real on the CPU backend."""
+
+import threading
+
+import pytest
+import torch
+
+from opweave.capture import capture
+from opweave.errors import UsageError
+from opweave.serve import blocks, engine, loadgen, policies
+from opweave.serve.engine import Arrival, Engine, Observer, QueueFull, simulate_arrivals
+from opweave.serve.executors import CpuExecutor, Part, RealClock, SimClock, SimExecutor
+from serve_models import tiny
+
+
+@pytest.fixture(scope="module")
+def two_tiny():
+    """The tiny model served under two names (independent queues, the same blocks)."""
+    model, x = tiny()
+    bm = blocks.split(capture(model, x), x, name="tiny")
+    return model, {"a": bm, "b": bm}
+
+
+class Steps(Observer):
+    def __init__(self):
+        self.parts = []
+
+    def on_step(self, parts, cost):
+        self.parts.append([(p.model, p.block, p.batch) for p in parts])
+
+
+def sim_engine(models, policy, **options):
+    steps = Steps()
+    eng = Engine(SimExecutor(models), policies.create(policy), SimClock(), observers=[steps], **options)
+    return eng, steps
+
+
+def burst(n, models=("a", "b"), gap=1e-5):
+    return [Arrival(i * gap, models[i % len(models)]) for i in range(n)]
+
+
+def test_static_runs_one_block_of_one_request_at_a_time(two_tiny):
+    _, models = two_tiny
+    eng, steps = sim_engine(models, "static")
+    run = simulate_arrivals(eng, burst(20))
+    assert all(len(p) == 1 and p[0][2] == 1 for p in steps.parts)
+    assert len(steps.parts) == 20 * 2  # two blocks per request
+    assert all(r.status == "done" for r in run.requests) and len(run.requests) == 20
+
+
+def test_batch_stacks_requests_and_runs_models_side_by_side(two_tiny):
+    _, models = two_tiny
+    eng, steps = sim_engine(models, "batch", max_batch=4)
+    run = simulate_arrivals(eng, burst(40))
+    assert all(len({m for m, _, _ in p}) == len(p) for p in steps.parts)  # one slot per model
+    assert max(n for p in steps.parts for _, _, n in p) == 4
+    assert any(len(p) == 2 for p in steps.parts)
+    assert sorted(r.id for r in run.requests if r.status == "done") == list(range(1, 41))
+
+
+def test_heuristic_stays_within_h_and_pipelines(two_tiny):
+    _, models = two_tiny
+    eng, steps = sim_engine(models, "heuristic", max_batch=4, max_sub_blocks=3)
+    simulate_arrivals(eng, burst(60, gap=2e-5))
+    assert max(len(p) for p in steps.parts) == 3
+    assert any(len({b for m, b, _ in p if m == "a"}) == 2 for p in steps.parts)  # one model at two blocks at once
+    assert all(n <= 4 for p in steps.parts for _, _, n in p)
+
+
+class Scheme(policies.Policy):
+    """A fixed block combination scheme, as TOP's model-scheduler agents give one."""
+
+    name = "scheme"
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    def combine(self, obs):
+        return self.groups
+
+
+def observation(ready, h=4):
+    slots = tuple(policies.SlotObs(m, b, 1, 1, age) for m, b, age in ready)
+    return policies.Observation(0.0, {}, slots, h, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_the_combined_block_with_the_highest_effective_input_ratio_runs_and_only_its_ready_slots(two_tiny):
+    _, models = two_tiny
+    scheme = [(("a", 0), ("b", 0), ("b", 1)), (("a", 1), ("b", 1)), (("a", 0),)]
+    eng = Engine(SimExecutor(models), Scheme(scheme), SimClock())
+    # ready: a0 and b0 -> ratios 2/3, 0, 1: the singleton group wins
+    assert eng._choose(observation([("a", 0, 1.0), ("b", 0, 2.0)])) == [("a", 0)]
+    # ready: b0, b1 -> ratios 2/3, 1/2, 0: the first group runs, without a0 (its input has not arrived)
+    assert eng._choose(observation([("b", 0, 1.0), ("b", 1, 1.0)])) == [("b", 0), ("b", 1)]
+    # ready: a1 only -> 0, 1/2, 0
+    assert eng._choose(observation([("a", 1, 1.0)])) == [("a", 1)]
+    assert eng.stats["fallbacks"] == 0
+    # a scheme that leaves a ready slot out entirely cannot stall the engine: the oldest ready slot runs alone
+    assert eng._choose(observation([("b", 0, 3.0)])) == [("b", 0)] and eng.stats["fallbacks"] == 0
+    eng = Engine(SimExecutor(models), Scheme([(("a", 1),)]), SimClock())
+    assert eng._choose(observation([("b", 0, 3.0), ("a", 0, 5.0)])) == [("a", 0)] and eng.stats["fallbacks"] == 1
+
+
+def test_a_group_larger_than_h_is_refused(two_tiny):
+    _, models = two_tiny
+    eng = Engine(SimExecutor(models), Scheme([(("a", 0), ("a", 1), ("b", 0))]), SimClock(), max_sub_blocks=2)
+    with pytest.raises(UsageError, match="proposed 3 sub-blocks .* H is 2"):
+        eng._choose(observation([("a", 0, 1.0)], h=2))
+
+
+def test_a_full_queue_rejects_and_no_request_is_lost_or_answered_twice(two_tiny):
+    _, models = two_tiny
+    eng, _ = sim_engine(models, "static", max_queue=3)
+    arrivals = burst(50, gap=1e-6)
+    run = simulate_arrivals(eng, arrivals)
+    assert run.rejected and len(run.requests) + len(run.rejected) == 50
+    assert all(r.status == "done" for r in run.requests)
+    assert len({r.id for r in run.requests}) == len(run.requests)
+    with pytest.raises(QueueFull) as info:
+        for _ in range(5):
+            eng.submit("a")
+    assert info.value.retry_after_s >= 1
+
+
+def test_requests_past_their_deadline_time_out_without_running(two_tiny):
+    _, models = two_tiny
+    eng, steps = sim_engine(models, "static", timeout_s=2e-4)
+    run = simulate_arrivals(eng, burst(30, gap=1e-6))
+    late = [r for r in run.requests if r.status == "timeout"]
+    assert late and all(r.output is None for r in late)
+    assert len(steps.parts) < 30 * 2  # the timed-out ones did not run (all of their blocks)
+    assert sum(r.status == "done" for r in run.requests) + len(late) == 30
+
+
+def test_observation_carries_what_a_learned_policy_needs(two_tiny):
+    _, models = two_tiny
+    eng, _ = sim_engine(models, "static")
+    for _ in range(3):
+        eng.submit("a")
+    eng.submit("b")
+    eng.step()  # one instance of each model dequeued, one block ran
+    obs = eng.observe()
+    assert obs.models["a"].queue == 2 and obs.models["b"].queue == 0
+    assert obs.queue_variance == pytest.approx(1.0)
+    assert sum(obs.models["a"].progress) + sum(obs.models["b"].progress) == 2
+    assert obs.step_s > 0 and 0 < obs.utilization <= 1 and obs.models["a"].arrival_rate > 0
+
+
+def test_simulation_is_deterministic(two_tiny):
+    _, models = two_tiny
+    pattern = {"a": 2000.0, "b": 1000.0}
+    reports = [loadgen.run_simulated(Engine(SimExecutor(models), policies.create("heuristic"), SimClock()),
+                                     pattern, 0.05)[0] for _ in range(2)]
+    assert reports[0]["total"] == reports[1]["total"] and reports[0]["total"]["answered"] > 50
+
+
+def test_heuristic_sustains_a_rate_at_which_static_sheds_load(two_tiny):
+    _, models = two_tiny
+    ex = SimExecutor(models)
+    single = ex.model_latency_ms("a")  # static serves one request at a time: about 1000 / single requests/s
+    rate = 3 * 1000 / single
+    out = {}
+    for name in ("static", "heuristic"):
+        eng = Engine(ex, policies.create(name), SimClock(), max_batch=8)
+        out[name] = loadgen.run_simulated(eng, {"a": rate}, 0.2)[0]
+    assert out["static"]["total"]["rejected"] > 0 and not loadgen.sustainable(out["static"])
+    assert out["heuristic"]["total"]["rejected"] == 0 and loadgen.sustainable(out["heuristic"])
+
+
+def test_real_engine_never_mixes_up_stacked_requests(two_tiny):
+    model, models = two_tiny
+    eng = Engine(CpuExecutor(models), policies.create("batch"), RealClock(), max_batch=4)
+    steps = Steps()
+    eng.observers.append(steps)
+    eng.start()
+    inputs = [torch.randn(1, 3, 8, 8) for _ in range(24)]
+    results: dict[int, torch.Tensor] = {}
+    done = threading.Event()
+
+    def finished(request):
+        results[request.inputs[0].data_ptr()] = request.output
+        if len(results) == len(inputs):
+            done.set()
+
+    threads = [threading.Thread(target=lambda i=i: eng.submit("ab"[i % 2], (inputs[i],), on_done=finished))
+               for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert done.wait(60)
+    eng.stop()
+    assert any(n > 1 for p in steps.parts for _, _, n in p)  # some requests were stacked
+    with torch.no_grad():
+        for x in inputs:
+            assert torch.allclose(results[x.data_ptr()], model(x), atol=1e-5)
+
+
+def test_a_failing_block_answers_its_requests_with_an_error_and_the_engine_goes_on(two_tiny):
+    _, models = two_tiny
+    eng = Engine(CpuExecutor(models), policies.create("static"), RealClock())
+    bad = eng.submit("a", (torch.randn(1, 5, 8, 8),))  # 5 channels: the stem convolution fails
+    good = eng.submit("b", (torch.randn(1, 3, 8, 8),))
+    while eng.busy():
+        eng.step()
+    assert bad.status == "error" and "has shape (1, 5, 8, 8)" in bad.error
+    assert good.status == "done" and good.output.shape == (1, 10)
+
+
+def test_unknown_models_and_policies_are_usage_errors(two_tiny):
+    _, models = two_tiny
+    eng, _ = sim_engine(models, "static")
+    with pytest.raises(UsageError, match="unknown model 'c'"):
+        eng.submit("c")
+    with pytest.raises(UsageError, match="unknown policy 'top'"):
+        policies.create("top")
+    with pytest.raises(UsageError, match="policy 'batch'"):
+        policies.create("batch", nope=1)
+    assert policies.parse_options("max_batch=8,max_queue_delay_ms=0.5") == {"max_batch": 8,
+                                                                          "max_queue_delay_ms": 0.5}
+
+
+def test_registered_policies():
+    assert {"static", "batch", "heuristic"} <= set(policies.names())
+    assert engine.Engine is Engine and Part
+
+
+def test_patterns_and_arrivals():
+    assert loadgen.parse_pattern("inception_v3:30, resnet50:60") == {"inception_v3": 30.0, "resnet50": 60.0}
+    for bad in ("a", "a:x", "a:-1", "a:1,a:2", ""):
+        with pytest.raises(UsageError):
+            loadgen.parse_pattern(bad)
+    constant = loadgen.arrivals({"a": 10.0, "b": 5.0}, 2.0, "constant")
+    assert [a.model for a in constant].count("a") == 20 and [a.model for a in constant].count("b") == 10
+    assert constant[0].time == pytest.approx(0.05)
+    poisson = loadgen.arrivals({"a": 1000.0}, 2.0, seed=3)
+    assert poisson == loadgen.arrivals({"a": 1000.0}, 2.0, seed=3) != loadgen.arrivals({"a": 1000.0}, 2.0, seed=4)
+    assert 1800 < len(poisson) < 2200 and all(0 <= a.time < 2.0 for a in poisson)
+    assert len(loadgen.arrivals({"a": 1000.0}, 2.0, scale=2.0)) > 3600
+
+
+def test_report_counts_every_outcome_and_only_the_patterns_queues():
+    out = [loadgen.Outcome("a", 0.0, "answered", 0.010), loadgen.Outcome("a", 0.1, "rejected"),
+           loadgen.Outcome("b", 0.2, "answered", 0.030), loadgen.Outcome("b", 0.3, "timeout")]
+    samples = [(0.0, {"a": 2, "b": 0, "idle": 9}), (0.1, {"a": 4, "b": 2, "idle": 9})]
+    rep = loadgen.report(out, samples, pattern={"a": 1.0, "b": 1.0}, duration_s=1.0, mode="test")
+    assert rep["total"]["sent"] == 4 and rep["total"]["answered"] == 2 and rep["total"]["rejected"] == 1
+    assert rep["total"]["timeouts"] == 1 and rep["total"]["p99_all_ms"] == float("inf")
+    assert rep["models"]["a"]["p50_ms"] == pytest.approx(10.0) and rep["models"]["a"]["queue_var"] == 1.0
+    assert rep["queue_variance"] == pytest.approx(1.0)  # (2-1)^2 at both samples: "idle" is not the pattern's
+    assert not loadgen.sustainable(rep)
+
+
+def test_a_measured_profile_sets_the_simulated_latencies(two_tiny):
+    from opweave.costs.profile import profile_model
+
+    _, models = two_tiny
+    bm = models["a"]
+    prof = profile_model(bm.captured, bm.example_inputs, device="cpu", repeats=3, warmup=1, kernels=False)
+    ex = SimExecutor({"a": bm}, profiles={"a": {1: prof}}, cost_model="ideal", step_overhead_ms=0.0)
+    costs = ex.part_costs("a", 0, 1)
+    assert costs.source == "profile@1"
+    assert costs.latency_ms == {op: prof.latency_ms[op] for op in bm.blocks[0].ops}
+    # at batch 4: the measured latency times the roofline ratio of batch 4 to batch 1
+    roof = SimExecutor({"a": bm}, cost_model="ideal")
+    four, one = roof.part_costs("a", 0, 4), roof.part_costs("a", 0, 1)
+    op = bm.blocks[0].ops[0]
+    assert ex.part_costs("a", 0, 4).latency_ms[op] == pytest.approx(prof.latency_ms[op] * four.latency_ms[op]
+                                                                    / one.latency_ms[op])
+    chain = ex.run([Part("a", 0, 1)]).seconds * 1e3
+    assert chain >= max(prof.latency_ms[o] for o in bm.blocks[0].ops)
