@@ -74,6 +74,7 @@ same stream need no wait. Inference only: runs under ``torch.no_grad``.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 import warnings
@@ -90,6 +91,8 @@ from opweave.backends.program import Lane, Program
 from opweave.capture.runtime import Captured
 from opweave.errors import CaptureError, DeviceError, UsageError
 from opweave.plan.launchplan import LaunchPlan
+
+log = logging.getLogger(__name__)
 
 MODES = ("graph", "streams")
 FALLBACKS = ("error", "eager")
@@ -376,6 +379,8 @@ class CudaBackend:
         entry.copies = InputCopies.plan(leaves, pytree.tree_leaves(static_inputs), self.device)
         entry.graph, entry.static_output = self._capture(entry, captured, static_inputs)
         self.stats["captures"] += 1
+        log.debug("captured a CUDA graph on %s for a new input signature (%d captures, %d cached)", self.device,
+                  self.stats["captures"], len(self._entries) + 1)
         return entry
 
     def _capture(self, entry: _Entry, captured: Captured, static_inputs) -> tuple[torch.cuda.CUDAGraph, Any]:
