@@ -88,7 +88,7 @@ from torch.utils import _pytree as pytree
 
 from opweave.backends.liveness import Buffer, release_points, steps_with_releases
 from opweave.backends.program import Lane, Program
-from opweave.capture.runtime import Captured
+from opweave.capture.runtime import Captured, module_tensors
 from opweave.errors import CaptureError, DeviceError, UsageError
 from opweave.plan.launchplan import LaunchPlan
 
@@ -538,7 +538,7 @@ def _give_back_pool(pool, device: torch.device) -> None:
 def on_device(captured: Captured, device: torch.device) -> Captured:
     """``captured`` itself when its parameters and buffers are on ``device``, else a copy moved there (the caller's
     model is left where it is)."""
-    if all(t.device == device for t in _module_tensors(captured.gm)):
+    if all(t.device == device for t in module_tensors(captured.gm)):
         return captured
     gm = copy.deepcopy(captured.gm).to(device)
     for node in gm.graph.nodes:  # plain tensor attributes (torch.export constants) are not moved by .to()
@@ -550,18 +550,6 @@ def on_device(captured: Captured, device: torch.device) -> Captured:
                 setattr(owner, leaf, value.to(device))
     by_name = {n.name: n for n in gm.graph.nodes}
     return Captured(captured.graph, gm, {op: [by_name[n.name] for n in group] for op, group in captured.nodes.items()})
-
-
-def _module_tensors(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
-    out = [*gm.parameters(), *gm.buffers()]
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = gm
-            for part in node.target.split("."):
-                value = getattr(value, part)
-            if isinstance(value, torch.Tensor):
-                out.append(value)
-    return out
 
 
 def release_keys(captured: Captured, env: dict, program: Program) -> dict[tuple[Lane, int], list[str]]:
