@@ -229,7 +229,9 @@ def main() -> None:
         rates = {e["policy"]: e.get("sustainable_scale") for e in results if e["pattern"] == name}
         if rates.get("static") and rates.get("heuristic") is not None:
             ratio = rates["heuristic"] / rates["static"]
-            acceptance[name] = {"heuristic_over_static": round(ratio, 3), "pass": ratio >= 1.3}
+            acceptance[name] = {"heuristic_over_static": round(ratio, 3)}
+            if args.mode == "sim":  # the bar is set for the simulated GPU; elsewhere the ratio is reported
+                acceptance[name]["pass"] = ratio >= 1.3
     out = {"mode": args.mode, "settings": {**settings, "max_batch": MAX_BATCH, "max_queue": MAX_QUEUE,
                                            "max_sub_blocks": H, "slo_ms": args.slo_ms, "arrivals": "poisson",
                                            "seed": args.seed},
@@ -256,8 +258,10 @@ def print_tables(out: dict) -> None:
                          str(e.get("sustainable_rps", "-"))])
     common.console.print(common.table(f"serving ({out['mode']})", cols, rows))
     for name, a in out["acceptance"].items():
-        common.console.print(f"{'PASS' if a['pass'] else 'FAIL'}: {name}: heuristic sustains "
-                             f"{a['heuristic_over_static']:.2f}x the rate of static (>= 1.3x)")
+        verdict = ("PASS: " if a["pass"] else "FAIL: ") if "pass" in a else ""
+        bar = " (>= 1.3x)" if "pass" in a else ""
+        common.console.print(f"{verdict}{name}: heuristic sustains {a['heuristic_over_static']:.2f}x the rate of "
+                             f"static{bar}")
 
 
 def plot(out: dict, path) -> None:
