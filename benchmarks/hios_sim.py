@@ -12,7 +12,7 @@ over the seeds (mean ± standard deviation). Columns: ``lp-inter``/``mr-inter`` 
 Algorithm 2 (the paper's "inter-GPU w/ LP|MR"); ``ios`` is IOS's DP on one GPU (by default only on the graphs of
 the default point, as its DP costs 0.5–1 s per 200-op graph; ``--ios all`` runs it on every graph).
 
-Cost model: ``ideal`` (default; DESIGN.md's "papers' own model") lets the ops of a stage overlap for free, so
+Cost model: ``ideal`` (default; the papers' own model, docs/design.md) lets the ops of a stage overlap for free, so
 intra-GPU grouping and IOS gain far more than in the paper, whose simulator prices a stage with contention. With
 ``--cost-model gpu`` every op gets a utilization drawn from 0.6–1.0 (the range the HIOS authors' simulator draws
 from; the paper text does not give one) and stages are priced by opweave's processor-sharing model.

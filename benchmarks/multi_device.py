@@ -65,7 +65,7 @@ def measure_model(name: str, size: int, ranks: list[int], args, link) -> dict:
     for m in ranks:
         threads = max(1, cores // m)
         torch.set_num_threads(threads)
-        profile = profile_model(captured, inputs, device="cpu", repeats=args.repeats, warmup=1, kernels=False)
+        profile = profile_model(captured, inputs, device="cpu", repeats=args.repeats, warmup=1)
         costs = profile.costs(captured.graph)
         costs, sched, plan = plan_ranks(captured, scheduler=args.scheduler, devices=m, costs=costs, link=link)
         sim = simulate(captured.graph, plan, costs)

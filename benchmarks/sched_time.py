@@ -37,7 +37,7 @@ LIMIT_S = 0.1
 # The papers' own scheduling times, as printed (numbers only), for context: different machines, graphs and code.
 PAPER_REFERENCE = {
     "lios_table_v": {
-        "paper": "LIOS (IEEE TSC 2023), Table V; shared/papers/001_8dddaa68a7b3a694.txt",
+        "paper": "LIOS (IEEE TSC 2023), Table V",
         "unit": "s",
         "measured": "scheduling time of IOS (dynamic programming) and LIOS (Alg. 1) per CNN of the IOS benchmark; "
                     "'speedup' is IOS time / LIOS time. Host: two Intel Xeon Gold 6226R @ 2.90 GHz, GPU RTX 3080 "
@@ -51,7 +51,7 @@ PAPER_REFERENCE = {
         },
     },
     "opara_table_i": {
-        "paper": "Opara (IEEE TC 2024), Table I; shared/papers/000_67883b4101c8a2e8.txt",
+        "paper": "Opara (IEEE TC 2024), Table I",
         "unit": "ms",
         "measured": "computation time of the stream allocation algorithm alone: Opara's Alg. 1 vs Nimble's "
                     "(minimum equivalent graph + bipartite matching), per model; host CPU not stated "

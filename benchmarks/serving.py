@@ -42,7 +42,8 @@ SINGLE_RATE = 240.0
 MULTI = {"inception_v3": 30.0, "resnet50": 60.0, "squeezenet": 120.0}
 MODELS = ("inception_v3", "resnet50", "squeezenet")
 POLICIES = ("static", "batch", "heuristic")
-SLO_MS = 100.0
+SLO_MS = 100.0  # TOP serves on a GPU; on 2 CPU cores one Inception-v3 request alone takes ~150 ms
+CPU_SLO_MS = 1000.0
 MAX_BATCH, MAX_QUEUE, H = 16, 64, 4
 
 
@@ -53,15 +54,15 @@ def patterns(models: list[str]) -> dict[str, dict[str, float]]:
     return out
 
 
-def row(rep: dict) -> dict:
-    """The table's numbers of one report."""
+def row(rep: dict, slo_ms: float) -> dict:
+    """The table's numbers of one report; sustainable when p99 of all sent stays under ``slo_ms``."""
     t = rep["total"]
     return {"throughput_rps": round(t["throughput_rps"], 2), "p50_ms": round(t["p50_ms"], 3),
             "p99_ms": round(t["p99_ms"], 3), "p99_all_ms": t["p99_all_ms"] if math.isfinite(t["p99_all_ms"])
             else None, "sent": t["sent"], "answered": t["answered"], "rejected": t["rejected"],
             "timeouts": t["timeouts"], "errors": t["errors"],
             "queue_var_time": round(sum(m["queue_var"] for m in rep["models"].values()) / len(rep["models"]), 3),
-            "queue_var_across": round(rep["queue_variance"], 3), "sustainable": loadgen.sustainable(rep, SLO_MS)}
+            "queue_var_across": round(rep["queue_variance"], 3), "sustainable": loadgen.sustainable(rep, slo_ms)}
 
 
 def search(measure, *, max_scale: float = 512.0, tolerance: float = 1.1) -> tuple[float, list[tuple[float, dict]]]:
@@ -121,7 +122,7 @@ def sim_runner(args, models: list[str]):
         engine = Engine(executor, policies.create(policy), SimClock(), max_queue=MAX_QUEUE, max_batch=MAX_BATCH,
                         max_sub_blocks=H)
         rep, _ = loadgen.run_simulated(engine, pattern, args.duration, seed=args.seed, scale=scale)
-        return row(rep)
+        return row(rep, args.slo_ms)
 
     settings = {"preset": args.preset, "cost_model": "gpu", "scheduler": "lios", "streams": 8,
                 "step_overhead_ms": executor.step_overhead_ms, "pad_batches_to_powers_of_two": executor.pad,
@@ -168,7 +169,7 @@ def http_runner(args, models: list[str], device: str):
         rates = {m: r / args.cpu_divisor for m, r in pattern.items()} if device == "cpu" else pattern
         rep, _ = loadgen.run_http(servers[policy].url, rates, args.duration, seed=args.seed, scale=scale)
         time.sleep(0.5)  # let the queues empty before the next run
-        return row(rep)
+        return row(rep, args.slo_ms)
 
     def close():
         for s in servers.values():
@@ -193,8 +194,11 @@ def main() -> None:
                                                                         "(default %(default)s)")
     p.add_argument("--cpu-divisor", type=float, default=40.0, help="cpu mode: divide the patterns' rates by this")
     p.add_argument("--no-search", action="store_true", help="skip the sustainable-rate search")
+    p.add_argument("--slo-ms", type=float, default=None, help="p99 bound of a sustainable rate (default 100 ms, "
+                                                              "1000 ms in cpu mode: one CPU request takes longer)")
     args = p.parse_args()
     args.duration = args.duration or (0.5 if args.quick else 2.0 if args.mode == "sim" else 10.0)
+    args.slo_ms = args.slo_ms or (CPU_SLO_MS if args.mode == "cpu" else SLO_MS)
     models = common.split_names(args.models, MODELS, "model") or (["squeezenet"] if args.quick else list(MODELS))
     chosen = common.split_names(args.policies, POLICIES, "policy")
     clock = common.Stopwatch()
@@ -225,9 +229,11 @@ def main() -> None:
         rates = {e["policy"]: e.get("sustainable_scale") for e in results if e["pattern"] == name}
         if rates.get("static") and rates.get("heuristic") is not None:
             ratio = rates["heuristic"] / rates["static"]
-            acceptance[name] = {"heuristic_over_static": round(ratio, 3), "pass": ratio >= 1.3}
+            acceptance[name] = {"heuristic_over_static": round(ratio, 3)}
+            if args.mode == "sim":  # the issue's bar is set for the simulated GPU; elsewhere the ratio is reported
+                acceptance[name]["pass"] = ratio >= 1.3
     out = {"mode": args.mode, "settings": {**settings, "max_batch": MAX_BATCH, "max_queue": MAX_QUEUE,
-                                           "max_sub_blocks": H, "slo_ms": SLO_MS, "arrivals": "poisson",
+                                           "max_sub_blocks": H, "slo_ms": args.slo_ms, "arrivals": "poisson",
                                            "seed": args.seed},
            "machine": common.machine_info(), "elapsed_s": clock.elapsed_s, "executor_stats": stats(),
            "results": results, "acceptance": acceptance,
@@ -252,8 +258,10 @@ def print_tables(out: dict) -> None:
                          str(e.get("sustainable_rps", "-"))])
     common.console.print(common.table(f"serving ({out['mode']})", cols, rows))
     for name, a in out["acceptance"].items():
-        common.console.print(f"{'PASS' if a['pass'] else 'FAIL'}: {name}: heuristic sustains "
-                             f"{a['heuristic_over_static']:.2f}x the rate of static (>= 1.3x)")
+        verdict = ("PASS: " if a["pass"] else "FAIL: ") if "pass" in a else ""
+        bar = " (>= 1.3x)" if "pass" in a else ""
+        common.console.print(f"{verdict}{name}: heuristic sustains {a['heuristic_over_static']:.2f}x the rate of "
+                             f"static{bar}")
 
 
 def plot(out: dict, path) -> None:
@@ -272,7 +280,7 @@ def plot(out: dict, path) -> None:
             if not points:
                 points = sorted((float(s) * total, r["p99_all_ms"] or 1e4) for s, r in e["scales"].items())
             ax.plot([x for x, _ in points], [y for _, y in points], marker="o", markersize=3, label=e["policy"])
-        ax.axhline(SLO_MS, color="grey", linestyle="--", linewidth=1)
+        ax.axhline(out["settings"]["slo_ms"], color="grey", linestyle="--", linewidth=1)
         ax.set(xscale="log", yscale="log", xlabel="offered load (req/s)", ylabel="p99 of all sent (ms)", title=name)
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=8)

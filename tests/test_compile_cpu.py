@@ -1,4 +1,4 @@
-"""End to end on CPU: every zoo model, every scheduler, outputs equal eager (DESIGN.md §4)."""
+"""End to end on CPU: every zoo model, every scheduler, outputs equal eager."""
 
 import functools
 

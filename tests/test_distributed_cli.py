@@ -10,7 +10,6 @@ import sys
 import uuid
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from opweave.cli import app
@@ -45,26 +44,7 @@ def marked(mark: str) -> list[int]:
     return found
 
 
-@pytest.mark.slow
-def test_run_inception_on_two_cpu_ranks_checks_against_eager():
-    proc, left = command("run", "--model", "inception_v3", "--scheduler", "hios-lp", "--devices", "2", "--device",
-                         "cpu", "--check", "--runs", "2", "--warmup", "1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "median latency" in proc.stdout and "max |diff| against single-process eager" in proc.stdout
-    assert left == []
-
-
-@pytest.mark.slow
-def test_run_under_torchrun():
-    proc, left = command("--standalone", "--nproc-per-node", "2", "-m", "opweave", "run", "--model", "inception_v3",
-                         "--scheduler", "hios-lp", "--devices", "2", "--device", "cpu", "--check", "--runs", "2",
-                         "--warmup", "1", "--link", "pcie4", "--json", launcher=(str(TORCHRUN),))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])  # rank 0 alone reports
-    assert result["launch"] == "torchrun" and result["devices"] == 2 and result["max_abs_diff"] <= result["tolerance"]
-    assert result["median_ms"] > 0 and result["simulated_ms"] > 0
-    assert len(result["ranks"]) == 2 and sum(r["ops"] for r in result["ranks"]) > 0
-    assert left == []
+# The README's `opweave run` and `torchrun ... -m opweave run` lines are run by tests/test_readme.py.
 
 
 def test_run_with_more_devices_than_ops_or_gpus_fails_with_one_line():

@@ -1,4 +1,4 @@
-"""HIOS-LP / HIOS-MR (paper 002): valid multi-GPU stage schedules on random DAGs, predictions that the ideal replay
+"""HIOS-LP / HIOS-MR (Kundu & Shu): valid multi-GPU stage schedules on random DAGs, predictions that the ideal replay
 reproduces, Fig. 4's longest-valid-path walk-through, Algorithm 2's cycle check and incremental timing, and two
 chains on two GPUs."""
 

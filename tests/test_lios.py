@@ -1,4 +1,5 @@
-"""LIOS (paper 001): the running example of Fig. 3 / Table III, and Algorithm 1's invariants on random DAGs."""
+"""LIOS (Ping et al., IEEE TSC 2023): the running example of Fig. 3 / Table III, and Algorithm 1's invariants on
+random DAGs."""
 
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,7 @@ from opweave.schedulers.lios import DEFAULT_STREAMS, lios_schedule
 from oracle import replay
 
 # Table III, "Schedule Tuple" column: (op, stream p1..p3 -> 0..2, start, finish), in scheduling order.
-# The table prints step 6 as (v6, p2, 8, 13); its own EFT column says 23, and 8 + 15 = 23 (papers/README.md).
+# The table prints step 6 as (v6, p2, 8, 13); its own EFT column says 23, and 8 + 15 = 23.
 TABLE_III = [
     ("v1", 0, 0, 3), ("v5", 0, 3, 11), ("v8", 0, 11, 18), ("v2", 1, 3, 8), ("v3", 2, 3, 8),
     ("v6", 1, 8, 23), ("v4", 2, 8, 13), ("v7", 2, 13, 23), ("v9", 0, 23, 36), ("v10", 0, 36, 38),

@@ -1,4 +1,5 @@
-"""Nimble (paper 004, §4.2 Algorithm 1): MEG + bipartite maximum matching; Theorems 2–4 on random DAGs."""
+"""Nimble (Kwon et al., NeurIPS 2020, §4.2 Algorithm 1): MEG + bipartite maximum matching; Theorems 2–4 on random
+DAGs."""
 
 from itertools import pairwise
 

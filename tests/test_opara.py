@@ -1,4 +1,5 @@
-"""Opara (paper 000): Alg. 1 greedy stream allocation and Alg. 2 resource- and interference-aware launch order."""
+"""Opara (Chen et al., IEEE TC 2024): Alg. 1 greedy stream allocation and Alg. 2 resource- and interference-aware
+launch order."""
 
 from itertools import pairwise
 

@@ -3,25 +3,35 @@
 The commands are read from README.md itself: the ``python`` blocks under "Python quick start" and "Fused segments
 (TorchInductor)" (run statement by statement; an expression's value is checked against its comment) and every
 ``opweave ...`` line of "Command line quick start" (run through the Typer app with ``typer.testing.CliRunner``, in
-a fresh directory; the rendered table text is checked, as a user reads it). A README command with no check here
-fails :func:`test_every_readme_command_is_checked`, so the README cannot gain an untested command.
+a fresh directory, or as a process where it starts rank processes or a server; the rendered table text is checked,
+as a user reads it). A README command with no check here fails :func:`test_every_readme_command_is_checked`, so the
+README cannot gain an untested command.
+
+The command-line blocks of "Several devices (HIOS)" are read the same way (``torchrun`` lines included).
 
 Departures from the lines as written, each to keep the suite short: ``opweave bench`` lines also get ``--runs 2
---warmup 0`` (the timing loop is the same code with fewer iterations). Commands that need CUDA are marked ``cuda``:
-without a GPU they must fail with one line on stderr and exit status 2 (what a user without a GPU sees); with one
-they run for real. Without a GPU, the line that simulates a measured profile gets a CPU profile of the same model
-instead of the one the README's ``opweave profile --device cuda`` line would write (a profile's device is not
-checked when simulating).
+--warmup 0`` and ``opweave run`` lines ``--runs 2 --warmup 1`` (the timing loop is the same code with fewer
+iterations); ``opweave serve`` gets ``--port 0`` (a free port) and small images, the ``loadgen`` line against it a
+tenth of its rates for 2 s, the simulated ``loadgen`` 1 s of virtual time, ``profile-links`` 3 repeats. Commands
+that need CUDA are marked ``cuda``: without a GPU they must fail with one line on stderr and exit status 2 (what a
+user without a GPU sees); with one they run for real. Without a GPU, the line that simulates a measured profile gets
+a CPU profile of the same model instead of the one the README's ``opweave profile --device cuda`` line would write
+(a profile's device is not checked when simulating).
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import re
 import shlex
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -31,8 +41,11 @@ from opweave import zoo
 from opweave.bench import max_abs_diff
 from opweave.capture import capture, coarsen
 from opweave.cli import app
+from opweave.costs.links import load as load_link
 from opweave.costs.profile import profile_model
 from opweave.ir import OpGraph
+from test_distributed_cli import TORCHRUN
+from test_distributed_cli import command as rank_command
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 HAS_CUDA = torch.cuda.is_available()
@@ -52,10 +65,16 @@ def blocks(text: str, lang: str) -> list[str]:
     return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M)
 
 
+CLI_SECTIONS = ("Command line quick start", "Several devices (HIOS)")
+
+
 def cli_lines() -> list[str]:
-    """The ``opweave ...`` commands of the command-line quick start, without their comments."""
-    (block,) = blocks(section("Command line quick start"), "")
-    return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    """The commands (``opweave ...``, ``torchrun ...``) of the README's command-line blocks, without comments."""
+    lines = []
+    for title in CLI_SECTIONS:
+        for block in blocks(section(title), ""):
+            lines += [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    return lines
 
 
 def python_statements(block: str) -> list[tuple[str, str, ast.stmt]]:
@@ -265,6 +284,106 @@ def check_bench_model_file(line: str, tmp_path: Path) -> None:
     check_bench(line, tmp_path)
 
 
+# ---- serving (TOP) -------------------------------------------------------------------------------------------------
+SMALL_IMAGES = ["--image-size", "64,inception_v3=75"]  # the zoo CNNs at small sizes: the same code, a shorter run
+
+
+@contextlib.contextmanager
+def readme_server():
+    """The README's ``opweave serve`` line in a subprocess, on a free port of 127.0.0.1 (``--port 0`` after the
+    line's own ``--port``: the last one counts) with small images; yields its URL; SIGTERM at the end must drain and
+    exit 0."""
+    line = command("serve")
+    proc = subprocess.Popen([sys.executable, "-m", "opweave", *shlex.split(line)[1:], "--port", "0", *SMALL_IMAGES],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", first)
+        assert found, (first, proc.stderr.read() if proc.poll() is not None else "")
+        assert "inception_v3 (11 blocks)" in first and "policy heuristic" in first
+        yield found.group(1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def check_serve(line: str, tmp_path: Path) -> None:
+    with readme_server() as url:
+        assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
+        meta = httpx.get(f"{url}/v2/models/squeezenet", timeout=10).json()
+        assert meta["name"] == "squeezenet" and meta["inputs"][0]["shape"][-2:] == [64, 64]
+
+
+def loadgen_totals(result) -> dict:
+    report = json.loads(succeeds(result).strip().splitlines()[-1])
+    total = report["total"]
+    assert total["sent"] == total["answered"] + total["rejected"] + total["timeouts"] + total["errors"] > 0
+    assert total["errors"] == 0 and total["p50_ms"] <= total["p99_ms"]
+    return report
+
+
+def check_loadgen_url(line: str, tmp_path: Path) -> None:
+    with readme_server() as url:  # a tenth of the README's rates for 2 s: a CPU at small images keeps up
+        report = loadgen_totals(opweave_cli(line, "--url", url, "--duration", "2", "--scale", "0.1", "--json"))
+    assert set(report["models"]) == {"inception_v3", "resnet50", "squeezenet"}
+    assert report["total"]["answered"] > 0
+
+
+def check_loadgen_simulate(line: str, tmp_path: Path) -> None:
+    report = loadgen_totals(opweave_cli(line, "--duration", "1", "--json"))  # 1 s of virtual time
+    assert report["mode"] == "simulate" and report["device_preset"] == "h100"
+    assert report["pattern"] == {"inception_v3": 60.0, "resnet50": 120.0, "squeezenet": 240.0}
+
+
+def check_blocks(line: str, tmp_path: Path) -> None:
+    rows = table_rows(succeeds(opweave_cli(line)))
+
+    def row(model: str) -> list[str]:  # at the runner's 80 columns rich cuts long names short ("squeeze…")
+        return next(cells for name, cells in rows.items() if name and model.startswith(name.rstrip("…")))
+
+    # captured ops, cut points, segments, blocks, TOP's blocks (docs/serving.md's table)
+    assert row("inception_v3")[:5] == ["312", "29", "30", "11", "13"]
+    assert row("resnet50")[:5] == ["174", "37", "38", "16", "5"]
+    assert row("squeezenet")[:5] == ["64", "31", "32", "8", "12"]
+
+
+# ---- several devices (HIOS) -----------------------------------------------------------------------------------------
+FAST_RUN = ["--runs", "2", "--warmup", "1"]
+
+
+def check_run_ranks(line: str, tmp_path: Path) -> None:
+    proc, left = rank_command(*shlex.split(line)[1:], *FAST_RUN)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "median latency" in proc.stdout and "max |diff| against single-process eager" in proc.stdout
+    assert left == []  # no rank process outlives the run
+
+
+def check_run_torchrun(line: str, tmp_path: Path) -> None:
+    args = shlex.split(line)
+    proc, left = rank_command(*args[1:], *FAST_RUN, "--json", launcher=(str(TORCHRUN),))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])  # rank 0 alone reports
+    assert result["launch"] == "torchrun" and result["devices"] == 2 and result["max_abs_diff"] <= result["tolerance"]
+    assert result["median_ms"] > 0 and len(result["ranks"]) == 2 and sum(r["ops"] for r in result["ranks"]) > 0
+    assert left == []
+
+
+def check_profile_links(line: str, tmp_path: Path) -> None:
+    proc, left = rank_command(*shlex.split(line)[1:], "--repeats", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fit: latency" in proc.stdout and left == []
+    link = load_link(tmp_path / "link.json")
+    assert link.bandwidth_gbs > 0 and link.latency_ms >= 0 and len(link.samples) >= 3
+
+
+def check_simulate_link(line: str, tmp_path: Path) -> None:
+    rows = table_rows(succeeds(opweave_cli(line)))
+    assert list(rows) == ["hios-lp"] and 1 < int(rows["hios-lp"][3]) <= 4  # devices used
+
+
 # README line -> its check; marks for the slow ones and those that need CUDA to succeed
 CHECKS = {
     "opweave models": (check_models, ()),
@@ -283,6 +402,22 @@ CHECKS = {
     # the --model-file lines (README of the `models` work): a model saved by torch.export.save
     "opweave schedule --model-file m.pt2 --scheduler lios": (check_schedule_model_file, (pytest.mark.slow,)),
     "opweave bench --model-file m.pt2 --device cpu --schedulers all": (check_bench_model_file, (pytest.mark.slow,)),
+    # serving (TOP)
+    "opweave serve --models inception_v3,resnet50,squeezenet --device cpu --port 8000 --policy heuristic": (
+        check_serve, (pytest.mark.slow,)),
+    "opweave loadgen --url http://127.0.0.1:8000 --pattern inception_v3:30,resnet50:60,squeezenet:120 --duration 10": (
+        check_loadgen_url, (pytest.mark.slow,)),
+    "opweave loadgen --simulate --device-preset h100 --pattern inception_v3:60,resnet50:120,squeezenet:240": (
+        check_loadgen_simulate, (pytest.mark.slow,)),
+    "opweave blocks --models inception_v3,resnet50,squeezenet": (check_blocks, (pytest.mark.slow,)),
+    # several devices (HIOS)
+    "opweave run --model inception_v3 --scheduler hios-lp --devices 2 --device cpu --check": (check_run_ranks,
+                                                                                             (pytest.mark.slow,)),
+    "torchrun --standalone --nproc-per-node 2 -m opweave run --model inception_v3 --check": (check_run_torchrun,
+                                                                                            (pytest.mark.slow,)),
+    "opweave profile-links --device cpu -o link.json": (check_profile_links, ()),
+    "opweave simulate --model inception_v3 --devices 4 --scheduler hios-lp --link pcie4": (check_simulate_link,
+                                                                                          (pytest.mark.slow,)),
 }
 
 

@@ -256,7 +256,7 @@ def test_a_measured_profile_sets_the_simulated_latencies(two_tiny):
 
     _, models = two_tiny
     bm = models["a"]
-    prof = profile_model(bm.captured, bm.example_inputs, device="cpu", repeats=3, warmup=1, kernels=False)
+    prof = profile_model(bm.captured, bm.example_inputs, device="cpu", repeats=3, warmup=1)
     ex = SimExecutor({"a": bm}, profiles={"a": {1: prof}}, cost_model="ideal", step_overhead_ms=0.0)
     costs = ex.part_costs("a", 0, 1)
     assert costs.source == "profile@1"

@@ -4,10 +4,11 @@ Capture a model into an :class:`~opweave.ir.OpGraph`, schedule its independent o
 with one of the papers' schedulers, lower the schedule to a race-checked :class:`~opweave.plan.LaunchPlan`, and run
 it (CPU threads, CUDA streams recorded into a CUDA Graph) or simulate it.
 
-    import opweave
-    model, inputs = opweave.zoo.create("inception_v3")
-    fast = opweave.compile(model, inputs, scheduler="lios", device="cpu")
-    out = fast(*inputs)
+>>> import torch, opweave
+>>> model, inputs = opweave.zoo.create("squeezenet")
+>>> fast = opweave.compile(model, inputs, scheduler="lios", device="cpu")
+>>> torch.allclose(fast(*inputs), model(*inputs), atol=1e-5)
+True
 
 Submodules that import torch load lazily, so graph-only work (``opweave.ir``, schedulers, the simulator) stays fast.
 """

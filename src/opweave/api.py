@@ -86,6 +86,20 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, sch
     persistent rank processes (:class:`opweave.backends.distributed.DistributedBackend`; ``backend_options``:
     ``threads``, ``timeout_s``, ``start_method``); ``link`` (a preset name or a file written by ``opweave
     profile-links``) gives the edges their transfer times. ``close()`` or a ``with`` block stops the ranks.
+
+    Two branches of a tiny model run on two CPU threads:
+
+    >>> import torch, opweave
+    >>> class Branchy(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.left, self.right = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    ...     def forward(self, x):
+    ...         return torch.relu(self.left(x)) + torch.sigmoid(self.right(x))
+    >>> model, x = Branchy().eval(), torch.randn(2, 8)
+    >>> fast = opweave.compile(model, (x,), scheduler="lios", device="cpu")
+    >>> fast.schedule.streams_used, torch.allclose(fast(x), model(x))
+    (2, True)
     """
     from opweave.capture import capture, load_program
 

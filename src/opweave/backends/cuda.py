@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 import threading
 import warnings
@@ -88,9 +89,11 @@ from torch.utils import _pytree as pytree
 
 from opweave.backends.liveness import Buffer, release_points, steps_with_releases
 from opweave.backends.program import Lane, Program
-from opweave.capture.runtime import Captured
+from opweave.capture.runtime import Captured, module_tensors
 from opweave.errors import CaptureError, DeviceError, UsageError
 from opweave.plan.launchplan import LaunchPlan
+
+log = logging.getLogger(__name__)
 
 MODES = ("graph", "streams")
 FALLBACKS = ("error", "eager")
@@ -377,6 +380,8 @@ class CudaBackend:
         entry.copies = InputCopies.plan(leaves, pytree.tree_leaves(static_inputs), self.device)
         entry.graph, entry.static_output = self._capture(entry, captured, static_inputs)
         self.stats["captures"] += 1
+        log.debug("captured a CUDA graph on %s for a new input signature (%d captures, %d cached)", self.device,
+                  self.stats["captures"], len(self._entries) + 1)
         return entry
 
     def _capture(self, entry: _Entry, captured: Captured, static_inputs) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -534,7 +539,7 @@ def _give_back_pool(pool, device: torch.device) -> None:
 def on_device(captured: Captured, device: torch.device) -> Captured:
     """``captured`` itself when its parameters and buffers are on ``device``, else a copy moved there (the caller's
     model is left where it is)."""
-    if all(t.device == device for t in _module_tensors(captured.gm)):
+    if all(t.device == device for t in module_tensors(captured.gm)):
         return captured
     gm = copy.deepcopy(captured.gm).to(device)
     for node in gm.graph.nodes:  # plain tensor attributes (torch.export constants) are not moved by .to()
@@ -547,18 +552,6 @@ def on_device(captured: Captured, device: torch.device) -> Captured:
     by_name = {n.name: n for n in gm.graph.nodes}
     return dataclasses.replace(captured, gm=gm, nodes={op: [by_name[n.name] for n in group]
                                                        for op, group in captured.nodes.items()})
-
-
-def _module_tensors(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
-    out = [*gm.parameters(), *gm.buffers()]
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = gm
-            for part in node.target.split("."):
-                value = getattr(value, part)
-            if isinstance(value, torch.Tensor):
-                out.append(value)
-    return out
 
 
 def release_keys(captured: Captured, env: dict, program: Program) -> dict[tuple[Lane, int], list[str]]:

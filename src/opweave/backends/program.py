@@ -5,14 +5,20 @@ Which record a ``wait`` (and which send a ``recv``) waits for is the pairing rul
 into "raise signal k" (the record or send) and "wait for signal k" (the wait or recv), so a backend need not re-read
 the plan's issue order. The program keeps its plan, so analyses that need happens-before
 (:mod:`opweave.backends.liveness`) run the same interpreter on it.
+
+Every backend builds its program here, so the lanes and signals a backend runs are logged once, at DEBUG level on
+``opweave.backends.program`` (silent by default).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from opweave.plan.launchplan import Instr, LaunchPlan
 from opweave.plan.semantics import Lane, PlanInterpreter, Point
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,12 @@ class Program:
         wait/recv."""
         split = _Split()
         split.run(plan)
-        return cls(split.lanes, len(split.signal_of), split.issue_order, plan)
+        program = cls(split.lanes, len(split.signal_of), split.issue_order, plan)
+        if log.isEnabledFor(logging.DEBUG):
+            launches = {lane: sum(s.kind == "launch" for s in steps) for lane, steps in program.lanes.items()}
+            log.debug("program: %d lanes (device, stream): ops %s; %d signals", len(program.lanes),
+                      dict(sorted(launches.items())), program.num_signals)
+        return program
 
 
 class _Split(PlanInterpreter):

@@ -23,11 +23,14 @@ without one a single CPU thread per device issues the launches one after another
 same model, so speed-ups compare like with like.
 
 Complexity: O(I log I) for I instructions, plus O(n²) for the processor sharing of n ops on one device.
+
+Each :func:`simulate` logs its makespan, sequential time and syncs at DEBUG level on this module's logger.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -36,6 +39,8 @@ from opweave.costs.model import Costs
 from opweave.ir.graph import OpGraph
 from opweave.plan.launchplan import Instr, LaunchPlan
 from opweave.plan.semantics import Lane, PlanInterpreter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,7 +63,19 @@ class SimResult:
 
 
 def simulate(graph: OpGraph, plan: LaunchPlan, costs: Costs, *, cuda_graph: bool | None = None) -> SimResult:
-    """Replay ``plan`` under ``costs.model``; ``cuda_graph`` defaults to ``costs.gpu.cuda_graph``."""
+    """Replay ``plan`` under ``costs.model``; ``cuda_graph`` defaults to ``costs.gpu.cuda_graph``.
+
+    Under the ideal model a list scheduler's prediction is its replay (LIOS Table III: 38 ms against 73 in order):
+
+    >>> from opweave import examples, schedulers
+    >>> from opweave.costs.model import from_graph
+    >>> from opweave.plan.lower import lower
+    >>> graph = examples.load("lios-fig3")
+    >>> costs = from_graph(graph)
+    >>> [simulate(graph, lower(graph, schedulers.run(name, graph, costs, streams=3)), costs).makespan_ms
+    ...  for name in ("sequential", "lios")]
+    [73.0, 38.0]
+    """
     if cuda_graph is None:
         cuda_graph = costs.gpu.cuda_graph
     start, finish, makespan = _replay(graph, plan, costs, cuda_graph)
@@ -68,6 +85,8 @@ def simulate(graph: OpGraph, plan: LaunchPlan, costs: Costs, *, cuda_graph: bool
     busy: dict[Lane, float] = {}
     for op, lane in lane_of.items():
         busy[lane] = busy.get(lane, 0.0) + finish[op] - start[op]
+    log.debug("simulate %s (%s model): makespan %.4f ms, sequential %.4f ms, %d lanes, %d syncs", graph.name,
+              costs.model, makespan, sequential_ms, len(busy), plan.syncs)
     return SimResult(makespan, start, finish, busy, sequential_ms, plan.syncs, lane_of, costs.model, graph.name)
 
 

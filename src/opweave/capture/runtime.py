@@ -133,6 +133,21 @@ class Captured:
         return out
 
 
+def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors ``module`` holds: its parameters and buffers and, for a GraphModule, the plain tensor attributes
+    its ``get_attr`` nodes read (torch.export lifts constants into those)."""
+    out = [*module.parameters(), *module.buffers()]
+    if isinstance(module, fx.GraphModule):
+        for node in module.graph.nodes:
+            if node.op == "get_attr":
+                value = module
+                for part in node.target.split("."):
+                    value = getattr(value, part)
+                if isinstance(value, torch.Tensor):
+                    out.append(value)
+    return out
+
+
 def positional(signature: inspect.Signature | None, args: tuple, kwargs: dict, model_name: str) -> tuple:
     """``args`` and ``kwargs`` as one tuple of positional arguments of ``forward``: each keyword argument at its
     parameter's position, skipped parameters before it at their defaults. A keyword-only parameter, or one that

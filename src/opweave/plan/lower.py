@@ -64,7 +64,17 @@ class _Builder(PlanInterpreter):
 
 
 def lower(graph: OpGraph, sched: Schedule) -> LaunchPlan:
-    """Lower ``sched`` to a launch plan with only the waits the validator needs (see the module docstring)."""
+    """Lower ``sched`` to a launch plan with only the waits the validator needs (see the module docstring).
+
+    >>> from opweave import examples, schedulers
+    >>> from opweave.costs.model import from_graph
+    >>> from opweave.plan.validate import validate
+    >>> graph = examples.load("lios-fig3")
+    >>> plan = lower(graph, schedulers.run("lios", graph, from_graph(graph), streams=3))
+    >>> validate(graph, plan)  # raises PlanError naming an unordered edge; here every edge is ordered
+    >>> plan.streams(0), plan.syncs
+    ([0, 1, 2], 5)
+    """
     lane_of = {op: (sched.device(op), sched.stream_of[op]) for op in sched.order}
     barriers: dict[str, list[str]] = {}
     if sched.stage_of is not None:

@@ -28,7 +28,21 @@ Tiny example (device 0)::
     3  launch b  (stream 1)   point ((0, 1), 2)   clock[(0, 1)] = {(0, 1): 2, (0, 0): 2}
 
 ``a`` (point ``((0, 0), 1)``) happens before ``b``: ``b``'s clock holds ``(0, 0): 2 >= 1``. Drop the wait and it
-does not. Stage barriers are not part of the semantics: a stage schedule *requires* an order (the validator checks
+does not:
+
+>>> from opweave.plan.launchplan import Instr, LaunchPlan
+>>> plan = LaunchPlan([Instr(0, "launch", 0, op="a"), Instr(0, "record", 0, event=7),
+...                    Instr(0, "wait", 1, event=7), Instr(0, "launch", 1, op="b")])
+>>> hb = PlanInterpreter().run(plan)  # the base class's output() is the interpreter itself
+>>> hb.clock[(0, 1)]
+{(0, 1): 2, (0, 0): 2}
+>>> hb.ordered(hb.point[0], (0, 1)), hb.source[2]
+(True, 1)
+>>> no_wait = PlanInterpreter().run(LaunchPlan([plan.instrs[0], plan.instrs[1], plan.instrs[3]]))
+>>> no_wait.ordered(no_wait.point[0], (0, 1))
+False
+
+ Stage barriers are not part of the semantics: a stage schedule *requires* an order (the validator checks
 it from this relation), and lowering meets it with ordinary record/wait pairs.
 
 :class:`PlanInterpreter` is modelled on :class:`torch.fx.Interpreter`: ``run(plan)`` walks the plan and calls

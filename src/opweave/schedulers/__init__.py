@@ -50,6 +50,15 @@ def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, 
     a 2-core machine, more than any polynomial scheduler takes on a 906-op graph. The schedulers build no
     reference cycles of note, so their memory is freed by reference counting as usual; a due collection runs
     after the call.
+
+    LIOS on the running example of its paper (Fig. 3, Table III), three streams:
+
+    >>> from opweave import examples, schedulers
+    >>> from opweave.costs.model import from_graph
+    >>> graph = examples.load("lios-fig3")
+    >>> sched = schedulers.run("lios", graph, from_graph(graph), streams=3)
+    >>> sched.predicted_ms, sched.streams_used
+    (38.0, 3)
     """
     if name not in _MODULES:
         raise UsageError(f"unknown scheduler {name!r}; choose one of {', '.join(names())}")

@@ -1,5 +1,5 @@
 """IOS: dynamic programming over "endings" (Ding et al., "IOS: Inter-Operator Scheduler for CNN Acceleration",
-MLSys'21; not in papers/ — HIOS §V-B and TOP §V-C, Fig. 5, describe it).
+MLSys 2021 [1]; the HIOS paper §V-B and the TOP paper §V-C, Fig. 5, describe it too).
 
 **Recurrence.** For a set S of not-yet-scheduled ops (always closed under predecessors), IOS picks the *last* stage:
 
@@ -37,6 +37,11 @@ shape, 14 layers): about 0.2 / 0.6 / 2 s in CPython 3.11 on a busy 2-core machin
 Output: ``stage_of`` = global stage index, ``stream_of`` = group index inside the stage, device 0 everywhere,
 ``predicted_ms`` = sum of stage latencies (which the ideal replay of the plan reproduces: every op of a stage has
 its inputs from earlier stages, so each group starts at the stage barrier).
+
+References
+----------
+.. [1] Y. Ding, L. Zhu, Z. Jia, G. Pekhimenko and S. Han, "IOS: Inter-Operator Scheduler for CNN Acceleration",
+   *Proceedings of Machine Learning and Systems (MLSys)*, vol. 3, pp. 167-180, 2021.
 """
 
 from __future__ import annotations

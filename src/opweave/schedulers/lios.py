@@ -1,4 +1,4 @@
-"""LIOS: latency-based list scheduling (Zhang et al., IEEE TSC 2023, paper 001; §II-D, §IV, Algorithm 1).
+"""LIOS: latency-based list scheduling (Ping et al., IEEE TSC 2023 [1]; §II-D, §IV, Algorithm 1).
 
 Algorithm 1: a wait list holds the *data-independent* ops — every predecessor already **scheduled** (not
 necessarily finished, §IV-B). Each step picks the op with the highest ``Rank(v) = latency_ms[v]`` (eq. 5) and puts
@@ -20,6 +20,11 @@ The launch order is the scheduling order, which is topological; replaying it und
 LIOS's own start/finish times exactly, so ``predicted_ms`` is LIOS's makespan.
 
 Complexity O(V·(V + K) + E) with a linear scan of the wait list (a heap would give O(V log V + V·K + E)).
+
+References
+----------
+.. [1] Y. Ping, H. Jiang, X. Liu, Z. Zhao, Z. Zhou and X. Chen, "Latency-Based Inter-Operator Scheduling for CNN
+   Inference Acceleration on GPU", *IEEE Transactions on Services Computing*, 2023. DOI: 10.1109/TSC.2023.3345952.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Nimble stream assignment (Kwon et al., NeurIPS 2020, paper 004; §4.2 Algorithm 1, Theorems 1–4).
+"""Nimble stream assignment (Kwon et al., NeurIPS 2020 [1]; §4.2 Algorithm 1, Theorems 1–4).
 
 Algorithm 1:
 
@@ -26,6 +26,11 @@ Departures from the paper:
 
 Complexity: transitive reduction O(V + E) operations on V-bit reachability sets, Hopcroft–Karp O(E'·√V), merging
 O(C log C + C·K) for C chains.
+
+References
+----------
+.. [1] W. Kwon, G.-I. Yu, E. Jeong and B.-G. Chun, "Nimble: Lightweight and Parallel GPU Task Scheduling for Deep
+   Learning", *Advances in Neural Information Processing Systems 33 (NeurIPS)*, 2020.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Opara (Chen et al., IEEE TC 2024, paper 000): greedy stream allocation (Alg. 1) + resource- and
+"""Opara (Chen et al., IEEE TC 2024 [1]): greedy stream allocation (Alg. 1) + resource- and
 interference-aware launch order (Alg. 2).
 
 **Alg. 1, stream allocation.** Ops are visited in topological order. Each op carries a SYNC flag, False until one
@@ -28,6 +28,11 @@ the least-loaded of K streams (ties: lowest id); a merged stream issues its ops 
 is ignored (every op on device 0). ``predicted_ms`` replays the result under the ideal model.
 
 Complexity: Alg. 1 O(V + E); Alg. 2 O(V·W + E) for ready lists of width W; the cap O(S log S + S·K).
+
+References
+----------
+.. [1] A. Chen, F. Xu, L. Han, Y. Dong, L. Chen, Z. Zhou and F. Liu, "Opara: Exploiting Operator Parallelism for
+   Expediting DNN Inference on GPUs", *IEEE Transactions on Computers*, 2024. DOI: 10.1109/TC.2024.3475589.
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ level, ops are launched in capture order.
 replay with stage barriers gives. ``devices`` > 1 is ignored (every op on device 0).
 
 Complexity O(V·K + V log V + E).
+
+References
+----------
+.. [1] L. Ma, Z. Xie, Z. Yang, J. Xue, Y. Miao, W. Cui, W. Hu, F. Yang, L. Zhang and L. Zhou, "Rammer: Enabling
+   Holistic Deep Learning Compiler Optimizations with rTasks", *14th USENIX Symposium on Operating Systems Design
+   and Implementation (OSDI)*, 2020.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Distributed backend: a multi-device launch plan (HIOS) run by one process per device, on torch.distributed.
 
-HIOS (Kundu & Shu, paper 002) runs each GPU's subgraph in its own MPI process and moves tensors between GPUs with
+HIOS (Kundu & Shu, 2023) runs each GPU's subgraph in its own MPI process and moves tensors between GPUs with
 CUDA-aware MPI (§VI-A); it suggests NCCL would hide more of the transfer (§VI-E). Here each device of a
 :class:`~opweave.plan.LaunchPlan` is a *rank*, a process of a ``torch.distributed`` process group (gloo for CPU
 ranks, NCCL for GPUs), and a ``send``/``recv`` pair of the plan is a point-to-point transfer:

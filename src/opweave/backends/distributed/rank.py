@@ -37,7 +37,7 @@ from torch import fx
 from opweave.backends.cpu import Call, LaneWorker, stop_workers
 from opweave.backends.distributed import wire
 from opweave.backends.distributed.split import Message, RankPart
-from opweave.capture.runtime import Captured
+from opweave.capture.runtime import Captured, module_tensors
 from opweave.errors import CaptureError
 
 
@@ -299,17 +299,8 @@ def _move(gm: fx.GraphModule, device: torch.device) -> None:
 def held_bytes(module: torch.nn.Module) -> int:
     """Bytes of the distinct storages behind ``module``'s parameters, buffers and ``get_attr`` tensors (meta
     stand-ins hold none)."""
-    tensors = [*module.parameters(), *module.buffers()]
-    if isinstance(module, fx.GraphModule):
-        for node in module.graph.nodes:
-            if node.op == "get_attr":
-                value = module
-                for part in node.target.split("."):
-                    value = getattr(value, part)
-                if isinstance(value, torch.Tensor):
-                    tensors.append(value)
     storages = {}
-    for t in tensors:
+    for t in module_tensors(module):
         if not t.is_meta:
             storage = t.untyped_storage()
             storages[(str(t.device), storage.data_ptr())] = storage.nbytes()

@@ -1,4 +1,4 @@
-"""HIOS: hierarchical inter-operator scheduling on M GPUs (Kundu & Shu, 2024, paper 002, §III–IV).
+"""HIOS: hierarchical inter-operator scheduling on M GPUs (Kundu & Shu [1], §III–IV).
 
 Two inter-GPU mappings, each followed by Algorithm 2's intra-GPU grouping (:mod:`.grouping`):
 
@@ -41,6 +41,11 @@ evaluation of :func:`.stages.evaluate`, which under the ideal model equals the s
 Complexity: priorities O(V + E). LP: at most V paths, each O(V + E) to find plus M list schedules of O(V + E):
 O(M·V·(V + E)). MR: O(M²·V·(d + M)) where d is how far back (in priority order) an op's earliest predecessor lies,
 O(M²·V²) at worst. Algorithm 2: O(w·V·(V + E)); on one GPU O(w·V) Python steps and O(w·V²) additions in C.
+
+References
+----------
+.. [1] T. Kundu and T. Shu, "HIOS: Hierarchical Inter-Operator Scheduler for Real-Time Inference of DAG-Structured
+   Deep Learning Models on Multiple GPUs", 2023 (the copy this module follows prints no venue or DOI).
 """
 
 from __future__ import annotations
