@@ -1,6 +1,6 @@
 """Compile time and latency on the CPU: eager, torch.compile, and opweave with and without ``fuse="inductor"``.
 
-    .venv/bin/python benchmarks/fused_cpu.py [--quick] [--models a,b] [--schedulers x,y] [--streams 2]
+    .venv/bin/python benchmarks/fused_cpu.py [--quick] [--models a,b|all] [--schedulers x,y] [--streams 2]
                                              [--runs 30] [--warm-cache] [--out DIR]
 
 For each zoo model (batch 1, the zoo's default input size; ``bert_base`` at ``--bert-layers`` layers) every mode
@@ -47,7 +47,7 @@ TOLERANCE = 1e-4
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}, few runs")
-    p.add_argument("--models", help=f"comma list of zoo models (default {','.join(DEFAULT_MODELS)})")
+    p.add_argument("--models", help=f"comma list of zoo models or all (default {','.join(DEFAULT_MODELS)})")
     p.add_argument("--schedulers", help=f"comma list (default {','.join(DEFAULT_SCHEDULERS)})")
     p.add_argument("--streams", type=int, default=2, help="stream (lane) cap per scheduler (default %(default)s)")
     p.add_argument("--bert-layers", type=int, default=2, help="layers of bert_base (default %(default)s)")
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from opweave import schedulers, zoo
 
-    models = (args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else DEFAULT_MODELS))
+    models = (zoo.names() if args.models == "all" else args.models.split(",") if args.models
+              else list(QUICK_MODELS if args.quick else DEFAULT_MODELS))
     scheds = args.schedulers.split(",") if args.schedulers else list(DEFAULT_SCHEDULERS)
     bad = [m for m in models if m not in zoo.names()] + [s for s in scheds if s not in schedulers.names()]
     if bad:
