@@ -6,9 +6,9 @@
 For each zoo model (batch 1, the zoo's default input size; ``bert_base`` at ``--bert-layers`` layers) every mode
 runs in a fresh child process (spawned, so nothing a mode compiled helps the next), is checked against eager (max
 |difference| of the outputs; ``ok`` when within :data:`TOLERANCE` of the output's scale, max(1, max |eager
-output|): the fp32 allclose of issue 14's acceptance) and is timed the same way (:func:`opweave.bench.median_ms`:
-perf_counter around the whole call under ``torch.inference_mode``, ``--warmup`` calls first, the median of
-``--runs``):
+output|): the fp32 allclose of issue 14's acceptance) and is timed the same way (perf_counter around the whole
+call under ``torch.inference_mode``, :func:`opweave.costs.timing.times_ms`; the median and the minimum of ``--runs``
+calls, after at least ``--warmup`` calls and ``--warmup-s`` seconds of calls):
 
 * ``eager`` — ``model(*inputs)``;
 * ``torch.compile`` — ``torch.compile(model)`` (TorchInductor's C++ backend, default mode); its compile time is
@@ -21,7 +21,10 @@ perf_counter around the whole call under ``torch.inference_mode``, ``--warmup`` 
 Each child gets its own empty TorchInductor cache directory, so the compile times are cold-cache times (the
 first compile on a machine); ``--warm-cache`` gives every child the same directory, compiled once beforehand, for
 the times of a machine that compiled the same graphs before. The machine's load is recorded: on a shared 2-core
-machine every figure moves with it, so compare rows of one run only.
+machine every figure moves with it, so compare rows of one run only. Why a warm-up in seconds: on the shared 2-core
+machine this was written on, a fresh process's first calls were sometimes 10 to 30 times slower than later ones for
+some 20 seconds (cause not found: not Inductor, not opweave's threads), which a few warm-up calls did not cover and
+which favoured the modes that spend that time compiling; the minimum is the figure least moved by other load.
 
 Writes ``DIR/fused_cpu.json`` (machine, settings, one row per model and mode) and prints one table per model.
 """
@@ -52,14 +55,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=2, help="stream (lane) cap per scheduler (default %(default)s)")
     p.add_argument("--bert-layers", type=int, default=2, help="layers of bert_base (default %(default)s)")
     p.add_argument("--runs", type=int, default=30, help="timed calls per mode (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls first (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls first, at least (default %(default)s)")
+    p.add_argument("--warmup-s", type=float, default=20.0,
+                   help="untimed calls for at least this long first (default %(default)s)")
     p.add_argument("--no-torch-compile", action="store_true", help="skip the torch.compile mode")
     p.add_argument("--warm-cache", action="store_true", help="one shared, pre-filled Inductor cache for every mode")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on one mode after this long")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory for the JSON (default %(default)s)")
     args = p.parse_args(argv)
     if args.quick:
-        args.runs, args.warmup = min(args.runs, 5), min(args.warmup, 1)
+        args.runs, args.warmup, args.warmup_s = min(args.runs, 5), min(args.warmup, 1), 0.0
     return args
 
 
@@ -69,12 +74,15 @@ def model_kwargs(name: str, args: argparse.Namespace) -> dict:
 
 def measure(name: str, mode: str, args: argparse.Namespace) -> dict:
     """Build ``mode`` for model ``name``, check it against eager and time it (runs in a child process)."""
+    import statistics
+
     import torch
     from torch.utils import _pytree as pytree
 
     import opweave
     from opweave import zoo
     from opweave.bench import max_abs_diff, median_ms
+    from opweave.costs import timing
 
     model, inputs = zoo.create(name, **model_kwargs(name, args))
     with torch.inference_mode():
@@ -105,7 +113,13 @@ def measure(name: str, mode: str, args: argparse.Namespace) -> dict:
     scale = max((t.abs().max().item() for t in pytree.tree_leaves(reference)
                  if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point()), default=1.0)
     row["ok"] = row["max_abs_diff"] <= TOLERANCE * max(1.0, scale)
-    row["median_ms"] = median_ms(fn, inputs, runs=args.runs, warmup=args.warmup)
+    with torch.inference_mode():
+        deadline, calls = time.perf_counter() + args.warmup_s, 0
+        while calls < args.warmup or time.perf_counter() < deadline:
+            fn(*inputs)
+            calls += 1
+        times = timing.times_ms(lambda: fn(*inputs), runs=args.runs, warmup=0)
+    row.update(warmup_calls=calls, median_ms=statistics.median(times), min_ms=min(times))
     return row
 
 
@@ -157,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in models:
             shared = str(Path(tmp) / f"{name}-shared")
             if args.warm_cache:  # fill the shared cache once with every compiling mode, untimed
+                fill = argparse.Namespace(**{**vars(args), "runs": 1, "warmup": 0, "warmup_s": 0.0})
                 for mode in modes[1:]:
-                    run_mode(name, mode, argparse.Namespace(**{**vars(args), "runs": 1, "warmup": 0}), shared)
+                    run_mode(name, mode, fill, shared)
             for i, mode in enumerate(modes):
                 common.console.print(f"{name}: {mode}", style="dim")
                 cache = shared if args.warm_cache else str(Path(tmp) / f"{name}-{i}")
@@ -172,21 +187,21 @@ def main(argv: list[str] | None = None) -> int:
         table_rows = []
         for r in (r for r in rows if r["model"] == name):
             if "error" in r:
-                table_rows.append([r["mode"], "", "", "", "", "", r["error"][:60]])
+                table_rows.append([r["mode"], "", "", "", "", "", "", r["error"][:60]])
                 continue
             table_rows.append([r["mode"], f"{r['compile_s']:.1f}" if "compile_s" in r else "",
                                f"{r['inductor_s']:.1f}" if "inductor_s" in r else "", str(r.get("segments", "")),
-                               f"{r['median_ms']:.2f}", f"{r.get('speedup_vs_eager', 0):.2f}x",
+                               f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}", f"{r.get('speedup_vs_eager', 0):.2f}x",
                                f"{r['max_abs_diff']:.1e}" + ("" if r["ok"] else " WRONG")])
         common.console.print(common.table(
-            f"{name} batch 1 on the CPU ({'warm' if args.warm_cache else 'cold'} Inductor cache, median of "
-            f"{args.runs} calls)", ["mode", "compile s", "in Inductor s", "segments", "median ms", "vs eager",
-                                    "max |diff|"], table_rows))
+            f"{name} batch 1 on the CPU ({'warm' if args.warm_cache else 'cold'} Inductor cache, {args.runs} calls; "
+            "vs eager: of the medians)", ["mode", "compile s", "in Inductor s", "segments", "median ms", "min ms",
+                                          "vs eager", "max |diff|"], table_rows))
     common.write_json(args.out / "fused_cpu.json", {
         "machine": common.machine_info(),
         "settings": {"models": models, "schedulers": scheds, "streams": args.streams, "bert_layers": args.bert_layers,
-                     "runs": args.runs, "warmup": args.warmup, "inductor_cache": "warm" if args.warm_cache else "cold",
-                     "batch_size": 1},
+                     "runs": args.runs, "warmup": args.warmup, "warmup_s": args.warmup_s,
+                     "inductor_cache": "warm" if args.warm_cache else "cold", "batch_size": 1},
         "rows": rows,
         "elapsed_s": watch.elapsed_s,
     })
