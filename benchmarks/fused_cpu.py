@@ -1,14 +1,9 @@
 """Compile time and latency on the CPU: eager, torch.compile, and opweave with and without ``fuse="inductor"``.
 
     .venv/bin/python benchmarks/fused_cpu.py [--quick] [--models a,b|all] [--schedulers x,y] [--streams 2]
-                                             [--runs 30] [--warm-cache] [--out DIR]
+                                             [--runs 30] [--rounds 6] [--warm-cache] [--out DIR]
 
-For each zoo model (batch 1, the zoo's default input size; ``bert_base`` at ``--bert-layers`` layers) every mode
-runs in a fresh child process (spawned, so nothing a mode compiled helps the next), is checked against eager (max
-|difference| of the outputs; ``ok`` when within :data:`TOLERANCE` of the output's scale, max(1, max |eager
-output|): the fp32 allclose of issue 14's acceptance) and is timed the same way (perf_counter around the whole
-call under ``torch.inference_mode``, :func:`opweave.costs.timing.times_ms`; the median and the minimum of ``--runs``
-calls, after at least ``--warmup`` calls and ``--warmup-s`` seconds of calls):
+For each zoo model (batch 1, the zoo's default input size; ``bert_base`` at ``--bert-layers`` layers), the modes:
 
 * ``eager`` — ``model(*inputs)``;
 * ``torch.compile`` — ``torch.compile(model)`` (TorchInductor's C++ backend, default mode); its compile time is
@@ -18,15 +13,24 @@ calls, after at least ``--warmup`` calls and ``--warmup-s`` seconds of calls):
 * ``opweave <scheduler>+inductor`` — the same plan with every stream segment compiled by TorchInductor
   (``fuse="inductor"``; compile time = all of ``opweave.compile``, of which ``inductor_s`` inside Inductor).
 
-Each child gets its own empty TorchInductor cache directory, so the compile times are cold-cache times (the
-first compile on a machine); ``--warm-cache`` gives every child the same directory, compiled once beforehand, for
-the times of a machine that compiled the same graphs before. The machine's load is recorded: on a shared 2-core
-machine every figure moves with it, so compare rows of one run only. Why a warm-up in seconds: on the shared 2-core
-machine this was written on, a fresh process's first calls were sometimes 10 to 30 times slower than later ones for
-some 20 seconds (cause not found: not Inductor, not opweave's threads), which a few warm-up calls did not cover and
-which favoured the modes that spend that time compiling; the minimum is the figure least moved by other load.
+Two phases, each in spawned child processes (nothing compiled in one helps another):
 
-Writes ``DIR/fused_cpu.json`` (machine, settings, one row per model and mode) and prints one table per model.
+1. **Build and check**, one process per mode with its own empty TorchInductor cache directory, so compile times are
+   cold-cache times (the first compile on a machine; ``--warm-cache``: every mode of a model shares one directory,
+   filled by one untimed build of each mode first). The output is checked against eager: max |difference|, ``ok``
+   when within :data:`TOLERANCE` of the output's scale, max(1, max |eager output|) (the fp32 allclose of issue 14's
+   acceptance).
+2. **Latency**, one process per model that builds every mode again (untimed) and times them **interleaved**: calls
+   round-robin over the modes for ``--warmup-s`` seconds (at least ``--warmup`` calls each), then ``--rounds``
+   rounds in which each mode runs ``--runs / --rounds`` timed calls (perf_counter around the whole call under
+   ``torch.inference_mode``, :func:`opweave.costs.timing.times_ms`); per mode the median and the minimum of its
+   calls. Why interleaved and not one process per mode: on the shared 2-core machine this was written on, other
+   work moved a process's timings by 10-fold and more for tens of seconds (a squeezenet eager median of 323 ms in one
+   process, 50 ms in another a few minutes later), so modes timed in separate processes at separate times were not
+   comparable; interleaving exposes every mode to the same load. The minimum is the figure least moved by it.
+
+Writes ``DIR/fused_cpu.json`` (machine, settings, one row per model and mode, the load average when each row was
+written) and prints one table per model.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import _common as common
@@ -55,16 +60,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=2, help="stream (lane) cap per scheduler (default %(default)s)")
     p.add_argument("--bert-layers", type=int, default=2, help="layers of bert_base (default %(default)s)")
     p.add_argument("--runs", type=int, default=30, help="timed calls per mode (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls first, at least (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds the runs are split into "
+                                                        "(default %(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls per mode first, at least (default %(default)s)")
     p.add_argument("--warmup-s", type=float, default=20.0,
-                   help="untimed calls for at least this long first (default %(default)s)")
+                   help="untimed round-robin calls for at least this long first (default %(default)s)")
     p.add_argument("--no-torch-compile", action="store_true", help="skip the torch.compile mode")
     p.add_argument("--warm-cache", action="store_true", help="one shared, pre-filled Inductor cache for every mode")
-    p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on one mode after this long")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on one child process after this long")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory for the JSON (default %(default)s)")
     args = p.parse_args(argv)
     if args.quick:
-        args.runs, args.warmup, args.warmup_s = min(args.runs, 5), min(args.warmup, 1), 0.0
+        args.runs, args.rounds, args.warmup, args.warmup_s = min(args.runs, 4), 2, min(args.warmup, 1), 0.0
+    args.rounds = max(1, min(args.rounds, args.runs))
     return args
 
 
@@ -72,85 +80,158 @@ def model_kwargs(name: str, args: argparse.Namespace) -> dict:
     return {"num_layers": args.bert_layers} if name == "bert_base" else {}
 
 
-def measure(name: str, mode: str, args: argparse.Namespace) -> dict:
-    """Build ``mode`` for model ``name``, check it against eager and time it (runs in a child process)."""
-    import statistics
-
+def build(model, inputs, mode: str, args: argparse.Namespace) -> tuple[Callable, dict]:
+    """The callable of ``mode`` and what building it recorded (compile time, ops, streams, segments)."""
     import torch
-    from torch.utils import _pytree as pytree
 
     import opweave
-    from opweave import zoo
-    from opweave.bench import max_abs_diff, median_ms
-    from opweave.costs import timing
+    from opweave.bench import median_ms
 
-    model, inputs = zoo.create(name, **model_kwargs(name, args))
-    with torch.inference_mode():
-        reference = model(*inputs)
-    row: dict = {"model": name, "mode": mode, "threads": torch.get_num_threads()}
+    info: dict = {}
     start = time.perf_counter()
     if mode == "eager":
-        fn = model
-    elif mode == "torch.compile":
+        return model, info
+    if mode == "torch.compile":
         compiled = torch.compile(model)
         eager_ms = median_ms(model, inputs, runs=3, warmup=1)
         start = time.perf_counter()
         with torch.inference_mode():
             compiled(*inputs)
-        row["compile_s"] = time.perf_counter() - start - eager_ms / 1e3
-        fn = compiled
-    else:
-        scheduler, _, fuse = mode.removeprefix("opweave ").partition("+")
-        fast = opweave.compile(model, inputs, scheduler=scheduler, streams=args.streams, fuse=fuse or None)
-        row.update(compile_s=time.perf_counter() - start, ops=len(fast.graph), streams=fast.schedule.streams_used,
-                   syncs=fast.plan.syncs)
-        if fast.fused is not None:
-            stats = fast.fused.stats
-            row.update(segments=stats["segments"], inductor_s=stats["compile_s"], fallbacks=stats["fallbacks"])
-        fn = fast
+        info["compile_s"] = time.perf_counter() - start - eager_ms / 1e3
+        return compiled, info
+    scheduler, _, fuse = mode.removeprefix("opweave ").partition("+")
+    fast = opweave.compile(model, inputs, scheduler=scheduler, streams=args.streams, fuse=fuse or None)
+    info.update(compile_s=time.perf_counter() - start, ops=len(fast.graph), streams=fast.schedule.streams_used,
+                syncs=fast.plan.syncs)
+    if fast.fused is not None:
+        stats = fast.fused.stats
+        info.update(segments=stats["segments"], inductor_s=stats["compile_s"], fallbacks=stats["fallbacks"])
+    return fast, info
+
+
+def build_and_check(name: str, mode: str, args: argparse.Namespace) -> dict:
+    """Phase 1 (in a child process): build ``mode`` for model ``name`` and check its output against eager."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    from opweave import zoo
+    from opweave.bench import max_abs_diff
+
+    model, inputs = zoo.create(name, **model_kwargs(name, args))
     with torch.inference_mode():
-        row["max_abs_diff"] = max_abs_diff(reference, fn(*inputs))
+        reference = model(*inputs)
+    fn, info = build(model, inputs, mode, args)
+    with torch.inference_mode():
+        diff = max_abs_diff(reference, fn(*inputs))
     scale = max((t.abs().max().item() for t in pytree.tree_leaves(reference)
                  if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point()), default=1.0)
-    row["ok"] = row["max_abs_diff"] <= TOLERANCE * max(1.0, scale)
+    return {"model": name, "mode": mode, "threads": torch.get_num_threads(), **info, "max_abs_diff": diff,
+            "ok": diff <= TOLERANCE * max(1.0, scale)}
+
+
+def interleaved_latency(name: str, modes: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Phase 2 (in a child process): every mode of model ``name`` built, then timed interleaved (module docstring).
+    Per mode: ``median_ms``, ``min_ms``, ``warmup_calls``."""
+    import statistics
+
+    import torch
+
+    from opweave import zoo
+    from opweave.costs import timing
+
+    model, inputs = zoo.create(name, **model_kwargs(name, args))
+    fns = {mode: build(model, inputs, mode, args)[0] for mode in modes}
+    calls = dict.fromkeys(modes, 0)
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    per_round = [args.runs // args.rounds + (i < args.runs % args.rounds) for i in range(args.rounds)]
     with torch.inference_mode():
-        deadline, calls = time.perf_counter() + args.warmup_s, 0
-        while calls < args.warmup or time.perf_counter() < deadline:
-            fn(*inputs)
-            calls += 1
-        times = timing.times_ms(lambda: fn(*inputs), runs=args.runs, warmup=0)
-    row.update(warmup_calls=calls, median_ms=statistics.median(times), min_ms=min(times))
-    return row
+        deadline = time.perf_counter() + args.warmup_s
+        while min(calls.values()) < args.warmup or time.perf_counter() < deadline:
+            for mode, fn in fns.items():
+                fn(*inputs)
+                calls[mode] += 1
+        for runs in per_round:
+            for mode, fn in fns.items():
+                times[mode] += timing.times_ms(lambda fn=fn: fn(*inputs), runs=runs, warmup=0)
+    return {mode: {"median_ms": statistics.median(ts), "min_ms": min(ts), "warmup_calls": calls[mode]}
+            for mode, ts in times.items()}
 
 
-def _child(conn, name: str, mode: str, args: argparse.Namespace, cache_dir: str) -> None:
+def _child(conn, fn: Callable, fn_args: tuple, cache_dir: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # read when torch._inductor's config is imported
     try:
-        conn.send(("ok", measure(name, mode, args)))
-    except BaseException as exc:  # reported as the row's error, the other modes stand
+        conn.send(("ok", fn(*fn_args)))
+    except BaseException as exc:  # reported as an error, the other modes stand
         conn.send(("error", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
     finally:
         conn.close()
 
 
-def run_mode(name: str, mode: str, args: argparse.Namespace, cache_dir: str) -> dict:
+def in_child(fn: Callable, fn_args: tuple, cache_dir: str, timeout_s: float) -> tuple[str, object]:
+    """``fn(*fn_args)`` in a spawned child with ``cache_dir`` as its Inductor cache: ``("ok", result)`` or
+    ``("error", message)``."""
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(send, name, mode, args, cache_dir), daemon=True)
+    child = ctx.Process(target=_child, args=(send, fn, fn_args, cache_dir), daemon=True)
     child.start()
     send.close()
     try:
-        if not receive.poll(args.timeout_s):
-            return {"model": name, "mode": mode, "error": f"timed out after {args.timeout_s:.0f} s"}
-        status, result = receive.recv()
+        if not receive.poll(timeout_s):
+            return "error", f"timed out after {timeout_s:.0f} s"
+        return receive.recv()
     except EOFError:
-        return {"model": name, "mode": mode, "error": f"child died with exit code {child.exitcode}"}
+        return "error", f"child died with exit code {child.exitcode}"
     finally:
         if child.is_alive():
             child.kill()
         child.join()
         receive.close()
-    return result if status == "ok" else {"model": name, "mode": mode, "error": result}
+
+
+def measure_model(name: str, modes: list[str], args: argparse.Namespace, tmp: Path) -> list[dict]:
+    """Both phases for one model: one row per mode."""
+    shared = str(tmp / f"{name}-shared")
+    if args.warm_cache:  # fill the shared cache once with every compiling mode, untimed
+        for mode in modes[1:]:
+            in_child(build_and_check, (name, mode, args), shared, args.timeout_s)
+    rows = []
+    for i, mode in enumerate(modes):
+        common.console.print(f"{name}: build and check {mode}", style="dim")
+        cache = shared if args.warm_cache else str(tmp / f"{name}-{i}")
+        status, result = in_child(build_and_check, (name, mode, args), cache, args.timeout_s)
+        rows.append(result if status == "ok" else {"model": name, "mode": mode, "error": result})
+    built = [r["mode"] for r in rows if "error" not in r]
+    common.console.print(f"{name}: latency of {len(built)} modes, interleaved", style="dim")
+    status, latency = in_child(interleaved_latency, (name, built, args), str(tmp / f"{name}-latency"),
+                               args.timeout_s)
+    eager = latency.get("eager", {}).get("median_ms") if status == "ok" else None
+    for row in rows:
+        if row["mode"] not in built:
+            continue
+        if status != "ok":
+            row["error"] = f"latency: {latency}"
+            continue
+        row.update(latency[row["mode"]])
+        if eager:
+            row["speedup_vs_eager"] = eager / row["median_ms"]
+    load = round(os.getloadavg()[0], 2)
+    return [{**row, "load_average_1m": load} for row in rows]
+
+
+def table(name: str, rows: list[dict], args: argparse.Namespace):
+    cells = []
+    for r in rows:
+        if "median_ms" not in r:
+            cells.append([r["mode"], "", "", "", "", "", "", r.get("error", "")[:60]])
+            continue
+        cells.append([r["mode"], f"{r['compile_s']:.1f}" if "compile_s" in r else "",
+                      f"{r['inductor_s']:.1f}" if "inductor_s" in r else "", str(r.get("segments", "")),
+                      f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}", f"{r.get('speedup_vs_eager', 0):.2f}x",
+                      f"{r['max_abs_diff']:.1e}" + ("" if r["ok"] else " WRONG")])
+    return common.table(
+        f"{name} batch 1 on the CPU ({'warm' if args.warm_cache else 'cold'} Inductor cache; {args.runs} calls per "
+        f"mode in {args.rounds} interleaved rounds; vs eager: of the medians)",
+        ["mode", "compile s", "in Inductor s", "segments", "median ms", "min ms", "vs eager", "max |diff|"], cells)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,39 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="fused_cpu_inductor_") as tmp:
         for name in models:
-            shared = str(Path(tmp) / f"{name}-shared")
-            if args.warm_cache:  # fill the shared cache once with every compiling mode, untimed
-                fill = argparse.Namespace(**{**vars(args), "runs": 1, "warmup": 0, "warmup_s": 0.0})
-                for mode in modes[1:]:
-                    run_mode(name, mode, fill, shared)
-            for i, mode in enumerate(modes):
-                common.console.print(f"{name}: {mode}", style="dim")
-                cache = shared if args.warm_cache else str(Path(tmp) / f"{name}-{i}")
-                rows.append({**run_mode(name, mode, args, cache), "load_average_1m": round(os.getloadavg()[0], 2)})
-    for row in rows:
-        eager = next((r for r in rows if r["model"] == row["model"] and r["mode"] == "eager" and "median_ms" in r),
-                     None)
-        if eager and "median_ms" in row:
-            row["speedup_vs_eager"] = eager["median_ms"] / row["median_ms"]
-    for name in models:
-        table_rows = []
-        for r in (r for r in rows if r["model"] == name):
-            if "error" in r:
-                table_rows.append([r["mode"], "", "", "", "", "", "", r["error"][:60]])
-                continue
-            table_rows.append([r["mode"], f"{r['compile_s']:.1f}" if "compile_s" in r else "",
-                               f"{r['inductor_s']:.1f}" if "inductor_s" in r else "", str(r.get("segments", "")),
-                               f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}", f"{r.get('speedup_vs_eager', 0):.2f}x",
-                               f"{r['max_abs_diff']:.1e}" + ("" if r["ok"] else " WRONG")])
-        common.console.print(common.table(
-            f"{name} batch 1 on the CPU ({'warm' if args.warm_cache else 'cold'} Inductor cache, {args.runs} calls; "
-            "vs eager: of the medians)", ["mode", "compile s", "in Inductor s", "segments", "median ms", "min ms",
-                                          "vs eager", "max |diff|"], table_rows))
+            model_rows = measure_model(name, modes, args, Path(tmp))
+            common.console.print(table(name, model_rows, args))
+            rows += model_rows
     common.write_json(args.out / "fused_cpu.json", {
         "machine": common.machine_info(),
         "settings": {"models": models, "schedulers": scheds, "streams": args.streams, "bert_layers": args.bert_layers,
-                     "runs": args.runs, "warmup": args.warmup, "warmup_s": args.warmup_s,
-                     "inductor_cache": "warm" if args.warm_cache else "cold", "batch_size": 1},
+                     "runs": args.runs, "rounds": args.rounds, "warmup": args.warmup, "warmup_s": args.warmup_s,
+                     "inductor_cache": "warm" if args.warm_cache else "cold", "batch_size": 1,
+                     "tolerance": TOLERANCE, "timing": "perf_counter per call, modes interleaved in one process"},
         "rows": rows,
         "elapsed_s": watch.elapsed_s,
     })
