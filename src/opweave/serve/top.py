@@ -1,8 +1,15 @@
-"""TOP's learned serving policy (Lin et al., TOP, IEEE TPDS 2024, §V-B, Alg. 1) and the training graphs of its GPG
-stage partitioner (§V-C). Learning lives here, never in the engine: the engine only calls ``Policy.launch`` and
-``Policy.combine``.
+"""TOP's learned serving policy ``top`` (Lin et al., TOP, IEEE TPDS 2024, §V-B, Alg. 1) and the training graphs of
+its GPG stage partitioner (§V-C, scheduler ``top-gpg``). Learning lives here, never in the engine: the engine only
+calls ``Policy.launch`` and ``Policy.combine``.
 
-(The MADDPG part is below the GPG helpers.)
+* :class:`GpgGraphs`, :func:`gpg_over_dp` — random combined blocks of zoo models for ``opweave train-gpg``;
+* :class:`MADDPG` — decentralized actors, centralized critics, replay, soft target updates (eqs. 3-4);
+* :func:`reward`, :class:`ZScore` — eq. (2) on Z-scored utilization, latency and queue-length variance;
+* :class:`TopPolicy` (registered ``top``) — state, actions, superblocks (H) and the threshold T, as a policy;
+* :func:`train` — Alg. 1's offline phase against the simulated executor (``opweave train-policy``);
+* :func:`save_agents`, :func:`load_agents` — the policy file (``--policy-file``).
+
+Every choice where the paper is silent is in the docstring of the piece that makes it.
 """
 
 from __future__ import annotations
