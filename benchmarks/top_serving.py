@@ -6,9 +6,10 @@ The serving table of ``benchmarks/serving.py`` (same engine settings: H100 roofl
 model, lios inside each combined block, max batch 16, queues of 64, H = 4, Poisson arrivals, 2 s of virtual time
 per run, highest sustainable scale under a p99 of 100 ms with rejections infinitely late) with one more row: ``top``,
 whose agents are first trained on the pattern (``opweave train-policy`` with ``--steps`` decisions of 50 ms at
-scales 1-32; one intra-op thread) unless ``--policy-dir`` holds ``<pattern>.pt`` already. Patterns (TOP Table II):
-``multi`` (Inception-v3 30 + ResNet-50 60 + SqueezeNet 120 FPS) and the single-model 240 FPS patterns
-(``inception_v3``, ``resnet50``, ``squeezenet``); default ``multi,squeezenet`` (the 2-core budget).
+scales 1-32; one intra-op thread) unless ``--policy-dir`` holds ``top_policy_<pattern>.pt`` already (with the
+``.json`` that ``opweave train-policy`` writes beside it, whose training time and curve are then reported).
+Patterns (TOP Table II): ``multi`` (Inception-v3 30 + ResNet-50 60 + SqueezeNet 120 FPS) and the single-model
+240 FPS patterns (``inception_v3``, ``resnet50``, ``squeezenet``); default ``multi,squeezenet`` (the 2-core budget).
 
 Besides the numbers, for every ``top`` run: how many decisions the actors made, how many combinations were refused
 as superblocks, the launch intervals they chose, and the mean sub-blocks per combined block actually run against
@@ -18,6 +19,7 @@ load) and ``top_learning.png`` (the learning curves). Timings of training are wa
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -70,6 +72,11 @@ def main() -> None:
             training[name] = {"steps": steps, "train_s": round(train_s, 1), "updates": agents.updates,
                               "curve": [[r["step"], r["reward"], int(r["superblock"])] for r in curve]}
             common.console.print(f"{name}: trained {steps} steps in {train_s:.0f} s")
+        elif file.with_suffix(".json").is_file():  # trained by opweave train-policy: its curve and time
+            saved = json.loads(file.with_suffix(".json").read_text())
+            training[name] = {"steps": saved["meta"]["steps"], "train_s": saved["meta"]["train_s"],
+                              "updates": saved["meta"]["updates"], "command": saved["meta"]["command"],
+                              "curve": [[r["step"], r["reward"], int(r["superblock"])] for r in saved["curve"]]}
 
         def measure(policy: str, scale: float, pattern=pattern, file=file) -> dict:
             options = {"policy_file": str(file)} if policy == "top" else {}
