@@ -70,12 +70,14 @@ def main() -> None:
             blocks = {m: len(executor.models[m].blocks) for m in pattern}
             top.save_agents(agents, file, blocks=blocks, max_sub_blocks=H, meta={"train_s": train_s, "steps": steps})
             training[name] = {"steps": steps, "train_s": round(train_s, 1), "updates": agents.updates,
+                              "kept_step": agents.kept_step,
                               "curve": [[r["step"], r["reward"], int(r["superblock"])] for r in curve]}
             common.console.print(f"{name}: trained {steps} steps in {train_s:.0f} s")
         elif file.with_suffix(".json").is_file():  # trained by opweave train-policy: its curve and time
             saved = json.loads(file.with_suffix(".json").read_text())
             training[name] = {"steps": saved["meta"]["steps"], "train_s": saved["meta"]["train_s"],
                               "updates": saved["meta"]["updates"], "command": saved["meta"]["command"],
+                              "kept_step": saved["meta"].get("kept_step"),
                               "curve": [[r["step"], r["reward"], int(r["superblock"])] for r in saved["curve"]]}
 
         def measure(policy: str, scale: float, pattern=pattern, file=file) -> dict:

@@ -165,7 +165,7 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
                        + (f" --image-size {image_size}" if image_size else "") + (f" --warmup {warmup}"
                                                                                   if warmup else ""),
             "train_s": round(train_s, 1), "load_s": round(loaded - start, 1), "steps": steps,
-            "updates": agents.updates}
+            "updates": agents.updates, "kept_step": agents.kept_step}
     top.save_agents(agents, output, blocks=blocks, max_sub_blocks=max_sub_blocks, meta=meta)
     curve_path = (plot or output).with_suffix(".json")
     curve_path.write_text(json.dumps({"meta": meta, "curve": curve}) + "\n")

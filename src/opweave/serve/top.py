@@ -14,6 +14,7 @@ Every choice where the paper is silent is in the docstring of the piece that mak
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from dataclasses import replace
@@ -127,10 +128,11 @@ class MADDPG:
     Choices: updates start once ``warmup`` transitions are stored (Alg. 1 waits for ``replay_size`` = 2000; that
     alone is most of a 10-minute budget on 2 cores, so the default starts at one batch) and run once per stored
     transition; exploration adds Gaussian noise of standard deviation ``noise`` to every action (clipped to [0, 1]);
-    ``tau`` = 0.01 (TOP gives none); the actor loss adds ``saturation`` × the mean square of the actor's output
-    before its sigmoid: without it the model agents drove their outputs into the sigmoid's flat ends, where every
-    block lands in one interval (a superblock, reward 0) and no gradient leads back (seen after 160 steps on
-    SqueezeNet)."""
+    ``tau`` = 0.01 (TOP gives none); the actor loss adds ``saturation`` × the mean square of how far the actor's
+    output before its sigmoid lies beyond ±4: without it the model agents drove their outputs into the sigmoid's
+    flat ends, where every block lands in one interval (a superblock, reward 0) and no gradient leads back (seen
+    after 160 steps on SqueezeNet). (A plain square, tried first, pulls every output to 0.5, i.e. every block into
+    one interval: on three models it ended in superblocks only.) :meth:`start_at` sets where the actors begin."""
 
     def __init__(self, state_dim: int, action_dims: list[int], *, gamma: float = GAMMA, lr: float = LR,
                  batch: int = BATCH, replay: int = REPLAY, warmup: int | None = None, tau: float = 0.01,
@@ -156,6 +158,18 @@ class MADDPG:
         self.buffer: list[tuple] = []
         self.pos = 0
         self.updates = 0
+
+    def start_at(self, agent: int, values) -> None:
+        """Make actor ``agent`` (and its target) start near the action ``values`` in every state: its last layer's
+        bias becomes their logit and its weights are scaled by 0.1."""
+        import torch
+
+        target = torch.as_tensor(values, dtype=torch.float32).clamp(1e-3, 1 - 1e-3)
+        for net in (self.actors[agent], self.target_actors[agent]):
+            last = net[-2]
+            with torch.no_grad():
+                last.weight.mul_(0.1)
+                last.bias.copy_(torch.log(target / (1 - target)))
 
     def act(self, state, explore: bool = False) -> list:
         """Every agent's action for ``state`` (numpy arrays in [0, 1]); with ``explore``, plus noise."""
@@ -205,7 +219,7 @@ class MADDPG:
             critic_loss += float(loss.detach())
             pre = actor[:-1](s)  # before the sigmoid
             mine = torch.cat([a[:, :cuts[i]], torch.sigmoid(pre), a[:, cuts[i + 1]:]], 1)
-            loss = -critic(torch.cat([s, mine], 1)).mean() + self.saturation * (pre ** 2).mean()
+            loss = -critic(torch.cat([s, mine], 1)).mean() + self.saturation * (torch.relu(pre.abs() - 4) ** 2).mean()
             self.actor_opt[i].zero_grad()
             loss.backward()
             self.actor_opt[i].step()
@@ -416,18 +430,27 @@ class _Answers(Observer):
 
 def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int, period_ms: float = 50.0,
           episode_steps: int = 40, scales: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0), max_queue: int = 64,
-          max_batch: int = 16, max_sub_blocks: int = 4, warmup: int | None = None, seed: int = 0,
-          on_step=None) -> tuple[MADDPG, list[dict]]:
+          max_batch: int = 16, max_sub_blocks: int = 4, warmup: int | None = None, keep_window: int = 100,
+          seed: int = 0, on_step=None) -> tuple[MADDPG, list[dict]]:
     """Alg. 1's offline phase against the simulated executor: ``steps`` decisions of ``period_ms`` of virtual time
     each, in episodes of ``episode_steps`` (each a fresh engine with empty queues and Poisson arrivals of
     ``pattern`` at a scale drawn from ``scales``, so the agents see light and heavy load).
+
+    The model agents start from the combination where every block runs alone (each in its own interval,
+    :meth:`MADDPG.start_at`): from TOP's default initialization every block starts in the same interval, a
+    superblock, and on three models (35 blocks, H = 4) three steps in four were superblocks from the start.
 
     One step: the agents act on the state (with exploration noise); a superblock gets reward 0 for every agent and
     keeps the state, the intervals and the combination (Alg. 1 lines 8-9, §V-D); otherwise the engine runs one
     period, the next state is sampled, and eq. (2) gives the rewards from the Z-scored (running statistics over the
     whole training) mean utilization of the period's samples, each model's mean latency of the requests answered in
     the period (when none was: the wait of its oldest queued request, 0 if none) and σ. The transition is stored and
-    every agent updated (:class:`MADDPG`). Returns the agents and one record per step (the learning curve)."""
+    every agent updated (:class:`MADDPG`). Returns the agents and one record per step (the learning curve).
+
+    The actors returned are those of the step at which the launcher's reward, averaged over the last
+    ``keep_window`` steps, was highest once learning had begun (``agents.kept_step``; -1: the last ones): on three
+    models the agents later drift into combinations that are all superblocks (reward 0; ``benchmarks/top_serving.py``
+    shows the curve), and Alg. 1 says nothing about which actors to deploy."""
     from opweave.serve.engine import Engine, Simulation
     from opweave.serve.executors import SimClock
     from opweave.serve.loadgen import arrivals
@@ -437,9 +460,15 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int, perio
     probe = TopPolicy(period_ms=period_ms)
     probe.bind(blocks, {m: max_batch for m in models}, max_sub_blocks)
     agents = MADDPG(probe.state_dim, probe.action_dims, warmup=warmup, seed=seed)
+    total = sum(blocks.values())
+    first = 0
+    for i, m in enumerate(models):  # the model agents start from "no block combined": block g in interval g
+        agents.start_at(i + 1, [(first + b + 0.5) / total for b in range(blocks[m])])
+        first += blocks[m]
     util_z, sigma_z, lat_z = ZScore(), ZScore(), {m: ZScore() for m in models}
     rng = random.Random(seed)
     history: list[dict] = []
+    best: tuple[float, int, list | None] = (-math.inf, -1, None)
     step = 0
     episode = 0
     while step < steps:
@@ -481,9 +510,17 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int, perio
             losses = agents.update()
             record.update(reward=round(rewards[0], 4), rewards=[round(r, 4) for r in rewards], **(losses or {}))
             history.append(record)
+            recent = history[-keep_window:]
+            mean = sum(r["reward"] for r in recent) / len(recent)
+            if agents.updates and len(recent) == keep_window and mean > best[0]:
+                best = (mean, step, [copy.deepcopy(a.state_dict()) for a in agents.actors])
             if on_step is not None:
                 on_step(step, record)
             state = next_state
             step += 1
         episode += 1
+    if best[2] is not None:
+        for actor, state in zip(agents.actors, best[2], strict=True):
+            actor.load_state_dict(state)
+    agents.kept_step = best[1]
     return agents, history
