@@ -53,12 +53,13 @@ def main() -> None:
     clock = common.Stopwatch()
     models = sorted({m for n in names for m in PATTERNS[n]})
     served = load_models(models, device="sim", max_batch=MAX_BATCH)
-    executor = SimExecutor({n: m.blocked for n, m in served.items()}, preset=args.preset)
     results, training = [], {}
     policy_dir = args.policy_dir or args.out
     policy_dir.mkdir(parents=True, exist_ok=True)
     for name in names:
         pattern = PATTERNS[name]
+        # the engine serves the pattern's models only: a top policy is trained for exactly those
+        executor = SimExecutor({m: served[m].blocked for m in pattern}, preset=args.preset)
         file = policy_dir / f"top_policy_{name}.pt"
         if args.policy_dir is None or not file.is_file():
             start = time.perf_counter()
@@ -80,7 +81,7 @@ def main() -> None:
                               "kept_step": saved["meta"].get("kept_step"),
                               "curve": [[r["step"], r["reward"], int(r["superblock"])] for r in saved["curve"]]}
 
-        def measure(policy: str, scale: float, pattern=pattern, file=file) -> dict:
+        def measure(policy: str, scale: float, pattern=pattern, file=file, executor=executor) -> dict:
             options = {"policy_file": str(file)} if policy == "top" else {}
             engine = Engine(executor, policies.create(policy, **options), SimClock(), max_queue=MAX_QUEUE,
                             max_batch=MAX_BATCH, max_sub_blocks=H)

@@ -456,6 +456,9 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int, perio
     from opweave.serve.loadgen import arrivals
 
     models = list(pattern)
+    if set(models) != set(executor.models):
+        raise UsageError(f"train: the executor serves {sorted(executor.models)}, the pattern names {sorted(models)}; "
+                         "a top policy is trained for exactly the models it serves")
     blocks = {m: len(executor.models[m].blocks) for m in models}
     probe = TopPolicy(period_ms=period_ms)
     probe.bind(blocks, {m: max_batch for m in models}, max_sub_blocks)
