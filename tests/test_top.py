@@ -230,3 +230,8 @@ def test_a_trained_top_policy_serves_and_every_answer_equals_eager(policy_file):
         got = torch.tensor(out["data"]).reshape(out["shape"])
         with torch.no_grad():
             assert torch.allclose(got, reference(x), rtol=1e-4, atol=1e-4)
+
+
+def test_train_refuses_a_pattern_other_than_the_served_models(squeeze_blocks):
+    with pytest.raises(UsageError, match="the executor serves \\['squeezenet'\\], the pattern names \\['resnet50'\\]"):
+        top.train(squeeze_blocks.executor, {"resnet50": 100.0}, steps=1)
