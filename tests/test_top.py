@@ -235,3 +235,33 @@ def test_a_trained_top_policy_serves_and_every_answer_equals_eager(policy_file):
 def test_train_refuses_a_pattern_other_than_the_served_models(squeeze_blocks):
     with pytest.raises(UsageError, match="the executor serves \\['squeezenet'\\], the pattern names \\['resnet50'\\]"):
         top.train(squeeze_blocks.executor, {"resnet50": 100.0}, steps=1)
+
+
+def _schedule_in_child(conn, graph, weights):
+    sched = schedulers.run("top-gpg", graph, from_graph(graph), weights=weights)
+    conn.send(sched.predicted_ms)
+
+
+def test_gpg_schedules_in_a_forked_child(tmp_path):
+    """benchmarks/_common.run_limited forks; torch's second intra-op thread does not survive a fork, so loading the
+    weights there hung until the timeout (sched_time's smoke test) before the load ran with one thread."""
+    import multiprocessing
+
+    before, child = torch.get_num_threads(), None
+    torch.set_num_threads(2)  # conftest runs tests with one; benchmarks run with the default
+    try:
+        torch.randn(1 << 20).to(torch.float64).sum()  # the parent's intra-op thread pool is up
+        weights = tmp_path / "copy.pt"
+        weights.write_bytes(top_gpg.DEFAULT_WEIGHTS.read_bytes())  # not in the load cache: the child loads it
+        graph = random_dag(20, 4, seed=2)
+        ctx = multiprocessing.get_context("fork")
+        receive, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_schedule_in_child, args=(send, graph, weights), daemon=True)
+        child.start()
+        assert receive.poll(30), "the forked child did not answer within 30 s"
+        assert receive.recv() == schedulers.run("top-gpg", graph, from_graph(graph), weights=weights).predicted_ms
+    finally:
+        torch.set_num_threads(before)
+        if child is not None and child.is_alive():
+            child.kill()
+            child.join()

@@ -270,7 +270,8 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
     ``weights`` (default: the shipped file). ``streams`` caps the groups per stage, as for ``ios``."""
     if max_group_ops < 1 or max_groups < 1 or max_block_ops < 1 or max_states < 2:
         raise UsageError("top-gpg needs max_group_ops, max_groups, max_block_ops >= 1 and max_states >= 2")
-    net = load(weights)
+    with one_thread():  # loading too: a forked child (benchmarks/_common.run_limited) hangs in a second thread
+        net = load(weights)
     group_cap = max_groups if streams is None else min(max_groups, streams)
     options = {"max_group_ops": max_group_ops, "max_groups": group_cap, "max_block_ops": max_block_ops,
                "max_states": max_states, "weights": str(weights or DEFAULT_WEIGHTS.name)}
