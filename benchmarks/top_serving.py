@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import _common as common
-from serving import MAX_BATCH, MAX_QUEUE, MULTI, SINGLE_RATE, H, row, search
+from serving import MAX_BATCH, MAX_QUEUE, MULTI, SINGLE_RATE, SLO_MS, H, row, search
 
 from opweave.schedulers.top_gpg import one_thread
 from opweave.serve import loadgen, policies, top
@@ -86,7 +86,7 @@ def main() -> None:
             engine = Engine(executor, policies.create(policy, **options), SimClock(), max_queue=MAX_QUEUE,
                             max_batch=MAX_BATCH, max_sub_blocks=H)
             rep, _ = loadgen.run_simulated(engine, pattern, duration, seed=args.seed, scale=scale)
-            r = row(rep)
+            r = row(rep, SLO_MS)
             stats = rep["engine_stats"]
             r["sub_blocks_per_step"] = round(stats["parts"] / stats["steps"], 3) if stats["steps"] else 0.0
             r["fallbacks"] = stats["fallbacks"]
