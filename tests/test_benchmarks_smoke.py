@@ -161,3 +161,26 @@ def test_fused_cpu_quick(tmp_path):
     assert data["settings"]["inductor_cache"] == "cold"
     assert all(0 < r["min_ms"] <= r["median_ms"] and r["warmup_calls"] >= 1 for r in data["rows"])
     assert data["rows"][0]["speedup_vs_eager"] == 1.0
+
+
+def test_top_gpg_quick(tmp_path):
+    result = run_script("top_gpg.py", tmp_path, "--graphs", "1", "--repeats", "1")
+    data = json.loads((tmp_path / "top_gpg.json").read_text())
+    assert [s["sub_blocks"] for s in data["summary"]] == [1, 2, 3, 4, 5, 6]
+    for row in data["results"]:
+        assert row["ok"] and row["top-gpg"]["makespan_ms"] >= row["ios"]["makespan_ms"] - 1e-6
+        assert row["ios"]["time_ms"] > 0 and row["top-gpg"]["time_ms"] > 0
+    assert (tmp_path / "top_gpg.png").stat().st_size > 1000 and "GPG vs IOS-DP" in result.stdout
+
+
+@pytest.mark.slow
+def test_top_serving_quick(tmp_path):
+    result = run_script("top_serving.py", tmp_path)
+    data = json.loads((tmp_path / "top_serving.json").read_text())
+    assert [(e["pattern"], e["policy"]) for e in data["results"]] == [
+        ("squeezenet", p) for p in ("static", "batch", "heuristic", "top")]
+    assert data["training"]["squeezenet"]["steps"] == 30 and data["training"]["squeezenet"]["train_s"] > 0
+    top_row = data["results"][-1]["scales"]["1"]
+    assert top_row["sent"] == top_row["answered"] + top_row["rejected"] + top_row["timeouts"] + top_row["errors"]
+    assert "decisions" in top_row and set(data["verdicts"]["squeezenet"]) >= {"top", "heuristic"}
+    assert (tmp_path / "top_learning.png").stat().st_size > 1000 and "heuristic (p99 at scale 2" in result.stdout

@@ -212,8 +212,8 @@ def test_unknown_models_and_policies_are_usage_errors(two_tiny):
     eng, _ = sim_engine(models, "static")
     with pytest.raises(UsageError, match="unknown model 'c'"):
         eng.submit("c")
-    with pytest.raises(UsageError, match="unknown policy 'top'"):
-        policies.create("top")
+    with pytest.raises(UsageError, match="unknown policy 'no-such-policy'"):
+        policies.create("no-such-policy")
     with pytest.raises(UsageError, match="policy 'batch'"):
         policies.create("batch", nope=1)
     assert policies.parse_options("max_batch=8,max_queue_delay_ms=0.5") == {"max_batch": 8,

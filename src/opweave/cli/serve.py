@@ -13,8 +13,11 @@ from rich.table import Table
 from opweave.cli.app import JsonOpt, app, err, guard, out
 from opweave.errors import UsageError
 
-PolicyOpt = Annotated[str, typer.Option("--policy", help="static | batch | heuristic (or a registered policy)")]
+PolicyOpt = Annotated[str, typer.Option("--policy", help="static | batch | heuristic | top (or a registered "
+                                                        "policy)")]
 PolicyOptionsOpt = Annotated[str | None, typer.Option("--policy-options", help="KEY=VALUE,... for the policy")]
+PolicyFileOpt = Annotated[Path | None, typer.Option("--policy-file", help="trained policy (top: opweave "
+                                                    "train-policy)")]
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", min=1, help="requests waiting per model (then 429)")]
 MaxBatchOpt = Annotated[int, typer.Option("--max-batch", min=1, help="samples stacked in one instance")]
 HOpt = Annotated[int, typer.Option("--max-sub-blocks", min=1, help="H: sub-blocks per combined block")]
@@ -28,6 +31,20 @@ def _names(text: str | None) -> list[str]:
     return [n.strip() for n in (text or "").split(",") if n.strip()]
 
 
+def _policy_options(policy: str, text: str | None, policy_file: Path | None) -> dict:
+    """``--policy-options`` as a dict, with ``--policy-file`` as its ``policy_file``."""
+    from opweave.serve import policies
+
+    options = policies.parse_options(text)
+    if policy_file is not None:
+        if not policy_file.is_file():
+            raise UsageError(f"--policy-file {policy_file}: no such file")
+        options["policy_file"] = str(policy_file)
+    elif policy == "top" and "policy_file" not in options:
+        raise UsageError("--policy top needs --policy-file (train one with opweave train-policy)")
+    return options
+
+
 @app.command()
 @guard
 def serve(models: Annotated[str | None, typer.Option("--models", help="comma list of zoo models")] = None,
@@ -36,8 +53,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
           host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
           port: Annotated[int, typer.Option("--port", min=0, max=65535, help="0: any free port")] = 8000,
-          policy: PolicyOpt = "heuristic", policy_options: PolicyOptionsOpt = None, max_queue: MaxQueueOpt = 64,
-          max_batch: MaxBatchOpt = 8, max_sub_blocks: HOpt = 4,
+          policy: PolicyOpt = "heuristic", policy_options: PolicyOptionsOpt = None,
+          policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64, max_batch: MaxBatchOpt = 8,
+          max_sub_blocks: HOpt = 4,
           timeout_ms: Annotated[float | None, typer.Option("--timeout-ms", help="default request deadline")] = None,
           scheduler: SchedulerOpt = "lios", streams: StreamsOpt = None, image_size: ImageSizeOpt = None,
           cuts: CutsOpt = None,
@@ -51,7 +69,6 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     took 70 ms with one intra-op thread and 1.2 s with two on a busy 2-core machine)."""
     import torch
 
-    from opweave.serve import policies
     from opweave.serve.build import load_models, make_engine, parse_cuts, parse_image_size
     from opweave.serve.models import parse_model_files
     from opweave.serve.server import serve as run_server
@@ -59,10 +76,12 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     torch.set_num_threads(threads)
+    options = _policy_options(policy, policy_options, policy_file)
     files = parse_model_files(model_file)
     served = load_models(_names(models), files, device=device, max_batch=max_batch,
                          image_size=parse_image_size(image_size), cuts=parse_cuts(cuts))
-    engine = make_engine(served, device=device, policy=policy, policy_options=policies.parse_options(policy_options),
+    engine = make_engine(served, device=device, policy=policy,
+                         policy_options=options,
                          max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
                          timeout_s=None if timeout_ms is None else timeout_ms / 1e3, scheduler=scheduler,
                          streams=streams)
@@ -86,7 +105,8 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
             simulate: Annotated[bool, typer.Option("--simulate", help="run the engine in simulation, no HTTP")] = False,
             device_preset: Annotated[str, typer.Option("--device-preset", help="roofline preset (simulation)")
                                      ] = "h100",
-            policy: PolicyOpt = "heuristic", policy_options: PolicyOptionsOpt = None, max_queue: MaxQueueOpt = 64,
+            policy: PolicyOpt = "heuristic", policy_options: PolicyOptionsOpt = None,
+            policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64,
             max_batch: MaxBatchOpt = 8, max_sub_blocks: HOpt = 4, scheduler: SchedulerOpt = "lios",
             streams: StreamsOpt = None, image_size: ImageSizeOpt = None,
             profile: Annotated[list[str] | None, typer.Option("--profile", help="MODEL=PATH: measured profile "
@@ -97,7 +117,6 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
     """Send TOP-style arrival patterns to a server (or simulate them): throughput, p50/p99 per model, rejections,
     errors, queue-length variance over time."""
     from opweave.serve import loadgen as lg
-    from opweave.serve import policies
 
     rates = lg.parse_pattern(pattern)
     if simulate == (url is not None):
@@ -107,10 +126,11 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
     if simulate:
         from opweave.serve.build import load_models, load_profiles, make_engine, parse_image_size
 
+        options = _policy_options(policy, policy_options, policy_file)
         served = load_models(list(rates), device="sim", max_batch=max_batch,
                              image_size=parse_image_size(image_size))
         engine = make_engine(served, device="sim", policy=policy,
-                             policy_options=policies.parse_options(policy_options), max_queue=max_queue,
+                             policy_options=options, max_queue=max_queue,
                              max_batch=max_batch, max_sub_blocks=max_sub_blocks, scheduler=scheduler,
                              streams=streams, preset=device_preset, profiles=load_profiles(profile, served))
         rep, outcomes = lg.run_simulated(engine, rates, duration, arrivals, seed=seed, scale=scale)

@@ -162,15 +162,21 @@ def endings(state: int, desc: list[int], max_group_ops: int, max_groups: int) ->
     return found
 
 
-def block_stages(graph: OpGraph, costs: Costs, block: list[str], max_group_ops: int = DEFAULT_MAX_GROUP_OPS,
-                 max_groups: int = DEFAULT_MAX_GROUPS) -> tuple[float, list[list[list[str]]]]:
-    """Optimal stages of one block under the recurrence above: (total latency in ms, stages as lists of groups)."""
+def block_descendants(graph: OpGraph, block: list[str]) -> list[int]:
+    """``desc[i]``: the bitset (positions in ``block``) of the descendants of ``block[i]`` inside the block."""
     pos = {op: i for i, op in enumerate(block)}
     desc = [0] * len(block)
     for i in reversed(range(len(block))):  # block is topologically ordered and convex, so paths stay inside it
         for succ in graph.succs[block[i]]:
             if succ in pos:
                 desc[i] |= desc[pos[succ]] | 1 << pos[succ]
+    return desc
+
+
+def block_stages(graph: OpGraph, costs: Costs, block: list[str], max_group_ops: int = DEFAULT_MAX_GROUP_OPS,
+                 max_groups: int = DEFAULT_MAX_GROUPS) -> tuple[float, list[list[list[str]]]]:
+    """Optimal stages of one block under the recurrence above: (total latency in ms, stages as lists of groups)."""
+    desc = block_descendants(graph, block)
     stage_ms: dict[int, float] = {}
     best: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
 
@@ -206,13 +212,22 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
     if max_group_ops < 1 or max_groups < 1 or max_block_ops < 1 or max_states < 2:
         raise UsageError("IOS needs max_group_ops, max_groups, max_block_ops >= 1 and max_states >= 2")
     group_cap = max_groups if streams is None else min(max_groups, streams)
+    options = {"max_group_ops": max_group_ops, "max_groups": group_cap, "max_block_ops": max_block_ops,
+               "max_states": max_states}
+    return staged("ios", blocks(graph, max_block_ops, max_states),
+                  lambda block: block_stages(graph, costs, block, max_group_ops, group_cap), options)
+
+
+def staged(name: str, chunks: list[list[str]], solve, options: dict) -> Schedule:
+    """The stage schedule of ``chunks`` solved one after the other: ``solve(chunk)`` gives (latency in ms, stages as
+    lists of groups); stages are numbered globally, a group's index inside its stage is its stream, device 0."""
     order: list[str] = []
     stream_of: dict[str, int] = {}
     stage_of: dict[str, int] = {}
     total_ms = 0.0
     stage = 0
-    for block in blocks(graph, max_block_ops, max_states):
-        block_ms, stages = block_stages(graph, costs, block, max_group_ops, group_cap)
+    for block in chunks:
+        block_ms, stages = solve(block)
         total_ms += block_ms
         for groups in stages:
             for stream, group in enumerate(groups):
@@ -221,6 +236,5 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
                     stream_of[op] = stream
                     stage_of[op] = stage
             stage += 1
-    return Schedule("ios", order, stream_of, {op: 0 for op in order}, stage_of=stage_of, predicted_ms=total_ms,
-                    options={"max_group_ops": max_group_ops, "max_groups": group_cap, "max_block_ops": max_block_ops,
-                             "max_states": max_states})
+    return Schedule(name, order, stream_of, {op: 0 for op in order}, stage_of=stage_of, predicted_ms=total_ms,
+                    options=options)

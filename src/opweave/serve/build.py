@@ -7,6 +7,7 @@ from pathlib import Path
 
 from opweave.errors import UsageError
 from opweave.serve import policies
+from opweave.serve import top as _top  # noqa: F401 - registers the learned policy "top"
 from opweave.serve.engine import Engine
 from opweave.serve.executors import CpuExecutor, CudaExecutor, Part, RealClock, SimClock, SimExecutor
 from opweave.serve.models import ServedModel, load

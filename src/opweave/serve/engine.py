@@ -463,53 +463,69 @@ class SimRun:
     stats: dict
 
 
-def simulate_arrivals(engine: Engine, arrivals: list[Arrival], *, sample_s: float = 0.05,
-                      max_time_s: float | None = None) -> SimRun:
-    """Feed ``arrivals`` (sorted by time) to ``engine`` on its simulated clock and step until every accepted request
-    is answered (or ``max_time_s`` of virtual time). An arrival during a step is submitted at its own time once the
-    step ends: queues change only at step starts, so it sees the queue it would have seen."""
-    clock = engine.clock
-    if not getattr(clock, "simulated", False):
-        raise UsageError("simulate_arrivals needs an engine on a SimClock")
-    requests: list[Request] = []
-    rejected: list[Arrival] = []
-    samples: list[tuple[float, dict[str, int]]] = []
-    i, next_sample = 0, 0.0
+class Simulation:
+    """``arrivals`` (sorted by time) fed to ``engine`` on its simulated clock, advanced on demand: :meth:`advance`
+    steps until a virtual time, :meth:`finish` until every accepted request is answered. An arrival during a step
+    is submitted at its own time once the step ends: queues change only at step starts, so it sees the queue it
+    would have seen. Queue lengths are sampled every ``sample_s``."""
 
-    def catch_up(now: float) -> None:
-        nonlocal i, next_sample
+    def __init__(self, engine: Engine, arrivals: list[Arrival], *, sample_s: float = 0.05):
+        if not getattr(engine.clock, "simulated", False):
+            raise UsageError("simulate_arrivals needs an engine on a SimClock")
+        self.engine, self.arrivals, self.sample_s = engine, arrivals, sample_s
+        self.requests: list[Request] = []
+        self.rejected: list[Arrival] = []
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self.i, self.next_sample = 0, engine.clock.now()
+
+    def _catch_up(self, now: float) -> None:
+        arrivals, engine = self.arrivals, self.engine
         while True:
-            t_arrival = arrivals[i].time if i < len(arrivals) else math.inf
-            if next_sample <= now and next_sample <= t_arrival:
-                samples.append((next_sample, engine.queue_lengths()))
-                next_sample += sample_s
+            t_arrival = arrivals[self.i].time if self.i < len(arrivals) else math.inf
+            if self.next_sample <= now and self.next_sample <= t_arrival:
+                self.samples.append((self.next_sample, engine.queue_lengths()))
+                self.next_sample += self.sample_s
             elif t_arrival <= now:
-                a = arrivals[i]
-                i += 1
+                a = arrivals[self.i]
+                self.i += 1
                 try:
-                    requests.append(engine.submit(a.model, batch=a.batch, at=a.time))
+                    self.requests.append(engine.submit(a.model, batch=a.batch, at=a.time))
                 except QueueFull:
-                    rejected.append(a)
+                    self.rejected.append(a)
             else:
                 return
 
-    while True:
-        now = clock.now()
-        catch_up(now)
-        if max_time_s is not None and now >= max_time_s:
-            break
-        if engine.step():
-            continue
-        nxt = min(arrivals[i].time if i < len(arrivals) else math.inf, engine.next_wake())
-        if nxt == math.inf:
-            if not engine.busy():
-                break
-            nxt = now + 1e-4  # instances wait on nothing timed: let the policy see the time move
-        clock.advance_to(max(nxt, now))
-        if nxt <= now:
-            clock.spend(1e-6)
-    return SimRun(requests, rejected, samples, clock.now(), dict(engine.stats))
+    def advance(self, until: float = math.inf) -> bool:
+        """Step until virtual time ``until`` (or until nothing is left to do); False once nothing is left."""
+        engine, clock, arrivals = self.engine, self.engine.clock, self.arrivals
+        while True:
+            now = clock.now()
+            self._catch_up(now)
+            if now >= until:
+                return True
+            if engine.step():
+                continue
+            nxt = min(arrivals[self.i].time if self.i < len(arrivals) else math.inf, engine.next_wake())
+            if nxt == math.inf:
+                if not engine.busy():
+                    return False
+                nxt = now + 1e-4  # instances wait on nothing timed: let the policy see the time move
+            clock.advance_to(min(max(nxt, now), until))
+            if nxt <= now:
+                clock.spend(1e-6)
+
+    def result(self) -> SimRun:
+        return SimRun(self.requests, self.rejected, self.samples, self.engine.clock.now(), dict(self.engine.stats))
 
 
-__all__ = ["Arrival", "Engine", "Instance", "Observer", "QueueFull", "Request", "SimRun", "Unavailable",
+def simulate_arrivals(engine: Engine, arrivals: list[Arrival], *, sample_s: float = 0.05,
+                      max_time_s: float | None = None) -> SimRun:
+    """Feed ``arrivals`` to ``engine`` on its simulated clock and step until every accepted request is answered (or
+    ``max_time_s`` of virtual time); see :class:`Simulation`."""
+    sim = Simulation(engine, arrivals, sample_s=sample_s)
+    sim.advance(math.inf if max_time_s is None else max_time_s)
+    return sim.result()
+
+
+__all__ = ["Arrival", "Engine", "Instance", "Observer", "QueueFull", "Request", "SimRun", "Simulation", "Unavailable",
            "simulate_arrivals"]

@@ -1,0 +1,338 @@
+"""TOP's GNN-based policy-gradient stage partitioner, GPG (Lin et al., TOP, IEEE TPDS 2024, §V-C, Alg. 2, Fig. 11-13).
+
+Like IOS (:mod:`opweave.schedulers.ios`), GPG splits a graph into *stages* by repeatedly removing an *ending* of
+the ops left (a non-empty set with no edge towards the rest; its weakly connected components are the stage's
+*groups*, run concurrently, each in topological order on its own stream). IOS's DP tries every ending of every
+state; GPG walks one path: at each step a learned policy picks one ending among the candidates IOS's pruning admits
+(at most r = 3 ops per group, s = 8 groups per stage, §V-D), so it visits a handful of states instead of all of
+them (TOP Fig. 13: an order of magnitude faster, slightly worse).
+
+**Encoder (§V-C 1, eqs. 5-6, TOP §VI-B sizes).** Each op has a raw state s_v: its kind (conv, linear, norm,
+activation, pool, elementwise, concat, other — from ``Op.target``), its cost-model latency (over the graph's mean),
+utilization, memory-bound flag, log FLOPs, log bytes, in- and out-degree. Layer 1 propagates top-down along the
+DAG: e_v = h1(Σ_{p ∈ parents(v)} g1(e_p)) + P s_v, computed level by level (every op of a topological level at
+once, with ``index_add``), once per graph and reused at every step. Layer 2 pools a set of ops:
+h2(Σ_{v ∈ set} g2(e_v)). g1, h1, g2, h2 are 2-layer ReLU networks with 64 and 32 units (embeddings of 32).
+
+**Policy.** The state z_t is layer 2 over the leaves of the ops left (eq. 6). Every candidate ending E gets y_E,
+layer 2 over its own ops, and six cost-model features: its stage latency bound and its work (sum of its ops' latencies),
+both over the graph's mean op latency (log1p), work / stage latency (the stage's speed-up), groups / s, ops / (r·s)
+and its share of the ops left. The policy network (TOP's 2-layer ReLU policy with 500 and 128 units) scores
+[z_t, y_E, features] → one logit per candidate; training samples from the softmax, inference takes the argmax
+(deterministic: the candidates come in the fixed order :func:`opweave.schedulers.ios.endings` lists them, ties go
+to the first). The scheduler is a pure function of graph, costs and the weights file.
+
+**Choices where TOP is ambiguous or where we depart from it, and why.**
+
+* *Discrete scores instead of a 1-D continuous action.* TOP's policy outputs m ∈ [0, 1) and takes ending
+  ⌊m·M⌋ of a list it does not define the order of, trained with DDPG and a critic q (eqs. 7-8). A score per
+  candidate ranks endings by what they are, not by their place in a list, and needs no critic: we train it with
+  REINFORCE (below). The critic's sizes (1024, 512, 300) are therefore unused here.
+* *Reward.* TOP's u_t = e^{-l_t} summed over steps rewards *more* stages (each adds a term ≤ 1), not a shorter
+  total. We use u_t = -l_t / mean op latency, so the return of an episode is minus the makespan it chose,
+  exactly the quantity the DP minimizes.
+* *Candidates.* The graph is first cut into the chunks IOS's DP uses (:func:`opweave.schedulers.ios.blocks`: cut
+  ops, then chunks of ≤ 20 ops and ≤ 512 down-sets), so that GPG and the DP search the same space and the endings
+  of a state can be listed (the number of endings of a wide combined block is otherwise combinatorial). The stage
+  latency the policy sees of a candidate is a cheap bound from the cost model (:func:`stage_bound_ms`: longest
+  group, device work); only the chosen stage is priced by ``Costs.stage_latency_ms`` (TOP measures stages while
+  training only and never while searching, which is what makes GPG fast).
+
+**Training (REINFORCE with a sample-mean baseline).** Per graph, ``samples`` rollouts are sampled from the policy;
+per chunk, each rollout's advantage is (mean makespan − its makespan) / mean makespan, and the loss is
+−Σ advantage · Σ log π(step) − ``entropy`` × the policy's mean entropy; Adam with TOP's η = 0.001; the weights
+that did best on fixed validation graphs (greedy makespan over the DP's) are kept. Graphs: combinations of 1-6
+random blocks of the zoo models (``--models``), side by side as the serving engine combines them (roofline costs,
+``gpu`` contention model, random batch 1-16), and random layered DAGs (:func:`opweave.ir.synth.random_dag`, random
+utilizations). The shipped default weights (``data/top_gpg.pt``, float16, about 230 KB) were trained by::
+
+    opweave train-gpg --episodes 600 --seed 0 -o src/opweave/schedulers/data/top_gpg.pt \
+        --plot benchmarks/results/top_gpg_train.png
+
+Complexity per chunk: steps × (endings of the visited state, each priced by the cost model) + one network pass per
+step, against the DP's sum over *all* states of the chunk (``benchmarks/top_gpg.py`` measures both).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from opweave.costs.model import Costs
+from opweave.errors import UsageError
+from opweave.ir.graph import OpGraph
+from opweave.schedulers import ios
+from opweave.schedulers.schedule import Schedule
+
+FORMAT = "opweave.top-gpg/1"
+DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "data" / "top_gpg.pt"
+KINDS = ("conv", "linear", "norm", "act", "pool", "elementwise", "cat", "other")
+_KIND_WORDS = (("conv", ("conv",)), ("linear", ("linear", "matmul", "addmm", "bmm", "mm", "einsum")),
+               ("norm", ("norm",)), ("act", ("relu", "sigmoid", "tanh", "gelu", "silu", "softmax", "hardswish")),
+               ("pool", ("pool",)), ("cat", ("cat", "concat", "stack")),
+               ("elementwise", ("add", "mul", "sub", "div", "mean", "flatten", "view", "reshape")))
+NODE_FEATURES = len(KINDS) + 7
+CAND_FEATURES = 6
+EMBED = 32
+
+
+def op_kind(target: str | None) -> int:
+    """Index in :data:`KINDS` of an op's target (``torch.nn.Conv2d``, ``aten.relu.default``...): first match wins."""
+    text = (target or "").lower()
+    for kind, words in _KIND_WORDS:
+        if any(w in text for w in words):
+            return KINDS.index(kind)
+    return KINDS.index("other")
+
+
+def _mlp(*sizes: int, last_relu: bool = True) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2 or last_relu:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class GPG(nn.Module):
+    """The encoder (g1, h1, g2, h2, the raw-state projection P) and the policy network (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(NODE_FEATURES, EMBED)
+        self.g1, self.h1 = _mlp(EMBED, 64, EMBED), _mlp(EMBED, 64, EMBED)
+        self.g2, self.h2 = _mlp(EMBED, 64, EMBED), _mlp(EMBED, 64, EMBED)
+        self.policy = _mlp(2 * EMBED + CAND_FEATURES, 500, 128, 1, last_relu=False)
+
+    def embed(self, x: torch.Tensor, levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Layer 1 (eq. 5) for every op: ``levels`` lists, per topological level, (its ops, the edges' sources,
+        the edges' destinations as positions among its ops); returns g2(e_v) per op, what layer 2 sums."""
+        own = self.proj(x)
+        e = torch.zeros_like(own)
+        for ops, src, dst in levels:
+            agg = torch.zeros(len(ops), EMBED, dtype=x.dtype).index_add(0, dst, self.g1(e[src]))
+            e = e.index_copy(0, ops, self.h1(agg) + own[ops])
+        return self.g2(e)
+
+    def scores(self, g2e: torch.Tensor, leaves: torch.Tensor, members: torch.Tensor, owner: torch.Tensor,
+               count: int, features: torch.Tensor) -> torch.Tensor:
+        """One logit per candidate: layer 2 (eq. 6) over the leaves (z_t) and over each candidate's ops
+        (``members[k]`` belongs to candidate ``owner[k]``), with the candidates' cost features."""
+        z = self.h2(g2e[leaves].sum(0, keepdim=True))
+        y = self.h2(torch.zeros(count, EMBED, dtype=g2e.dtype).index_add(0, owner, g2e[members]))
+        return self.policy(torch.cat([z.expand(count, -1), y, features], 1)).squeeze(1)
+
+
+# ---- graph encoding -------------------------------------------------------------------------------------------
+def _scale_ms(graph: OpGraph, costs: Costs) -> float:
+    """The graph's mean op latency (what every time feature is divided by), at least 1 ns."""
+    return max(1e-6, sum(costs.latency_ms[o] for o in graph.ids) / max(1, len(graph)))
+
+
+def encode_inputs(graph: OpGraph, costs: Costs) -> tuple[torch.Tensor, list]:
+    """Raw op states s_v (module docstring) in ``graph.ids`` order, and the levels :meth:`GPG.embed` walks."""
+    scale = _scale_ms(graph, costs)
+    index = {o: i for i, o in enumerate(graph.ids)}
+    pairs = sorted({(index[u], index[v]) for u, v in graph.edge})
+    rows = []
+    for op in graph.ops:
+        kind = [0.0] * len(KINDS)
+        kind[op_kind(op.target)] = 1.0
+        rows.append(kind + [math.log1p(costs.latency_ms[op.id] / scale), costs.util(op.id),
+                            1.0 if costs.category.get(op.id, op.category) == "memory" else 0.0,
+                            math.log1p(max(op.flops, 0.0)) / 30, math.log1p(max(op.bytes, 0.0)) / 30,
+                            len(graph.preds[op.id]) / 4, len(graph.succs[op.id]) / 4])
+    level = {}
+    for op in graph.topo_order:
+        level[op] = 1 + max((level[p] for p in graph.preds[op]), default=-1)
+    by_level: dict[int, list[int]] = {}
+    for op, lv in level.items():
+        by_level.setdefault(lv, []).append(index[op])
+    into: dict[int, list[int]] = {}
+    for u, v in pairs:
+        into.setdefault(v, []).append(u)
+    levels = []
+    for lv in sorted(by_level):
+        ops = sorted(by_level[lv])
+        src = [u for k, v in enumerate(ops) for u in into.get(v, [])]
+        dst = [k for k, v in enumerate(ops) for _ in into.get(v, [])]
+        levels.append((torch.tensor(ops), torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)))
+    return torch.tensor(rows, dtype=torch.float32), levels
+
+
+def stage_bound_ms(costs: Costs, groups: list[list[str]]) -> float:
+    """A cheap lower bound of ``costs.stage_latency_ms(groups)``: the longest group, and under the ``gpu`` model
+    also the work the device must do (Σ latency × utilization) plus the fork/join events. Exact under ``ideal``.
+    What the policy sees of a candidate (pricing every candidate with the contention model cost more than the
+    whole DP on wide graphs); the chosen stage is priced exactly."""
+    longest = max(sum(costs.latency_ms[o] for o in g) for g in groups)
+    if costs.model == "ideal" or len(groups) <= 1:
+        return longest
+    work = sum(costs.latency_ms[o] * costs.util(o) for g in groups for o in g)
+    return max(longest, work) + costs.gpu.event_overhead_ms * (len(groups) - 1)
+
+
+# ---- one chunk, one rollout -----------------------------------------------------------------------------------
+def chunk_stages(net: GPG, g2e: torch.Tensor, index: dict[str, int], graph: OpGraph, costs: Costs, block: list[str],
+                 max_group_ops: int, max_groups: int, scale: float, *,
+                 pick: Callable[[torch.Tensor], int] | None = None) -> tuple[float, list, list[torch.Tensor]]:
+    """Alg. 2 on one chunk: (total latency in ms, stages as lists of groups in run order, per sampled choice its
+    log-probability and the policy's entropy, stacked). ``pick`` chooses a candidate from the logits (training
+    samples); None takes the argmax."""
+    desc = ios.block_descendants(graph, block)
+    state = (1 << len(block)) - 1
+    stages: list[list[list[str]]] = []
+    logps: list[torch.Tensor] = []
+    total = 0.0
+    while state:
+        cands = ios.endings(state, desc, max_group_ops, max_groups)
+        left = state.bit_count()
+        groups_ops, feats = [], []
+        for ending, groups in cands:
+            op_groups = [[block[i] for i in ios._bits(g)] for g in groups]
+            stage_ms = stage_bound_ms(costs, op_groups)
+            work = sum(costs.latency_ms[o] for g in op_groups for o in g)
+            n = ending.bit_count()
+            groups_ops.append(op_groups)
+            feats.append([math.log1p(stage_ms / scale), math.log1p(work / scale), work / stage_ms if stage_ms > 0
+                          else 1.0, len(groups) / max_groups, n / (max_group_ops * max_groups), n / left])
+        if len(cands) == 1:
+            choice = 0
+        else:
+            leaves = [index[block[i]] for i in ios._bits(state) if not desc[i] & state]
+            members = [index[o] for g in groups_ops for grp in g for o in grp]
+            owner = [k for k, g in enumerate(groups_ops) for grp in g for _ in grp]
+            logits = net.scores(g2e, torch.tensor(leaves), torch.tensor(members), torch.tensor(owner), len(cands),
+                                torch.tensor(feats, dtype=g2e.dtype))
+            if pick is None:
+                choice = int(torch.argmax(logits))
+            else:
+                choice = pick(logits)
+                logp = torch.log_softmax(logits, 0)
+                logps.append(torch.stack([logp[choice], -(logp.exp() * logp).sum()]))
+        stages.append(groups_ops[choice])
+        total += costs.stage_latency_ms(groups_ops[choice])
+        state ^= cands[choice][0]
+    return total, stages[::-1], logps
+
+
+# ---- weights ----------------------------------------------------------------------------------------------------
+def save(net: GPG, path: str | Path, meta: dict | None = None) -> None:
+    """Weights as float16 (half the size; loaded back as float32) with ``meta`` (how they were trained)."""
+    state = {k: v.detach().to(torch.float16) for k, v in net.state_dict().items()}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": FORMAT, "state": state, "meta": meta or {}}, str(path))
+
+
+def load(path: str | Path | None = None) -> GPG:
+    """The network saved at ``path`` (default: the shipped weights), in eval mode; cached per file and mtime."""
+    path = Path(path) if path is not None else DEFAULT_WEIGHTS
+    if not path.is_file():
+        raise UsageError(f"top-gpg weights: no file {path}")
+    return _load(str(path.resolve()), os.stat(path).st_mtime_ns)
+
+
+@lru_cache(maxsize=8)
+def _load(path: str, mtime: int) -> GPG:
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise UsageError(f"top-gpg weights: {path} is not an {FORMAT} file")
+    net = GPG()
+    net.load_state_dict({k: v.to(torch.float32) for k, v in data["state"].items()})
+    return net.eval()
+
+
+@contextmanager
+def one_thread():
+    """Run torch with one intra-op thread, then restore the setting. The networks are tiny: a second thread only
+    adds synchronization (a 60-op DAG: 0.06 s with one thread, 0.6-2.6 s with two on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- the scheduler ----------------------------------------------------------------------------------------------
+def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, devices: int = 1,
+             weights: str | Path | None = None, max_group_ops: int = ios.DEFAULT_MAX_GROUP_OPS,
+             max_groups: int = ios.DEFAULT_MAX_GROUPS, max_block_ops: int = ios.DEFAULT_MAX_BLOCK_OPS,
+             max_states: int = ios.DEFAULT_MAX_STATES) -> Schedule:
+    """GPG on one device (``devices`` > 1 is ignored): greedy (argmax) stage partition with the weights at
+    ``weights`` (default: the shipped file). ``streams`` caps the groups per stage, as for ``ios``."""
+    if max_group_ops < 1 or max_groups < 1 or max_block_ops < 1 or max_states < 2:
+        raise UsageError("top-gpg needs max_group_ops, max_groups, max_block_ops >= 1 and max_states >= 2")
+    with one_thread():  # loading too: a forked child (benchmarks/_common.run_limited) hangs in a second thread
+        net = load(weights)
+    group_cap = max_groups if streams is None else min(max_groups, streams)
+    options = {"max_group_ops": max_group_ops, "max_groups": group_cap, "max_block_ops": max_block_ops,
+               "max_states": max_states, "weights": str(weights or DEFAULT_WEIGHTS.name)}
+    if not len(graph):
+        return ios.staged("top-gpg", [], None, options)
+    index = {o: i for i, o in enumerate(graph.ids)}
+    scale = _scale_ms(graph, costs)
+    with torch.no_grad(), one_thread():
+        g2e = net.embed(*encode_inputs(graph, costs))
+
+        def solve(block: list[str]) -> tuple[float, list]:
+            total, stages, _ = chunk_stages(net, g2e, index, graph, costs, block, max_group_ops, group_cap, scale)
+            return total, stages
+
+        return ios.staged("top-gpg", ios.blocks(graph, max_block_ops, max_states), solve, options)
+
+
+# ---- training ---------------------------------------------------------------------------------------------------
+def train(net: GPG, graphs: Iterable[tuple[OpGraph, Costs]], *, samples: int = 4, lr: float = 1e-3,
+          entropy: float = 0.05, seed: int = 0,
+          on_episode: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """REINFORCE on ``graphs`` (module docstring): one episode per graph, ``samples`` rollouts each. Returns per
+    episode the mean sampled makespan over the greedy one (``sampled_over_greedy``) and the loss."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    history = []
+
+    def sample(logits: torch.Tensor) -> int:
+        return int(torch.multinomial(torch.softmax(logits.detach(), 0), 1, generator=gen))
+
+    for episode, (graph, costs) in enumerate(graphs):
+        index = {o: i for i, o in enumerate(graph.ids)}
+        scale = _scale_ms(graph, costs)
+        g2e = net.embed(*encode_inputs(graph, costs))
+        loss = torch.zeros(())
+        sampled = greedy = 0.0
+        for block in ios.blocks(graph):
+            runs = [chunk_stages(net, g2e, index, graph, costs, block, ios.DEFAULT_MAX_GROUP_OPS,
+                                 ios.DEFAULT_MAX_GROUPS, scale, pick=sample) for _ in range(samples)]
+            mean = sum(r[0] for r in runs) / samples
+            sampled += mean
+            with torch.no_grad():
+                greedy += chunk_stages(net, g2e, index, graph, costs, block, ios.DEFAULT_MAX_GROUP_OPS,
+                                       ios.DEFAULT_MAX_GROUPS, scale)[0]
+            for total, _, logps in runs:
+                if logps:
+                    advantage = (mean - total) / mean if mean > 0 else 0.0
+                    logp, ent = torch.stack(logps).unbind(1)
+                    loss = loss - (advantage * logp.sum() + entropy * ent.mean()) / samples
+        if loss.requires_grad:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        record = {"episode": episode, "graph": graph.name, "ops": len(graph), "loss": float(loss.detach()),
+                  "sampled_over_greedy": sampled / greedy if greedy > 0 else 1.0}
+        history.append(record)
+        if on_episode is not None:
+            on_episode(episode, record)
+    net.eval()
+    return history
+
+
+__all__ = ["DEFAULT_WEIGHTS", "GPG", "KINDS", "chunk_stages", "encode_inputs", "load", "op_kind", "save",
+           "schedule", "train"]

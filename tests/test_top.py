@@ -1,0 +1,267 @@
+"""TOP's learning (§V-B, §V-C): the ``top-gpg`` scheduler's partitions are valid stage schedules no worse than they
+may be (never below IOS's DP, which searches the same space), MADDPG finds a known best launch interval, and a
+trained ``top`` policy trains from the CLI, serves over HTTP with every answer equal to eager, and simulates."""
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import networkx as nx
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dags import dags
+from opweave import schedulers, zoo
+from opweave.api import plan_for
+from opweave.costs.model import from_graph
+from opweave.errors import UsageError
+from opweave.ir.synth import random_dag
+from opweave.schedulers import top_gpg
+from opweave.serve import top
+from opweave.serve.build import load_models, make_engine
+from opweave.serve.server import BackgroundServer
+
+
+def check_stage_schedule(graph, costs, sched, max_group_ops=3, max_groups=8):
+    """Every stage's groups are its weakly connected components, independent of each other, each at most r ops and
+    at most s of them, one stream each; the schedule passes the checks of ``schedulers.run`` and the validator."""
+    stages: dict[int, list[str]] = {}
+    for op in sched.order:
+        stages.setdefault(sched.stage_of[op], []).append(op)
+    for ops in stages.values():
+        components = list(nx.weakly_connected_components(graph.nx().subgraph(ops)))
+        groups: dict[int, set] = {}
+        for op in ops:
+            groups.setdefault(sched.stream_of[op], set()).add(op)
+        assert sorted(map(sorted, components)) == sorted(map(sorted, groups.values()))
+        assert len(groups) <= max_groups and all(len(g) <= max_group_ops for g in groups.values())
+    for u, v in graph.edge:
+        assert sched.stage_of[u] <= sched.stage_of[v]
+    plan_for(graph, costs, "top-gpg", streams=max_groups if max_groups < 8 else None)  # lowers and validates
+
+
+@settings(max_examples=25)
+@given(dags(max_ops=24), st.sampled_from(["ideal", "gpu"]), st.sampled_from([None, 2]))
+def test_gpg_partitions_are_valid_stage_schedules_never_better_than_the_dp(graph, cost_model, streams):
+    costs = from_graph(graph, cost_model)
+    sched = schedulers.run("top-gpg", graph, costs, streams=streams)
+    check_stage_schedule(graph, costs, sched, max_groups=streams or 8)
+    dp = schedulers.run("ios", graph, costs, streams=streams)
+    assert sched.predicted_ms >= dp.predicted_ms - 1e-9
+    again = schedulers.run("top-gpg", graph, costs, streams=streams)
+    assert (again.order, again.stream_of, again.stage_of) == (sched.order, sched.stream_of, sched.stage_of)
+
+
+@pytest.fixture(scope="module")
+def squeeze_blocks():
+    return top.GpgGraphs(["squeezenet"], seed=3)
+
+
+def test_gpg_on_combined_zoo_blocks_is_valid_and_close_to_the_dp(squeeze_blocks):
+    for k in (1, 3, 6):
+        graph, costs = squeeze_blocks.random_combined(k)
+        sched = schedulers.run("top-gpg", graph, costs)
+        check_stage_schedule(graph, costs, sched)
+        dp = schedulers.run("ios", graph, costs)
+        assert dp.predicted_ms - 1e-9 <= sched.predicted_ms <= 1.5 * dp.predicted_ms
+        # the predicted makespan is the stages' latencies under the cost model, as for the DP
+        stages = {}
+        for op in sched.order:
+            stages.setdefault(sched.stage_of[op], {}).setdefault(sched.stream_of[op], []).append(op)
+        assert sched.predicted_ms == pytest.approx(sum(costs.stage_latency_ms(list(g.values()))
+                                                       for g in stages.values()))
+
+
+def test_gpg_weights_round_trip_and_bad_files_are_refused(tmp_path):
+    net = top_gpg.GPG()
+    path = tmp_path / "w.pt"
+    top_gpg.save(net, path, {"why": "test"})
+    loaded = top_gpg.load(path)
+    for (k, a), (_, b) in zip(net.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.allclose(a.half().float(), b), k
+    assert path.stat().st_size < 400_000 and top_gpg.DEFAULT_WEIGHTS.stat().st_size < 400_000
+    torch.save({"format": "something else"}, str(tmp_path / "bad.pt"))
+    with pytest.raises(UsageError, match="not an opweave.top-gpg/1 file"):
+        top_gpg.load(tmp_path / "bad.pt")
+    graph = random_dag(12, 3, seed=1)
+    with pytest.raises(UsageError, match="no file"):
+        schedulers.run("top-gpg", graph, from_graph(graph), weights=tmp_path / "missing.pt")
+
+
+def test_gpg_training_lowers_sampled_makespans_on_one_graph():
+    """REINFORCE on one wide random DAG: the greedy makespan after training is no worse than before, and the
+    sampled rollouts get closer to the greedy one (the policy sharpens)."""
+    graph = random_dag(24, 4, seed=5)
+    costs = from_graph(graph, "ideal")
+    torch.manual_seed(0)
+    net = top_gpg.GPG()
+    with top_gpg.one_thread():
+        history = top_gpg.train(net, [(graph, costs)] * 40, samples=4, seed=0)
+    first = np.mean([h["sampled_over_greedy"] for h in history[:8]])
+    last = np.mean([h["sampled_over_greedy"] for h in history[-8:]])
+    assert last <= first
+
+
+# ---- MADDPG -------------------------------------------------------------------------------------------------------
+def test_maddpg_finds_the_best_launch_interval_of_a_small_environment():
+    """A launcher agent and one model agent; the reward peaks where the launcher's action is 0.3 (a launch interval
+    of 10^(-3*0.7) s) whatever the model agent does; the state is noise. Its reward rises and its action ends near
+    0.3 (TOP's network sizes, batch 100, replay 2000)."""
+    rng = np.random.default_rng(0)
+    agents = top.MADDPG(4, [1, 2], warmup=50, noise=0.2, seed=0)
+
+    def env_reward(action: float) -> float:
+        return float(np.exp(-((action - 0.3) / 0.15) ** 2))
+
+    def greedy() -> float:
+        return float(np.mean([agents.act(rng.normal(size=4))[0][0] for _ in range(20)]))
+
+    before = greedy()
+    rewards, state = [], rng.normal(size=4)
+    with top_gpg.one_thread():
+        for _ in range(350):
+            actions = agents.act(state, explore=True)
+            r = env_reward(actions[0][0])
+            next_state = rng.normal(size=4)
+            agents.store(state, actions, [r, r], next_state)
+            agents.update()
+            rewards.append(r)
+            state = next_state
+    after = greedy()
+    assert abs(after - 0.3) < 0.08 and abs(before - 0.3) > 0.1, (before, after)
+    assert env_reward(after) > 0.75 > env_reward(before) + 0.3
+    assert np.mean(rewards[-50:]) > np.mean(rewards[:50])
+
+
+def test_reward_is_eq_2_and_zscores_are_running_and_clipped():
+    lat = [0.5, -1.0]
+    r = top.reward(1.0, lat, 2.0)
+    assert r[0] == pytest.approx(np.exp(0.4 * 1.0 - 0.4 * np.mean(lat) - 0.2 * 2.0))
+    assert r[2] == pytest.approx(np.exp(0.4 - 0.4 * -1.0 - 0.4))
+    z = top.ZScore()
+    assert z.z(5.0) == 0.0
+    for x in (1.0, 2.0, 3.0):
+        z.add(x)
+    assert z.z(3.0) == pytest.approx(1.0) and z.z(100.0) == 3.0
+
+
+def test_combination_intervals_and_superblocks():
+    policy = top.TopPolicy()
+    policy.bind({"a": 3, "b": 2}, {"a": 8, "b": 8}, 2)
+    # 5 blocks: [0, 1] cut into 5 intervals
+    assert policy.combination([[0.5, 0.5], [0.05, 0.1, 0.95], [0.15, 0.9]]) == [
+        (("a", 0), ("a", 1), ("b", 0)), (("a", 2), ("b", 1))]
+    assert not policy.apply([[0.5, 0.5], [0.05, 0.1, 0.95], [0.15, 0.9]])  # 3 > H = 2: refused
+    assert policy.superblocks == 1 and policy.groups == [(("a", 0),), (("a", 1),), (("a", 2),), (("b", 0),),
+                                                          (("b", 1),)]
+    assert policy.apply([[1.0, 0.0], [0.05, 0.3, 0.95], [0.15, 0.5]])
+    assert policy.intervals == pytest.approx({"a": 1.0, "b": 1e-3})
+    assert policy.groups == [(("a", 0), ("b", 0)), (("a", 1),), (("b", 1),), (("a", 2),)]
+
+
+# ---- the CLI and the server -----------------------------------------------------------------------------------------
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def policy_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("top")
+    proc = run_cli("train-policy", "--pattern", "squeezenet:240", "--steps", "40", "--episode-steps", "10",
+                   "--warmup", "20", "--image-size", "64", "-o", str(d / "p.pt"), "--plot", str(d / "p.png"))
+    assert proc.returncode == 0, proc.stderr
+    return d / "p.pt"
+
+
+def test_train_policy_writes_the_actors_and_the_learning_curve(policy_file):
+    curve = json.loads(policy_file.with_suffix(".json").read_text())
+    assert len(curve["curve"]) == 40 and curve["meta"]["updates"] == 21
+    assert curve["meta"]["command"].startswith("opweave train-policy --pattern squeezenet:240 --steps 40")
+    assert all(r["reward"] >= 0 for r in curve["curve"])
+    assert policy_file.with_suffix(".png").stat().st_size > 1000
+    data = torch.load(str(policy_file), weights_only=True)
+    assert data["blocks"] == {"squeezenet": 8} and len(data["actors"]) == 2
+
+
+def test_cli_refusals_for_the_top_policy(policy_file, tmp_path):
+    proc = run_cli("loadgen", "--simulate", "--pattern", "squeezenet:100", "--policy", "top")
+    assert proc.returncode == 2 and "needs --policy-file" in proc.stderr
+    with pytest.raises(UsageError, match="was trained for {'squeezenet': 8} with H=4, not {'squeezenet': 7}"):
+        top.load_agents(policy_file, {"squeezenet": 7}, 4)
+    proc = run_cli("train-policy", "--pattern", "squeezenet:240", "--scales", "0", "-o", str(tmp_path / "x.pt"))
+    assert proc.returncode == 2 and "--scales" in proc.stderr
+
+
+def test_loadgen_simulates_the_top_policy(policy_file, tmp_path):
+    out = tmp_path / "rep.json"
+    proc = run_cli("loadgen", "--simulate", "--pattern", "squeezenet:240", "--duration", "0.3", "--image-size", "64",
+                   "--policy", "top", "--policy-file", str(policy_file), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(out.read_text())
+    assert rep["policy"] == "top" and rep["total"]["answered"] == rep["total"]["sent"] > 30
+
+
+def test_a_trained_top_policy_serves_and_every_answer_equals_eager(policy_file):
+    served = load_models(["squeezenet"], max_batch=4, image_size=64)
+    engine = make_engine(served, device="cpu", policy="top", policy_options={"policy_file": str(policy_file)},
+                         max_batch=4)
+    reference = zoo.create("squeezenet", image_size=64)[0]
+    with BackgroundServer(engine, served) as url:
+        async def send_all():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                async def one(i):
+                    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(i))
+                    await asyncio.sleep(0.01 * i)
+                    r = await c.post("/v2/models/squeezenet/infer", json={"inputs": [
+                        {"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32", "data": x.flatten().tolist()}]})
+                    return x, r
+                return await asyncio.gather(*(one(i) for i in range(12)))
+
+        results = asyncio.run(send_all())
+    assert engine.policy.decisions + engine.policy.superblocks >= 1  # the actors were asked
+    for x, r in results:
+        assert r.status_code == 200, r.text
+        out = r.json()["outputs"][0]
+        got = torch.tensor(out["data"]).reshape(out["shape"])
+        with torch.no_grad():
+            assert torch.allclose(got, reference(x), rtol=1e-4, atol=1e-4)
+
+
+def test_train_refuses_a_pattern_other_than_the_served_models(squeeze_blocks):
+    with pytest.raises(UsageError, match="the executor serves \\['squeezenet'\\], the pattern names \\['resnet50'\\]"):
+        top.train(squeeze_blocks.executor, {"resnet50": 100.0}, steps=1)
+
+
+def _schedule_in_child(conn, graph, weights):
+    sched = schedulers.run("top-gpg", graph, from_graph(graph), weights=weights)
+    conn.send(sched.predicted_ms)
+
+
+def test_gpg_schedules_in_a_forked_child(tmp_path):
+    """benchmarks/_common.run_limited forks; torch's second intra-op thread does not survive a fork, so loading the
+    weights there hung until the timeout (sched_time's smoke test) before the load ran with one thread."""
+    import multiprocessing
+
+    before, child = torch.get_num_threads(), None
+    torch.set_num_threads(2)  # conftest runs tests with one; benchmarks run with the default
+    try:
+        torch.randn(1 << 20).to(torch.float64).sum()  # the parent's intra-op thread pool is up
+        weights = tmp_path / "copy.pt"
+        weights.write_bytes(top_gpg.DEFAULT_WEIGHTS.read_bytes())  # not in the load cache: the child loads it
+        graph = random_dag(20, 4, seed=2)
+        ctx = multiprocessing.get_context("fork")
+        receive, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_schedule_in_child, args=(send, graph, weights), daemon=True)
+        child.start()
+        assert receive.poll(30), "the forked child did not answer within 30 s"
+        assert receive.recv() == schedulers.run("top-gpg", graph, from_graph(graph), weights=weights).predicted_ms
+    finally:
+        torch.set_num_threads(before)
+        if child is not None and child.is_alive():
+            child.kill()
+            child.join()
