@@ -14,7 +14,10 @@ and dtype, every mode below is built, checked against eager and timed the same w
 * ``opweave <scheduler>`` — the model captured once, profiled on this GPU (:func:`opweave.costs.profile.profile_model`;
   if profiling fails, the roofline estimate, recorded as the row's ``costs``), each scheduler run on those costs with
   at most ``--streams`` streams (default 8, the GPU's hardware queues), the plan lowered, validated and recorded by
-  the CUDA backend in graph mode (static inputs copied in, outputs cloned).
+  the CUDA backend in graph mode (static inputs copied in, outputs cloned);
+* ``opweave <scheduler>+inductor`` — the captured graph coarsened (:func:`opweave.capture.coarsen`), profiled (or
+  estimated) on its own, scheduled, lowered and validated the same way, every stream segment compiled by
+  TorchInductor (:mod:`opweave.backends.segments`) and the whole plan recorded by the CUDA backend in graph mode.
 
 **Checked** on two inputs: the example (which the warm-ups computed) and a second, fresh random input of the same
 shapes and dtypes (:func:`fresh_inputs`: floats drawn with the example's mean and spread, integers — token ids,
@@ -25,14 +28,16 @@ scale, fp16 within 1e-2; scale = max(1, max |eager output|)).
 **Timing** (the device METHOD): CUDA events around the whole call — input copy and output clone included — on the
 current stream, a synchronize after each call, ``--warmup`` calls first, the median (and 10th/90th percentiles) of
 ``--replays`` calls. Peak memory: ``torch.cuda.max_memory_allocated`` from building the mode to the end of its
-timing, minus what was allocated before (weights and inputs). Each mode is freed before the next.
+timing, minus what was allocated before (weights and inputs). Each mode is freed before the next. Beside the
+latency, ``kernels/call``: the CUDA kernels one call runs (a CUDA graph replay's included), counted in a
+``torch.profiler`` trace of a few calls after the timing.
 
 Writes ``DIR/<device>-<date>.json`` (device name, torch version, date, settings, every figure, and per model, batch
-and dtype a summary: the best scheduler, its speed-up over the sequential CUDA Graph and over torch.compile, its
-peak memory against the CUDA Graph's) and prints a table per configuration. Without CUDA it exits with status 2 and
-one line on stderr. ``--quick`` (squeezenet and googlenet, batch 1, fp32) fits well within 10 minutes on an H100.
-The parts that need no GPU (fresh inputs, the check, the summary, the table, the JSON) are tested on the CPU
-(tests/test_cuda_cpu_paths.py).
+and dtype a summary: the best unfused scheduler and the best ``+inductor`` one, their speed-ups over the sequential
+CUDA Graph and over torch.compile, their peak memory against the CUDA Graph's) and prints a table per configuration.
+Without CUDA it exits with status 2 and one line on stderr. ``--quick`` (squeezenet and googlenet, batch 1, fp32)
+fits well within 10 minutes on an H100. The parts that need no GPU (fresh inputs, the check, the summary, the
+table, the JSON) are tested on the CPU (tests/test_cuda_cpu_paths.py).
 """
 
 from __future__ import annotations
@@ -146,8 +151,6 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], args, com
 
     from opweave import zoo
     from opweave.capture import capture
-    from opweave.costs.profile import profile_model
-    from opweave.costs.roofline import estimate, preset_for_gpu
 
     base = {"model": name, "batch_size": batch, "dtype": dtype}
     try:
@@ -180,12 +183,7 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], args, com
     except Exception as exc:  # noqa: BLE001 - recorded, the other modes stand
         rows.append({**base, "mode": "opweave", "error": f"capture failed: {_line(exc)}"})
         return rows
-    try:
-        profile = profile_model(captured, inputs, device="cuda", repeats=args.profile_repeats, warmup=3)
-        costs, source = profile.costs(captured.graph), "profile"
-    except Exception as exc:  # noqa: BLE001 - recorded; the schedulers still run, on estimated costs
-        preset = preset_for_gpu(torch.cuda.get_device_name()) or "h100"
-        costs, source = estimate(captured.graph, preset), f"roofline {preset} (profile failed: {_line(exc)})"
+    costs, source = _costs(captured, inputs, args)
     for sched_name in scheds:
         status, sched = common.run_limited(_schedule, (sched_name, captured.graph, costs, args.streams or None),
                                            args.sched_timeout_s)
@@ -197,7 +195,49 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], args, com
                  "scheduling_time_s": sched.scheduling_time_s, "predicted_ms": sched.predicted_ms,
                  "ops": len(captured.graph)}
         measure(f"opweave {sched_name}", lambda s=sched, e=extra: _opweave(captured, s, inputs, e), extra)
+    rows.extend(_fused_rows(captured, scheds, inputs, args, common, measure, base))
     return rows
+
+
+def _costs(captured, inputs, args):
+    """The costs the schedulers see and where they come from: measured on this GPU
+    (:func:`opweave.costs.profile.profile_model`), else, if profiling fails, the roofline estimate of its preset."""
+    import torch
+
+    from opweave.costs.profile import profile_model
+    from opweave.costs.roofline import estimate, preset_for_gpu
+
+    try:
+        profile = profile_model(captured, inputs, device="cuda", repeats=args.profile_repeats, warmup=3)
+        return profile.costs(captured.graph), "profile"
+    except Exception as exc:  # noqa: BLE001 - recorded; the schedulers still run, on estimated costs
+        preset = preset_for_gpu(torch.cuda.get_device_name()) or "h100"
+        return estimate(captured.graph, preset), f"roofline {preset} (profile failed: {_line(exc)})"
+
+
+def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[dict]:
+    """The ``opweave <scheduler>+inductor`` modes (measured through ``measure``); rows only for what failed."""
+    from opweave.capture import coarsen
+
+    try:
+        coarse = coarsen(captured)
+    except Exception as exc:  # noqa: BLE001 - recorded, the other modes stand
+        return [{**base, "mode": "opweave +inductor", "error": f"coarsening failed: {_line(exc)}"}]
+    costs, source = _costs(coarse, inputs, args)
+    failed = []
+    for sched_name in scheds:
+        mode = f"opweave {sched_name}+inductor"
+        status, sched = common.run_limited(_schedule, (sched_name, coarse.graph, costs, args.streams or None),
+                                           args.sched_timeout_s)
+        if status != "ok":
+            failed.append({**base, "mode": mode, "scheduler": sched_name, "costs": source, "fuse": "inductor",
+                           "error": "scheduling timed out" if status == "timeout" else sched})
+            continue
+        extra = {"scheduler": sched_name, "costs": source, "streams": sched.streams_used,
+                 "scheduling_time_s": sched.scheduling_time_s, "predicted_ms": sched.predicted_ms,
+                 "ops": len(coarse.graph), "fuse": "inductor"}
+        measure(mode, lambda s=sched, e=extra: _opweave(coarse, s, inputs, e, fuse="inductor"), extra)
+    return failed
 
 
 def _schedule(name, graph, costs, streams):
@@ -206,7 +246,9 @@ def _schedule(name, graph, costs, streams):
     return schedulers.run(name, graph, costs, streams=streams)
 
 
-def _opweave(captured, sched, inputs, extra: dict):
+def _opweave(captured, sched, inputs, extra: dict, fuse: str | None = None):
+    import time
+
     from opweave.backends.cuda import CudaBackend
     from opweave.plan.lower import lower
     from opweave.plan.validate import validate
@@ -214,7 +256,15 @@ def _opweave(captured, sched, inputs, extra: dict):
     plan = lower(captured.graph, sched)
     validate(captured.graph, plan, sched)
     extra["syncs"] = plan.syncs
-    return CudaBackend(captured, plan, inputs, mode="graph")
+    if fuse is None:
+        return CudaBackend(captured, plan, inputs, mode="graph")
+    from opweave.backends.segments import fuse_segments
+
+    start = time.perf_counter()
+    segmented, segment_plan = fuse_segments(captured, plan, fuse)
+    backend = CudaBackend(segmented, segment_plan, inputs, mode="graph")  # its warm-up runs compile the segments
+    extra.update(build_s=time.perf_counter() - start, **{f"fuse_{k}": v for k, v in segmented.stats.items()})
+    return backend
 
 
 def _compiled(model, inputs):
@@ -275,15 +325,39 @@ def time_mode(build, inputs, checks, dtype: str, args) -> dict:
             times = timing.times_ms(functools.partial(fn, *inputs), runs=args.replays, warmup=args.warmup,
                                     device="cuda")
         peak = torch.cuda.max_memory_allocated()
+        try:
+            kernels = kernels_per_call(fn, inputs)
+        except Exception:  # noqa: BLE001 - the count is extra information; the latency stands without it
+            kernels = None
     except Exception as exc:  # noqa: BLE001 - one failing mode must not stop the benchmark
         return {"error": _line(exc)}
     finally:
         del fn
     quantiles = statistics.quantiles(times, n=10)
     return {"median_ms": statistics.median(times), "p10_ms": quantiles[0], "p90_ms": quantiles[-1],
+            "kernels_per_call": kernels,
             "replays": len(times), "max_abs_diff": max(r["max_abs_diff"] for r in results),
             "fresh_input_max_abs_diff": results[-1]["max_abs_diff"], "ok": all(r["ok"] for r in results),
             "peak_memory_mb": (peak - baseline) / 2**20, "baseline_memory_mb": baseline / 2**20}
+
+
+def kernels_per_call(fn, inputs, calls: int = 5) -> float:
+    """CUDA kernels per call of ``fn`` (those of a CUDA graph replay included), from a ``torch.profiler`` trace."""
+    import json
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(*inputs)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    return sum(isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") == "kernel" for e in events) / calls
 
 
 # ---- the parts that need no GPU (tested on the CPU) -----------------------------------------------------------------
@@ -357,25 +431,31 @@ def add_configuration(data: dict, rows: list[dict]) -> None:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per configuration: the fastest opweave scheduler whose output was right, its speed-up over the sequential
-    CUDA Graph and over torch.compile, and its peak memory over the CUDA Graph's (None where a figure is missing)."""
+    """Per configuration: the fastest unfused opweave scheduler whose output was right (``best_scheduler``,
+    ``best_ms``, ``speedup_vs_cuda_graph``, ``speedup_vs_torch_compile``, ``peak_memory_vs_cuda_graph``: its peak
+    memory over the CUDA Graph's) and the same figures of the fastest right ``+inductor`` mode, prefixed
+    ``inductor_`` (None where a figure is missing)."""
     first = rows[0]
     by_mode = {r["mode"]: r for r in rows if "median_ms" in r}
     graph, compiled = by_mode.get("cuda-graph"), by_mode.get("torch.compile")
-    opweave = [r for r in by_mode.values() if r["mode"].startswith("opweave ") and r["ok"]]
-    best = min(opweave, key=lambda r: r["median_ms"], default=None)
 
     def ratio(a, b):
         return a / b if a is not None and b else None
 
+    def best_of(fused: bool) -> dict:
+        right = [r for r in by_mode.values() if r["mode"].startswith("opweave ") and r["ok"] and ("fuse" in r) == fused]
+        best = min(right, key=lambda r: r["median_ms"], default=None)
+        return {"scheduler": best["scheduler"] if best else None, "ms": best["median_ms"] if best else None,
+                "speedup_vs_cuda_graph": ratio(graph and graph["median_ms"], best and best["median_ms"]),
+                "speedup_vs_torch_compile": ratio(compiled and compiled["median_ms"], best and best["median_ms"]),
+                "peak_memory_vs_cuda_graph": ratio(best and best["peak_memory_mb"], graph and graph["peak_memory_mb"])}
+
+    unfused = best_of(False)
     return {"model": first["model"], "batch_size": first["batch_size"], "dtype": first["dtype"],
-            "best_scheduler": best["scheduler"] if best else None,
-            "best_ms": best["median_ms"] if best else None,
+            "best_scheduler": unfused.pop("scheduler"), "best_ms": unfused.pop("ms"), **unfused,
+            **{f"inductor_{k}": v for k, v in best_of(True).items()},
             "cuda_graph_ms": graph["median_ms"] if graph else None,
             "torch_compile_ms": compiled["median_ms"] if compiled else None,
-            "speedup_vs_cuda_graph": ratio(graph and graph["median_ms"], best and best["median_ms"]),
-            "speedup_vs_torch_compile": ratio(compiled and compiled["median_ms"], best and best["median_ms"]),
-            "peak_memory_vs_cuda_graph": ratio(best and best["peak_memory_mb"], graph and graph["peak_memory_mb"]),
             "all_outputs_ok": all(r["ok"] for r in by_mode.values()),
             "failed_modes": sorted(r["mode"] for r in rows if "median_ms" not in r)}
 
@@ -396,16 +476,17 @@ def speedup_table(name: str, batch: int, dtype: str, rows: list[dict], common):
     for r in rows:
         ms = r.get("median_ms")
         if ms is None:
-            cells.append([r["mode"], "-", "-", "-", "-", "-", "-", r.get("error", "")[:60]])
+            cells.append([r["mode"], "-", "-", "-", "-", "-", "-", "-", r.get("error", "")[:60]])
             continue
         cells.append([r["mode"], f"{ms:.3f}", ratio(graph_ms, ms), ratio(compile_ms, ms),
+                      "" if r.get("kernels_per_call") is None else f"{r['kernels_per_call']:.0f}",
                       "" if r.get("streams") is None else str(r["streams"]),
                       "" if r.get("syncs") is None else str(r["syncs"]), f"{r['peak_memory_mb']:.0f}",
                       "ok" if r["ok"] else f"WRONG ({r['max_abs_diff']:.1e})"])
     sources = sorted({r["costs"] for r in rows if r.get("costs")})
     return common.table(f"{name}, batch {batch}, {dtype}", ["mode", "median ms", "vs CUDA graph", "vs torch.compile",
-                                                            "streams", "syncs", "peak MB", "output"], cells,
-                        caption=f"opweave schedules on costs from: {'; '.join(sources)}" if sources else None)
+                                                            "kernels/call", "streams", "syncs", "peak MB", "output"],
+                        cells, caption=f"opweave schedules on costs from: {'; '.join(sources)}" if sources else None)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,21 @@ def test_multi_device_quick(tmp_path):
         assert sum(row["ops_per_rank"]) == result["ops"]
 
 
+@pytest.mark.slow
+def test_fused_cpu_quick(tmp_path):
+    """Three modes of one small model, each built in its own process with a cold Inductor cache, then timed
+    interleaved in one more (under a minute)."""
+    run_script("fused_cpu.py", tmp_path, "--schedulers", "sequential", "--no-torch-compile")
+    data = json.loads((tmp_path / "fused_cpu.json").read_text())
+    assert [r["mode"] for r in data["rows"]] == ["eager", "opweave sequential", "opweave sequential+inductor"]
+    assert all(r["ok"] and r["max_abs_diff"] < 1e-4 for r in data["rows"]), data["rows"]
+    fused = data["rows"][-1]
+    assert fused["segments"] == 1 and fused["inductor_s"] > 0 and fused["compile_s"] >= fused["inductor_s"]
+    assert data["settings"]["inductor_cache"] == "cold"
+    assert all(0 < r["min_ms"] <= r["median_ms"] and r["warmup_calls"] >= 1 for r in data["rows"])
+    assert data["rows"][0]["speedup_vs_eager"] == 1.0
+
+
 def test_top_gpg_quick(tmp_path):
     result = run_script("top_gpg.py", tmp_path, "--graphs", "1", "--repeats", "1")
     data = json.loads((tmp_path / "top_gpg.json").read_text())

@@ -116,10 +116,12 @@ def test_cpu_profile_feeds_simulate_and_is_refused_for_another_model(tmp_path):
     opweave("profile", "--model", "deepfm", "--device", "cpu", "-o", str(path))
     measured = json.loads(path.read_text())["latency_ms"]
     result = json.loads(opweave("schedule", "--model", "deepfm", "--profile", str(path), "--scheduler", "sequential",
-                                "--json").stdout)
+                                "--coarsen", "--json").stdout)  # `opweave profile` measures the coarsened graph
     assert result["sequential_ms"] == pytest.approx(sum(measured.values()))
     assert "measured for model 'deepfm'" in one_line(opweave("simulate", "--model", "squeezenet", "--profile",
                                                              str(path), check_rc=2))
+    assert "other granularity" in one_line(opweave("simulate", "--model", "deepfm", "--profile", str(path),
+                                                    check_rc=2))  # the fine graph
 
 
 # ---- the guard: only the OpweaveError family becomes one line and status 2 -----------------------------------------

@@ -10,7 +10,7 @@ from opweave import schedulers, zoo
 from opweave.api import plan_for
 from opweave.backends.cpu import CpuBackend
 from opweave.bench import max_abs_diff
-from opweave.capture import CaptureError, capture
+from opweave.capture import CaptureError, capture, coarsen
 from opweave.costs.roofline import estimate
 from rendezvous import TwoBranches, armed
 
@@ -74,6 +74,28 @@ def test_an_error_inside_an_op_reaches_the_caller_without_hanging():
     assert max_abs_diff(Branchy()(spd, y), fast(spd, y)) == 0.0
 
 
+def test_lanes_run_without_autograd_even_on_inference_tensors():
+    """Worker threads do not inherit the caller's inference mode: with autograd on there, a Linear on an inference
+    tensor raised "Inference tensors cannot be saved for backward"."""
+
+    class TwoLinears(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.a(x)), self.b(x) * 2
+
+    model = TwoLinears()
+    fast = opweave.compile(model, (torch.randn(4, 8),), scheduler="lios", device="cpu")
+    assert fast.schedule.streams_used == 2
+    with torch.inference_mode():
+        x = torch.randn(4, 8)
+        got, expected = fast(x), model(x)
+    assert max_abs_diff(expected, got) == 0.0
+    assert not any(t.requires_grad for t in fast(torch.randn(4, 8)))  # no autograd graph outside inference mode
+
+
 def test_independent_branches_run_concurrently_on_two_lanes():
     # the two rendezvous ops wait at a barrier for each other: the call only returns if two lanes ran them at once
     x = torch.randn(4, 3)
@@ -98,7 +120,7 @@ def test_compile_schedules_on_a_measured_profile_and_refuses_a_stale_one(tmp_pat
     from opweave.costs.profile import ProfileKeyError, profile_model
 
     model, inputs = zoo.create("deepfm")
-    prof = profile_model(capture(model, inputs, name="deepfm"), inputs, device="cpu", repeats=2, warmup=0)
+    prof = profile_model(coarsen(capture(model, inputs, name="deepfm")), inputs, device="cpu", repeats=2, warmup=0)
     path = tmp_path / "deepfm.profile.json"
     prof.save(path)
     fast = opweave.compile(model, inputs, scheduler="lios", profile=path)

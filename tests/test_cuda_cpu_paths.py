@@ -651,13 +651,21 @@ def test_benchmark_summary_table_and_json(tmp_path):
     rows = [row("eager", 3.0), row("cuda-graph", 1.5, peak=80.0), row("torch.compile", 1.2),
             row("opweave lios", 1.0, peak=120.0, scheduler="lios", streams=4, syncs=9, costs="profile"),
             row("opweave opara", 0.5, ok=False, scheduler="opara", streams=8, syncs=20, costs="profile"),
-            {**base, "mode": "opweave ios", "scheduler": "ios", "error": "scheduling timed out", "costs": "profile"}]
+            {**base, "mode": "opweave ios", "scheduler": "ios", "error": "scheduling timed out", "costs": "profile"},
+            row("opweave lios+inductor", 0.8, peak=90.0, scheduler="lios", fuse="inductor", kernels_per_call=41.0),
+            row("opweave opara+inductor", 0.4, ok=False, scheduler="opara", fuse="inductor")]
     summary = gl.summarize(rows)
-    assert summary["best_scheduler"] == "lios"  # opara is faster but wrong
+    assert summary["best_scheduler"] == "lios"  # unfused: opara is faster but wrong, lios+inductor is fused
+    assert summary["best_ms"] == 1.0
     assert summary["speedup_vs_cuda_graph"] == pytest.approx(1.5)
     assert summary["speedup_vs_torch_compile"] == pytest.approx(1.2)
     assert summary["peak_memory_vs_cuda_graph"] == pytest.approx(1.5)
+    assert summary["inductor_scheduler"] == "lios" and summary["inductor_ms"] == 0.8  # opara+inductor is wrong
+    assert summary["inductor_speedup_vs_cuda_graph"] == pytest.approx(1.875)
+    assert summary["inductor_speedup_vs_torch_compile"] == pytest.approx(1.5)
+    assert summary["inductor_peak_memory_vs_cuda_graph"] == pytest.approx(90 / 80)
     assert not summary["all_outputs_ok"] and summary["failed_modes"] == ["opweave ios"]
+    assert gl.summarize(rows[:6])["inductor_scheduler"] is None  # no +inductor mode measured
     date = datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
     data = gl.results_document("NVIDIA H100 80GB HBM3", "2.11.0", "12.8", date, {"python": "3.11"}, {"replays": 200})
     gl.add_configuration(data, rows)
@@ -665,8 +673,10 @@ def test_benchmark_summary_table_and_json(tmp_path):
     path = gl.result_path(tmp_path, data["device"], date)
     assert path.name == "nvidia-h100-80gb-hbm3-2025-01-02.json"
     common.write_json(path, data)
-    assert json.loads(path.read_text()) == data and len(data["summaries"]) == 1 and len(data["results"]) == 7
+    assert json.loads(path.read_text()) == data and len(data["summaries"]) == 1 and len(data["results"]) == 9
     console = Console(record=True, width=200)
     console.print(gl.speedup_table("googlenet", 1, "fp32", rows, common))
     text = console.export_text()
     assert "WRONG (5.0e-01)" in text and "1.50x" in text and "scheduling timed out" in text and "profile" in text
+    fused_line = next(line for line in text.splitlines() if "opweave lios+inductor" in line)
+    assert [c.strip() for c in fused_line.strip().strip("│").split("│")][4] == "41"  # kernels/call

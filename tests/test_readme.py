@@ -1,11 +1,11 @@
 """Every command of the README's quick starts, run for real, with what the README says about it checked.
 
-The commands are read from README.md itself: the ``python`` blocks under "Python quick start" (run statement by
-statement; an expression's value is checked against its comment) and every ``opweave ...`` line of "Command line
-quick start" (run through the Typer app with ``typer.testing.CliRunner``, in a fresh directory, or as a process
-where it starts rank processes or a server; the rendered table text is checked, as a user reads it). A README
-command with no check here fails :func:`test_every_readme_command_is_checked`, so the README cannot gain an
-untested command.
+The commands are read from README.md itself: the ``python`` blocks under "Python quick start" and "Fused segments
+(TorchInductor)" (run statement by statement; an expression's value is checked against its comment) and every
+``opweave ...`` line of "Command line quick start" (run through the Typer app with ``typer.testing.CliRunner``, in
+a fresh directory, or as a process where it starts rank processes or a server; the rendered table text is checked,
+as a user reads it). A README command with no check here fails :func:`test_every_readme_command_is_checked`, so the
+README cannot gain an untested command.
 
 The command-line blocks of "Several devices (HIOS)" are read the same way (``torchrun`` lines included).
 
@@ -39,7 +39,7 @@ from typer.testing import CliRunner
 import opweave
 from opweave import zoo
 from opweave.bench import max_abs_diff
-from opweave.capture import capture
+from opweave.capture import capture, coarsen
 from opweave.cli import app
 from opweave.costs.links import load as load_link
 from opweave.costs.profile import profile_model
@@ -158,6 +158,19 @@ def test_python_quick_start_schedulers_on_graphs():
     assert schedulers.run("sequential", g, namespace["from_graph"](g)).predicted_ms == 73.0
 
 
+@pytest.mark.slow
+def test_fused_segments_block():
+    (block,) = blocks(section("Fused segments (TorchInductor)"), "python")
+    namespace, values = run_python(block)
+    model, inputs, out, fused = (namespace[k] for k in ("model", "inputs", "out", "fused"))
+    with torch.inference_mode():
+        assert max_abs_diff(model(*inputs), out) < 1e-4  # "equals model(*inputs) (allclose)"
+    stats, comment = values["fused.fused.stats"]
+    assert sorted(stats) == sorted(k.strip() for k in comment.split(","))
+    assert stats["segments"] == stats["compiles"] > 1 and stats["compile_s"] > 0 and stats["fallbacks"] == 0
+    assert fused.schedule.streams_used > 1  # several streams, each with its own segments
+
+
 # ---- the command line quick start -----------------------------------------------------------------------------------
 def check_models(line: str, tmp_path: Path) -> None:
     out = succeeds(opweave_cli(line))  # once exited 2 with "opweave: error: 0"
@@ -242,7 +255,7 @@ def check_simulate_profile(line: str, tmp_path: Path) -> None:
         succeeds(opweave_cli(command("profile")))  # the README line before
     else:  # what that line writes, measured on the CPU (one timed run per op: only the file's contents matter here)
         model, inputs = zoo.create("googlenet", batch_size=1)
-        captured = capture(model, inputs, name="googlenet")
+        captured = coarsen(capture(model, inputs, name="googlenet"))  # `opweave profile` coarsens by default
         profile_model(captured, inputs, device="cpu", repeats=1, warmup=0).save(tmp_path / "googlenet.profile.json")
     measured = json.loads((tmp_path / "googlenet.profile.json").read_text())["latency_ms"]
     out = succeeds(opweave_cli(line))
@@ -384,7 +397,7 @@ CHECKS = {
                                                                                  (pytest.mark.cuda,)),
     "opweave bench --model googlenet --device cuda --profile googlenet.profile.json --schedulers all": (
         check_bench_cuda_profile, (pytest.mark.cuda,)),
-    "opweave simulate --model googlenet --profile googlenet.profile.json --cost-model gpu": (
+    "opweave simulate --model googlenet --profile googlenet.profile.json --cost-model gpu --coarsen": (
         check_simulate_profile, (pytest.mark.slow,)),
     # the --model-file lines (README of the `models` work): a model saved by torch.export.save
     "opweave schedule --model-file m.pt2 --scheduler lios": (check_schedule_model_file, (pytest.mark.slow,)),

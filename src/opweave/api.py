@@ -30,6 +30,7 @@ class Compiled:
     backend: Any
     device: str
     captured: Any = None
+    fused: Any = None  # with fuse=...: the Segmented model (its stats: segments, compiles, compile_s)
 
     def __call__(self, *args, **kwargs) -> Any:
         if kwargs:  # keyword arguments bound to the model's forward(), as at capture
@@ -63,7 +64,8 @@ def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | Non
 def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, scheduler: str = "opara",
             device: str = "cpu", streams: int | None = None, costs: Costs | None = None,
             profile: str | Path | None = None, cost_model: str = "ideal", fold_bn: bool = False, devices: int = 1,
-            link: str | Path | None = None, **backend_options) -> Compiled:
+            link: str | Path | None = None, coarsen: bool = True, fuse: str | None = None,
+            **backend_options) -> Compiled:
     """Compile ``model`` for ``example_inputs`` (and ``example_kwargs``, keyword arguments of its ``forward``); the
     result's outputs equal ``model(*inputs, **kwargs)`` (allclose), and compiling leaves the model unchanged.
 
@@ -72,9 +74,12 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, sch
     are given.
 
     Costs: ``costs`` if given, else the measured ``profile`` (a file written by ``opweave profile``, refused when it
-    was measured for other shapes, dtype, device or torch), else the roofline estimate for the device.
-    ``streams`` caps the streams the scheduler may use; for CUDA it defaults to
+    was measured for other shapes, dtype, device or torch, or for the other granularity), else the roofline
+    estimate for the device. ``streams`` caps the streams the scheduler may use; for CUDA it defaults to
     :func:`opweave.backends.cuda.default_streams` (8, the GPU's hardware queues), on the CPU to no cap.
+    ``coarsen`` schedules the papers' operators (:func:`opweave.capture.coarsen`: each op merged with its
+    epilogues, BatchNorm folded) instead of one op per fx node. ``fuse="inductor"`` compiles every stream segment
+    of the plan with TorchInductor (:mod:`opweave.backends.segments`; one device only).
     ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
 
     ``devices > 1`` (with ``hios-lp`` or ``hios-mr``): the plan spans ``devices`` devices and runs on as many
@@ -105,17 +110,21 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, sch
     example_inputs = captured.example_inputs
     return compile_captured(captured, example_inputs, scheduler=scheduler, device=device, streams=streams,
                             costs=costs, profile=profile, cost_model=cost_model, devices=devices, link=link,
-                            **backend_options)
+                            coarsen=coarsen, fuse=fuse, **backend_options)
 
 
 def compile_captured(captured, example_inputs, *, scheduler: str = "opara", device: str = "cpu",
                      streams: int | None = None, costs: Costs | None = None, profile: str | Path | None = None,
                      cost_model: str = "ideal", devices: int = 1, link: str | Path | None = None,
-                     **backend_options) -> Compiled:
+                     coarsen: bool = True, fuse: str | None = None, **backend_options) -> Compiled:
     """:func:`compile` from an already captured model (``opweave.capture``): one capture can serve many schedules."""
     from opweave.costs.roofline import estimate
 
     example_inputs = _check(device, example_inputs)
+    if coarsen:
+        from opweave.capture import coarsen as coarsen_ops
+
+        captured = coarsen_ops(captured)
     graph = captured.graph
     if costs is None and profile is not None:
         from opweave.costs.profile import load_for
@@ -124,6 +133,8 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
     elif costs is None:
         costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset(), model=cost_model)
     if devices != 1:
+        if fuse is not None:
+            raise UsageError(f"fuse={fuse!r} runs on one device; devices={devices} runs the plan's ops unfused")
         return compile_ranks(captured, scheduler=scheduler, device=device, devices=devices, streams=streams,
                              costs=costs, link=link, **backend_options)
     if device == "cuda" and streams is None:
@@ -131,17 +142,24 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
 
         streams = default_streams()  # more lanes than the GPU's hardware queues only add false dependencies
     sched, plan = plan_for(graph, costs, scheduler, streams=streams)
+    if device == "cpu" and backend_options:
+        raise UsageError(f"the cpu backend takes no options, got {', '.join(backend_options)}")
+    runner, run_plan = captured, plan
+    if fuse is not None:
+        from opweave.backends.segments import fuse_segments
+
+        runner, run_plan = fuse_segments(captured, plan, fuse)
+        if device == "cpu":  # compile now, not in the first call (the CUDA backend's warm-up runs compile there)
+            runner.prepare(example_inputs, run_plan)
     if device == "cpu":
-        if backend_options:
-            raise UsageError(f"the cpu backend takes no options, got {', '.join(backend_options)}")
         from opweave.backends.cpu import CpuBackend
 
-        backend = CpuBackend(captured, plan)
+        backend = CpuBackend(runner, run_plan)
     else:
         from opweave.backends.cuda import CudaBackend
 
-        backend = CudaBackend(captured, plan, example_inputs, **backend_options)
-    return Compiled(graph, costs, sched, plan, backend, device, captured)
+        backend = CudaBackend(runner, run_plan, example_inputs, **backend_options)
+    return Compiled(graph, costs, sched, plan, backend, device, captured, fused=runner if fuse is not None else None)
 
 
 def load_model(model: str | None = None, model_file: str | Path | None = None, *,
@@ -208,11 +226,11 @@ def compile_ranks(captured, *, scheduler: str = "hios-lp", device: str = "cpu", 
 
 
 def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,
-               preset: str = "h100", profile: str | Path | None = None,
+               preset: str = "h100", profile: str | Path | None = None, coarsen: bool = False,
                model_file: str | Path | None = None) -> OpGraph:
     """The graph the CLI's ``schedule`` and ``simulate`` work on: a graph JSON file or a shipped example
-    (``graph``), or a zoo ``model`` captured at ``batch_size`` (or the ``.pt2`` ``model_file``) with roofline
-    latencies for ``preset``, or with the latencies measured in ``profile``.
+    (``graph``), or a zoo ``model`` captured at ``batch_size`` (or the ``.pt2`` ``model_file``), coarsened with
+    ``coarsen``, with roofline latencies for ``preset``, or with the latencies measured in ``profile``.
 
     A profile must have been measured for this model, batch (input shapes) and dtype; otherwise
     :class:`~opweave.costs.profile.ProfileKeyError`. Its device and torch version are not checked: scheduling and
@@ -224,21 +242,28 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
         raise UsageError("give a GRAPH (file or example name), --model NAME or --model-file PATH.pt2, one of them")
     if profile is not None and model is None:
         raise UsageError("--profile goes with --model (a graph file carries its own latencies)")
+    if coarsen and graph is not None:
+        raise UsageError("--coarsen goes with --model or --model-file (a graph file carries its own ops)")
     if model_file is not None:
         from opweave.capture import capture
+        from opweave.capture import coarsen as coarsen_ops
         from opweave.costs.roofline import with_estimates
 
         module, inputs, name = load_model(model_file=model_file, batch_size=batch_size)
-        return with_estimates(capture(module, inputs, name=name).graph, preset)
+        captured = capture(module, inputs, name=name)
+        return with_estimates((coarsen_ops(captured) if coarsen else captured).graph, preset)
     if model is not None:
         from opweave import zoo
         from opweave.capture import capture
+        from opweave.capture import coarsen as coarsen_ops
         from opweave.costs.profile import Profile, profile_key
         from opweave.costs.profile.store import model_dtype
         from opweave.costs.roofline import with_estimates
 
         module, inputs = zoo.create(model, batch_size=batch_size)
         captured = capture(module, inputs, name=model)
+        if coarsen:
+            captured = coarsen_ops(captured)
         estimated = with_estimates(captured.graph, preset)
         if profile is None:
             return estimated

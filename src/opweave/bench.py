@@ -50,7 +50,8 @@ def device_name(device: str) -> str:
 
 def bench_model(model_name: str | None, *, device: str = "cpu", batch_size: int = 1,
                 scheduler_names: Sequence[str] = (), streams: int | None = None, runs: int = 20, warmup: int = 3,
-                progress: bool = True, profile: str | None = None, model_file: str | None = None) -> dict:
+                progress: bool = True, profile: str | None = None, model_file: str | None = None,
+                coarsen: bool = True) -> dict:
     """Eager vs ``opweave.compile`` with each scheduler on one zoo model (or the ``.pt2`` ``model_file``); returns a
     JSON-ready dict."""
     from rich.progress import Progress
@@ -75,7 +76,8 @@ def bench_model(model_name: str | None, *, device: str = "cpu", batch_size: int 
         bar.advance(task)
         for name in scheduler_names:
             bar.update(task, description=f"{model_name}: opweave {name}")
-            fast = compile_captured(captured, inputs, scheduler=name, device=device, streams=streams, profile=profile)
+            fast = compile_captured(captured, inputs, scheduler=name, device=device, streams=streams, profile=profile,
+                                    coarsen=coarsen)
             with torch.inference_mode():
                 diff = max_abs_diff(reference, fast(*inputs))
             ms = median_ms(fast, inputs, runs=runs, warmup=warmup, device=device)
@@ -84,5 +86,5 @@ def bench_model(model_name: str | None, *, device: str = "cpu", batch_size: int 
                          "syncs": fast.plan.syncs, "max_abs_diff": diff, "ops": len(fast.graph)})
             bar.advance(task)
     return {"model": model_name, "batch_size": batch_size, "device": device, "device_name": device_name(device),
-            "costs": "profile " + str(profile) if profile else "roofline estimate",
+            "costs": "profile " + str(profile) if profile else "roofline estimate", "coarsen": coarsen,
             "torch": torch.__version__, "runs": runs, "warmup": warmup, "rows": rows}

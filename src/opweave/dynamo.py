@@ -25,8 +25,9 @@ carry no ``grad_fn``; dynamo guards on grad mode, so the same model under ``torc
 ``torch.inference_mode()`` compiles normally. (Dynamo reports the error as ``BackendCompilerFailed``.)
 
 ``options`` (``torch.compile(..., options=...)`` arrives here as ``options=``, as for inductor and apex's
-``torchsched``): ``scheduler`` (default ``"opara"``), ``streams``, ``cost_model``, ``fold_bn``, and the CUDA
-backend's ``mode``, ``static_outputs``, ``fallback``, ``cache_size``, ``warmup``. ``torch.compile``'s own ``mode``
+``torchsched``): ``scheduler`` (default ``"opara"``), ``streams``, ``cost_model``, ``fold_bn``, ``coarsen``,
+``fuse`` (``"inductor"``: each stream segment compiled by TorchInductor, :mod:`opweave.backends.segments`), and the
+CUDA backend's ``mode``, ``static_outputs``, ``fallback``, ``cache_size``, ``warmup``. ``torch.compile``'s own ``mode``
 (e.g. ``"reduce-overhead"``) is accepted and ignored: the CUDA backend records a CUDA graph by default.
 
 A graph with symbolic shapes (dynamo's ``dynamic=True``, or its automatic dynamic shapes after a recompilation)
@@ -53,7 +54,7 @@ from opweave.errors import UsageError
 
 KEEP = 32
 _COMPILED: deque = deque(maxlen=KEEP)
-_COMPILE_KEYS = ("scheduler", "streams", "cost_model", "fold_bn", "costs")
+_COMPILE_KEYS = ("scheduler", "streams", "cost_model", "fold_bn", "costs", "coarsen", "fuse")
 
 
 def opweave_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,

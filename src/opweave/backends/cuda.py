@@ -74,6 +74,7 @@ same stream need no wait. Inference only: runs under ``torch.no_grad``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import threading
@@ -297,7 +298,7 @@ class CudaBackend:
         except Exception as exc:  # noqa: BLE001 - re-raised with the signature named
             raise UsageError(f"{self.captured.graph.name}: inputs with shapes {_shapes(args)} cannot run through the "
                              f"graph captured for {self._example_shapes}: {type(exc).__name__}: {exc}") from exc
-        return Captured(self.captured.graph, gm, self.captured.nodes)
+        return dataclasses.replace(self.captured, gm=gm)  # keeps a subclass (backends/segments.py: Segmented)
 
     # ---- the interpreter ----------------------------------------------------------------------------------------
     def _issue(self, entry: _Entry, env: dict, origin: torch.cuda.Stream) -> None:
@@ -549,7 +550,8 @@ def on_device(captured: Captured, device: torch.device) -> Captured:
             if isinstance(value, torch.Tensor) and value.device != device and not isinstance(value, nn.Parameter):
                 setattr(owner, leaf, value.to(device))
     by_name = {n.name: n for n in gm.graph.nodes}
-    return Captured(captured.graph, gm, {op: [by_name[n.name] for n in group] for op, group in captured.nodes.items()})
+    return dataclasses.replace(captured, gm=gm, nodes={op: [by_name[n.name] for n in group]
+                                                       for op, group in captured.nodes.items()})
 
 
 def release_keys(captured: Captured, env: dict, program: Program) -> dict[tuple[Lane, int], list[str]]:

@@ -74,6 +74,13 @@ TRIVIAL = frozenset(
 _NON_TENSOR = frozenset({"size", "sym_size", "dim", "numel", "_assert_tensor_metadata", "_assert_scalar"})
 _DROPOUTS = frozenset("dropout dropout1d dropout2d dropout3d alphadropout featurealphadropout alpha_dropout "
                       "feature_alpha_dropout feature_dropout".split())
+# Elementwise ops that fuse into the op producing their input (coarsening's epilogues): activations, bias/residual
+# adds, scales, clamps. Eval-mode BatchNorm (an affine map per channel) is one too, see :func:`is_epilogue`.
+EPILOGUES = frozenset(
+    "relu relu6 gelu silu sigmoid tanh hardswish hardsigmoid hardtanh leaky_relu leakyrelu elu selu celu mish "
+    "softplus softsign logsigmoid prelu add sub rsub mul div truediv neg clamp clip clamp_min clamp_max".split()
+)
+_BATCHNORMS = frozenset("batchnorm1d batchnorm2d batchnorm3d batch_norm _native_batch_norm_legit_no_training".split())
 # operator.iadd -> operator.add, ...
 _INPLACE_OPERATORS = {
     getattr(operator, f"i{n}"): getattr(operator, n)
@@ -172,6 +179,25 @@ def is_alias(node: fx.Node, gm: fx.GraphModule) -> bool:
     """True if the node's value may share storage with its (first) input: the view-like trivial ops."""
     return is_trivial(node, gm) and short_name(target_name(node, gm)) not in _NON_TENSOR and not (
         node.target is getattr and node.args[1] in ("shape", "dtype", "device", "ndim"))
+
+
+def is_epilogue(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """An elementwise op that may run as the epilogue of the op producing its input (:data:`EPILOGUES`), or an
+    eval-mode BatchNorm with running statistics (an affine map per channel). In-place ops are never epilogues."""
+    if node.op not in ("call_function", "call_method", "call_module") or inplace_target(node, gm):
+        return False
+    short = short_name(target_name(node, gm))
+    if short in EPILOGUES:
+        return True
+    if short not in _BATCHNORMS:
+        return False
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return not module.training and module.track_running_stats
+    if short == "_native_batch_norm_legit_no_training":
+        return True
+    train = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
+    return train is False
 
 
 def _dropout_is_identity(node: fx.Node, gm: fx.GraphModule) -> bool:

@@ -42,17 +42,24 @@ def partition(gm: fx.GraphModule, kept: list[fx.Node]) -> tuple[dict[str, list[f
 def build_graph(gm: fx.GraphModule, nodes: dict[str, list[fx.Node]], owner: dict[str, str | None],
                  kept: list[fx.Node], name: str) -> OpGraph:
     ops = [_op(group[0], gm) for group in nodes.values()]
+    edges = data_edges(nodes, owner)
+    edges += _inplace_edges(gm, owner, kept, {(e.src, e.dst) for e in edges})
+    return OpGraph(ops, edges, name)
+
+
+def data_edges(nodes: dict[str, list[fx.Node]], owner: dict[str, str | None]) -> list[Edge]:
+    """One data edge per (producer op, consumer op) pair; its bytes are those of the distinct values consumed.
+    ``owner`` maps fx node names to their op (None, or absent: computed in ``bind``)."""
     edges: list[Edge] = []
     for op, group in nodes.items():
         consumed: dict[str, dict[str, int]] = {}
         for node in group:
             for arg in node.all_input_nodes:
-                source = owner[arg.name]
+                source = owner.get(arg.name)
                 if source is not None and source != op:
                     consumed.setdefault(source, {})[arg.name] = opinfo.nbytes(arg)
         edges += [Edge(src, op, bytes=float(sum(sizes.values()))) for src, sizes in consumed.items()]
-    edges += _inplace_edges(gm, owner, kept, {(e.src, e.dst) for e in edges})
-    return OpGraph(ops, edges, name)
+    return edges
 
 
 def _op(node: fx.Node, gm: fx.GraphModule) -> Op:

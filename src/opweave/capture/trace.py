@@ -21,7 +21,8 @@ Pipeline (each step a plain function over the fx graph, as torch.fx passes are):
    reproduce. An ``ExportedProgram`` takes this route directly. If both fail: one :class:`CaptureError` naming the
    model class, what stopped each tracer, where in the model (module path, file, line, code) and suggesting
    ``torch.compile(model, backend="opweave")``, which splits the model where whole-graph capture cannot go.
-2. **Fold BN** (``fold_bn=True``, fx route, eval models only): ``torch.fx.experimental.optimization.fuse``.
+2. **Fold BN** (``fold_bn=True``, fx route, eval models only): :func:`~opweave.capture.coarsen.fold_batchnorm`, every
+   BatchNorm module that alone reads a Conv/Linear module's output folded into its weights.
 3. **In-place → out-of-place** (:mod:`.functionalize`), where that keeps eager's meaning; otherwise the op stays
    in place and step 6 orders it with ``war`` edges. (``x += y`` on a traced tensor is already recorded by fx as
    ``operator.add`` and a rebinding; if eager's result depended on the mutation through another name, step 5
@@ -48,6 +49,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree as pytree
 
+from opweave.capture.coarsen import fold_batchnorm
 from opweave.capture.functionalize import rewrite_inplace
 from opweave.capture.partition import build_graph, partition
 from opweave.capture.runtime import Captured, positional
@@ -93,9 +95,7 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
             if fold_bn and route == "torch.export":
                 warnings.warn(f"{model_name}: fold_bn applies to symbolic_trace graphs only; not folded", stacklevel=2)
             elif fold_bn:
-                from torch.fx.experimental.optimization import fuse
-
-                gm = fuse(gm, inplace=False, no_trace=True)
+                gm = fold_batchnorm(gm)
             kept = rewrite_inplace(gm)
             result = _propagate_shapes(gm, example_inputs)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means "try the next route"

@@ -55,6 +55,8 @@ PresetOpt = Annotated[str, typer.Option("--preset", help="device preset for zoo 
 BatchOpt = Annotated[int, typer.Option("--batch-size", min=1)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
 ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="measured profile (opweave profile) for --model")]
+CoarsenOpt = Annotated[bool, typer.Option("--coarsen/--no-coarsen",
+                                           help="the papers' operators: each op merged with its epilogues")]
 LinkOpt = Annotated[str | None, typer.Option(
     "--link", help="link between devices: nvlink4, pcie4, pcie5, loopback or a file from opweave profile-links; "
                    "sets every edge's transfer time (HIOS schedulers, simulator)")]

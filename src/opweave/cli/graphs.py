@@ -12,6 +12,7 @@ from rich.table import Table
 from opweave.api import load_graph
 from opweave.cli.app import (
     BatchOpt,
+    CoarsenOpt,
     CostOpt,
     DevicesOpt,
     GraphArg,
@@ -40,10 +41,10 @@ from opweave.errors import UsageError
 def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "lios",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
-             preset: PresetOpt = "h100", profile: ProfileOpt = None, link: LinkOpt = None,
-             as_json: JsonOpt = False):
+             preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = False,
+             link: LinkOpt = None, as_json: JsonOpt = False):
     """Schedule a graph with one scheduler and show where each op runs."""
-    g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile,
+    g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
                           model_file=model_file), link)
     (name,) = scheduler_names(scheduler)
     sched, plan, sim = run_one(g, graph_costs(g, cost_model), name, streams, devices)
@@ -68,14 +69,15 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
 def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "all",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
-             preset: PresetOpt = "h100", profile: ProfileOpt = None, link: LinkOpt = None,
+             preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = False,
+             link: LinkOpt = None,
              gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart PNG (one scheduler)")] = None,
              trace: Annotated[Path | None, typer.Option(help="write a Chrome trace JSON (one scheduler)")] = None,
              as_json: JsonOpt = False):
     """Compare schedulers on one graph: makespan, speedup over sequential, syncs, scheduling time."""
     from opweave.backends import render
 
-    g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile,
+    g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
                           model_file=model_file), link)
     names = scheduler_names(scheduler)
     if (gantt or trace) and len(names) != 1:

@@ -10,7 +10,18 @@ import typer
 from rich.table import Table
 
 from opweave import schedulers
-from opweave.cli.app import BatchOpt, JsonOpt, ModelFileOpt, StreamsOpt, app, err, guard, out, scheduler_names
+from opweave.cli.app import (
+    BatchOpt,
+    CoarsenOpt,
+    JsonOpt,
+    ModelFileOpt,
+    StreamsOpt,
+    app,
+    err,
+    guard,
+    out,
+    scheduler_names,
+)
 
 
 @app.command()
@@ -23,7 +34,7 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
           streams: StreamsOpt = None, runs: Annotated[int, typer.Option(min=1)] = 20,
           warmup: Annotated[int, typer.Option(min=0)] = 3,
           profile: Annotated[Path | None, typer.Option(help="schedule on this measured profile")] = None,
-          as_json: JsonOpt = False):
+          coarsen: CoarsenOpt = True, as_json: JsonOpt = False):
     """Real runs: eager vs opweave with each scheduler, median latency after warm-up."""
     from opweave.bench import bench_model, resolve_device
 
@@ -34,7 +45,8 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
     if model is None and model_file is None:
         model = "inception_v3"
     result = bench_model(model, device=device, batch_size=batch_size, scheduler_names=names, streams=streams,
-                         runs=runs, warmup=warmup, progress=not as_json, profile=profile, model_file=model_file)
+                         runs=runs, warmup=warmup, progress=not as_json, profile=profile, model_file=model_file,
+                         coarsen=coarsen)
     if as_json:
         print(json.dumps(result))
         return
@@ -54,17 +66,20 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
 @guard
 def profile(model: Annotated[str, typer.Option("--model")] = "inception_v3",
             device: Annotated[str, typer.Option(help="cuda | cpu | auto")] = "cuda", batch_size: BatchOpt = 1,
-            output: Annotated[Path | None, typer.Option("-o", "--output")] = None):
-    """Measure each op's latency (and kernel resources on CUDA) and save a profile the cost model loads."""
+            output: Annotated[Path | None, typer.Option("-o", "--output")] = None, coarsen: CoarsenOpt = True):
+    """Measure each op's latency (and kernel resources on CUDA) and save a profile the cost model loads (of the
+    coarsened graph, as compile and bench schedule it, unless --no-coarsen)."""
     from opweave import zoo
     from opweave.bench import resolve_device
     from opweave.capture import capture
+    from opweave.capture import coarsen as coarsen_ops
     from opweave.costs.profile import profile_model
 
     device = resolve_device(device)
     module, inputs = zoo.create(model, batch_size=batch_size)
     module, inputs = module.to(device), tuple(x.to(device) for x in inputs)
-    prof = profile_model(capture(module, inputs, name=model), inputs, device=device)
+    captured = capture(module, inputs, name=model)
+    prof = profile_model(coarsen_ops(captured) if coarsen else captured, inputs, device=device)
     path = output or Path(f"{model}-b{batch_size}-{device}.profile.json")
     prof.save(path)
     err.print(f"wrote {path}")

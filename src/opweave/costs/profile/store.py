@@ -110,11 +110,16 @@ class Profile:
 
     def apply(self, graph: OpGraph) -> OpGraph:
         """A copy of ``graph`` whose ops carry this profile's measurements (latency, and utilization, resources and
-        category where measured); every op of the graph must have been measured."""
+        category where measured); the profile must have measured exactly the graph's ops (a profile of the fine
+        graph does not fit the coarsened one, whose op ids are a subset, nor the other way round)."""
         missing = [o for o in graph.ids if o not in self.latency_ms]
-        if missing:
-            raise ProfileKeyError(f"profile has no latency for op {missing[0]!r} of graph {graph.name!r}; "
-                                  "it was measured for another graph")
+        extra = [o for o in self.latency_ms if o not in graph.op]
+        if missing or extra:
+            what = f"no latency for op {missing[0]!r}" if missing else f"a latency for op {extra[0]!r}, not an op"
+            raise ProfileKeyError(f"profile has {what} of graph {graph.name!r} ({len(self.latency_ms)} ops measured, "
+                                  f"{len(graph)} in the graph): it was measured for another graph, or for the other "
+                                  "granularity (profile and compile both coarsened or both not: --coarsen/--no-coarsen,"
+                                  " coarsen=)")
         ops = [replace(o, latency_ms=self.latency_ms[o.id], utilization=self.utilization.get(o.id, o.utilization),
                        resources=self.resources.get(o.id, o.resources), category=self.category.get(o.id, o.category))
                for o in graph.ops]

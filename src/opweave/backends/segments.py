@@ -1,0 +1,314 @@
+"""Stream segments compiled with TorchInductor (``opweave.compile(..., fuse="inductor")``).
+
+After scheduling, lowering and validation, every maximal run of launches on one lane (device, stream) with no
+other instruction of that lane inside it (no record, wait, send or recv) is a **segment** (:func:`segment_groups`).
+Each segment becomes one op of a :class:`Segmented` model (:func:`opweave.capture.coarsen.merge_ops` merges its
+ops, its fx nodes kept in graph order) and the plan becomes a plan of segments (:func:`segment_plan`: each
+segment is launched where its first op was, the other launches dropped, every sync instruction kept). The
+backends run that plan unchanged: on the CPU a lane's worker thread calls one compiled segment where it called
+each op; on CUDA the segment's kernels go to the lane's stream, inside the one CUDA Graph the backend records.
+(On the CPU, Inductor's own C++ kernels hold the GIL while they run: torch 2.13's binding for them does not release
+it. Library calls inside a segment, convolutions and matrix products, do release it, so lanes overlap in those.)
+
+**Why a segment keeps every ordering the plan proved.** The validator proves, on the op-level plan, that each
+dependency ``u -> v`` is ordered by FIFO order on a lane or by a record after ``u`` and a wait before ``v``
+(:mod:`opweave.plan.validate`). A segment holds no record and no wait, so every wait issued before any of its ops
+is issued before all of them, and every record issued after any of them after all of them: each cross-lane order
+the validator found still holds between whole segments, and FIFO order between segments of one lane is kept.
+Inside a segment, dependencies are data flow of one fx graph, which the compiler preserves (in-place ops are
+functionalized by AOTAutograd, mutations of segment inputs written back). Segment values are written to the
+environment only when the segment returns, before any record after it, so a consumer on another lane never reads
+early; the liveness analysis of the CUDA backend runs on the segment plan's steps and keys. Only the op-level
+plan is validated; the segment plan is derived from it by this rule alone.
+
+**Compiling.** A segment is an ``fx.GraphModule`` of its nodes: its inputs are the environment values it reads from
+outside (the model's inputs, values computed in ``bind``, other segments' outputs: placeholders; tensors inside
+tuples are separate placeholders; non-tensor values are baked in as constants), parameters stay module attributes
+(AOTAutograd lifts them, so weights are read on every call, never frozen), and its outputs are the values read by
+another segment or returned by the model (every leaf of them, Python scalars too: a scalar may depend on the data,
+as ``.item()``'s does, so none is baked). It is compiled as ``torch._inductor.compile`` does, under ``no_grad``,
+with ``triton.cudagraphs`` off (opweave records the whole plan into its own CUDA Graph; Inductor's graphs would nest
+and pin memory per segment). On the CPU that is Inductor's C++ backend; on CUDA, Triton. One compiled function is
+kept per segment and *input signature* (each input's shape, strides, dtype and device, the values of non-tensor
+inputs): Inductor checks sizes and strides, and constants were baked for those values. After :data:`MAX_SIGNATURES`
+signatures (a scalar input that changes every call) a segment runs op by op. Compiling happens the first time a
+signature is seen, under one process-wide lock (``opweave.compile`` runs the example once on the CPU, and the CUDA
+backend's warm-up runs do it, so no compile happens during a call or a graph capture for the example's signature).
+Identical segments (same structure and shapes) hit Inductor's FX graph cache and compile once per machine. A segment
+Inductor cannot compile (an op AOTAutograd cannot trace, e.g. a custom op without a fake implementation) runs op by
+op, with a warning naming it. ``stats`` counts segments, compiles, fallbacks and the seconds spent compiling.
+
+**The other route, and why not.** Recent Inductor honours stream annotations on FX nodes (``node.meta["custom"]
+["stream"]``): its scheduler blocks fusion across streams and its wrapper switches streams and emits event records
+and waits (pytorch/pytorch PR 165505, re-landed as 176696, with PR 174223 / 177324 reading the node metadata; torch
+2.13's ``torch/_inductor/graph.py`` ``_get_node_stream`` and ``scheduler.py`` ``_populate_stream_assignments``). The
+whole plan could then be one annotated graph. It is not used: (1) torch 2.11, which the GPU machine runs, does not
+have it: both PRs were still under review and re-submitted in March 2026, after the 2.11 release branch was cut
+(16-19 February 2026), and the stack's last PRs were merged for the 2.12 cut (13-15 April 2026), so 2.12 is the
+first release that can have it (2.13 has it); (2) the stream index names an object in dynamo's private registry of
+traced streams and events (``torch._dynamo.graph_bytecode_inputs``; ``torch.ops.streams.record_event`` /
+``wait_event``), which only dynamo's tracing fills, and the feature was still changing after 2.13 (pattern
+replacements dropped the annotation until PR 189095); (3) it would not be faster inside opweave's CUDA Graph: a
+replay runs the recorded kernels and event edges, which are the same per stream on both routes (neither fuses across
+a stream boundary or a wait), so route 2 would save only host time per call, which a replay does not spend.
+Per-segment compilation works on every torch with Inductor and keeps the validated plan in charge of the streams.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from opweave.capture.coarsen import merge_ops
+from opweave.capture.runtime import Captured
+from opweave.errors import CaptureError, UsageError
+from opweave.plan.launchplan import LaunchPlan
+from opweave.plan.semantics import Lane
+
+COMPILERS = ("inductor", "eager")  # "eager": each segment's GraphModule runs uncompiled, as a check
+MAX_SIGNATURES = 8  # compiled graphs kept per segment; later signatures run op by op
+_COMPILE_LOCK = threading.Lock()  # Inductor's compile is not thread-safe; CPU lanes may meet a new signature at once
+
+
+def segment_groups(plan: LaunchPlan) -> list[list[str]]:
+    """The plan's segments as lists of op ids in launch order, listed in the issue order of their first launch."""
+    current: dict[Lane, list[str]] = {}
+    groups: list[list[str]] = []
+    for ins in plan.instrs:
+        lane = (ins.device, ins.stream)
+        if ins.kind == "launch":
+            if lane not in current:
+                current[lane] = []
+                groups.append(current[lane])
+            current[lane].append(ins.op)
+        else:
+            current.pop(lane, None)
+    return groups
+
+
+def segment_plan(plan: LaunchPlan, groups: list[list[str]]) -> LaunchPlan:
+    """``plan`` with each segment launched once, as its first op's id, where its first op was launched; sends and
+    recvs name the segment of their op (a send follows the last op of a segment, so each pairs as before).
+
+    Moving a segment's later launches up to its first is safe: no instruction of that lane lies between them, so
+    nothing issued in between on another lane can wait for them, and they wait for nothing issued in between."""
+    segment_of = {op: group[0] for group in groups for op in group}
+    return LaunchPlan([replace(ins, op=segment_of[ins.op]) if ins.kind in ("send", "recv") else replace(ins)
+                       for ins in plan.instrs if ins.kind != "launch" or segment_of[ins.op] == ins.op])
+
+
+def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inductor") -> tuple[Segmented, LaunchPlan]:
+    """The :class:`Segmented` model of ``plan``'s segments and the plan that launches them (see the module
+    docstring). ``plan`` must have passed the validator for ``captured.graph``."""
+    if compiler not in COMPILERS:
+        raise UsageError(f"fuse must be one of {', '.join(COMPILERS)} (or None), got {compiler!r}")
+    groups = segment_groups(plan)
+    merged = merge_ops(captured, groups)
+    segmented = Segmented(merged.graph, merged.gm, merged.nodes, signature=merged.signature,
+                          example_inputs=merged.example_inputs, compiler=compiler)
+    return segmented, segment_plan(plan, groups)
+
+
+@dataclass(eq=False)
+class Segmented(Captured):
+    """A :class:`Captured` whose ops are stream segments, each run as one compiled graph.
+
+    ``stats`` (shared with copies made by :func:`dataclasses.replace`, e.g. the CUDA backend's copy on the device):
+    ``segments``, ``compiles``, ``compile_s`` (wall seconds in the compiler), ``fallbacks`` (signatures run op by
+    op because the compiler failed).
+    """
+
+    compiler: str = "inductor"
+    stats: dict = field(default_factory=dict)
+    _segments: dict[str, _Segment] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("compiles", "fallbacks"):
+            self.stats.setdefault(key, 0)
+        self.stats.setdefault("compile_s", 0.0)
+        self.stats["segments"] = len(self.nodes)
+        self._segments = {seg: _Segment(self, seg) for seg in self.nodes}
+
+    def run_op(self, op_id: str, env: dict[str, Any]) -> None:
+        """Run segment ``op_id``: its compiled graph for the current input signature (compiled on first sight)."""
+        self._segments[op_id](env)
+
+    def run_unfused(self, op_id: str, env: dict[str, Any]) -> None:
+        """Run segment ``op_id`` node by node, as :meth:`Captured.run_op` runs an op."""
+        super().run_op(op_id, env)
+
+    def prepare(self, args: tuple, plan: LaunchPlan) -> None:
+        """Run ``plan``'s segments once on ``args`` in issue order, compiling each for their signatures."""
+        env = self.bind(args)
+        with torch.no_grad():
+            for ins in plan.instrs:
+                if ins.kind == "launch":
+                    self.run_op(ins.op, env)
+
+
+class _Segment:
+    """One segment: where its inputs and outputs sit in the environment, and its compiled graphs by signature."""
+
+    def __init__(self, owner: Segmented, seg: str):
+        self.owner, self.seg = owner, seg
+        members = owner.nodes[seg]
+        inside = set(members)
+        inputs: dict[fx.Node, None] = {}
+        for node in members:
+            for arg in node.all_input_nodes:
+                if arg not in inside and arg.op != "get_attr":
+                    inputs.setdefault(arg)
+        self.inputs = list(inputs)
+        self.outputs = [n for n in members if any(u not in inside for u in n.users)]
+        self.input_keys = [n.name for n in self.inputs]
+        self.compiled: dict[tuple, _Compiled | None] = {}
+
+    def __call__(self, env: dict[str, Any]) -> None:
+        values = [env[k] for k in self.input_keys]
+        key = _signature(values)
+        compiled = self.compiled.get(key, False)
+        if compiled is False:
+            with _COMPILE_LOCK:
+                compiled = self.compiled.get(key, False)
+                if compiled is False and len(self.compiled) >= MAX_SIGNATURES:
+                    compiled = None
+                    if len(self.compiled) == MAX_SIGNATURES:  # warn once
+                        self.compiled[None] = None
+                        warnings.warn(f"{self.owner.graph.name}: segment {self.seg!r} met more than "
+                                      f"{MAX_SIGNATURES} input signatures (a scalar input that changes every "
+                                      "call?); new ones run op by op", stacklevel=3)
+                elif compiled is False:
+                    compiled = self.compiled[key] = self._compile(values)
+        if compiled is None:
+            self.owner.run_unfused(self.seg, env)
+            return
+        try:
+            results = compiled.fn(*[leaf for v in values for leaf in pytree.tree_leaves(v)
+                                    if isinstance(leaf, torch.Tensor)])
+        except Exception as exc:
+            raise CaptureError(f"{self.owner.graph.name}: segment {self.seg!r} ({len(self.owner.nodes[self.seg])} "
+                               f"fx nodes) failed in its compiled graph: {type(exc).__name__}: "
+                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+        position = 0
+        for name, (spec, count) in zip(compiled.output_keys, compiled.output_specs, strict=True):
+            env[name] = pytree.tree_unflatten(list(results[position:position + count]), spec)
+            position += count
+
+    def _compile(self, values: list[Any]) -> _Compiled | None:
+        """Compile the segment for these input values; None (with a warning) when the compiler fails. An error
+        of the segment's own ops (found by one run op by op, which also gives the outputs' structure) is raised."""
+        scratch = dict(zip(self.input_keys, values, strict=True))
+        for name, path in self.owner._constants:  # parameters and constants the ops read
+            scratch[name] = _attr(self.owner.gm, path)
+        with torch.no_grad():
+            self.owner.run_unfused(self.seg, scratch)
+        examples = [scratch[n.name] for n in self.outputs]
+        start = time.perf_counter()
+        try:
+            gm, specs = self._graph_module(values, examples)
+            inputs = [leaf for v in values for leaf in pytree.tree_leaves(v) if isinstance(leaf, torch.Tensor)]
+            fn = _inductor(gm, inputs) if self.owner.compiler == "inductor" else gm
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: run this segment op by op
+            self.owner.stats["fallbacks"] += 1
+            text = str(exc).strip().splitlines()
+            warnings.warn(f"{self.owner.graph.name}: segment {self.seg!r} could not be compiled with "
+                          f"{self.owner.compiler} ({type(exc).__name__}: {text[0][:200] if text else ''}); it runs op "
+                          "by op", stacklevel=4)
+            return None
+        finally:
+            self.owner.stats["compile_s"] += time.perf_counter() - start
+        self.owner.stats["compiles"] += 1
+        return _Compiled(fn, [n.name for n in self.outputs], specs)
+
+    def _graph_module(self, values: list[Any], examples: list[Any]) -> tuple[fx.GraphModule, list[tuple]]:
+        """The segment as a GraphModule over the tensor leaves of ``values``, returning the leaves of the outputs
+        (flat); and per output its pytree spec and number of leaves, to rebuild it."""
+        graph = fx.Graph()
+        copies: dict[fx.Node, Any] = {}
+        for node, value in zip(self.inputs, values, strict=True):
+            leaves, spec = pytree.tree_flatten(value)
+            if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+                copies[node] = value  # baked in: part of the signature
+                continue
+            parts = [graph.placeholder(f"{node.name}_{i}") if isinstance(leaf, torch.Tensor) else leaf
+                     for i, leaf in enumerate(leaves)]
+            copies[node] = parts[0] if spec.is_leaf() else pytree.tree_unflatten(parts, spec)
+        members = self.owner.nodes[self.seg]
+        for node in members:
+            for arg in node.all_input_nodes:
+                if arg.op == "get_attr" and arg not in copies:
+                    copies[arg] = graph.get_attr(arg.target)
+        for node in members:
+            copies[node] = graph.node_copy(node, copies.__getitem__)
+        outs, specs = [], []
+        for node, example in zip(self.outputs, examples, strict=True):
+            paths, spec = pytree.tree_flatten_with_path(example)
+            for path, _ in paths:  # every leaf, scalars too: a scalar may depend on data (.item()), never baked
+                value = copies[node]
+                for key in path:
+                    value = graph.call_function(operator.getitem, (value, _key(key)))
+                outs.append(value)
+            specs.append((spec, len(paths)))
+        graph.output(tuple(outs))
+        return fx.GraphModule(self.owner.gm, graph), specs
+
+
+def _inductor(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+    """``gm`` compiled by TorchInductor for ``inputs`` (static shapes), without Inductor's CUDA graphs.
+
+    As ``torch._inductor.compile``, but inside a tracing context whose fake mode has a ShapeEnv: without one
+    Inductor bypasses its FX graph cache ("No shape env"), and identical segments would each compile again."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    static = {"ignore_shape_env": True} if "ignore_shape_env" in inspect.signature(compile_fx).parameters else {}
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), torch.no_grad():
+        return compile_fx(gm, inputs, config_patches={"triton.cudagraphs": False}, **static)
+
+
+@dataclass
+class _Compiled:
+    fn: Any
+    output_keys: list[str]
+    output_specs: list[tuple]
+
+
+def _key(key) -> Any:
+    for attr in ("idx", "key", "name"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    raise CaptureError(f"cannot index a segment output with {key!r}")
+
+
+def _attr(module, path: list[str]):
+    for part in path:
+        module = getattr(module, part)
+    return module
+
+
+def _signature(values: list[Any]) -> tuple:
+    """What a compiled segment depends on: every tensor's shape, strides, dtype and device; other values as such."""
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append((value.shape, value.stride(), value.dtype, value.device))
+            continue
+        leaves, spec = pytree.tree_flatten(value)
+        if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            out.append(("value", repr(value)))
+            continue
+        out.append((str(spec), *((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor)
+                                 else ("value", repr(x)) for x in leaves)))
+    return tuple(out)

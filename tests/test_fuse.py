@@ -1,0 +1,261 @@
+"""Stream segments (opweave.backends.segments): the segment plan keeps every ordering the op-level plan proved, each
+segment runs as one graph, and ``fuse="inductor"`` equals eager on the CPU.
+
+The Inductor cases compile C++ kernels (one to three seconds per segment on a 2-core machine, far less once
+Inductor's on-disk caches hold them), so the fast set is small (deepfm, bert_base) and two convolutional networks
+are marked ``slow``. The four largest zoo graphs (googlenet, inception_v3, nasnet_a_mobile, randwire: hundreds of
+segments, 4 to 11 minutes each on a loaded 2-core machine) would take the suite past its time budget; they are
+checked by ``benchmarks/fused_cpu.py --models all --no-torch-compile`` (every mode ``ok`` against eager).
+``fuse="eager"`` runs the same segment graphs uncompiled for every model and scheduler in seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from dags import dags
+from opweave import schedulers, zoo
+from opweave.api import compile_captured
+from opweave.backends.program import Program
+from opweave.backends.segments import Segmented, segment_groups, segment_plan
+from opweave.capture import capture
+from opweave.capture.coarsen import merge_ops
+from opweave.costs import from_graph
+from opweave.errors import CaptureError
+from opweave.ir import Edge, Op, OpGraph
+from opweave.plan import Instr, LaunchPlan
+from opweave.plan.lower import lower
+from opweave.plan.validate import validate
+from test_coarsen import SMALL
+
+ACCEPTANCE = ("sequential", "lios", "opara")
+FAST_INDUCTOR = ("deepfm", "bert_base")
+SLOW_INDUCTOR = ("squeezenet", "resnet50")  # the rest of the zoo: benchmarks/fused_cpu.py (module docstring)
+
+
+@functools.cache
+def captured_model(name: str):
+    model, inputs = zoo.create(name, **SMALL.get(name, {}))
+    with torch.inference_mode():
+        reference = model(*inputs)
+    return capture(model, inputs, name=name), inputs, reference
+
+
+def assert_allclose(got, expected, tol: float = 1e-4) -> None:
+    """fp32 allclose with rtol ``tol`` and atol ``tol`` x the output's scale (max(1, max |expected|)), leaf by leaf,
+    same structure: capture's verification convention. (Coarsening folds BatchNorm into the convolutions, which
+    moves Inception-v3's outputs at 139x139 by up to 1.5e-4 on a scale of 3.2 even without a compiler.)"""
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    want_leaves, want_spec = pytree.tree_flatten(expected)
+    assert got_spec == want_spec
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        scale = max(1.0, float(b.abs().max())) if b.is_floating_point() and b.numel() else 1.0
+        assert torch.allclose(a, b, rtol=tol, atol=tol * scale), (float((a - b).abs().max()), scale)
+
+
+# ---- the segment plan -------------------------------------------------------------------------------------------
+
+
+def test_segments_of_a_hand_made_plan():
+    launch = lambda op, s: Instr(0, "launch", s, op=op)  # noqa: E731
+    plan = LaunchPlan([launch("a", 0), launch("x", 1), launch("b", 0), Instr(0, "record", 0, event=0),
+                       launch("c", 0), launch("y", 1), Instr(0, "wait", 1, event=0), launch("z", 1)])
+    groups = segment_groups(plan)
+    assert groups == [["a", "b"], ["x", "y"], ["c"], ["z"]]
+    assert [(i.kind, i.op or i.event) for i in segment_plan(plan, groups).instrs] == [
+        ("launch", "a"), ("launch", "x"), ("record", 0), ("launch", "c"), ("wait", 0), ("launch", "z")]
+
+
+def quotient(graph: OpGraph, groups: list[list[str]]) -> OpGraph:
+    """The graph of segments: one op per group, an edge wherever an edge of ``graph`` crosses two groups."""
+    group_of = {op: g[0] for g in groups for op in g}
+    pairs = {(group_of[e.src], group_of[e.dst]) for e in graph.edges} - {(g, g) for g in group_of.values()}
+    return OpGraph([Op(g[0]) for g in groups], [Edge(*pair) for pair in sorted(pairs)])
+
+
+@given(dags(max_ops=30), st.sampled_from(schedulers.names()), st.integers(1, 4))
+def test_the_segment_plan_orders_every_dependency_between_segments(graph, scheduler, streams):
+    """What segments.py's docstring argues: launched as whole segments, the plan still passes the validator, for
+    the graph whose ops are the segments."""
+    devices = 2 if scheduler in schedulers.MULTI_DEVICE else 1
+    sched = schedulers.run(scheduler, graph, from_graph(graph), streams=streams, devices=devices)
+    plan = lower(graph, sched)
+    validate(graph, plan, sched)
+    groups = segment_groups(plan)
+    assert sorted(op for g in groups for op in g) == sorted(graph.ids)
+    lanes = {ins.op: (ins.device, ins.stream) for ins in plan.instrs if ins.kind == "launch"}
+    for g in groups:
+        assert len({lanes[op] for op in g}) == 1
+    seg_plan = segment_plan(plan, groups)
+    validate(quotient(graph, groups), seg_plan)
+    program = Program.from_plan(seg_plan)
+    assert sum(step.kind == "launch" for steps in program.lanes.values() for step in steps) == len(groups)
+
+
+# ---- segment graphs, run uncompiled --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_segment_graphs_equal_eager_for_every_zoo_model(name):
+    captured, inputs, reference = captured_model(name)
+    for scheduler in (*ACCEPTANCE, "hios-lp"):
+        fast = compile_captured(captured, inputs, scheduler=scheduler, streams=3, fuse="eager")
+        assert fast.fused.stats["segments"] == len(segment_groups(fast.plan))
+        with torch.inference_mode():
+            assert_allclose(fast(*inputs), reference)
+
+
+def test_a_scalar_crossing_segments_is_recomputed_never_baked():
+    class Scalar(nn.Module):
+        def forward(self, x):
+            return x.relu() * x.sum().item()
+
+    x = torch.randn(4, 4)
+    captured = capture(Scalar(), (x,))
+    merged = merge_ops(captured, [[op] for op in captured.graph.topo_order])  # every op its own segment
+    segmented = Segmented(merged.graph, merged.gm, merged.nodes, compiler="eager")
+    for _ in range(3):
+        x = torch.randn(4, 4)
+        env = segmented.bind((x,))
+        for seg in segmented.graph.topo_order:
+            segmented.run_op(seg, env)
+        torch.testing.assert_close(segmented.output(env), Scalar()(x))
+
+
+# ---- TorchInductor on the CPU ------------------------------------------------------------------------------------
+
+
+def inductor_matches_eager(name: str) -> None:
+    captured, inputs, reference = captured_model(name)
+    for scheduler in ACCEPTANCE:
+        fast = compile_captured(captured, inputs, scheduler=scheduler, streams=2, fuse="inductor")
+        stats = fast.fused.stats
+        assert stats["compiles"] == stats["segments"] and stats["fallbacks"] == 0 and stats["compile_s"] > 0
+        with torch.inference_mode():
+            assert_allclose(fast(*inputs), reference)
+
+
+@pytest.mark.parametrize("name", FAST_INDUCTOR)
+def test_inductor_segments_equal_eager(name):
+    inductor_matches_eager(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_INDUCTOR)
+def test_inductor_segments_equal_eager_on_convolutional_networks(name):
+    inductor_matches_eager(name)
+
+
+class TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, m):
+        return torch.relu(self.a(x)) + 1, torch.linalg.cholesky(m) * 2
+
+
+def test_new_values_reuse_the_compiled_segments_and_new_strides_compile_again():
+    model = TwoBranches()
+    x, m = torch.randn(4, 8), torch.eye(3) * 2
+    fast = compile_captured(capture(model, (x, m)), (x, m), scheduler="lios", fuse="inductor")
+    assert fast.schedule.streams_used == 2
+    compiles = fast.fused.stats["compiles"]
+    with torch.inference_mode():
+        for _ in range(2):
+            x = torch.randn(4, 8)
+            assert_allclose(fast(x, m), model(x, m))
+        assert fast.fused.stats["compiles"] == compiles
+        x_t = torch.randn(8, 4).t()  # same shape, other strides: Inductor checks strides, so a new signature
+        assert_allclose(fast(x_t, m), model(x_t, m))
+    assert fast.fused.stats["compiles"] == compiles + 1
+
+
+def test_an_error_inside_a_compiled_segment_reaches_the_caller_without_hanging():
+    model = TwoBranches()
+    x, m = torch.randn(4, 8), torch.eye(3) * 2
+    fast = compile_captured(capture(model, (x, m)), (x, m), scheduler="lios", fuse="inductor")
+    with pytest.raises((CaptureError, RuntimeError)):
+        fast(x, -m)  # not positive definite: fails on one lane while the other runs
+    assert_allclose(fast(x, m), model(x, m))
+
+
+@torch.library.custom_op("opweave_test::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_segment_inductor_cannot_compile_runs_op_by_op_with_a_warning():
+    class Custom(nn.Module):  # a custom op without a fake (meta) implementation cannot be traced by AOTAutograd
+        def forward(self, x):
+            return twice(x.relu()) + 1
+
+    x = torch.randn(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = compile_captured(capture(Custom(), (x,)), (x,), scheduler="sequential", fuse="inductor")
+    assert any("could not be compiled with inductor" in str(w.message) for w in caught)
+    assert fast.fused.stats["fallbacks"] == 1
+    torch.testing.assert_close(fast(x), Custom()(x))
+
+
+def test_unknown_fuse_is_refused():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="fuse must be one of"):
+        compile_captured(capture(nn.Linear(8, 8), (x,)), (x,), fuse="tvm")
+
+
+def test_torch_compile_backend_takes_fuse():
+    torch._dynamo.reset()
+    model, x = TwoBranches(), (torch.randn(4, 8), torch.eye(3) * 2)
+    fast = torch.compile(model, backend="opweave", options={"fuse": "inductor", "scheduler": "lios", "streams": 2})
+    with torch.inference_mode():
+        assert_allclose(fast(*x), model(*x))
+    import opweave.dynamo
+
+    compiled = opweave.dynamo.last_compiled()
+    assert compiled.fused is not None and compiled.fused.stats["compiles"] == compiled.fused.stats["segments"] >= 2
+    torch._dynamo.reset()
+
+
+# ---- CUDA (skipped without a GPU; not yet run on one) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["graph", "streams"])
+@pytest.mark.parametrize("name", ["squeezenet", "bert_base"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inductor_segments_on_cuda_streams_inside_the_cuda_graph(name, mode):
+    model, inputs = zoo.create(name, **SMALL.get(name, {}))
+    model, inputs = model.cuda(), tuple(x.cuda() for x in inputs)
+    with torch.no_grad():
+        reference = model(*inputs)
+    for scheduler in ACCEPTANCE:
+        fast = compile_captured(capture(model, inputs, name=name), inputs, scheduler=scheduler, device="cuda",
+                                streams=3, fuse="inductor", mode=mode)
+        stats = fast.fused.stats
+        assert stats["compiles"] == stats["segments"] and stats["fallbacks"] == 0
+        with torch.no_grad():
+            assert_allclose(fast(*inputs), reference)
+            x = tuple(torch.randn_like(t) if t.is_floating_point() else t for t in inputs)
+            assert_allclose(fast(*x), model(*x))  # a replay on new values
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inductor_segments_of_a_cpu_model_compiled_for_cuda():
+    """The CUDA backend moves a CPU model's Captured to the GPU (a copy, through dataclasses.replace): the copy must
+    still be a Segmented, compiling its segments for CUDA."""
+    model, x = TwoBranches(), (torch.randn(4, 8), torch.eye(3) * 2)
+    fast = compile_captured(capture(model, x), x, scheduler="lios", device="cuda", fuse="inductor")
+    assert isinstance(fast.backend.captured, Segmented) and fast.backend.captured is not fast.fused
+    assert fast.fused.stats["compiles"] == fast.fused.stats["segments"]  # stats shared with the copy
+    with torch.no_grad():
+        assert_allclose(fast(*(t.cuda() for t in x)), tuple(t.cuda() for t in model(*x)))
