@@ -23,7 +23,7 @@ from opweave.errors import UsageError
 from opweave.ir.synth import random_dag
 from opweave.schedulers import top_gpg
 from opweave.serve import top
-from opweave.serve.build import load_models, make_engine
+from opweave.serve.build import gpg_graphs, load_models, make_engine
 from opweave.serve.server import BackgroundServer
 
 
@@ -59,7 +59,7 @@ def test_gpg_partitions_are_valid_stage_schedules_never_better_than_the_dp(graph
 
 @pytest.fixture(scope="module")
 def squeeze_blocks():
-    return top.GpgGraphs(["squeezenet"], seed=3)
+    return gpg_graphs(["squeezenet"], seed=3)
 
 
 def test_gpg_on_combined_zoo_blocks_is_valid_and_close_to_the_dp(squeeze_blocks):

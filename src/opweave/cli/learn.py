@@ -59,9 +59,10 @@ def train_gpg(output: Annotated[Path, typer.Option("--output", "-o", help="weigh
     and the weights that did best there are saved."""
     from opweave.schedulers import top_gpg
     from opweave.serve import top
+    from opweave.serve.build import gpg_graphs
 
     start = time.perf_counter()
-    source = top.GpgGraphs([m.strip() for m in models.split(",") if m.strip()], preset=preset, seed=seed)
+    source = gpg_graphs([m.strip() for m in models.split(",") if m.strip()], preset=preset, seed=seed)
     valid = source.validation()
     curve: list[dict] = []
     torch_seed(seed)

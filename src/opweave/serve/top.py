@@ -36,12 +36,11 @@ class GpgGraphs:
     executor's roofline costs under the ``gpu`` contention model) and, one graph in three, random layered DAGs
     (10-60 ops, 3-12 layers, latencies 0.1-4 ms, utilizations uniform in 0.1-1)."""
 
-    def __init__(self, models: list[str], *, preset: str = "h100", max_parts: int = 6, seed: int = 0):
-        from opweave.serve.build import load_models
-
-        served = load_models(models, device="sim", max_batch=16)
-        self.executor = SimExecutor({n: m.blocked for n, m in served.items()}, preset=preset)
-        self.slots = [(n, b) for n, m in served.items() for b in range(len(m.blocked.blocks))]
+    def __init__(self, blocked: dict, *, preset: str = "h100", max_parts: int = 6, seed: int = 0):
+        """``blocked``: name -> :class:`~opweave.serve.blocks.BlockedModel` (:func:`opweave.serve.build.gpg_graphs`
+        loads zoo models into one)."""
+        self.executor = SimExecutor(dict(blocked), preset=preset)
+        self.slots = [(n, b) for n, m in blocked.items() for b in range(len(m.blocks))]
         self.max_parts = max_parts
         self.rng = random.Random(seed)
 
