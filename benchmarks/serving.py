@@ -264,7 +264,8 @@ def print_tables(out: dict) -> None:
                              f"static{bar}")
 
 
-def plot(out: dict, path) -> None:
+def plot(out: dict, path, title: str | None = None) -> None:
+    """p99 of all sent against offered load, one panel per pattern, a line per policy (its search probes)."""
     import matplotlib
     import matplotlib.ticker
 
@@ -285,7 +286,7 @@ def plot(out: dict, path) -> None:
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"serving policies ({out['mode']}): p99 vs load, rejections as infinite (plotted at 10 s)")
+    fig.suptitle(title or f"serving policies ({out['mode']}): p99 vs load, rejections as infinite (plotted at 10 s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import _common as common
-from serving import MAX_BATCH, MAX_QUEUE, MULTI, SINGLE_RATE, SLO_MS, H, row, search
+from serving import MAX_BATCH, MAX_QUEUE, MULTI, SINGLE_RATE, SLO_MS, H, plot, row, search
 
 from opweave.schedulers.top_gpg import one_thread
 from opweave.serve import loadgen, policies, top
@@ -118,14 +118,15 @@ def main() -> None:
     out = {"settings": {"preset": args.preset, "cost_model": "gpu", "scheduler": "lios", "max_batch": MAX_BATCH,
                         "max_queue": MAX_QUEUE, "max_sub_blocks": H, "virtual_duration_s": duration,
                         "training_scales": SCALES, "period_ms": 50.0, "threshold": 1.0, "seed": args.seed,
-                        "slo_ms": 100.0},
+                        "slo_ms": SLO_MS},
            "machine": common.machine_info(), "elapsed_s": clock.elapsed_s, "training": training,
            "results": results, "verdicts": verdicts,
            "paper_reference": "TOP Figs. 14-15: TOP beats mainstream frameworks by 14-180% and POS by 63% in "
                               "throughput (A100); its agents were trained on the real device."}
     print_tables(out)
     common.write_json(args.out / "top_serving.json", out)
-    plot(out, args.out / "top_serving.png")
+    plot(out, args.out / "top_serving.png",
+         title="top (MADDPG) vs static / batch / heuristic, simulation: p99 vs load (rejections at 10 s)")
     plot_learning(out, args.out / "top_learning.png")
 
 
@@ -149,31 +150,6 @@ def print_tables(out: dict) -> None:
     for name, v in out["verdicts"].items():
         common.console.print(f"{name}: top {'beats' if v['top_beats_heuristic'] else 'does NOT beat'} heuristic "
                              f"({v['measure']}: top {v['top']}, heuristic {v['heuristic']})")
-
-
-def plot(out: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(e["pattern"] for e in out["results"]))
-    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.8), squeeze=False)
-    for ax, name in zip(axes[0], names, strict=True):
-        for e in (e for e in out["results"] if e["pattern"] == name):
-            total = sum(e["rates"].values())
-            pts = sorted((s * total, r["p99_all_ms"] or 1e4) for s, r in e.get("probes", [])) or sorted(
-                (float(s) * total, r["p99_all_ms"] or 1e4) for s, r in e["scales"].items())
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3, label=e["policy"])
-        ax.axhline(100.0, color="grey", linestyle="--", linewidth=1)
-        ax.set(xscale="log", yscale="log", xlabel="offered load (req/s)", ylabel="p99 of all sent (ms)", title=name)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.suptitle("top (MADDPG) vs static / batch / heuristic, simulation: p99 vs load (rejections at 10 s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    common.console.print(f"wrote {path}")
 
 
 def plot_learning(out: dict, path) -> None:
