@@ -161,6 +161,16 @@ def write_json(path: Path, data: dict) -> None:
     console.print(f"wrote {path}")
 
 
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Lay out, write and close a matplotlib figure, and say where it went."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    console.print(f"wrote {path}")
+
+
 class Stopwatch:
     """Wall time of the whole script, for its JSON."""
 

@@ -287,10 +287,7 @@ def plot(out: dict, path, title: str | None = None) -> None:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(title or f"serving policies ({out['mode']}): p99 vs load, rejections as infinite (plotted at 10 s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    common.console.print(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

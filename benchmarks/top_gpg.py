@@ -102,10 +102,7 @@ def plot(out: dict, path) -> None:
         ax.grid(alpha=0.3)
     left.legend(fontsize=8)
     fig.suptitle("GPG vs IOS-DP (TOP Fig. 13), simulated H100 costs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    common.console.print(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -172,10 +172,7 @@ def plot_learning(out: dict, path) -> None:
            title="MADDPG learning curves")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    common.console.print(f"wrote {path}")
+    common.save_figure(fig, path)
 
 
 if __name__ == "__main__":
