@@ -180,11 +180,12 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
         model = served(name, version)
         if isinstance(model, JSONResponse):
             return model
+        def tensor(s):  # Triton's config leaves the batch dimension out of dims when the model batches
+            return {"name": s.name, "data_type": f"TYPE_{s.datatype}",
+                    "dims": list(s.shape[1:]) if model.max_batch > 1 else list(s.shape)}
+
         return {"name": name, "platform": "opweave", "max_batch_size": model.max_batch,
-                "input": [{"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": list(s.shape[1:])
-                           if model.max_batch > 1 else list(s.shape)} for s in model.inputs],
-                "output": [{"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": list(s.shape[1:])
-                            if model.max_batch > 1 else list(s.shape)} for s in model.outputs],
+                "input": [tensor(s) for s in model.inputs], "output": [tensor(s) for s in model.outputs],
                 "dynamic_batching": {"policy": engine.policy.describe(), "max_queue_size": engine.max_queue},
                 "blocks": len(model.blocked.blocks)}
 
