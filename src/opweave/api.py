@@ -118,8 +118,6 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
                      cost_model: str = "ideal", devices: int = 1, link: str | Path | None = None,
                      coarsen: bool = True, fuse: str | None = None, **backend_options) -> Compiled:
     """:func:`compile` from an already captured model (``opweave.capture``): one capture can serve many schedules."""
-    from opweave.costs.roofline import estimate
-
     example_inputs = _check(device, example_inputs)
     if coarsen:
         from opweave.capture import coarsen as coarsen_ops
@@ -131,7 +129,7 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
 
         costs = load_for(profile, captured, example_inputs, device).costs(graph, model=cost_model)
     elif costs is None:
-        costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset(), model=cost_model)
+        costs = _roofline(graph, device, cost_model)
     if devices != 1:
         if fuse is not None:
             raise UsageError(f"fuse={fuse!r} runs on one device; devices={devices} runs the plan's ops unfused")
@@ -195,7 +193,6 @@ def plan_ranks(captured, *, scheduler: str = "hios-lp", device: str = "cpu", dev
 
     from opweave.backends.distributed import check_devices
     from opweave.costs.links import transfer_times
-    from opweave.costs.roofline import estimate
 
     graph = captured.graph
     if devices > 1 and scheduler not in schedulers.MULTI_DEVICE:
@@ -203,7 +200,7 @@ def plan_ranks(captured, *, scheduler: str = "hios-lp", device: str = "cpu", dev
                          f"{', '.join(schedulers.MULTI_DEVICE)} with devices > 1")
     check_devices(devices, device, ops=len(graph))
     if costs is None:
-        costs = estimate(graph, device="cpu" if device == "cpu" else _cuda_preset(), model=cost_model)
+        costs = _roofline(graph, device, cost_model)
     if link is not None or not costs.edge_transfer_ms:
         costs = replace(costs, edge_transfer_ms=transfer_times(graph, link or DEFAULT_LINK[device]))
     sched, plan = plan_for(graph, costs, scheduler, streams=streams, devices=devices)
@@ -291,10 +288,13 @@ def _check(device: str, example_inputs) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
-def _cuda_preset() -> str:
-    """The roofline preset of the visible GPU (H100 when unknown)."""
+def _roofline(graph: OpGraph, device: str, cost_model: str) -> Costs:
+    """Costs estimated for ``device`` when none are given or measured: the CPU's roofline, or the visible GPU's
+    preset (H100 when unknown)."""
+    from opweave.costs.roofline import estimate, preset_for_gpu
+
+    if device == "cpu":
+        return estimate(graph, device="cpu", model=cost_model)
     import torch
 
-    from opweave.costs.roofline import preset_for_gpu
-
-    return preset_for_gpu(torch.cuda.get_device_name()) or "h100"
+    return estimate(graph, device=preset_for_gpu(torch.cuda.get_device_name()) or "h100", model=cost_model)
