@@ -1,7 +1,7 @@
 """Compile time and latency on the CPU: eager, torch.compile, and opweave with and without ``fuse="inductor"``.
 
     .venv/bin/python benchmarks/fused_cpu.py [--quick] [--models a,b|all] [--schedulers x,y] [--streams 2]
-                                             [--runs 30] [--rounds 6] [--warm-cache] [--out DIR]
+                                             [--runs 30] [--rounds 6] [--warm-cache] [--check-only] [--out DIR]
 
 For each zoo model (batch 1, the zoo's default input size; ``bert_base`` at ``--bert-layers`` layers), the modes:
 
@@ -28,6 +28,11 @@ Two phases, each in spawned child processes (nothing compiled in one helps anoth
    work moved a process's timings by 10-fold and more for tens of seconds (a squeezenet eager median of 323 ms in one
    process, 50 ms in another a few minutes later), so modes timed in separate processes at separate times were not
    comparable; interleaving exposes every mode to the same load. The minimum is the figure least moved by it.
+
+``--check-only`` runs phase 1 alone, with one Inductor cache shared by the modes of a model (compile times are then
+not cold-cache times), and writes ``DIR/fused_cpu_check.json``: the equality check of issue 14's acceptance for
+models whose segments take too long to compile three times over for the latency phase (nasnet_a_mobile, randwire,
+googlenet, inception_v3 on a 2-core machine).
 
 Writes ``DIR/fused_cpu.json`` (machine, settings, one row per model and mode, the load average when each row was
 written) and prints one table per model.
@@ -67,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="untimed round-robin calls for at least this long first (default %(default)s)")
     p.add_argument("--no-torch-compile", action="store_true", help="skip the torch.compile mode")
     p.add_argument("--warm-cache", action="store_true", help="one shared, pre-filled Inductor cache for every mode")
+    p.add_argument("--check-only", action="store_true",
+                   help="build and check every mode, no latency phase; writes fused_cpu_check.json")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on one child process after this long")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory for the JSON (default %(default)s)")
     args = p.parse_args(argv)
@@ -197,9 +204,11 @@ def measure_model(name: str, modes: list[str], args: argparse.Namespace, tmp: Pa
     rows = []
     for i, mode in enumerate(modes):
         common.console.print(f"{name}: build and check {mode}", style="dim")
-        cache = shared if args.warm_cache else str(tmp / f"{name}-{i}")
+        cache = shared if args.warm_cache or args.check_only else str(tmp / f"{name}-{i}")
         status, result = in_child(build_and_check, (name, mode, args), cache, args.timeout_s)
         rows.append(result if status == "ok" else {"model": name, "mode": mode, "error": result})
+    if args.check_only:
+        return [{**row, "load_average_1m": round(os.getloadavg()[0], 2)} for row in rows]
     built = [r["mode"] for r in rows if "error" not in r]
     common.console.print(f"{name}: latency of {len(built)} modes, interleaved", style="dim")
     status, latency = in_child(interleaved_latency, (name, built, args), str(tmp / f"{name}-latency"),
@@ -221,17 +230,36 @@ def measure_model(name: str, modes: list[str], args: argparse.Namespace, tmp: Pa
 def table(name: str, rows: list[dict], args: argparse.Namespace):
     cells = []
     for r in rows:
-        if "median_ms" not in r:
-            cells.append([r["mode"], "", "", "", "", "", "", r.get("error", "")[:60]])
+        if "error" in r:
+            cells.append([r["mode"], "", "", "", "", "", "", r["error"][:60]])
             continue
+        timed = "median_ms" in r
         cells.append([r["mode"], f"{r['compile_s']:.1f}" if "compile_s" in r else "",
                       f"{r['inductor_s']:.1f}" if "inductor_s" in r else "", str(r.get("segments", "")),
-                      f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}", f"{r.get('speedup_vs_eager', 0):.2f}x",
+                      f"{r['median_ms']:.2f}" if timed else "", f"{r['min_ms']:.2f}" if timed else "",
+                      f"{r.get('speedup_vs_eager', 0):.2f}x" if timed else "",
                       f"{r['max_abs_diff']:.1e}" + ("" if r["ok"] else " WRONG")])
+    cache = "shared per model" if args.check_only else "warm" if args.warm_cache else "cold"
+    timing = ("no latency phase (--check-only)" if args.check_only else
+              f"{args.runs} calls per mode in {args.rounds} interleaved rounds; vs eager: of the medians")
     return common.table(
-        f"{name} batch 1 on the CPU ({'warm' if args.warm_cache else 'cold'} Inductor cache; {args.runs} calls per "
-        f"mode in {args.rounds} interleaved rounds; vs eager: of the medians)",
+        f"{name} batch 1 on the CPU ({cache} Inductor cache; {timing})",
         ["mode", "compile s", "in Inductor s", "segments", "median ms", "min ms", "vs eager", "max |diff|"], cells)
+
+
+def write(args: argparse.Namespace, models: list[str], scheds: list[str], rows: list[dict],
+          watch: common.Stopwatch) -> None:
+    common.write_json(args.out / ("fused_cpu_check.json" if args.check_only else "fused_cpu.json"), {
+        "machine": common.machine_info(),
+        "settings": {"models": models, "schedulers": scheds, "streams": args.streams, "bert_layers": args.bert_layers,
+                     "runs": args.runs, "rounds": args.rounds, "warmup": args.warmup, "warmup_s": args.warmup_s,
+                     "inductor_cache": ("shared per model" if args.check_only else
+                                        "warm" if args.warm_cache else "cold"),
+                     "batch_size": 1, "tolerance": TOLERANCE,
+                     "timing": None if args.check_only else "perf_counter per call, modes interleaved in one process"},
+        "rows": rows,
+        "elapsed_s": watch.elapsed_s,
+    })
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,15 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             model_rows = measure_model(name, modes, args, Path(tmp))
             common.console.print(table(name, model_rows, args))
             rows += model_rows
-    common.write_json(args.out / "fused_cpu.json", {
-        "machine": common.machine_info(),
-        "settings": {"models": models, "schedulers": scheds, "streams": args.streams, "bert_layers": args.bert_layers,
-                     "runs": args.runs, "rounds": args.rounds, "warmup": args.warmup, "warmup_s": args.warmup_s,
-                     "inductor_cache": "warm" if args.warm_cache else "cold", "batch_size": 1,
-                     "tolerance": TOLERANCE, "timing": "perf_counter per call, modes interleaved in one process"},
-        "rows": rows,
-        "elapsed_s": watch.elapsed_s,
-    })
+            write(args, models, scheds, rows, watch)  # after every model: a long run stopped early keeps its rows
     return 0
 
 
