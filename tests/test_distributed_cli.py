@@ -56,6 +56,23 @@ def test_run_with_more_devices_than_ops_or_gpus_fails_with_one_line():
     assert "CUDA" in proc.stderr
 
 
+def test_run_plans_the_coarsened_graph_as_compile_does_unless_no_coarsen():
+    """``opweave run`` scheduled the fine graph while ``opweave.compile(..., devices=N)`` coarsens by default."""
+    from opweave import zoo
+    from opweave.capture import capture, coarsen
+
+    module, inputs = zoo.create("deepfm")
+    fine = capture(module, inputs, name="deepfm")
+    for flag, graph in (("--coarsen", coarsen(fine).graph), ("--no-coarsen", fine.graph)):
+        proc, left = command("run", "--model", "deepfm", "--devices", "2", "--runs", "1", "--warmup", "0", "--check",
+                             "--json", flag)
+        assert proc.returncode == 0 and left == [], proc.stderr[-3000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["ops"] == len(graph) == sum(rank["ops"] for rank in result["ranks"])
+        assert result["max_abs_diff"] <= result["tolerance"]
+    assert len(coarsen(fine).graph) < len(fine.graph)
+
+
 def test_profile_links_writes_a_link_that_schedule_and_simulate_use(tmp_path):
     path = tmp_path / "link.json"
     proc, left = command("profile-links", "--device", "cpu", "--repeats", "3", "--max-bytes", str(1 << 24),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import statistics
@@ -13,7 +14,7 @@ import torch
 import typer
 from rich.table import Table
 
-from opweave.cli.app import BatchOpt, JsonOpt, LinkOpt, StreamsOpt, app, err, guard, out
+from opweave.cli.app import BatchOpt, CoarsenOpt, JsonOpt, LinkOpt, StreamsOpt, app, err, guard, out
 from opweave.errors import UsageError
 
 CHECK_TOLERANCE = 1e-3  # relative to the output's largest magnitude (at least 1), as capture's own check
@@ -35,29 +36,31 @@ def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
         threads: Annotated[int | None, typer.Option(min=1, help="intra-op threads per rank (default cores / "
                                                                "ranks)")] = None,
         timeout: Annotated[float, typer.Option(min=1, help="process-group timeout, seconds")] = 300.0,
-        as_json: JsonOpt = False):
-    """Run a model with a multi-device plan, one rank process per device; print the median latency."""
+        coarsen: CoarsenOpt = True, as_json: JsonOpt = False):
+    """Run a model with a multi-device plan, one rank process per device; print the median latency. The plan is
+    made for the coarsened graph, as ``opweave.compile(..., devices=N)`` makes it, unless --no-coarsen."""
     from opweave.backends.distributed import check_devices, torchrun
 
     check_devices(1 if torchrun.launched() else devices or 2, device)  # before building the model: one line
-    kwargs = {"image_size": image_size} if image_size else {}
+    build = functools.partial(_build, model, batch_size, {"image_size": image_size} if image_size else {}, coarsen)
     if torchrun.launched():
-        result = _run_torchrun(model, scheduler, devices, device, runs, warmup, batch_size, kwargs, streams, link,
-                               timeout, check)
+        result = _run_torchrun(build, model, scheduler, devices, device, runs, warmup, streams, link, timeout, check)
         if result is None:
             return
     else:
-        result = _run_ranks(model, scheduler, devices or 2, device, runs, warmup, batch_size, kwargs, streams,
-                            link, threads, timeout, check)
+        result = _run_ranks(build, model, scheduler, devices or 2, device, runs, warmup, streams, link, threads,
+                            timeout, check)
     _report(result, check, as_json)
 
 
-def _build(model: str, batch_size: int, kwargs: dict):
+def _build(model: str, batch_size: int, kwargs: dict, coarsen: bool):
     from opweave import zoo
     from opweave.capture import capture
+    from opweave.capture import coarsen as coarsen_ops
 
     module, inputs = zoo.create(model, batch_size=batch_size, **kwargs)
-    return module, inputs, capture(module, inputs, name=model)
+    captured = capture(module, inputs, name=model)
+    return module, inputs, coarsen_ops(captured) if coarsen else captured
 
 
 def _eager(module, inputs):
@@ -71,24 +74,25 @@ def _simulated_ms(compiled_graph, plan, costs) -> float:
     return simulate(compiled_graph, plan, costs).makespan_ms
 
 
-def _run_ranks(model, scheduler, devices, device, runs, warmup, batch_size, kwargs, streams, link, threads,
-               timeout, check) -> dict:
+def _run_ranks(build, model, scheduler, devices, device, runs, warmup, streams, link, threads, timeout,
+               check) -> dict:
     from opweave.api import compile_ranks
     from opweave.bench import median_ms
 
-    module, inputs, captured = _build(model, batch_size, kwargs)
+    module, inputs, captured = build()
     options = {"threads": threads} if threads else {}
     with compile_ranks(captured, scheduler=scheduler, device=device, devices=devices, streams=streams, link=link,
                        timeout_s=timeout, **options) as fast:
         ms = median_ms(fast, inputs, runs=runs, warmup=warmup)
         return {"model": model, "scheduler": scheduler, "devices": devices, "device": device, "launch": "processes",
-                "median_ms": ms, "runs": runs, "simulated_ms": _simulated_ms(fast.graph, fast.plan, fast.costs),
+                "median_ms": ms, "runs": runs, "ops": len(fast.graph),
+                "simulated_ms": _simulated_ms(fast.graph, fast.plan, fast.costs),
                 "devices_used": fast.schedule.devices_used, "ranks": fast.backend.info,
                 **(_compare(module, inputs, fast(*inputs)) if check else {})}
 
 
-def _run_torchrun(model, scheduler, devices, device, runs, warmup, batch_size, kwargs, streams, link,
-                  timeout, check) -> dict | None:
+def _run_torchrun(build, model, scheduler, devices, device, runs, warmup, streams, link, timeout,
+                  check) -> dict | None:
     from opweave.api import plan_ranks
     from opweave.backends.distributed import torchrun
 
@@ -98,7 +102,7 @@ def _run_torchrun(model, scheduler, devices, device, runs, warmup, batch_size, k
     built: dict = {}
 
     def prepare():
-        module, inputs, captured = _build(model, batch_size, kwargs)
+        module, inputs, captured = build()
         costs, sched, plan = plan_ranks(captured, scheduler=scheduler, device=device, devices=world,
                                         streams=streams, link=link)
         built.update(module=module, inputs=inputs, costs=costs, sched=sched, plan=plan, graph=captured.graph)
@@ -109,7 +113,7 @@ def _run_torchrun(model, scheduler, devices, device, runs, warmup, batch_size, k
         return None
     module, inputs = built["module"], built["inputs"]
     return {"model": model, "scheduler": scheduler, "devices": world, "device": device, "launch": "torchrun",
-            "median_ms": statistics.median(result["times_ms"]), "runs": runs,
+            "median_ms": statistics.median(result["times_ms"]), "runs": runs, "ops": len(built["graph"]),
             "simulated_ms": _simulated_ms(built["graph"], built["plan"], built["costs"]),
             "devices_used": built["sched"].devices_used, "ranks": result["ranks"],
             **(_compare(module, inputs, result["output"]) if check else {})}
@@ -138,9 +142,10 @@ def _report(result: dict, check: bool, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
     else:
-        table = Table(title=f"{result['model']} with {result['scheduler']} on {result['devices']} {result['device']} "
-                            f"rank(s) ({result['launch']}): median {result['median_ms']:.2f} ms over {result['runs']} "
-                            f"runs, simulated {result['simulated_ms']:.2f} ms")
+        table = Table(title=f"{result['model']} ({result['ops']} ops) with {result['scheduler']} on "
+                            f"{result['devices']} {result['device']} rank(s) ({result['launch']}): median "
+                            f"{result['median_ms']:.2f} ms over {result['runs']} runs, simulated "
+                            f"{result['simulated_ms']:.2f} ms")
         for col in ("rank", "pid", "ops", "messages", "parameters MB", "threads"):
             table.add_column(col, justify="right")
         for info in result["ranks"]:
