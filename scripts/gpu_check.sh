@@ -80,6 +80,9 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
       "cudnn", torch.backends.cudnn.version())
 print("device", p.name, "SMs", p.multi_processor_count, "memory GiB", round(p.total_memory / 2**30, 1),
       "capability", f"{p.major}.{p.minor}")
+import torch._inductor.graph as ig, torch._inductor.scheduler as isch  # backends/segments.py: "2.11 lacks it"
+print("inductor stream annotations", hasattr(isch.Scheduler, "_populate_stream_assignments")
+      and hasattr(ig.GraphLowering, "_get_node_stream"))
 for name in ("torchvision", "timm", "transformers", "pytest", "pytest-timeout", "hypothesis", "numpy", "networkx",
              "rich", "typer"):
     try:
