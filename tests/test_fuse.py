@@ -12,6 +12,7 @@ checked by ``benchmarks/fused_cpu.py --models all --no-torch-compile`` (every mo
 from __future__ import annotations
 
 import functools
+import io
 import warnings
 
 import pytest
@@ -25,7 +26,7 @@ from dags import dags
 from opweave import schedulers, zoo
 from opweave.api import compile_captured
 from opweave.backends.program import Program
-from opweave.backends.segments import Segmented, segment_groups, segment_plan
+from opweave.backends.segments import Segmented, fuse_segments, segment_groups, segment_plan
 from opweave.capture import capture
 from opweave.capture.coarsen import merge_ops
 from opweave.costs import from_graph
@@ -111,6 +112,20 @@ def test_segment_graphs_equal_eager_for_every_zoo_model(name):
         assert fast.fused.stats["segments"] == len(segment_groups(fast.plan))
         with torch.inference_mode():
             assert_allclose(fast(*inputs), reference)
+
+
+def test_compiling_the_segments_shows_a_progress_bar_on_a_terminal_only():
+    from rich.console import Console
+
+    captured, inputs, _ = captured_model("deepfm")
+    plan = compile_captured(captured, inputs, scheduler="lios", streams=2, coarsen=False).plan
+    for terminal in (True, False):
+        segmented, segment_launches = fuse_segments(captured, plan, "eager")
+        console = Console(file=io.StringIO(), force_terminal=terminal, width=120)
+        segmented.prepare(inputs, segment_launches, console=console)
+        text, segments = console.file.getvalue(), segmented.stats["segments"]
+        assert segments > 1 and segmented.stats["compiles"] == segments
+        assert ("deepfm: compiling segments with eager" in text and f"{segments}/{segments}" in text) == terminal
 
 
 def test_a_scalar_crossing_segments_is_recomputed_never_baked():

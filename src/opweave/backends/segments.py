@@ -147,13 +147,22 @@ class Segmented(Captured):
         """Run segment ``op_id`` node by node, as :meth:`Captured.run_op` runs an op."""
         super().run_op(op_id, env)
 
-    def prepare(self, args: tuple, plan: LaunchPlan) -> None:
-        """Run ``plan``'s segments once on ``args`` in issue order, compiling each for their signatures."""
+    def prepare(self, args: tuple, plan: LaunchPlan, console: Any = None) -> None:
+        """Run ``plan``'s segments once on ``args`` in issue order, compiling each for their signatures. A
+        transient progress bar counts the segments on ``console`` (default: standard error), drawn only where that
+        is a terminal: compiling a large model's segments takes minutes."""
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        launches = [ins.op for ins in plan.instrs if ins.kind == "launch"]
         env = self.bind(args)
-        with torch.no_grad():
-            for ins in plan.instrs:
-                if ins.kind == "launch":
-                    self.run_op(ins.op, env)
+        with torch.no_grad(), Progress(TextColumn(f"{self.graph.name}: compiling segments with {self.compiler}"),
+                                       BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True,
+                                       console=console or Console(stderr=True)) as bar:
+            task = bar.add_task("", total=len(launches))
+            for seg in launches:
+                self.run_op(seg, env)
+                bar.advance(task)
 
 
 class _Segment:
