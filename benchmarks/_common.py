@@ -155,10 +155,11 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], cap
     return t
 
 
-def write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict, quiet: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
-    console.print(f"wrote {path}")
+    if not quiet:
+        console.print(f"wrote {path}")
 
 
 def save_figure(fig, path: Path, dpi: int = 110) -> None:

@@ -2,23 +2,26 @@
 # The whole GPU check, on a GPU machine with no network whose python3 already has torch, torchvision, timm,
 # transformers, pytest and pytest-timeout (no venv: the project is installed into that python3, without its deps).
 #
-#   OUT=/some/dir scripts/gpu_check.sh [env] [tests] [trace] [profile] [bench]   # default: all five, in that order
+#   OUT=/some/dir scripts/gpu_check.sh [env] [tests] [more] [trace] [profile] [bench]   # default: all six, in order
 #
-# A device call is limited to 10 minutes, so run it in three calls, e.g.
+# A device call is limited to 10 minutes, so run it in four calls, e.g.
 #   OUT=$OUT scripts/gpu_check.sh env tests        (~6 min)
+#   OUT=$OUT scripts/gpu_check.sh more             (~8 min)
 #   OUT=$OUT scripts/gpu_check.sh trace profile    (~4 min)
 #   OUT=$OUT scripts/gpu_check.sh bench            (--quick: ~8 min; BENCH_ARGS="..." for more)
 #
 # env      nvidia-smi, python/torch/CUDA/cuDNN versions, device properties, package versions
 # tests    the CUDA tests: pytest -m cuda tests/test_cuda.py, a per-test timeout, JUnit XML  -> $OUT/junit.xml
 #          (--noconftest: tests/conftest.py imports hypothesis, a dev extra the GPU machine may lack)
+# more     the other CUDA tests: Inductor segments inside the CUDA graph (tests/test_fuse.py), the serving engine's
+#          CudaExecutor (tests/test_serve_cuda.py), the README's CUDA lines (tests/test_readme.py) -> $OUT/junit-more.xml
 # trace    a real profiler trace of googlenet's ops (the CPU tests' fixture; copy it to tests/data/)
 #                                                                          -> $OUT/googlenet-trace.json.gz
 # profile  opweave profile for googlenet and inception_v3 (per-op GPU time and kernels)
 #                                                                          -> $OUT/<model>.profile.json
 # bench    benchmarks/gpu_latency.py $BENCH_ARGS (default --quick)          -> $OUT/<device>-<date>.json
 #
-# Everything a stage prints goes to one log, $OUT/gpu_check.log (with a header per stage); at most 6 files come
+# Everything a stage prints goes to one log, $OUT/gpu_check.log (with a header per stage); at most 7 files come
 # back, each well under 16 MiB, none in a subfolder. Every stage runs under its own time limit ($TESTS_TIMEOUT_S,
 # $TRACE_TIMEOUT_S, $PROFILE_TIMEOUT_S per model, $BENCH_TIMEOUT_S) so that what was measured comes back even when
 # a stage runs long, and ends with one summary line on stdout (also at the end of the log). The exit status is the
@@ -30,9 +33,10 @@ mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 export PYTHONUNBUFFERED=1
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env tests trace profile bench)
+[ ${#stages[@]} -eq 0 ] && stages=(env tests more trace profile bench)
 for stage in "${stages[@]}"; do
-    case $stage in env|tests|trace|profile|bench) ;; *) echo "unknown stage $stage (env tests trace profile bench)"; exit 2 ;;
+    case $stage in env|tests|more|trace|profile|bench) ;;
+    *) echo "unknown stage $stage (env tests more trace profile bench)"; exit 2 ;;
     esac
 done
 status=0
@@ -45,11 +49,12 @@ fi
 rm -f "$OUT/install.log"
 if command -v opweave >/dev/null 2>&1; then opweave=(opweave); else opweave=(python3 -c "from opweave.cli import app; app()"); fi
 
-# run LIMIT_S COMMAND...: the command under a time limit, its output appended to the log; sets rc
+# run LIMIT_S COMMAND...: the command under a time limit, its output appended to the log; sets rc. The limit sends
+# SIGINT, not SIGTERM: pytest then stops as on Ctrl-C, printing its summary of failures and writing its JUnit file.
 run() {
     local limit=$1
     shift
-    timeout -k 15 "$limit" "$@" >>"$LOG" 2>&1
+    timeout -s INT -k 15 "$limit" "$@" >>"$LOG" 2>&1
     rc=$?
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "(stopped after ${limit}s)" >>"$LOG"; fi
     return $rc
@@ -65,6 +70,17 @@ summary() {
     echo "$line" | tee -a "$LOG"
     [ "$2" -ne 0 ] && [ $status -eq 0 ] && status=$2
     return 0
+}
+
+# junit_counts FILE: "N passed, F failed, E errors, S skipped of T" from a JUnit XML file
+junit_counts() {
+    python3 - "$1" <<'PY' 2>/dev/null || echo "no JUnit file"
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+s = root if root.tag == "testsuite" else root.find("testsuite")
+n, f, e, k = (int(s.get(a, 0)) for a in ("tests", "failures", "errors", "skipped"))
+print(f"{n - f - e - k} passed, {f} failed, {e} errors, {k} skipped of {n}")
+PY
 }
 
 for stage in "${stages[@]}"; do
@@ -94,22 +110,19 @@ PY'
     tests)
         run "${TESTS_TIMEOUT_S:-480}" python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --noconftest \
             --timeout "${TEST_TIMEOUT_S:-240}" --junitxml "$OUT/junit.xml" -rfEs ${TESTS_ARGS:-}
-        counts=$(python3 - "$OUT/junit.xml" <<'PY' 2>/dev/null
-import sys, xml.etree.ElementTree as ET
-root = ET.parse(sys.argv[1]).getroot()
-s = root if root.tag == "testsuite" else root.find("testsuite")
-n, f, e, k = (int(s.get(a, 0)) for a in ("tests", "failures", "errors", "skipped"))
-print(f"{n - f - e - k} passed, {f} failed, {e} errors, {k} skipped of {n}")
-PY
-)
-        summary tests $rc $((SECONDS - start)) "${counts:-no JUnit file}" ;;
+        summary tests $rc $((SECONDS - start)) "$(junit_counts "$OUT/junit.xml")" ;;
+    more)
+        run "${MORE_TIMEOUT_S:-540}" python3 -m pytest -q -m cuda tests/test_fuse.py tests/test_serve_cuda.py \
+            tests/test_readme.py -p no:cacheprovider --noconftest --timeout "${TEST_TIMEOUT_S:-240}" \
+            --junitxml "$OUT/junit-more.xml" -rfEs ${TESTS_ARGS:-}
+        summary more $rc $((SECONDS - start)) "$(junit_counts "$OUT/junit-more.xml")" ;;
     trace)
         run "${TRACE_TIMEOUT_S:-150}" python3 scripts/dump_trace.py googlenet "$OUT/googlenet-trace.json.gz"
         summary trace $rc $((SECONDS - start)) "$(grep '^wrote .*googlenet-trace' "$LOG" | tail -1 | cut -c1-160)" ;;
     profile)
         worst=0
         for model in googlenet inception_v3; do
-            run "${PROFILE_TIMEOUT_S:-200}" "${opweave[@]}" profile --model "$model" --device cuda \
+            run "${PROFILE_TIMEOUT_S:-180}" "${opweave[@]}" profile --model "$model" --device cuda \
                 -o "$OUT/$model.profile.json"
             [ $rc -ne 0 ] && [ $worst -eq 0 ] && worst=$rc
         done

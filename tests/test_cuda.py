@@ -10,7 +10,8 @@ the default lane cap and distinct streams; the profiler's GPU time on a real tra
 ``torch.compile(backend="opweave")`` on CUDA, swapped weights included.
 
 Outputs are compared as the GPU benchmark compares them (``check_output``: fp32 within 1e-3 of the output's scale,
-fp16 within 1e-2), on inputs drawn by its ``fresh_inputs``.
+fp16 within 1e-2 or, where BatchNorm folded into fp16 weights rounds differently, against float64), on inputs drawn
+by its ``fresh_inputs``; TF32 is off (``cuda_precision.fp32_math``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 import opweave
 import opweave.dynamo
 from benchmark_module import gpu_latency
+from cuda_precision import fp32_math  # noqa: F401 - autouse: no TF32 in the CUDA tests
 from opweave import schedulers, zoo
 from opweave.api import compile_captured, plan_for
 from opweave.backends.cuda import CudaBackend, GraphCaptureError, default_streams
@@ -47,9 +49,10 @@ def fresh(inputs: tuple, seed: int) -> tuple:
     return gpu_latency().fresh_inputs(inputs, seed)
 
 
-def check(reference, got, what: str, dtype: str = "fp32") -> None:
-    result = gpu_latency().check_output(reference, got, dtype)
-    assert result["ok"], f"{what}: max |difference| from eager {result['max_abs_diff']:.3e} is above tolerance"
+def check(reference, got, what: str, dtype: str = "fp32", exact=None) -> None:
+    result = gpu_latency().check_output(reference, got, dtype, exact)
+    assert result["ok"], f"{what}: max |difference| from eager {result['max_abs_diff']:.3e} is above tolerance " \
+                         f"({result})"
 
 
 @functools.cache
@@ -217,12 +220,15 @@ def test_race_stress_a_sleeping_lane_during_capture_then_replays(scheduler, mode
 @pytest.mark.parametrize("name", ["googlenet", "squeezenet"])
 def test_fp16_at_batch_8(name, mode):
     model, inputs, reference, cap = cuda_model(name, batch=8, half=True)
+    """fp16 rounds BatchNorm folded into the weights (coarsening) differently from eager: checked against float64
+    as the benchmark checks (within 1e-2 of eager, or no farther from float64 than 3 times eager)."""
     fast = compile_captured(cap, inputs, scheduler="opara", device="cuda", mode=mode)
-    check(reference, fast(*inputs), "example", "fp16")
+    exact = gpu_latency().exact_outputs
+    check(reference, fast(*inputs), "example", "fp16", exact(model, inputs))
     new = fresh(inputs, seed=3)
     with torch.no_grad():
         expected = model(*new)
-    check(expected, fast(*new), "fresh input", "fp16")
+    check(expected, fast(*new), "fresh input", "fp16", exact(model, new))
 
 
 @pytest.mark.parametrize("mode", MODES)

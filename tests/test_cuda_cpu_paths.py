@@ -636,6 +636,40 @@ def test_benchmark_check_is_scaled_to_the_output():
     assert gl.check_output(pair, (big, small + 0.2), "fp32")["max_abs_diff"] == pytest.approx(0.2)
 
 
+def test_benchmark_check_accepts_a_mode_as_close_to_float64_as_eager():
+    """Folded BatchNorm and TF32 round differently from eager; a mode is right when it is no farther from the
+    float64 result than EXACT_MULTIPLIER times eager's distance, even beyond the tolerance around eager."""
+    gl = gpu_latency()
+    exact = torch.zeros(4, dtype=torch.float64)
+    eager = exact.float() + 0.04  # eager itself is 0.04 from the exact result
+    near = gl.check_output(eager, exact.float() - 0.1, "fp32", exact)  # 0.14 from eager, 0.1 <= 3 x 0.04 from exact
+    assert near["ok"] and near["max_abs_diff"] == pytest.approx(0.14)
+    assert near["exact_error"] == pytest.approx(0.1) and near["eager_exact_error"] == pytest.approx(0.04)
+    assert not gl.check_output(eager, exact.float() + 0.2, "fp32", exact)["ok"]  # 0.2 > 3 x 0.04
+    assert not gl.check_output(eager, exact.float() - 0.1, "fp32")["ok"]  # without exact: eager's tolerance only
+    assert gl.check_output(eager, eager + 5e-4, "fp32", exact)["ok"]  # within tolerance of eager: right
+
+
+def test_benchmark_fuses_two_schedulers_when_quick_and_those_named_otherwise():
+    gl = gpu_latency()
+    scheds = ["sequential", "lios", "opara", "nimble"]
+    assert gl.fuse_schedulers(gl.parse_args(["--quick"]), scheds) == ["lios", "opara"]
+    assert gl.fuse_schedulers(gl.parse_args([]), scheds) == scheds
+    assert gl.fuse_schedulers(gl.parse_args(["--quick", "--fuse-schedulers", "nimble"]), scheds) == ["nimble"]
+    assert gl.fuse_schedulers(gl.parse_args(["--fuse-schedulers", "none"]), scheds) == []
+
+
+def test_benchmark_exact_outputs_run_a_float64_copy():
+    gl = gpu_latency()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    out = gl.exact_outputs(model, (x,))
+    assert out.dtype == torch.float64 and next(model.parameters()).dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(out, model.double()(x.double()))
+
+
 def test_benchmark_summary_table_and_json(tmp_path):
     from rich.console import Console
 

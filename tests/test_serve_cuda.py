@@ -4,6 +4,8 @@ a bounded LRU cache, answers equal eager."""
 import pytest
 import torch
 
+from cuda_precision import fp32_math  # noqa: F401 - autouse: no TF32 in the CUDA tests
+from opweave.backends.cuda import default_streams
 from opweave.capture import capture
 from opweave.serve import blocks, policies
 from opweave.serve.engine import Engine
@@ -23,6 +25,7 @@ def on_gpu():
 def test_combined_blocks_are_recorded_once_per_signature_and_answer_like_eager(on_gpu):
     model, bm = on_gpu
     ex = CudaExecutor({"a": bm, "b": bm}, cache_size=2)
+    assert ex.streams == default_streams()  # capped as opweave.compile caps lanes (it had no cap)
     x, y = torch.randn(3, 3, 8, 8, device="cuda"), torch.randn(2, 3, 8, 8, device="cuda")
     first = Part("a", 0, 3, (x,))
     ex.run([first])

@@ -306,10 +306,12 @@ class CudaExecutor(TensorExecutor):
 
     def __init__(self, models: dict[str, BlockedModel], *, scheduler: str = "lios", streams: int | None = None,
                  cache_size: int = 64, pad: bool = True):
-        from opweave.backends.cuda import require_cuda
+        from opweave.backends.cuda import default_streams, require_cuda
 
         require_cuda()
-        super().__init__(models, scheduler=scheduler, streams=streams, cache_size=cache_size, pad=pad)
+        # at most the GPU's hardware queues, as opweave.compile caps them: more lanes only add false dependencies
+        super().__init__(models, scheduler=scheduler, streams=streams or default_streams(), cache_size=cache_size,
+                         pad=pad)
         self.device = torch.device("cuda", torch.cuda.current_device())
 
     def _compile(self, sig: Signature) -> Any:
