@@ -163,6 +163,18 @@ def test_fused_cpu_quick(tmp_path):
     assert data["rows"][0]["speedup_vs_eager"] == 1.0
 
 
+@pytest.mark.slow
+def test_fused_cpu_check_only(tmp_path):
+    """Phase 1 alone: every mode built in its own process and checked against eager, no timing, its own JSON."""
+    run_script("fused_cpu.py", tmp_path, "--check-only", "--schedulers", "lios", "--no-torch-compile")
+    assert not (tmp_path / "fused_cpu.json").exists()
+    data = json.loads((tmp_path / "fused_cpu_check.json").read_text())
+    assert [r["mode"] for r in data["rows"]] == ["eager", "opweave lios", "opweave lios+inductor"]
+    assert all(r["ok"] and "median_ms" not in r for r in data["rows"]), data["rows"]
+    assert data["rows"][-1]["segments"] > 1 and data["rows"][-1]["fallbacks"] == 0
+    assert data["settings"]["inductor_cache"] == "shared per model" and data["settings"]["timing"] is None
+
+
 def test_top_gpg_quick(tmp_path):
     result = run_script("top_gpg.py", tmp_path, "--graphs", "1", "--repeats", "1")
     data = json.loads((tmp_path / "top_gpg.json").read_text())

@@ -4,8 +4,9 @@ segment runs as one graph, and ``fuse="inductor"`` equals eager on the CPU.
 The Inductor cases compile C++ kernels (one to three seconds per segment on a 2-core machine, far less once
 Inductor's on-disk caches hold them), so the fast set is small (deepfm, bert_base) and two convolutional networks
 are marked ``slow``. The four largest zoo graphs (googlenet, inception_v3, nasnet_a_mobile, randwire: hundreds of
-segments, 4 to 11 minutes each on a loaded 2-core machine) would take the suite past its time budget; they are
-checked by ``benchmarks/fused_cpu.py --models all --no-torch-compile`` (every mode ``ok`` against eager).
+segments, 2 to 7 minutes each on a 2-core machine) would take the suite past its time budget; every zoo model at
+its full input size is checked by ``benchmarks/fused_cpu.py --check-only --models all --no-torch-compile`` (every
+mode ``ok`` against eager, no fallback; ``benchmarks/results/fused_cpu_check.json``).
 ``fuse="eager"`` runs the same segment graphs uncompiled for every model and scheduler in seconds.
 """
 
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from cuda_precision import fp32_math  # noqa: F401 - autouse: no TF32 in the CUDA tests
 from dags import dags
 from opweave import schedulers, zoo
 from opweave.api import compile_captured
