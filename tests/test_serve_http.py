@@ -92,7 +92,8 @@ def test_metadata_health_and_unknown_models(server, served):
         assert c.get("/v2/models/squeezenet/ready").status_code == 200
         assert c.get("/v2/models/squeezenet/versions/1/ready").status_code == 200
         assert c.get("/v2/models/squeezenet/config").json()["max_batch_size"] == 4
-        for path in ("/v2/models/nope", "/v2/models/nope/ready", "/v2/models/squeezenet/versions/2"):
+        for path in ("/v2/models/nope", "/v2/models/nope/ready", "/v2/models/nope/config",
+                     "/v2/models/squeezenet/versions/2"):
             r = c.get(path)
             assert r.status_code == 404 and "error" in r.json()
         r = c.post("/v2/models/nope/infer", json={"inputs": []})

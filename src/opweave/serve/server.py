@@ -118,6 +118,10 @@ def _nvml_handle():
         return None
 
 
+class _NotServed(Exception):
+    """A path names a model (or version) the server does not serve; the app answers 404 with the message."""
+
+
 class State:
     """What the app and the draining server share: accepted requests not yet answered, and the draining flag."""
 
@@ -140,11 +144,16 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
     def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status, headers=headers)
 
-    def served(name: str, version: str | None) -> ServedModel | JSONResponse:
+    @app.exception_handler(_NotServed)
+    def not_served(_request, exc: _NotServed) -> JSONResponse:
+        return error(404, str(exc))
+
+    def served(name: str, version: str | None) -> ServedModel:
+        """The model a path names; :class:`_NotServed` (answered 404) for an unknown name or version."""
         if name not in models:
-            return error(404, f"unknown model {name!r}; serving {', '.join(models)}")
+            raise _NotServed(f"unknown model {name!r}; serving {', '.join(models)}")
         if version not in (None, "", "1"):
-            return error(404, f"model {name!r} has no version {version!r} (only 1)")
+            raise _NotServed(f"model {name!r} has no version {version!r} (only 1)")
         return models[name]
 
     @app.get("/v2")
@@ -163,23 +172,19 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
     @app.get("/v2/models/{name}")
     @app.get("/v2/models/{name}/versions/{version}")
     def model_metadata(name: str, version: str | None = None):
-        model = served(name, version)
-        return model if isinstance(model, JSONResponse) else protocol.metadata(model)
+        return protocol.metadata(served(name, version))
 
     @app.get("/v2/models/{name}/ready")
     @app.get("/v2/models/{name}/versions/{version}/ready")
     def model_ready(name: str, version: str | None = None):
-        model = served(name, version)
-        if isinstance(model, JSONResponse):
-            return model
+        served(name, version)
         return Response(status_code=503 if state.draining else 200)
 
     @app.get("/v2/models/{name}/config")
     @app.get("/v2/models/{name}/versions/{version}/config")
     def model_config(name: str, version: str | None = None):
         model = served(name, version)
-        if isinstance(model, JSONResponse):
-            return model
+
         def tensor(s):  # Triton's config leaves the batch dimension out of dims when the model batches
             return {"name": s.name, "data_type": f"TYPE_{s.datatype}",
                     "dims": list(s.shape[1:]) if model.max_batch > 1 else list(s.shape)}
@@ -199,8 +204,6 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
         if state.draining:
             return error(503, "the server is shutting down")
         model = served(name, version)
-        if isinstance(model, JSONResponse):
-            return model
         declared = http.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
             return error(400, f"request body of {declared} bytes exceeds the limit of {max_body_bytes} bytes")
