@@ -131,15 +131,21 @@ def test_window_merges_are_checked_for_deadlock():
     assert evaluate(problem, device_of, [[(a, d)], [(c,), (b,)]])[0] == 2.0
 
 
-def merged_plan(work: WorkingPlan, window: list[int], merged: tuple[int, ...]) -> list[list[tuple[int, ...]]]:
-    plan = []
-    for leader in work.first_stages:
-        plan.append([])
-        while leader >= 0:
-            if leader not in window[1:]:
-                plan[-1].append(merged if leader == window[0] else work.ops_of[leader])
-            leader = work.next_stage[leader]
-    return plan
+def merged_plan(plan: list[list[tuple[int, ...]]], window: list[int], merged: tuple[int, ...]):
+    """``plan`` with the (single-op) stages of ``window`` replaced by the stage ``merged``, where ``window[0]`` was."""
+    return [[merged if stage[0] == window[0] else stage for stage in seq if stage[0] not in window[1:]]
+            for seq in plan]
+
+
+def merge_windows(work, problem: Problem, v: int):
+    """Algorithm 2's candidate windows at op ``v`` of a grouping (``WorkingPlan`` or ``ChainPlan``): ``v`` and up to
+    three following single-op stages, while mutually independent; each as ``(window, merged stage)``."""
+    window = [v]
+    while work.ops_of[v] == (v,) and work.next_stage[window[-1]] >= 0 and len(window) < 4:
+        window.append(work.next_stage[window[-1]])
+        if len(work.ops_of[window[-1]]) > 1 or not problem.independent(window):
+            return
+        yield window, tuple(sorted(window, key=problem.topo_pos.__getitem__))
 
 
 @settings(max_examples=40, deadline=None)
@@ -154,13 +160,8 @@ def test_incremental_timing_matches_evaluate(graph, devices, ratio, model, data)
     plan = [[(v,) for v in topo if device_of[v] == dev] for dev in range(devices)]
     work = WorkingPlan(problem, device_of, plan)
     for v in topo:
-        window = [v]
-        while work.ops_of[v] == (v,) and work.next_stage[window[-1]] >= 0 and len(window) < 4:
-            window.append(work.next_stage[window[-1]])
-            if len(work.ops_of[window[-1]]) > 1 or not problem.independent(window):
-                break
-            merged = tuple(sorted(window, key=problem.topo_pos.__getitem__))
-            expected = evaluate(problem, device_of, merged_plan(work, window, merged))
+        for window, merged in merge_windows(work, problem, v):
+            expected = evaluate(problem, device_of, merged_plan(work.plan(), window, merged))
             assert work.creates_cycle(window) == (expected is None)
             if expected is None:
                 break

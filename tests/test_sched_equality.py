@@ -41,6 +41,7 @@ from opweave.ir.graph import OpGraph
 from opweave.ir.synth import random_dag
 from opweave.schedulers.hios.stages import Problem, evaluate
 from opweave.schedulers.schedule import Schedule
+from test_hios import merge_windows, merged_plan
 
 FIXTURE = Path(__file__).parent / "data" / "sched_digests.json"
 COST_MODELS = ("gpu", "ideal")
@@ -186,15 +187,10 @@ def test_chain_plan_times_like_working_plan_and_evaluate(ops, seed, model, data)
     fast, slow = ChainPlan(problem, device_of, plan), WorkingPlan(problem, device_of, plan)
     assert fast.makespan_ms == slow.makespan_ms
     for v in chain:
-        window = [v]
-        while fast.ops_of[v] == (v,) and fast.next_stage[window[-1]] >= 0 and len(window) < 4:
-            window.append(fast.next_stage[window[-1]])
-            if len(fast.ops_of[window[-1]]) > 1 or not problem.independent(window):
-                break
-            merged = tuple(sorted(window, key=problem.topo_pos.__getitem__))
+        for window, merged in merge_windows(fast, problem, v):
             assert not fast.creates_cycle(window) and not slow.creates_cycle(window)
             fast_times, slow_times = fast.time_merge(window, merged, 0.0), slow.time_merge(window, merged, math.inf)
-            expected = evaluate(problem, device_of, _merged(fast.plan(), window, merged))
+            expected = evaluate(problem, device_of, merged_plan(fast.plan(), window, merged))
             assert fast_times.makespan_ms == slow_times.makespan_ms == expected.makespan_ms
             if data.draw(st.booleans()):
                 fast.merge(window, merged, fast_times)
@@ -218,12 +214,6 @@ def _topological_order(problem: Problem, keys: list[float]) -> list[int]:
             if not indegree[w]:
                 ready.append((keys[w], w))
     return order
-
-
-def _merged(plan: list[list[tuple[int, ...]]], window: list[int], merged: tuple[int, ...]):
-    """``plan`` with the stages led by ``window`` replaced by the stage ``merged``."""
-    return [[merged if stage[0] == window[0] else stage for stage in seq if stage[0] not in window[1:]]
-            for seq in plan]
 
 
 _DIGESTS_IN_CHILD = """
