@@ -119,10 +119,9 @@ def build(model, inputs, mode: str, args: argparse.Namespace) -> tuple[Callable,
 def build_and_check(name: str, mode: str, args: argparse.Namespace) -> dict:
     """Phase 1 (in a child process): build ``mode`` for model ``name`` and check its output against eager."""
     import torch
-    from torch.utils import _pytree as pytree
 
     from opweave import zoo
-    from opweave.bench import max_abs_diff
+    from opweave.bench import max_abs_diff, output_scale
 
     model, inputs = zoo.create(name, **model_kwargs(name, args))
     with torch.inference_mode():
@@ -130,10 +129,8 @@ def build_and_check(name: str, mode: str, args: argparse.Namespace) -> dict:
     fn, info = build(model, inputs, mode, args)
     with torch.inference_mode():
         diff = max_abs_diff(reference, fn(*inputs))
-    scale = max((t.abs().max().item() for t in pytree.tree_leaves(reference)
-                 if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point()), default=1.0)
     return {"model": name, "mode": mode, "threads": torch.get_num_threads(), **info, "max_abs_diff": diff,
-            "ok": diff <= TOLERANCE * max(1.0, scale)}
+            "ok": diff <= TOLERANCE * output_scale(reference)}
 
 
 def interleaved_latency(name: str, modes: list[str], args: argparse.Namespace) -> dict[str, dict]:
@@ -227,6 +224,11 @@ def measure_model(name: str, modes: list[str], args: argparse.Namespace, tmp: Pa
     return [{**row, "load_average_1m": load} for row in rows]
 
 
+def inductor_cache(args: argparse.Namespace) -> str:
+    """How the modes of a model share Inductor's cache (module docstring)."""
+    return "shared per model" if args.check_only else "warm" if args.warm_cache else "cold"
+
+
 def table(name: str, rows: list[dict], args: argparse.Namespace):
     cells = []
     for r in rows:
@@ -239,7 +241,7 @@ def table(name: str, rows: list[dict], args: argparse.Namespace):
                       f"{r['median_ms']:.2f}" if timed else "", f"{r['min_ms']:.2f}" if timed else "",
                       f"{r.get('speedup_vs_eager', 0):.2f}x" if timed else "",
                       f"{r['max_abs_diff']:.1e}" + ("" if r["ok"] else " WRONG")])
-    cache = "shared per model" if args.check_only else "warm" if args.warm_cache else "cold"
+    cache = inductor_cache(args)
     timing = ("no latency phase (--check-only)" if args.check_only else
               f"{args.runs} calls per mode in {args.rounds} interleaved rounds; vs eager: of the medians")
     return common.table(
@@ -253,8 +255,7 @@ def write(args: argparse.Namespace, models: list[str], scheds: list[str], rows: 
         "machine": common.machine_info(),
         "settings": {"models": models, "schedulers": scheds, "streams": args.streams, "bert_layers": args.bert_layers,
                      "runs": args.runs, "rounds": args.rounds, "warmup": args.warmup, "warmup_s": args.warmup_s,
-                     "inductor_cache": ("shared per model" if args.check_only else
-                                        "warm" if args.warm_cache else "cold"),
+                     "inductor_cache": inductor_cache(args),
                      "batch_size": 1, "tolerance": TOLERANCE,
                      "timing": None if args.check_only else "perf_counter per call, modes interleaved in one process"},
         "rows": rows,

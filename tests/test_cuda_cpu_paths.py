@@ -664,10 +664,12 @@ def test_benchmark_exact_outputs_run_a_float64_copy():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
     x = torch.randn(1, 3, 8, 8)
-    out = gl.exact_outputs(model, (x,))
+    out, twice = gl.exact_outputs(model, (x,), (2 * x,))
     assert out.dtype == torch.float64 and next(model.parameters()).dtype == torch.float32
     with torch.no_grad():
-        torch.testing.assert_close(out, model.double()(x.double()))
+        wide = model.double()
+        torch.testing.assert_close(out, wide(x.double()))
+        torch.testing.assert_close(twice, wide(2 * x.double()))
 
 
 def test_benchmark_summary_table_and_json(tmp_path):

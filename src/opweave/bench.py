@@ -31,6 +31,18 @@ def max_abs_diff(a, b) -> float:
     return 0.0 if a == b else float("inf")
 
 
+def output_scale(value) -> float:
+    """What output tolerances are relative to: max(1, the largest magnitude in the floating tensors of ``value``).
+
+    >>> output_scale((torch.tensor([-3.0, 2.0]), torch.tensor([7]))), output_scale(torch.tensor([0.5]))
+    (3.0, 1.0)
+    """
+    from torch.utils import _pytree as pytree
+
+    return max([1.0, *(float(t.detach().abs().max()) for t in pytree.tree_leaves(value)
+                       if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel())])
+
+
 def resolve_device(device: str) -> str:
     """``auto`` becomes ``cuda`` when a GPU is visible, else ``cpu``."""
     if device == "auto":

@@ -121,14 +121,10 @@ def _run_torchrun(build, model, scheduler, devices, device, runs, warmup, stream
 
 def _compare(module, inputs, got) -> dict:
     """Largest absolute difference from single-process eager, and the tolerance it is held to."""
-    from torch.utils import _pytree as pytree
-
-    from opweave.bench import max_abs_diff
+    from opweave.bench import max_abs_diff, output_scale
 
     reference = _cpu(_eager(module, inputs))
-    floats = [t for t in pytree.tree_leaves(reference) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    scale = max((float(t.abs().max()) for t in floats if t.numel()), default=1.0)
-    return {"max_abs_diff": max_abs_diff(reference, got), "tolerance": CHECK_TOLERANCE * max(1.0, scale)}
+    return {"max_abs_diff": max_abs_diff(reference, got), "tolerance": CHECK_TOLERANCE * output_scale(reference)}
 
 
 def _cpu(value):
