@@ -25,9 +25,10 @@ and dtype, every mode below is built, checked against eager and timed the same w
 **Checked** on two inputs: the example (which the warm-ups computed) and a second, fresh random input of the same
 shapes and dtypes (:func:`fresh_inputs`: floats drawn with the example's mean and spread, integers — token ids,
 embedding indices — drawn within the example's range, so they stay valid), each against eager on that input; a
-mode passes when both outputs are right (:func:`check_output`: fp32 within 1e-3 of the output's scale, fp16 within
-1e-2, scale = max(1, max |eager output|); or no more than 3 times as far from the model run in float64 as eager is:
-folded BatchNorm, TF32 convolutions and fused kernels round differently from eager).
+mode passes when both outputs are right (:func:`opweave.outputs.compare`: fp32 within 1e-3 of the output's scale,
+fp16 within 1e-2, scale = max(1, max |eager output|); or no more than 3 times as far from the model run in float64
+(:func:`opweave.outputs.exact_outputs`) as eager is: folded BatchNorm, TF32 convolutions and fused kernels round
+differently from eager).
 
 **Timing** (the device METHOD): CUDA events around the whole call — input copy and output clone included — on the
 current stream, a synchronize after each call, ``--warmup`` calls first, the median (and 10th/90th percentiles) of
@@ -61,8 +62,6 @@ QUICK_MODELS = ("squeezenet", "googlenet")
 QUICK_FUSE_SCHEDULERS = ("lios", "opara")
 TORCHVISION = ("torchvision:googlenet", "torchvision:inception_v3")
 DTYPES = {"fp32": "float32", "fp16": "float16"}
-TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2}
-EXACT_MULTIPLIER = 3.0  # check_output: a mode may be this many times farther from float64 than eager is
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     import _common as common
 
     from opweave import schedulers
+    from opweave.outputs import EXACT_FACTOR, TOLERANCE
 
     models = _split(args.models) or (list(QUICK_MODELS) if args.quick else _default_models())
     scheds = _split(args.schedulers) or schedulers.names()
@@ -121,11 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"models": models, "schedulers": scheds, "fuse_schedulers": fuse_scheds, "batch_sizes": batches,
                 "dtypes": dtypes,
                 "replays": args.replays, "warmup": args.warmup, "streams": args.streams or None,
-                "profile_repeats": args.profile_repeats, "tolerance": TOLERANCE,
+                "profile_repeats": args.profile_repeats,
+                "tolerance": {d: TOLERANCE[getattr(torch, t)] for d, t in DTYPES.items()},
                 "timing": "CUDA events around the whole call, synchronize after each, median",
                 "check": "every mode against eager on the example and on a fresh random input; right when within "
                          "tolerance of eager or at most exact_multiplier times eager's distance from float64",
-                "exact_multiplier": EXACT_MULTIPLIER}
+                "exact_multiplier": EXACT_FACTOR}
     data = results_document(device, torch.__version__, torch.version.cuda, date, common.machine_info(), settings)
     path = result_path(args.out, device, date)
     for name in models:
@@ -179,6 +180,7 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], fuse_sche
 
     from opweave import zoo
     from opweave.capture import capture
+    from opweave.outputs import exact_outputs
 
     base = {"model": name, "batch_size": batch, "dtype": dtype}
     try:
@@ -199,7 +201,7 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], fuse_sche
     def measure(mode: str, build, extra: dict | None = None) -> None:
         """``build`` may add to ``extra`` (e.g. the plan's syncs) while it runs."""
         extra = {} if extra is None else extra
-        timing = time_mode(build, inputs, checks, dtype, args)
+        timing = time_mode(build, inputs, checks, args)
         rows.append({**base, "mode": mode, **extra, **timing})
         partial(rows)
 
@@ -336,12 +338,13 @@ def plain_cuda_graph(model, inputs, warmup: int = 3):
 # ---- timing ----------------------------------------------------------------------------------------------------------
 
 
-def time_mode(build, inputs, checks, dtype: str, args) -> dict:
-    """Build a mode, check its output (:func:`check_output`) on each ``(inputs, eager output, float64 output)`` of
-    ``checks``, time it on ``inputs``; every figure or the error."""
+def time_mode(build, inputs, checks, args) -> dict:
+    """Build a mode, check its output (:func:`opweave.outputs.compare`) on each ``(inputs, eager output, float64
+    output)`` of ``checks``, time it on ``inputs``; every figure or the error."""
     import torch
 
     from opweave.costs import timing
+    from opweave.outputs import compare
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -352,8 +355,7 @@ def time_mode(build, inputs, checks, dtype: str, args) -> dict:
     try:
         fn = build()
         with torch.no_grad():
-            results = [check_output(reference, fn(*check_inputs), dtype, exact)
-                       for check_inputs, reference, exact in checks]
+            results = [compare(reference, fn(*check_inputs), exact=exact) for check_inputs, reference, exact in checks]
             times = timing.times_ms(functools.partial(fn, *inputs), runs=args.replays, warmup=args.warmup,
                                     device="cuda")
         peak = torch.cuda.max_memory_allocated()
@@ -368,8 +370,8 @@ def time_mode(build, inputs, checks, dtype: str, args) -> dict:
     quantiles = statistics.quantiles(times, n=10)
     return {"median_ms": statistics.median(times), "p10_ms": quantiles[0], "p90_ms": quantiles[-1],
             "kernels_per_call": kernels,
-            "replays": len(times), "max_abs_diff": max(r["max_abs_diff"] for r in results),
-            "fresh_input_max_abs_diff": results[-1]["max_abs_diff"], "ok": all(r["ok"] for r in results),
+            "replays": len(times), "max_abs_diff": max(r.max_diff for r in results),
+            "fresh_input_max_abs_diff": results[-1].max_diff, "ok": all(r.ok for r in results),
             "peak_memory_mb": (peak - baseline) / 2**20, "baseline_memory_mb": baseline / 2**20}
 
 
@@ -418,42 +420,6 @@ def fresh_inputs(inputs: tuple, seed: int) -> tuple:
         return new.to(dtype=x.dtype, device=x.device)
 
     return tuple(fresh(x) for x in inputs)
-
-
-def check_output(reference, out, dtype: str, exact=None) -> dict:
-    """Max |difference| between a mode's output and eager's, and whether it is right: within ``TOLERANCE[dtype]``
-    of the output's scale (max(1, max |eager output|)), or, given ``exact`` (the model run in float64 on the same
-    input), no farther from ``exact`` than :data:`EXACT_MULTIPLIER` times eager's own distance from it.
-
-    Why the second test: opweave's modes need not round as eager does. Coarsening folds BatchNorm into the
-    convolution weights (``w * s`` rounded once, where eager rounds ``w`` and then scales), cuDNN convolutions run
-    in TF32 by default on Ampere and later, and Inductor keeps fused intermediates in float32. On the zoo's random
-    weights, tens of layers can amplify those roundings beyond the tolerance around eager in TF32 and fp16 while
-    the mode stays as close to the exact result as eager is. Such a mode is as right as eager, which is what counts;
-    torch's own accuracy checker for compiled models compares against a float64 run the same way."""
-    from opweave.bench import max_abs_diff, output_scale
-
-    diff = max_abs_diff(reference, out)
-    ok = diff <= TOLERANCE[dtype] * output_scale(reference)
-    result = {"max_abs_diff": diff, "ok": ok}
-    if exact is not None:
-        error, eager_error = max_abs_diff(exact, out), max_abs_diff(exact, reference)  # in float32: ample here
-        result.update(exact_error=error, eager_exact_error=eager_error,
-                      ok=ok or error <= EXACT_MULTIPLIER * eager_error)
-    return result
-
-
-def exact_outputs(model, *input_sets: tuple) -> list:
-    """``model`` run in float64 (one float64 copy of it) on a float64 copy of each tuple of ``input_sets`` (integer
-    inputs as they are): the references of :func:`check_output`, one per tuple. ``model`` is left as it is."""
-    import copy
-
-    import torch
-
-    wide = copy.deepcopy(model).double()
-    with torch.no_grad():
-        return [wide(*(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs))
-                for inputs in input_sets]
 
 
 def _clone(value):

@@ -43,11 +43,12 @@ from opweave.api import compile_ranks, plan_ranks  # noqa: E402
 from opweave.backends.distributed import profile_link  # noqa: E402
 from opweave.backends.distributed.launch import usable_cores  # noqa: E402
 from opweave.backends.simulate import simulate  # noqa: E402
-from opweave.bench import max_abs_diff, median_ms  # noqa: E402
+from opweave.bench import median_ms  # noqa: E402
 from opweave.capture import capture  # noqa: E402
 from opweave.costs.links import fit  # noqa: E402
 from opweave.costs.profile import profile_model  # noqa: E402
 from opweave.costs.roofline import estimate  # noqa: E402
+from opweave.outputs import compare  # noqa: E402
 
 DEFAULT_SIZES = "inception_v3=512,nasnet_a_mobile=448"
 QUICK_SIZES = "squeezenet=64"
@@ -73,7 +74,7 @@ def measure_model(name: str, size: int, ranks: list[int], args, link) -> dict:
                            timeout_s=1800) as fast:
             if fast.plan.instrs != plan.instrs:
                 raise SystemExit(f"{name}: the plan run differs from the plan simulated")
-            diff = max_abs_diff(reference, fast(*inputs))
+            diff = compare(reference, fast(*inputs)).max_diff
             times = [median_ms(fast, inputs, runs=1, warmup=0) for _ in range(args.runs)]
             info = fast.backend.info
         rows.append({"ranks": m, "threads_per_rank": threads, "devices_used": sched.devices_used,

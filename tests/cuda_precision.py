@@ -5,8 +5,8 @@ Why: cuDNN convolutions run in TF32 by default on Ampere and later, and coarseni
 convolution weights, so eager rounds ``w`` to TF32 where opweave rounds ``w * s``. On the zoo's random weights tens
 of layers can amplify that beyond the fp32 tolerance of 1e-3 of the output's scale; in full fp32 the two differ by
 float32 rounding only. The GPU benchmark keeps the defaults and checks against a float64 run instead
-(``gpu_latency.check_output``). Imports nothing beyond pytest and torch (the GPU machine runs these tests with
-``--noconftest``)."""
+(``opweave.outputs.compare``'s ``exact``). Imports nothing beyond pytest and torch (the GPU machine runs these tests
+with ``--noconftest``)."""
 
 from __future__ import annotations
 

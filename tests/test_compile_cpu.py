@@ -9,9 +9,9 @@ import opweave
 from opweave import schedulers, zoo
 from opweave.api import plan_for
 from opweave.backends.cpu import CpuBackend
-from opweave.bench import max_abs_diff
 from opweave.capture import CaptureError, capture, coarsen
 from opweave.costs.roofline import estimate
+from opweave.outputs import compare
 from rendezvous import TwoBranches, armed
 
 SMALL = {"bert_base": {"num_layers": 2}}  # the scheduler sweep runs 8 plans per model: a shorter BERT there
@@ -33,7 +33,7 @@ def test_compile_matches_eager_for_every_zoo_model(name):
     with torch.inference_mode():
         expected, got = model(*inputs), fast(*inputs)
     assert type(got) is type(expected)
-    assert max_abs_diff(expected, got) < 1e-4
+    assert compare(expected, got).max_diff < 1e-4
     assert fast.schedule.streams_used >= 1 and len(fast.graph) > 0
 
 
@@ -47,7 +47,7 @@ def test_every_scheduler_matches_eager(name):
                            devices=2 if scheduler in schedulers.MULTI_DEVICE else 1)
         with torch.inference_mode():
             got = CpuBackend(cap, plan)(*inputs)
-        assert max_abs_diff(reference, got) < 1e-4, scheduler
+        assert compare(reference, got).max_diff < 1e-4, scheduler
 
 
 def test_replay_with_new_inputs_and_repeated_calls():
@@ -57,7 +57,7 @@ def test_replay_with_new_inputs_and_repeated_calls():
         torch.manual_seed(seed)
         x = torch.randn_like(inputs[0])
         with torch.inference_mode():
-            assert max_abs_diff(model(x), fast(x)) < 1e-4
+            assert compare(model(x), fast(x)).max_diff < 1e-4
 
 
 def test_an_error_inside_an_op_reaches_the_caller_without_hanging():
@@ -71,7 +71,7 @@ def test_an_error_inside_an_op_reaches_the_caller_without_hanging():
     assert fast.schedule.streams_used == 2
     with pytest.raises(RuntimeError):
         fast(-spd, y)  # not positive definite: the op fails on one lane while the other lane runs
-    assert max_abs_diff(Branchy()(spd, y), fast(spd, y)) == 0.0
+    assert compare(Branchy()(spd, y), fast(spd, y)).max_diff == 0.0
 
 
 def test_lanes_run_without_autograd_even_on_inference_tensors():
@@ -92,7 +92,7 @@ def test_lanes_run_without_autograd_even_on_inference_tensors():
     with torch.inference_mode():
         x = torch.randn(4, 8)
         got, expected = fast(x), model(x)
-    assert max_abs_diff(expected, got) == 0.0
+    assert compare(expected, got).max_diff == 0.0
     assert not any(t.requires_grad for t in fast(torch.randn(4, 8)))  # no autograd graph outside inference mode
 
 
@@ -105,7 +105,7 @@ def test_independent_branches_run_concurrently_on_two_lanes():
     assert len(meet) == 2 and lane[meet[0]] != lane[meet[1]]
     with armed(parties=2), torch.inference_mode():
         got = fast(x)  # BrokenBarrierError unless both rendezvous ops ran at once
-    assert max_abs_diff(TwoBranches()(x), got) == 0.0
+    assert compare(TwoBranches()(x), got).max_diff == 0.0
     one_lane = opweave.compile(TwoBranches(), (x,), scheduler="sequential", device="cpu")
     with armed(parties=2, timeout_s=0.2), pytest.raises(CaptureError, match="BrokenBarrierError"):
         one_lane(x)  # on one lane the barrier breaks: the check above can fail
@@ -126,7 +126,7 @@ def test_compile_schedules_on_a_measured_profile_and_refuses_a_stale_one(tmp_pat
     fast = opweave.compile(model, inputs, scheduler="lios", profile=path)
     assert fast.costs.source == "profile" and fast.costs.latency_ms == prof.latency_ms
     with torch.inference_mode():
-        assert max_abs_diff(model(*inputs), fast(*inputs)) < 1e-5
+        assert compare(model(*inputs), fast(*inputs)).max_diff < 1e-5
     other_batch = zoo.create("deepfm", batch_size=2)[1]
     with pytest.raises(ProfileKeyError, match="input_shapes"):
         opweave.compile(model, other_batch, scheduler="lios", profile=path)

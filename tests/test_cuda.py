@@ -9,9 +9,9 @@ named, never run eagerly, the caller's stream restored and the process usable; t
 the default lane cap and distinct streams; the profiler's GPU time on a real trace; and
 ``torch.compile(backend="opweave")`` on CUDA, swapped weights included.
 
-Outputs are compared as the GPU benchmark compares them (``check_output``: fp32 within 1e-3 of the output's scale,
-fp16 within 1e-2 or, where BatchNorm folded into fp16 weights rounds differently, against float64), on inputs drawn
-by its ``fresh_inputs``; TF32 is off (``cuda_precision.fp32_math``).
+Outputs are compared as the GPU benchmark compares them (:func:`opweave.outputs.compare`: fp32 within 1e-3 of the
+output's scale, fp16 within 1e-2 or, where BatchNorm folded into fp16 weights rounds differently, against float64),
+on inputs drawn by its ``fresh_inputs``; TF32 is off (``cuda_precision.fp32_math``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from opweave.costs.profile.kineto import range_runs, trace_ops
 from opweave.costs.profile.measure import full_env
 from opweave.costs.roofline import estimate
 from opweave.errors import DeviceError
+from opweave.outputs import compare, exact_outputs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -49,10 +50,9 @@ def fresh(inputs: tuple, seed: int) -> tuple:
     return gpu_latency().fresh_inputs(inputs, seed)
 
 
-def check(reference, got, what: str, dtype: str = "fp32", exact=None) -> None:
-    result = gpu_latency().check_output(reference, got, dtype, exact)
-    assert result["ok"], f"{what}: max |difference| from eager {result['max_abs_diff']:.3e} is above tolerance " \
-                         f"({result})"
+def check(reference, got, what: str, exact=None) -> None:
+    result = compare(reference, got, exact=exact)
+    assert result.ok, f"{what}: {result.reason}"
 
 
 @functools.cache
@@ -224,11 +224,11 @@ def test_fp16_at_batch_8(name, mode):
     as the benchmark checks (within 1e-2 of eager, or no farther from float64 than 3 times eager)."""
     fast = compile_captured(cap, inputs, scheduler="opara", device="cuda", mode=mode)
     new = fresh(inputs, seed=3)
-    exact, new_exact = gpu_latency().exact_outputs(model, inputs, new)
-    check(reference, fast(*inputs), "example", "fp16", exact)
+    exact, new_exact = exact_outputs(model, inputs, new)
+    check(reference, fast(*inputs), "example", exact)
     with torch.no_grad():
         expected = model(*new)
-    check(expected, fast(*new), "fresh input", "fp16", new_exact)
+    check(expected, fast(*new), "fresh input", new_exact)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -356,9 +356,9 @@ def test_threads_calling_one_compiled_model(mode):
             with torch.cuda.stream(torch.cuda.Stream() if k % 2 else None):
                 for rep in range(5):
                     i = (k + rep) % len(xs)
-                    result = gpu_latency().check_output(refs[i], fast(*xs[i]), "fp32")  # .item(): syncs this stream
-                    if not result["ok"]:
-                        errors.append(f"thread {k}, call {rep}: max |difference| {result['max_abs_diff']:.3e}")
+                    result = compare(refs[i], fast(*xs[i]))  # float(): syncs this stream
+                    if not result.ok:
+                        errors.append(f"thread {k}, call {rep}: {result.reason}")
         except Exception as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(f"thread {k}: {type(exc).__name__}: {exc}")
 

@@ -25,12 +25,12 @@ from dags import dags
 from opweave import zoo
 from opweave.api import compile_ranks, plan_for, plan_ranks
 from opweave.backends.distributed import DistributedBackend, held_bytes, split, wire
-from opweave.bench import max_abs_diff
 from opweave.capture import capture
 from opweave.costs.links import Link
 from opweave.costs.roofline import estimate
 from opweave.errors import PlanError, RankError, UsageError
 from opweave.ir.graph import OpGraph
+from opweave.outputs import compare
 from opweave.plan.lower import lower
 from opweave.plan.validate import validate
 from opweave.schedulers.schedule import Schedule
@@ -211,8 +211,8 @@ def test_zoo_models_on_2_and_4_ranks_equal_eager(name):
                 again = fast(*inputs)  # persistent ranks: a second call on the same processes
                 infos, pids = fast.backend.info, fast.backend.pids
             assert torch.allclose(got, reference, rtol=1e-4, atol=1e-5) if isinstance(got, torch.Tensor) else \
-                max_abs_diff(reference, got) < 1e-4, (world, scheduler)
-            assert max_abs_diff(got, again) == 0.0
+                compare(reference, got).max_diff < 1e-4, (world, scheduler)
+            assert compare(got, again).max_diff == 0.0
             assert fast.schedule.devices_used >= 2 and sum(i["messages"] for i in infos) > 0
             assert wait_gone(pids) == []
 
@@ -222,7 +222,7 @@ def test_parameter_bytes_of_the_ranks_add_up_to_the_model():
     total = held_bytes(model)
     with compile_ranks(cap, scheduler="hios-lp", devices=4, link=FREE, timeout_s=60) as fast:
         held = [info["param_bytes"] for info in fast.backend.info]
-        assert max_abs_diff(reference, fast(*inputs)) < 1e-4
+        assert compare(reference, fast(*inputs)).max_diff < 1e-4
         pids = fast.backend.pids
     assert fast.schedule.devices_used >= 2
     assert sum(held) == total
@@ -389,5 +389,5 @@ def test_nccl_ranks_on_two_gpus_equal_eager(scheduler):
         got = fast(*inputs)
         pids = fast.backend.pids
     assert fast.schedule.devices_used == 2
-    assert max_abs_diff(reference, got) < 1e-3  # TF32 convolutions on the GPUs
+    assert compare(reference, got).max_diff < 1e-3  # TF32 convolutions on the GPUs
     assert wait_gone(pids) == []

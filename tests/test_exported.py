@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import opweave
-from opweave.coverage import SCHEDULERS, difference
+from opweave.coverage import SCHEDULERS
 from opweave.errors import UsageError
+from opweave.outputs import compare
 
 
 class TwoBranches(nn.Module):
@@ -47,8 +48,8 @@ def test_compile_an_exported_program_and_its_file(saved, scheduler):
         expected_other = model(other, scale=scale)
     for source in (program, path, str(path)):
         compiled = opweave.compile(source, scheduler=scheduler)  # the program's own example inputs
-        assert difference(expected, compiled(x, scale=scale)) <= 1e-5
-        assert difference(expected_other, compiled(other, scale)) <= 1e-5
+        assert compare(expected, compiled(x, scale=scale)).relative <= 1e-5
+        assert compare(expected_other, compiled(other, scale)).relative <= 1e-5
 
 
 def test_a_file_that_is_not_an_exported_program_is_one_usage_error(tmp_path):

@@ -18,7 +18,8 @@ from torch import nn
 import opweave
 from opweave.api import compile_captured
 from opweave.capture import CaptureError, capture
-from opweave.coverage import SCHEDULERS, difference
+from opweave.coverage import SCHEDULERS
+from opweave.outputs import compare
 
 
 def state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -46,7 +47,7 @@ def assert_compiles_equal(model: nn.Module, args: tuple, kwargs: dict | None = N
         for mode in (contextlib.nullcontext(), torch.no_grad()):
             with mode:
                 got = compiled(*args, **kwargs)
-            assert difference(expected, got) <= tol, (scheduler, difference(expected, got))
+            assert compare(expected, got).relative <= tol, (scheduler, compare(expected, got).relative)
     assert_bit_identical(before, model)
     return captured
 
@@ -111,7 +112,7 @@ def test_exported_views_accept_another_layout_of_the_same_shape():
     compiled = opweave.compile(model, (x,), scheduler="lios")
     other = x.to(memory_format=torch.channels_last)
     with torch.no_grad():
-        assert difference(model(other), compiled(other)) <= 1e-5
+        assert compare(model(other), compiled(other)).relative <= 1e-5
 
 
 # ---- item 3 ---------------------------------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def test_model_output_is_returned_as_a_model_output():
     compiled = opweave.compile(model, inputs, scheduler="lios")
     out, expected = compiled(*inputs), model(*inputs)
     assert type(out) is type(expected) and list(out.keys()) == list(expected.keys())
-    assert difference(expected, out) <= 1e-5
+    assert compare(expected, out).relative <= 1e-5
 
 
 def test_inplace_ops_on_intermediates():
@@ -286,7 +287,7 @@ def test_compile_with_fold_bn_leaves_the_model_bit_identical():
     compiled = opweave.compile(model, (x,), fold_bn=True, scheduler="lios")
     assert_bit_identical(before, model)
     with torch.no_grad():
-        assert difference(model(x), compiled(x)) <= 1e-4
+        assert compare(model(x), compiled(x)).relative <= 1e-4
 
 
 def test_a_model_that_raises_names_the_op_shapes_module_and_line():

@@ -39,12 +39,12 @@ from typer.testing import CliRunner
 import opweave
 from cuda_precision import no_tf32
 from opweave import zoo
-from opweave.bench import max_abs_diff
 from opweave.capture import capture, coarsen
 from opweave.cli import app
 from opweave.costs.links import load as load_link
 from opweave.costs.profile import profile_model
 from opweave.ir import OpGraph
+from opweave.outputs import compare
 from test_distributed_cli import TORCHRUN
 from test_distributed_cli import command as rank_command
 
@@ -163,7 +163,7 @@ def test_python_quick_start_compile():
     namespace, values = run_python(block)
     model, inputs, out, fast = (namespace[k] for k in ("model", "inputs", "out", "fast"))
     with torch.inference_mode():
-        assert max_abs_diff(model(*inputs), out) < 1e-4  # "equals model(*inputs) (allclose)"
+        assert compare(model(*inputs), out).max_diff < 1e-4  # "equals model(*inputs) (allclose)"
     (stream_of, syncs), _ = values["fast.schedule.stream_of, fast.plan.syncs"]
     assert sorted(stream_of) == sorted(fast.graph.ids) and syncs == fast.plan.syncs > 0
     names, comment = values["opweave.schedulers.names()"]
@@ -185,7 +185,7 @@ def test_fused_segments_block():
     namespace, values = run_python(block)
     model, inputs, out, fused = (namespace[k] for k in ("model", "inputs", "out", "fused"))
     with torch.inference_mode():
-        assert max_abs_diff(model(*inputs), out) < 1e-4  # "equals model(*inputs) (allclose)"
+        assert compare(model(*inputs), out).max_diff < 1e-4  # "equals model(*inputs) (allclose)"
     stats, comment = values["fused.fused.stats"]
     assert sorted(stats) == sorted(k.strip() for k in comment.split(","))
     assert stats["segments"] == stats["compiles"] > 1 and stats["compile_s"] > 0 and stats["fallbacks"] == 0

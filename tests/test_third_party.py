@@ -42,14 +42,6 @@ def test_the_issue_t5_encoder_equals_eager_under_every_scheduler():
     assert row["error"] is None and all(r["error"] is None for r in row["schedulers"].values()), row
 
 
-def test_difference_sees_a_wrong_value_an_integer_and_a_structure():
-    a = {"x": torch.ones(3), "n": torch.tensor(2)}
-    assert coverage.difference(a, {"x": torch.ones(3), "n": torch.tensor(2)}) == 0.0
-    assert coverage.difference(a, {"x": torch.tensor([1.0, 1.0, 1.01]), "n": torch.tensor(2)}) > coverage.TOLERANCE
-    assert coverage.difference(a, {"x": torch.ones(3), "n": torch.tensor(3)}) == float("inf")
-    assert coverage.difference(a, (torch.ones(3), torch.tensor(2))) == float("inf")
-
-
 def test_second_inputs_keep_token_ids_in_range():
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 7, (4, 50))

@@ -12,35 +12,13 @@ import torch
 
 from opweave.costs import timing
 from opweave.errors import DeviceError, UsageError
+from opweave.outputs import compare
 
 
 def median_ms(fn: Callable, args: Sequence, *, runs: int = 20, warmup: int = 3, device: str = "cpu") -> float:
     """Median wall time of ``fn(*args)`` in milliseconds (:mod:`opweave.costs.timing`), under inference mode."""
     with torch.inference_mode():
         return timing.median_ms(lambda: fn(*args), runs=runs, warmup=warmup, device=device)
-
-
-def max_abs_diff(a, b) -> float:
-    """Largest absolute difference between two outputs of the same structure (tensors, tuples, lists, dicts)."""
-    if isinstance(a, torch.Tensor):
-        return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-    if isinstance(a, dict):
-        return max((max_abs_diff(a[k], b[k]) for k in a), default=0.0)
-    if isinstance(a, (tuple, list)):
-        return max((max_abs_diff(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
-    return 0.0 if a == b else float("inf")
-
-
-def output_scale(value) -> float:
-    """What output tolerances are relative to: max(1, the largest magnitude in the floating tensors of ``value``).
-
-    >>> output_scale((torch.tensor([-3.0, 2.0]), torch.tensor([7]))), output_scale(torch.tensor([0.5]))
-    (3.0, 1.0)
-    """
-    from torch.utils import _pytree as pytree
-
-    return max([1.0, *(float(t.detach().abs().max()) for t in pytree.tree_leaves(value)
-                       if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel())])
 
 
 def resolve_device(device: str) -> str:
@@ -91,11 +69,12 @@ def bench_model(model_name: str | None, *, device: str = "cpu", batch_size: int 
             fast = compile_captured(captured, inputs, scheduler=name, device=device, streams=streams, profile=profile,
                                     coarsen=coarsen)
             with torch.inference_mode():
-                diff = max_abs_diff(reference, fast(*inputs))
+                check = compare(reference, fast(*inputs))
             ms = median_ms(fast, inputs, runs=runs, warmup=warmup, device=device)
             rows.append({"mode": f"opweave {name}", "scheduler": name, "median_ms": ms,
                          "speedup_vs_eager": eager_ms / ms, "streams": fast.schedule.streams_used,
-                         "syncs": fast.plan.syncs, "max_abs_diff": diff, "ops": len(fast.graph)})
+                         "syncs": fast.plan.syncs, "max_abs_diff": check.max_diff, "ok": check.ok,
+                         "ops": len(fast.graph)})
             bar.advance(task)
     return {"model": model_name, "batch_size": batch_size, "device": device, "device_name": device_name(device),
             "costs": "profile " + str(profile) if profile else "roofline estimate", "coarsen": coarsen,

@@ -9,8 +9,9 @@ hidden size of 64 or so, token sequences are 32 long; that keeps the whole list 
 while keeping every architectural feature (attention, relative position biases, rotary embeddings, squeeze-and-
 excitation, channel shuffles, multi-branch stages). The second input is drawn like the first: normal floats, integers
 uniform in the range the example input spans (token ids stay below the vocabulary size), booleans at random.
-Outputs are equal when every tensor of the output structure is within ``1e-4`` of eager's, relative to the largest
-magnitude of eager's tensor (and at least absolute ``1e-4``).
+Outputs are compared by :func:`opweave.outputs.compare` held to :data:`TOLERANCE` (``1e-4``, stricter than float32's
+``1e-3``): every tensor of the output structure within ``1e-4`` of eager's, relative to the largest magnitude of
+eager's tensor (and at least absolute ``1e-4``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 from typing import Any
 
 import torch
+
+from opweave.outputs import compare
 
 SCHEDULERS = ("sequential", "lios", "nimble", "opara", "hios-lp")
 TOLERANCE = 1e-4
@@ -114,30 +117,6 @@ def second_input(x: Any, generator: torch.Generator) -> Any:
     return torch.randint(low, high, x.shape, generator=generator, dtype=x.dtype)
 
 
-def difference(expected: Any, got: Any) -> float:
-    """Largest difference between two outputs of the same structure, relative to the largest magnitude of each of
-    ``expected``'s floating-point tensors (at least 1); integer and boolean tensors must be equal; ``inf`` when
-    they are not, or when the structures, shapes or dtypes differ."""
-    from torch.utils import _pytree as pytree
-
-    want, want_spec = pytree.tree_flatten(expected)
-    have, have_spec = pytree.tree_flatten(got)
-    if want_spec != have_spec:
-        return float("inf")
-    worst = 0.0
-    for a, b in zip(want, have, strict=True):
-        if not isinstance(a, torch.Tensor):
-            worst = max(worst, 0.0 if a == b else float("inf"))
-        elif not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
-            return float("inf")
-        elif not a.is_floating_point():
-            worst = max(worst, 0.0 if torch.equal(a, b) else float("inf"))
-        elif a.numel():
-            scale = max(1.0, float(a.detach().abs().max()))
-            worst = max(worst, float((a.detach().double() - b.detach().double()).abs().max()) / scale)
-    return worst
-
-
 def check(name: str, schedulers: tuple[str, ...] = SCHEDULERS, **kwargs) -> dict:
     """Build model ``name`` (``MODELS``' keyword arguments unless ``kwargs`` are given), capture it once, compile it
     under each scheduler and compare with eager on the example input and a second random one.
@@ -168,10 +147,12 @@ def check(name: str, schedulers: tuple[str, ...] = SCHEDULERS, **kwargs) -> dict
             start = time.perf_counter()
             compiled = compile_captured(captured, inputs, scheduler=scheduler)
             result["compile_s"] = time.perf_counter() - start
-            result["difference"] = max(difference(want, compiled(*case))
-                                       for want, case in zip(expected, cases, strict=True))
-            if not result["difference"] <= TOLERANCE:
-                result["error"] = f"output differs from eager by {result['difference']:.3g} (relative)"
+            checks = [compare(want, compiled(*case), tolerance=TOLERANCE)
+                      for want, case in zip(expected, cases, strict=True)]
+            result["difference"] = max(c.relative for c in checks)
+            wrong = next((c for c in checks if not c.ok), None)
+            if wrong is not None:
+                result["error"] = f"differs from eager: {wrong.reason}"
         except Exception as exc:  # noqa: BLE001 - reported per scheduler
             result["error"] = _first_line(exc)
         row["schedulers"][scheduler] = result

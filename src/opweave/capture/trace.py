@@ -28,7 +28,8 @@ Pipeline (each step a plain function over the fx graph, as torch.fx passes are):
    ``operator.add`` and a rebinding; if eager's result depended on the mutation through another name, step 5
    catches the difference and export, which functionalizes, is used instead.)
 4. **Shapes** by ``torch.fx.passes.shape_prop.ShapeProp`` on clones of the example inputs.
-5. **Verify** (``verify=True``, models in eval mode): the captured module's output must equal eager's.
+5. **Verify** (``verify=True``, models in eval mode): the captured module's output must equal eager's
+   (:func:`opweave.outputs.compare`).
 6. **Partition** (:mod:`.partition`): fx nodes grouped into ops (a real node plus the view-like nodes hanging off
    it), data edges between ops, the :class:`~opweave.ir.OpGraph`; :class:`~.runtime.Captured` runs it.
 """
@@ -54,6 +55,7 @@ from opweave.capture.functionalize import rewrite_inplace
 from opweave.capture.partition import build_graph, partition
 from opweave.capture.runtime import Captured, positional
 from opweave.errors import CaptureError, UsageError
+from opweave.outputs import compare
 
 SUGGESTION = 'torch.compile(model, backend="opweave") schedules each subgraph it can capture around such code'
 
@@ -103,9 +105,9 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
             located = where(exc, model) or located
             continue
         if check:
-            problem = _compare(result, expected)
-            if problem:
-                failures.append(f"{route} gave a graph whose output differs from eager ({problem})")
+            verdict = compare(expected, result)
+            if not verdict.ok:
+                failures.append(f"{route} gave a graph whose output differs from eager ({verdict.reason})")
                 continue
         nodes, owner = partition(gm, kept)
         graph = build_graph(gm, nodes, owner, kept, model_name)
@@ -276,34 +278,5 @@ def _propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> Any:
         node.meta.pop("type", None)
     with torch.no_grad():
         return ShapeProp(gm).propagate(*_clone(example_inputs))
-
-
-def _compare(actual: Any, expected: Any) -> str | None:
-    """None if the two outputs have the same structure and close values, else what differs."""
-    got, got_spec = pytree.tree_flatten(actual)
-    want, want_spec = pytree.tree_flatten(expected)
-    if got_spec != want_spec:
-        return f"output structure {got_spec} instead of {want_spec}"
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        if isinstance(b, torch.Tensor):
-            if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
-                return f"output {i} is {_describe(a)} instead of {_describe(b)}"
-            if not b.is_floating_point():
-                if not torch.equal(a, b):
-                    return f"output {i} differs"
-                continue
-            tol = 1e-2 if b.dtype in (torch.float16, torch.bfloat16) else 1e-3
-            scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
-            if not torch.allclose(a, b, rtol=tol, atol=tol * scale, equal_nan=True):
-                return f"output {i} differs by up to {float((a.double() - b.double()).abs().max()):.3g}"
-        elif a != b:
-            return f"output {i} is {a!r} instead of {b!r}"
-    return None
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
-    return repr(value)
 
 

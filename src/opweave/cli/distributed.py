@@ -17,8 +17,6 @@ from rich.table import Table
 from opweave.cli.app import BatchOpt, CoarsenOpt, JsonOpt, LinkOpt, StreamsOpt, app, err, guard, out
 from opweave.errors import UsageError
 
-CHECK_TOLERANCE = 1e-3  # relative to the output's largest magnitude (at least 1), as capture's own check
-
 
 @app.command("run")
 @guard
@@ -120,21 +118,16 @@ def _run_torchrun(build, model, scheduler, devices, device, runs, warmup, stream
 
 
 def _compare(module, inputs, got) -> dict:
-    """Largest absolute difference from single-process eager, and the tolerance it is held to."""
-    from opweave.bench import max_abs_diff, output_scale
+    """Whether ``got`` equals single-process eager (:func:`opweave.outputs.compare`): its largest absolute
+    difference, the absolute tolerance it is held to, and the verdict."""
+    from opweave.outputs import compare
 
-    reference = _cpu(_eager(module, inputs))
-    return {"max_abs_diff": max_abs_diff(reference, got), "tolerance": CHECK_TOLERANCE * output_scale(reference)}
-
-
-def _cpu(value):
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, value)
+    check = compare(_eager(module, inputs), got)
+    return {"max_abs_diff": check.max_diff, "tolerance": check.tolerance * check.scale, "ok": check.ok}
 
 
 def _report(result: dict, check: bool, as_json: bool) -> None:
-    failed = check and result["max_abs_diff"] > result["tolerance"]
+    failed = check and not result["ok"]
     if as_json:
         print(json.dumps(result))
     else:
