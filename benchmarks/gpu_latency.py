@@ -178,18 +178,15 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], fuse_sche
     each mode."""
     import torch
 
-    from opweave import zoo
-    from opweave.capture import capture
+    from opweave.capture import load
     from opweave.outputs import exact_outputs
 
     base = {"model": name, "batch_size": batch, "dtype": dtype}
-    try:
-        model, inputs = zoo.create(name, batch_size=batch)
-    except Exception as exc:  # noqa: BLE001 - a missing optional package skips the model, recorded
+    try:  # captured once, one op per fx node: every unfused scheduler plans this graph
+        model, inputs, captured = load(name, batch_size=batch, device="cuda", dtype=getattr(torch, DTYPES[dtype]),
+                                       coarsen=False)
+    except Exception as exc:  # noqa: BLE001 - a missing optional package or a failed capture skips the model, recorded
         return [{**base, "mode": "build", "error": _line(exc)}]
-    torch_dtype = getattr(torch, DTYPES[dtype])
-    model = model.cuda().to(torch_dtype).eval()
-    inputs = tuple(x.cuda().to(torch_dtype) if x.is_floating_point() else x.cuda() for x in inputs)
     fresh = fresh_inputs(inputs, seed=1)
     with torch.no_grad():
         reference, fresh_reference = model(*inputs), model(*fresh)
@@ -210,11 +207,6 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], fuse_sche
     if not args.no_torch_compile:
         measure("torch.compile", lambda: _compiled(model, inputs))
         torch._dynamo.reset()  # frees its CUDA graphs before the next modes are measured
-    try:
-        captured = capture(model, inputs, name=name)
-    except Exception as exc:  # noqa: BLE001 - recorded, the other modes stand
-        rows.append({**base, "mode": "opweave", "error": f"capture failed: {_line(exc)}"})
-        return rows
     costs, source = _costs(captured, inputs, args)
     for sched_name in scheds:
         status, sched = common.run_limited(_schedule, (sched_name, captured.graph, costs, args.streams or None),

@@ -38,13 +38,12 @@ import statistics  # noqa: E402
 import _common as common  # noqa: E402
 import torch  # noqa: E402
 
-from opweave import zoo  # noqa: E402
 from opweave.api import compile_ranks, plan_ranks  # noqa: E402
 from opweave.backends.distributed import profile_link  # noqa: E402
 from opweave.backends.distributed.launch import usable_cores  # noqa: E402
 from opweave.backends.simulate import simulate  # noqa: E402
 from opweave.bench import median_ms  # noqa: E402
-from opweave.capture import capture  # noqa: E402
+from opweave.capture import load  # noqa: E402
 from opweave.costs.links import fit  # noqa: E402
 from opweave.costs.profile import profile_model  # noqa: E402
 from opweave.costs.roofline import estimate  # noqa: E402
@@ -56,8 +55,7 @@ QUICK_SIZES = "squeezenet=64"
 
 def measure_model(name: str, size: int, ranks: list[int], args, link) -> dict:
     cores = usable_cores()
-    model, inputs = zoo.create(name, image_size=size)
-    captured = capture(model, inputs, name=name)
+    model, inputs, captured = load(name, image_size=size, coarsen=False)  # the captured ops, as measured so far
     torch.set_num_threads(cores)
     with torch.inference_mode():
         reference = model(*inputs)

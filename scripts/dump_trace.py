@@ -18,8 +18,7 @@ import json
 
 import torch
 
-from opweave import zoo
-from opweave.capture import capture
+from opweave.capture import load
 from opweave.costs.profile import full_env
 from opweave.costs.profile.kineto import range_runs, trace_ops
 from opweave.costs.profile.measure import latencies_from_runs
@@ -31,9 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out")
     p.add_argument("--repeats", type=int, default=3, help="runs of each op in the trace (default %(default)s)")
     args = p.parse_args(argv)
-    model, inputs = zoo.create(args.model, batch_size=1)
-    model, inputs = model.cuda().eval(), tuple(x.cuda() for x in inputs)
-    captured = capture(model, inputs, name=args.model)
+    _, inputs, captured = load(args.model, device="cuda", coarsen=False)
     graph = captured.graph
     with torch.no_grad():
         env = full_env(captured, inputs)

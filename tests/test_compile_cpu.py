@@ -9,7 +9,7 @@ import opweave
 from opweave import schedulers, zoo
 from opweave.api import plan_for
 from opweave.backends.cpu import CpuBackend
-from opweave.capture import CaptureError, capture, coarsen
+from opweave.capture import CaptureError, capture, load
 from opweave.costs.roofline import estimate
 from opweave.outputs import compare
 from rendezvous import TwoBranches, armed
@@ -119,8 +119,8 @@ def test_bad_device_is_refused():
 def test_compile_schedules_on_a_measured_profile_and_refuses_a_stale_one(tmp_path):
     from opweave.costs.profile import ProfileKeyError, profile_model
 
-    model, inputs = zoo.create("deepfm")
-    prof = profile_model(coarsen(capture(model, inputs, name="deepfm")), inputs, device="cpu", repeats=2, warmup=0)
+    model, inputs, captured = load("deepfm")  # coarsened, as compile schedules it
+    prof = profile_model(captured, inputs, device="cpu", repeats=2, warmup=0)
     path = tmp_path / "deepfm.profile.json"
     prof.save(path)
     fast = opweave.compile(model, inputs, scheduler="lios", profile=path)

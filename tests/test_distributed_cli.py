@@ -73,6 +73,14 @@ def test_run_plans_the_coarsened_graph_as_compile_does_unless_no_coarsen():
     assert len(coarsen(fine).graph) < len(fine.graph)
 
 
+def test_run_takes_an_image_size_that_a_model_without_images_ignores():
+    """``--image-size`` (for the CNNs) crashed ``opweave run --model deepfm`` with a TypeError traceback."""
+    proc, left = command("run", "--model", "deepfm", "--image-size", "64", "--devices", "2", "--runs", "1",
+                         "--warmup", "0", "--json")
+    assert proc.returncode == 0 and left == [], proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["model"] == "deepfm"
+
+
 def test_profile_links_writes_a_link_that_schedule_and_simulate_use(tmp_path):
     path = tmp_path / "link.json"
     proc, left = command("profile-links", "--device", "cpu", "--repeats", "3", "--max-bytes", str(1 << 24),

@@ -39,7 +39,7 @@ from typer.testing import CliRunner
 import opweave
 from cuda_precision import no_tf32
 from opweave import zoo
-from opweave.capture import capture, coarsen
+from opweave.capture import load
 from opweave.cli import app
 from opweave.costs.links import load as load_link
 from opweave.costs.profile import profile_model
@@ -277,8 +277,7 @@ def check_simulate_profile(line: str, tmp_path: Path) -> None:
     if HAS_CUDA:
         succeeds(opweave_cli(command("profile")))  # the README line before
     else:  # what that line writes, measured on the CPU (one timed run per op: only the file's contents matter here)
-        model, inputs = zoo.create("googlenet", batch_size=1)
-        captured = coarsen(capture(model, inputs, name="googlenet"))  # `opweave profile` coarsens by default
+        _, inputs, captured = load("googlenet")  # coarsened, as `opweave profile` measures it by default
         profile_model(captured, inputs, device="cpu", repeats=1, warmup=0).save(tmp_path / "googlenet.profile.json")
     measured = json.loads((tmp_path / "googlenet.profile.json").read_text())["latency_ms"]
     out = succeeds(opweave_cli(line))

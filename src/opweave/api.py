@@ -160,25 +160,6 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
     return Compiled(graph, costs, sched, plan, backend, device, captured, fused=runner if fuse is not None else None)
 
 
-def load_model(model: str | None = None, model_file: str | Path | None = None, *,
-               batch_size: int = 1) -> tuple[Any, tuple, str]:
-    """The model a CLI command runs, its example inputs and its name: zoo ``model`` at ``batch_size``, or the
-    ``.pt2`` file ``model_file`` (``torch.export.save``) with the inputs it was exported with."""
-    if (model is None) == (model_file is None):
-        raise UsageError("give --model NAME or --model-file PATH.pt2, not both")
-    if model_file is not None:
-        from opweave.capture import load_program
-
-        if batch_size != 1:
-            raise UsageError("--batch-size does not apply to --model-file: an exported program's shapes are fixed")
-        module = load_program(model_file)
-        return module, module.example_inputs, Path(model_file).stem
-    from opweave import zoo
-
-    module, inputs = zoo.create(model, batch_size=batch_size)
-    return module, inputs, model
-
-
 # ---- several devices (HIOS): one rank process per device -------------------------------------------------------
 DEFAULT_LINK = {"cpu": "loopback", "cuda": "nvlink4"}
 
@@ -226,10 +207,11 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
                preset: str = "h100", profile: str | Path | None = None, coarsen: bool = False,
                model_file: str | Path | None = None) -> OpGraph:
     """The graph the CLI's ``schedule`` and ``simulate`` work on: a graph JSON file or a shipped example
-    (``graph``), or a zoo ``model`` captured at ``batch_size`` (or the ``.pt2`` ``model_file``), coarsened with
-    ``coarsen``, with roofline latencies for ``preset``, or with the latencies measured in ``profile``.
+    (``graph``, which carries its own ops), or a zoo ``model`` captured at ``batch_size`` (or the ``.pt2``
+    ``model_file``; :func:`opweave.capture.load`), coarsened with ``coarsen``, with roofline latencies for
+    ``preset``, or with the latencies measured in ``profile``.
 
-    A profile must have been measured for this model, batch (input shapes) and dtype; otherwise
+    A profile must have been measured for this model, batch (input shapes), dtype and granularity; otherwise
     :class:`~opweave.costs.profile.ProfileKeyError`. Its device and torch version are not checked: scheduling and
     simulating a GPU's profile on another machine is the point (the graph then carries that GPU's costs).
     """
@@ -239,31 +221,18 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
         raise UsageError("give a GRAPH (file or example name), --model NAME or --model-file PATH.pt2, one of them")
     if profile is not None and model is None:
         raise UsageError("--profile goes with --model (a graph file carries its own latencies)")
-    if coarsen and graph is not None:
-        raise UsageError("--coarsen goes with --model or --model-file (a graph file carries its own ops)")
-    if model_file is not None:
-        from opweave.capture import capture
-        from opweave.capture import coarsen as coarsen_ops
+    if graph is None:
+        from opweave.capture import load
         from opweave.costs.roofline import with_estimates
 
-        module, inputs, name = load_model(model_file=model_file, batch_size=batch_size)
-        captured = capture(module, inputs, name=name)
-        return with_estimates((coarsen_ops(captured) if coarsen else captured).graph, preset)
-    if model is not None:
-        from opweave import zoo
-        from opweave.capture import capture
-        from opweave.capture import coarsen as coarsen_ops
-        from opweave.costs.profile import Profile, profile_key
-        from opweave.costs.profile.store import model_dtype
-        from opweave.costs.roofline import with_estimates
-
-        module, inputs = zoo.create(model, batch_size=batch_size)
-        captured = capture(module, inputs, name=model)
-        if coarsen:
-            captured = coarsen_ops(captured)
+        _, inputs, captured = load(Path(model_file) if model_file is not None else model, batch_size=batch_size,
+                                   coarsen=coarsen)
         estimated = with_estimates(captured.graph, preset)
         if profile is None:
             return estimated
+        from opweave.costs.profile import Profile, profile_key
+        from opweave.costs.profile.store import model_dtype
+
         measured = Profile.load(profile)
         expect = profile_key(model, inputs, "cpu", model_dtype(captured, inputs))
         expect = {k: v for k, v in expect.items() if k not in ("device", "torch")}

@@ -7,6 +7,7 @@ On CUDA the time comes from CUDA events around the call (and a synchronize per r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -38,26 +39,25 @@ def device_name(device: str) -> str:
     return measured_on(device) + ("" if device == "cuda" else f" ({torch.get_num_threads()} threads)")
 
 
-def bench_model(model_name: str | None, *, device: str = "cpu", batch_size: int = 1,
+def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
                 scheduler_names: Sequence[str] = (), streams: int | None = None, runs: int = 20, warmup: int = 3,
-                progress: bool = True, profile: str | None = None, model_file: str | None = None,
-                coarsen: bool = True) -> dict:
-    """Eager vs ``opweave.compile`` with each scheduler on one zoo model (or the ``.pt2`` ``model_file``); returns a
-    JSON-ready dict."""
+                progress: bool = True, profile: str | None = None, coarsen: bool = True) -> dict:
+    """Eager vs ``opweave.compile`` with each scheduler on one zoo model or ``.pt2`` file (``source``, as
+    :func:`opweave.capture.load` takes it); returns a JSON-ready dict."""
     from rich.progress import Progress
 
-    from opweave.api import compile_captured, load_model
-    from opweave.capture import capture
+    from opweave.api import compile_captured
+    from opweave.capture import load
 
     if device == "cuda":
         from opweave.backends.cuda import require_cuda
 
         require_cuda()
-    model, inputs, model_name = load_model(model_name, model_file, batch_size=batch_size)
-    model, inputs = model.to(device), tuple(x.to(device) for x in inputs)
+    # captured once: every scheduler plans the same graph
+    model, inputs, captured = load(source, batch_size=batch_size, device=device, coarsen=coarsen)
+    model_name = captured.graph.name
     with torch.inference_mode():
         reference = model(*inputs)
-    captured = capture(model, inputs, name=model_name)  # once: every scheduler plans the same graph
     rows = []
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"{model_name}: eager", total=1 + len(scheduler_names))
@@ -67,7 +67,7 @@ def bench_model(model_name: str | None, *, device: str = "cpu", batch_size: int 
         for name in scheduler_names:
             bar.update(task, description=f"{model_name}: opweave {name}")
             fast = compile_captured(captured, inputs, scheduler=name, device=device, streams=streams, profile=profile,
-                                    coarsen=coarsen)
+                                    coarsen=False)
             with torch.inference_mode():
                 check = compare(reference, fast(*inputs))
             ms = median_ms(fast, inputs, runs=runs, warmup=warmup, device=device)

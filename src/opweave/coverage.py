@@ -118,26 +118,27 @@ def second_input(x: Any, generator: torch.Generator) -> Any:
 
 
 def check(name: str, schedulers: tuple[str, ...] = SCHEDULERS, **kwargs) -> dict:
-    """Build model ``name`` (``MODELS``' keyword arguments unless ``kwargs`` are given), capture it once, compile it
-    under each scheduler and compare with eager on the example input and a second random one.
+    """Build and capture model ``name`` once (:func:`opweave.capture.load`, ``MODELS``' keyword arguments unless
+    ``kwargs`` are given), compile it under each scheduler and compare with eager on the example input and a second
+    random one.
 
-    Returns ``{"model", "ops", "capture_s", "error", "schedulers": {name: {"compile_s", "difference", "error"}}}``;
-    an ``error`` is the first line of what was raised (``None`` when it passed).
+    Returns ``{"model", "ops", "capture_s", "error", "schedulers": {name: {"compile_s", "difference", "error"}}}``:
+    ``ops`` of the captured graph (one per fx node; each compile coarsens it), ``capture_s`` the time to build and
+    capture the model, ``difference`` the largest relative difference from eager; an ``error`` is the first line of
+    what was raised (``None`` when it passed).
     """
-    from opweave import zoo
     from opweave.api import compile_captured
-    from opweave.capture import capture
+    from opweave.capture import load
 
     row: dict[str, Any] = {"model": name, "ops": None, "capture_s": None, "error": None, "schedulers": {}}
     try:
-        model, inputs = zoo.create(name, **(kwargs or MODELS.get(name, {})))
+        start = time.perf_counter()
+        model, inputs, captured = load(name, coarsen=False, **(kwargs or MODELS.get(name, {})))
+        row["capture_s"], row["ops"] = time.perf_counter() - start, len(captured.graph)
         generator = torch.Generator().manual_seed(1)
         cases = [inputs, tuple(second_input(x, generator) for x in inputs)]
         with torch.no_grad():
             expected = [model(*case) for case in cases]
-        start = time.perf_counter()
-        captured = capture(model, inputs, name=name)
-        row["capture_s"], row["ops"] = time.perf_counter() - start, len(captured.graph)
     except Exception as exc:  # noqa: BLE001 - reported, not raised: the table shows every model
         row["error"] = _first_line(exc)
         return row

@@ -18,7 +18,9 @@ Pipeline (each step a plain function over the fx graph, as torch.fx passes are):
    and :meth:`Captured.output` undo with ``graph.process_inputs``/``process_outputs``. Its ``_guards_fn`` input
    guard is dropped: ``bind`` checks input shapes and dtypes itself. Its ``aten.view`` nodes become
    ``aten.reshape`` (:func:`_views_as_reshapes`): export wrote them for the strides it traced, which a run need not
-   reproduce. An ``ExportedProgram`` takes this route directly. If both fail: one :class:`CaptureError` naming the
+   reproduce. An ``ExportedProgram`` takes this route directly, its own graph first (not decomposed: composite ops
+   such as ``flatten`` keep the batch size free, so the server can stack requests), then decomposed as above.
+   If both fail: one :class:`CaptureError` naming the
    model class, what stopped each tracer, where in the model (module path, file, line, code) and suggesting
    ``torch.compile(model, backend="opweave")``, which splits the model where whole-graph capture cannot go.
 2. **Fold BN** (``fold_bn=True``, fx route, eval models only): :func:`~opweave.capture.coarsen.fold_batchnorm`, every
@@ -42,7 +44,6 @@ import linecache
 import os
 import traceback
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from opweave.capture.coarsen import fold_batchnorm
 from opweave.capture.functionalize import rewrite_inplace
 from opweave.capture.partition import build_graph, partition
 from opweave.capture.runtime import Captured, positional
-from opweave.errors import CaptureError, UsageError
+from opweave.errors import CaptureError
 from opweave.outputs import compare
 
 SUGGESTION = 'torch.compile(model, backend="opweave") schedules each subgraph it can capture around such code'
@@ -66,15 +67,16 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
     """Capture ``model`` run on ``example_inputs`` and ``example_kwargs`` (see the module docstring for the steps).
 
     ``model`` may be an ``ExportedProgram`` (``torch.export.export``/``torch.export.load``); its own example inputs
-    are used when none are given. ``verify`` compares the captured module's output with eager's on the example
-    inputs (skipped for models in training mode, whose dropout makes outputs random); a mismatch on the fx route
-    falls back to torch.export. Cost: two forward passes (eager and ShapeProp) plus tracing.
+    (or zeros of its input shapes, :class:`ExportedModule`) are used when none are given. ``verify`` compares the
+    captured module's output with eager's on the example inputs (skipped for models in training mode, whose dropout
+    makes outputs random); a mismatch on the fx route falls back to torch.export. Cost: two forward passes (eager
+    and ShapeProp) plus tracing.
     """
     if isinstance(model, torch.export.ExportedProgram):
         model = ExportedModule(model)
     program = model.exported if isinstance(model, ExportedModule) else None
-    if program is not None and not example_inputs and example_kwargs is None and program.example_inputs:
-        example_inputs, example_kwargs = program.example_inputs
+    if program is not None and not example_inputs and example_kwargs is None and model.example_inputs is not None:
+        example_inputs = model.example_inputs
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
     model_name = name or ("ExportedProgram" if program is not None else type(model).__name__)
@@ -86,7 +88,8 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
     check = verify and not any(m.training for m in model.modules())
     with _state_kept(model, model_name):
         expected = _eager(model, example_inputs, model_name)
-    routes = [("torch.export", lambda: _from_program(program))] if program is not None else [
+    routes = [("torch.export", lambda: _from_program(program, decompose=False)),
+              ("torch.export decomposed", lambda: _from_program(program))] if program is not None else [
         ("torch.fx.symbolic_trace", lambda: fx.symbolic_trace(model)),
         ("torch.export", lambda: _trace_export(model, example_inputs))]
     failures: list[str] = []
@@ -94,7 +97,7 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
     for route, trace in routes:
         try:  # the eager run changed no state, so neither does its trace
             gm = trace()
-            if fold_bn and route == "torch.export":
+            if fold_bn and route.startswith("torch.export"):
                 warnings.warn(f"{model_name}: fold_bn applies to symbolic_trace graphs only; not folded", stacklevel=2)
             elif fold_bn:
                 gm = fold_batchnorm(gm)
@@ -117,26 +120,12 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
     raise CaptureError(f"cannot capture {model_name} as one graph{at}: {reasons}. {SUGGESTION}")
 
 
-def load_program(path: str | Path) -> ExportedModule:
-    """The ``ExportedProgram`` saved at ``path`` by ``torch.export.save`` (a ``.pt2`` file), as an
-    :class:`ExportedModule`; its example inputs, keyword arguments bound by position, are ``.example_inputs``."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"no model file {str(path)!r}")
-    try:
-        module = ExportedModule(torch.export.load(path))
-    except Exception as exc:  # noqa: BLE001 - any failure to read means "not an exported program"
-        raise UsageError(f"{str(path)!r} is not a program saved by torch.export.save ({_first_line(exc)})") from exc
-    args, kwargs = module.exported.example_inputs or ((), {})
-    module.example_inputs = positional(module.signature, args, kwargs, path.name)
-    return module
-
-
 # ---- 0. arguments, the eager run, the model's state ---------------------------------------------------------------
 class ExportedModule(nn.Module):
-    """An ``ExportedProgram`` as a module called by position (what :func:`capture` and ``opweave bench`` call): the
+    """An ``ExportedProgram`` as a module called by position (what :func:`capture` and eager runs call): the
     arguments that were exported as keywords are passed on as keywords, as the program's input spec requires.
-    :func:`capture` captures ``exported`` itself."""
+    :func:`capture` captures ``exported`` itself. ``example_inputs`` are the program's own, by position, else zeros
+    of the shapes and dtypes its inputs were exported with (None where an input is not a tensor)."""
 
     def __init__(self, program: torch.export.ExportedProgram):
         super().__init__()
@@ -146,9 +135,23 @@ class ExportedModule(nn.Module):
         spec = program.call_spec.in_spec  # (args tuple, kwargs dict)
         args_spec, kwargs_spec = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
         self.num_args, self.keywords = args_spec.num_children, list(kwargs_spec.context)
+        if program.example_inputs is not None:
+            args, kwargs = program.example_inputs
+            self.example_inputs = positional(self.signature, args, kwargs, "ExportedProgram")
+        else:
+            self.example_inputs = _zeros(program)
 
     def forward(self, *args):
         return self.program(*args[:self.num_args], **dict(zip(self.keywords, args[self.num_args:], strict=False)))
+
+
+def _zeros(program: torch.export.ExportedProgram) -> tuple | None:
+    """Zeros of the shapes and dtypes of the program's user inputs, in order; None if one is not a tensor."""
+    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    users = [values.get(s.arg.name) for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    if not all(isinstance(v, torch.Tensor) for v in users):
+        return None
+    return tuple(torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype, device=v.device) for v in users)
 
 
 def _signature(model: nn.Module) -> inspect.Signature | None:
@@ -235,12 +238,15 @@ def _trace_export(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
     return _from_program(torch.export.export(model, example_inputs, strict=False))
 
 
-def _from_program(program: torch.export.ExportedProgram) -> fx.GraphModule:
-    gm = program.run_decompositions({}).module()
+def _from_program(program: torch.export.ExportedProgram, decompose: bool = True) -> fx.GraphModule:
+    """The program's graph as a GraphModule, its input guard dropped; with ``decompose``, functionalized and its
+    views made reshapes. Undecomposed, composite ops such as ``flatten`` keep the batch size free."""
+    gm = (program.run_decompositions({}) if decompose else program).module()
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn" and not node.users:
             gm.graph.erase_node(node)
-    _views_as_reshapes(gm)
+    if decompose:
+        _views_as_reshapes(gm)
     gm.recompile()
     return gm
 

@@ -38,9 +38,10 @@ def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
     """Run a model with a multi-device plan, one rank process per device; print the median latency. The plan is
     made for the coarsened graph, as ``opweave.compile(..., devices=N)`` makes it, unless --no-coarsen."""
     from opweave.backends.distributed import check_devices, torchrun
+    from opweave.capture import load
 
     check_devices(1 if torchrun.launched() else devices or 2, device)  # before building the model: one line
-    build = functools.partial(_build, model, batch_size, {"image_size": image_size} if image_size else {}, coarsen)
+    build = functools.partial(load, model, batch_size=batch_size, image_size=image_size, coarsen=coarsen)
     if torchrun.launched():
         result = _run_torchrun(build, model, scheduler, devices, device, runs, warmup, streams, link, timeout, check)
         if result is None:
@@ -49,16 +50,6 @@ def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
         result = _run_ranks(build, model, scheduler, devices or 2, device, runs, warmup, streams, link, threads,
                             timeout, check)
     _report(result, check, as_json)
-
-
-def _build(model: str, batch_size: int, kwargs: dict, coarsen: bool):
-    from opweave import zoo
-    from opweave.capture import capture
-    from opweave.capture import coarsen as coarsen_ops
-
-    module, inputs = zoo.create(model, batch_size=batch_size, **kwargs)
-    captured = capture(module, inputs, name=model)
-    return module, inputs, coarsen_ops(captured) if coarsen else captured
 
 
 def _eager(module, inputs):

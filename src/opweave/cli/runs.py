@@ -22,6 +22,7 @@ from opweave.cli.app import (
     out,
     scheduler_names,
 )
+from opweave.errors import UsageError
 
 
 @app.command()
@@ -42,11 +43,11 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
     names = schedulers.names() if schedulers_ == "all" else [s.strip() for s in schedulers_.split(",") if s.strip()]
     for name in names:
         scheduler_names(name)
-    if model is None and model_file is None:
-        model = "inception_v3"
-    result = bench_model(model, device=device, batch_size=batch_size, scheduler_names=names, streams=streams,
-                         runs=runs, warmup=warmup, progress=not as_json, profile=profile, model_file=model_file,
-                         coarsen=coarsen)
+    if model is not None and model_file is not None:
+        raise UsageError("give --model NAME or --model-file PATH.pt2, not both")
+    result = bench_model(model_file or model or "inception_v3", device=device, batch_size=batch_size,
+                         scheduler_names=names, streams=streams, runs=runs, warmup=warmup, progress=not as_json,
+                         profile=profile, coarsen=coarsen)
     if as_json:
         print(json.dumps(result))
         return
@@ -69,17 +70,13 @@ def profile(model: Annotated[str, typer.Option("--model")] = "inception_v3",
             output: Annotated[Path | None, typer.Option("-o", "--output")] = None, coarsen: CoarsenOpt = True):
     """Measure each op's latency (and kernel resources on CUDA) and save a profile the cost model loads (of the
     coarsened graph, as compile and bench schedule it, unless --no-coarsen)."""
-    from opweave import zoo
     from opweave.bench import resolve_device
-    from opweave.capture import capture
-    from opweave.capture import coarsen as coarsen_ops
+    from opweave.capture import load
     from opweave.costs.profile import profile_model
 
     device = resolve_device(device)
-    module, inputs = zoo.create(model, batch_size=batch_size)
-    module, inputs = module.to(device), tuple(x.to(device) for x in inputs)
-    captured = capture(module, inputs, name=model)
-    prof = profile_model(coarsen_ops(captured) if coarsen else captured, inputs, device=device)
+    _, inputs, captured = load(model, batch_size=batch_size, device=device, coarsen=coarsen)
+    prof = profile_model(captured, inputs, device=device)
     path = output or Path(f"{model}-b{batch_size}-{device}.profile.json")
     prof.save(path)
     err.print(f"wrote {path}")

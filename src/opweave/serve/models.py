@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from opweave.errors import CaptureError, UsageError
+from opweave.errors import UsageError
 from opweave.serve.blocks import BlockedModel, split
 
 # KServe v2 / Triton datatypes of the torch dtypes a served model may take or give.
@@ -62,31 +62,23 @@ def parse_model_files(items: list[str] | None) -> dict[str, Path]:
 
 def load(name: str, *, path: Path | None = None, device: str = "cpu", max_batch: int = 8,
          image_size: int | None = None, cuts: list[str] | None = None) -> ServedModel:
-    """Load, capture and split one model: the zoo's ``name`` (``image_size`` goes to zoo models that take one), or
-    the ``torch.export`` program at ``path`` (its example inputs, or zeros of its input shapes, capture it).
-    Parameters stop requiring gradients (serving never trains)."""
+    """Load, capture and split one model (:func:`opweave.capture.load`, one op per fx node): the zoo's ``name``
+    (``image_size`` goes to zoo models that take one), or the ``torch.export`` program at ``path`` (its example
+    inputs, or zeros of its input shapes, capture it). Parameters stop requiring gradients (serving never trains)."""
+    from opweave import zoo
+    from opweave.capture import load as load_model
+
+    module, example, captured = load_model(path or name, image_size=image_size, device=device, coarsen=False,
+                                           name=name)
     if path is not None:
-        module, example = _load_exported(name, path)
+        if module.keywords:
+            raise UsageError(f"--model-file {name}: keyword inputs are not supported")
         source = str(path)
     else:
-        from opweave import zoo
-
-        kwargs = {} if image_size is None else {"image_size": image_size}
-        try:
-            module, example = zoo.create(name, batch_size=1, **kwargs)
-        except TypeError as exc:  # a model without an image size (deepfm, bert_base)
-            if "image_size" not in str(exc):
-                raise
-            kwargs = {}
-            module, example = zoo.create(name, batch_size=1)
-        source = f"zoo:{name}" + "".join(f",{k}={v}" for k, v in kwargs.items())
-    module = module.to(device)
-    for p in module.parameters():
+        sized = image_size is not None and zoo.takes_image_size(name)
+        source = f"zoo:{name}" + (f",image_size={image_size}" if sized else "")
+    for p in captured.gm.parameters():
         p.requires_grad_(False)
-    example = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example)
-    from opweave.capture import capture
-
-    captured = capture(module, example, name=name)
     blocked = split(captured, example, cuts=cuts, name=name)
     batch = max_batch if blocked.stackable else 1
     inputs = tuple(_spec(node.name, x, blocked.stackable) for node, x in
@@ -104,31 +96,6 @@ def _spec(name: str, value, stackable: bool) -> TensorSpec:
                          f"got {type(value).__name__}")
     shape = tuple(value.shape)
     return TensorSpec(name, DATATYPES[value.dtype], ((-1,) + shape[1:]) if stackable else shape)
-
-
-def _load_exported(name: str, path: Path):
-    """``torch.export.load(path)``: its module, and example inputs (the program's own, else zeros of the shapes
-    its input placeholders were exported with)."""
-    try:
-        program = torch.export.load(str(path))
-    except Exception as exc:  # noqa: BLE001 - any load failure is the file's
-        raise CaptureError(f"--model-file {name}: cannot load {path} with torch.export.load: "
-                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    example = getattr(program, "example_inputs", None)
-    if example is not None:
-        args, kwargs = example
-        if kwargs:
-            raise UsageError(f"--model-file {name}: keyword inputs are not supported")
-        return program.module(), tuple(args)
-    placeholders = [s for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-    metas = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
-    args = []
-    for spec in placeholders:
-        val = metas.get(spec.arg.name)
-        if val is None or not hasattr(val, "shape"):
-            raise UsageError(f"--model-file {name}: input {spec.arg.name!r} is not a tensor")
-        args.append(torch.zeros(tuple(int(d) for d in val.shape), dtype=val.dtype))
-    return program.module(), tuple(args)
 
 
 __all__ = ["DATATYPES", "DTYPES", "ServedModel", "TensorSpec", "load", "parse_model_files"]

@@ -35,6 +35,7 @@ torchvision's PyPI wheel does not import beside the CPU build of torch; the pref
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import torch
 from torch import nn
@@ -90,6 +91,23 @@ def names() -> list[str]:
     return list(_BUILTIN)
 
 
+def takes_image_size(name: str) -> bool:
+    """Whether ``create(name, image_size=...)`` applies: the built-in CNNs, ``torchvision:`` and ``timm:`` models,
+    and ``hf:`` ones (where it is a configuration field); not deepfm and bert_base, nor an unknown name.
+
+    >>> takes_image_size("squeezenet"), takes_image_size("deepfm"), takes_image_size("bert_base")
+    (True, False, False)
+    """
+    if name in _BUILTIN:
+        return "image_size" in inspect.signature(_builtin(name)).parameters
+    return name.partition(":")[0] in _EXTERNAL
+
+
+def _builtin(name: str):
+    """The ``create(batch_size, **kwargs)`` of built-in model ``name``."""
+    return importlib.import_module(f"{__name__}.{_BUILTIN[name]}").create
+
+
 def create(name: str, batch_size: int = 1, **kwargs) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Build model ``name`` with seeded random weights, in eval mode, and a batch of example inputs for it."""
     if batch_size < 1:
@@ -101,7 +119,7 @@ def create(name: str, batch_size: int = 1, **kwargs) -> tuple[nn.Module, tuple[t
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if name in _BUILTIN:
-            model, inputs = importlib.import_module(f"{__name__}.{_BUILTIN[name]}").create(batch_size, **kwargs)
+            model, inputs = _builtin(name)(batch_size, **kwargs)
             _calibrate_batchnorm(model, inputs)
         else:
             model, inputs = _EXTERNAL[prefix](external_name, batch_size, **kwargs)
