@@ -13,10 +13,10 @@ from torch import nn
 from opweave import schedulers, zoo
 from opweave.api import compile_captured, plan_for
 from opweave.backends.cpu import CpuBackend
-from opweave.bench import max_abs_diff
 from opweave.capture import capture, coarsen
 from opweave.capture.coarsen import epilogue_groups
 from opweave.costs.roofline import estimate
+from opweave.outputs import compare
 
 # Small inputs that keep every model's activations at a sane scale (see docs/zoo.md); BERT at 2 layers.
 SMALL = {"inception_v3": {"image_size": 139}, "googlenet": {"image_size": 96}, "squeezenet": {"image_size": 64},
@@ -147,15 +147,15 @@ def test_coarse_graph_gives_the_fine_outputs_under_every_scheduler(name):
     costs = estimate(coarse.graph, "cpu")
     with torch.inference_mode():
         fine_out = run(fine, inputs)
-        assert max_abs_diff(reference, fine_out) < 1e-4
+        assert compare(reference, fine_out).max_diff < 1e-4
         for scheduler in schedulers.names():
             if scheduler == "ios" and len(coarse.graph) > 200:
                 continue  # IOS's dynamic program is exponential in the width; the fine-graph sweep runs it
             devices = 2 if scheduler in schedulers.MULTI_DEVICE else 1
             _, plan = plan_for(coarse.graph, costs, scheduler, streams=3, devices=devices)  # validates the plan
             got = CpuBackend(coarse, plan)(*inputs)
-            scale = max(1.0, float(max(t.abs().max() for t in torch.utils._pytree.tree_leaves(reference))))
-            assert max_abs_diff(fine_out, got) < 1e-4 * scale, scheduler
+            check = compare(fine_out, got, tolerance=1e-4)  # relative to the output's scale
+            assert check.ok, (scheduler, check.reason)
 
 
 def test_a_profile_belongs_to_its_granularity(tmp_path):
