@@ -274,21 +274,14 @@ def _schedule(name, graph, costs, streams):
 def _opweave(captured, sched, inputs, extra: dict, fuse: str | None = None):
     import time
 
-    from opweave.backends.cuda import CudaBackend
-    from opweave.plan.lower import lower
-    from opweave.plan.validate import validate
+    from opweave.api import backend_for, validated_plan
 
-    plan = lower(captured.graph, sched)
-    validate(captured.graph, plan, sched)
+    plan = validated_plan(captured.graph, sched)
     extra["syncs"] = plan.syncs
-    if fuse is None:
-        return CudaBackend(captured, plan, inputs, mode="graph")
-    from opweave.backends.segments import fuse_segments
-
     start = time.perf_counter()
-    segmented, segment_plan = fuse_segments(captured, plan, fuse)
-    backend = CudaBackend(segmented, segment_plan, inputs, mode="graph")  # its warm-up runs compile the segments
-    extra.update(build_s=time.perf_counter() - start, **{f"fuse_{k}": v for k, v in segmented.stats.items()})
+    backend, segmented = backend_for(captured, plan, "cuda", fuse=fuse, example_inputs=inputs, mode="graph")
+    if segmented is not None:  # the backend's warm-up runs compiled the segments
+        extra.update(build_s=time.perf_counter() - start, **{f"fuse_{k}": v for k, v in segmented.stats.items()})
     return backend
 
 

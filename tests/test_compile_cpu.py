@@ -130,3 +130,26 @@ def test_compile_schedules_on_a_measured_profile_and_refuses_a_stale_one(tmp_pat
     other_batch = zoo.create("deepfm", batch_size=2)[1]
     with pytest.raises(ProfileKeyError, match="input_shapes"):
         opweave.compile(model, other_batch, scheduler="lios", profile=path)
+
+
+def test_backend_for_runs_a_validated_plan_fused_or_not():
+    """The one step from a validated plan to a backend, which compile, the server's executors and the GPU benchmark
+    take; with ``fuse`` on the CPU every segment is compiled before the first call."""
+    from opweave.api import backend_for, validated_plan
+    from opweave.backends.segments import segment_groups
+    from opweave.errors import UsageError
+
+    model, inputs, captured = load("deepfm")
+    sched, plan = plan_for(captured.graph, estimate(captured.graph, "cpu"), "lios", streams=2)
+    assert validated_plan(captured.graph, sched).instrs == plan.instrs
+    with torch.inference_mode():
+        reference = model(*inputs)
+        backend, fused = backend_for(captured, plan, "cpu")
+        assert fused is None and compare(reference, backend(*inputs)).max_diff < 1e-5
+        backend.close()
+        backend, fused = backend_for(captured, plan, "cpu", fuse="eager", example_inputs=inputs)
+        assert fused.stats["segments"] == fused.stats["compiles"] == len(segment_groups(plan)) > 1
+        assert compare(reference, backend(*inputs)).max_diff < 1e-5
+        backend.close()
+    with pytest.raises(UsageError, match="the cpu backend takes no options, got mode"):
+        backend_for(captured, plan, "cpu", mode="graph")

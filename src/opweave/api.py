@@ -56,9 +56,42 @@ def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | Non
              **options) -> tuple[Schedule, LaunchPlan]:
     """Schedule and lower ``graph``; the plan has passed the validator."""
     sched = schedulers.run(scheduler, graph, costs, streams=streams, devices=devices, **options)
-    plan = lower(graph, sched)
-    validate(graph, plan, sched)
-    return sched, plan
+    return sched, validated_plan(graph, sched)
+
+
+def validated_plan(graph: OpGraph, schedule: Schedule) -> LaunchPlan:
+    """``schedule`` lowered to a plan (:func:`~opweave.plan.lower.lower`) that has passed the validator."""
+    plan = lower(graph, schedule)
+    validate(graph, plan, schedule)
+    return plan
+
+
+def backend_for(captured, plan: LaunchPlan, device: str, *, fuse: str | None = None, example_inputs: tuple = (),
+                **options) -> tuple[Any, Any]:
+    """The backend that runs the validated ``plan`` of ``captured`` (a :class:`~opweave.capture.Captured`, or
+    anything with its ``bind``/``run_op``/``output``) on ``device``, and the segmented model it runs with ``fuse``
+    (its ``stats``; None without). ``fuse="inductor"`` compiles every stream segment of the plan
+    (:mod:`opweave.backends.segments`): on the CPU now, for ``example_inputs``; on CUDA in the backend's warm-up.
+    ``options`` go to the CUDA backend (``mode``, ``static_outputs``, ``fallback``, ...); the CPU backend takes none.
+    """
+    if device == "cpu" and options:
+        raise UsageError(f"the cpu backend takes no options, got {', '.join(options)}")
+    runner, run_plan = captured, plan
+    if fuse is not None:
+        from opweave.backends.segments import fuse_segments
+
+        runner, run_plan = fuse_segments(captured, plan, fuse)
+        if device == "cpu":  # compile now, not in the first call (the CUDA backend's warm-up runs compile there)
+            runner.prepare(example_inputs, run_plan)
+    if device == "cpu":
+        from opweave.backends.cpu import CpuBackend
+
+        backend = CpuBackend(runner, run_plan)
+    else:
+        from opweave.backends.cuda import CudaBackend
+
+        backend = CudaBackend(runner, run_plan, example_inputs, **options)
+    return backend, runner if fuse is not None else None
 
 
 def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, scheduler: str = "opara",
@@ -140,24 +173,8 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
 
         streams = default_streams()  # more lanes than the GPU's hardware queues only add false dependencies
     sched, plan = plan_for(graph, costs, scheduler, streams=streams)
-    if device == "cpu" and backend_options:
-        raise UsageError(f"the cpu backend takes no options, got {', '.join(backend_options)}")
-    runner, run_plan = captured, plan
-    if fuse is not None:
-        from opweave.backends.segments import fuse_segments
-
-        runner, run_plan = fuse_segments(captured, plan, fuse)
-        if device == "cpu":  # compile now, not in the first call (the CUDA backend's warm-up runs compile there)
-            runner.prepare(example_inputs, run_plan)
-    if device == "cpu":
-        from opweave.backends.cpu import CpuBackend
-
-        backend = CpuBackend(runner, run_plan)
-    else:
-        from opweave.backends.cuda import CudaBackend
-
-        backend = CudaBackend(runner, run_plan, example_inputs, **backend_options)
-    return Compiled(graph, costs, sched, plan, backend, device, captured, fused=runner if fuse is not None else None)
+    backend, fused = backend_for(captured, plan, device, fuse=fuse, example_inputs=example_inputs, **backend_options)
+    return Compiled(graph, costs, sched, plan, backend, device, captured, fused=fused)
 
 
 # ---- several devices (HIOS): one rank process per device -------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from opweave.api import plan_for
+from opweave.api import backend_for, plan_for
 from opweave.costs.model import Costs
 from opweave.errors import UsageError
 from opweave.ir.graph import Edge, OpGraph
@@ -273,13 +273,12 @@ class CpuExecutor(TensorExecutor):
         super().__init__(models, scheduler=scheduler, streams=streams, cache_size=cache_size, pad=pad)
 
     def _compile(self, sig: Signature) -> Any:
-        from opweave.backends.cpu import CpuBackend
         from opweave.costs.roofline import estimate
 
         runtime = _Union([self.models[m].captured_block(b, n) for m, b, n in sig], _name(sig))
         costs = estimate(runtime.graph, "cpu", model="ideal")
         sched, plan = plan_for(runtime.graph, costs, self.scheduler, streams=self.streams)
-        return CpuBackend(runtime, plan)
+        return backend_for(runtime, plan, "cpu")[0]
 
     def _evict(self, entry: Any) -> None:
         entry.close()  # stops its worker threads
@@ -315,7 +314,6 @@ class CudaExecutor(TensorExecutor):
         self.device = torch.device("cuda", torch.cuda.current_device())
 
     def _compile(self, sig: Signature) -> Any:
-        from opweave.backends.cuda import CudaBackend
         from opweave.costs.roofline import estimate, preset_for_gpu
 
         module = combined_module([self.models[m].modules[b] for m, b, _ in sig], _name(sig))
@@ -324,7 +322,7 @@ class CudaExecutor(TensorExecutor):
         preset = preset_for_gpu(torch.cuda.get_device_name()) or "h100"
         costs = estimate(captured.graph, preset, model="ideal")
         sched, plan = plan_for(captured.graph, costs, self.scheduler, streams=self.streams)
-        return CudaBackend(captured, plan, example, mode="graph", cache_size=1, warmup=2)
+        return backend_for(captured, plan, "cuda", example_inputs=example, mode="graph", cache_size=1, warmup=2)[0]
 
     def run(self, parts: list[Part]) -> StepCost:
         ordered, sig, inputs = self._states(parts)
