@@ -1,7 +1,8 @@
 """Helpers shared by the benchmark scripts: options, graph loading, a time-limited child run, tables, JSON.
 
-Graphs come through :func:`opweave.cli.load_graph`, so a benchmark sees exactly what ``opweave simulate --model``
-sees: a zoo model captured at the given batch size, with the roofline latencies of a device preset.
+Graphs come through :func:`opweave.api.load_graph`, so a benchmark sees exactly what ``opweave simulate --model
+--no-coarsen`` sees: a zoo model captured at the given batch size, one op per fx node (the graphs the results in
+``results/`` were measured on), with the roofline latencies of a device preset.
 """
 
 from __future__ import annotations
@@ -71,9 +72,9 @@ def model_names(args: argparse.Namespace) -> list[str]:
 
 
 def load(name: str, args: argparse.Namespace) -> OpGraph:
-    """A zoo model captured with roofline latencies, or a shipped example / graph JSON file."""
+    """A zoo model captured (one op per fx node) with roofline latencies, or a shipped example / graph JSON file."""
     if name in zoo.names():
-        return load_graph(None, name, batch_size=args.batch_size, preset=args.preset)
+        return load_graph(None, name, batch_size=args.batch_size, preset=args.preset, coarsen=False)
     return load_graph(name, None)
 
 

@@ -121,7 +121,19 @@ def test_cpu_profile_feeds_simulate_and_is_refused_for_another_model(tmp_path):
     assert "measured for model 'deepfm'" in one_line(opweave("simulate", "--model", "squeezenet", "--profile",
                                                              str(path), check_rc=2))
     assert "other granularity" in one_line(opweave("simulate", "--model", "deepfm", "--profile", str(path),
-                                                    check_rc=2))  # the fine graph
+                                                    "--no-coarsen", check_rc=2))  # the fine graph
+
+
+def test_schedule_and_simulate_plan_the_coarsened_graph_unless_no_coarsen():
+    """They planned one op per fx node while compile, bench, profile and run plan the coarsened graph."""
+    from opweave.capture import load
+
+    coarse, fine = load("deepfm").captured.graph, load("deepfm", coarsen=False).captured.graph
+    assert len(coarse) < len(fine)
+    for flag, graph in ((), coarse), (("--no-coarsen",), fine):
+        result = json.loads(opweave("schedule", "--model", "deepfm", "--scheduler", "lios", "--json", *flag).stdout)
+        assert sorted(o["id"] for o in result["ops"]) == sorted(graph.ids)
+        assert json.loads(opweave("simulate", "--model", "deepfm", "--json", *flag).stdout)["ops"] == len(graph)
 
 
 # ---- the guard: only the OpweaveError family becomes one line and status 2 -----------------------------------------

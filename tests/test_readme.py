@@ -420,7 +420,7 @@ CHECKS = {
                                                                                  (pytest.mark.cuda,)),
     "opweave bench --model googlenet --device cuda --profile googlenet.profile.json --schedulers all": (
         check_bench_cuda_profile, (pytest.mark.cuda,)),
-    "opweave simulate --model googlenet --profile googlenet.profile.json --cost-model gpu --coarsen": (
+    "opweave simulate --model googlenet --profile googlenet.profile.json --cost-model gpu": (
         check_simulate_profile, (pytest.mark.slow,)),
     # the --model-file lines (README of the `models` work): a model saved by torch.export.save
     "opweave schedule --model-file m.pt2 --scheduler lios": (check_schedule_model_file, (pytest.mark.slow,)),

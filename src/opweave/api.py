@@ -221,12 +221,12 @@ def compile_ranks(captured, *, scheduler: str = "hios-lp", device: str = "cpu", 
 
 
 def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,
-               preset: str = "h100", profile: str | Path | None = None, coarsen: bool = False,
+               preset: str = "h100", profile: str | Path | None = None, coarsen: bool = True,
                model_file: str | Path | None = None) -> OpGraph:
     """The graph the CLI's ``schedule`` and ``simulate`` work on: a graph JSON file or a shipped example
     (``graph``, which carries its own ops), or a zoo ``model`` captured at ``batch_size`` (or the ``.pt2``
-    ``model_file``; :func:`opweave.capture.load`), coarsened with ``coarsen``, with roofline latencies for
-    ``preset``, or with the latencies measured in ``profile``.
+    ``model_file``; :func:`opweave.capture.load`) and coarsened, as :func:`compile` plans it, unless
+    ``coarsen=False``, with roofline latencies for ``preset``, or with the latencies measured in ``profile``.
 
     A profile must have been measured for this model, batch (input shapes), dtype and granularity; otherwise
     :class:`~opweave.costs.profile.ProfileKeyError`. Its device and torch version are not checked: scheduling and

@@ -56,7 +56,8 @@ BatchOpt = Annotated[int, typer.Option("--batch-size", min=1)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
 ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="measured profile (opweave profile) for --model")]
 CoarsenOpt = Annotated[bool, typer.Option("--coarsen/--no-coarsen",
-                                           help="the papers' operators: each op merged with its epilogues")]
+                                           help="the papers' operators, each op merged with its epilogues, as "
+                                                "opweave.compile plans them (--no-coarsen: one op per fx node)")]
 LinkOpt = Annotated[str | None, typer.Option(
     "--link", help="link between devices: nvlink4, pcie4, pcie5, loopback or a file from opweave profile-links; "
                    "sets every edge's transfer time (HIOS schedulers, simulator)")]

@@ -41,9 +41,10 @@ from opweave.errors import UsageError
 def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "lios",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
-             preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = False,
+             preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = True,
              link: LinkOpt = None, as_json: JsonOpt = False):
-    """Schedule a graph with one scheduler and show where each op runs."""
+    """Schedule a graph with one scheduler and show where each op runs (a model's coarsened graph, as compile plans
+    it, unless --no-coarsen)."""
     g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
                           model_file=model_file), link)
     (name,) = scheduler_names(scheduler)
@@ -69,12 +70,13 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
 def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "all",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
-             preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = False,
+             preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = True,
              link: LinkOpt = None,
              gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart PNG (one scheduler)")] = None,
              trace: Annotated[Path | None, typer.Option(help="write a Chrome trace JSON (one scheduler)")] = None,
              as_json: JsonOpt = False):
-    """Compare schedulers on one graph: makespan, speedup over sequential, syncs, scheduling time."""
+    """Compare schedulers on one graph: makespan, speedup over sequential, syncs, scheduling time (a model's coarsened
+    graph, as compile plans it, unless --no-coarsen)."""
     from opweave.backends import render
 
     g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
