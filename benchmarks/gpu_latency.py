@@ -42,8 +42,8 @@ and dtype a summary: the best unfused scheduler and the best ``+inductor`` one, 
 CUDA Graph and over torch.compile, their peak memory against the CUDA Graph's) and prints a table per configuration.
 The JSON is written again after every mode, so a run stopped by a time limit keeps every mode it measured.
 Without CUDA it exits with status 2 and one line on stderr. ``--quick`` (squeezenet and googlenet, batch 1, fp32)
-is meant to fit within 10 minutes on an H100. The parts that need no GPU (fresh inputs, the check, the summary, the
-table, the JSON) are tested on the CPU (tests/test_cuda_cpu_paths.py).
+is meant to fit within 10 minutes on an H100. The parts that need no GPU (fresh inputs, the summary, the table, the
+JSON) are tested on the CPU (tests/test_cuda_cpu_paths.py; the check in tests/test_outputs.py).
 """
 
 from __future__ import annotations

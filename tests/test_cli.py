@@ -195,3 +195,16 @@ def test_a_bug_prints_its_traceback():
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr and proc.stderr.endswith("KeyError: 0\n")
     assert "opweave: error" not in proc.stderr
+
+
+def test_the_design_lists_every_command():
+    """docs/design.md §5 is the CLI's outside contract; it had missed train-gpg and train-policy."""
+    import re
+    from pathlib import Path
+
+    from typer.main import get_command
+
+    design = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
+    listed = re.search(r"\* \*\*CLI\*\*: `opweave ([^`]+)`", design).group(1)
+    assert sorted(c.strip() for c in listed.split("|")) == sorted(get_command(app).commands)
+

@@ -22,9 +22,17 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 def _examples(name: str) -> list[doctest.DocTest]:
     try:
         module = importlib.import_module(name)
-    except ImportError as exc:  # an optional extra that is not installed; the module's own tests say so
-        pytest.skip(f"{name}: {exc}")
+    except ImportError as exc:
+        if _internal(exc.name):  # a broken import inside the project must fail, not hide the module's examples
+            raise
+        pytest.skip(f"{name}: {exc}")  # an optional extra that is not installed; the module's own tests say so
     return [t for t in doctest.DocTestFinder().find(module, name) if t.examples]
+
+
+def _internal(missing: str | None) -> bool:
+    """Whether the module an ImportError could not import is the project's own (or unknown): not an optional
+    third-party package."""
+    return missing is None or missing == "opweave" or missing.startswith("opweave.")
 
 
 WITH_EXAMPLES = ["opweave", "opweave.api", "opweave.backends.simulate", "opweave.plan.lower", "opweave.plan.semantics",
@@ -38,6 +46,27 @@ def test_docstring_examples(name):
         runner.run(test)
     results = runner.summarize(verbose=False)
     assert results.failed == 0, f"{results.failed} of {results.attempted} examples in {name} failed (output above)"
+
+
+def test_only_a_missing_third_party_package_skips_a_module(tmp_path, monkeypatch):
+    """Any ImportError skipped the module, so a broken import inside the project hid its examples."""
+    (tmp_path / "broken_inside.py").write_text("from opweave.errors import NoSuchError\n")
+    (tmp_path / "needs_an_extra.py").write_text("import no_such_optional_package\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def outcome(name: str) -> str:
+        try:
+            _examples(name)
+        except pytest.skip.Exception:
+            return "skipped"
+        except ImportError as exc:
+            return f"failed: {exc.name}"
+        return "imported"
+
+    assert outcome("broken_inside") == "failed: opweave.errors"
+    assert outcome("opweave.no_such_module") == "failed: opweave.no_such_module"
+    assert outcome("needs_an_extra") == "skipped"
+    assert outcome("opweave.errors") == "imported"
 
 
 def test_examples_are_found():

@@ -65,11 +65,10 @@ def load(name: str, *, path: Path | None = None, device: str = "cpu", max_batch:
     """Load, capture and split one model (:func:`opweave.capture.load`, one op per fx node): the zoo's ``name``
     (``image_size`` goes to zoo models that take one), or the ``torch.export`` program at ``path`` (its example
     inputs, or zeros of its input shapes, capture it). Parameters stop requiring gradients (serving never trains)."""
-    from opweave import zoo
-    from opweave.capture import load as load_model
+    from opweave import capture, zoo
 
-    module, example, captured = load_model(path or name, image_size=image_size, device=device, coarsen=False,
-                                           name=name)
+    module, example, captured = capture.load(path or name, image_size=image_size, device=device, coarsen=False,
+                                             name=name)
     if path is not None:
         if module.keywords:
             raise UsageError(f"--model-file {name}: keyword inputs are not supported")

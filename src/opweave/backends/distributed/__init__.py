@@ -19,7 +19,7 @@ only to the ranks whose ops read them; the caller gets the outputs.
 
 **Messages and their order.** Every ``send`` instruction of the plan is one message, numbered by its position in
 the plan's instruction list; its ``recv`` s on the receiving rank are the instructions that pair with it (the latest
-earlier send of the op between the two devices, :func:`opweave.plan.semantics.sync_sources`). Shapes and dtypes
+earlier send of the op between the two devices, :meth:`opweave.plan.semantics.PlanInterpreter.pair`). Shapes and dtypes
 of what a message carries come from capture (ShapeProp), so receive buffers are allocated without a handshake.
 Every rank posts the transfers it takes part in **in increasing message number**, both endpoints of a message
 alike: the sender posts its ``isend`` as soon as the op's lane has produced the value (CPU: the lane raised the
@@ -30,7 +30,7 @@ send's signal; CUDA: at the send's place in the issue order, under the lane's st
 **Why this cannot deadlock.** Give every instruction of the plan its position ``i`` in the list, and a message the
 position of its send. (1) Everything an instruction waits for has a smaller position: the previous instruction of
 its lane, the ``record`` of a ``wait`` and the ``send`` of a ``recv`` (the plan lists every source before its
-sinks: the validator and ``sync_sources`` require it). (2) A rank posts message ``k`` after the messages it shares
+sinks: the validator and the pairing require it). (2) A rank posts message ``k`` after the messages it shares
 with smaller numbers and, when it is the sender, after the instructions of its lane up to ``k``'s send: only
 smaller positions again. (3) A transfer completes once both endpoints have posted it: NCCL matches the
 point-to-point operations between two ranks in the order they are posted, and both endpoints post the messages

@@ -8,8 +8,8 @@ What rank ``r`` (= device ``r`` of the plan) gets:
   in the plan (``index``, the global order). It carries the values (fx nodes) of the sent op that ops on the
   receiving device read, each with its layout from capture (:mod:`.wire`); a message that carries nothing
   (a write-after-read edge, or an op whose output the receiver does not read) is a one-byte token. A ``send``
-  raises signal ``s`` in the Program, and every ``recv`` paired with it (:func:`~opweave.plan.semantics.
-  sync_sources`, through ``Program.from_plan``) waits for ``s``: on the receiving rank ``s`` is the message's
+  raises signal ``s`` in the Program, and every ``recv`` paired with it (:meth:`~opweave.plan.semantics.
+  PlanInterpreter.pair`, through ``Program.from_plan``) waits for ``s``: on the receiving rank ``s`` is the message's
   arrival.
 * **Its share of the model.** A copy of the fx graph (the whole graph: it is small; node metadata dropped except
   placeholders' shapes) and a ``root`` mapping every ``call_module`` and ``get_attr`` target to an object:
