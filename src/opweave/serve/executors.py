@@ -325,6 +325,9 @@ class CudaExecutor(TensorExecutor):
         sched, plan = plan_for(captured.graph, costs, self.scheduler, streams=self.streams)
         return CudaBackend(captured, plan, example, mode="graph", cache_size=1, warmup=2)
 
+    def _evict(self, entry: Any) -> None:
+        entry.close()  # frees its graph's memory and gives its streams back to the device's pool
+
     def run(self, parts: list[Part]) -> StepCost:
         ordered, sig, inputs = self._states(parts)
         backend = self.compiled(sig)
