@@ -199,6 +199,8 @@ def test_two_lanes_of_a_rank_reading_one_message():
         pids = backend.pids
         assert backend.stats == {"calls": 1}
     assert wait_gone(pids) == []
+    with pytest.raises(UsageError, match="closed"):  # was an OSError ("handle is closed") from a pipe
+        backend(x)
 
 
 @pytest.mark.slow

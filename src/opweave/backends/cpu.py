@@ -33,12 +33,13 @@ from typing import Any
 import torch
 
 from opweave.backends.program import Lane, Program, Step, Walker
+from opweave.errors import UsageError
 from opweave.plan.launchplan import LaunchPlan
 
 
 class CpuBackend:
     """A plan on worker threads, one per lane (module docstring). ``stats``: ``calls``. ``close()`` stops the
-    workers (also done when the backend is collected or the interpreter exits)."""
+    workers (also done when the backend is collected or the interpreter exits); a closed backend refuses calls."""
 
     def __init__(self, captured, plan: LaunchPlan):
         self.captured = captured
@@ -53,6 +54,8 @@ class CpuBackend:
 
     def __call__(self, *args) -> Any:
         with self._lock, torch.no_grad():
+            if not self.close.alive:  # its workers are gone: the call would wait for them forever
+                raise UsageError(f"{self.captured.graph.name}: this CPU backend was closed")
             self.stats["calls"] += 1
             env = self.captured.bind(args)
             call = Call(env, self.program.num_signals, len(self._workers))

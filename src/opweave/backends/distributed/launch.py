@@ -224,8 +224,8 @@ class DistributedBackend:
 
     ``threads`` intra-op threads per rank (default: usable cores // ranks, at least 1); ``timeout_s`` is the
     process group's timeout (a transfer that waits longer fails) and the limit for starting the ranks. Call it like
-    the model; outputs come back on the CPU. ``close()`` (or leaving a ``with`` block) stops the ranks.
-    ``stats``: ``calls``.
+    the model; outputs come back on the CPU. ``close()`` (or leaving a ``with`` block) stops the ranks; a closed
+    backend refuses calls. ``stats``: ``calls``.
     """
 
     def __init__(self, captured: Captured, plan: LaunchPlan, *, world: int | None = None, device: str = "cpu",
@@ -259,6 +259,8 @@ class DistributedBackend:
         with self._lock:
             if self.ranks.failure:
                 raise RankError(self.ranks.failure)
+            if not self.close.alive:
+                raise UsageError(f"{self.captured.graph.name}: this distributed backend was closed (its ranks stopped)")
             self.stats["calls"] += 1
             env = self.captured.bind(args)
             for r in range(self.world):
