@@ -11,6 +11,7 @@ from opweave.api import plan_for
 from opweave.backends.cpu import CpuBackend
 from opweave.capture import CaptureError, capture, load
 from opweave.costs.roofline import estimate
+from opweave.errors import UsageError
 from opweave.outputs import compare
 from rendezvous import TwoBranches, armed
 
@@ -109,6 +110,31 @@ def test_independent_branches_run_concurrently_on_two_lanes():
     one_lane = opweave.compile(TwoBranches(), (x,), scheduler="sequential", device="cpu")
     with armed(parties=2, timeout_s=0.2), pytest.raises(CaptureError, match="BrokenBarrierError"):
         one_lane(x)  # on one lane the barrier breaks: the check above can fail
+
+
+def test_a_closed_backend_refuses_calls_instead_of_waiting_for_its_stopped_workers():
+    import threading
+
+    x = torch.randn(4, 3)
+    fast = opweave.compile(TwoBranches(), (x,), scheduler="lios", device="cpu")
+    assert fast.schedule.streams_used == 2
+    fast(x)
+    assert fast.backend.stats == {"calls": 1}
+    fast.close()
+    fast.close()  # twice: harmless
+    raised: list = []
+
+    def call():
+        try:
+            fast(x)
+        except Exception as exc:  # noqa: BLE001 - checked below
+            raised.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "a call after close() waited forever for the stopped workers"
+    assert len(raised) == 1 and isinstance(raised[0], UsageError) and "closed" in str(raised[0])
 
 
 def test_bad_device_is_refused():

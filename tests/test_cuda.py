@@ -6,7 +6,7 @@ with NaN; a race stress test (an op that sleeps on its lane before writing); fp1
 per input signature; a sync found by the checked run (named, or run without a graph with ``fallback="eager"``),
 also with ``warmup=1``; failures *inside* the capture (a Python error, and a sync that invalidates the capture):
 named, never run eagerly, the caller's stream restored and the process usable; threads sharing one compiled model;
-the default lane cap and distinct streams; the profiler's GPU time on a real trace; and
+the default lane cap and distinct streams (pooled, given back on close); the profiler's GPU time on a real trace; and
 ``torch.compile(backend="opweave")`` on CUDA, swapped weights included.
 
 Outputs are compared as the GPU benchmark compares them (:func:`opweave.outputs.compare`: fp32 within 1e-3 of the
@@ -17,6 +17,7 @@ on inputs drawn by its ``fresh_inputs``; TF32 is off (``cuda_precision.fp32_math
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import threading
 
@@ -428,8 +429,34 @@ def test_lanes_are_capped_by_default_and_get_distinct_streams():
     fast = compile_captured(cap, inputs, scheduler="wavefront", device="cuda")
     backend = fast.backend
     assert 1 < len(backend.lanes) <= default_streams()  # 8 unless CUDA_DEVICE_MAX_CONNECTIONS says otherwise
-    handles = [s.cuda_stream for s in [*backend._side.values(), backend._capture_stream]]
+    handles = [s.cuda_stream for s in [*backend._lanes.side, backend._capture_stream]]
     assert len(set(handles)) == len(handles) == len(backend.lanes)
+
+
+def test_backends_alive_together_get_distinct_pooled_streams_and_give_them_back():
+    from opweave.backends.streams import stream_pool
+
+    model, inputs, reference, cap = cuda_model("squeezenet")
+    pool = stream_pool(torch.device("cuda", torch.cuda.current_device()))
+    _, plan = plan_for(cap.graph, estimate(cap.graph, "h100"), "wavefront", streams=3)
+    gc.collect()
+    gc.disable()  # no other backend is collected (giving its streams back) while the pool's counts are compared
+    try:
+        held = sum(pool.users)
+        a, b = (CudaBackend(cap, plan, inputs, mode=mode) for mode in MODES)
+        handles = [s.cuda_stream for backend in (a, b) for s in [*backend._lanes.side, backend._capture_stream]]
+        assert len(a.lanes) == 3 and len(set(handles)) == len(handles) == 6  # 2 side lanes + a capture stream each
+        assert sum(pool.users) == held + 6
+        check(reference, a(*inputs), "graph mode")
+        check(reference, b(*inputs), "streams mode")
+        a.close()
+        b.close()
+        b.close()  # twice: harmless
+        assert sum(pool.users) == held
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError, match="closed"):
+        a(*inputs)
 
 
 def test_more_lanes_than_the_stream_pool_are_refused():

@@ -1,5 +1,6 @@
 """The CUDA backend's parts that run without a GPU: the one-line error, the join-aware liveness analysis, buffer
-aliasing, input signatures and copies, stream checks, capture error messages; the profiler's CPU path (round trip,
+aliasing, input signatures and copies, the bounded cache, the walker every backend shares, stream checks, capture
+error messages; the profiler's CPU path (round trip,
 key check, costs) and its reading of Kineto traces (a synthetic CUDA trace in torch's export format under
 tests/data/, a real CPU trace, and a real CUDA trace once one is committed); and the GPU benchmark's fresh inputs,
 summary, table and JSON (its output check, :func:`opweave.outputs.compare`, is tested in tests/test_outputs.py)."""
@@ -12,6 +13,7 @@ import gzip
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import networkx as nx
@@ -27,21 +29,19 @@ from dags import dags
 from opweave import costs as costs_mod
 from opweave import schedulers
 from opweave.api import plan_for
-from opweave.backends.cuda import (
-    CudaBackend,
-    InputCopies,
-    _static_copy,
-    capture_error,
-    check_distinct_streams,
-    default_streams,
-    input_signature,
-    on_device,
+from opweave.backends.cache import BoundedCache, signature
+from opweave.backends.cuda import CudaBackend, InputCopies, _static_copy, input_signature, on_device, require_cuda
+from opweave.backends.cudagraph import capture_error
+from opweave.backends.liveness import (
+    Buffer,
+    launch_positions,
     release_keys,
-    require_cuda,
+    release_points,
+    steps_with_releases,
     storage_buffers,
 )
-from opweave.backends.liveness import Buffer, launch_positions, release_points, steps_with_releases
-from opweave.backends.program import Program
+from opweave.backends.program import Program, Step, Walker
+from opweave.backends.streams import check_distinct_streams, default_streams
 from opweave.capture import capture
 from opweave.costs.profile import Profile, ProfileKeyError, profile_key, profile_model
 from opweave.costs.profile.kineto import kernels_by_op, range_runs, trace_ops
@@ -216,6 +216,28 @@ def keep_all_run(cap, program, inputs) -> dict:
     return env
 
 
+class Dropping(Walker):
+    """The walker every backend subclasses, on one thread in issue order (as the CUDA lanes are walked): runs the
+    ops and deletes the keys each step releases."""
+
+    def __init__(self, cap, env: dict):
+        self.cap, self.env, self.dropped = cap, env, 0
+
+    def launch(self, lane, op):
+        self.cap.run_op(op, self.env)  # a KeyError here would be a read of a released buffer
+
+    def signal(self, lane, number):
+        pass
+
+    def wait(self, lane, number):
+        pass
+
+    def release(self, lane, keys):
+        for k in keys:
+            del self.env[k]
+            self.dropped += 1
+
+
 def run_with_releases(cap, plan, inputs):
     """A keep-all run, the storage groups and their release points, then a run that drops each group's env keys
     right after its release step (in issue order, as the CUDA interpreter does). Returns (output, groups, dropped)."""
@@ -224,14 +246,9 @@ def run_with_releases(cap, plan, inputs):
         env = keep_all_run(cap, program, inputs)
         groups = storage_buffers(cap, env, program)
         releases = release_keys(cap, env, program)
-        env, dropped = cap.bind(inputs), 0
-        for _, step, released in steps_with_releases(program, releases):
-            if step.kind == "launch":
-                cap.run_op(step.op, env)  # a KeyError here would be a read of a released buffer
-            for k in released:
-                del env[k]
-                dropped += 1
-        return cap.output(env), groups, dropped
+        walker = Dropping(cap, cap.bind(inputs))
+        walker.run(steps_with_releases(program, releases))
+        return cap.output(walker.env), groups, walker.dropped
 
 
 def test_storage_groups_join_views_and_in_place_results():
@@ -564,6 +581,69 @@ def test_input_signatures_need_no_pytree_walk_for_flat_arguments():
     assert input_signature((t,), "graph", cpu)[0] == input_signature((t.contiguous(),), "graph", cpu)[0]
     nested_key, nested = input_signature(([x], {"w": weight}), "graph", cpu)
     assert nested == [x, weight] and nested_key[0] is not None and nested_key[1:] == key[1:3]
+
+
+def test_one_signature_serves_segments_too_strides_and_nesting_included():
+    x = torch.randn(3, 2)
+    key, leaves = signature([x, (x, 2), 1.5], strides=True)
+    assert leaves == [x, x, 2, 1.5] and key[0] is not None
+    assert key[1] == (x.shape, x.dtype, x.device, x.stride()) and key[3:] == (("value", "2"), ("value", "1.5"))
+    assert signature([x.t().contiguous().t(), (x, 2), 1.5], strides=True)[0] != key  # same shape, other strides
+    assert signature([x, [x, 2], 1.5], strides=True)[0] != key  # a list is not a tuple
+    assert signature([x, (x, 3), 1.5], strides=True)[0] != key
+    assert signature([torch.randn(3, 2), (x, 2), 1.5], strides=True)[0] == key  # values do not count
+
+
+def test_bounded_cache_is_lru_and_calls_back_for_each_eviction():
+    dropped = []
+    cache = BoundedCache(2, lambda key, value: dropped.append((key, value)))
+    cache["a"], cache["b"] = 1, 2
+    assert cache["a"] == 1  # a read makes "a" the most recent
+    cache["c"] = 3
+    assert dropped == [("b", 2)] and set(cache) == {"a", "c"}
+    assert "b" not in cache and cache.get("b", False) is False
+    cache["c"] = 30  # a new value for a key it holds: nothing evicted
+    assert dropped == [("b", 2)] and cache["c"] == 30
+    cache.clear()  # dropping everything on purpose is no eviction
+    assert dropped == [("b", 2)] and len(cache) == 0
+
+    class Owner:
+        def __init__(self):
+            self.cache, self.evictions = BoundedCache(1, self.evicted), 0
+
+        def evicted(self, key, value):
+            self.evictions += 1
+
+    owner = Owner()
+    owner.cache["a"], owner.cache["b"] = 1, 2
+    assert owner.evictions == 1
+    gone = weakref.ref(owner)
+    del owner
+    assert gone() is None  # no cycle through the callback: freed without waiting for the garbage collector
+
+
+def test_the_walker_dispatches_each_kind_and_releases_after_the_step():
+    seen = []
+
+    class Record(Walker):
+        def launch(self, lane, op):
+            seen.append(("launch", lane, op))
+
+        def signal(self, lane, number):
+            seen.append(("signal", lane, number))
+
+        def wait(self, lane, number):
+            seen.append(("wait", lane, number))
+
+        def release(self, lane, keys):
+            seen.append(("release", lane, keys))
+
+    a, b = (0, 0), (0, 1)
+    Record().run([(a, Step("launch", op="x", release=("k",))), (a, Step("signal", signal=0)),
+                  (b, Step("wait", signal=0)), (b, Step("launch", op="y"))])
+    assert seen == [("launch", a, "x"), ("release", a, ("k",)), ("signal", a, 0), ("wait", b, 0), ("launch", b, "y")]
+    with pytest.raises(ValueError, match="unknown step kind 'jump'"):
+        Record().run([(a, Step("jump"))])
 
 
 def test_inputs_are_copied_into_the_static_buffers_and_parameters_used_in_place():

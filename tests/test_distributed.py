@@ -197,7 +197,10 @@ def test_two_lanes_of_a_rank_reading_one_message():
         expected = Fan()(x)
         assert all(torch.equal(e, g) for e, g in zip(expected, result["value"], strict=True))
         pids = backend.pids
+        assert backend.stats == {"calls": 1}
     assert wait_gone(pids) == []
+    with pytest.raises(UsageError, match="closed"):  # was an OSError ("handle is closed") from a pipe
+        backend(x)
 
 
 @pytest.mark.slow

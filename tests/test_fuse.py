@@ -28,7 +28,7 @@ from dags import dags
 from opweave import schedulers, zoo
 from opweave.api import compile_captured
 from opweave.backends.program import Program
-from opweave.backends.segments import Segmented, fuse_segments, segment_groups, segment_plan
+from opweave.backends.segments import MAX_SIGNATURES, Segmented, fuse_segments, segment_groups, segment_plan
 from opweave.capture import capture
 from opweave.capture.coarsen import merge_ops
 from opweave.costs import from_graph
@@ -145,6 +145,27 @@ def test_a_scalar_crossing_segments_is_recomputed_never_baked():
         for seg in segmented.graph.topo_order:
             segmented.run_op(seg, env)
         torch.testing.assert_close(segmented.output(env), Scalar()(x))
+
+
+def test_a_segment_past_its_signature_bound_runs_op_by_op_and_warns_once():
+    class Scalar(nn.Module):
+        def forward(self, x):
+            return x.relu() * x.sum().item()
+
+    captured = capture(Scalar(), (torch.randn(4, 4),))
+    merged = merge_ops(captured, [[op] for op in captured.graph.topo_order])
+    segmented = Segmented(merged.graph, merged.gm, merged.nodes, compiler="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(MAX_SIGNATURES + 3):  # a new scalar, so a new signature of the segment reading it, every call
+            x = torch.randn(4, 4)
+            env = segmented.bind((x,))
+            for seg in segmented.graph.topo_order:
+                segmented.run_op(seg, env)
+            torch.testing.assert_close(segmented.output(env), Scalar()(x))
+    bound = [w for w in caught if f"more than {MAX_SIGNATURES} input signatures" in str(w.message)]
+    assert len(bound) == 1
+    assert max(len(s.compiled) for s in segmented._segments.values()) == MAX_SIGNATURES  # none evicted
 
 
 # ---- TorchInductor on the CPU ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from opweave.costs import from_graph
 from opweave.ir import Edge, Op, OpGraph
 from opweave.schedulers._listsched import ideal_finish_times
 from opweave.schedulers.nimble import minimum_equivalent_graph, nimble_stats
+from opweave.schedulers.schedule import Schedule
 from oracle import replay_ms
 
 
@@ -98,7 +99,7 @@ def test_ideal_replay_helper():
     staged = ideal_finish_times(graph, costs, order, {"a": 0, "b": 0, "c": 1, "d": 0},
                                 stage_of={"a": 0, "b": 1, "c": 2, "d": 3})
     assert staged["c"] == (8.0, 13.0)  # waits for stage 1 (b) although c only needs a
-    with pytest.raises(ValueError, match="stage"):
-        ideal_finish_times(graph, costs, order, {o: 0 for o in order}, stage_of={"a": 0, "b": 2, "c": 1, "d": 3})
+    with pytest.raises(ValueError, match="stage"):  # stages that decrease: refused by Schedule.check, its owner
+        Schedule("t", order, {o: 0 for o in order}, stage_of={"a": 0, "b": 2, "c": 1, "d": 3}).check(graph)
     with pytest.raises(ValueError, match="predecessor"):
         ideal_finish_times(graph, costs, ["b", "a", "c", "d"], {o: 0 for o in order})

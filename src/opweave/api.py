@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from opweave import schedulers
+from opweave.backends.program import Backend
 from opweave.costs import Costs
 from opweave.errors import UsageError
 from opweave.ir import OpGraph
@@ -27,7 +28,7 @@ class Compiled:
     costs: Costs
     schedule: Schedule
     plan: LaunchPlan
-    backend: Any
+    backend: Backend
     device: str
     captured: Any = None
     fused: Any = None  # with fuse=...: the Segmented model (its stats: segments, compiles, compile_s)

@@ -1,7 +1,9 @@
 """CPU backend: an interpreter of the LaunchPlan with one worker thread per stream.
 
-Each (device, stream) lane is a long-lived worker thread that runs its steps in order; a plan's record/send become
-``threading.Event.set`` and its wait/recv become ``Event.wait``. Intermediates stay in one environment dict until
+Each (device, stream) lane is a long-lived worker thread (:class:`LaneWorker`, a
+:class:`~opweave.backends.program.Walker`) that runs its steps in order; a plan's record/send become
+``threading.Event.set`` and its wait/recv become ``Event.wait``. A plan with a single lane runs it in the caller's
+thread. Intermediates stay in one environment dict until
 the call returns, so no buffer is reused while another lane may still read it. PyTorch releases the GIL inside its
 kernels, so independent ops do overlap on a multi-core CPU.
 
@@ -30,14 +32,19 @@ from typing import Any
 
 import torch
 
-from opweave.backends.program import Lane, Program, Step
+from opweave.backends.program import Lane, Program, Step, Walker
+from opweave.errors import UsageError
 from opweave.plan.launchplan import LaunchPlan
 
 
 class CpuBackend:
+    """A plan on worker threads, one per lane (module docstring). ``stats``: ``calls``. ``close()`` stops the
+    workers (also done when the backend is collected or the interpreter exits); a closed backend refuses calls."""
+
     def __init__(self, captured, plan: LaunchPlan):
         self.captured = captured
         self.program = Program.from_plan(plan)
+        self.stats = {"calls": 0}
         self._lock = threading.Lock()  # one call at a time: the workers share one environment per call
         self._workers = {lane: LaneWorker(lane, steps, captured) for lane, steps in self.program.lanes.items()}
         # Stop the workers when the backend is collected or the interpreter exits: a thread that used torch's
@@ -47,21 +54,21 @@ class CpuBackend:
 
     def __call__(self, *args) -> Any:
         with self._lock, torch.no_grad():
+            if not self.close.alive:  # its workers are gone: the call would wait for them forever
+                raise UsageError(f"{self.captured.graph.name}: this CPU backend was closed")
+            self.stats["calls"] += 1
             env = self.captured.bind(args)
+            call = Call(env, self.program.num_signals, len(self._workers))
             if len(self._workers) == 1:  # a single lane needs no threads
                 (worker,) = self._workers.values()
-                for step in worker.steps:
-                    if step.kind == "launch":
-                        self.captured.run_op(step.op, env)
+                worker.run_call(call)
                 return self.captured.output(env)
-            call = Call(env, self.program.num_signals, len(self._workers))
             for worker in self._workers.values():
                 worker.inbox.put(call)
             call.done.wait()
             if call.errors:
                 raise call.errors[0]
             return self.captured.output(env)
-
 
 
 def stop_workers(workers: list[LaneWorker]) -> None:
@@ -103,11 +110,14 @@ class Call:
                 self.settled.set()
 
 
-class LaneWorker:
-    """A long-lived thread that runs one lane's steps for every :class:`Call` put in its inbox (``None`` stops it)."""
+class LaneWorker(Walker):
+    """A long-lived thread that runs one lane's steps for every :class:`Call` put in its inbox (``None`` stops it):
+    a launch runs the op in the call's environment, a signal sets the call's signal, a wait waits for it. Once
+    another lane has failed, the remaining steps are skipped."""
 
     def __init__(self, lane: Lane, steps: list[Step], captured):
-        self.steps, self.captured = steps, captured
+        self.lane, self.steps, self.captured = lane, steps, captured
+        self.call: Call | None = None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=f"opweave-d{lane[0]}s{lane[1]}", daemon=True)
         self.thread.start()
@@ -115,20 +125,26 @@ class LaneWorker:
     def _loop(self) -> None:
         while (call := self.inbox.get()) is not None:
             try:
-                self._run(call)
+                self.run_call(call)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 call.fail(exc)
             finally:
                 call.lane_finished()
 
     @torch.no_grad()
-    def _run(self, call: Call) -> None:
-        for step in self.steps:
-            if call.errors:
-                break
-            if step.kind == "launch":
-                self.captured.run_op(step.op, call.env)
-            elif step.kind == "signal":
-                call.signals[step.signal].set()
-            else:
-                call.signals[step.signal].wait()
+    def run_call(self, call: Call) -> None:
+        """Run the lane's steps for ``call`` in this thread."""
+        self.call = call
+        try:
+            self.run((self.lane, step) for step in self.steps if not call.errors)
+        finally:
+            self.call = None  # keep no environment alive between calls
+
+    def launch(self, lane: Lane, op: str) -> None:
+        self.captured.run_op(op, self.call.env)
+
+    def signal(self, lane: Lane, number: int) -> None:
+        self.call.signals[number].set()
+
+    def wait(self, lane: Lane, number: int) -> None:
+        self.call.signals[number].wait()

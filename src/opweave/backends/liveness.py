@@ -1,4 +1,5 @@
-"""When may a backend free a buffer that several streams read? A liveness analysis that knows about joins.
+"""When may a backend free a buffer that several streams read? A liveness analysis that knows about joins, and
+the buffers it is run on.
 
 The CUDA caching allocator hands a freed block back to the pool of the stream that *allocated* it, and gives it to
 the next allocation on that same stream at once, without waiting for other streams. So freeing a
@@ -16,16 +17,27 @@ program's step ``i`` is the semantics' position ``i + 1``). Because a wait is al
 refers to, every use ordered before a release point was also issued (on the host) before it, so a host-side
 interpreter can apply the releases in issue order.
 
+**Which buffers.** :func:`storage_buffers` finds them in the environment of a finished run that kept every
+intermediate: entries are grouped by the storage they share (views and in-place results included), and each group's
+allocating lane is the lane of the first op that held it. Groups that are model inputs, parameters or anything
+computed in ``bind``, groups the output returns, and groups allocated on several lanes are left out (kept to the
+end). :func:`release_keys` turns the release points into environment keys, and :func:`steps_with_releases` puts
+them on the steps a :class:`~opweave.backends.program.Walker` runs (the CUDA backend does; see its docstring).
+
 Complexity: O(S·L) for the clocks (S steps, L lanes), then O(U·log S) per buffer with U users.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import torch
+from torch.utils import _pytree as pytree
 
 from opweave.backends.program import Lane, Program, Step
+from opweave.capture.runtime import Captured
 from opweave.plan.launchplan import Instr
 from opweave.plan.semantics import Clock, PlanInterpreter, Point
 
@@ -68,15 +80,18 @@ def launch_positions(program: Program) -> dict[str, tuple[Lane, int]]:
             for i, step in enumerate(steps) if step.kind == "launch"}
 
 
-def steps_with_releases(program: Program, releases: dict[tuple[Lane, int], list[str]]
-                        ) -> Iterator[tuple[Lane, Step, list[str] | tuple]]:
-    """The program in issue order, each step with what to release right after it: how an interpreter applies
-    :func:`release_points` (or the same mapping with buffer names replaced by environment keys)."""
+def steps_with_releases(program: Program, releases: dict[tuple[Lane, int], list[str]]) -> list[tuple[Lane, Step]]:
+    """The program in issue order, each step carrying in ``release`` what to drop right after it: how a
+    :class:`~opweave.backends.program.Walker` applies :func:`release_points` (or the same mapping with buffer
+    names replaced by environment keys, :func:`release_keys`)."""
     position = dict.fromkeys(program.lanes, 0)
+    out = []
     for lane, step in program.issue_order:
         index = position[lane]
         position[lane] = index + 1
-        yield lane, step, releases.get((lane, index), ())
+        keys = releases.get((lane, index))
+        out.append((lane, replace(step, release=tuple(keys)) if keys else step))
+    return out
 
 
 def release_points(program: Program, buffers: Iterable[Buffer]) -> dict[tuple[Lane, int], list[str]]:
@@ -107,3 +122,68 @@ def release_points(program: Program, buffers: Iterable[Buffer]) -> dict[tuple[La
         if earliest < len(lane_clocks):
             out.setdefault((buf.alloc_lane, earliest), []).append(buf.name)
     return out
+
+
+def release_keys(captured: Captured, env: dict, program: Program) -> dict[tuple[Lane, int], list[str]]:
+    """From the environment of a finished keep-all run: after which step of which lane each env key may be dropped."""
+    buffers = storage_buffers(captured, env, program)
+    keys = {b.name: b.keys for b in buffers}
+    return {at: [k for name in group for k in keys[name]] for at, group in release_points(program, buffers).items()}
+
+
+def storage_buffers(captured: Captured, env: dict, program: Program) -> list[Buffer]:
+    """Group the environment of a finished keep-all run by shared storage (a view, an in-place result and its base
+    are one group) into :class:`Buffer` s for the liveness analysis.
+
+    Only groups computed by ops are returned: a group that holds a model input, a parameter or anything computed
+    in ``bind``, a group the output returns, and a group allocated by ops on several lanes are left out (kept).
+    """
+    launches = [(lane, step.op) for lane, step in program.issue_order if step.kind == "launch"]
+    lane_of = {op: lane for lane, op in launches}
+    issue_order = [op for _, op in launches]
+    owner = {n.name: op for op, group in captured.nodes.items() for n in group}
+    readers = captured.readers()
+    output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
+    returned = {n.name for n in output.all_input_nodes}
+    rank = {op: i for i, op in enumerate(issue_order)}
+
+    parent: dict[object, object] = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    storages_of: dict[str, list[tuple]] = {}
+    for key, value in env.items():
+        found = [_storage(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        storages_of[key] = [s for s in found if s is not None]
+        for s in storages_of[key]:
+            parent[find(s)] = find(("key", key))
+    groups: dict[object, list[str]] = {}
+    for key, found in storages_of.items():
+        if found:
+            groups.setdefault(find(("key", key)), []).append(key)
+    buffers = []
+    for keys in groups.values():
+        if any(k not in owner or k in returned for k in keys):
+            continue
+        first_holder: dict[tuple, str] = {}
+        for k in sorted(keys, key=lambda k: rank[owner[k]]):
+            for s in storages_of[k]:
+                first_holder.setdefault(s, owner[k])
+        alloc_lanes = {lane_of[op] for op in first_holder.values()}
+        if len(alloc_lanes) != 1:
+            continue
+        users = {owner[k] for k in keys} | {op for k in keys for op in readers.get(k, ())}
+        buffers.append(Buffer(keys[0], alloc_lanes.pop(), frozenset(users), tuple(keys)))
+    return buffers
+
+
+def _storage(t: torch.Tensor) -> tuple | None:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, functional wrappers)
+        return None
+    return (str(t.device), ptr) if ptr else None

@@ -1,10 +1,18 @@
-"""What every backend needs from a LaunchPlan: per (device, stream) the steps it runs, with each wait resolved.
+"""What every backend needs from a LaunchPlan: per (device, stream) the steps it runs, with each wait resolved; the
+one walker of those steps; and the :class:`Backend` protocol every backend meets.
 
 Which record a ``wait`` (and which send a ``recv``) waits for is the pairing rule of :mod:`opweave.plan.semantics`;
 :meth:`Program.from_plan` runs that module's :class:`~opweave.plan.semantics.PlanInterpreter` and turns each pair
 into "raise signal k" (the record or send) and "wait for signal k" (the wait or recv), so a backend need not re-read
 the plan's issue order. The program keeps its plan, so analyses that need happens-before
 (:mod:`opweave.backends.liveness`) run the same interpreter on it.
+
+:class:`Walker` runs steps, modelled on :class:`torch.fx.Interpreter`: :meth:`Walker.run` walks ``(lane, step)``
+pairs and calls the overridable :meth:`~Walker.launch`, :meth:`~Walker.signal` and :meth:`~Walker.wait`, then
+:meth:`~Walker.release` for a step that carries environment keys to drop. It is the only place that dispatches on a
+step's kind: a CPU lane (:class:`~opweave.backends.cpu.LaneWorker`: threads and events), the CUDA lanes
+(:class:`~opweave.backends.streams.CudaLanes`: streams and CUDA events, forked from and joined into the caller's
+stream) and a rank of the distributed backend (whose signals may be messages) are subclasses.
 
 Every backend builds its program here, so the lanes and signals a backend runs are logged once, at DEBUG level on
 ``opweave.backends.program`` (silent by default).
@@ -13,7 +21,9 @@ Every backend builds its program here, so the lanes and signals a backend runs a
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from opweave.plan.launchplan import Instr, LaunchPlan
 from opweave.plan.semantics import Lane, PlanInterpreter, Point
@@ -21,11 +31,28 @@ from opweave.plan.semantics import Lane, PlanInterpreter, Point
 log = logging.getLogger(__name__)
 
 
+class Backend(Protocol):
+    """What runs a plan for :class:`opweave.api.Compiled`: called like the model; ``close()`` releases what it
+    holds (threads, streams, graphs, rank processes; also done when it is collected; calling it twice is harmless);
+    ``stats`` counts what it did (keys depend on the backend)."""
+
+    stats: dict[str, Any]
+
+    def __call__(self, *args: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Step:
+    """One instruction of a lane: ``launch`` op, raise ``signal`` k (a record or send), or ``wait`` for signal k (a
+    wait or recv). ``release``: environment keys a walker may drop right after the step
+    (:func:`opweave.backends.liveness.steps_with_releases`; empty in a :class:`Program`)."""
+
     kind: str  # "launch" | "signal" | "wait"
     op: str | None = None
     signal: int | None = None
+    release: tuple[str, ...] = ()
 
 
 @dataclass
@@ -77,3 +104,34 @@ class _Split(PlanInterpreter):
 
     send = record
     recv = wait
+
+
+class Walker:
+    """Runs steps in the order given, one ``(lane, step)`` pair at a time (see the module docstring). Subclasses say
+    what a launch, a signal and a wait are; :meth:`release` drops nothing unless overridden."""
+
+    def run(self, steps: Iterable[tuple[Lane, Step]]) -> None:
+        for lane, step in steps:
+            kind = step.kind
+            if kind == "launch":
+                self.launch(lane, step.op)
+            elif kind == "signal":
+                self.signal(lane, step.signal)
+            elif kind == "wait":
+                self.wait(lane, step.signal)
+            else:
+                raise ValueError(f"unknown step kind {kind!r}")
+            if step.release:
+                self.release(lane, step.release)
+
+    def launch(self, lane: Lane, op: str) -> None:
+        raise NotImplementedError
+
+    def signal(self, lane: Lane, number: int) -> None:
+        raise NotImplementedError
+
+    def wait(self, lane: Lane, number: int) -> None:
+        raise NotImplementedError
+
+    def release(self, lane: Lane, keys: tuple[str, ...]) -> None:
+        """Drop ``keys`` from the environment after a step (the liveness analysis says it is safe)."""

@@ -30,8 +30,12 @@ as ``.item()``'s does, so none is baked). It is compiled as ``torch._inductor.co
 with ``triton.cudagraphs`` off (opweave records the whole plan into its own CUDA Graph; Inductor's graphs would nest
 and pin memory per segment). On the CPU that is Inductor's C++ backend; on CUDA, Triton. One compiled function is
 kept per segment and *input signature* (each input's shape, strides, dtype and device, the values of non-tensor
-inputs): Inductor checks sizes and strides, and constants were baked for those values. After :data:`MAX_SIGNATURES`
-signatures (a scalar input that changes every call) a segment runs op by op. Compiling happens the first time a
+inputs; :func:`opweave.backends.cache.signature` with strides): Inductor checks sizes and strides, and constants were
+baked for those values. The compiled functions sit in a :class:`~opweave.backends.cache.BoundedCache` of
+:data:`MAX_SIGNATURES` entries that is never asked to evict: a signature met after it is full (a scalar input that
+changes every call) runs op by op, with one warning. Evicting instead would recompile (seconds) on every call of a
+workload that cycles through more signatures than the bound, where op by op only loses the fusion's gain, and a
+compiled graph already recorded into the CUDA backend's graphs is kept. Compiling happens the first time a
 signature is seen, under one process-wide lock (``opweave.compile`` runs the example once on the CPU, and the CUDA
 backend's warm-up runs do it, so no compile happens during a call or a graph capture for the example's signature).
 Identical segments (same structure and shapes) hit Inductor's FX graph cache and compile once per machine. A segment
@@ -68,6 +72,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from opweave.backends.cache import BoundedCache, signature
 from opweave.capture.coarsen import merge_ops
 from opweave.capture.runtime import Captured
 from opweave.errors import CaptureError, UsageError
@@ -180,19 +185,21 @@ class _Segment:
         self.inputs = list(inputs)
         self.outputs = [n for n in members if any(u not in inside for u in n.users)]
         self.input_keys = [n.name for n in self.inputs]
-        self.compiled: dict[tuple, _Compiled | None] = {}
+        # signature -> compiled graph (None: the compiler failed); full at MAX_SIGNATURES, never evicting (docstring)
+        self.compiled = BoundedCache(MAX_SIGNATURES)
+        self.warned = False
 
     def __call__(self, env: dict[str, Any]) -> None:
         values = [env[k] for k in self.input_keys]
-        key = _signature(values)
+        key, _ = signature(values, strides=True)
         compiled = self.compiled.get(key, False)
         if compiled is False:
             with _COMPILE_LOCK:
                 compiled = self.compiled.get(key, False)
                 if compiled is False and len(self.compiled) >= MAX_SIGNATURES:
                     compiled = None
-                    if len(self.compiled) == MAX_SIGNATURES:  # warn once
-                        self.compiled[None] = None
+                    if not self.warned:
+                        self.warned = True
                         warnings.warn(f"{self.owner.graph.name}: segment {self.seg!r} met more than "
                                       f"{MAX_SIGNATURES} input signatures (a scalar input that changes every "
                                       "call?); new ones run op by op", stacklevel=3)
@@ -305,19 +312,3 @@ def _attr(module, path: list[str]):
     for part in path:
         module = getattr(module, part)
     return module
-
-
-def _signature(values: list[Any]) -> tuple:
-    """What a compiled segment depends on: every tensor's shape, strides, dtype and device; other values as such."""
-    out = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            out.append((value.shape, value.stride(), value.dtype, value.device))
-            continue
-        leaves, spec = pytree.tree_flatten(value)
-        if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
-            out.append(("value", repr(value)))
-            continue
-        out.append((str(spec), *((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor)
-                                 else ("value", repr(x)) for x in leaves)))
-    return tuple(out)

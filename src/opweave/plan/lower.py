@@ -25,7 +25,9 @@ latest-recorded first: an event's clock only holds work issued before its record
 an earlier-taken one, and every emitted wait is needed — dropping any one makes the validator reject the plan.
 Events are recorded only where some wait uses them, one event per recorded point, numbered densely per device in
 issue order. Stage barriers (:func:`stage_barriers`) are lowering's own way to meet the stage order; the validator
-checks that order from its definition, not through this function.
+checks that order from its definition, not through this function. Lowering checks the schedule against the graph
+first (:meth:`~opweave.schedulers.schedule.Schedule.check`, the one owner of the stage invariant: a device's stages
+never decrease along its issue order), since a schedule built by hand reaches it without ``schedulers.run``.
 
 Decisions (streams, syncs emitted and avoided per device) are logged at DEBUG level on this module's logger.
 
@@ -39,7 +41,6 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import replace
 
-from opweave.errors import PlanError
 from opweave.ir.graph import OpGraph
 from opweave.plan.launchplan import Instr, LaunchPlan
 from opweave.plan.semantics import Lane, PlanInterpreter, Point
@@ -64,7 +65,8 @@ class _Builder(PlanInterpreter):
 
 
 def lower(graph: OpGraph, sched: Schedule) -> LaunchPlan:
-    """Lower ``sched`` to a launch plan with only the waits the validator needs (see the module docstring).
+    """Lower ``sched`` to a launch plan with only the waits the validator needs (see the module docstring); a
+    schedule that does not fit ``graph`` raises :class:`~opweave.errors.ScheduleError`.
 
     >>> from opweave import examples, schedulers
     >>> from opweave.costs.model import from_graph
@@ -75,6 +77,7 @@ def lower(graph: OpGraph, sched: Schedule) -> LaunchPlan:
     >>> plan.streams(0), plan.syncs
     ([0, 1, 2], 5)
     """
+    sched.check(graph)  # raises ScheduleError; everything below relies on it (stages included)
     lane_of = {op: (sched.device(op), sched.stream_of[op]) for op in sched.order}
     barriers: dict[str, list[str]] = {}
     if sched.stage_of is not None:
@@ -117,8 +120,8 @@ def stage_barriers(launches: Iterable[tuple[str, int, int]], stage_of: dict[str,
 
     ``launches`` lists ``(op, device, stream)`` in issue order. The first op of each stream in a stage must follow
     the last op of every stream in the device's previous stage (FIFO streams and transitivity then order every op
-    of every earlier stage before every op of the later one). Raises :class:`PlanError` when a device's stages
-    decrease along the issue order (the barrier would wait on an op issued later).
+    of every earlier stage before every op of the later one). A device's stages must not decrease along
+    ``launches``, as :meth:`~opweave.schedulers.schedule.Schedule.check` ensures.
     """
     stage_now: dict[int, int] = {}
     last_in_stage: dict[int, dict[int, str]] = {}  # device -> stream -> last op of the current stage
@@ -126,9 +129,6 @@ def stage_barriers(launches: Iterable[tuple[str, int, int]], stage_of: dict[str,
     barriers: dict[str, list[str]] = {}
     for op, device, stream in launches:
         stage = stage_of[op]
-        if device in stage_now and stage < stage_now[device]:
-            raise PlanError(f"op {op!r} of stage {stage} is issued after stage {stage_now[device]} on device "
-                            f"{device}; order the ops of a device by stage")
         if stage != stage_now.get(device):
             stage_now[device] = stage
             last_in_previous[device] = last_in_stage.get(device, {})

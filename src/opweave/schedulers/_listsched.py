@@ -21,8 +21,9 @@ def ideal_finish_times(graph: OpGraph, costs: Costs, order: Sequence[str], strea
 
     ``start = max(finish of the previous op on the same (device, stream), finish of every predecessor
     [+ transfer_ms when it ran on another device], finish of every op of an earlier stage on the same device)``.
-    ``order`` must be topological; with ``stage_of`` its stages must not decrease along ``order`` on one device
-    (otherwise a barrier would wait on an op issued later) — a ValueError says so.
+    ``order`` must be topological (a :class:`ScheduleError` names an op issued before its predecessor); with
+    ``stage_of`` its stages must not decrease along ``order`` on one device, the invariant
+    :meth:`~opweave.schedulers.schedule.Schedule.check` owns (here a decrease would simply start a new stage).
 
     Example: v1(3) → v2(5), v3(5) on streams 0, 0, 1 gives v1 (0, 3), v2 (3, 8), v3 (3, 8).
     Complexity O(V + E).
@@ -47,9 +48,6 @@ def ideal_finish_times(graph: OpGraph, costs: Costs, order: Sequence[str], strea
             start = max(start, arrival)
         if stage_of is not None:
             stage = stage_of[op]
-            if dev in stage_now and stage < stage_now[dev]:
-                raise ScheduleError(f"op {op!r} of stage {stage} is issued after stage {stage_now[dev]} "
-                                    f"on device {dev}")
             if stage != stage_now.get(dev):
                 stage_now[dev] = stage
                 barrier_ms[dev] = done_ms.get(dev, 0.0)

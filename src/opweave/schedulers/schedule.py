@@ -3,7 +3,9 @@
 A :class:`Schedule` is plain data. ``order`` is the global launch order, a topological order of the graph; the ops
 of one (device, stream) are issued in the order they appear in it. Stream numbers are local to a device.
 Stage schedulers (IOS, HIOS, wavefront, TOP) set ``stage_of``: every op of stage k+1 starts after every op of
-stage k on the same device has finished (lowering adds the barrier).
+stage k on the same device has finished (lowering adds the barrier). :meth:`Schedule.check` is the one place that
+checks a schedule against its graph, the stage invariant included (a device's stages never decrease along its
+issue order); ``schedulers.run`` and ``lower`` call it, so nothing downstream checks it again.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class Schedule:
         return len({self.device(o) for o in self.order})
 
     def check(self, graph: OpGraph) -> None:
-        """Raise :class:`ScheduleError` unless every op is placed once and ``order`` is topological."""
+        """Raise :class:`ScheduleError` unless every op is placed once, ``order`` is topological and, for a stage
+        schedule, every op has a stage and the stages of each device never decrease along ``order``."""
         if sorted(self.order) != sorted(graph.ids):
             missing = set(graph.ids) - set(self.order)
             extra = [o for o in self.order if o not in graph.op or self.order.count(o) > 1]
@@ -51,7 +54,18 @@ class Schedule:
             if o not in self.stream_of:
                 raise ScheduleError(f"{self.scheduler}: op {o!r} has no stream")
         if self.stage_of is not None:
-            for (u, v) in graph.edge:
-                if self.device(u) == self.device(v) and self.stage_of[u] > self.stage_of[v]:
-                    raise ScheduleError(f"{self.scheduler}: edge {u!r} -> {v!r} goes back from stage "
-                                        f"{self.stage_of[u]} to {self.stage_of[v]}")
+            self._check_stages()
+
+    def _check_stages(self) -> None:
+        """The stage invariant: a device's stages never decrease along its issue order (a barrier would otherwise
+        wait for an op issued later). With a topological order it implies that no edge within a device goes back to
+        an earlier stage. Lowering and the ideal replay rely on it."""
+        stage_now: dict[int, int] = {}
+        for o in self.order:
+            if o not in self.stage_of:
+                raise ScheduleError(f"{self.scheduler}: op {o!r} has no stage")
+            device, stage = self.device(o), self.stage_of[o]
+            if stage < stage_now.get(device, stage):
+                raise ScheduleError(f"{self.scheduler}: op {o!r} of stage {stage} is issued after stage "
+                                    f"{stage_now[device]} on device {device}; order the ops of a device by stage")
+            stage_now[device] = stage

@@ -13,7 +13,7 @@ offline against a model of the device and then run online):
 A **combined block** is a list of :class:`Part` s (TOP's sub-blocks): one block of one model for a stack of
 ``batch`` samples. Its *signature* (the sorted ``(model, block, batch)`` triples) determines its graph, so every
 executor compiles a signature once — union graph, costs, scheduler (``lios`` by default, ``ios`` as an option),
-lowering, validation, backend — and keeps it in a bounded LRU cache.
+lowering, validation, backend — and keeps it in a bounded LRU cache (:class:`opweave.backends.cache.BoundedCache`).
 
 Every part's ops get the prefix ``p{k}_`` (k = the part's position in the signature), so the parts of one combined
 block are one graph with no edges between them: the scheduler puts them side by side on streams.
@@ -22,7 +22,6 @@ block are one graph with no edges between them: the scheduler puts them side by 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from opweave.api import backend_for, plan_for
+from opweave.backends.cache import BoundedCache
 from opweave.costs.model import Costs
 from opweave.errors import UsageError
 from opweave.ir.graph import Edge, OpGraph
@@ -142,7 +142,7 @@ class Executor:
         self.models = models
         self.scheduler, self.streams, self.cache_size = scheduler, streams, cache_size
         self.pad = pad
-        self._cache: OrderedDict[Signature, Any] = OrderedDict()
+        self._cache = BoundedCache(cache_size, self._dropped)
         self.stats = {"hits": 0, "misses": 0, "evictions": 0, "compile_s": 0.0}
 
     def bucket(self, batch: int) -> int:
@@ -155,21 +155,20 @@ class Executor:
         """The compiled entry of ``sig`` (compiled on first use; least recently used entries dropped)."""
         if sig in self._cache:
             self.stats["hits"] += 1
-            self._cache.move_to_end(sig)
             return self._cache[sig]
         self.stats["misses"] += 1
         start = time.perf_counter()
         entry = self._compile(sig)
         self.stats["compile_s"] += time.perf_counter() - start
         self._cache[sig] = entry
-        if len(self._cache) > self.cache_size:
-            _, old = self._cache.popitem(last=False)
-            self.stats["evictions"] += 1
-            self._evict(old)
         return entry
 
     def _compile(self, sig: Signature) -> Any:
         raise NotImplementedError
+
+    def _dropped(self, sig: Signature, entry: Any) -> None:
+        self.stats["evictions"] += 1
+        self._evict(entry)
 
     def _evict(self, entry: Any) -> None:
         pass
@@ -323,6 +322,9 @@ class CudaExecutor(TensorExecutor):
         costs = estimate(captured.graph, preset, model="ideal")
         sched, plan = plan_for(captured.graph, costs, self.scheduler, streams=self.streams)
         return backend_for(captured, plan, "cuda", example_inputs=example, mode="graph", cache_size=1, warmup=2)[0]
+
+    def _evict(self, entry: Any) -> None:
+        entry.close()  # frees its graph's memory and gives its streams back to the device's pool
 
     def run(self, parts: list[Part]) -> StepCost:
         ordered, sig, inputs = self._states(parts)

@@ -224,7 +224,8 @@ class DistributedBackend:
 
     ``threads`` intra-op threads per rank (default: usable cores // ranks, at least 1); ``timeout_s`` is the
     process group's timeout (a transfer that waits longer fails) and the limit for starting the ranks. Call it like
-    the model; outputs come back on the CPU. ``close()`` (or leaving a ``with`` block) stops the ranks.
+    the model; outputs come back on the CPU. ``close()`` (or leaving a ``with`` block) stops the ranks; a closed
+    backend refuses calls. ``stats``: ``calls``.
     """
 
     def __init__(self, captured: Captured, plan: LaunchPlan, *, world: int | None = None, device: str = "cpu",
@@ -245,6 +246,7 @@ class DistributedBackend:
         self.ranks = Ranks(world, rank_module.serve, payloads, device=device, threads=threads, timeout_s=timeout_s,
                            start_method=start_method)
         self.close = self.ranks.close
+        self.stats = {"calls": 0}
         ready = self.ranks.gather(timeout_s)
         self.info = [ready[r] for r in range(world)]
         self._lock = threading.Lock()
@@ -257,6 +259,9 @@ class DistributedBackend:
         with self._lock:
             if self.ranks.failure:
                 raise RankError(self.ranks.failure)
+            if not self.close.alive:
+                raise UsageError(f"{self.captured.graph.name}: this distributed backend was closed (its ranks stopped)")
+            self.stats["calls"] += 1
             env = self.captured.bind(args)
             for r in range(self.world):
                 self.ranks.send(r, ("run", {name: _to_cpu(env[name]) for name in self.inputs[r]}))

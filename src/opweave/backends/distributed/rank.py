@@ -8,9 +8,11 @@ parameters are real) and a :class:`~opweave.capture.runtime.Captured` on it, the
   them; the signal of each incoming message is an :class:`Arrival` (a lane's ``recv`` step waits for the transfer
   and finds the values in the environment). The calling thread posts the rank's messages in their global order
   (:meth:`RankRuntime._post_cpu`): a receive at once, a send once its lane has raised the send's signal.
-* **CUDA.** One stream per lane and one host thread that walks ``part.issue`` (the rank's steps and messages in
-  plan order): launches on their lane's stream, records and waits as CUDA events, a send posted under its lane's
-  stream (NCCL orders it after the op), a recv step as ``work.wait()`` under the reading lane's stream.
+* **CUDA.** The lanes on streams as the single-process CUDA backend runs them
+  (:class:`~opweave.backends.streams.CudaLanes`: the first lane on the current stream, the others on streams of the
+  device's pool, forked from and joined into it), walked by one host thread over ``part.issue`` (the rank's steps
+  and messages in plan order): records and waits as CUDA events, a send posted under its lane's stream (NCCL orders
+  it after the op) instead of an event, a recv step as ``work.wait()`` under the reading lane's stream.
 
 Consecutive messages are posted as one ``batch_isend_irecv`` (one NCCL group) when they are adjacent in the
 rank's order, no wait lies between them and their sends come from one lane.
@@ -37,6 +39,8 @@ from torch import fx
 from opweave.backends.cpu import Call, LaneWorker, stop_workers
 from opweave.backends.distributed import wire
 from opweave.backends.distributed.split import Message, RankPart
+from opweave.backends.program import Lane
+from opweave.backends.streams import CudaLanes, stream_pool
 from opweave.capture.runtime import Captured, module_tensors
 from opweave.errors import CaptureError
 
@@ -122,11 +126,14 @@ class RankRuntime:
         self.held_bytes = held_bytes(gm)
         self.messages = part.messages
         self.stand_ins = {name: None if layout is None else wire.stand_in(layout) for name, layout in part.placeholders}
-        self.send_signals = {m.signal for m in self.messages if m.src == self.rank}
         self.workers: list[LaneWorker] = []
-        self.streams: dict = {}
         if device.type == "cuda":
-            self.streams = {lane: torch.cuda.Stream(device) for lane in part.lanes}
+            lanes = sorted(part.lanes)
+            pool = stream_pool(device)
+            side = pool.take([f"lane {lane}" for lane in lanes[1:]])
+            sends = {m.signal for m in self.messages if m.src == self.rank}
+            self.lanes = _RankLanes(lanes, side, part.num_signals, sends)
+            self.close = weakref.finalize(self, pool.give_back, side)
         else:
             self.workers = [LaneWorker(lane, steps, self.captured) for lane, steps in part.lanes.items()]
             self.close = weakref.finalize(self, stop_workers, list(self.workers))
@@ -190,47 +197,61 @@ class RankRuntime:
     # ---- CUDA ----
     def _run_cuda(self, env: dict, arrivals: dict[int, Arrival]) -> None:
         origin = torch.cuda.current_stream(self.device)
-        start = origin.record_event()
-        for stream in self.streams.values():
-            stream.wait_event(start)
-        events: dict[int, torch.cuda.Event] = {}
+        lanes = self.lanes
         sent: list = []
-        poster = _Poster(self.rank, lambda lane: torch.cuda.stream(self.streams[lane] if lane else origin))
-        for item in self.part.issue:
-            if isinstance(item, Message):
-                if item.dst == self.rank:
-                    poster.receive(item, arrivals[item.signal], self.device)
-                else:
-                    with torch.cuda.stream(self.streams[item.lane]):
-                        poster.send(item, self._pack(env, item), sent)
-                continue
-            poster.flush()
-            lane, step = item
-            stream = self.streams[lane]
-            with torch.cuda.stream(stream):
-                if step.kind == "launch":
-                    self.captured.run_op(step.op, env)
-                elif step.kind == "signal":
-                    if step.signal not in self.send_signals:
-                        events[step.signal] = stream.record_event()
-                elif step.signal in arrivals:
-                    arrivals[step.signal].wait()
-                else:
-                    stream.wait_event(events[step.signal])
-        poster.flush()
-        for arrival in arrivals.values():
+        poster = _Poster(self.rank, lambda lane: torch.cuda.stream(lanes.stream_of[lane] if lane else origin))
+        lanes.arrivals = arrivals
+        try:
+            lanes.issue(self._posting(poster, env, arrivals, sent), origin, self.captured, env)
+        finally:
+            lanes.arrivals = {}
+        for arrival in arrivals.values():  # a message no lane of this rank waited for
             arrival.wait()
-        for stream in self.streams.values():
-            origin.wait_stream(stream)
         for works, message in sent:
             for work in works:
                 _checked(work.wait, f"sending op {message.op!r}'s output to rank {message.dst}")
         origin.synchronize()
 
+    def _posting(self, poster: _Poster, env: dict, arrivals: dict[int, Arrival], sent: list):
+        """The rank's steps in plan order, for :class:`_RankLanes` to walk, its messages posted between them as
+        they come (a send under its lane's stream, after the op that produced it)."""
+        for item in self.part.issue:
+            if not isinstance(item, Message):
+                poster.flush()
+                yield item
+            elif item.dst == self.rank:
+                poster.receive(item, arrivals[item.signal], self.device)
+            else:
+                with torch.cuda.stream(self.lanes.stream_of[item.lane]):
+                    poster.send(item, self._pack(env, item), sent)
+        poster.flush()
+
     def _pack(self, env: dict, m: Message) -> list[torch.Tensor]:
         parts = [p for key, layout in zip(m.keys, m.layouts, strict=True)
                  for p in wire.pack(env[key], layout, f"op {m.op!r}: value {key!r}", self.device)]
         return parts or [torch.zeros(1, dtype=torch.uint8, device=self.device)]  # a token: the sync alone
+
+
+class _RankLanes(CudaLanes):
+    """A CUDA rank's lanes: a send's signal records no event (the send itself is posted under the lane's stream),
+    and a recv's wait waits for the message's :class:`Arrival` under the reading lane's stream."""
+
+    def __init__(self, lanes: list[Lane], side: list[torch.cuda.Stream], num_signals: int, send_signals: set[int]):
+        super().__init__(lanes, side, num_signals)
+        self.send_signals = send_signals
+        self.arrivals: dict[int, Arrival] = {}  # this call's incoming messages, by signal
+
+    def signal(self, lane: Lane, number: int) -> None:
+        if number not in self.send_signals:
+            super().signal(lane, number)
+
+    def wait(self, lane: Lane, number: int) -> None:
+        arrival = self.arrivals.get(number)
+        if arrival is None:
+            super().wait(lane, number)
+            return
+        with torch.cuda.stream(self.stream_of[lane]):
+            arrival.wait()
 
 
 class _Poster:
