@@ -26,6 +26,7 @@ _MODULES: dict[str, tuple[str, dict]] = {
     "opara": ("opara", {}),
     "lios": ("lios", {}),
     "ios": ("ios", {}),
+    "heft": ("heft", {}),
     "top-gpg": ("top_gpg", {}),
     "hios-lp": ("hios", {"variant": "lp"}),
     "hios-mr": ("hios", {"variant": "mr"}),
