@@ -215,6 +215,13 @@ class TensorExecutor(Executor):
         pieces = [torch.split(_to_cpu(leaf), batches) for leaf in leaves]
         return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(len(batches))]
 
+    def combined(self, sig: Signature) -> tuple[Any, tuple]:
+        """The blocks of ``sig`` side by side as one captured graph (:func:`opweave.serve.blocks.combined_module`;
+        op ids prefixed ``p{k}_``), and example inputs for it (every part's, in order)."""
+        module = combined_module([self.models[m].modules[b] for m, b, _ in sig], _name(sig))
+        example = tuple(x for m, b, n in sig for x in self.models[m].example(b, n))
+        return capture_block(module, example, _name(sig)), example
+
     def _states(self, parts: list[Part]) -> tuple[list[Part], Signature, list[tuple]]:
         """Parts in signature order, the signature, and each part's inputs padded to its bucket."""
         ordered = sorted(parts, key=lambda p: (p.model, p.block, p.batch))
@@ -239,27 +246,6 @@ def _to_cpu(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-class _Union:
-    """The parts of a combined block as one runnable for :class:`opweave.backends.cpu.CpuBackend` (the
-    ``bind``/``run_op``/``output`` contract of :class:`opweave.capture.Captured`): ``bind`` takes one input tuple per
-    part and gives one environment per part; op ``p{k}_o`` runs op ``o`` of part ``k`` in environment ``k``."""
-
-    def __init__(self, parts: list, name: str):
-        self.parts = parts
-        self.graph = union_graph([p.graph for p in parts], name)
-        self._route = {f"p{k}_{op}": (k, op) for k, p in enumerate(parts) for op in p.graph.ids}
-
-    def bind(self, args: tuple) -> list[dict]:
-        return [p.bind(tuple(a)) for p, a in zip(self.parts, args, strict=True)]
-
-    def run_op(self, op: str, env: list[dict]) -> None:
-        k, inner = self._route[op]
-        self.parts[k].run_op(inner, env[k])
-
-    def output(self, env: list[dict]) -> list[Any]:
-        return [p.output(e) for p, e in zip(self.parts, env, strict=True)]
-
-
 class CpuExecutor(TensorExecutor):
     """Combined blocks on the CPU backend (one worker thread per stream; ``streams`` defaults to 2). A signature
     compiles to: each part's block captured at its batch (cached per model, block and batch), the union graph,
@@ -274,10 +260,10 @@ class CpuExecutor(TensorExecutor):
     def _compile(self, sig: Signature) -> Any:
         from opweave.costs.roofline import estimate
 
-        runtime = _Union([self.models[m].captured_block(b, n) for m, b, n in sig], _name(sig))
-        costs = estimate(runtime.graph, "cpu", model="ideal")
-        sched, plan = plan_for(runtime.graph, costs, self.scheduler, streams=self.streams)
-        return backend_for(runtime, plan, "cpu")[0]
+        captured, _ = self.combined(sig)
+        costs = estimate(captured.graph, "cpu", model="ideal")
+        sched, plan = plan_for(captured.graph, costs, self.scheduler, streams=self.streams)
+        return backend_for(captured, plan, "cpu")[0]
 
     def _evict(self, entry: Any) -> None:
         entry.close()  # stops its worker threads
@@ -287,9 +273,9 @@ class CpuExecutor(TensorExecutor):
         backend = self.compiled(sig)
         start = time.perf_counter()
         with torch.no_grad():
-            outs = backend(*inputs)
+            outs = backend(*[x for state in inputs for x in state])
         seconds = time.perf_counter() - start
-        self._store(ordered, outs)
+        self._store(ordered, list(outs))
         return StepCost(seconds)
 
 
@@ -315,9 +301,7 @@ class CudaExecutor(TensorExecutor):
     def _compile(self, sig: Signature) -> Any:
         from opweave.costs.roofline import estimate, preset_for_gpu
 
-        module = combined_module([self.models[m].modules[b] for m, b, _ in sig], _name(sig))
-        example = tuple(x for m, b, n in sig for x in self.models[m].example(b, n))
-        captured = capture_block(module, example, _name(sig))
+        captured, example = self.combined(sig)
         preset = preset_for_gpu(torch.cuda.get_device_name()) or "h100"
         costs = estimate(captured.graph, preset, model="ideal")
         sched, plan = plan_for(captured.graph, costs, self.scheduler, streams=self.streams)
