@@ -1,6 +1,7 @@
 # `make demo` and `make test` work on a fresh machine: they create .venv, install torch first (so no step pulls the
 # multi-GB CUDA build from the registry), then the torchvision release made for that torch (0.(minor+15): 0.28 for
-# 2.13; any other would replace torch), then opweave with its extras, `models` (timm, transformers) among them.
+# 2.13; any other would replace torch), then opweave with its extras, `models` (timm, transformers) and `onnx`
+# (ONNX Runtime) among them.
 # Elsewhere: make test TORCH_SPEC='torch>=2.4'
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip show -q torchvision 2>/dev/null || $(BIN)/pip install -q "$$($(BIN)/python -c '$(TORCHVISION_FOR_TORCH)')"
-	$(BIN)/pip install -q -e ".[dev,serve,models]"
+	$(BIN)/pip install -q -e ".[dev,serve,models,onnx]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -18,6 +18,9 @@ from opweave.plan.validate import validate
 from opweave.schedulers.schedule import Schedule
 
 DEVICES = ("cpu", "cuda")
+MODES = ("default", "max-speed")
+# heft fills a few CPU lanes (schedulers/heft.py); opara was written for a GPU's streams
+DEFAULT_SCHEDULER = {"cpu": "heft", "cuda": "opara"}
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Compiled:
     device: str
     captured: Any = None
     fused: Any = None  # with fuse=...: the Segmented model (its stats: segments, compiles, compile_s)
+    choice: dict | None = None  # with mode="max-speed": what was chosen and what every candidate measured
 
     def __call__(self, *args, **kwargs) -> Any:
         if kwargs:  # keyword arguments bound to the model's forward(), as at capture
@@ -68,12 +72,15 @@ def validated_plan(graph: OpGraph, schedule: Schedule) -> LaunchPlan:
 
 
 def backend_for(captured, plan: LaunchPlan, device: str, *, fuse: str | None = None, example_inputs: tuple = (),
-                **options) -> tuple[Any, Any]:
+                threads: dict[str, int] | None = None, **options) -> tuple[Any, Any]:
     """The backend that runs the validated ``plan`` of ``captured`` (a :class:`~opweave.capture.Captured`, or
     anything with its ``bind``/``run_op``/``output``) on ``device``, and the segmented model it runs with ``fuse``
     (its ``stats``; None without). ``fuse="inductor"`` compiles every stream segment of the plan
     (:mod:`opweave.backends.segments`): on the CPU now, for ``example_inputs``; on CUDA in the backend's warm-up.
-    ``options`` go to the CUDA backend (``mode``, ``static_outputs``, ``fallback``, ...); the CPU backend takes none.
+    ``fuse="onnxruntime"`` runs each segment in ONNX Runtime (CPU; :mod:`opweave.backends.compilers`). ``threads``
+    (CPU: op -> intra-op threads, :func:`opweave.backends.threads.op_threads`) budgets each op's (or segment's)
+    threads; without it the CPU lanes share the cores evenly. ``options`` go to the CUDA backend (``mode``,
+    ``static_outputs``, ``fallback``, ...); the CPU backend takes none.
     """
     if device == "cpu" and options:
         raise UsageError(f"the cpu backend takes no options, got {', '.join(options)}")
@@ -81,13 +88,14 @@ def backend_for(captured, plan: LaunchPlan, device: str, *, fuse: str | None = N
     if fuse is not None:
         from opweave.backends.segments import fuse_segments
 
-        runner, run_plan = fuse_segments(captured, plan, fuse)
+        runner, run_plan = fuse_segments(captured, plan, fuse, threads=threads if device == "cpu" else None)
+        threads = runner.threads or None
         if device == "cpu":  # compile now, not in the first call (the CUDA backend's warm-up runs compile there)
             runner.prepare(example_inputs, run_plan)
     if device == "cpu":
         from opweave.backends.cpu import CpuBackend
 
-        backend = CpuBackend(runner, run_plan)
+        backend = CpuBackend(runner, run_plan, threads=threads)
     else:
         from opweave.backends.cuda import CudaBackend
 
@@ -95,11 +103,11 @@ def backend_for(captured, plan: LaunchPlan, device: str, *, fuse: str | None = N
     return backend, runner if fuse is not None else None
 
 
-def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, scheduler: str = "opara",
-            device: str = "cpu", streams: int | None = None, costs: Costs | None = None,
+def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, scheduler: str | None = None,
+            device: str = "cpu", mode: str = "default", streams: int | None = None, costs: Costs | None = None,
             profile: str | Path | None = None, cost_model: str = "ideal", fold_bn: bool = False, devices: int = 1,
             link: str | Path | None = None, coarsen: bool = True, fuse: str | None = None,
-            **backend_options) -> Compiled:
+            scheduler_options: dict | None = None, **backend_options) -> Compiled:
     """Compile ``model`` for ``example_inputs`` (and ``example_kwargs``, keyword arguments of its ``forward``); the
     result's outputs equal ``model(*inputs, **kwargs)`` (allclose), and compiling leaves the model unchanged.
 
@@ -142,21 +150,34 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, sch
     example_inputs = _check(device, example_inputs)
     captured = capture(model, example_inputs, example_kwargs=example_kwargs, fold_bn=fold_bn)
     example_inputs = captured.example_inputs
-    return compile_captured(captured, example_inputs, scheduler=scheduler, device=device, streams=streams,
+    return compile_captured(captured, example_inputs, scheduler=scheduler, device=device, mode=mode, streams=streams,
                             costs=costs, profile=profile, cost_model=cost_model, devices=devices, link=link,
-                            coarsen=coarsen, fuse=fuse, **backend_options)
+                            coarsen=coarsen, fuse=fuse, scheduler_options=scheduler_options, **backend_options)
 
 
-def compile_captured(captured, example_inputs, *, scheduler: str = "opara", device: str = "cpu",
-                     streams: int | None = None, costs: Costs | None = None, profile: str | Path | None = None,
+def compile_captured(captured, example_inputs, *, scheduler: str | None = None, device: str = "cpu",
+                     mode: str = "default", streams: int | None = None, costs: Costs | None = None,
+                     profile: str | Path | None = None,
                      cost_model: str = "ideal", devices: int = 1, link: str | Path | None = None,
-                     coarsen: bool = True, fuse: str | None = None, **backend_options) -> Compiled:
+                     coarsen: bool = True, fuse: str | None = None, scheduler_options: dict | None = None,
+                     **backend_options) -> Compiled:
     """:func:`compile` from an already captured model (``opweave.capture``): one capture can serve many schedules."""
     example_inputs = _check(device, example_inputs)
+    if mode not in MODES:
+        raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if coarsen:
         from opweave.capture import coarsen as coarsen_ops
 
         captured = coarsen_ops(captured)
+    if mode == "max-speed":
+        given = {"scheduler": scheduler, "streams": streams, "costs": costs, "profile": profile, "fuse": fuse,
+                 "devices": devices if devices != 1 else None, "scheduler_options": scheduler_options}
+        given = [k for k, v in given.items() if v is not None] + list(backend_options)
+        if device != "cpu" or given:
+            raise UsageError("mode='max-speed' chooses the plan itself, on the CPU: give neither "
+                             + ", ".join(given or ["device='cuda'"]))
+        return _max_speed(captured, example_inputs)
+    scheduler = scheduler or ("hios-lp" if devices != 1 else DEFAULT_SCHEDULER[device])
     graph = captured.graph
     if costs is None and profile is not None:
         from opweave.costs.profile import load_for
@@ -173,9 +194,145 @@ def compile_captured(captured, example_inputs, *, scheduler: str = "opara", devi
         from opweave.backends.cuda import default_streams
 
         streams = default_streams()  # more lanes than the GPU's hardware queues only add false dependencies
-    sched, plan = plan_for(graph, costs, scheduler, streams=streams)
-    backend, fused = backend_for(captured, plan, device, fuse=fuse, example_inputs=example_inputs, **backend_options)
+    threads = None
+    if device == "cpu":
+        from opweave.backends import threads as cpu_threads
+
+        streams = streams or cpu_threads.cores()  # one lane per core the lanes' threads can run on
+    sched, plan = plan_for(graph, costs, scheduler, streams=streams, **(scheduler_options or {}))
+    if device == "cpu" and sched.streams_used > 1:
+        from opweave.backends.simulate import simulate
+
+        threads = cpu_threads.op_threads(simulate(graph, plan, costs))
+    backend, fused = backend_for(captured, plan, device, fuse=fuse, example_inputs=example_inputs, threads=threads,
+                                 **backend_options)
     return Compiled(graph, costs, sched, plan, backend, device, captured, fused=fused)
+
+
+# ---- mode="max-speed" on the CPU: the fastest of a bounded set of plans, measured ---------------------------------
+def _candidates(sync_ms: float) -> list[dict]:
+    """The plans max-speed tries: one lane (the caller's threads) or one lane per core (HEFT at two sync costs),
+    each unfused and with every segment compiler present; Inductor's segments compile slowly, so once per plan."""
+    from opweave.backends.compilers import available
+
+    fuses = [None, *available()]
+    out = [{"scheduler": "sequential", "fuse": f, "sync_ms": None} for f in fuses]
+    syncs = {None: (1, 4), "onnxruntime": (1, 4, 16), "inductor": (4,)}  # a segment boundary costs ORT a call
+    for f in fuses:
+        out += [{"scheduler": "heft", "fuse": f, "sync_ms": round(k * sync_ms, 4)} for k in syncs[f]]
+    return out
+
+
+def _label(c: dict) -> str:
+    return c["scheduler"] + (f"+{c['fuse']}" if c["fuse"] else "") + (
+        f" sync {c['sync_ms']}" if c["sync_ms"] is not None else "")
+
+
+def _build(captured, example_inputs, candidate: dict, costs: Costs) -> Compiled:
+    options = {"sync_ms": candidate["sync_ms"]} if candidate["sync_ms"] is not None else None
+    return compile_captured(captured, example_inputs, scheduler=candidate["scheduler"], device="cpu",
+                            streams=1 if candidate["scheduler"] == "sequential" else None, costs=costs,
+                            coarsen=False, fuse=candidate["fuse"], scheduler_options=options)
+
+
+def _max_speed(captured, example_inputs: tuple, rounds: int = 5, runs: int = 3) -> Compiled:
+    """``mode="max-speed"``: build every plan of :func:`_candidates` on costs measured at one thread per op (the
+    budget of a lane when the lanes fill the cores; eager's kernels, or ONNX Runtime's for its plans:
+    :func:`opweave.backends.segments.op_latencies`), keep those whose output equals eager's
+    (:func:`opweave.outputs.compare`), time them interleaved (``rounds`` rounds of ``runs`` calls each, after two
+    warm-up calls), and keep the fastest by median. The choice, with the costs it was planned on, is cached per
+    model and machine (:mod:`opweave.choices`), so the next compile builds that plan alone (and searches again if
+    it no longer equals eager). A transient progress bar on standard error shows the search."""
+    import dataclasses
+    import statistics
+    import time
+
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from opweave import choices
+    from opweave.backends.threads import sync_cost_ms
+    from opweave.costs.profile import profile_model
+    from opweave.outputs import compare
+
+    graph = captured.graph
+    with torch.no_grad():
+        env = captured.bind(example_inputs)
+        for op in graph.topo_order:
+            captured.run_op(op, env)
+        reference = captured.output(env)
+    key = choices.key(captured, example_inputs)
+    known = choices.load(key)
+    if known is not None:
+        costs = dataclasses.replace(_roofline(graph, "cpu", "ideal"), latency_ms=known["latency_ms"])
+        chosen = _build(captured, example_inputs, known["candidate"], costs)
+        with torch.no_grad():
+            if compare(reference, chosen(*example_inputs)).ok:
+                chosen.choice = {**known, "cached": True}
+                return chosen
+        chosen.close()
+    candidates = _candidates(sync_cost_ms())
+    eager_ms = profile_model(captured, example_inputs, device="cpu", repeats=5, warmup=1, threads=1).latency_ms
+    latencies = {fuse: eager_ms for fuse in {c["fuse"] for c in candidates}}
+    if "onnxruntime" in latencies:  # its kernels are timed as they will run (segments.op_latencies)
+        from opweave.backends.segments import op_latencies
+
+        latencies["onnxruntime"] = op_latencies(captured, example_inputs, "onnxruntime")
+    roofline = _roofline(graph, "cpu", "ideal")
+    built: dict[str, Compiled] = {}
+    measured: dict[str, dict] = {}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(f"{graph.name}: max-speed, building", total=len(candidates) + rounds)
+        for candidate in candidates:
+            label = _label(candidate)
+            bar.update(task, description=f"{graph.name}: max-speed, building {label}")
+            start = time.perf_counter()
+            costs = dataclasses.replace(roofline, latency_ms=latencies[candidate["fuse"]])
+            try:
+                fast = _build(captured, example_inputs, candidate, costs)
+                with torch.no_grad():
+                    check = compare(reference, fast(*example_inputs))
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot be built is left out, and said so
+                text = str(exc).strip().splitlines()
+                measured[label] = {"error": f"{type(exc).__name__}: {text[0][:200] if text else ''}"}
+            else:
+                measured[label] = {"build_s": round(time.perf_counter() - start, 2), "ok": check.ok}
+                if check.ok:
+                    built[label] = fast
+                else:
+                    measured[label]["wrong"] = check.reason
+                    fast.close()
+            bar.advance(task)
+        if not built:
+            raise UsageError(f"{graph.name}: no max-speed candidate equals eager: {measured}")
+        bar.update(task, description=f"{graph.name}: max-speed, timing {len(built)} plans")
+        times: dict[str, list[float]] = {label: [] for label in built}
+        with torch.inference_mode():
+            for fast in built.values():
+                fast(*example_inputs)
+                fast(*example_inputs)
+            for _ in range(rounds):
+                for label, fast in built.items():
+                    for _ in range(runs):
+                        start = time.perf_counter()
+                        fast(*example_inputs)
+                        times[label].append((time.perf_counter() - start) * 1e3)
+                bar.advance(task)
+    for label, ts in times.items():
+        measured[label]["median_ms"] = round(statistics.median(ts), 4)
+    best = min(times, key=lambda label: measured[label]["median_ms"])
+    for label, fast in built.items():
+        if label != best:
+            fast.close()
+    candidate = next(c for c in candidates if _label(c) == best)
+    choice = {"candidate": candidate, "label": best, "latency_ms": latencies[candidate["fuse"]],
+              "candidates": measured}
+    choices.save(key, choice)
+    chosen = built[best]
+    chosen.choice = {**choice, "cached": False}
+    return chosen
 
 
 # ---- several devices (HIOS): one rank process per device -------------------------------------------------------

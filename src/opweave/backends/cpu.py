@@ -32,43 +32,92 @@ from typing import Any
 
 import torch
 
+from opweave.backends.lanecode import LaneCode, Stopped
 from opweave.backends.program import Lane, Program, Step, Walker
+from opweave.backends.threads import budgets, enter_budget, restore_default
 from opweave.errors import UsageError
 from opweave.plan.launchplan import LaunchPlan
 
 
 class CpuBackend:
-    """A plan on worker threads, one per lane (module docstring). ``stats``: ``calls``. ``close()`` stops the
-    workers (also done when the backend is collected or the interpreter exits); a closed backend refuses calls."""
+    """A plan on worker threads, one per lane, each running its lane's generated code (module docstring).
+    ``stats``: ``calls``. ``close()`` stops the workers (also done when the backend is collected or the interpreter
+    exits); a closed backend refuses calls. ``threads`` (op -> intra-op threads) sets each op's budget
+    (:func:`opweave.backends.threads.op_threads`); without it the lanes share the cores evenly
+    (:func:`opweave.backends.threads.budgets`). A single lane runs in the caller's thread with the caller's own
+    thread count."""
 
-    def __init__(self, captured, plan: LaunchPlan):
-        self.captured = captured
+    def __init__(self, runner, plan: LaunchPlan, threads: dict[str, int] | None = None):
+        self.captured = runner
         self.program = Program.from_plan(plan)
         self.stats = {"calls": 0}
-        self._lock = threading.Lock()  # one call at a time: the workers share one environment per call
-        self._workers = {lane: LaneWorker(lane, steps, captured) for lane, steps in self.program.lanes.items()}
+        lanes = sorted(self.program.lanes)
+        if len(lanes) > 1 and threads is None:
+            share = budgets(lanes)
+            threads = {step.op: share[lane] for lane, step in self.program.issue_order if step.kind == "launch"}
+        self.code = LaneCode(runner, self.program, threads if len(lanes) > 1 else None)
+        self._lock = threading.Lock()  # one call at a time: the workers share one call's slots
+        self._workers = []
+        if len(lanes) > 1:
+            default = torch.get_num_threads()
+            self._workers = [CodeWorker(lane, self.code) for lane in lanes]
+            for worker in self._workers:
+                worker.ready.wait()
+            restore_default(default)  # the workers' set_num_threads also set the process-wide default
         # Stop the workers when the backend is collected or the interpreter exits: a thread that used torch's
         # intra-op pool and is still alive at teardown aborts the process ("terminate called without an active
         # exception").
-        self.close = weakref.finalize(self, stop_workers, list(self._workers.values()))
+        self.close = weakref.finalize(self, stop_workers, list(self._workers))
 
     def __call__(self, *args) -> Any:
         with self._lock, torch.no_grad():
             if not self.close.alive:  # its workers are gone: the call would wait for them forever
                 raise UsageError(f"{self.captured.graph.name}: this CPU backend was closed")
             self.stats["calls"] += 1
-            env = self.captured.bind(args)
-            call = Call(env, self.program.num_signals, len(self._workers))
-            if len(self._workers) == 1:  # a single lane needs no threads
-                (worker,) = self._workers.values()
-                worker.run_call(call)
-                return self.captured.output(env)
-            for worker in self._workers.values():
+            slots = self.code.bind(args)
+            call = Call(slots, self.program.num_signals, len(self._workers))
+            if not self._workers:  # a single lane needs no threads
+                ((lane, function),) = self.code.functions.items()
+                try:
+                    function(slots, call)
+                except Exception as exc:
+                    raise self.code.error(lane, exc) from exc
+                return self.code.output(slots)
+            for worker in self._workers:
                 worker.inbox.put(call)
             call.done.wait()
             if call.errors:
                 raise call.errors[0]
-            return self.captured.output(env)
+            return self.code.output(slots)
+
+
+class CodeWorker:
+    """A long-lived thread that runs one lane's generated function (:class:`~opweave.backends.lanecode.LaneCode`)
+    for every :class:`Call` put in its inbox (``None`` stops it), under ``no_grad``. It sets its own intra-op
+    thread count once it starts (:func:`opweave.backends.threads.enter_budget`); the generated code changes it
+    between ops when the plan's budgets say so."""
+
+    def __init__(self, lane: Lane, code: LaneCode):
+        self.lane, self.code = lane, code
+        self.function = code.functions[lane]
+        self.ready = threading.Event()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=f"opweave-d{lane[0]}s{lane[1]}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        enter_budget(1)
+        self.ready.set()
+        with torch.no_grad():
+            while (call := self.inbox.get()) is not None:
+                try:
+                    self.function(call.env, call)
+                except Stopped:
+                    pass
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    call.fail(self.code.error(self.lane, exc))
+                finally:
+                    call.lane_finished()
 
 
 def stop_workers(workers: list[LaneWorker]) -> None:

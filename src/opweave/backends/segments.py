@@ -60,7 +60,6 @@ Per-segment compilation works on every torch with Inductor and keeps the validat
 
 from __future__ import annotations
 
-import inspect
 import operator
 import threading
 import time
@@ -73,13 +72,13 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from opweave.backends.cache import BoundedCache, signature
+from opweave.backends.compilers import get as get_compiler
 from opweave.capture.coarsen import merge_ops
 from opweave.capture.runtime import Captured
-from opweave.errors import CaptureError, UsageError
+from opweave.errors import CaptureError
 from opweave.plan.launchplan import LaunchPlan
 from opweave.plan.semantics import Lane
 
-COMPILERS = ("inductor", "eager")  # "eager": each segment's GraphModule runs uncompiled, as a check
 MAX_SIGNATURES = 8  # compiled graphs kept per segment; later signatures run op by op
 _COMPILE_LOCK = threading.Lock()  # Inductor's compile is not thread-safe; CPU lanes may meet a new signature at once
 
@@ -111,15 +110,19 @@ def segment_plan(plan: LaunchPlan, groups: list[list[str]]) -> LaunchPlan:
                        for ins in plan.instrs if ins.kind != "launch" or segment_of[ins.op] == ins.op])
 
 
-def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inductor") -> tuple[Segmented, LaunchPlan]:
+def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inductor",
+                  threads: dict[str, int] | None = None) -> tuple[Segmented, LaunchPlan]:
     """The :class:`Segmented` model of ``plan``'s segments and the plan that launches them (see the module
-    docstring). ``plan`` must have passed the validator for ``captured.graph``."""
-    if compiler not in COMPILERS:
-        raise UsageError(f"fuse must be one of {', '.join(COMPILERS)} (or None), got {compiler!r}")
+    docstring). ``plan`` must have passed the validator for ``captured.graph``. ``compiler`` names a
+    :mod:`~opweave.backends.compilers` compiler; ``threads`` (op -> intra-op threads, :func:`opweave.backends.threads.
+    op_threads`) gives each segment the smallest budget of its ops (the compiler's thread count; default 1 per op
+    when some are given, the compiler's own default otherwise)."""
+    get_compiler(compiler)  # refuses an unknown name before anything is built
     groups = segment_groups(plan)
     merged = merge_ops(captured, groups)
+    budget = {group[0]: min(threads.get(op, 1) for op in group) for group in groups} if threads else {}
     segmented = Segmented(merged.graph, merged.gm, merged.nodes, signature=merged.signature,
-                          example_inputs=merged.example_inputs, compiler=compiler)
+                          example_inputs=merged.example_inputs, compiler=compiler, threads=budget)
     return segmented, segment_plan(plan, groups)
 
 
@@ -133,6 +136,7 @@ class Segmented(Captured):
     """
 
     compiler: str = "inductor"
+    threads: dict[str, int] = field(default_factory=dict)  # segment -> the intra-op threads it is compiled for
     stats: dict = field(default_factory=dict)
     _segments: dict[str, _Segment] = field(init=False, repr=False)
 
@@ -147,6 +151,13 @@ class Segmented(Captured):
     def run_op(self, op_id: str, env: dict[str, Any]) -> None:
         """Run segment ``op_id``: its compiled graph for the current input signature (compiled on first sight)."""
         self._segments[op_id](env)
+
+    def emit(self, op_id: str, graph: fx.Graph, load) -> dict[fx.Node, fx.Node]:
+        """Generated lane code (:mod:`opweave.backends.lanecode`): one call of segment ``op_id`` on its inputs,
+        then one ``getitem`` per output node."""
+        segment = self._segments[op_id]
+        call = graph.call_function(segment.run, tuple(load(n) for n in segment.inputs))
+        return {node: graph.call_function(operator.getitem, (call, i)) for i, node in enumerate(segment.outputs)}
 
     def run_unfused(self, op_id: str, env: dict[str, Any]) -> None:
         """Run segment ``op_id`` node by node, as :meth:`Captured.run_op` runs an op."""
@@ -185,12 +196,16 @@ class _Segment:
         self.inputs = list(inputs)
         self.outputs = [n for n in members if any(u not in inside for u in n.users)]
         self.input_keys = [n.name for n in self.inputs]
+        self.output_keys = [n.name for n in self.outputs]
         # signature -> compiled graph (None: the compiler failed); full at MAX_SIGNATURES, never evicting (docstring)
         self.compiled = BoundedCache(MAX_SIGNATURES)
         self.warned = False
 
     def __call__(self, env: dict[str, Any]) -> None:
-        values = [env[k] for k in self.input_keys]
+        env.update(zip(self.output_keys, self.run(*[env[k] for k in self.input_keys]), strict=True))
+
+    def run(self, *values: Any) -> list[Any]:
+        """The segment's output values (in the order of ``outputs``) for its input values."""
         key, _ = signature(values, strides=True)
         compiled = self.compiled.get(key, False)
         if compiled is False:
@@ -206,19 +221,24 @@ class _Segment:
                 elif compiled is False:
                     compiled = self.compiled[key] = self._compile(values)
         if compiled is None:
+            env = dict(zip(self.input_keys, values, strict=True))
             self.owner.run_unfused(self.seg, env)
-            return
+            return [env[k] for k in self.output_keys]
         try:
-            results = compiled.fn(*[leaf for v in values for leaf in pytree.tree_leaves(v)
-                                    if isinstance(leaf, torch.Tensor)])
+            results = compiled.fn(*(values if compiled.tensor_inputs else
+                                    [leaf for v in values for leaf in pytree.tree_leaves(v)
+                                     if isinstance(leaf, torch.Tensor)]))
         except Exception as exc:
             raise CaptureError(f"{self.owner.graph.name}: segment {self.seg!r} ({len(self.owner.nodes[self.seg])} "
                                f"fx nodes) failed in its compiled graph: {type(exc).__name__}: "
                                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
-        position = 0
-        for name, (spec, count) in zip(compiled.output_keys, compiled.output_specs, strict=True):
-            env[name] = pytree.tree_unflatten(list(results[position:position + count]), spec)
+        if compiled.flat:
+            return results
+        outputs, position = [], 0
+        for spec, count in compiled.output_specs:
+            outputs.append(pytree.tree_unflatten(list(results[position:position + count]), spec))
             position += count
+        return outputs
 
     def _compile(self, values: list[Any]) -> _Compiled | None:
         """Compile the segment for these input values; None (with a warning) when the compiler fails. An error
@@ -233,7 +253,8 @@ class _Segment:
         try:
             gm, specs = self._graph_module(values, examples)
             inputs = [leaf for v in values for leaf in pytree.tree_leaves(v) if isinstance(leaf, torch.Tensor)]
-            fn = _inductor(gm, inputs) if self.owner.compiler == "inductor" else gm
+            threads = self.owner.threads.get(self.seg) or torch.get_num_threads()  # one lane: the caller's
+            fn = get_compiler(self.owner.compiler)(gm, inputs, threads)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run this segment op by op
             self.owner.stats["fallbacks"] += 1
             text = str(exc).strip().splitlines()
@@ -244,7 +265,8 @@ class _Segment:
         finally:
             self.owner.stats["compile_s"] += time.perf_counter() - start
         self.owner.stats["compiles"] += 1
-        return _Compiled(fn, [n.name for n in self.outputs], specs)
+        flat = all(spec.is_leaf() and count == 1 for spec, count in specs)
+        return _Compiled(fn, specs, flat, all(isinstance(v, torch.Tensor) for v in values))
 
     def _graph_module(self, values: list[Any], examples: list[Any]) -> tuple[fx.GraphModule, list[tuple]]:
         """The segment as a GraphModule over the tensor leaves of ``values``, returning the leaves of the outputs
@@ -279,26 +301,12 @@ class _Segment:
         return fx.GraphModule(self.owner.gm, graph), specs
 
 
-def _inductor(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
-    """``gm`` compiled by TorchInductor for ``inputs`` (static shapes), without Inductor's CUDA graphs.
-
-    As ``torch._inductor.compile``, but inside a tracing context whose fake mode has a ShapeEnv: without one
-    Inductor bypasses its FX graph cache ("No shape env"), and identical segments would each compile again."""
-    from torch._guards import TracingContext, tracing
-    from torch._inductor.compile_fx import compile_fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    static = {"ignore_shape_env": True} if "ignore_shape_env" in inspect.signature(compile_fx).parameters else {}
-    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), torch.no_grad():
-        return compile_fx(gm, inputs, config_patches={"triton.cudagraphs": False}, **static)
-
-
 @dataclass
 class _Compiled:
     fn: Any
-    output_keys: list[str]
     output_specs: list[tuple]
+    flat: bool  # every output is one leaf: the compiled function's results are the outputs as they are
+    tensor_inputs: bool  # every input is a tensor: passed as they are
 
 
 def _key(key) -> Any:
@@ -312,3 +320,29 @@ def _attr(module, path: list[str]):
     for part in path:
         module = getattr(module, part)
     return module
+
+
+def op_latencies(captured: Captured, inputs: tuple, compiler: str, threads: int = 1, repeats: int = 5) -> dict:
+    """Each op's latency (ms, median of ``repeats`` after one warm-up) when compiled alone by ``compiler`` and run
+    on ``threads`` intra-op threads: the costs to plan a ``fuse=compiler`` model with, since a compiler's kernels
+    differ from eager's in more than speed (ONNX Runtime's layout changes make a convolution several times faster
+    than eager's at batch 1, an elementwise op hardly at all). Every op is one segment here; ops the compiler
+    cannot take alone run op by op (their eager time)."""
+    from opweave.costs import timing
+
+    order = captured.graph.topo_order
+    merged = merge_ops(captured, [[op] for op in order])
+    single = Segmented(merged.graph, merged.gm, merged.nodes, signature=merged.signature,
+                       example_inputs=merged.example_inputs, compiler=compiler, threads=dict.fromkeys(order, threads))
+    caller = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            env = single.bind(tuple(inputs))
+            for op in order:
+                single.run_op(op, env)
+            return {op: timing.median_ms(lambda op=op: single.run_op(op, env), runs=repeats, warmup=1)
+                    for op in order}
+    finally:
+        torch.set_num_threads(caller)

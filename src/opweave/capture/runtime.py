@@ -106,6 +106,15 @@ class Captured:
             except Exception as exc:
                 raise self._failure(op_id, name, exc, env) from exc
 
+    def emit(self, op_id: str, graph: fx.Graph, load: Callable[[fx.Node], fx.Node]) -> dict[fx.Node, fx.Node]:
+        """Copy op ``op_id``'s fx nodes into ``graph`` (generated lane code, :mod:`opweave.backends.lanecode`);
+        ``load(node)`` gives the node in ``graph`` that holds a value from outside the op. Returns each of the op's
+        nodes with its copy."""
+        made: dict[fx.Node, fx.Node] = {}
+        for node in self.nodes[op_id]:
+            made[node] = graph.node_copy(node, lambda a: made[a] if a in made else load(a))
+        return made
+
     def _failure(self, op_id: str, name: str, exc: Exception, env: dict[str, Any]) -> CaptureError:
         """The error of a failed op: the op, what it runs on which tensors (dtype and shape), and its fx node as
         ``torch.fx.Interpreter`` names it."""

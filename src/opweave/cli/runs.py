@@ -67,16 +67,19 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
 @guard
 def profile(model: Annotated[str, typer.Option("--model")] = "inception_v3",
             device: Annotated[str, typer.Option(help="cuda | cpu | auto")] = "cuda", batch_size: BatchOpt = 1,
-            output: Annotated[Path | None, typer.Option("-o", "--output")] = None, coarsen: CoarsenOpt = True):
+            output: Annotated[Path | None, typer.Option("-o", "--output")] = None, coarsen: CoarsenOpt = True,
+            threads: Annotated[int, typer.Option(min=1, help="CPU: intra-op threads per op (a lane's budget when "
+                                                            "the lanes fill the cores)")] = 1):
     """Measure each op's latency (and kernel resources on CUDA) and save a profile the cost model loads (of the
-    coarsened graph, as compile and bench schedule it, unless --no-coarsen)."""
+    coarsened graph, as compile and bench schedule it, unless --no-coarsen). On the CPU each op is timed on
+    --threads intra-op threads, the budget a lane runs it with."""
     from opweave.bench import resolve_device
     from opweave.capture import load
     from opweave.costs.profile import profile_model
 
     device = resolve_device(device)
     _, inputs, captured = load(model, batch_size=batch_size, device=device, coarsen=coarsen)
-    prof = profile_model(captured, inputs, device=device)
+    prof = profile_model(captured, inputs, device=device, threads=threads if device == "cpu" else None)
     path = output or Path(f"{model}-b{batch_size}-{device}.profile.json")
     prof.save(path)
     err.print(f"wrote {path}")

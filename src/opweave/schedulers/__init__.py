@@ -26,10 +26,10 @@ _MODULES: dict[str, tuple[str, dict]] = {
     "opara": ("opara", {}),
     "lios": ("lios", {}),
     "ios": ("ios", {}),
-    "heft": ("heft", {}),
     "top-gpg": ("top_gpg", {}),
     "hios-lp": ("hios", {"variant": "lp"}),
     "hios-mr": ("hios", {"variant": "mr"}),
+    "heft": ("heft", {}),
 }
 MULTI_DEVICE = ("hios-lp", "hios-mr")
 

@@ -46,11 +46,14 @@ RUNS_PER_TRACE = 4000  # op runs per profiler trace: ~10 trace events each, a fe
 
 
 def profile_model(captured, inputs: Sequence, *, device: str = "cuda", repeats: int = 50, warmup: int = 5,
-                  ridge_flops_per_byte: float | None = None) -> Profile:
+                  ridge_flops_per_byte: float | None = None, threads: int | None = None) -> Profile:
     """Profile every op of ``captured`` (see :func:`opweave.capture.capture`) on ``inputs``.
 
     ``ridge_flops_per_byte`` overrides the device's ridge point (peak FLOP/s over bandwidth) used to check each op's
     category; without it the roofline preset of the device is used (none for an unknown GPU: no check).
+    ``threads`` (CPU): time every op on that many intra-op threads, the budget of the lane that will run it
+    (:mod:`opweave.backends.threads`: one per lane when the lanes fill the cores); default: the caller's count. The
+    profile records it.
     Cost: one run of the model, then (warmup + repeats) runs of every op, on CUDA under the profiler.
     """
     if device not in ("cpu", "cuda"):
@@ -64,15 +67,23 @@ def profile_model(captured, inputs: Sequence, *, device: str = "cuda", repeats: 
     if wrong:
         raise UsageError(f"profiling on {device}, but the model or its inputs are on {wrong[0]}; move them first "
                          f"(model.to({device!r}), inputs too) and capture again")
-    with torch.no_grad():
-        env = full_env(captured, inputs)
-        if device == "cuda":
-            latency, by_op = _gpu_latencies(captured, env, repeats, warmup)
-        else:
-            latency, by_op = {op: _cpu_median_ms(captured, op, env, repeats, warmup) for op in graph.topo_order}, {}
+    caller_threads = torch.get_num_threads()
+    if device == "cpu" and threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            env = full_env(captured, inputs)
+            if device == "cuda":
+                latency, by_op = _gpu_latencies(captured, env, repeats, warmup)
+            else:
+                latency = {op: _cpu_median_ms(captured, op, env, repeats, warmup) for op in graph.topo_order}
+                by_op = {}
+    finally:
+        torch.set_num_threads(caller_threads)
     props = cuda_properties() if device == "cuda" else {}
     prof = Profile(key=profile_key(graph.name, inputs, device, model_dtype(captured, inputs)), latency_ms=latency,
-                   device_properties=props, repeats=repeats, warmup=warmup)
+                   device_properties=props, repeats=repeats, warmup=warmup,
+                   threads=(threads or caller_threads) if device == "cpu" else None)
     for op, launched in by_op.items():
         prof.kernels[op] = [{**k, **occupancy(k, props)} for k in launched]
         if prof.kernels[op]:

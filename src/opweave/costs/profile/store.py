@@ -69,6 +69,7 @@ class Profile:
     device_properties: dict = field(default_factory=dict)
     repeats: int = 0
     warmup: int = 0
+    threads: int | None = None  # CPU: the intra-op threads each op was timed with
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, **asdict(self)}

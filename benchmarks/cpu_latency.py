@@ -1,0 +1,417 @@
+"""Latency on the CPU: opweave's modes beside what a CPU user already runs, every zoo model, batch 1 and 8.
+
+    .venv/bin/python benchmarks/cpu_latency.py [--quick] [--models a,b|all|acceptance] [--batch-sizes 1,8]
+                                               [--modes m1;m2] [--runs 40] [--rounds 8] [--check-only] [--out DIR]
+
+Modes (``--modes``, separated by ``;``; default :data:`DEFAULT_MODES`):
+
+* ``eager`` — ``model(*inputs)`` under ``torch.inference_mode``;
+* ``torch.compile`` — TorchInductor's C++ backend, default mode; ``torch.compile freezing`` — the same with
+  ``torch._inductor.config.freezing`` (parameters folded in as constants, weights prepacked);
+* ``onnxruntime`` — the model exported once with ``torch.onnx`` (TorchScript exporter) and run by one
+  ``InferenceSession``, sequential executor, intra-op threads = the cores (ORT's default);
+  ``onnxruntime parallel`` — ORT's own inter-operator executor (``ORT_PARALLEL``; one intra-op thread, inter-op
+  threads = the cores);
+* ``opweave SCHEDULER[+COMPILER]`` — ``opweave.compile(model, inputs, scheduler=SCHEDULER, fuse=COMPILER)`` on the
+  CPU. ``sequential`` is one lane on the caller's thread (its own thread count); the other schedulers plan one lane
+  per core, and each op (or segment) gets the threads its lane may use while it runs (``opweave.backends.threads``).
+  COMPILER: none (the coarsened ops, each lane one generated Python function), ``inductor`` (each segment compiled
+  and frozen by TorchInductor) or ``onnxruntime`` (each segment one ORT session);
+* ``opweave max-speed`` — ``opweave.compile(..., mode="max-speed")``: opweave's own search over those plans
+  (its choice is cached per model and machine: the latency phase reads it back);
+* ``opweave default`` — ``opweave.compile(model, inputs)`` with no option.
+
+Every mode is built and checked against eager first, each in its own spawned child with an empty Inductor cache
+(``compile_s``: the cold build, model capture and exports included), then again in a second child on that cache
+(``warm_s``; modes that compile with Inductor). An output is ``ok`` when it equals eager's within 1e-4 of each
+tensor's scale (:func:`opweave.outputs.compare`). Then one child per model and batch builds every mode that
+passed (on the merged caches) and times them **interleaved**: round-robin warm-up calls for ``--warmup-s``
+seconds, then ``--rounds`` rounds in which every mode runs its share of ``--runs`` calls (``perf_counter`` around
+the whole call); per mode the median and the minimum. On a shared machine whose load moves timings tenfold within
+minutes, only modes exposed to the same load are comparable; ratios of medians are what the summary reports.
+
+Writes ``DIR/cpu_latency.json`` (machine, settings, rows, summary), ``DIR/cpu_latency.png`` and
+``DIR/cpu_latency.md`` (the README's table). ``--check-only``: builds and checks only (``cpu_latency_check.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import _common as common
+
+ACCEPTANCE_MODELS = ("inception_v3", "googlenet", "nasnet_a_mobile", "randwire")
+PEERS = ("eager", "torch.compile", "torch.compile freezing", "onnxruntime", "onnxruntime parallel")
+OPWEAVE = ("opweave sequential", "opweave heft", "opweave sequential+onnxruntime", "opweave heft+onnxruntime",
+           "opweave sequential+inductor", "opweave heft+inductor", "opweave max-speed", "opweave default")
+DEFAULT_MODES = PEERS + OPWEAVE
+QUICK_MODES = ("eager", "onnxruntime", "opweave sequential", "opweave heft", "opweave heft+onnxruntime",
+               "opweave default")
+TOLERANCE = 1e-4
+INDUCTOR_MODES = ("torch.compile", "torch.compile freezing")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="deepfm and squeezenet at batch 1, a few modes, few runs")
+    p.add_argument("--models", help="comma list of zoo models, 'all' or 'acceptance' (default all)")
+    p.add_argument("--batch-sizes", default="1,8", help="comma list (default %(default)s)")
+    p.add_argument("--modes", help="modes separated by ';' (default: every mode in the module docstring)")
+    p.add_argument("--bert-layers", type=int, default=2, help="layers of bert_base (default %(default)s)")
+    p.add_argument("--runs", type=int, default=40, help="timed calls per mode (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default %(default)s)")
+    p.add_argument("--warmup-s", type=float, default=10.0, help="round-robin warm-up (default %(default)s s)")
+    p.add_argument("--check-only", action="store_true", help="build and check every mode, no latency phase")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="give up on one child after this long")
+    p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory for the results")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models = args.models or "deepfm,squeezenet"
+        args.batch_sizes, args.runs, args.rounds, args.warmup_s = "1", 6, 2, 0.5
+        args.modes = args.modes or ";".join(QUICK_MODES)
+    args.modes = [m.strip() for m in args.modes.split(";")] if args.modes else list(DEFAULT_MODES)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.rounds = max(1, min(args.rounds, args.runs))
+    return args
+
+
+def model_names(args: argparse.Namespace) -> list[str]:
+    from opweave import zoo
+
+    if args.models in (None, "all"):
+        return zoo.names()
+    if args.models == "acceptance":
+        return list(ACCEPTANCE_MODELS)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in zoo.names()]
+    if unknown:
+        raise SystemExit(f"unknown model {unknown[0]!r}; zoo: {', '.join(zoo.names())}")
+    return names
+
+
+# ---- building one mode (in a child) ---------------------------------------------------------------------------
+def create(name: str, batch: int, args: argparse.Namespace):
+    from opweave import zoo
+
+    return zoo.create(name, batch_size=batch, **({"num_layers": args.bert_layers} if name == "bert_base" else {}))
+
+
+def onnxruntime_session(model, inputs, parallel: bool) -> Callable:
+    """The whole model exported with torch.onnx and one ORT session; called like the model (outputs as tensors)."""
+    import torch
+
+    from opweave.backends.compilers import export_onnx, import_onnxruntime
+    from opweave.backends.threads import cores
+
+    ort = import_onnxruntime()
+    with torch.no_grad():
+        outputs = model(*inputs)
+    count = len(outputs) if isinstance(outputs, (tuple, list)) else 1
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if parallel:
+        options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+        options.intra_op_num_threads, options.inter_op_num_threads = 1, cores()
+    session = ort.InferenceSession(export_onnx(model, list(inputs), count), options,
+                                   providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+
+    def run(*xs):
+        out = [torch.from_numpy(a) for a in session.run(None, {n: x.numpy() for n, x in zip(names, xs, strict=True)})]
+        return out[0] if count == 1 and not isinstance(outputs, (tuple, list)) else type(outputs)(out)
+
+    return run
+
+
+def build(model, inputs, mode: str) -> tuple[Callable, dict]:
+    """The callable of ``mode`` and what building it recorded; the first call is made here (compilers compile in
+    it)."""
+    import torch
+
+    import opweave
+
+    info: dict = {}
+    if mode == "eager":
+        return model, info
+    if mode in INDUCTOR_MODES:
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(freezing=mode.endswith("freezing")), torch.inference_mode():
+            fn = torch.compile(model)
+            fn(*inputs)
+        return fn, info
+    if mode.startswith("onnxruntime"):
+        return onnxruntime_session(model, inputs, parallel=mode.endswith("parallel")), info
+    if mode == "opweave default":
+        fast = opweave.compile(model, inputs)
+    elif mode == "opweave max-speed":
+        fast = opweave.compile(model, inputs, device="cpu", mode="max-speed")
+    else:
+        scheduler, _, fuse = mode.removeprefix("opweave ").partition("+")
+        fast = opweave.compile(model, inputs, scheduler=scheduler, device="cpu", fuse=fuse or None,
+                               streams=1 if scheduler == "sequential" else None)
+    info.update(scheduler=fast.schedule.scheduler, ops=len(fast.graph), lanes=fast.schedule.streams_used,
+                syncs=fast.plan.syncs)
+    if fast.fused is not None:
+        info.update(fuse=fast.fused.compiler, segments=fast.fused.stats["segments"],
+                    in_compiler_s=round(fast.fused.stats["compile_s"], 2), fallbacks=fast.fused.stats["fallbacks"])
+    if getattr(fast, "choice", None):
+        info["choice"] = fast.choice
+    return fast, info
+
+
+def build_and_check(name: str, batch: int, mode: str, args: argparse.Namespace) -> dict:
+    """Phase 1 (in a child): build ``mode`` and compare its output with eager's."""
+    import torch
+
+    from opweave.outputs import compare
+
+    model, inputs = create(name, batch, args)
+    with torch.inference_mode():
+        reference = model(*inputs)
+    start = time.perf_counter()
+    fn, info = build(model, inputs, mode)
+    build_s = time.perf_counter() - start
+    with torch.inference_mode():
+        check = compare(reference, fn(*inputs), tolerance=TOLERANCE)
+    return {"model": name, "batch": batch, "mode": mode, "compile_s": round(build_s, 2), **info,
+            "max_abs_diff": check.max_diff, "ok": check.ok, **({"wrong": check.reason} if not check.ok else {})}
+
+
+def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Phase 2 (in a child): every mode built (untimed), then timed interleaved (module docstring)."""
+    import torch
+
+    from opweave.costs import timing
+
+    model, inputs = create(name, batch, args)
+    fns = {mode: build(model, inputs, mode)[0] for mode in modes}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    per_round = [args.runs // args.rounds + (i < args.runs % args.rounds) for i in range(args.rounds)]
+    with torch.inference_mode():
+        deadline = time.perf_counter() + args.warmup_s
+        while True:
+            for fn in fns.values():
+                fn(*inputs)
+            if time.perf_counter() >= deadline:
+                break
+        for runs in per_round:
+            for mode, fn in fns.items():
+                times[mode] += timing.times_ms(lambda fn=fn: fn(*inputs), runs=runs, warmup=0)
+    return {mode: {"median_ms": statistics.median(ts), "min_ms": min(ts)} for mode, ts in times.items()}
+
+
+# ---- children ------------------------------------------------------------------------------------------------
+def _child(conn, fn: Callable, fn_args: tuple, env: dict) -> None:
+    os.environ.update(env)  # read when torch._inductor's config and opweave's cache are first used
+    try:
+        conn.send(("ok", fn(*fn_args)))
+    except BaseException as exc:  # reported as an error row, the other modes stand
+        conn.send(("error", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
+    finally:
+        conn.close()
+
+
+def in_child(fn: Callable, fn_args: tuple, env: dict, timeout_s: float) -> tuple[str, object]:
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(send, fn, fn_args, env), daemon=True)
+    child.start()
+    send.close()
+    try:
+        if not receive.poll(timeout_s):
+            return "error", f"timed out after {timeout_s:.0f} s"
+        return receive.recv()
+    except EOFError:
+        return "error", f"child died with exit code {child.exitcode}"
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        receive.close()
+
+
+def measure(name: str, batch: int, args: argparse.Namespace, tmp: Path) -> list[dict]:
+    """Both phases for one model and batch: one row per mode."""
+    rows, caches = [], []
+    for i, mode in enumerate(args.modes):
+        cache = tmp / f"{name}-b{batch}-{i}"
+        caches.append(cache)
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "OPWEAVE_CACHE_DIR": str(cache / "opweave")}
+        common.console.print(f"{name} batch {batch}: build and check {mode}", style="dim")
+        status, row = in_child(build_and_check, (name, batch, mode, args), env, args.timeout_s)
+        if status != "ok":
+            rows.append({"model": name, "batch": batch, "mode": mode, "error": row})
+            continue
+        if mode in INDUCTOR_MODES or mode.endswith("+inductor") or mode == "opweave max-speed":
+            status, warm = in_child(build_and_check, (name, batch, mode, args), env, args.timeout_s)
+            if status == "ok":
+                row["warm_s"] = warm["compile_s"]
+        rows.append(row)
+    if args.check_only:
+        return rows
+    built = [r["mode"] for r in rows if r.get("ok")]
+    merged = tmp / f"{name}-b{batch}-latency"
+    for cache in caches:  # one cache holding every mode's compiled artefacts
+        if cache.exists():
+            shutil.copytree(cache, merged, dirs_exist_ok=True)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(merged / "inductor"), "OPWEAVE_CACHE_DIR": str(merged / "opweave")}
+    common.console.print(f"{name} batch {batch}: latency of {len(built)} modes, interleaved", style="dim")
+    status, latency = in_child(interleaved, (name, batch, built, args), env, args.timeout_s)
+    eager = latency.get("eager", {}).get("median_ms") if status == "ok" else None
+    for row in rows:
+        if row["mode"] not in built:
+            continue
+        if status != "ok":
+            row["error"] = f"latency: {latency}"
+            continue
+        row.update({k: round(v, 3) for k, v in latency[row["mode"]].items()})
+        if eager:
+            row["speedup_vs_eager"] = round(eager / row["median_ms"], 3)
+    load = round(os.getloadavg()[0], 2)
+    return [{**row, "load_average_1m": load} for row in rows]
+
+
+# ---- summary, table, plot ------------------------------------------------------------------------------------
+def single_lane(mode: str) -> bool:
+    return mode.startswith("opweave sequential")
+
+
+def compiler_of(mode: str) -> str:
+    return mode.partition("+")[2] or "none"
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per model and batch: opweave's best mode against torch.compile (freezing) and ORT sequential, and the best
+    multi-lane mode against the best single-lane one with the same compiler (the issue's acceptance)."""
+    out = []
+    for key in dict.fromkeys((r["model"], r["batch"]) for r in rows):
+        timed = {r["mode"]: r["median_ms"] for r in rows if (r["model"], r["batch"]) == key and "median_ms" in r}
+        ours = {m: t for m, t in timed.items() if m.startswith("opweave")}
+        if not ours:
+            continue
+        best = min(ours, key=ours.get)
+        entry = {"model": key[0], "batch": key[1], "best_opweave": best, "best_ms": ours[best]}
+        for peer in ("torch.compile freezing", "onnxruntime", "eager"):
+            if peer in timed:
+                entry[f"vs {peer}"] = round(timed[peer] / ours[best], 3)
+        lanes = {}
+        for compiler in dict.fromkeys(compiler_of(m) for m in ours if m.count(" ") == 1):
+            one = [t for m, t in ours.items() if single_lane(m) and compiler_of(m) == compiler]
+            many = [t for m, t in ours.items() if not single_lane(m) and compiler_of(m) == compiler
+                    and m not in ("opweave max-speed", "opweave default")]
+            if one and many:
+                lanes[compiler] = round(min(one) / min(many), 3)
+        entry["multi_over_single_lane"] = lanes
+        if "opweave default" in timed and "eager" in timed:
+            entry["default_vs_eager"] = round(timed["eager"] / timed["opweave default"], 3)
+        out.append(entry)
+    return out
+
+
+def markdown(rows: list[dict], summary: list[dict], modes: list[str]) -> str:
+    """The README's table: median ms per mode (batch 1, then 8), the best opweave mode in bold."""
+    lines = []
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        shown = [m for m in modes if any(r["mode"] == m and r["batch"] == batch and "median_ms" in r for r in rows)]
+        lines += [f"**batch {batch}** (median ms; lower is better)", "",
+                  "| model | " + " | ".join(shown) + " |", "| --- |" + " ---: |" * len(shown)]
+        for entry in (s for s in summary if s["batch"] == batch):
+            cells = []
+            for mode in shown:
+                row = next((r for r in rows if (r["model"], r["batch"], r["mode"]) == (entry["model"], batch, mode)
+                            and "median_ms" in r), None)
+                text = "" if row is None else f"{row['median_ms']:.1f}"
+                cells.append(f"**{text}**" if mode == entry["best_opweave"] else text)
+            lines.append(f"| {entry['model']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = list(dict.fromkeys(s["batch"] for s in summary))
+    fig, axes = plt.subplots(len(batches), 1, figsize=(11, 3.6 * len(batches)), squeeze=False)
+    shown = ("torch.compile freezing", "onnxruntime", "onnxruntime parallel", "best opweave")
+    for ax, batch in zip(axes[:, 0], batches, strict=True):
+        entries = [s for s in summary if s["batch"] == batch]
+        width = 0.8 / len(shown)
+        for i, label in enumerate(shown):
+            values = []
+            for s in entries:
+                eager = next((r["median_ms"] for r in rows if (r["model"], r["batch"], r["mode"]) ==
+                              (s["model"], batch, "eager") and "median_ms" in r), None)
+                ms = s["best_ms"] if label == "best opweave" else next(
+                    (r["median_ms"] for r in rows if (r["model"], r["batch"], r["mode"]) == (s["model"], batch, label)
+                     and "median_ms" in r), None)
+                values.append(eager / ms if eager and ms else 0.0)
+            ax.bar([j + i * width for j in range(len(entries))], values, width, label=label)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(entries))], [s["model"] for s in entries])
+        ax.set_ylabel("speed-up over eager")
+        ax.set_title(f"CPU latency, batch {batch} (medians, modes interleaved)")
+        ax.legend(fontsize=8)
+    common.save_figure(fig, path)
+
+
+def table(rows: list[dict]):
+    cells = []
+    for r in rows:
+        if "error" in r:
+            cells.append([f"{r['model']} b{r['batch']}", r["mode"], "", "", "", "", "", r["error"][:70]])
+            continue
+        cells.append([f"{r['model']} b{r['batch']}", r["mode"], f"{r['compile_s']:.1f}",
+                      f"{r['warm_s']:.1f}" if "warm_s" in r else "",
+                      f"{r['median_ms']:.2f}" if "median_ms" in r else "",
+                      f"{r['min_ms']:.2f}" if "min_ms" in r else "",
+                      f"{r['speedup_vs_eager']:.2f}x" if "speedup_vs_eager" in r else "",
+                      f"{r['max_abs_diff']:.1e}" + ("" if r["ok"] else " WRONG")])
+    return common.table("CPU latency (modes interleaved per model; vs eager: ratio of medians)",
+                        ["model", "mode", "build s", "warm s", "median ms", "min ms", "vs eager", "max |diff|"],
+                        cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = model_names(args)
+    watch = common.Stopwatch()
+    rows: list[dict] = []
+    stem = "cpu_latency_check" if args.check_only else "cpu_latency"
+    with tempfile.TemporaryDirectory(prefix="cpu_latency_") as tmp:
+        for batch in args.batch_sizes:
+            for name in names:
+                rows += measure(name, batch, args, Path(tmp))
+                summary = [] if args.check_only else summarize(rows)
+                common.write_json(args.out / f"{stem}.json", {
+                    "machine": common.machine_info(),
+                    "settings": {"models": names, "batch_sizes": args.batch_sizes, "modes": args.modes,
+                                 "bert_layers": args.bert_layers, "runs": args.runs, "rounds": args.rounds,
+                                 "warmup_s": args.warmup_s, "tolerance": TOLERANCE},
+                    "rows": rows, "summary": summary, "elapsed_s": watch.elapsed_s}, quiet=True)
+    common.console.print(table(rows))
+    if not args.check_only:
+        summary = summarize(rows)
+        (args.out / "cpu_latency.md").write_text(markdown(rows, summary, args.modes))
+        plot(rows, summary, args.out / "cpu_latency.png")
+        for s in summary:
+            common.console.print(s)
+    common.console.print(f"wrote {args.out / (stem + '.json')}")
+    wrong = [r for r in rows if "error" not in r and not r["ok"]]
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Segment compilers: what turns one stream segment (an ``fx.GraphModule`` over tensors) into a fast callable.
+
+:mod:`opweave.backends.segments` hands every segment to one :class:`SegmentCompiler`, chosen by name
+(``opweave.compile(..., fuse=NAME)``); a compiler is a callable ``compiler(gm, inputs, threads) -> fn`` where
+``gm`` takes the segment's tensor inputs and returns a flat tuple of its outputs, ``inputs`` are example tensors
+(their shapes, strides and dtypes are the ones the result is called with), and ``threads`` is the intra-op thread
+budget of the lane that runs the segment (:mod:`opweave.backends.threads`). ``fn(*tensors)`` returns the outputs as
+a tuple (the same leaves as ``gm``). A compiler raises when it cannot compile a segment; the segment then runs op
+by op, with a warning.
+
+* ``inductor`` — TorchInductor (C++ on the CPU, Triton on CUDA), as ``torch.compile`` compiles a graph. On the CPU
+  it **freezes** the segment as ``torch.compile`` does with ``torch._inductor.config.freezing``: parameters become
+  constants, so Inductor folds them and prepacks convolution and linear weights for oneDNN instead of reading them
+  on every call. The generated C++ kernels open OpenMP regions of a fixed width: they are compiled for the lane's
+  ``threads`` (``cpp.threads``, which is also part of Inductor's cache key, so a cached kernel is never reused at
+  another width). Inductor's on-disk FX graph cache serves identical segments (``TORCHINDUCTOR_CACHE_DIR``).
+* ``onnxruntime`` — each segment exported with ``torch.onnx`` and run by one ONNX Runtime ``InferenceSession``
+  whose intra-op pool has the lane's ``threads`` (sequential executor, one inter-op thread, no spinning when the
+  budget is one thread: there is no pool then). The export uses the TorchScript exporter (``dynamo=False``): it
+  exports a segment in milliseconds where the ``torch.export``-based exporter takes about half a second, which for
+  a model's hundreds of segments is minutes; when it fails the ``torch.export``-based one is tried. ORT releases the
+  GIL while it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy for contiguous tensors),
+  outputs come back as tensors sharing ORT's arrays. A segment with a non-tensor output (a shape read by a later
+  segment) cannot be exported and runs op by op.
+* ``eager`` — the segment's ``GraphModule`` as it is (a check of the segment machinery).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import warnings
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import fx
+
+from opweave.errors import MissingPackageError, UsageError
+
+
+class SegmentCompiler(Protocol):
+    """Turns a segment into a callable (module docstring)."""
+
+    name: str
+
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int) -> Callable[..., tuple]: ...
+
+
+class Eager:
+    name = "eager"
+
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int) -> Callable[..., tuple]:
+        return gm
+
+
+class Inductor:
+    """TorchInductor; ``freeze`` (default: on the CPU) folds the parameters in as constants."""
+
+    name = "inductor"
+
+    def __init__(self, freeze: bool | None = None):
+        self.freeze = freeze
+
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int) -> Callable[..., tuple]:
+        from torch._guards import TracingContext, tracing
+        from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        on_cpu = all(x.device.type == "cpu" for x in inputs)
+        freeze = on_cpu if self.freeze is None else self.freeze
+        patches: dict[str, Any] = {"triton.cudagraphs": False, "freezing": freeze}
+        if on_cpu:
+            patches["cpp.threads"] = threads
+        static = {"ignore_shape_env": True} if "ignore_shape_env" in inspect.signature(compile_fx).parameters else {}
+        # Inside a tracing context whose fake mode has a ShapeEnv: without one Inductor bypasses its FX graph cache
+        # ("No shape env") and identical segments would each compile again.
+        with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), torch.no_grad():
+            return compile_fx(gm, inputs, config_patches=patches, **static)
+
+
+class OnnxRuntime:
+    """ONNX Runtime, one session per segment (module docstring)."""
+
+    name = "onnxruntime"
+
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int) -> Callable[..., tuple]:
+        ort = import_onnxruntime()
+        if any(x.device.type != "cpu" for x in inputs):
+            raise UsageError("fuse='onnxruntime' runs on the CPU")
+        with torch.no_grad():
+            examples = gm(*inputs)
+        if not all(isinstance(x, torch.Tensor) for x in examples):
+            raise UsageError("a segment output is not a tensor (ONNX exports tensors only)")
+        model = export_onnx(gm, inputs, len(examples))
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3
+        if threads > 1:  # the pool sleeps when idle: another lane may need the core
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        return OrtSegment(session, ort.RunOptions())
+
+
+class OrtSegment:
+    """One ONNX Runtime session called like the segment: tensors in, a tuple of tensors out."""
+
+    def __init__(self, session, options):
+        self.session, self.options = session, options
+        self.run = session._sess.run  # the binding itself: InferenceSession.run adds checks per call
+        # the exporter drops inputs the graph does not read: keep each name's position ("in{i}", export_onnx)
+        self.inputs = [(i.name, int(i.name.removeprefix("in"))) for i in session.get_inputs()]
+        self.outputs = [o.name for o in session.get_outputs()]
+
+    def __call__(self, *tensors: torch.Tensor) -> tuple:
+        feeds = {name: tensors[i].numpy() for name, i in self.inputs}
+        return tuple(torch.from_numpy(a) for a in self.run(self.outputs, feeds, self.options))
+
+
+def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int) -> bytes:
+    """``gm`` as an ONNX model (bytes), parameters as initializers; TorchScript exporter first (module docstring)."""
+    names = {"input_names": [f"in{i}" for i in range(len(inputs))],
+             "output_names": [f"out{i}" for i in range(outputs)]}
+    buffer = io.BytesIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            torch.onnx.export(gm, tuple(inputs), buffer, dynamo=False, do_constant_folding=True, **names)
+        return buffer.getvalue()
+    except Exception as first:  # noqa: BLE001 - the other exporter may still manage
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+                warnings.simplefilter("ignore")
+                program = torch.onnx.export(gm, tuple(inputs), dynamo=True, verbose=False, **names)
+        except Exception as second:
+            raise UsageError(f"torch.onnx cannot export the segment: {_first_line(first)}; "
+                             f"dynamo: {_first_line(second)}") from second
+        return program.model_proto.SerializeToString()
+
+
+def import_onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise MissingPackageError("fuse='onnxruntime' needs ONNX Runtime: pip install 'opweave[onnx]'") from exc
+    return onnxruntime
+
+
+COMPILERS: dict[str, Callable[[], SegmentCompiler]] = {"inductor": Inductor, "onnxruntime": OnnxRuntime,
+                                                       "eager": Eager}
+
+
+def available() -> list[str]:
+    """The compilers that can run here, fastest first where that is known (ONNX Runtime only when installed)."""
+    try:
+        import_onnxruntime()
+    except ImportError:
+        return ["inductor"]
+    return ["onnxruntime", "inductor"]
+
+
+def get(name: str) -> SegmentCompiler:
+    """The compiler called ``name``; :class:`~opweave.errors.UsageError` naming the choices otherwise."""
+    if name not in COMPILERS:
+        raise UsageError(f"fuse must be one of {', '.join(COMPILERS)} (or None), got {name!r}")
+    return COMPILERS[name]()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"

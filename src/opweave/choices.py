@@ -1,0 +1,81 @@
+"""Where ``opweave.compile(..., mode="max-speed")`` keeps what it chose, per model and machine.
+
+A JSON file, ``max_speed.json`` in ``$OPWEAVE_CACHE_DIR`` (default ``~/.cache/opweave``), maps a key to the
+chosen plan (scheduler, segment compiler, scheduler options), the costs it was planned with (so that the same plan
+is rebuilt) and what every candidate measured. The key covers what the choice depends on: the captured graph (its
+name, ops and their targets, and the granularity), the input shapes and dtypes, the machine (processor and the
+cores this process may use) and the versions of torch and ONNX Runtime. A file that cannot be read is ignored (and
+rewritten on the next choice); writes go through a temporary file, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("OPWEAVE_CACHE_DIR") or Path.home() / ".cache" / "opweave") / "max_speed.json"
+
+
+def machine() -> str:
+    """The processor's model name and the cores this process may use."""
+    from opweave.backends.threads import cores
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} x{cores()}"
+
+
+def key(captured, inputs: tuple) -> str:
+    """What a choice is valid for (module docstring), as a short hash."""
+    try:
+        import onnxruntime
+
+        ort = onnxruntime.__version__
+    except ImportError:
+        ort = None
+    parts = {
+        "graph": captured.graph.name,
+        "ops": [(op.id, op.target) for op in captured.graph.ops],
+        "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in inputs],
+        "machine": machine(),
+        "torch": torch.__version__,
+        "onnxruntime": ort,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def load(entry_key: str) -> dict | None:
+    """The choice stored under ``entry_key``, or None."""
+    try:
+        return json.loads(cache_path().read_text()).get(entry_key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def save(entry_key: str, choice: dict[str, Any]) -> None:
+    path = cache_path()
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data[entry_key] = choice
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(data, indent=1) + "\n")
+    scratch.replace(path)

@@ -1,0 +1,98 @@
+"""Segment compilers (opweave.backends.compilers): ONNX Runtime segments, frozen Inductor segments, and
+``mode="max-speed"``, which picks among them by measuring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+import opweave
+from opweave import zoo
+from opweave.backends.compilers import OnnxRuntime, get
+from opweave.backends.segments import op_latencies
+from opweave.capture import capture
+from opweave.errors import UsageError
+from opweave.outputs import compare
+
+
+class Fork(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.a(x)) + self.c(torch.tanh(self.b(x)))
+
+
+@pytest.mark.parametrize("name", ["deepfm", "squeezenet", "bert_base"])
+@pytest.mark.parametrize("scheduler", ["sequential", "heft"])
+def test_onnxruntime_segments_equal_eager(name, scheduler):
+    options = {"num_layers": 2} if name == "bert_base" else {"image_size": 64} if name == "squeezenet" else {}
+    model, inputs = zoo.create(name, batch_size=1, **options)
+    fast = opweave.compile(model, inputs, device="cpu", scheduler=scheduler, fuse="onnxruntime",
+                           streams=1 if scheduler == "sequential" else 2)
+    with torch.inference_mode():
+        assert compare(model(*inputs), fast(*inputs), tolerance=1e-4).ok
+    assert fast.fused.stats["compiles"] == fast.fused.stats["segments"] and fast.fused.stats["fallbacks"] == 0
+    fast.close()
+
+
+def test_onnxruntime_refuses_a_segment_with_a_non_tensor_output():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output((graph.call_function(torch.relu, (x,)), graph.call_method("size", (x, 0))))
+    with pytest.raises(UsageError, match="not a tensor"):
+        OnnxRuntime()(fx.GraphModule(nn.Module(), graph), [torch.randn(2, 3)], 1)
+
+
+def test_inductor_segments_on_the_cpu_are_frozen_and_eager_segments_are_not():
+    model, x = Fork().eval(), torch.randn(4, 16)
+    frozen = opweave.compile(model, (x,), device="cpu", scheduler="sequential", fuse="inductor")
+    live = opweave.compile(model, (x,), device="cpu", scheduler="sequential", fuse="eager")
+    with torch.inference_mode():
+        before = model(x)
+        assert compare(before, frozen(x)).ok and compare(before, live(x)).ok
+        with torch.no_grad():
+            model.a.weight.zero_()  # the graphs share the model's parameters
+        assert compare(before, frozen(x)).ok  # constants folded in at compile time (torch.compile's freezing)
+        assert compare(model(x), live(x)).ok and not compare(before, live(x)).ok
+
+
+def test_an_unknown_compiler_is_refused_with_the_choices():
+    with pytest.raises(UsageError, match="inductor, onnxruntime, eager"):
+        get("tvm")
+    with pytest.raises(UsageError, match="fuse must be one of"):
+        opweave.compile(Fork(), (torch.randn(2, 16),), device="cpu", fuse="tvm")
+
+
+def test_op_latencies_times_every_op_compiled_alone():
+    model, x = Fork().eval(), torch.randn(4, 16)
+    captured = capture(model, (x,))
+    latency = op_latencies(captured, (x,), "onnxruntime", repeats=2)
+    assert set(latency) == set(captured.graph.ids) and all(v > 0 for v in latency.values())
+
+
+def test_max_speed_measures_the_candidates_keeps_one_that_equals_eager_and_caches_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
+    model, inputs = zoo.create("deepfm", batch_size=1)
+    fast = opweave.compile(model, inputs, device="cpu", mode="max-speed")
+    choice = fast.choice
+    assert not choice["cached"] and choice["label"] in choice["candidates"]
+    timed = {k: v["median_ms"] for k, v in choice["candidates"].items() if "median_ms" in v}
+    assert len(timed) >= 4 and timed[choice["label"]] == min(timed.values())
+    assert {"sequential", "heft+onnxruntime sync"} & {k.partition(" 0")[0] for k in timed}
+    with torch.inference_mode():
+        assert compare(model(*inputs), fast(*inputs)).ok
+    again = opweave.compile(model, inputs, device="cpu", mode="max-speed")
+    assert again.choice["cached"] and again.choice["label"] == choice["label"]
+    assert (tmp_path / "max_speed.json").exists()
+    with torch.inference_mode():
+        assert compare(model(*inputs), again(*inputs)).ok
+
+
+def test_max_speed_chooses_the_plan_itself():
+    with pytest.raises(UsageError, match="give neither scheduler"):
+        opweave.compile(Fork(), (torch.randn(2, 16),), device="cpu", mode="max-speed", scheduler="lios")
+    with pytest.raises(UsageError, match="mode must be one of default, max-speed"):
+        opweave.compile(Fork(), (torch.randn(2, 16),), device="cpu", mode="fast")
