@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-only", action="store_true", help="build and check every mode, no latency phase")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up on one child after this long")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory for the results")
+    p.add_argument("--stem", default="cpu_latency", help="file name of the results, without suffix (default "
+                                                         "%(default)s)")
     args = p.parse_args(argv)
     if args.quick:
         args.models = args.models or "deepfm,squeezenet"
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     names = model_names(args)
     watch = common.Stopwatch()
     rows: list[dict] = []
-    stem = "cpu_latency_check" if args.check_only else "cpu_latency"
+    stem = f"{args.stem}_check" if args.check_only else args.stem
     with tempfile.TemporaryDirectory(prefix="cpu_latency_") as tmp:
         for batch in args.batch_sizes:
             for name in names:
@@ -404,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     common.console.print(table(rows))
     if not args.check_only:
         summary = summarize(rows)
-        (args.out / "cpu_latency.md").write_text(markdown(rows, summary, args.modes))
-        plot(rows, summary, args.out / "cpu_latency.png")
+        (args.out / f"{stem}.md").write_text(markdown(rows, summary, args.modes))
+        plot(rows, summary, args.out / f"{stem}.png")
         for s in summary:
             common.console.print(s)
     common.console.print(f"wrote {args.out / (stem + '.json')}")

@@ -179,3 +179,17 @@ def test_backend_for_runs_a_validated_plan_fused_or_not():
         backend.close()
     with pytest.raises(UsageError, match="the cpu backend takes no options, got mode"):
         backend_for(captured, plan, "cpu", mode="graph")
+
+
+def test_the_default_cpu_plan_is_kept_only_when_it_beats_one_lane():
+    # with no scheduler, streams or fuse given, compile times its multi-lane plan against one lane (eager's order)
+    # and keeps the faster, so the default is never slower than eager's order; a plan asked for is kept as it is
+    model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
+    fast = opweave.compile(model, inputs)
+    assert fast.choice["label"] in ("lanes", "one lane") and set(fast.choice["candidates"]) == {"lanes", "one lane"}
+    assert (fast.schedule.streams_used == 1) == (fast.choice["label"] == "one lane")
+    timed = {k: v["median_ms"] for k, v in fast.choice["candidates"].items()}
+    assert timed[fast.choice["label"]] == min(timed.values())
+    with torch.inference_mode():
+        assert compare(model(*inputs), fast(*inputs)).ok
+    assert opweave.compile(model, inputs, scheduler="heft").choice is None

@@ -35,7 +35,7 @@ class Compiled:
     device: str
     captured: Any = None
     fused: Any = None  # with fuse=...: the Segmented model (its stats: segments, compiles, compile_s)
-    choice: dict | None = None  # with mode="max-speed": what was chosen and what every candidate measured
+    choice: dict | None = None  # what a measured choice picked (mode="max-speed", or lanes vs one lane) and timed
 
     def __call__(self, *args, **kwargs) -> Any:
         if kwargs:  # keyword arguments bound to the model's forward(), as at capture
@@ -177,6 +177,7 @@ def compile_captured(captured, example_inputs, *, scheduler: str | None = None, 
             raise UsageError("mode='max-speed' chooses the plan itself, on the CPU: give neither "
                              + ", ".join(given or ["device='cuda'"]))
         return _max_speed(captured, example_inputs)
+    guard = device == "cpu" and scheduler is None and streams is None and fuse is None and devices == 1
     scheduler = scheduler or ("hios-lp" if devices != 1 else DEFAULT_SCHEDULER[device])
     graph = captured.graph
     if costs is None and profile is not None:
@@ -206,7 +207,38 @@ def compile_captured(captured, example_inputs, *, scheduler: str | None = None, 
         threads = cpu_threads.op_threads(simulate(graph, plan, costs))
     backend, fused = backend_for(captured, plan, device, fuse=fuse, example_inputs=example_inputs, threads=threads,
                                  **backend_options)
-    return Compiled(graph, costs, sched, plan, backend, device, captured, fused=fused)
+    compiled = Compiled(graph, costs, sched, plan, backend, device, captured, fused=fused)
+    if guard and sched.streams_used > 1:  # never slower than one lane, the eager order
+        one = compile_captured(captured, example_inputs, scheduler="sequential", streams=1, costs=costs,
+                               coarsen=False)
+        best, medians = _fastest({"lanes": compiled, "one lane": one}, example_inputs)
+        (one if best == "lanes" else compiled).close()
+        compiled = compiled if best == "lanes" else one
+        compiled.choice = {"label": best, "candidates": {k: {"median_ms": v} for k, v in medians.items()}}
+    return compiled
+
+
+def _fastest(built: dict[str, Compiled], inputs: tuple, rounds: int = 5, runs: int = 3) -> tuple[str, dict]:
+    """The label of the fastest of ``built`` by median wall time, and every median (ms): two warm-up calls each,
+    then ``rounds`` rounds in which each runs ``runs`` calls, interleaved so that all see the same load."""
+    import statistics
+    import time
+
+    import torch
+
+    times: dict[str, list[float]] = {label: [] for label in built}
+    with torch.inference_mode():
+        for fast in built.values():
+            fast(*inputs)
+            fast(*inputs)
+        for _ in range(rounds):
+            for label, fast in built.items():
+                for _ in range(runs):
+                    start = time.perf_counter()
+                    fast(*inputs)
+                    times[label].append((time.perf_counter() - start) * 1e3)
+    medians = {label: round(statistics.median(ts), 4) for label, ts in times.items()}
+    return min(medians, key=medians.get), medians
 
 
 # ---- mode="max-speed" on the CPU: the fastest of a bounded set of plans, measured ---------------------------------
@@ -235,16 +267,15 @@ def _build(captured, example_inputs, candidate: dict, costs: Costs) -> Compiled:
                             coarsen=False, fuse=candidate["fuse"], scheduler_options=options)
 
 
-def _max_speed(captured, example_inputs: tuple, rounds: int = 5, runs: int = 3) -> Compiled:
+def _max_speed(captured, example_inputs: tuple) -> Compiled:
     """``mode="max-speed"``: build every plan of :func:`_candidates` on costs measured at one thread per op (the
     budget of a lane when the lanes fill the cores; eager's kernels, or ONNX Runtime's for its plans:
     :func:`opweave.backends.segments.op_latencies`), keep those whose output equals eager's
-    (:func:`opweave.outputs.compare`), time them interleaved (``rounds`` rounds of ``runs`` calls each, after two
-    warm-up calls), and keep the fastest by median. The choice, with the costs it was planned on, is cached per
-    model and machine (:mod:`opweave.choices`), so the next compile builds that plan alone (and searches again if
-    it no longer equals eager). A transient progress bar on standard error shows the search."""
+    (:func:`opweave.outputs.compare`), time them interleaved (:func:`_fastest`) and keep the fastest. The choice,
+    with the costs it was planned on, is cached per model and machine (:mod:`opweave.choices`), so the next compile
+    builds that plan alone (and searches again if it no longer equals eager). A transient progress bar on standard
+    error shows the search."""
     import dataclasses
-    import statistics
     import time
 
     import torch
@@ -284,7 +315,7 @@ def _max_speed(captured, example_inputs: tuple, rounds: int = 5, runs: int = 3) 
     measured: dict[str, dict] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
-        task = bar.add_task(f"{graph.name}: max-speed, building", total=len(candidates) + rounds)
+        task = bar.add_task(f"{graph.name}: max-speed, building", total=len(candidates) + 1)
         for candidate in candidates:
             label = _label(candidate)
             bar.update(task, description=f"{graph.name}: max-speed, building {label}")
@@ -308,21 +339,10 @@ def _max_speed(captured, example_inputs: tuple, rounds: int = 5, runs: int = 3) 
         if not built:
             raise UsageError(f"{graph.name}: no max-speed candidate equals eager: {measured}")
         bar.update(task, description=f"{graph.name}: max-speed, timing {len(built)} plans")
-        times: dict[str, list[float]] = {label: [] for label in built}
-        with torch.inference_mode():
-            for fast in built.values():
-                fast(*example_inputs)
-                fast(*example_inputs)
-            for _ in range(rounds):
-                for label, fast in built.items():
-                    for _ in range(runs):
-                        start = time.perf_counter()
-                        fast(*example_inputs)
-                        times[label].append((time.perf_counter() - start) * 1e3)
-                bar.advance(task)
-    for label, ts in times.items():
-        measured[label]["median_ms"] = round(statistics.median(ts), 4)
-    best = min(times, key=lambda label: measured[label]["median_ms"])
+        best, medians = _fastest(built, example_inputs)
+        bar.advance(task)
+    for label, ms in medians.items():
+        measured[label]["median_ms"] = ms
     for label, fast in built.items():
         if label != best:
             fast.close()
