@@ -1,14 +1,15 @@
-"""CPU backend: an interpreter of the LaunchPlan with one worker thread per stream.
+"""CPU backend: the LaunchPlan on worker threads, one per lane, each lane one generated Python function.
 
-Each (device, stream) lane is a long-lived worker thread (:class:`LaneWorker`, a
-:class:`~opweave.backends.program.Walker`) that runs its steps in order; a plan's record/send become
-``threading.Event.set`` and its wait/recv become ``Event.wait``. A plan with a single lane runs it in the caller's
-thread. Intermediates stay in one environment dict until
-the call returns, so no buffer is reused while another lane may still read it. PyTorch releases the GIL inside its
-kernels, so independent ops do overlap on a multi-core CPU.
+:class:`CpuBackend` generates every lane's code once (:class:`~opweave.backends.lanecode.LaneCode`: the lane's ops
+with the plan's signals and waits between them, values in slots, every intermediate dropped at its last use) and
+runs each lane on a long-lived :class:`CodeWorker` thread; a plan's record becomes ``threading.Event.set`` and its
+wait ``Event.wait``. Each worker runs on its own intra-op thread budget (:mod:`opweave.backends.threads`: lanes x
+threads within the cores; per op when the caller gives budgets). A plan with a single lane runs in the caller's
+thread, on the caller's threads. PyTorch (and ONNX Runtime) release the GIL inside their kernels, so independent
+ops overlap on a multi-core CPU.
 
-A lane that raises releases every signal so that no other lane blocks forever, and the first error is re-raised
-in the caller.
+A lane that raises records the error and releases every signal; the other lanes stop at their next wait, and the
+first error is re-raised in the caller, naming the op and its fx node.
 
 Every lane runs its ops with autograd off, whichever thread it is and whatever the caller's mode. Autograd mode is
 thread-local, and some kernels pick their algorithm, hence their output's strides, by it: CPU
@@ -19,8 +20,9 @@ failed on the lanes that ran with grad on (worker threads start with it on) and 
 thread: the layout depended on the schedule. Capture propagates shapes and verifies under ``no_grad``, so that is
 the mode every lane uses.
 
-:class:`Call` and :class:`LaneWorker` are also what a rank of the distributed backend runs its own lanes with
-(``backends/distributed``): there some signals stand for messages from other ranks.
+:class:`Call` and :class:`LaneWorker` (a :class:`~opweave.backends.program.Walker` that interprets a lane's steps)
+are what a rank of the distributed backend runs its own lanes with (``backends/distributed``): there some signals
+stand for messages from other ranks, which write into the call's environment dict.
 """
 
 from __future__ import annotations

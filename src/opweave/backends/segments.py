@@ -1,4 +1,4 @@
-"""Stream segments compiled with TorchInductor (``opweave.compile(..., fuse="inductor")``).
+"""Stream segments, each compiled as one graph (``opweave.compile(..., fuse="inductor")`` or ``fuse="onnxruntime"``).
 
 After scheduling, lowering and validation, every maximal run of launches on one lane (device, stream) with no
 other instruction of that lane inside it (no record, wait, send or recv) is a **segment** (:func:`segment_groups`).
@@ -23,12 +23,15 @@ plan is validated; the segment plan is derived from it by this rule alone.
 
 **Compiling.** A segment is an ``fx.GraphModule`` of its nodes: its inputs are the environment values it reads from
 outside (the model's inputs, values computed in ``bind``, other segments' outputs: placeholders; tensors inside
-tuples are separate placeholders; non-tensor values are baked in as constants), parameters stay module attributes
-(AOTAutograd lifts them, so weights are read on every call, never frozen), and its outputs are the values read by
-another segment or returned by the model (every leaf of them, Python scalars too: a scalar may depend on the data,
-as ``.item()``'s does, so none is baked). It is compiled as ``torch._inductor.compile`` does, under ``no_grad``,
-with ``triton.cudagraphs`` off (opweave records the whole plan into its own CUDA Graph; Inductor's graphs would nest
-and pin memory per segment). On the CPU that is Inductor's C++ backend; on CUDA, Triton. One compiled function is
+tuples are separate placeholders; non-tensor values are baked in as constants), parameters stay module attributes,
+and its outputs are the values read by another segment or returned by the model (every leaf of them, Python scalars
+too: a scalar may depend on the data, as ``.item()``'s does, so none is baked). It is handed to the
+:mod:`~opweave.backends.compilers` compiler named by ``fuse`` with the thread budget of its lane (the smallest of its
+ops' budgets): ``inductor`` compiles it as ``torch._inductor.compile`` does, under ``no_grad``, with
+``triton.cudagraphs`` off (opweave records the whole plan into its own CUDA Graph; Inductor's graphs would nest and
+pin memory per segment) and, on the CPU, frozen (parameters folded in as constants, as ``torch.compile``'s freezing
+does: a parameter changed after compiling is not seen); ``onnxruntime`` exports it and runs it in one ONNX Runtime
+session. On the CPU Inductor emits C++; on CUDA, Triton. One compiled function is
 kept per segment and *input signature* (each input's shape, strides, dtype and device, the values of non-tensor
 inputs; :func:`opweave.backends.cache.signature` with strides): Inductor checks sizes and strides, and constants were
 baked for those values. The compiled functions sit in a :class:`~opweave.backends.cache.BoundedCache` of
