@@ -3,13 +3,14 @@ eager on the CPU, under which schedulers, and what capture and compilation cost.
 
     .venv/bin/python benchmarks/coverage.py [--quick] [--models a,b] [--schedulers x,y] [--out DIR]
 
-Models and schedulers: ``opweave.coverage.MODELS`` (random weights, small configurations; see that module for the
-choices) and ``opweave.coverage.SCHEDULERS`` unless ``--models``/``--schedulers`` say otherwise; ``--quick`` takes
-the first model of each library. For each model the table shows its op count, the capture time (once per model),
-the compile time per scheduler (schedule + lower + validate + backend; the CPU backend) and "pass" or the first
-line of the first error. A scheduler passes when the compiled model equals eager (``opweave.coverage.TOLERANCE``)
-on the example input and on a second random input. One intra-op thread, as in the test suite. Times are wall
-times on a shared machine: noisy, single runs. Writes ``DIR/coverage.json`` and the table as ``DIR/coverage.md``.
+Models and schedulers: ``opweave.evaluate.coverage.MODELS`` (random weights, small configurations; see that module for
+the choices) and ``opweave.evaluate.coverage.SCHEDULERS`` unless ``--models``/``--schedulers`` say otherwise;
+``--quick`` takes the first model of each library. For each model the table shows its op count, the capture time (once
+per model), the compile time per scheduler (schedule + lower + validate + backend; the CPU backend) and "pass" or the
+first line of the first error. A scheduler passes when the compiled model equals eager
+(``opweave.evaluate.coverage.TOLERANCE``) on the example input and on a second random input. One intra-op thread, as in
+the test suite. Times are wall times on a shared machine: noisy, single runs. Writes ``DIR/coverage.json`` and the table
+as ``DIR/coverage.md``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import _common as common
 import torch
 
-from opweave import coverage
+from opweave.evaluate import coverage
 
 
 def main() -> None:

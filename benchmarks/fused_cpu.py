@@ -92,7 +92,7 @@ def build(model, inputs, mode: str, args: argparse.Namespace) -> tuple[Callable,
     import torch
 
     import opweave
-    from opweave.bench import median_ms
+    from opweave.evaluate.bench import median_ms
 
     info: dict = {}
     start = time.perf_counter()

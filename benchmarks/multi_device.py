@@ -42,11 +42,11 @@ from opweave.api import compile_ranks, plan_ranks  # noqa: E402
 from opweave.backends.distributed import profile_link  # noqa: E402
 from opweave.backends.distributed.launch import usable_cores  # noqa: E402
 from opweave.backends.simulate import simulate  # noqa: E402
-from opweave.bench import median_ms  # noqa: E402
 from opweave.capture import load  # noqa: E402
 from opweave.costs.links import fit  # noqa: E402
 from opweave.costs.profile import profile_model  # noqa: E402
 from opweave.costs.roofline import estimate  # noqa: E402
+from opweave.evaluate.bench import median_ms  # noqa: E402
 from opweave.outputs import compare  # noqa: E402
 
 DEFAULT_SIZES = "inception_v3=512,nasnet_a_mobile=448"

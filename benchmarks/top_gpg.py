@@ -20,8 +20,8 @@ import _common as common
 
 from opweave import schedulers
 from opweave.api import plan_for
+from opweave.learn.gpg import GpgGraphs
 from opweave.schedulers import top_gpg
-from opweave.serve.build import gpg_graphs
 
 MODELS = ("inception_v3", "resnet50", "squeezenet")
 
@@ -35,7 +35,7 @@ def main() -> None:
     graphs_per_k = args.graphs or (2 if args.quick else 5)
     models = common.split_names(args.models, MODELS, "model") or (["squeezenet"] if args.quick else list(MODELS))
     clock = common.Stopwatch()
-    source = gpg_graphs(models, preset=args.preset, seed=args.seed)
+    source = GpgGraphs.from_zoo(models, preset=args.preset, seed=args.seed)
     top_gpg.load()  # the weights, once
     rows = []
     for k in range(1, 7):

@@ -26,8 +26,9 @@ from pathlib import Path
 import _common as common
 from serving import MAX_BATCH, MAX_QUEUE, MULTI, SINGLE_RATE, SLO_MS, H, plot, row, search
 
+from opweave.learn.policy import save_agents, train
 from opweave.schedulers.top_gpg import one_thread
-from opweave.serve import loadgen, policies, top
+from opweave.serve import loadgen, policies
 from opweave.serve.build import load_models
 from opweave.serve.engine import Engine
 from opweave.serve.executors import SimClock, SimExecutor
@@ -64,12 +65,12 @@ def main() -> None:
         if args.policy_dir is None or not file.is_file():
             start = time.perf_counter()
             with one_thread():
-                agents, curve = top.train(executor, pattern, steps=steps, scales=SCALES, max_queue=MAX_QUEUE,
-                                          max_batch=MAX_BATCH, max_sub_blocks=H,
-                                          warmup=10 if args.quick else None, seed=args.seed)
+                agents, curve = train(executor, pattern, steps=steps, scales=SCALES, max_queue=MAX_QUEUE,
+                                      max_batch=MAX_BATCH, max_sub_blocks=H, warmup=10 if args.quick else None,
+                                      seed=args.seed)
             train_s = time.perf_counter() - start
             blocks = {m: len(executor.models[m].blocks) for m in pattern}
-            top.save_agents(agents, file, blocks=blocks, max_sub_blocks=H, meta={"train_s": train_s, "steps": steps})
+            save_agents(agents, file, blocks=blocks, max_sub_blocks=H, meta={"train_s": train_s, "steps": steps})
             training[name] = {"steps": steps, "train_s": round(train_s, 1), "updates": agents.updates,
                               "kept_step": agents.kept_step,
                               "curve": [[r["step"], r["reward"], int(r["superblock"])] for r in curve]}

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import opweave
-from opweave.coverage import SCHEDULERS
 from opweave.errors import UsageError
+from opweave.evaluate.coverage import SCHEDULERS
 from opweave.outputs import compare
 
 

@@ -18,7 +18,7 @@ from torch import nn
 import opweave
 from opweave.api import compile_captured
 from opweave.capture import CaptureError, capture
-from opweave.coverage import SCHEDULERS
+from opweave.evaluate.coverage import SCHEDULERS
 from opweave.outputs import compare
 
 

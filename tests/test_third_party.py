@@ -1,6 +1,7 @@
-"""Third-party coverage (issue: any model a user brings): every model of ``opweave.coverage.MODELS`` (torchvision,
-timm, transformers; random weights, small configurations) under sequential, lios, nimble, opara and hios-lp equals
-eager on its example input and on a second random one. ``benchmarks/coverage.py`` prints the same run as a table.
+"""Third-party coverage (issue: any model a user brings): every model of ``opweave.evaluate.coverage.MODELS``
+(torchvision, timm, transformers; random weights, small configurations) under sequential, lios, nimble, opara and
+hios-lp equals eager on its example input and on a second random one. ``benchmarks/coverage.py`` prints the same run as
+a table.
 
 The packages come with ``make setup`` (the ``models`` extra and the torchvision build matching torch); a missing one
 fails here with the package's name rather than skipping.
@@ -14,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from opweave import coverage
+from opweave.evaluate import coverage
 
 pytestmark = pytest.mark.slow
 

@@ -21,9 +21,10 @@ from opweave.api import plan_for
 from opweave.costs.model import from_graph
 from opweave.errors import UsageError
 from opweave.ir.synth import random_dag
+from opweave.learn import gpg, maddpg, policy
 from opweave.schedulers import top_gpg
 from opweave.serve import top
-from opweave.serve.build import gpg_graphs, load_models, make_engine
+from opweave.serve.build import load_models, make_engine
 from opweave.serve.server import BackgroundServer
 
 
@@ -59,7 +60,7 @@ def test_gpg_partitions_are_valid_stage_schedules_never_better_than_the_dp(graph
 
 @pytest.fixture(scope="module")
 def squeeze_blocks():
-    return gpg_graphs(["squeezenet"], seed=3)
+    return gpg.GpgGraphs.from_zoo(["squeezenet"], seed=3)
 
 
 def test_gpg_on_combined_zoo_blocks_is_valid_and_close_to_the_dp(squeeze_blocks):
@@ -80,7 +81,7 @@ def test_gpg_on_combined_zoo_blocks_is_valid_and_close_to_the_dp(squeeze_blocks)
 def test_gpg_weights_round_trip_and_bad_files_are_refused(tmp_path):
     net = top_gpg.GPG()
     path = tmp_path / "w.pt"
-    top_gpg.save(net, path, {"why": "test"})
+    gpg.save(net, path, {"why": "test"})
     loaded = top_gpg.load(path)
     for (k, a), (_, b) in zip(net.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.allclose(a.half().float(), b), k
@@ -101,7 +102,7 @@ def test_gpg_training_lowers_sampled_makespans_on_one_graph():
     torch.manual_seed(0)
     net = top_gpg.GPG()
     with top_gpg.one_thread():
-        history = top_gpg.train(net, [(graph, costs)] * 40, samples=4, seed=0)
+        history = gpg.train(net, [(graph, costs)] * 40, samples=4, seed=0)
     first = np.mean([h["sampled_over_greedy"] for h in history[:8]])
     last = np.mean([h["sampled_over_greedy"] for h in history[-8:]])
     assert last <= first
@@ -113,7 +114,7 @@ def test_maddpg_finds_the_best_launch_interval_of_a_small_environment():
     of 10^(-3*0.7) s) whatever the model agent does; the state is noise. Its reward rises and its action ends near
     0.3 (TOP's network sizes, batch 100, replay 2000)."""
     rng = np.random.default_rng(0)
-    agents = top.MADDPG(4, [1, 2], warmup=50, noise=0.2, seed=0)
+    agents = maddpg.MADDPG(4, [1, 2], warmup=50, noise=0.2, seed=0)
 
     def env_reward(action: float) -> float:
         return float(np.exp(-((action - 0.3) / 0.15) ** 2))
@@ -140,10 +141,10 @@ def test_maddpg_finds_the_best_launch_interval_of_a_small_environment():
 
 def test_reward_is_eq_2_and_zscores_are_running_and_clipped():
     lat = [0.5, -1.0]
-    r = top.reward(1.0, lat, 2.0)
+    r = policy.reward(1.0, lat, 2.0)
     assert r[0] == pytest.approx(np.exp(0.4 * 1.0 - 0.4 * np.mean(lat) - 0.2 * 2.0))
     assert r[2] == pytest.approx(np.exp(0.4 - 0.4 * -1.0 - 0.4))
-    z = top.ZScore()
+    z = policy.ZScore()
     assert z.z(5.0) == 0.0
     for x in (1.0, 2.0, 3.0):
         z.add(x)
@@ -234,7 +235,7 @@ def test_a_trained_top_policy_serves_and_every_answer_equals_eager(policy_file):
 
 def test_train_refuses_a_pattern_other_than_the_served_models(squeeze_blocks):
     with pytest.raises(UsageError, match="the executor serves \\['squeezenet'\\], the pattern names \\['resnet50'\\]"):
-        top.train(squeeze_blocks.executor, {"resnet50": 100.0}, steps=1)
+        policy.train(squeeze_blocks.executor, {"resnet50": 100.0}, steps=1)
 
 
 def _schedule_in_child(conn, graph, weights):

@@ -66,7 +66,7 @@ def _simulated_ms(compiled_graph, plan, costs) -> float:
 def _run_ranks(build, model, scheduler, devices, device, runs, warmup, streams, link, threads, timeout,
                check) -> dict:
     from opweave.api import compile_ranks
-    from opweave.bench import median_ms
+    from opweave.evaluate.bench import median_ms
 
     module, inputs, captured = build()
     options = {"threads": threads} if threads else {}

@@ -1,10 +1,10 @@
 """Learning commands (TOP §V): ``train-gpg`` (the GPG stage partitioner behind scheduler ``top-gpg``) and
-``train-policy`` (the MADDPG agents behind serving policy ``top``). Both train in simulation on the CPU, show a rich
-progress bar and write the learning curve (JSON beside the weights, and a PNG with ``--plot``)."""
+``train-policy`` (the MADDPG agents behind serving policy ``top``). Both train in simulation on the CPU
+(:mod:`opweave.learn` does the training and writes the weights), show a rich progress bar and write the learning
+curve (JSON beside the weights, and a PNG with ``--plot``)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
@@ -57,38 +57,25 @@ def train_gpg(output: Annotated[Path, typer.Option("--output", "-o", help="weigh
     """Train the GPG stage partitioner (TOP §V-C) by policy gradient on random combinations of 1-6 zoo blocks and
     random DAGs; every ``--validate-every`` episodes its greedy makespan on fixed graphs is compared with IOS's DP,
     and the weights that did best there are saved."""
-    from opweave.schedulers import top_gpg
-    from opweave.serve import top
-    from opweave.serve.build import gpg_graphs
+    from opweave.learn import gpg
 
     start = time.perf_counter()
-    source = gpg_graphs([m.strip() for m in models.split(",") if m.strip()], preset=preset, seed=seed)
-    valid = source.validation()
-    curve: list[dict] = []
-    torch_seed(seed)
-    net = top_gpg.GPG()
-    best = {"ratio": float("inf"), "state": None, "episode": -1}
+    source = gpg.GpgGraphs.from_zoo([m.strip() for m in models.split(",") if m.strip()], preset=preset, seed=seed)
     with _bar() as bar:
         task = bar.add_task("train-gpg", total=episodes, info="")
 
         def on_episode(i: int, rec: dict) -> None:
-            if i % validate_every == 0 or i == episodes - 1:
-                rec["valid_over_dp"] = top.gpg_over_dp(net, valid)
-                if rec["valid_over_dp"] < best["ratio"]:
-                    best.update(ratio=rec["valid_over_dp"], state=copy.deepcopy(net.state_dict()), episode=i)
-                net.train()
-            curve.append(rec)
             bar.update(task, advance=1, info=f"sampled/greedy {rec['sampled_over_greedy']:.3f}"
                        + (f"  greedy/DP {rec['valid_over_dp']:.3f}" if "valid_over_dp" in rec else ""))
 
-        with top_gpg.one_thread():
-            top_gpg.train(net, source.stream(episodes), samples=samples, seed=seed, on_episode=on_episode)
+        kept = gpg.train_best(source, episodes, samples=samples, validate_every=validate_every, seed=seed,
+                              on_episode=on_episode)
     elapsed = time.perf_counter() - start
-    net.load_state_dict(best["state"])  # the weights that did best on the validation graphs
     meta = {"command": f"opweave train-gpg --episodes {episodes} --seed {seed} --models {models} "
                        f"--device-preset {preset} --samples {samples}", "train_s": round(elapsed, 1),
-            "kept_episode": best["episode"], "valid_over_dp": round(best["ratio"], 4)}
-    top_gpg.save(net, output, meta)
+            "kept_episode": kept.episode, "valid_over_dp": round(kept.valid_over_dp, 4)}
+    gpg.save(kept.net, output, meta)
+    curve = kept.curve
     curve_path = (plot or output).with_suffix(".json")
     curve_path.write_text(json.dumps({"meta": meta, "curve": curve}, indent=1) + "\n")
     if plot:
@@ -97,14 +84,8 @@ def train_gpg(output: Annotated[Path, typer.Option("--output", "-o", help="weigh
                           "sampled / greedy": ([r["episode"] for r in curve], [r["sampled_over_greedy"]
                                                                                for r in curve])},
                    "GPG training", "makespan ratio")
-    err.print(f"wrote {output} and {curve_path} in {elapsed:.0f} s; kept episode {best['episode']}: validation "
-              f"greedy/DP {best['ratio']:.3f}")
-
-
-def torch_seed(seed: int) -> None:
-    import torch
-
-    torch.manual_seed(seed)
+    err.print(f"wrote {output} and {curve_path} in {elapsed:.0f} s; kept episode {kept.episode}: validation "
+              f"greedy/DP {kept.valid_over_dp:.3f}")
 
 
 @app.command("train-policy")
@@ -128,8 +109,8 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
                  seed: SeedOpt = 0, plot: PlotOpt = None):
     """Train TOP's MADDPG agents (launcher + one per model; TOP §V-B, Alg. 1) against the simulated executor on
     ``--pattern``; write the actors for ``opweave serve --policy top --policy-file``."""
+    from opweave.learn import policy
     from opweave.schedulers.top_gpg import one_thread
-    from opweave.serve import top
     from opweave.serve.build import load_models, parse_image_size
     from opweave.serve.executors import SimExecutor
     from opweave.serve.loadgen import parse_pattern
@@ -155,9 +136,9 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
             bar.update(task, advance=1, info=f"reward (last 100) {sum(r['reward'] for r in recent) / len(recent):.3f}"
                        f"  superblocks {sum(r['superblock'] for r in recent)}")
 
-        agents, _ = top.train(executor, rates, steps=steps, period_ms=period_ms, episode_steps=episode_steps,
-                              scales=scale_list, max_queue=max_queue, max_batch=max_batch,
-                              max_sub_blocks=max_sub_blocks, warmup=warmup, seed=seed, on_step=on_step)
+        agents, _ = policy.train(executor, rates, steps=steps, period_ms=period_ms, episode_steps=episode_steps,
+                                 scales=scale_list, max_queue=max_queue, max_batch=max_batch,
+                                 max_sub_blocks=max_sub_blocks, warmup=warmup, seed=seed, on_step=on_step)
     train_s = time.perf_counter() - loaded
     blocks = {m: len(served[m].blocked.blocks) for m in rates}
     meta = {"command": f"opweave train-policy --pattern {pattern} --steps {steps} --period-ms {period_ms:g} "
@@ -167,7 +148,7 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
                                                                                   if warmup else ""),
             "train_s": round(train_s, 1), "load_s": round(loaded - start, 1), "steps": steps,
             "updates": agents.updates, "kept_step": agents.kept_step}
-    top.save_agents(agents, output, blocks=blocks, max_sub_blocks=max_sub_blocks, meta=meta)
+    policy.save_agents(agents, output, blocks=blocks, max_sub_blocks=max_sub_blocks, meta=meta)
     curve_path = (plot or output).with_suffix(".json")
     curve_path.write_text(json.dumps({"meta": meta, "curve": curve}) + "\n")
     if plot:

@@ -37,7 +37,7 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
           profile: Annotated[Path | None, typer.Option(help="schedule on this measured profile")] = None,
           coarsen: CoarsenOpt = True, as_json: JsonOpt = False):
     """Real runs: eager vs opweave with each scheduler, median latency after warm-up."""
-    from opweave.bench import bench_model, resolve_device
+    from opweave.evaluate.bench import bench_model, resolve_device
 
     device = resolve_device(device)
     names = schedulers.names() if schedulers_ == "all" else [s.strip() for s in schedulers_.split(",") if s.strip()]
@@ -73,9 +73,9 @@ def profile(model: Annotated[str, typer.Option("--model")] = "inception_v3",
     """Measure each op's latency (and kernel resources on CUDA) and save a profile the cost model loads (of the
     coarsened graph, as compile and bench schedule it, unless --no-coarsen). On the CPU each op is timed on
     --threads intra-op threads, the budget a lane runs it with."""
-    from opweave.bench import resolve_device
     from opweave.capture import load
     from opweave.costs.profile import profile_model
+    from opweave.evaluate.bench import resolve_device
 
     device = resolve_device(device)
     _, inputs, captured = load(model, batch_size=batch_size, device=device, coarsen=coarsen)

@@ -27,7 +27,7 @@ to the first). The scheduler is a pure function of graph, costs and the weights 
 * *Discrete scores instead of a 1-D continuous action.* TOP's policy outputs m ∈ [0, 1) and takes ending
   ⌊m·M⌋ of a list it does not define the order of, trained with DDPG and a critic q (eqs. 7-8). A score per
   candidate ranks endings by what they are, not by their place in a list, and needs no critic: we train it with
-  REINFORCE (below). The critic's sizes (1024, 512, 300) are therefore unused here.
+  REINFORCE (:mod:`opweave.learn.gpg`). The critic's sizes (1024, 512, 300) are therefore unused here.
 * *Reward.* TOP's u_t = e^{-l_t} summed over steps rewards *more* stages (each adds a term ≤ 1), not a shorter
   total. We use u_t = -l_t / mean op latency, so the return of an episode is minus the makespan it chose,
   exactly the quantity the DP minimizes.
@@ -38,16 +38,9 @@ to the first). The scheduler is a pure function of graph, costs and the weights 
   group, device work); only the chosen stage is priced by ``Costs.stage_latency_ms`` (TOP measures stages while
   training only and never while searching, which is what makes GPG fast).
 
-**Training (REINFORCE with a sample-mean baseline).** Per graph, ``samples`` rollouts are sampled from the policy;
-per chunk, each rollout's advantage is (mean makespan − its makespan) / mean makespan, and the loss is
-−Σ advantage · Σ log π(step) − ``entropy`` × the policy's mean entropy; Adam with TOP's η = 0.001; the weights
-that did best on fixed validation graphs (greedy makespan over the DP's) are kept. Graphs: combinations of 1-6
-random blocks of the zoo models (``--models``), side by side as the serving engine combines them (roofline costs,
-``gpu`` contention model, random batch 1-16), and random layered DAGs (:func:`opweave.ir.synth.random_dag`, random
-utilizations). The shipped default weights (``data/top_gpg.pt``, float16, about 230 KB) were trained by::
-
-    opweave train-gpg --episodes 600 --seed 0 -o src/opweave/schedulers/data/top_gpg.pt \
-        --plot benchmarks/results/top_gpg_train.png
+**Training** is :mod:`opweave.learn.gpg` (REINFORCE with a sample-mean baseline on combined zoo blocks and random
+DAGs, ``opweave train-gpg``); this module only runs the weights it saves. The shipped default weights
+(``data/top_gpg.pt``, float16, about 230 KB) and the command that trained them are described there.
 
 Complexity per chunk: steps × (endings of the visited state, each priced by the cost model) + one network pass per
 step, against the DP's sum over *all* states of the chunk (``benchmarks/top_gpg.py`` measures both).
@@ -57,7 +50,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -131,14 +124,14 @@ class GPG(nn.Module):
 
 
 # ---- graph encoding -------------------------------------------------------------------------------------------
-def _scale_ms(graph: OpGraph, costs: Costs) -> float:
+def scale_ms(graph: OpGraph, costs: Costs) -> float:
     """The graph's mean op latency (what every time feature is divided by), at least 1 ns."""
     return max(1e-6, sum(costs.latency_ms[o] for o in graph.ids) / max(1, len(graph)))
 
 
 def encode_inputs(graph: OpGraph, costs: Costs) -> tuple[torch.Tensor, list]:
     """Raw op states s_v (module docstring) in ``graph.ids`` order, and the levels :meth:`GPG.embed` walks."""
-    scale = _scale_ms(graph, costs)
+    scale = scale_ms(graph, costs)
     index = {o: i for i, o in enumerate(graph.ids)}
     pairs = sorted({(index[u], index[v]) for u, v in graph.edge})
     rows = []
@@ -224,13 +217,6 @@ def chunk_stages(net: GPG, g2e: torch.Tensor, index: dict[str, int], graph: OpGr
 
 
 # ---- weights ----------------------------------------------------------------------------------------------------
-def save(net: GPG, path: str | Path, meta: dict | None = None) -> None:
-    """Weights as float16 (half the size; loaded back as float32) with ``meta`` (how they were trained)."""
-    state = {k: v.detach().to(torch.float16) for k, v in net.state_dict().items()}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"format": FORMAT, "state": state, "meta": meta or {}}, str(path))
-
-
 def load(path: str | Path | None = None) -> GPG:
     """The network saved at ``path`` (default: the shipped weights), in eval mode; cached per file and mtime."""
     path = Path(path) if path is not None else DEFAULT_WEIGHTS
@@ -278,7 +264,7 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
     if not len(graph):
         return ios.staged("top-gpg", [], None, options)
     index = {o: i for i, o in enumerate(graph.ids)}
-    scale = _scale_ms(graph, costs)
+    scale = scale_ms(graph, costs)
     with torch.no_grad(), one_thread():
         g2e = net.embed(*encode_inputs(graph, costs))
 
@@ -289,50 +275,5 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
         return ios.staged("top-gpg", ios.blocks(graph, max_block_ops, max_states), solve, options)
 
 
-# ---- training ---------------------------------------------------------------------------------------------------
-def train(net: GPG, graphs: Iterable[tuple[OpGraph, Costs]], *, samples: int = 4, lr: float = 1e-3,
-          entropy: float = 0.05, seed: int = 0,
-          on_episode: Callable[[int, dict], None] | None = None) -> list[dict]:
-    """REINFORCE on ``graphs`` (module docstring): one episode per graph, ``samples`` rollouts each. Returns per
-    episode the mean sampled makespan over the greedy one (``sampled_over_greedy``) and the loss."""
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
-    history = []
-
-    def sample(logits: torch.Tensor) -> int:
-        return int(torch.multinomial(torch.softmax(logits.detach(), 0), 1, generator=gen))
-
-    for episode, (graph, costs) in enumerate(graphs):
-        index = {o: i for i, o in enumerate(graph.ids)}
-        scale = _scale_ms(graph, costs)
-        g2e = net.embed(*encode_inputs(graph, costs))
-        loss = torch.zeros(())
-        sampled = greedy = 0.0
-        for block in ios.blocks(graph):
-            runs = [chunk_stages(net, g2e, index, graph, costs, block, ios.DEFAULT_MAX_GROUP_OPS,
-                                 ios.DEFAULT_MAX_GROUPS, scale, pick=sample) for _ in range(samples)]
-            mean = sum(r[0] for r in runs) / samples
-            sampled += mean
-            with torch.no_grad():
-                greedy += chunk_stages(net, g2e, index, graph, costs, block, ios.DEFAULT_MAX_GROUP_OPS,
-                                       ios.DEFAULT_MAX_GROUPS, scale)[0]
-            for total, _, logps in runs:
-                if logps:
-                    advantage = (mean - total) / mean if mean > 0 else 0.0
-                    logp, ent = torch.stack(logps).unbind(1)
-                    loss = loss - (advantage * logp.sum() + entropy * ent.mean()) / samples
-        if loss.requires_grad:
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        record = {"episode": episode, "graph": graph.name, "ops": len(graph), "loss": float(loss.detach()),
-                  "sampled_over_greedy": sampled / greedy if greedy > 0 else 1.0}
-        history.append(record)
-        if on_episode is not None:
-            on_episode(episode, record)
-    net.eval()
-    return history
-
-
-__all__ = ["DEFAULT_WEIGHTS", "GPG", "KINDS", "chunk_stages", "encode_inputs", "load", "op_kind", "save",
-           "schedule", "train"]
+__all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "chunk_stages", "encode_inputs", "load", "one_thread",
+           "op_kind", "scale_ms", "schedule"]

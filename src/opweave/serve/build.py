@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from opweave.errors import UsageError
-from opweave.serve import policies, top  # importing top registers the learned policy "top"
+from opweave.serve import policies, top  # noqa: F401 - importing top registers the learned policy "top"
 from opweave.serve.engine import Engine
 from opweave.serve.executors import CpuExecutor, CudaExecutor, Part, RealClock, SimClock, SimExecutor
 from opweave.serve.models import ServedModel, load
@@ -33,12 +33,6 @@ def load_models(names: list[str], files: dict[str, Path] | None = None, *, devic
         out[name] = load(name, path=files.get(name), device=where, max_batch=max_batch,
                          image_size=sizes.get(name, sizes.get("*")), cuts=(cuts or {}).get(name))
     return out
-
-
-def gpg_graphs(models: list[str], *, preset: str = "h100", seed: int = 0) -> top.GpgGraphs:
-    """Random combined blocks of the zoo ``models`` to train and measure the GPG partitioner on."""
-    served = load_models(models, device="sim", max_batch=16)
-    return top.GpgGraphs({n: m.blocked for n, m in served.items()}, preset=preset, seed=seed)
 
 
 def parse_image_size(text: str | None) -> dict[str, int] | None:
