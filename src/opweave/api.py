@@ -46,9 +46,7 @@ class Compiled:
 
     def close(self) -> None:
         """Release what the backend holds (worker threads, rank processes); also done when it is collected."""
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        self.backend.close()
 
     def __enter__(self) -> Compiled:
         return self
