@@ -156,3 +156,29 @@ def test_makespan_ms_is_what_simulate_reports(graph, model):
     costs = replace(from_graph(graph), model=model)
     _, plan = plan_for(graph, costs, "lios", streams=3)
     assert makespan_ms(graph, plan, costs) == simulate(graph, plan, costs).makespan_ms
+
+
+def test_a_block_at_a_large_batch_is_captured_without_a_forward_pass_and_runs_at_that_batch():
+    model, inputs = zoo.create("squeezenet", batch_size=1, image_size=64)
+    blocked = blocks.split(capture(model, inputs, name="squeezenet"), inputs, name="squeezenet")
+    calls = []
+    inner = next(n.target for n in blocked.modules[1].graph.nodes if n.op == "call_module")
+    hook = blocked.modules[1].get_submodule(inner).register_forward_hook(lambda *a: calls.append(1))
+    three = blocked.captured_block(1, 3)  # extrapolated from batches 1 and 2, which are propagated
+    before = len(calls)
+    assert before >= 2
+    five = blocked.captured_block(1, 5)
+    assert len(calls) == before  # no forward pass for batch 5
+    assert [o.shape[0] for o in five.graph.ops if o.shape] and all(
+        o5.flops == o1.flops + 4 * (o2.flops - o1.flops) for o5, o1, o2 in
+        zip(five.graph.ops, blocked.captured_block(1, 1).graph.ops, blocked.captured_block(1, 2).graph.ops,
+            strict=True))
+    hook.remove()
+    assert three.graph.name.endswith("x3")
+    executor = CpuExecutor({"squeezenet": blocked})
+    x = torch.randn(5, *blocked.example(1, 1)[0].shape[1:])
+    part = Part("squeezenet", 1, 5, (x,))
+    executor.run([part])  # binds inputs of batch 5 against the capture's shapes
+    with torch.no_grad():
+        (got,) = part.state
+        assert torch.allclose(got, blocked.modules[1](x), atol=1e-5)

@@ -233,13 +233,28 @@ class BlockedModel:
         return tuple(x.repeat(batch, *[1] * (x.dim() - 1)) if isinstance(x, torch.Tensor) else x for x in base)
 
     def captured_block(self, index: int, batch: int = 1) -> Captured:
-        """Block ``index`` captured for ``batch`` stacked samples (cached; parameters shared with the model)."""
+        """Block ``index`` captured for ``batch`` stacked samples (cached; parameters shared with the model).
+
+        Batches 1 and 2 are captured (a shape propagation, one forward pass each); a larger batch reuses their
+        partition (the same module and nodes) with the op graph extrapolated from them (:meth:`graph_at`) and the
+        inputs' shapes set from the stacked example, so a server meeting a new batch size runs no extra forward
+        pass to compile it."""
         key = (index, batch)
         if key not in self._captures:
             if batch > 1 and not self.stackable:
                 raise UsageError(f"{self.name}: instances cannot be stacked (batch {batch})")
-            self._captures[key] = capture_block(self.modules[index], self.example(index, batch),
-                                                f"{self.name}.b{index}")
+            if batch <= 2:
+                self._captures[key] = capture_block(self.modules[index], self.example(index, batch),
+                                                    f"{self.name}.b{index}")
+            else:
+                from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+                base, graph = self.captured_block(index, 1), self.graph_at(index, batch)  # graph_at may propagate
+                placeholders = [n for n in base.gm.graph.nodes if n.op == "placeholder"]
+                for node, x in zip(placeholders, self.example(index, batch), strict=True):
+                    if isinstance(x, torch.Tensor):  # read by Captured when built: its inputs' expected shapes
+                        node.meta["tensor_meta"] = _extract_tensor_metadata(x)
+                self._captures[key] = Captured(graph, base.gm, base.nodes)
         return self._captures[key]
 
     def graph_at(self, index: int, batch: int) -> OpGraph:

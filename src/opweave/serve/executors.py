@@ -30,10 +30,11 @@ from torch.utils import _pytree as pytree
 
 from opweave.api import backend_for, plan_for
 from opweave.backends.cache import BoundedCache
+from opweave.capture.runtime import Captured
 from opweave.costs.model import Costs
 from opweave.errors import UsageError
 from opweave.ir.graph import Edge, OpGraph
-from opweave.serve.blocks import BlockedModel, capture_block, combined_module
+from opweave.serve.blocks import BlockedModel, combined_module
 
 Signature = tuple[tuple[str, int, int], ...]
 
@@ -215,12 +216,25 @@ class TensorExecutor(Executor):
         pieces = [torch.split(_to_cpu(leaf), batches) for leaf in leaves]
         return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(len(batches))]
 
-    def combined(self, sig: Signature) -> tuple[Any, tuple]:
-        """The blocks of ``sig`` side by side as one captured graph (:func:`opweave.serve.blocks.combined_module`;
-        op ids prefixed ``p{k}_``), and example inputs for it (every part's, in order)."""
-        module = combined_module([self.models[m].modules[b] for m, b, _ in sig], _name(sig))
+    def combined(self, sig: Signature) -> tuple[Captured, tuple]:
+        """The blocks of ``sig`` side by side as one :class:`Captured` (op ``o`` of part ``k`` is ``p{k}_o``, as in
+        :func:`union_graph`) and example inputs for it (every part's, in order). Assembled from the parts' cached
+        captures (:meth:`BlockedModel.captured_block`): the module is :func:`opweave.serve.blocks.combined_module`
+        of their graphs, the op graph the :func:`union_graph` of theirs, so no signature runs a forward pass to be
+        compiled (a shape propagation of the combination was a third of a CPU server's time under load)."""
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        parts = [self.models[m].captured_block(b, n) for m, b, n in sig]
         example = tuple(x for m, b, n in sig for x in self.models[m].example(b, n))
-        return capture_block(module, example, _name(sig)), example
+        module = combined_module([p.gm for p in parts], _name(sig))
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        for node, x in zip(placeholders, example, strict=True):  # a part module's metas are its last batch's
+            if isinstance(x, torch.Tensor):
+                node.meta["tensor_meta"] = _extract_tensor_metadata(x)
+        by_name = {n.name: n for n in module.graph.nodes}
+        nodes = {f"p{k}_{op}": [by_name[f"p{k}_{n.name}"] for n in group]
+                 for k, part in enumerate(parts) for op, group in part.nodes.items()}
+        return Captured(union_graph([p.graph for p in parts], _name(sig)), module, nodes), example
 
     def _states(self, parts: list[Part]) -> tuple[list[Part], Signature, list[tuple]]:
         """Parts in signature order, the signature, and each part's inputs padded to its bucket."""
