@@ -10,6 +10,7 @@ from opweave import zoo
 from opweave.capture import capture
 from opweave.errors import UsageError
 from opweave.ir import OpGraph
+from opweave.outputs import compare
 from opweave.serve import blocks
 from opweave.serve.executors import CpuExecutor, Part, SimExecutor, union_graph
 from serve_models import Pooled, tiny
@@ -182,3 +183,29 @@ def test_a_block_at_a_large_batch_is_captured_without_a_forward_pass_and_runs_at
     with torch.no_grad():
         (got,) = part.state
         assert torch.allclose(got, blocked.modules[1](x), atol=1e-5)
+
+
+def test_blocks_compiled_whole_by_onnxruntime_run_side_by_side_and_equal_eager():
+    model, inputs = zoo.create("squeezenet", batch_size=1, image_size=64)
+    blocked = blocks.split(capture(model, inputs, name="sq"), inputs, name="sq")
+    ex = CpuExecutor({"sq": blocked}, fuse="onnxruntime")
+    assert ex.pad and ex.scheduler == "heft"
+    made = ex.compile_parts(max_batch=4)  # batches 1, 2, 4; one function per thread count a part can get
+    counts = {max(1, ex.streams // k) for k in range(1, ex.streams + 1)}
+    assert made == len(blocked.blocks) * 3 * len(counts)
+    x, y = torch.randn(3, 3, 64, 64), torch.randn(1, 3, 64, 64)
+    first = Part("sq", 0, 3, (x,))
+    ex.run([first])
+    second, third = Part("sq", 1, 3, first.state), Part("sq", 0, 1, (y,))
+    ex.run([second, third])  # two parts: two lanes when there are two cores
+    assert ex.compiled((("sq", 0, 1), ("sq", 1, 4))).program.lanes
+    state = second.state
+    for b in range(2, len(blocked.blocks)):
+        part = Part("sq", b, 3, state)
+        ex.run([part])
+        state = part.state
+    with torch.no_grad():
+        assert compare(model(x), state, tolerance=1e-4).ok  # padded to 4 rows, the extra row dropped
+        (got,) = third.state
+        assert compare(blocked.modules[0](y), got, tolerance=1e-4).ok
+    assert made == ex.compile_parts(max_batch=4) + made  # nothing new to compile

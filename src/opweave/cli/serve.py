@@ -60,13 +60,18 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           scheduler: SchedulerOpt = "lios", streams: StreamsOpt = None, image_size: ImageSizeOpt = None,
           cuts: CutsOpt = None,
           max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="larger request bodies get 400")] = 64.0,
-          threads: Annotated[int, typer.Option("--threads", min=1, help="torch intra-op threads (cpu)")] = 1,
+          threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch intra-op threads (cpu; "
+                                                      "default: the cores, split among the lanes)")] = None,
+          fuse: Annotated[str, typer.Option("--fuse", help="cpu: each block compiled whole by onnxruntime or "
+                                                           "inductor, or none (TOP's combined op graphs); default "
+                                                           "onnxruntime when installed")] = "default",
           log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
     """Serve models over the Open Inference Protocol (KServe v2 / Triton HTTP) until SIGTERM, which drains.
 
-    On the CPU, concurrency comes from the backend's lane threads (one per stream of a combined block), so torch's
-    intra-op pool is kept at ``--threads`` 1 by default: both at once oversubscribe the cores (ResNet-50 at 64x64
-    took 70 ms with one intra-op thread and 1.2 s with two on a busy 2-core machine)."""
+    On the CPU a combined block runs on one lane per core and each of its ops (or blocks, with ``--fuse``) on the
+    cores its lane may use while it runs (opweave.backends.threads), so lanes x intra-op threads never exceed the
+    cores. With ``--fuse`` (the default when ONNX Runtime is installed) every block is compiled at every padded
+    batch before the server listens."""
     import torch
 
     from opweave.serve.build import load_models, make_engine, parse_cuts, parse_image_size
@@ -75,7 +80,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
-    torch.set_num_threads(threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     options = _policy_options(policy, policy_options, policy_file)
     files = parse_model_files(model_file)
     served = load_models(_names(models), files, device=device, max_batch=max_batch,
@@ -84,7 +90,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
                          policy_options=options,
                          max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
                          timeout_s=None if timeout_ms is None else timeout_ms / 1e3, scheduler=scheduler,
-                         streams=streams)
+                         streams=streams, fuse=None if fuse == "none" else fuse)
     blocks = ", ".join(f"{n} ({len(m.blocked.blocks)} blocks)" for n, m in served.items())
 
     def listening(h: str, p: int) -> None:
