@@ -82,11 +82,12 @@ def main() -> None:
                               "kept_step": saved["meta"].get("kept_step"),
                               "curve": [[r["step"], r["reward"], int(r["superblock"])] for r in saved["curve"]]}
 
-        def measure(policy: str, scale: float, pattern=pattern, file=file, executor=executor) -> dict:
+        def measure(policy: str, scale: float, repeat: int = 0, pattern=pattern, file=file,
+                    executor=executor) -> dict:
             options = {"policy_file": str(file)} if policy == "top" else {}
             engine = Engine(executor, policies.create(policy, **options), SimClock(), max_queue=MAX_QUEUE,
                             max_batch=MAX_BATCH, max_sub_blocks=H)
-            rep, _ = loadgen.run_simulated(engine, pattern, duration, seed=args.seed, scale=scale)
+            rep, _ = loadgen.run_simulated(engine, pattern, duration, seed=args.seed + repeat, scale=scale)
             r = row(rep, SLO_MS)
             stats = rep["engine_stats"]
             r["sub_blocks_per_step"] = round(stats["parts"] / stats["steps"], 3) if stats["steps"] else 0.0
@@ -101,7 +102,7 @@ def main() -> None:
             entry = {"pattern": name, "rates": pattern, "policy": policy,
                      "scales": {f"{s:g}": measure(policy, s) for s in (1.0, 2.0)}}
             if not args.no_search and not args.quick:
-                best, probes = search(lambda s, policy=policy: measure(policy, s))
+                best, probes = search(lambda s, r, policy=policy: measure(policy, s, r), tolerance=1.1)
                 entry["sustainable_scale"] = round(best, 4)
                 entry["sustainable_rps"] = round(best * sum(pattern.values()), 2)
                 entry["probes"] = [[round(s, 4), r] for s, r in probes]
