@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default %(default)s)")
     p.add_argument("--warmup-s", type=float, default=10.0, help="round-robin warm-up (default %(default)s s)")
     p.add_argument("--check-only", action="store_true", help="build and check every mode, no latency phase")
+    p.add_argument("--limits", action="store_true", help="also measure why the lanes gain or lose against ONNX "
+                                                         "Runtime (see limits())")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up on one child after this long")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory for the results")
     p.add_argument("--stem", default="cpu_latency", help="file name of the results, without suffix (default "
@@ -210,6 +212,64 @@ def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespac
             for mode, fn in fns.items():
                 times[mode] += timing.times_ms(lambda fn=fn: fn(*inputs), runs=runs, warmup=0)
     return {mode: {"median_ms": statistics.median(ts), "min_ms": min(ts)} for mode, ts in times.items()}
+
+
+def limits(name: str, batch: int, args: argparse.Namespace) -> dict:
+    """Why the lanes gain or lose against ONNX Runtime here (in a child, one thread per run): ORT's whole model at
+    one thread and at every core; each op compiled alone by ORT (:func:`opweave.backends.segments.op_latencies`),
+    their sum and the critical path through them (the speed-up any number of one-thread lanes could reach);
+    HEFT's plan on the cores' lanes with those costs (its predicted makespan, its segments) and the same segments
+    run one after another on one thread (what cutting the model into segments costs ORT)."""
+
+    import torch
+
+    import opweave
+    from opweave.backends.segments import op_latencies
+    from opweave.backends.threads import cores
+    from opweave.capture import capture, coarsen
+    from opweave.costs import timing
+    from opweave.costs.roofline import estimate
+
+    model, inputs = create(name, batch, args)
+    whole_fast = onnxruntime_session(model, inputs, parallel=False)
+    captured = coarsen(capture(model, inputs, name=name))
+    latency = op_latencies(captured, inputs, "onnxruntime", repeats=5)
+    graph = captured.graph
+    finish: dict[str, float] = {}
+    for op in graph.topo_order:
+        finish[op] = latency[op] + max((finish[p] for p in graph.preds[op]), default=0.0)
+    from dataclasses import replace
+
+    costs = replace(estimate(graph, "cpu", model="ideal"), latency_ms=latency)
+    fast = opweave.compile(model, inputs, scheduler="heft", device="cpu", fuse="onnxruntime", costs=costs)
+    segmented, order = fast.fused, [i.op for i in fast.plan.instrs if i.kind == "launch"]
+    caller = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        whole_one = onnxruntime_session(model, inputs, parallel=False)
+
+        def segments_in_a_row():
+            env = segmented.bind(inputs)
+            for seg in [i.op for i in fast.backend.program.plan.instrs if i.kind == "launch"]:
+                segmented.run_op(seg, env)
+
+        with torch.inference_mode():
+            one = timing.median_ms(lambda: whole_one(*inputs), runs=20, warmup=3)
+            in_a_row = timing.median_ms(segments_in_a_row, runs=20, warmup=3)
+    finally:
+        torch.set_num_threads(caller)
+    with torch.inference_mode():
+        every = timing.median_ms(lambda: whole_fast(*inputs), runs=20, warmup=3)
+    fast.close()
+    total, critical = sum(latency.values()), max(finish.values())
+    return {"model": name, "batch": batch, "cores": cores(), "ort_whole_1_thread_ms": round(one, 3),
+            "ort_whole_all_cores_ms": round(every, 3), "ort_intra_op_speedup": round(one / every, 3),
+            "ops": len(graph), "ort_ops_alone_sum_ms": round(total, 3), "critical_path_ms": round(critical, 3),
+            "lanes_bound_speedup": round(total / critical, 3), "heft_lanes": fast.schedule.streams_used,
+            "heft_predicted_ms": round(fast.schedule.predicted_ms, 3), "heft_segments": len(order),
+            "heft_segments_in_a_row_1_thread_ms": round(in_a_row, 3),
+            "segmenting_costs_ort": round(in_a_row / one, 3),
+            "note": "statistics of 20 runs each; one child per model, after the latency phase"}
 
 
 # ---- children ------------------------------------------------------------------------------------------------
@@ -391,24 +451,28 @@ def main(argv: list[str] | None = None) -> int:
     names = model_names(args)
     watch = common.Stopwatch()
     rows: list[dict] = []
+    bounds: list[dict] = []
     stem = f"{args.stem}_check" if args.check_only else args.stem
     with tempfile.TemporaryDirectory(prefix="cpu_latency_") as tmp:
         for batch in args.batch_sizes:
             for name in names:
                 rows += measure(name, batch, args, Path(tmp))
+                if args.limits:
+                    status, found = in_child(limits, (name, batch, args), {}, args.timeout_s)
+                    bounds.append(found if status == "ok" else {"model": name, "batch": batch, "error": found})
                 summary = [] if args.check_only else summarize(rows)
                 common.write_json(args.out / f"{stem}.json", {
                     "machine": common.machine_info(),
                     "settings": {"models": names, "batch_sizes": args.batch_sizes, "modes": args.modes,
                                  "bert_layers": args.bert_layers, "runs": args.runs, "rounds": args.rounds,
                                  "warmup_s": args.warmup_s, "tolerance": TOLERANCE},
-                    "rows": rows, "summary": summary, "elapsed_s": watch.elapsed_s}, quiet=True)
+                    "rows": rows, "summary": summary, "limits": bounds, "elapsed_s": watch.elapsed_s}, quiet=True)
     common.console.print(table(rows))
     if not args.check_only:
         summary = summarize(rows)
         (args.out / f"{stem}.md").write_text(markdown(rows, summary, args.modes))
         plot(rows, summary, args.out / f"{stem}.png")
-        for s in summary:
+        for s in summary + bounds:
             common.console.print(s)
     common.console.print(f"wrote {args.out / (stem + '.json')}")
     wrong = [r for r in rows if "error" not in r and not r["ok"]]

@@ -198,6 +198,8 @@ def compile_captured(captured, example_inputs, *, scheduler: str | None = None, 
         from opweave.backends import threads as cpu_threads
 
         streams = streams or cpu_threads.cores()  # one lane per core the lanes' threads can run on
+        if scheduler == "heft":  # a cross-lane edge costs a thread hand-off here: weigh it
+            scheduler_options = {"sync_ms": cpu_threads.sync_cost_ms(), **(scheduler_options or {})}
     sched, plan = plan_for(graph, costs, scheduler, streams=streams, **(scheduler_options or {}))
     if device == "cpu" and sched.streams_used > 1:
         from opweave.backends.simulate import simulate
