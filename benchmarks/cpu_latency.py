@@ -338,7 +338,7 @@ def measure(name: str, batch: int, args: argparse.Namespace, tmp: Path) -> list[
             continue
         row.update({k: round(v, 3) for k, v in latency[row["mode"]].items()})
         if eager:
-            row["speedup_vs_eager"] = round(eager / row["median_ms"], 3)
+            row["speedup_vs_eager"] = round(eager / latency[row["mode"]]["median_ms"], 3)
     load = round(os.getloadavg()[0], 2)
     return [{**row, "load_average_1m": load} for row in rows]
 

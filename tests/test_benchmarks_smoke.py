@@ -149,30 +149,36 @@ def test_multi_device_quick(tmp_path):
 
 
 @pytest.mark.slow
-def test_fused_cpu_quick(tmp_path):
-    """Three modes of one small model, each built in its own process with a cold Inductor cache, then timed
-    interleaved in one more (under a minute)."""
-    run_script("fused_cpu.py", tmp_path, "--schedulers", "sequential", "--no-torch-compile")
-    data = json.loads((tmp_path / "fused_cpu.json").read_text())
-    assert [r["mode"] for r in data["rows"]] == ["eager", "opweave sequential", "opweave sequential+inductor"]
+def test_cpu_latency_quick(tmp_path):
+    """Four modes of deepfm, each built and checked in its own process, warm-built again where Inductor compiles,
+    then timed interleaved in one more; the summary, the README table and the plot."""
+    modes = "eager;onnxruntime;opweave sequential+inductor;opweave heft"
+    run_script("cpu_latency.py", tmp_path, "--models", "deepfm", "--modes", modes)
+    data = json.loads((tmp_path / "cpu_latency.json").read_text())
+    assert [r["mode"] for r in data["rows"]] == modes.split(";")
     assert all(r["ok"] and r["max_abs_diff"] < 1e-4 for r in data["rows"]), data["rows"]
-    fused = data["rows"][-1]
-    assert fused["segments"] == 1 and fused["inductor_s"] > 0 and fused["compile_s"] >= fused["inductor_s"]
-    assert data["settings"]["inductor_cache"] == "cold"
-    assert all(0 < r["min_ms"] <= r["median_ms"] and r["warmup_calls"] >= 1 for r in data["rows"])
+    fused = data["rows"][2]
+    assert fused["segments"] == 1 and fused["in_compiler_s"] > 0 and "warm_s" in fused
+    assert all(0 < r["min_ms"] <= r["median_ms"] for r in data["rows"])
     assert data["rows"][0]["speedup_vs_eager"] == 1.0
+    (summary,) = data["summary"]
+    assert summary["best_opweave"] in ("opweave sequential+inductor", "opweave heft")
+    assert "| deepfm |" in (tmp_path / "cpu_latency.md").read_text()
+    assert (tmp_path / "cpu_latency.png").stat().st_size > 1000
 
 
 @pytest.mark.slow
-def test_fused_cpu_check_only(tmp_path):
-    """Phase 1 alone: every mode built in its own process and checked against eager, no timing, its own JSON."""
-    run_script("fused_cpu.py", tmp_path, "--check-only", "--schedulers", "lios", "--no-torch-compile")
-    assert not (tmp_path / "fused_cpu.json").exists()
-    data = json.loads((tmp_path / "fused_cpu_check.json").read_text())
-    assert [r["mode"] for r in data["rows"]] == ["eager", "opweave lios", "opweave lios+inductor"]
+def test_cpu_latency_check_only_and_limits(tmp_path):
+    """Phase 1 alone (every mode built and checked, no timing, its own JSON) and the limits of the lanes."""
+    run_script("cpu_latency.py", tmp_path, "--models", "squeezenet", "--modes", "eager;opweave heft+onnxruntime",
+               "--check-only", "--limits")
+    assert not (tmp_path / "cpu_latency.json").exists()
+    data = json.loads((tmp_path / "cpu_latency_check.json").read_text())
+    assert [r["mode"] for r in data["rows"]] == ["eager", "opweave heft+onnxruntime"]
     assert all(r["ok"] and "median_ms" not in r for r in data["rows"]), data["rows"]
-    assert data["rows"][-1]["segments"] > 1 and data["rows"][-1]["fallbacks"] == 0
-    assert data["settings"]["inductor_cache"] == "shared per model" and data["settings"]["timing"] is None
+    (bound,) = data["limits"]
+    assert bound["ops"] == data["rows"][1]["ops"] and bound["critical_path_ms"] <= bound["ort_ops_alone_sum_ms"]
+    assert bound["heft_segments"] >= bound["heft_lanes"] >= 1 and bound["segmenting_costs_ort"] > 0
 
 
 def test_top_gpg_quick(tmp_path):

@@ -5,8 +5,9 @@ The Inductor cases compile C++ kernels (one to three seconds per segment on a 2-
 Inductor's on-disk caches hold them), so the fast set is small (deepfm, bert_base) and two convolutional networks
 are marked ``slow``. The four largest zoo graphs (googlenet, inception_v3, nasnet_a_mobile, randwire: hundreds of
 segments, 2 to 7 minutes each on a 2-core machine) would take the suite past its time budget; every zoo model at
-its full input size is checked by ``benchmarks/fused_cpu.py --check-only --models all --no-torch-compile`` (every
-mode ``ok`` against eager, no fallback; ``benchmarks/results/fused_cpu_check.json``).
+its full input size was checked by ``benchmarks/fused_cpu.py --check-only --models all --no-torch-compile`` (every
+mode ``ok`` against eager, no fallback; ``benchmarks/results/fused_cpu_check.json``), which
+``benchmarks/cpu_latency.py --check-only`` has replaced.
 ``fuse="eager"`` runs the same segment graphs uncompiled for every model and scheduler in seconds.
 """
 
@@ -41,7 +42,7 @@ from test_coarsen import SMALL
 
 ACCEPTANCE = ("sequential", "lios", "opara")
 FAST_INDUCTOR = ("deepfm", "bert_base")
-SLOW_INDUCTOR = ("squeezenet", "resnet50")  # the rest of the zoo: benchmarks/fused_cpu.py (module docstring)
+SLOW_INDUCTOR = ("squeezenet", "resnet50")  # the rest of the zoo: benchmarks/cpu_latency.py (module docstring)
 
 
 @functools.cache
