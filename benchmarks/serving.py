@@ -141,6 +141,37 @@ def sim_runner(args, models: list[str]):
         rep, _ = loadgen.run_simulated(engine, pattern, duration, seed=args.seed + repeat, scale=scale)
         return row(rep, args.slo_ms)
 
+    def explain(policy: str, pattern: dict[str, float], scale: float) -> dict:
+        """Where a run at ``scale`` spends the simulated device: the share of the time a step runs (busy), the
+        share of the device those steps fill (the contention model's utilization, step overhead counted as empty),
+        sub-blocks per step and samples per sub-block; ``headroom`` = time / device-filled time, the most any policy
+        could raise the rate at the same work per sample."""
+        from opweave.serve.engine import Observer
+
+        class Steps(Observer):
+            busy = used = steps = parts = samples = 0.0
+
+            def on_step(self, parts, cost):
+                self.busy += cost.seconds
+                self.used += cost.seconds * (cost.utilization if cost.utilization is not None else 1.0)
+                self.steps += 1
+                self.parts += len(parts)
+                self.samples += sum(p.batch for p in parts)
+
+        engine = Engine(executor, policies.create(policy), SimClock(), max_queue=MAX_QUEUE, max_batch=MAX_BATCH,
+                        max_sub_blocks=H)
+        seen = Steps()
+        engine.observers.append(seen)
+        duration = max(args.duration, args.min_requests * 1.1 / (scale * sum(pattern.values())))
+        loadgen.run_simulated(engine, pattern, duration, seed=args.seed, scale=scale)
+        span = engine.clock.now()
+        return {"scale": scale, "busy": round(seen.busy / span, 3), "device_filled": round(seen.used / span, 3),
+                "fill_while_busy": round(seen.used / seen.busy, 3) if seen.busy else 0.0,
+                "sub_blocks_per_step": round(seen.parts / seen.steps, 2) if seen.steps else 0.0,
+                "samples_per_sub_block": round(seen.samples / seen.parts, 2) if seen.parts else 0.0,
+                "headroom": round(span / seen.used, 3) if seen.used else None}
+
+    measure.explain = explain
     settings = {"preset": args.preset, "cost_model": "gpu", "scheduler": "lios", "streams": 8,
                 "step_overhead_ms": executor.step_overhead_ms, "pad_batches_to_powers_of_two": executor.pad,
                 "virtual_duration_s": args.duration, "blocks": blocks,
@@ -264,6 +295,10 @@ def main() -> None:
     finally:
         getattr(measure, "close", lambda: None)()
     acceptance = verdicts(results, patterns(models), args.mode, args.min_requests)
+    if hasattr(measure, "explain"):  # simulation: what bounds heuristic over batch (docs/serving.md)
+        for e in results:
+            if e["policy"] in ("batch", "heuristic") and e.get("sustainable_scale"):
+                e["where_time_goes"] = measure.explain(e["policy"], e["rates"], e["sustainable_scale"])
     out = {"mode": args.mode, "settings": {**settings, "max_batch": MAX_BATCH, "max_queue": MAX_QUEUE,
                                            "max_sub_blocks": H, "slo_ms": args.slo_ms, "arrivals": "poisson",
                                            "seed": args.seed},
