@@ -86,7 +86,10 @@ class OnnxRuntime:
 
     name = "onnxruntime"
 
-    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int) -> Callable[..., tuple]:
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int,
+                 dynamic_batch: bool = False) -> Callable[..., tuple]:
+        """``dynamic_batch``: dimension 0 of every input and output left free (one session for every batch size;
+        the caller checks it at another batch, since a graph may have baked its batch in)."""
         ort = import_onnxruntime()
         if any(x.device.type != "cpu" for x in inputs):
             raise UsageError("fuse='onnxruntime' runs on the CPU")
@@ -94,7 +97,7 @@ class OnnxRuntime:
             examples = gm(*inputs)
         if not all(isinstance(x, torch.Tensor) for x in examples):
             raise UsageError("a segment output is not a tensor (ONNX exports tensors only)")
-        model = export_onnx(gm, inputs, len(examples))
+        model = export_onnx(gm, inputs, len(examples), dynamic_batch=dynamic_batch)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
@@ -121,10 +124,13 @@ class OrtSegment:
         return tuple(torch.from_numpy(a) for a in self.run(self.outputs, feeds, self.options))
 
 
-def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int) -> bytes:
-    """``gm`` as an ONNX model (bytes), parameters as initializers; TorchScript exporter first (module docstring)."""
-    names = {"input_names": [f"in{i}" for i in range(len(inputs))],
-             "output_names": [f"out{i}" for i in range(outputs)]}
+def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dynamic_batch: bool = False) -> bytes:
+    """``gm`` as an ONNX model (bytes), parameters as initializers; TorchScript exporter first (module docstring).
+    ``dynamic_batch``: dimension 0 of every input and output is left free."""
+    names: dict[str, Any] = {"input_names": [f"in{i}" for i in range(len(inputs))],
+                             "output_names": [f"out{i}" for i in range(outputs)]}
+    if dynamic_batch:
+        names["dynamic_axes"] = {name: {0: "batch"} for name in names["input_names"] + names["output_names"]}
     buffer = io.BytesIO()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
@@ -135,7 +141,8 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int) ->
         try:
             with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
                 warnings.simplefilter("ignore")
-                program = torch.onnx.export(gm, tuple(inputs), dynamo=True, verbose=False, **names)
+                dynamo_names = {k: v for k, v in names.items() if k != "dynamic_axes"}  # static shapes there
+                program = torch.onnx.export(gm, tuple(inputs), dynamo=True, verbose=False, **dynamo_names)
         except Exception as second:
             raise UsageError(f"torch.onnx cannot export the segment: {_first_line(first)}; "
                              f"dynamo: {_first_line(second)}") from second

@@ -22,6 +22,7 @@ block are one graph with no edges between them: the scheduler puts them side by 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -275,8 +276,9 @@ class CpuExecutor(TensorExecutor):
       called with), and a signature compiles to a graph of its parts as single ops, scheduled with ``heft`` onto the
       lanes: parts run side by side, one part alone gets every core. ONNX Runtime runs these blocks about three times
       faster than eager PyTorch at serving batch sizes on a CPU, and a part compiled whole needs no compile per
-      combination (a combination is only its parts' placement: milliseconds). Batches are padded to powers of two
-      by default (a compiled part has fixed shapes).
+      combination (a combination is only its parts' placement: milliseconds). ONNX Runtime takes any batch (each
+      block exported once with a free batch dimension, checked at another batch), so batches are not padded (up to
+      a third of a padded batch's work was zeros).
     """
 
     device = "cpu"
@@ -285,15 +287,14 @@ class CpuExecutor(TensorExecutor):
                  cache_size: int = 32, pad: bool | None = None, fuse: str | None = None):
         from opweave.backends.threads import cores
 
-        # a compiled part has fixed shapes: pad batches to powers of two, 5 sizes for a max batch of 16, not 16
         super().__init__(models, scheduler=scheduler if fuse is None else "heft", streams=streams or cores(),
-                         cache_size=cache_size, pad=fuse is not None if pad is None else pad)
+                         cache_size=cache_size, pad=bool(pad))
         if fuse is not None:
             from opweave.backends.compilers import get
 
             get(fuse)  # an unknown name is refused here, not at the first request
         self.fuse = fuse
-        self._parts: dict[tuple[str, int, int], _CompiledPart] = {}
+        self._blocks: dict[tuple[str, int], _CompiledBlock] = {}
 
     def _compile(self, sig: Signature) -> Any:
         from opweave.costs.roofline import estimate
@@ -318,38 +319,36 @@ class CpuExecutor(TensorExecutor):
 
         graph, calls, ops = fx.Graph(), [], []
         for k, key in enumerate(sig):
-            part = self._parts.get(key) or self._parts.setdefault(key, _CompiledPart(self, *key))
-            inputs = [graph.placeholder(f"p{k}_in{i}") for i in range(len(part.example))]
-            calls.append(graph.create_node("call_function", part, tuple(inputs), name=f"p{k}"))
-            block = self.models[key[0]].graph_at(key[1], key[2])
-            ops.append(Op(f"p{k}", target=f"{key[0]}.block{key[1]}", flops=sum(o.flops for o in block.ops),
-                          bytes=sum(o.bytes for o in block.ops)))
+            block = self.compiled_block(key[0], key[1])
+            inputs = [graph.placeholder(f"p{k}_in{i}") for i in range(len(block.blocked.example(key[1])))]
+            calls.append(graph.create_node("call_function", block.at(key[2]), tuple(inputs), name=f"p{k}"))
+            part_graph = self.models[key[0]].graph_at(key[1], key[2])
+            ops.append(Op(f"p{k}", target=f"{key[0]}.block{key[1]}", flops=sum(o.flops for o in part_graph.ops),
+                          bytes=sum(o.bytes for o in part_graph.ops)))
         graph.output(tuple(calls))
         module = fx.GraphModule(nn.Module(), graph, class_name=_name(sig).replace(".", "_").replace("+", "_"))
         by_name = {n.name: n for n in module.graph.nodes}
         return Captured(OpGraph(ops, [], _name(sig)), module, {f"p{k}": [by_name[f"p{k}"]] for k in range(len(sig))})
 
-    def compile_parts(self, max_batch: int) -> int:
-        """With ``fuse``: compile every block of every model at every padded batch up to ``max_batch`` for every
-        thread count a part may be called with (all the cores alone, their share beside others), so that no
-        request waits for a compile. Returns how many compiled functions were made."""
-        from opweave.backends.compilers import get
+    def compiled_block(self, model: str, block: int) -> _CompiledBlock:
+        key = (model, block)
+        return self._blocks.get(key) or self._blocks.setdefault(key, _CompiledBlock(self, model, block))
 
-        total = self.streams
-        counts = sorted({max(1, total // k) for k in range(1, total + 1)})
-        made = 0
+    def compile_parts(self, max_batch: int) -> int:
+        """With ``fuse``: compile every block of every model for every thread count a part may be called with (all
+        the cores alone, their share beside others) and, where a block cannot take any batch, every batch up to
+        ``max_batch``, so that no request waits for a compile. Returns how many compiled functions there are."""
+        counts = sorted({max(1, self.streams // k) for k in range(1, self.streams + 1)})
         for model, blocked in self.models.items():
-            batches = sorted({self.bucket(n) for n in range(1, (max_batch if blocked.stackable else 1) + 1)})
-            for block in range(len(blocked.blocks)):
-                for batch in batches:
-                    key = (model, block, batch)
-                    part = self._parts.get(key) or self._parts.setdefault(key, _CompiledPart(self, *key))
-                    for threads in counts:
-                        if threads not in part.compiled:
-                            with torch.no_grad():
-                                part.compiled[threads] = get(self.fuse)(part.module, list(part.example), threads)
-                            made += 1
-        return made
+            for b in range(len(blocked.blocks)):
+                block = self.compiled_block(model, b)
+                for threads in counts:
+                    block.function(1, threads)
+                    if not block.dynamic:
+                        batches = {self.bucket(n) for n in range(1, (max_batch if blocked.stackable else 1) + 1)}
+                        for batch in sorted(batches):
+                            block.function(batch, threads)
+        return sum(len(block.compiled) for block in self._blocks.values())
 
     def _evict(self, entry: Any) -> None:
         entry.close()  # stops its worker threads
@@ -365,30 +364,59 @@ class CpuExecutor(TensorExecutor):
         return StepCost(seconds)
 
 
-class _CompiledPart:
-    """One block of one model at one batch, compiled whole by the executor's segment compiler, called like the
-    block: the block's inputs in, its output (in the block's structure) out. The compiled function is chosen by the
-    calling thread's intra-op thread count (the lane code sets it per op), one per count, compiled on first use."""
+class _CompiledBlock:
+    """One block of one model compiled whole by the executor's segment compiler, called like the block (its inputs
+    in, its output in the block's structure out) at a given batch: :meth:`at` gives the callable a parts graph
+    calls. The compiled function is chosen by the calling thread's intra-op thread count (the lane code sets it per
+    op), one per count, compiled on first use.
 
-    def __init__(self, executor: CpuExecutor, model: str, block: int, batch: int):
-        blocked = executor.models[model]
-        self.name, self.fuse = f"{model}.b{block}x{batch}", executor.fuse
-        self.example = blocked.example(block, batch)
-        self.module, self.spec = _flat_outputs(blocked.modules[block])
-        self.compiled: dict[int, Any] = {}
-        self.__name__ = self.name.replace(".", "_")  # fx's code generator names the call after it
+    With ONNX Runtime the block is exported once with a free batch dimension and checked against the block at
+    another batch; where that check fails (a graph that baked its batch in) or with another compiler, one function
+    is compiled per batch size met."""
 
-    def __call__(self, *inputs):
-        threads = torch.get_num_threads()
-        fn = self.compiled.get(threads)
+    def __init__(self, executor: CpuExecutor, model: str, block: int):
+        self.blocked, self.block, self.fuse = executor.models[model], block, executor.fuse
+        self.name = f"{model}.b{block}"
+        self.module, self.spec = _flat_outputs(self.blocked.modules[block])
+        self.dynamic: bool | None = None if self.fuse == "onnxruntime" and self.blocked.stackable else False
+        self.compiled: dict[tuple[int, int | None], Any] = {}  # (threads, batch or None when dynamic) -> function
+
+    def at(self, batch: int) -> Callable:
+        def run(*inputs):
+            return pytree.tree_unflatten(list(self.function(batch)(*inputs)), self.spec)
+
+        run.__name__ = f"{self.name}x{batch}".replace(".", "_")  # fx's code generator names the call after it
+        return run
+
+    def function(self, batch: int, threads: int | None = None) -> Any:
+        threads = threads or torch.get_num_threads()
+        fn = self.compiled.get((threads, None)) or self.compiled.get((threads, batch))
         if fn is None:
-            from opweave.backends.compilers import get
             from opweave.backends.segments import _COMPILE_LOCK
 
             with _COMPILE_LOCK, torch.no_grad():
-                fn = self.compiled.get(threads) or self.compiled.setdefault(
-                    threads, get(self.fuse)(self.module, list(self.example), threads))
-        return pytree.tree_unflatten(list(fn(*inputs)), self.spec)
+                fn = self._compile(batch, threads)
+        return fn
+
+    def _compile(self, batch: int, threads: int) -> Any:
+        from opweave.backends.compilers import get
+        from opweave.outputs import compare
+
+        compiler = get(self.fuse)
+        if self.dynamic is not False:
+            if (threads, None) in self.compiled:
+                return self.compiled[(threads, None)]
+            fn = compiler(self.module, list(self.blocked.example(self.block, 2)), threads, dynamic_batch=True)
+            if self.dynamic is None:  # checked once, at a batch it was not exported at
+                probe = [torch.randn_like(x) if x.is_floating_point() else x
+                         for x in self.blocked.example(self.block, 3)]
+                self.dynamic = compare(tuple(self.module(*probe)), tuple(fn(*probe)), tolerance=1e-4).ok
+            if self.dynamic:
+                self.compiled[(threads, None)] = fn
+                return fn
+        fn = compiler(self.module, list(self.blocked.example(self.block, batch)), threads)
+        self.compiled[(threads, batch)] = fn
+        return fn
 
 
 def _flat_outputs(gm):
