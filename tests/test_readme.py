@@ -179,9 +179,12 @@ def test_python_quick_start_schedulers_on_graphs():
     assert schedulers.run("sequential", g, namespace["from_graph"](g)).predicted_ms == 73.0
 
 
+FUSED = "Fused segments, and speed on the CPU"
+
+
 @pytest.mark.slow
 def test_fused_segments_block():
-    (block,) = blocks(section("Fused segments (TorchInductor)"), "python")
+    block = blocks(section(FUSED), "python")[0]
     namespace, values = run_python(block)
     model, inputs, out, fused = (namespace[k] for k in ("model", "inputs", "out", "fused"))
     with torch.inference_mode():
@@ -190,6 +193,20 @@ def test_fused_segments_block():
     assert sorted(stats) == sorted(k.strip() for k in comment.split(","))
     assert stats["segments"] == stats["compiles"] > 1 and stats["compile_s"] > 0 and stats["fallbacks"] == 0
     assert fused.schedule.streams_used > 1  # several streams, each with its own segments
+
+
+@pytest.mark.slow
+def test_max_speed_block(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
+    first, second = blocks(section(FUSED), "python")
+    namespace, _ = run_python(first.split("fused =")[0] + second)  # the model of the first block, then max-speed
+    model, inputs, fast = (namespace[k] for k in ("model", "inputs", "fast"))
+    label, candidates = fast.choice["label"], fast.choice["candidates"]
+    assert label in candidates and candidates[label]["median_ms"] == min(
+        c["median_ms"] for c in candidates.values() if "median_ms" in c)
+    with torch.inference_mode():
+        assert compare(model(*inputs), fast(*inputs)).ok
+    assert (tmp_path / "max_speed.json").exists()  # "caches the choice"
 
 
 # ---- the command line quick start -----------------------------------------------------------------------------------
