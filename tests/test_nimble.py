@@ -103,3 +103,11 @@ def test_ideal_replay_helper():
         Schedule("t", order, {o: 0 for o in order}, stage_of={"a": 0, "b": 2, "c": 1, "d": 3}).check(graph)
     with pytest.raises(ValueError, match="predecessor"):
         ideal_finish_times(graph, costs, ["b", "a", "c", "d"], {o: 0 for o in order})
+
+
+def test_a_stream_cap_spreads_zero_latency_chains_over_empty_streams():
+    # longest-processing-time folding broke load ties by the lowest stream id, so chains of zero latency all went onto
+    # stream 0 and a cap of 5 used 1 stream (hypothesis found it in test_capped_random_dags, now and then)
+    graph = OpGraph([Op(f"v{i}", latency_ms=0.0) for i in range(5)], [])
+    sched = schedulers.run("nimble", graph, from_graph(graph), streams=5)
+    assert sched.streams_used == 5

@@ -66,7 +66,8 @@ def makespan_ms(times: Mapping[str, tuple[float, float]]) -> float:
 
 def merge_streams(stream_of: Mapping[str, int], cap: int, latency_ms: Mapping[str, float]) -> dict[str, int]:
     """Fold streams onto at most ``cap`` streams, longest-processing-time first: streams in order of decreasing total
-    latency (ties: lower id) each go whole onto the least-loaded target (ties: lower id). Ops keep their launch order,
+    latency (ties: lower id) each go whole onto the least-loaded target (ties: the one holding fewer streams, then
+    lower id: streams of zero latency spread over empty targets instead of piling onto the first). Ops keep their launch order,
     so a target stream interleaves its merged streams in that order.
 
     Complexity O(V + S log S + S·cap) for S source streams.
@@ -75,11 +76,13 @@ def merge_streams(stream_of: Mapping[str, int], cap: int, latency_ms: Mapping[st
     for op, s in stream_of.items():
         load_ms[s] = load_ms.get(s, 0.0) + latency_ms[op]
     target_load_ms = [0.0] * cap
+    target_count = [0] * cap
     target: dict[int, int] = {}
     for s in sorted(load_ms, key=lambda s: (-load_ms[s], s)):
-        t = min(range(cap), key=lambda t: (target_load_ms[t], t))
+        t = min(range(cap), key=lambda t: (target_load_ms[t], target_count[t], t))
         target[s] = t
         target_load_ms[t] += load_ms[s]
+        target_count[t] += 1
     return {op: target[s] for op, s in stream_of.items()}
 
 
