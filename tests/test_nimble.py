@@ -108,6 +108,6 @@ def test_ideal_replay_helper():
 def test_a_stream_cap_spreads_zero_latency_chains_over_empty_streams():
     # longest-processing-time folding broke load ties by the lowest stream id, so chains of zero latency all went onto
     # stream 0 and a cap of 5 used 1 stream (hypothesis found it in test_capped_random_dags, now and then)
-    graph = OpGraph([Op(f"v{i}", latency_ms=0.0) for i in range(5)], [])
+    graph = OpGraph([Op(f"v{i}", latency_ms=0.0) for i in range(7)], [])  # 7 chains onto 5 streams
     sched = schedulers.run("nimble", graph, from_graph(graph), streams=5)
     assert sched.streams_used == 5
