@@ -70,6 +70,13 @@ def test_one_replica_alone_serves_the_v2_routes(tiny_file):
     assert not replica.healthy()
 
 
+def test_pin_puts_a_replica_on_its_own_cores():
+    code = ("import os; from opweave.serve.ray import pin; usable = sorted(os.sched_getaffinity(0)); "
+            "chosen = pin(1, 1); print(chosen == [usable[1 % len(usable)]], sorted(os.sched_getaffinity(0)) == chosen)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["True", "True"], result.stderr
+
+
 def _replicas(pid: int) -> list[int]:
     """The Ray Serve replica processes under the server process ``pid`` (Ray's workers are its descendants)."""
     import psutil

@@ -66,6 +66,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
                                                            "autoscale from --replicas up to this many")] = None,
           ray_address: Annotated[str | None, typer.Option("--ray-address", help="with --ray: join this cluster "
                                                           "(default: a local one on 127.0.0.1)")] = None,
+          pin_cores: Annotated[bool, typer.Option("--pin-cores", help="with --ray: each replica on its own "
+                                                  "--threads cores (else each engine spreads over all)")] = False,
           policy: PolicyOpt = "heuristic", policy_options: PolicyOptionsOpt = None,
           policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64, max_batch: MaxBatchOpt = 8,
           max_sub_blocks: HOpt = 4,
@@ -111,7 +113,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
             policy=policy, policy_options=options, max_queue=max_queue, max_batch=max_batch,
             max_sub_blocks=max_sub_blocks, timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
             scheduler=scheduler, streams=streams, image_size=parse_image_size(image_size), cuts=parse_cuts(cuts),
-            fuse=None if fuse == "none" else fuse, threads=threads or 1, max_body_bytes=int(max_body_mb * (1 << 20))),
+            fuse=None if fuse == "none" else fuse, threads=threads or 1, max_body_bytes=int(max_body_mb * (1 << 20)),
+            pin_cores=pin_cores),
             replicas, max_replicas, host, port, ray_address)
         return
     if model_repository is not None and not model_repository.is_dir():

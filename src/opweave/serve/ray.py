@@ -55,6 +55,7 @@ class ReplicaOptions:
     cuts: dict[str, list[str]] = field(default_factory=dict)
     fuse: str | None = "default"
     threads: int | None = 1  # torch intra-op threads per replica (its CPU share)
+    pin_cores: bool = False  # each replica on its own `threads` cores, chosen by its local rank (see pin)
     max_body_bytes: int = 64 << 20
 
 
@@ -117,6 +118,8 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
     @serve.ingress()
     class OpweaveReplica:
         def __init__(self, options: ReplicaOptions):
+            if options.pin_cores:
+                pin(serve.get_replica_context().rank.local_rank, options.threads or 1)
             self.replica = Replica(options)
 
         def __serve_build_asgi_app__(self):
@@ -141,6 +144,17 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
     else:
         settings["num_replicas"] = replicas
     return OpweaveReplica.options(**settings).bind(options)
+
+
+def pin(rank: int, count: int) -> list[int]:
+    """Pin this process to ``count`` of the cores it may use, the ``rank``-th such group (wrapping around): Ray
+    reserves CPUs only as numbers, and the CPU engine sizes its threads by the cores it may run on
+    (:func:`opweave.backends.threads.cores`), so without pinning every replica of a node spreads over all its
+    cores."""
+    usable = sorted(os.sched_getaffinity(0))
+    chosen = [usable[(rank * count + k) % len(usable)] for k in range(min(count, len(usable)))]
+    os.sched_setaffinity(0, chosen)
+    return chosen
 
 
 def start_local(num_cpus: int | None = None, **init: Any) -> None:
@@ -217,5 +231,5 @@ async def retrying_post(client, url: str, *, attempts: int = 5, backoff_s: float
     raise AssertionError("unreachable")
 
 
-__all__ = ["APP_NAME", "DEPLOYMENT", "Replica", "ReplicaOptions", "application", "deploy", "replica_states",
+__all__ = ["APP_NAME", "DEPLOYMENT", "Replica", "ReplicaOptions", "application", "deploy", "pin", "replica_states",
            "retrying_post", "shutdown", "start_local"]
