@@ -65,6 +65,8 @@ def test_one_replica_alone_serves_the_v2_routes(tiny_file):
             r = client.post("/v2/models/tiny/infer", content=body, headers=headers)
             assert r.status_code == 200 and torch.allclose(binary_output(r), eager(tiny_file[0], [x]), atol=1e-5)
             assert [m["name"] for m in client.post("/v2/repository/index").json()] == ["tiny"]
+            r = client.post("/v2/repository/models/tiny/unload")
+            assert r.status_code == 400 and "one replica only" in r.json()["error"]
     finally:
         replica.stop()
     assert not replica.healthy()

@@ -230,6 +230,7 @@ def test_load_and_unload_over_http_and_grpc_while_another_model_serves_under_loa
                 r = await c.post("/v2/repository/models/squeezenet/load")
                 loads.append((start, time.monotonic()))
                 assert r.status_code == 200, r.text
+                assert 'opweave_queue_depth{model="squeezenet"}' in (await c.get("/metrics")).text
                 first = await asyncio.gather(*(squeeze_one(i) for i in range(6)))
                 flight = [asyncio.create_task(squeeze_one(100 + i)) for i in range(12)]
                 await asyncio.sleep(0.01)
@@ -237,6 +238,7 @@ def test_load_and_unload_over_http_and_grpc_while_another_model_serves_under_loa
                 assert r.status_code == 200, r.text
                 late = await squeeze_one(999)
                 index = await c.post("/v2/repository/index", json={})
+                assert 'model="squeezenet"' not in (await c.get("/metrics")).text  # its series went with it
                 await asyncio.sleep(0.3)
                 stop.set()
                 return await background_load, first, await asyncio.gather(*flight), late, index.json()

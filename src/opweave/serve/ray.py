@@ -84,6 +84,9 @@ class Replica:
         self.repository = Repository(self.engine, served, o.model_repository, device=o.device,
                                      max_batch=o.max_batch)
         self.repository.load_all()
+        # a load or unload through the proxy would reach one replica: the replicas' models change by redeploying
+        self.repository.changes = ("on Ray Serve a repository load or unload would reach one replica only: change "
+                                   "the models by deploying again (serve.run / opweave serve --ray)")
         self.state = State()
         self.options = options
         self.engine.start()

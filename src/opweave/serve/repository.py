@@ -42,13 +42,15 @@ class Repository:
     (``root``; None: only the models given at start, which can be unloaded but not loaded again)."""
 
     def __init__(self, engine: Engine, served: dict[str, ServedModel], root: str | Path | None = None, *,
-                 device: str = "cpu", max_batch: int = 8, unload_timeout_s: float = 120.0):
+                 device: str = "cpu", max_batch: int = 8, unload_timeout_s: float = 120.0,
+                 changes: str | None = None):
         self.engine, self.served = engine, served
         self.root = None if root is None else Path(root)
         if self.root is not None and not self.root.is_dir():
             raise UsageError(f"--model-repository {root}: no such directory")
         self.device, self.max_batch, self.unload_timeout_s = device, max_batch, unload_timeout_s
         self.status: dict[str, tuple[str, str]] = {name: ("READY", "") for name in served}
+        self.changes = changes  # None: load and unload allowed; else why they are refused
         self._changing = threading.Lock()
 
     # ---- what is there ----------------------------------------------------------------------------------------
@@ -123,6 +125,7 @@ class Repository:
     def load(self, name: str, config_json: str | None = None) -> ServedModel:
         """Load (or reload, if its version changed) ``name`` from the repository; blocking (module docstring).
         :class:`Refused` says why not."""
+        self._check_changes()
         with self._changing:
             config = self.read_config(name, json_text=config_json)
             version, path = self.locate(name, config)
@@ -165,6 +168,7 @@ class Repository:
 
     def unload(self, name: str) -> None:
         """Take ``name`` out of service, every request it accepted answered first; blocking (module docstring)."""
+        self._check_changes()
         with self._changing:
             if name not in self.served:
                 raise Refused("not_found", f"model {name!r} is not loaded")
@@ -179,6 +183,10 @@ class Repository:
         except OpweaveError as exc:
             self.status[name] = ("UNLOADING", str(exc))
             raise Refused("error", str(exc)) from None
+
+    def _check_changes(self) -> None:
+        if self.changes is not None:
+            raise Refused("invalid", self.changes)
 
     def load_all(self) -> list[str]:
         """Load every model of the repository (at start: Triton's default model control)."""
