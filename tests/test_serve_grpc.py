@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
@@ -321,21 +320,49 @@ def test_draining_refuses_new_calls_unavailable_and_answers_those_accepted(serve
         assert torch.allclose(got, eager(references, "tiny", [x]), atol=1e-5)
 
 
-def test_cli_serves_grpc_beside_http_and_drains_on_sigterm(references, tiny_file):
-    proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-file", f"tiny={tiny_file[1]}",
-                             "--port", "0", "--grpc-port", "0", "--policy", "static", "--fuse", "none"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_cli_serves_every_grpc_call_beside_http_and_drains_on_sigterm(references, tiny_file, tmp_path):
+    """`opweave serve --grpc-port 0 --model-repository DIR` as a process: every call of the service through
+    tritonclient.grpc, a bad request refused while the server stays up, HTTP beside it, SIGTERM exits 0."""
+    import shutil
+
+    import tritonclient.http as triton_http
+
+    repo = tmp_path / "repo"
+    (repo / "tiny" / "1").mkdir(parents=True)
+    shutil.copy(tiny_file[1], repo / "tiny" / "1" / "model.pt2")
+    (repo / "other" / "1").mkdir(parents=True)
+    shutil.copy(tiny_file[1], repo / "other" / "1" / "model.pt2")
+    (repo / "other" / "config.pbtxt").write_text("max_batch_size: 2\n")
+    proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-repository", str(repo),
+                             "--port", "0", "--grpc-port", "0", "--policy", "static", "--fuse", "none",
+                             "--max-batch", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line and "gRPC on 127.0.0.1:" in line, proc.stderr.read()
         address = line.split("gRPC on ", 1)[1].split(";", 1)[0]
         client = triton.InferenceServerClient(address)
-        deadline = time.monotonic() + 60
-        while not client.is_server_ready() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("tiny") and client.is_model_ready("other")
+        assert "model_repository" in client.get_server_metadata(as_json=True)["extensions"]
+        assert client.get_model_metadata("tiny", as_json=True)["inputs"][0]["shape"] == ["-1", "3", "8", "8"]
+        assert client.get_model_config("other", as_json=True)["config"]["max_batch_size"] == 2
         tensors = random_inputs("tiny", 21, 2)
-        got = np.array(client.infer("tiny", triton_inputs("tiny", tensors)).as_numpy("output__0"))
-        assert torch.allclose(torch.from_numpy(got), eager(references, "tiny", tensors), atol=1e-5)
+        for model in ("tiny", "other"):
+            got = np.array(client.infer(model, triton_inputs("tiny", tensors)).as_numpy("output__0"))
+            assert torch.allclose(torch.from_numpy(got), eager(references, "tiny", tensors), atol=1e-5)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("other", triton_inputs("tiny", random_inputs("tiny", 22, 3)))  # batch 3 > 2
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "outside 1..2" in info.value.message()
+        client.unload_model("other")
+        assert not client.is_model_ready("other")
+        states = {m["name"]: m["state"] for m in client.get_model_repository_index(as_json=True)["models"]}
+        assert states == {"tiny": "READY", "other": "UNAVAILABLE"}
+        client.load_model("other")
+        assert client.is_model_ready("other")
+        http = triton_http.InferenceServerClient(line.strip().rsplit(" ", 1)[1].removeprefix("http://"))
+        assert http.is_model_ready("other") and [m["name"] for m in http.get_model_repository_index()] == [
+            "other", "tiny"]
+        http.close()
         client.close()
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
