@@ -203,6 +203,7 @@ def test_load_and_unload_over_http_and_grpc_while_another_model_serves_under_loa
     with background as url:
         http = triton_http.InferenceServerClient(url.removeprefix("http://"))
         loads: list[tuple[float, float]] = []
+        loaded_blocks: list = []
 
         async def scenario():
             async with httpx.AsyncClient(base_url=url, timeout=120) as c:
@@ -231,6 +232,8 @@ def test_load_and_unload_over_http_and_grpc_while_another_model_serves_under_loa
                 loads.append((start, time.monotonic()))
                 assert r.status_code == 200, r.text
                 assert 'opweave_queue_depth{model="squeezenet"}' in (await c.get("/metrics")).text
+                loaded_blocks.extend(bool(b.compiled) for key, b in engine.executor._blocks.items()
+                                     if key[0] == "squeezenet")  # compiled before its first request
                 first = await asyncio.gather(*(squeeze_one(i) for i in range(6)))
                 flight = [asyncio.create_task(squeeze_one(100 + i)) for i in range(12)]
                 await asyncio.sleep(0.01)
@@ -284,6 +287,9 @@ def test_load_and_unload_over_http_and_grpc_while_another_model_serves_under_loa
             assert torch.allclose(binary_output(r), eager(squeeze, [x]), rtol=1e-4, atol=1e-4)
     assert late[1].status_code == 404 and "unknown model 'squeezenet'" in late[1].json()["error"]
     assert {m["name"]: m["state"] for m in index}["squeezenet"] == "UNAVAILABLE"
+    # its ONNX Runtime blocks were compiled by the load (off the engine's thread) and went with the unload
+    assert not [key for key in engine.executor._blocks if key[0] == "squeezenet"]
+    assert loaded_blocks and all(loaded_blocks)
 
 
 def test_cli_serves_a_model_repository_and_refuses_one_that_does_not_load(repo, tmp_path):

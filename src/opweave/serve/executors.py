@@ -364,19 +364,16 @@ class CpuExecutor(TensorExecutor):
 
     def warm_model(self, name: str, blocked: BlockedModel, max_batch: int) -> None:
         """With ``fuse``: every block of ``name`` compiled as :meth:`compile_parts` does, by a scratch executor of
-        the same settings, its parts then handed over (their keys name only this model)."""
+        the same settings, its compiled blocks then handed over (their keys name only this model)."""
         if self.fuse is not None:
-            from opweave.backends.segments import _COMPILE_LOCK
-
             scratch = CpuExecutor({name: blocked}, streams=self.streams, pad=self.pad, fuse=self.fuse)
-            with _COMPILE_LOCK:  # as a lane compiling a part on first use does
-                scratch.compile_parts(max_batch)
-            self._parts.update(scratch._parts)
+            scratch.compile_parts(max_batch)  # each compile under the lock a lane compiling on first use takes
+            self._blocks.update(scratch._blocks)
 
     def drop_model(self, name: str) -> None:
         super().drop_model(name)
-        for key in [k for k in self._parts if k[0] == name]:
-            del self._parts[key]
+        for key in [k for k in self._blocks if k[0] == name]:
+            del self._blocks[key]
 
     def run(self, parts: list[Part]) -> StepCost:
         ordered, sig, inputs = self._states(parts)
