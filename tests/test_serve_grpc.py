@@ -111,6 +111,10 @@ def test_health_metadata_config_and_index(client):
         with pytest.raises(InferenceServerException) as info:
             call()
         assert info.value.status() == "StatusCode.NOT_FOUND"
+    with pytest.raises(InferenceServerException) as info:  # what opweave does not serve says so
+        client.get_inference_statistics("tiny")
+    assert info.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert client.is_server_live()
 
 
 def test_infer_equals_eager_with_raw_contents_for_every_model_and_batch(client, references):
