@@ -1,7 +1,8 @@
 # `make demo` and `make test` work on a fresh machine: they create .venv, install torch first (so no step pulls the
 # multi-GB CUDA build from the registry), then the torchvision release made for that torch (0.(minor+15): 0.28 for
-# 2.13; any other would replace torch), then opweave with its extras, `models` (timm, transformers) and `onnx`
-# (ONNX Runtime) among them.
+# 2.13; any other would replace torch), then opweave with its extras, `models` (timm, transformers), `onnx`
+# (ONNX Runtime) and `ray` (Ray Serve: tests/test_serve_ray.py, marked `ray`, about 30 s, runs in `make test`;
+# `make test-ray` runs it alone) among them.
 # Elsewhere: make test TORCH_SPEC='torch>=2.4'
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
@@ -10,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.opweave-installed
 
-.PHONY: setup demo test lint bench-cpu clean
+.PHONY: setup demo test test-ray lint bench-cpu clean
 
 setup: $(STAMP)
 
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip show -q torchvision 2>/dev/null || $(BIN)/pip install -q "$$($(BIN)/python -c '$(TORCHVISION_FOR_TORCH)')"
-	$(BIN)/pip install -q -e ".[dev,serve,models,onnx]"
+	$(BIN)/pip install -q -e ".[dev,serve,models,onnx,ray]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -29,6 +30,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest -q -n 2
+
+test-ray: $(STAMP)
+	$(BIN)/python -m pytest -q -m ray
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts

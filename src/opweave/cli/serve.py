@@ -53,6 +53,21 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
           host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
           port: Annotated[int, typer.Option("--port", min=0, max=65535, help="0: any free port")] = 8000,
+          grpc_port: Annotated[int | None, typer.Option("--grpc-port", min=0, max=65535,
+                                                        help="serve KServe v2 gRPC here too (0: any free port)")
+                               ] = None,
+          model_repository: Annotated[Path | None, typer.Option(
+              "--model-repository", help="DIR/<name>/<version>/model.pt2 (+ DIR/<name>/config.pbtxt): loaded at "
+              "start, then loaded and unloaded through the repository API")] = None,
+          ray: Annotated[bool, typer.Option("--ray", help="deploy on Ray Serve: --replicas engines behind its HTTP "
+                                                          "proxy (needs opweave[ray])")] = False,
+          replicas: Annotated[int, typer.Option("--replicas", min=1, help="Ray Serve replicas (with --ray)")] = 2,
+          max_replicas: Annotated[int | None, typer.Option("--max-replicas", min=1, help="with --ray: let Ray "
+                                                           "autoscale from --replicas up to this many")] = None,
+          ray_address: Annotated[str | None, typer.Option("--ray-address", help="with --ray: join this cluster "
+                                                          "(default: a local one on 127.0.0.1)")] = None,
+          pin_cores: Annotated[bool, typer.Option("--pin-cores", help="with --ray: each replica on its own "
+                                                  "--threads cores (else each engine spreads over all)")] = False,
           policy: PolicyOpt = "heuristic", policy_options: PolicyOptionsOpt = None,
           policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64, max_batch: MaxBatchOpt = 8,
           max_sub_blocks: HOpt = 4,
@@ -66,7 +81,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
                                                            "inductor, or none (TOP's combined op graphs); default "
                                                            "onnxruntime when installed")] = "default",
           log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
-    """Serve models over the Open Inference Protocol (KServe v2 / Triton HTTP) until SIGTERM, which drains.
+    """Serve models over the Open Inference Protocol (KServe v2 / Triton HTTP, and gRPC with ``--grpc-port``) until
+    SIGTERM, which drains. ``--model-repository`` serves Triton's repository layout (docs/serving.md). ``--ray``
+    runs ``--replicas`` engines as a Ray Serve deployment instead (opweave.serve.ray).
 
     On the CPU a combined block runs on one lane per core and each of its ops (or blocks, with ``--fuse``) on the
     cores its lane may use while it runs (opweave.backends.threads), so lanes x intra-op threads never exceed the
@@ -76,6 +93,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     from opweave.serve.build import load_models, make_engine, parse_cuts, parse_image_size
     from opweave.serve.models import parse_model_files
+    from opweave.serve.repository import Repository
     from opweave.serve.server import serve as run_server
 
     if device not in ("cpu", "cuda"):
@@ -84,20 +102,77 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         torch.set_num_threads(threads)
     options = _policy_options(policy, policy_options, policy_file)
     files = parse_model_files(model_file)
+    if ray:
+        if grpc_port is not None:
+            raise UsageError("--grpc-port does not go with --ray: Ray Serve's proxy speaks HTTP here")
+        from opweave.serve.ray import ReplicaOptions
+
+        _serve_ray(ReplicaOptions(
+            models=_names(models), model_files={k: str(v.resolve()) for k, v in files.items()},
+            model_repository=None if model_repository is None else str(model_repository.resolve()), device=device,
+            policy=policy, policy_options=options, max_queue=max_queue, max_batch=max_batch,
+            max_sub_blocks=max_sub_blocks, timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
+            scheduler=scheduler, streams=streams, image_size=parse_image_size(image_size), cuts=parse_cuts(cuts),
+            fuse=None if fuse == "none" else fuse, threads=threads or 1, max_body_bytes=int(max_body_mb * (1 << 20)),
+            pin_cores=pin_cores),
+            replicas, max_replicas, host, port, ray_address)
+        return
+    if model_repository is not None and not model_repository.is_dir():
+        raise UsageError(f"--model-repository {model_repository}: no such directory")
     served = load_models(_names(models), files, device=device, max_batch=max_batch,
-                         image_size=parse_image_size(image_size), cuts=parse_cuts(cuts))
+                         image_size=parse_image_size(image_size), cuts=parse_cuts(cuts)) \
+        if model_repository is None or models or files else {}
     engine = make_engine(served, device=device, policy=policy,
                          policy_options=options,
                          max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
                          timeout_s=None if timeout_ms is None else timeout_ms / 1e3, scheduler=scheduler,
                          streams=streams, fuse=None if fuse == "none" else fuse)
-    blocks = ", ".join(f"{n} ({len(m.blocked.blocks)} blocks)" for n, m in served.items())
+    repository = Repository(engine, served, model_repository, device=device, max_batch=max_batch)
+    repository.load_all()
+    blocks = ", ".join(f"{n} ({len(m.blocked.blocks)} blocks)" for n, m in served.items()) or "no model"
 
-    def listening(h: str, p: int) -> None:
-        print(f"opweave serve: {blocks}; policy {policy}; listening on http://{h}:{p}", flush=True)
+    def listening(h: str, p: int, g: int | None = None) -> None:
+        rpc = f"gRPC on {h}:{g}; " if g is not None else ""
+        print(f"opweave serve: {blocks}; policy {policy}; {rpc}listening on http://{h}:{p}", flush=True)
 
     run_server(engine, served, host=host, port=port, max_body_bytes=int(max_body_mb * (1 << 20)),
-               log_level=log_level, on_listen=listening)
+               log_level=log_level, on_listen=listening, grpc_port=grpc_port, repository=repository)
+
+
+def _serve_ray(options, replicas: int, max_replicas: int | None, host: str, port: int,
+               address: str | None) -> None:
+    """``opweave serve --ray``: deploy, print where, wait for SIGTERM or SIGINT, then shut Ray Serve down (its
+    replicas drain: Ray waits for the requests they hold)."""
+    import os
+    import signal
+    import socket
+    import threading
+
+    from opweave.serve import ray as opweave_ray
+
+    if options.model_repository is None and not options.models and not options.model_files:
+        raise UsageError("no model to serve; give --models, --model-file and/or --model-repository")
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    autoscaling = None if max_replicas is None else {
+        "min_replicas": replicas, "max_replicas": max(max_replicas, replicas),
+        "target_ongoing_requests": 2 * options.max_batch}
+    stop = threading.Event()
+    cpus = max(os.cpu_count() or 1, (max_replicas or replicas) * (options.threads or 1))
+    try:
+        url = opweave_ray.deploy(options, replicas=replicas, autoscaling=autoscaling, host=host, port=port,
+                                 address=address, cluster_cpus=cpus)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, whose own SIGTERM handler aborts the process
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"opweave serve: Ray Serve, {replicas} replicas"
+              f"{f' (autoscaling to {max_replicas})' if max_replicas else ''}; policy {options.policy}; "
+              f"listening on {url}", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        opweave_ray.shutdown()
 
 
 @app.command()

@@ -117,6 +117,8 @@ class Observer:
     def on_part(self, model: str, block: int, batch: int) -> None: ...
     def on_step(self, parts: list[Part], cost: StepCost) -> None: ...
     def on_done(self, request: Request) -> None: ...
+    def on_add(self, model: str) -> None: ...
+    def on_remove(self, model: str) -> None: ...
 
 
 @dataclass
@@ -130,6 +132,7 @@ class _ModelState:
     answers: deque = field(default_factory=deque)  # answer times within the last WINDOW_S
     latency_s: float = 0.0
     wake: float = math.inf  # when a held dequeue may go ahead (interval or batching delay ending)
+    closing: bool = False  # being removed: takes no request, leaves once those it holds are answered
 
 
 class Engine:
@@ -146,7 +149,8 @@ class Engine:
             raise UsageError(f"max_queue, max_batch and max_sub_blocks must be at least 1, got {max_queue}, "
                              f"{max_batch} and {max_sub_blocks}")
         self.executor, self.policy, self.clock = executor, policy, clock
-        self.max_queue, self.max_sub_blocks, self.timeout_s = max_queue, max_sub_blocks, timeout_s
+        self.max_queue, self.max_sub_blocks, self.timeout_s, self.max_batch = max_queue, max_sub_blocks, timeout_s, \
+            max_batch
         self.models = {name: _ModelState(len(m.blocks), max_batch if m.stackable else 1)
                        for name, m in executor.models.items()}
         self.observers = list(observers or [])
@@ -173,6 +177,8 @@ class Engine:
             state = self.models.get(model)
             if state is None:
                 raise UsageError(f"unknown model {model!r}; serving {', '.join(self.models)}")
+            if state.closing:
+                raise Unavailable(f"model {model!r} is being unloaded")
             if batch < 1 or batch > state.max_batch:
                 raise UsageError(f"{model}: batch {batch} is outside 1..{state.max_batch}")
             if not self.accepting:
@@ -194,6 +200,66 @@ class Engine:
                 o.on_submit(request)
             self.wakeup.notify_all()
             return request
+
+    # ---- models come and go -------------------------------------------------------------------------------------
+    def add_model(self, name: str, blocked, max_batch: int | None = None) -> None:
+        """Serve ``blocked`` (a :class:`~opweave.serve.blocks.BlockedModel`) as ``name`` from the next step on, at
+        most ``max_batch`` samples per instance (default the engine's). Whatever is slow (capture, compiles:
+        ``executor.warm_model``) is the caller's to do first, off the lock; this only links it in, atomically."""
+        with self.lock:
+            if name in self.models:
+                raise UsageError(f"model {name!r} is already served")
+            state = _ModelState(len(blocked.blocks), (max_batch or self.max_batch) if blocked.stackable else 1)
+            self._bind(name, state)
+            self.executor.models[name] = blocked
+            self.models[name] = state
+            for o in self.observers:
+                o.on_add(name)
+            self.wakeup.notify_all()
+
+    def remove_model(self, name: str, timeout_s: float = 60.0) -> None:
+        """Stop taking requests for ``name`` (:class:`Unavailable`), answer those it holds, then drop it between two
+        steps (no block of it running). Raises :class:`OpweaveError` if it still holds requests after ``timeout_s``
+        (it stays closing and leaves once they are answered)."""
+        with self.lock:
+            state = self.models.get(name)
+            if state is None:
+                raise UsageError(f"unknown model {name!r}; serving {', '.join(self.models)}")
+            self._bind(name, None)  # a policy that cannot do without it refuses here, before anything changes
+            state.closing = True
+            self.wakeup.notify_all()
+            end = self.clock.now() + timeout_s
+            while name in self.models:
+                thread = getattr(self, "thread", None)
+                if thread is None or not thread.is_alive():
+                    self._retire()  # no loop to step: nothing runs
+                    if name not in self.models:
+                        break
+                if self.clock.now() >= end:
+                    raise OpweaveError(f"model {name!r} still holds {len(state.queue)} queued requests and "
+                                       f"{len(state.instances)} instances after {timeout_s:g} s")
+                self.wakeup.wait(0.02)
+
+    def _bind(self, name: str, state: _ModelState | None) -> None:
+        """(Re)bind the policy to the models with ``name`` added (its ``state``) or, for None, taken out."""
+        counts = {m: s.blocks for m, s in self.models.items() if m != name}
+        batches = {m: s.max_batch for m, s in self.models.items() if m != name}
+        if state is not None:
+            counts[name], batches[name] = state.blocks, state.max_batch
+        self.policy.bind(counts, batches, self.max_sub_blocks)
+
+    def _retire(self) -> None:
+        """Drop the closing models that hold nothing (under the lock, between steps)."""
+        for m in [m for m, s in self.models.items() if s.closing and not s.queue and not s.instances]:
+            self._bind(m, None)
+            del self.models[m]
+            self.executor.models.pop(m, None)
+            drop = getattr(self.executor, "drop_model", None)
+            if drop is not None:
+                drop(m)
+            for o in self.observers:
+                o.on_remove(m)
+            self.wakeup.notify_all()
 
     def _retry_after(self, model: str) -> float:
         """Seconds until half the queue has been answered at the recent answer rate (1 to 60 s; 1 s when unknown)."""
@@ -230,9 +296,9 @@ class Engine:
             busy = min(1.0, max(0.0, self._busy_s / span))
             utilization = min(1.0, max(0.0, self._used_s / span))
             lengths = [len(s.queue) for s in self.models.values()]
-            mean = sum(lengths) / len(lengths)
+            mean = sum(lengths) / max(1, len(lengths))
             return Observation(now, models, tuple(self._ready(now)), self.max_sub_blocks, utilization, busy,
-                               self.step_s, sum((q - mean) ** 2 for q in lengths) / len(lengths))
+                               self.step_s, sum((q - mean) ** 2 for q in lengths) / max(1, len(lengths)))
 
     def _ready(self, now: float) -> list[SlotObs]:
         slots = []
@@ -266,6 +332,7 @@ class Engine:
         """One engine step (module docstring); True if a combined block ran."""
         finished: list[Request] = []
         with self.lock:
+            self._retire()
             now = self.clock.now()
             finished += self._expire(now)
             self._launch(now, self.policy.launch(self.observe(now)))

@@ -176,6 +176,15 @@ class Executor:
     def _evict(self, entry: Any) -> None:
         pass
 
+    def warm_model(self, name: str, blocked: BlockedModel, max_batch: int) -> None:
+        """Compile ahead what serving a model about to be added needs (on any thread, while the engine runs: it
+        touches nothing the engine's thread reads). Nothing by default: signatures compile on first use."""
+
+    def drop_model(self, name: str) -> None:
+        """Forget a removed model's compiled signatures (on the engine's thread, between steps)."""
+        for sig in [s for s in self._cache if any(m == name for m, _, _ in s)]:
+            self._evict(self._cache.pop(sig))
+
     # the engine's interface -------------------------------------------------------------------------------------
     def prepare(self, model: str, inputs: list[Any]) -> Any:
         """The state of a new instance holding requests with these (flat) inputs."""
@@ -352,6 +361,19 @@ class CpuExecutor(TensorExecutor):
 
     def _evict(self, entry: Any) -> None:
         entry.close()  # stops its worker threads
+
+    def warm_model(self, name: str, blocked: BlockedModel, max_batch: int) -> None:
+        """With ``fuse``: every block of ``name`` compiled as :meth:`compile_parts` does, by a scratch executor of
+        the same settings, its compiled blocks then handed over (their keys name only this model)."""
+        if self.fuse is not None:
+            scratch = CpuExecutor({name: blocked}, streams=self.streams, pad=self.pad, fuse=self.fuse)
+            scratch.compile_parts(max_batch)  # each compile under the lock a lane compiling on first use takes
+            self._blocks.update(scratch._blocks)
+
+    def drop_model(self, name: str) -> None:
+        super().drop_model(name)
+        for key in [k for k in self._blocks if k[0] == name]:
+            del self._blocks[key]
 
     def run(self, parts: list[Part]) -> StepCost:
         ordered, sig, inputs = self._states(parts)

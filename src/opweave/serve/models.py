@@ -45,6 +45,7 @@ class ServedModel:
     outputs: tuple[TensorSpec, ...]
     max_batch: int
     source: str
+    version: str = "1"  # the version directory it came from (a model repository), else 1
 
 
 def parse_model_files(items: list[str] | None) -> dict[str, Path]:

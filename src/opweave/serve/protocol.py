@@ -9,6 +9,9 @@ not listed, when the request sets ``parameters.binary_data_output`` (tritonclien
 then the response carries the same header and appends the bytes.
 
 Request ``parameters.timeout`` is Triton's per-request timeout in microseconds.
+
+The checks live in :func:`decode_request`, which the gRPC front end (:mod:`opweave.serve.grpc_server`) calls too: it
+turns a ``ModelInferRequest`` into the same request object, its ``raw_input_contents`` standing for binary data.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import io
 import json
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +85,42 @@ def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferR
         request = json.loads(head)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"malformed JSON: {exc}") from None
+    offset = 0
+
+    def binary(index: int, entry: dict, spec: TensorSpec, shape: list[int]) -> bytes | None:
+        nonlocal offset
+        name = spec.name
+        size = _object(entry.get("parameters", {}), f"input {name!r} parameters").get("binary_data_size")
+        if size is None:
+            return None
+        if "data" in entry:
+            raise ProtocolError(f"input {name!r} has both 'data' and binary_data_size")
+        need = math.prod(shape) * spec.dtype.itemsize
+        if not isinstance(size, int) or size != need:
+            raise ProtocolError(f"input {name!r}: binary_data_size {size!r}, expected {need} bytes for shape "
+                                f"{shape} of {spec.datatype}")
+        if offset + size > len(blob):
+            raise ProtocolError(f"input {name!r}: the body holds {len(blob) - offset} bytes of binary data, "
+                                f"{size} needed")
+        offset += size
+        return bytes(blob[offset - size:offset])
+
+    def leftover() -> None:
+        if offset != len(blob):
+            raise ProtocolError(f"the body has {len(blob) - offset} bytes of binary data that no input claims")
+
+    return decode_request(model, request, binary, leftover)
+
+
+RawData = Callable[[int, dict, TensorSpec, list[int]], "bytes | None"]
+
+
+def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
+                   after: Callable[[], None] | None = None) -> InferRequest:
+    """Check a parsed request (the JSON object of the protocol) for ``model``: every input named, shaped, typed
+    and sized right, the batch in range, the outputs known, the timeout positive. ``raw(index, entry, spec,
+    shape)`` gives an input's bytes when they travel outside the JSON (binary data, gRPC's raw contents; checked
+    against the shape by the caller) or None for ``data``; ``after()`` runs once every input is read."""
     if not isinstance(request, dict):
         raise ProtocolError("the request must be a JSON object")
     params = _object(request.get("parameters", {}), "parameters")
@@ -89,9 +129,8 @@ def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferR
         raise ProtocolError("'inputs' must be a non-empty list")
     specs = {s.name: s for s in model.inputs}
     given: dict[str, torch.Tensor] = {}
-    offset = 0
     batch = None
-    for entry in entries:
+    for index, entry in enumerate(entries):
         entry = _object(entry, "an input")
         name = entry.get("name")
         if name not in specs:
@@ -104,24 +143,13 @@ def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferR
         if entry.get("datatype") != spec.datatype:
             raise ProtocolError(f"input {name!r}: datatype {entry.get('datatype')!r}, expected {spec.datatype}")
         batch = _check_shape(model, spec, shape, batch)
-        size = _object(entry.get("parameters", {}), f"input {name!r} parameters").get("binary_data_size")
-        count = math.prod(shape)
-        if size is not None:
-            if "data" in entry:
-                raise ProtocolError(f"input {name!r} has both 'data' and binary_data_size")
-            need = count * spec.dtype.itemsize
-            if not isinstance(size, int) or size != need:
-                raise ProtocolError(f"input {name!r}: binary_data_size {size!r}, expected {need} bytes for shape "
-                                    f"{shape} of {spec.datatype}")
-            if offset + size > len(blob):
-                raise ProtocolError(f"input {name!r}: the body holds {len(blob) - offset} bytes of binary data, "
-                                    f"{size} needed")
-            given[name] = decode_tensor(bytes(blob[offset:offset + size]), spec, shape)
-            offset += size
+        data = raw(index, entry, spec, shape) if raw is not None else None
+        if data is not None:
+            given[name] = decode_tensor(data, spec, shape)
         else:
             given[name] = _json_tensor(entry.get("data"), spec, shape)
-    if offset != len(blob):
-        raise ProtocolError(f"the body has {len(blob) - offset} bytes of binary data that no input claims")
+    if after is not None:
+        after()
     missing = [n for n in specs if n not in given]
     if missing:
         raise ProtocolError(f"missing input {missing[0]!r} for model {model.name!r}")
@@ -225,12 +253,19 @@ def _outputs(model: ServedModel, request: dict, binary_default: bool) -> list[tu
     return out
 
 
+def answers(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor]
+            ) -> list[tuple[TensorSpec, torch.Tensor, bool]]:
+    """The outputs to answer, in the order asked: ``(spec, tensor, binary)`` for the model's output ``leaves``
+    (flattened, in its outputs' order)."""
+    by_name = {s.name: (s, t) for s, t in zip(model.outputs, leaves, strict=True)}
+    return [(*by_name[name], binary) for name, binary in request.outputs]
+
+
 def encode(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor]) -> tuple[bytes, dict[str, str]]:
     """The response body and headers for the model's output ``leaves`` (flattened, in its outputs' order)."""
-    by_name = {s.name: (s, t) for s, t in zip(model.outputs, leaves, strict=True)}
     outputs, blobs = [], []
-    for name, binary in request.outputs:
-        spec, t = by_name[name]
+    for spec, t, binary in answers(model, request, leaves):
+        name = spec.name
         entry = {"name": name, "datatype": spec.datatype, "shape": list(t.shape)}
         if binary:
             blob = encode_tensor(t)
@@ -239,7 +274,7 @@ def encode(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor]
         else:
             entry["data"] = t.detach().cpu().reshape(-1).tolist()
         outputs.append(entry)
-    response = {"model_name": model.name, "model_version": "1", "outputs": outputs}
+    response = {"model_name": model.name, "model_version": model.version, "outputs": outputs}
     if request.id is not None:
         response["id"] = request.id
     head = json.dumps(response).encode()
@@ -250,10 +285,23 @@ def encode(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor]
 
 def metadata(model: ServedModel) -> dict:
     """``GET /v2/models/{name}``: name, versions, platform, inputs and outputs."""
-    return {"name": model.name, "versions": ["1"], "platform": "opweave", "source": model.source,
+    return {"name": model.name, "versions": [model.version], "platform": "opweave", "source": model.source,
             "max_batch_size": model.max_batch, "blocks": len(model.blocked.blocks),
             "inputs": [s.to_json() for s in model.inputs], "outputs": [s.to_json() for s in model.outputs]}
 
 
-__all__ = ["DTYPES", "HEADER", "InferRequest", "ProtocolError", "decode", "decode_tensor", "decompress", "encode",
-           "encode_tensor", "metadata"]
+def config(model: ServedModel, policy: dict, max_queue: int) -> dict:
+    """``GET /v2/models/{name}/config``: Triton's model configuration (its JSON form; the batch dimension is left
+    out of ``dims`` when the model batches), with the engine's batching policy and the model's block count."""
+    def tensor(s: TensorSpec) -> dict:
+        return {"name": s.name, "data_type": f"TYPE_{s.datatype}",
+                "dims": list(s.shape[1:]) if model.max_batch > 1 else list(s.shape)}
+
+    return {"name": model.name, "platform": "opweave", "max_batch_size": model.max_batch,
+            "input": [tensor(s) for s in model.inputs], "output": [tensor(s) for s in model.outputs],
+            "dynamic_batching": {"policy": policy, "max_queue_size": max_queue},
+            "blocks": len(model.blocked.blocks)}
+
+
+__all__ = ["DTYPES", "HEADER", "InferRequest", "ProtocolError", "answers", "config", "decode", "decode_request",
+           "decode_tensor", "decompress", "encode", "encode_tensor", "metadata"]

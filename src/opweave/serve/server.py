@@ -4,12 +4,15 @@ engine (:mod:`opweave.serve.engine`), with Prometheus metrics and a draining shu
 Endpoints: ``GET /v2`` (server metadata), ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/{name}`` (inputs
 and outputs: names, shapes, datatypes), ``/v2/models/{name}/ready``, ``/v2/models/{name}/config``, ``POST
 /v2/models/{name}/infer`` (JSON tensors or the binary tensor data extension; the ``/versions/1/`` forms too) and
-``GET /metrics`` (Prometheus text format).
+``GET /metrics`` (Prometheus text format); the repository extension (:mod:`opweave.serve.repository`): ``POST
+/v2/repository/index``, ``/v2/repository/models/{name}/load`` and ``/unload``. The gRPC front end
+(:mod:`opweave.serve.grpc_server`) runs beside it on the same engine, models and draining state (``grpc_port``).
 
 Status codes: 200; 400 with ``{"error": message}`` for malformed JSON, a wrong input name, shape, datatype or data
 length, and a body over ``max_body_bytes`` (the issue asks 400 where HTTP would say 413); 404 for an unknown model;
 429 with ``Retry-After`` (seconds) when the model's queue is full; 503 once draining; 504 for a request past its
-deadline (Triton's ``parameters.timeout`` in microseconds, or the server's ``timeout_s``); 500 if the model fails.
+deadline (Triton's ``parameters.timeout`` in microseconds, or the server's ``timeout_s``); 500 if the model fails
+(:mod:`opweave.serve.frontend` holds the table both front ends share).
 
 Draining (:class:`DrainingServer`): the first SIGTERM stops admission (new requests get 503, readiness goes 503)
 while every accepted request is still answered; once none is left uvicorn shuts down and the process exits 0. A
@@ -19,6 +22,7 @@ second SIGTERM or a SIGINT stops at once (uvicorn's own behaviour).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import signal
 import sys
@@ -31,12 +35,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from torch.utils import _pytree as pytree
 
 import opweave
-from opweave.serve import protocol
-from opweave.serve.engine import Engine, Observer, QueueFull, Request, Unavailable
+from opweave.serve import frontend, protocol
+from opweave.serve.engine import Engine, Observer, Request
 from opweave.serve.executors import Part, StepCost
+from opweave.serve.frontend import Refused, State
 from opweave.serve.models import ServedModel
+from opweave.serve.repository import Repository
 
 MAX_BODY_BYTES = 64 << 20
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository"]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -47,13 +54,11 @@ class Metrics(Observer):
 
     def __init__(self, engine: Engine):
         self.registry = r = CollectorRegistry()
+        self.engine = engine
         models = list(engine.models)
         self.queue_depth = Gauge("opweave_queue_depth", "Requests waiting in the model's queue", ["model"], registry=r)
         self.instances = Gauge("opweave_instances", "Inference instances of the model in flight", ["model"],
                                registry=r)
-        for m in models:
-            self.queue_depth.labels(m).set_function(lambda m=m: len(engine.models[m].queue))
-            self.instances.labels(m).set_function(lambda m=m: len(engine.models[m].instances))
         self.requests = Counter("opweave_requests", "Requests by outcome (answered, timeout, error, rejected)",
                                 ["model", "outcome"], registry=r)
         self.rejections = Counter("opweave_rejections", "Requests refused with 429 (queue full)", ["model"],
@@ -75,15 +80,37 @@ class Metrics(Observer):
         for event in ("hits", "misses", "evictions"):
             cache.labels(event).set_function(lambda e=event: engine.executor.stats[e])
         for m in models:  # every series exists from the start, at 0
-            self.rejections.labels(m)
-            for outcome in ("answered", "timeout", "error", "rejected"):
-                self.requests.labels(m, outcome)
+            self.on_add(m)
         handle = _nvml_handle() if getattr(engine.executor, "device", "cpu") != "cpu" else None
         if handle is not None:
             import pynvml
 
             Gauge("opweave_gpu_utilization_ratio", "GPU utilization (NVML, last sample period)", registry=r
                   ).set_function(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100)
+
+    def on_add(self, model: str) -> None:
+        """A model's series, at 0 (at start, and when a model is loaded)."""
+        models = self.engine.models
+
+        def length(field: str):
+            return lambda: len(getattr(models[model], field)) if model in models else 0
+
+        self.queue_depth.labels(model).set_function(length("queue"))
+        self.instances.labels(model).set_function(length("instances"))
+        self.rejections.labels(model)
+        for outcome in ("answered", "timeout", "error", "rejected"):
+            self.requests.labels(model, outcome)
+
+    def on_remove(self, model: str) -> None:
+        """An unloaded model's series go (Prometheus keeps what it scraped)."""
+        labels = [(m, (model,)) for m in (self.queue_depth, self.instances, self.rejections, self.queue_time,
+                                          self.compute_time, self.latency, self.batch)]
+        for metric, values in labels + [(self.requests, (model, o)) for o in ("answered", "timeout", "error",
+                                                                            "rejected")]:
+            try:
+                metric.remove(*values)
+            except KeyError:  # never observed
+                pass
 
     def on_reject(self, model: str) -> None:
         self.rejections.labels(model).inc()
@@ -122,24 +149,20 @@ class _NotServed(Exception):
     """A path names a model (or version) the server does not serve; the app answers 404 with the message."""
 
 
-class State:
-    """What the app and the draining server share: accepted requests not yet answered, and the draining flag."""
-
-    def __init__(self) -> None:
-        self.inflight = 0
-        self.draining = False
-
-
 def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes: int = MAX_BODY_BYTES,
-               state: State | None = None):
-    """The FastAPI app over ``engine`` (whose loop must be running: :meth:`Engine.start`)."""
+               state: State | None = None, repository: Repository | None = None):
+    """The FastAPI app over ``engine`` (whose loop must be running: :meth:`Engine.start`). ``repository`` (one
+    over ``models`` and no directory by default) answers the repository extension; ``models`` is its live dict."""
     state = state or State()
+    repository = repository or Repository(engine, models)
+    models = repository.served
     metrics = Metrics(engine)
     engine.observers.append(metrics)
     app = FastAPI(title="opweave serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.repository = repository
 
     def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status, headers=headers)
@@ -152,14 +175,14 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
         """The model a path names; :class:`_NotServed` (answered 404) for an unknown name or version."""
         if name not in models:
             raise _NotServed(f"unknown model {name!r}; serving {', '.join(models)}")
-        if version not in (None, "", "1"):
-            raise _NotServed(f"model {name!r} has no version {version!r} (only 1)")
-        return models[name]
+        model = models[name]
+        if version not in (None, "", model.version):
+            raise _NotServed(f"model {name!r} has no version {version!r} (only {model.version})")
+        return model
 
     @app.get("/v2")
     def server_metadata():
-        return {"name": "opweave", "version": getattr(opweave, "__version__", "0"),
-                "extensions": ["binary_tensor_data", "model_configuration"]}
+        return {"name": "opweave", "version": getattr(opweave, "__version__", "0"), "extensions": EXTENSIONS}
 
     @app.get("/v2/health/live")
     def live():
@@ -183,16 +206,47 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
     @app.get("/v2/models/{name}/config")
     @app.get("/v2/models/{name}/versions/{version}/config")
     def model_config(name: str, version: str | None = None):
-        model = served(name, version)
+        return protocol.config(served(name, version), engine.policy.describe(), engine.max_queue)
 
-        def tensor(s):  # Triton's config leaves the batch dimension out of dims when the model batches
-            return {"name": s.name, "data_type": f"TYPE_{s.datatype}",
-                    "dims": list(s.shape[1:]) if model.max_batch > 1 else list(s.shape)}
+    async def body_object(http: HttpRequest) -> dict:
+        """A repository request's optional JSON object body (:class:`Refused` if it is not one)."""
+        raw = await http.body()
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise Refused("invalid", f"malformed JSON: {exc}") from None
+        if not isinstance(body, dict) or not isinstance(body.get("parameters", {}), dict):
+            raise Refused("invalid", "the body must be a JSON object (with an object 'parameters')")
+        return body
 
-        return {"name": name, "platform": "opweave", "max_batch_size": model.max_batch,
-                "input": [tensor(s) for s in model.inputs], "output": [tensor(s) for s in model.outputs],
-                "dynamic_batching": {"policy": engine.policy.describe(), "max_queue_size": engine.max_queue},
-                "blocks": len(model.blocked.blocks)}
+    @app.exception_handler(Refused)
+    def refused(_request, exc: Refused) -> JSONResponse:
+        return error(frontend.HTTP_STATUS[exc.kind], str(exc))
+
+    @app.post("/v2/repository/index")
+    async def repository_index(http: HttpRequest):
+        body = await body_object(http)
+        return repository.index(ready=bool(body.get("ready", False)))
+
+    @app.post("/v2/repository/models/{name}/load")
+    async def repository_load(name: str, http: HttpRequest):
+        body = await body_object(http)
+        config = body.get("parameters", {}).get("config")
+        if config is not None and not isinstance(config, str):
+            raise Refused("invalid", "parameters.config must be the model config as a JSON string")
+        extra = sorted(k for k in body.get("parameters", {}) if k != "config")
+        if extra:
+            raise Refused("invalid", f"load parameters {extra} are not supported (only config)")
+        await asyncio.to_thread(repository.load, name, config)  # off the event loop: other requests go on
+        return Response(status_code=200)
+
+    @app.post("/v2/repository/models/{name}/unload")
+    async def repository_unload(name: str, http: HttpRequest):
+        await body_object(http)
+        await asyncio.to_thread(repository.unload, name)
+        return Response(status_code=200)
 
     @app.get("/metrics")
     def prometheus():
@@ -217,27 +271,11 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
             request = protocol.decode(model, raw, http.headers.get(protocol.HEADER))
         except protocol.ProtocolError as exc:
             return error(400, str(exc))
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future = loop.create_future()
-
-        def done(r: Request) -> None:
-            loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result(r))
-
         try:
-            engine.submit(name, request.inputs, batch=request.batch, timeout_s=request.timeout_s, on_done=done)
-        except QueueFull as exc:
-            return error(429, str(exc), {"Retry-After": str(math.ceil(exc.retry_after_s))})
-        except Unavailable as exc:
-            return error(503, str(exc))
-        state.inflight += 1
-        try:
-            result: Request = await answer
-        finally:
-            state.inflight -= 1
-        if result.status == "timeout":
-            return error(504, f"request for {name!r} passed its deadline after {result.latency_s * 1e3:.1f} ms")
-        if result.status != "done":
-            return error(500, f"{name}: {result.error}")
+            result = await frontend.infer(engine, state, name, request)
+        except Refused as exc:
+            headers = {"Retry-After": str(math.ceil(exc.retry_after_s))} if exc.kind == "full" else None
+            return error(frontend.HTTP_STATUS[exc.kind], str(exc), headers)
         body_out, headers = protocol.encode(model, request, pytree.tree_leaves(result.output))
         return Response(body_out, headers=headers, media_type=headers["Content-Type"])
 
@@ -276,29 +314,46 @@ def _server_class():
 
 
 def serve(engine: Engine, models: dict[str, ServedModel], *, host: str = "127.0.0.1", port: int = 8000,
-          max_body_bytes: int = MAX_BODY_BYTES, log_level: str = "warning", on_listen=None) -> None:
-    """Run the server until it is stopped (SIGTERM drains; see the module docstring), then stop the engine."""
+          max_body_bytes: int = MAX_BODY_BYTES, log_level: str = "warning", on_listen=None,
+          grpc_port: int | None = None, repository: Repository | None = None) -> None:
+    """Run the server until it is stopped (SIGTERM drains; see the module docstring), then stop the engine.
+    ``grpc_port``: the gRPC service beside it (0: any free port; ``on_listen(host, port, grpc_port)`` then)."""
     import uvicorn
 
     state = State()
-    app = create_app(engine, models, max_body_bytes=max_body_bytes, state=state)
+    repository = repository or Repository(engine, models)
+    app = create_app(engine, repository.served, max_body_bytes=max_body_bytes, state=state, repository=repository)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                             timeout_graceful_shutdown=30)
-    server = _server_class()(config, state, engine, on_listen)
     engine.start()
+    rpc = None
+    if grpc_port is not None:
+        from opweave.serve.grpc_server import GrpcServer
+
+        rpc = GrpcServer(engine, repository, state, host=host, port=grpc_port, max_message_bytes=max_body_bytes)
+        grpc_port = rpc.start()
+    listening = on_listen if on_listen is None or rpc is None else (lambda h, p: on_listen(h, p, grpc_port))
+    server = _server_class()(config, state, engine, listening)
     try:
         server.run()
     finally:
+        if rpc is not None:
+            rpc.stop(grace_s=5)
         engine.stop(timeout_s=30)
         sys.stdout.flush()
 
 
 class BackgroundServer:
     """A server on a thread of this process (tests, benchmarks): ``with BackgroundServer(engine, models) as url``.
-    Listens on 127.0.0.1 and an ephemeral port; leaving the block drains and stops it."""
+    Listens on 127.0.0.1 and an ephemeral port; leaving the block drains and stops it. ``grpc=True``: the gRPC
+    service too, at :attr:`grpc_address` (``127.0.0.1:port``); ``repository``: a :class:`Repository` over
+    ``models`` (one without a directory by default), at :attr:`repository`."""
 
-    def __init__(self, engine: Engine, models: dict[str, ServedModel], **options: Any):
+    def __init__(self, engine: Engine, models: dict[str, ServedModel], *, grpc: bool = False,
+                 repository: Repository | None = None, **options: Any):
         self.engine, self.models, self.options = engine, models, options
+        self.repository = repository or Repository(engine, models)
+        self.grpc, self.rpc, self.grpc_address = grpc, None, None
 
     def __enter__(self) -> str:
         import threading
@@ -306,7 +361,8 @@ class BackgroundServer:
         import uvicorn
 
         self.state = State()
-        self.app = create_app(self.engine, self.models, state=self.state, **self.options)
+        self.app = create_app(self.engine, self.repository.served, state=self.state, repository=self.repository,
+                              **self.options)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
         bound = threading.Event()
         address: list = []
@@ -318,6 +374,12 @@ class BackgroundServer:
         if not bound.wait(30):
             raise RuntimeError("the server did not start within 30 s")
         host, port = address[0]
+        if self.grpc:
+            from opweave.serve.grpc_server import GrpcServer
+
+            self.rpc = GrpcServer(self.engine, self.repository, self.state,
+                                  max_message_bytes=self.options.get("max_body_bytes", MAX_BODY_BYTES))
+            self.grpc_address = f"127.0.0.1:{self.rpc.start()}"
         return f"http://{host}:{port}"
 
     def drain(self) -> None:
@@ -330,7 +392,9 @@ class BackgroundServer:
         if self.thread.is_alive():
             self.server.should_exit = True
             self.thread.join(timeout=10)
+        if self.rpc is not None:
+            self.rpc.stop(grace_s=5)
         self.engine.stop(timeout_s=10)
 
 
-__all__ = ["BackgroundServer", "MAX_BODY_BYTES", "Metrics", "State", "create_app", "serve"]
+__all__ = ["BackgroundServer", "EXTENSIONS", "MAX_BODY_BYTES", "Metrics", "State", "create_app", "serve"]

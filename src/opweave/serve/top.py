@@ -90,6 +90,9 @@ class TopPolicy(Policy):
         self.decisions = self.superblocks = 0
 
     def bind(self, blocks: dict[str, int], max_batch: dict[str, int], max_sub_blocks: int) -> None:
+        bound = getattr(self, "model_blocks", None)
+        if self.agents is not None and bound is not None and dict(blocks) != bound:  # a model loaded or unloaded
+            raise UsageError(f"the top policy's agents serve {bound} and no other set of models")
         super().bind(blocks, max_batch, max_sub_blocks)
         self.models = list(blocks)
         self.width = len(self.models) + sum(blocks.values())

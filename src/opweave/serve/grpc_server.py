@@ -1,0 +1,266 @@
+"""The gRPC front end: KServe v2's ``inference.GRPCInferenceService`` (the Open Inference Protocol over gRPC, as
+Triton serves it) over the same engine, models, repository and draining state as the HTTP server.
+
+The service's messages and stubs are ``tritonclient``'s (``tritonclient.grpc.service_pb2``, ``service_pb2_grpc``,
+``model_config_pb2``: generated from Triton's ``grpc_service.proto`` / ``model_config.proto``, which extend KServe's
+``grpc_predict_v2.proto`` with the repository and configuration calls); ``pip install opweave[serve]`` brings them.
+
+Calls: ``ServerLive``, ``ServerReady`` (not while draining), ``ModelReady`` (false for a model not served),
+``ServerMetadata``, ``ModelMetadata``, ``ModelConfig``, ``ModelInfer``, ``RepositoryIndex``, ``RepositoryModelLoad``,
+``RepositoryModelUnload``; the others (statistics, shared memory, tracing, streaming) answer ``UNIMPLEMENTED``.
+
+``ModelInfer`` takes inputs as ``raw_input_contents`` (one entry per input, little-endian, row-major: what
+``tritonclient.grpc`` sends) or typed ``contents`` (``fp32_contents`` for FP32, ...), and answers every output in
+``raw_output_contents``. The request is turned into the protocol's request object and checked by
+:func:`opweave.serve.protocol.decode_request`, the HTTP server's checks, word for word; refusals map to gRPC codes
+as :mod:`opweave.serve.frontend`'s table says (``INVALID_ARGUMENT``, ``NOT_FOUND``, ``RESOURCE_EXHAUSTED`` with a
+``retry-after`` trailer, ``UNAVAILABLE`` while draining or unloading, ``DEADLINE_EXCEEDED``, ``INTERNAL``). A client
+deadline (``client_timeout``) is the request's deadline too, as is ``parameters.timeout`` (µs).
+
+The server (``grpc.aio``) runs its own event loop on a thread of its own (:class:`GrpcServer`), beside uvicorn's:
+an ``infer`` waits on an asyncio future the engine's thread resolves, loads and unloads run on worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from torch.utils import _pytree as pytree
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+import opweave
+from opweave.serve import frontend, protocol
+from opweave.serve.engine import Engine
+from opweave.serve.frontend import Refused, State
+from opweave.serve.models import ServedModel
+from opweave.serve.repository import Repository
+
+CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
+         "full": grpc.StatusCode.RESOURCE_EXHAUSTED, "draining": grpc.StatusCode.UNAVAILABLE,
+         "timeout": grpc.StatusCode.DEADLINE_EXCEEDED, "error": grpc.StatusCode.INTERNAL}
+EXTENSIONS = ["model_configuration", "model_repository"]
+
+# the typed contents field of each datatype (FP16 and BF16 travel only as raw bytes)
+CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+            "INT64": "int64_contents", "UINT8": "uint_contents", "FP32": "fp32_contents", "FP64": "fp64_contents"}
+
+
+def parameters(params) -> dict[str, Any]:
+    """A protobuf ``map<string, InferParameter>`` (or ``ModelRepositoryParameter``) as plain values."""
+    out = {}
+    for key, value in params.items():
+        which = value.WhichOneof("parameter_choice")
+        out[key] = getattr(value, which) if which is not None else None
+    return out
+
+
+def decode(model: ServedModel, request: service_pb2.ModelInferRequest) -> protocol.InferRequest:
+    """A ``ModelInferRequest`` checked for ``model`` by the protocol's checks (module docstring);
+    :class:`~opweave.serve.protocol.ProtocolError` says what is wrong."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise protocol.ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs "
+                                     f"(one per input, or none)")
+    entries = []
+    for tensor in request.inputs:
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
+                                 "parameters": parameters(tensor.parameters)}
+        given = [f.name for f, _ in tensor.contents.ListFields()]
+        if given:
+            want = CONTENTS.get(tensor.datatype)
+            if given != [want]:
+                raise protocol.ProtocolError(f"input {tensor.name!r}: contents in {', '.join(given)}; datatype "
+                                             f"{tensor.datatype} takes {want or 'raw_input_contents only'}")
+            entry["data"] = list(getattr(tensor.contents, want))
+        elif not raw:
+            entry["data"] = []  # no values at all: the count check names the input
+        entries.append(entry)
+    body: dict[str, Any] = {"inputs": entries, "parameters": parameters(request.parameters)}
+    if request.id:
+        body["id"] = request.id
+    if request.outputs:
+        body["outputs"] = [{"name": o.name, "parameters": parameters(o.parameters)} for o in request.outputs]
+
+    def take(index: int, entry: dict, spec, shape: list[int]) -> bytes | None:
+        if not raw:
+            return None
+        if "data" in entry:
+            raise protocol.ProtocolError(f"input {spec.name!r} has both contents and raw_input_contents")
+        need = math.prod(shape) * spec.dtype.itemsize
+        if len(raw[index]) != need:
+            raise protocol.ProtocolError(f"input {spec.name!r}: raw_input_contents[{index}] holds {len(raw[index])} "
+                                         f"bytes, expected {need} bytes for shape {shape} of {spec.datatype}")
+        return raw[index]
+
+    return protocol.decode_request(model, body, take)
+
+
+def encode(model: ServedModel, request: protocol.InferRequest, leaves) -> service_pb2.ModelInferResponse:
+    response = service_pb2.ModelInferResponse(model_name=model.name, model_version=model.version,
+                                              id=request.id or "")
+    for spec, t, _ in protocol.answers(model, request, leaves):
+        response.outputs.add(name=spec.name, datatype=spec.datatype, shape=list(t.shape))
+        response.raw_output_contents.append(protocol.encode_tensor(t))
+    return response
+
+
+class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """The calls of the module docstring over ``engine`` and ``repository`` (whose ``served`` is the live model
+    dict), sharing ``state`` (in flight, draining) with the HTTP server."""
+
+    def __init__(self, engine: Engine, repository: Repository, state: State):
+        self.engine, self.repository, self.state = engine, repository, state
+
+    def _served(self, name: str, version: str) -> ServedModel:
+        model = self.repository.served.get(name)
+        if model is None:
+            raise Refused("not_found", f"unknown model {name!r}; serving {', '.join(self.repository.served)}")
+        if version not in ("", model.version):
+            raise Refused("not_found", f"model {name!r} has no version {version!r} (only {model.version})")
+        return model
+
+    async def _call(self, context, work):
+        """Run ``work()`` (a coroutine function); a :class:`Refused` aborts the call with its status code."""
+        try:
+            return await work()
+        except Refused as exc:
+            if exc.kind == "full" and exc.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", str(math.ceil(exc.retry_after_s))),))
+            await context.abort(CODES[exc.kind], str(exc))
+
+    async def ServerLive(self, request, context):
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return service_pb2.ServerReadyResponse(ready=not self.state.draining)
+
+    async def ModelReady(self, request, context):
+        model = self.repository.served.get(request.name)
+        ok = model is not None and request.version in ("", model.version) and not self.state.draining
+        return service_pb2.ModelReadyResponse(ready=ok)
+
+    async def ServerMetadata(self, request, context):
+        return service_pb2.ServerMetadataResponse(name="opweave", version=getattr(opweave, "__version__", "0"),
+                                                  extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request, context):
+        async def work():
+            model = self._served(request.name, request.version)
+            meta = protocol.metadata(model)
+
+            def tensors(specs):
+                return [service_pb2.ModelMetadataResponse.TensorMetadata(**s) for s in specs]
+
+            return service_pb2.ModelMetadataResponse(name=model.name, versions=meta["versions"], platform="opweave",
+                                                     inputs=tensors(meta["inputs"]), outputs=tensors(meta["outputs"]))
+        return await self._call(context, work)
+
+    async def ModelConfig(self, request, context):
+        async def work():
+            model = self._served(request.name, request.version)
+            config = protocol.config(model, self.engine.policy.describe(), self.engine.max_queue)
+            parsed = json_format.ParseDict(config, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)
+            return service_pb2.ModelConfigResponse(config=parsed)
+        return await self._call(context, work)
+
+    async def ModelInfer(self, request, context):
+        async def work():
+            if self.state.draining:
+                raise Refused("draining", "the server is shutting down")
+            model = self._served(request.model_name, request.model_version)
+            try:
+                decoded = decode(model, request)
+            except protocol.ProtocolError as exc:
+                raise Refused("invalid", str(exc)) from None
+            result = await frontend.infer(self.engine, self.state, model.name, decoded,
+                                          timeout_s=context.time_remaining())
+            return encode(model, decoded, pytree.tree_leaves(result.output))
+        return await self._call(context, work)
+
+    async def RepositoryIndex(self, request, context):
+        models = [service_pb2.RepositoryIndexResponse.ModelIndex(**m)
+                  for m in self.repository.index(ready=request.ready)]
+        return service_pb2.RepositoryIndexResponse(models=models)
+
+    async def RepositoryModelLoad(self, request, context):
+        async def work():
+            params = parameters(request.parameters)
+            extra = sorted(k for k in params if k != "config")
+            if extra:
+                raise Refused("invalid", f"load parameters {extra} are not supported (only config)")
+            await asyncio.to_thread(self.repository.load, request.model_name, params.get("config"))
+            return service_pb2.RepositoryModelLoadResponse()
+        return await self._call(context, work)
+
+    async def RepositoryModelUnload(self, request, context):
+        async def work():
+            await asyncio.to_thread(self.repository.unload, request.model_name)
+            return service_pb2.RepositoryModelUnloadResponse()
+        return await self._call(context, work)
+
+
+class GrpcServer:
+    """The gRPC service on ``host:port`` (0: any free port) on a thread with its own event loop: :meth:`start`
+    returns the bound port; :meth:`stop` lets calls in flight finish (at most ``grace_s``) and ends the thread.
+    ``max_message_bytes`` bounds a request (a larger one: ``RESOURCE_EXHAUSTED``, from gRPC itself)."""
+
+    def __init__(self, engine: Engine, repository: Repository, state: State, *, host: str = "127.0.0.1",
+                 port: int = 0, max_message_bytes: int = 64 << 20):
+        self.servicer = Servicer(engine, repository, state)
+        self.host, self.port, self.max_message_bytes = host, port, max_message_bytes
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._grace_s = 5.0
+
+    def start(self, timeout_s: float = 30.0) -> int:
+        bound = threading.Event()
+        failure: list[BaseException] = []
+
+        async def main() -> None:
+            server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.max_message_bytes),
+                                              ("grpc.max_send_message_length", self.max_message_bytes),
+                                              ("grpc.so_reuseport", 0)])
+            service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
+            try:
+                self.port = server.add_insecure_port(f"{self.host}:{self.port}")
+                await server.start()
+            except BaseException as exc:  # noqa: BLE001 - handed to start()'s caller
+                failure.append(exc)
+                bound.set()
+                return
+            self._stop = asyncio.Event()
+            bound.set()
+            await self._stop.wait()
+            await server.stop(self._grace_s)
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            try:
+                self._loop.run_until_complete(main())
+            finally:
+                self._loop.close()
+
+        self.thread = threading.Thread(target=run, name="opweave-grpc", daemon=True)
+        self.thread.start()
+        if not bound.wait(timeout_s):
+            raise RuntimeError(f"the gRPC server did not start within {timeout_s:g} s")
+        if failure:
+            raise RuntimeError(f"the gRPC server could not listen on {self.host}:{self.port}: {failure[0]}")
+        if not self.port:
+            raise RuntimeError(f"the gRPC server could not listen on {self.host}:{self.port}")
+        return self.port
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self._loop is None or self._stop is None or not self.thread.is_alive():
+            return
+        self._grace_s = grace_s
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(timeout=grace_s + 10)
+
+
+__all__ = ["CODES", "CONTENTS", "GrpcServer", "Servicer", "decode", "encode", "parameters"]

@@ -1,0 +1,179 @@
+"""The engine on Ray Serve: ``opweave serve --ray --replicas 2`` on a local Ray cluster on 127.0.0.1 (CPU), answered
+through Ray Serve's proxy by tritonclient (HTTP) equal to eager; one replica process killed mid-load, every accepted
+request still answered (with the documented client retry of the proxy's 5xx, :func:`opweave.serve.ray.retrying_post`),
+Ray replacing the replica; SIGTERM shuts it all down. And one replica's app alone, without Ray."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from opweave import zoo
+from opweave.serve.protocol import HEADER, encode_tensor
+from opweave.serve.ray import Replica, ReplicaOptions, retrying_post
+from serve_models import tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    model, x = tiny()
+    path = tmp_path_factory.mktemp("pt2") / "tiny.pt2"
+    torch.export.save(torch.export.export(model, x), str(path))
+    return model, path
+
+
+def eager(model, inputs):
+    with torch.no_grad():
+        return model(*inputs)
+
+
+def binary_request(x: torch.Tensor) -> tuple[bytes, dict]:
+    import json
+
+    head = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                   "parameters": {"binary_data_size": x.numel() * 4}}],
+                       "outputs": [{"name": "output__0", "parameters": {"binary_data": True}}]}).encode()
+    return head + encode_tensor(x), {HEADER: str(len(head))}
+
+
+def binary_output(response: httpx.Response) -> torch.Tensor:
+    import json
+
+    size = int(response.headers[HEADER])
+    shape = json.loads(response.content[:size])["outputs"][0]["shape"]
+    return torch.frombuffer(bytearray(response.content[size:]), dtype=torch.float32).reshape(shape)
+
+
+def test_one_replica_alone_serves_the_v2_routes(tiny_file):
+    from fastapi.testclient import TestClient
+
+    replica = Replica(ReplicaOptions(model_files={"tiny": str(tiny_file[1])}, fuse=None, max_batch=4))
+    try:
+        assert replica.healthy()
+        with TestClient(replica.app()) as client:
+            assert client.get("/v2/health/ready").status_code == 200
+            x = torch.randn(2, 3, 8, 8)
+            body, headers = binary_request(x)
+            r = client.post("/v2/models/tiny/infer", content=body, headers=headers)
+            assert r.status_code == 200 and torch.allclose(binary_output(r), eager(tiny_file[0], [x]), atol=1e-5)
+            assert [m["name"] for m in client.post("/v2/repository/index").json()] == ["tiny"]
+            r = client.post("/v2/repository/models/tiny/unload")
+            assert r.status_code == 400 and "one replica only" in r.json()["error"]
+    finally:
+        replica.stop()
+    assert not replica.healthy()
+
+
+def test_pin_puts_a_replica_on_its_own_cores():
+    code = ("import os; from opweave.serve.ray import pin; usable = sorted(os.sched_getaffinity(0)); "
+            "chosen = pin(1, 1); print(chosen == [usable[1 % len(usable)]], sorted(os.sched_getaffinity(0)) == chosen)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["True", "True"], result.stderr
+
+
+def _replicas(pid: int) -> list[int]:
+    """The Ray Serve replica processes under the server process ``pid`` (Ray's workers are its descendants)."""
+    import psutil
+
+    out = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "OpweaveReplica" in " ".join(child.cmdline()):
+                out.append(child.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.ray
+def test_two_ray_serve_replicas_answer_equal_eager_and_a_killed_one_loses_no_accepted_request(tiny_file, tmp_path):
+    pytest.importorskip("ray.serve")
+    pytest.importorskip("psutil")
+    import tritonclient.http as triton
+
+    squeeze = zoo.create("squeezenet", image_size=64)[0]
+    out, err = open(tmp_path / "out.txt", "w"), open(tmp_path / "err.txt", "w")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--ray", "--replicas", "2", "--models",
+                             "squeezenet", "--image-size", "64", "--model-file", f"tiny={tiny_file[1]}", "--port", "0",
+                             "--max-batch", "4", "--policy", "batch"], stdout=out, stderr=err, env=env)
+    try:
+        url = None
+        for _ in range(2400):  # Ray's start and both replicas' loads: bounded at 240 s
+            text = (tmp_path / "out.txt").read_text()
+            if "listening on http://127.0.0.1:" in text:
+                url = text.split("listening on ", 1)[1].split()[0]
+                break
+            assert proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
+            time.sleep(0.1)
+        assert url, "opweave serve --ray did not come up within 240 s"
+        first = _replicas(proc.pid)
+        assert len(first) == 2, first
+
+        # tritonclient through Ray Serve's proxy, equal eager
+        client = triton.InferenceServerClient(url.removeprefix("http://"))
+        assert client.is_server_ready() and client.is_model_ready("squeezenet")
+        assert client.get_model_metadata("tiny")["inputs"][0]["shape"] == [-1, 3, 8, 8]
+        for model, reference, shape in (("squeezenet", squeeze, (3, 3, 64, 64)), ("tiny", tiny_file[0], (2, 3, 8, 8))):
+            for binary in (True, False):
+                x = torch.randn(*shape)
+                item = triton.InferInput("x", list(shape), "FP32")
+                item.set_data_from_numpy(x.numpy(), binary_data=binary)
+                result = client.infer(model, [item], outputs=[triton.InferRequestedOutput("output__0",
+                                                                                          binary_data=binary)])
+                got = torch.from_numpy(np.array(result.as_numpy("output__0")))
+                assert torch.allclose(got, eager(reference, [x]), rtol=1e-4, atol=1e-4), (model, binary)
+        client.close()
+
+        # a steady load; one replica process killed in the middle of it
+        async def load():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                async def one(i):
+                    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(i))
+                    body, headers = binary_request(x)
+                    await asyncio.sleep(0.002 * i)
+                    r, tries = await retrying_post(c, "/v2/models/squeezenet/infer", content=body, headers=headers)
+                    return x, r, tries
+
+                tasks = [asyncio.create_task(one(i)) for i in range(150)]
+                await asyncio.sleep(0.25)  # both replicas hold requests by now: 150 are sent within 0.3 s
+                os.kill(first[0], signal.SIGKILL)
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(load())
+        codes = [r.status_code for _, r, _ in results]
+        assert codes == [200] * 150, [r.text[:200] for _, r, _ in results if r.status_code != 200]
+        for x, r, _ in results:
+            assert torch.allclose(binary_output(r), eager(squeeze, [x]), rtol=1e-4, atol=1e-4)
+        failures = Counter(f for _, _, fs in results for f in fs)
+        print(f"ray kill: 150 requests, {sum(bool(fs) for _, _, fs in results)} answered after a retry; failed "
+              f"tries {dict(failures)}")
+
+        # Ray replaces the killed replica
+        for _ in range(1200):  # bounded: 120 s
+            now = _replicas(proc.pid)
+            if len(now) == 2 and first[0] not in now:
+                break
+            time.sleep(0.1)
+        assert len(now) == 2 and first[0] not in now, now
+        with httpx.Client(base_url=url, timeout=60) as c:
+            x = torch.randn(1, 3, 8, 8)
+            body, headers = binary_request(x)
+            r = c.post("/v2/models/tiny/infer", content=body, headers=headers)
+            assert r.status_code == 200 and torch.allclose(binary_output(r), eager(tiny_file[0], [x]), atol=1e-5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        out.close()
+        err.close()
