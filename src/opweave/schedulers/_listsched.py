@@ -67,8 +67,8 @@ def makespan_ms(times: Mapping[str, tuple[float, float]]) -> float:
 def merge_streams(stream_of: Mapping[str, int], cap: int, latency_ms: Mapping[str, float]) -> dict[str, int]:
     """Fold streams onto at most ``cap`` streams, longest-processing-time first: streams in order of decreasing total
     latency (ties: lower id) each go whole onto the least-loaded target (ties: the one holding fewer streams, then
-    lower id: streams of zero latency spread over empty targets instead of piling onto the first). Ops keep their launch order,
-    so a target stream interleaves its merged streams in that order.
+    lower id: streams of zero latency spread over empty targets instead of piling onto the first). Ops keep their
+    launch order, so a target stream interleaves its merged streams in that order.
 
     Complexity O(V + S log S + S·cap) for S source streams.
     """
