@@ -19,8 +19,9 @@ layer 2 over its own ops, and six cost-model features: its stage latency bound a
 both over the graph's mean op latency (log1p), work / stage latency (the stage's speed-up), groups / s, ops / (r·s)
 and its share of the ops left. The policy network (TOP's 2-layer ReLU policy with 500 and 128 units) scores
 [z_t, y_E, features] → one logit per candidate; training samples from the softmax, inference takes the argmax
-(deterministic: the candidates come in the fixed order :func:`opweave.schedulers.ios.endings` lists them, ties go
-to the first). The scheduler is a pure function of graph, costs and the weights file.
+(deterministic: the candidates come in the fixed order :func:`opweave.schedulers.ios.endings` lists them, and logits
+within 1e-6 of the largest tie, going to the first: :func:`greedy`). The scheduler is a pure function of graph,
+costs and the weights file.
 
 **Choices where TOP is ambiguous or where we depart from it, and why.**
 
@@ -205,7 +206,7 @@ def chunk_stages(net: GPG, g2e: torch.Tensor, index: dict[str, int], graph: OpGr
             logits = net.scores(g2e, torch.tensor(leaves), torch.tensor(members), torch.tensor(owner), len(cands),
                                 torch.tensor(feats, dtype=g2e.dtype))
             if pick is None:
-                choice = int(torch.argmax(logits))
+                choice = greedy(logits)
             else:
                 choice = pick(logits)
                 logp = torch.log_softmax(logits, 0)
@@ -214,6 +215,20 @@ def chunk_stages(net: GPG, g2e: torch.Tensor, index: dict[str, int], graph: OpGr
         total += costs.stage_latency_ms(groups_ops[choice])
         state ^= cands[choice][0]
     return total, stages[::-1], logps
+
+
+def greedy(logits: torch.Tensor, tolerance: float = 1e-6) -> int:
+    """The argmax, with ties broken towards the first candidate: every logit within ``tolerance`` (relative to the
+    largest, at least absolute) of the largest counts as tied. Symmetric candidates (deepfm's identical branches)
+    score the same up to the last bit, and which bit wins depends on the CPU's vector width, so a plain argmax
+    picked a different partition on another machine.
+
+    >>> greedy(torch.tensor([0.5, 1.0, 1.0 + 1e-7, 0.9]))
+    1
+    """
+    top = float(logits.max())
+    close = (logits >= top - tolerance * max(1.0, abs(top))).nonzero()
+    return int(close[0, 0])
 
 
 # ---- weights ----------------------------------------------------------------------------------------------------
@@ -275,5 +290,5 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
         return ios.staged("top-gpg", ios.blocks(graph, max_block_ops, max_states), solve, options)
 
 
-__all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "chunk_stages", "encode_inputs", "load", "one_thread",
+__all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "chunk_stages", "encode_inputs", "greedy", "load", "one_thread",
            "op_kind", "scale_ms", "schedule"]
