@@ -14,14 +14,16 @@ by op, with a warning.
   on every call. The generated C++ kernels open OpenMP regions of a fixed width: they are compiled for the lane's
   ``threads`` (``cpp.threads``, which is also part of Inductor's cache key, so a cached kernel is never reused at
   another width). Inductor's on-disk FX graph cache serves identical segments (``TORCHINDUCTOR_CACHE_DIR``).
-* ``onnxruntime`` — each segment exported with ``torch.onnx`` and run by one ONNX Runtime ``InferenceSession``
-  whose intra-op pool has the lane's ``threads`` (sequential executor, one inter-op thread, no spinning when the
-  budget is one thread: there is no pool then). The export uses the TorchScript exporter (``dynamo=False``): it
-  exports a segment in milliseconds where the ``torch.export``-based exporter takes about half a second, which for
-  a model's hundreds of segments is minutes; when it fails the ``torch.export``-based one is tried. ORT releases the
-  GIL while it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy for contiguous tensors),
-  outputs come back as tensors sharing ORT's arrays. A segment with a non-tensor output (a shape read by a later
-  segment) cannot be exported and runs op by op.
+* ``onnxruntime`` — each segment exported with ``torch.onnx`` and run by one ONNX Runtime ``InferenceSession`` whose
+  intra-op pool has the lane's ``threads`` (sequential executor, one inter-op thread). The pool spins between
+  parallel sections, as ORT's does by default, only when it has every core (the segment then runs alone); a smaller
+  pool sleeps when idle, since another lane may need the core. (Spinning matters: GoogLeNet whole at 2 threads took
+  13.2 ms with the pool sleeping against 11.3 ms spinning, so a one-lane plan lost to plain ONNX Runtime.) The
+  export uses the TorchScript exporter (``dynamo=False``): it exports a segment in milliseconds where the
+  ``torch.export``-based exporter takes about half a second, which for a model's hundreds of segments is minutes;
+  when it fails the ``torch.export``-based one is tried. ORT releases the GIL while it runs, so lanes overlap.
+  Inputs are handed over as NumPy views (no copy for contiguous tensors), outputs come back as tensors sharing ORT's
+  arrays. A segment with a non-tensor output (a shape read by a later segment) cannot be exported and runs op by op.
 * ``eager`` — the segment's ``GraphModule`` as it is (a check of the segment machinery).
 """
 
@@ -37,6 +39,7 @@ from typing import Any, Protocol
 import torch
 from torch import fx
 
+from opweave.backends.threads import cores
 from opweave.errors import MissingPackageError, UsageError
 
 
@@ -103,7 +106,7 @@ class OnnxRuntime:
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
-        if threads > 1:  # the pool sleeps when idle: another lane may need the core
+        if 1 < threads < cores():  # the pool sleeps when idle: another lane may need the core
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         return OrtSegment(session, ort.RunOptions())
