@@ -109,8 +109,10 @@ def create(name: str, batch: int, args: argparse.Namespace):
     return zoo.create(name, batch_size=batch, **({"num_layers": args.bert_layers} if name == "bert_base" else {}))
 
 
-def onnxruntime_session(model, inputs, parallel: bool) -> Callable:
-    """The whole model exported with torch.onnx and one ORT session; called like the model (outputs as tensors)."""
+def onnxruntime_session(model, inputs, parallel: bool, threads: int | None = None) -> Callable:
+    """The whole model exported with torch.onnx and one ORT session; called like the model (outputs as tensors).
+    ``threads``: the intra-op pool (default ORT's, one thread per core; ``torch.set_num_threads`` does not reach
+    ORT)."""
     import torch
 
     from opweave.backends.compilers import export_onnx, import_onnxruntime
@@ -125,6 +127,8 @@ def onnxruntime_session(model, inputs, parallel: bool) -> Callable:
     if parallel:
         options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
         options.intra_op_num_threads, options.inter_op_num_threads = 1, cores()
+    elif threads is not None:
+        options.intra_op_num_threads = threads
     session = ort.InferenceSession(export_onnx(model, list(inputs), count), options,
                                    providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
@@ -246,7 +250,7 @@ def limits(name: str, batch: int, args: argparse.Namespace) -> dict:
     caller = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        whole_one = onnxruntime_session(model, inputs, parallel=False)
+        whole_one = onnxruntime_session(model, inputs, parallel=False, threads=1)
 
         def segments_in_a_row():
             env = segmented.bind(inputs)
