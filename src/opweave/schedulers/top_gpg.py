@@ -74,6 +74,10 @@ _KIND_WORDS = (("conv", ("conv",)), ("linear", ("linear", "matmul", "addmm", "bm
                ("elementwise", ("add", "mul", "sub", "div", "mean", "flatten", "view", "reshape")))
 NODE_FEATURES = len(KINDS) + 7
 CAND_FEATURES = 6
+# One-line scorers in place of the network (``chunk_stages(rule=...)``, ``schedule(rule=...)``): take the candidate
+# with the largest value of one candidate feature, its work (Σ latency of its ops) or its speed-up (work / stage
+# latency bound). The baselines a trained GPG must beat (``benchmarks/top_gpg.py``).
+RULES = {"work": 1, "speedup": 2}
 EMBED = 32
 
 
@@ -174,37 +178,66 @@ def stage_bound_ms(costs: Costs, groups: list[list[str]]) -> float:
 
 
 # ---- one chunk, one rollout -----------------------------------------------------------------------------------
-def chunk_stages(net: GPG, g2e: torch.Tensor, index: dict[str, int], graph: OpGraph, costs: Costs, block: list[str],
-                 max_group_ops: int, max_groups: int, scale: float, *,
-                 pick: Callable[[torch.Tensor], int] | None = None) -> tuple[float, list, list[torch.Tensor]]:
+def candidates(costs: Costs, block: list[str], desc: list[int], state: int, max_group_ops: int, max_groups: int,
+               scale: float) -> tuple[list[tuple[int, tuple[int, ...]]], list[list[list[str]]], list[list[float]]]:
+    """The candidate endings of ``state`` (bitset over ``block``, ``desc`` from
+    :func:`opweave.schedulers.ios.block_descendants`) in :func:`opweave.schedulers.ios.endings`' order: the
+    (ending, groups) bitsets, their groups as op ids, and their :data:`CAND_FEATURES` cost features (module
+    docstring). They depend on the graph and costs only, not on the network."""
+    cands = ios.endings(state, desc, max_group_ops, max_groups)
+    left = state.bit_count()
+    groups_ops, feats = [], []
+    for ending, groups in cands:
+        op_groups = [[block[i] for i in ios._bits(g)] for g in groups]
+        stage_ms = stage_bound_ms(costs, op_groups)
+        work = sum(costs.latency_ms[o] for g in op_groups for o in g)
+        n = ending.bit_count()
+        groups_ops.append(op_groups)
+        feats.append([math.log1p(stage_ms / scale), math.log1p(work / scale), work / stage_ms if stage_ms > 0
+                      else 1.0, len(groups) / max_groups, n / (max_group_ops * max_groups), n / left])
+    return cands, groups_ops, feats
+
+
+def candidate_logits(net: GPG, g2e: torch.Tensor, index: dict[str, int], block: list[str], desc: list[int],
+                     state: int, groups_ops: list[list[list[str]]], feats: list[list[float]]) -> torch.Tensor:
+    """The policy's logit of each candidate of ``state`` (:func:`candidates`); ``g2e`` is :meth:`GPG.embed`'s output
+    and ``index`` maps op ids to its rows."""
+    leaves = [index[block[i]] for i in ios._bits(state) if not desc[i] & state]
+    members = [index[o] for g in groups_ops for grp in g for o in grp]
+    owner = [k for k, g in enumerate(groups_ops) for grp in g for _ in grp]
+    return net.scores(g2e, torch.tensor(leaves), torch.tensor(members), torch.tensor(owner), len(groups_ops),
+                      torch.tensor(feats, dtype=g2e.dtype))
+
+
+def rule_choice(rule: str, feats: list[list[float]]) -> int:
+    """The candidate a one-line rule (:data:`RULES`) takes: the largest value of its feature, ties to the first."""
+    return greedy(torch.tensor([f[RULES[rule]] for f in feats], dtype=torch.float64))
+
+
+def chunk_stages(net: GPG | None, g2e: torch.Tensor | None, index: dict[str, int], graph: OpGraph, costs: Costs,
+                 block: list[str], max_group_ops: int, max_groups: int, scale: float, *,
+                 pick: Callable[[torch.Tensor], int] | None = None,
+                 rule: str | None = None) -> tuple[float, list, list[torch.Tensor]]:
     """Alg. 2 on one chunk: (total latency in ms, stages as lists of groups in run order, per sampled choice its
     log-probability and the policy's entropy, stacked). ``pick`` chooses a candidate from the logits (training
-    samples); None takes the argmax."""
+    samples); None takes the argmax. ``rule`` (a key of :data:`RULES`) scores the candidates by one of their
+    features instead of the network (``net`` and ``g2e`` may then be None): the one-line baselines a trained
+    network must beat."""
+    if rule is not None and rule not in RULES:
+        raise UsageError(f"top-gpg rule {rule!r}: choose one of {', '.join(RULES)}")
     desc = ios.block_descendants(graph, block)
     state = (1 << len(block)) - 1
     stages: list[list[list[str]]] = []
     logps: list[torch.Tensor] = []
     total = 0.0
     while state:
-        cands = ios.endings(state, desc, max_group_ops, max_groups)
-        left = state.bit_count()
-        groups_ops, feats = [], []
-        for ending, groups in cands:
-            op_groups = [[block[i] for i in ios._bits(g)] for g in groups]
-            stage_ms = stage_bound_ms(costs, op_groups)
-            work = sum(costs.latency_ms[o] for g in op_groups for o in g)
-            n = ending.bit_count()
-            groups_ops.append(op_groups)
-            feats.append([math.log1p(stage_ms / scale), math.log1p(work / scale), work / stage_ms if stage_ms > 0
-                          else 1.0, len(groups) / max_groups, n / (max_group_ops * max_groups), n / left])
+        cands, groups_ops, feats = candidates(costs, block, desc, state, max_group_ops, max_groups, scale)
         if len(cands) == 1:
             choice = 0
+        elif rule is not None:
+            choice = rule_choice(rule, feats)
         else:
-            leaves = [index[block[i]] for i in ios._bits(state) if not desc[i] & state]
-            members = [index[o] for g in groups_ops for grp in g for o in grp]
-            owner = [k for k, g in enumerate(groups_ops) for grp in g for _ in grp]
-            logits = net.scores(g2e, torch.tensor(leaves), torch.tensor(members), torch.tensor(owner), len(cands),
-                                torch.tensor(feats, dtype=g2e.dtype))
+            logits = candidate_logits(net, g2e, index, block, desc, state, groups_ops, feats)
             if pick is None:
                 choice = greedy(logits)
             else:
@@ -266,29 +299,39 @@ def one_thread():
 def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, devices: int = 1,
              weights: str | Path | None = None, max_group_ops: int = ios.DEFAULT_MAX_GROUP_OPS,
              max_groups: int = ios.DEFAULT_MAX_GROUPS, max_block_ops: int = ios.DEFAULT_MAX_BLOCK_OPS,
-             max_states: int = ios.DEFAULT_MAX_STATES) -> Schedule:
+             max_states: int = ios.DEFAULT_MAX_STATES, rule: str | None = None) -> Schedule:
     """GPG on one device (``devices`` > 1 is ignored): greedy (argmax) stage partition with the weights at
-    ``weights`` (default: the shipped file). ``streams`` caps the groups per stage, as for ``ios``."""
+    ``weights`` (default: the shipped file). ``streams`` caps the groups per stage, as for ``ios``. ``rule``
+    (``"work"`` or ``"speedup"``, :data:`RULES`) walks the same Alg. 2 with that one-line scorer instead of the
+    network (no weights are read): a baseline for measuring what the network learned, not a scheduler to use."""
     if max_group_ops < 1 or max_groups < 1 or max_block_ops < 1 or max_states < 2:
         raise UsageError("top-gpg needs max_group_ops, max_groups, max_block_ops >= 1 and max_states >= 2")
-    with one_thread():  # loading too: a forked child (benchmarks/_common.run_limited) hangs in a second thread
-        net = load(weights)
+    if rule is not None and rule not in RULES:
+        raise UsageError(f"top-gpg rule {rule!r}: choose one of {', '.join(RULES)}")
     group_cap = max_groups if streams is None else min(max_groups, streams)
     options = {"max_group_ops": max_group_ops, "max_groups": group_cap, "max_block_ops": max_block_ops,
-               "max_states": max_states, "weights": str(weights or DEFAULT_WEIGHTS.name)}
+               "max_states": max_states}
+    if rule is None:
+        with one_thread():  # loading too: a forked child (benchmarks/_common.run_limited) hangs in a second thread
+            net = load(weights)
+        options["weights"] = str(weights or DEFAULT_WEIGHTS.name)
+    else:
+        net = None
+        options["rule"] = rule
     if not len(graph):
         return ios.staged("top-gpg", [], None, options)
     index = {o: i for i, o in enumerate(graph.ids)}
     scale = scale_ms(graph, costs)
     with torch.no_grad(), one_thread():
-        g2e = net.embed(*encode_inputs(graph, costs))
+        g2e = None if net is None else net.embed(*encode_inputs(graph, costs))
 
         def solve(block: list[str]) -> tuple[float, list]:
-            total, stages, _ = chunk_stages(net, g2e, index, graph, costs, block, max_group_ops, group_cap, scale)
+            total, stages, _ = chunk_stages(net, g2e, index, graph, costs, block, max_group_ops, group_cap, scale,
+                                            rule=rule)
             return total, stages
 
         return ios.staged("top-gpg", ios.blocks(graph, max_block_ops, max_states), solve, options)
 
 
-__all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "chunk_stages", "encode_inputs", "greedy", "load", "one_thread",
-           "op_kind", "scale_ms", "schedule"]
+__all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "RULES", "candidate_logits", "candidates", "chunk_stages",
+           "encode_inputs", "greedy", "load", "one_thread", "op_kind", "rule_choice", "scale_ms", "schedule"]
