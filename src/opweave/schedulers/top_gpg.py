@@ -27,11 +27,12 @@ costs and the weights file.
 
 * *Discrete scores instead of a 1-D continuous action.* TOP's policy outputs m ∈ [0, 1) and takes ending
   ⌊m·M⌋ of a list it does not define the order of, trained with DDPG and a critic q (eqs. 7-8). A score per
-  candidate ranks endings by what they are, not by their place in a list, and needs no critic: we train it with
-  REINFORCE (:mod:`opweave.learn.gpg`). The critic's sizes (1024, 512, 300) are therefore unused here.
+  candidate ranks endings by what they are, not by their place in a list, and needs no learned critic: we train it
+  with REINFORCE whose baseline is the policy's own greedy rollout from the same state (:mod:`opweave.learn.gpg`).
+  The critic's sizes (1024, 512, 300) are therefore unused here.
 * *Reward.* TOP's u_t = e^{-l_t} summed over steps rewards *more* stages (each adds a term ≤ 1), not a shorter
-  total. We use u_t = -l_t / mean op latency, so the return of an episode is minus the makespan it chose,
-  exactly the quantity the DP minimizes.
+  total. We use u_t = -l_t (over the graph's greedy makespan), so the return of an episode is minus the makespan
+  it chose, exactly the quantity the DP minimizes.
 * *Candidates.* The graph is first cut into the chunks IOS's DP uses (:func:`opweave.schedulers.ios.blocks`: cut
   ops, then chunks of ≤ 20 ops and ≤ 512 down-sets), so that GPG and the DP search the same space and the endings
   of a state can be listed (the number of endings of a wide combined block is otherwise combinatorial). The stage
@@ -39,9 +40,13 @@ costs and the weights file.
   group, device work); only the chosen stage is priced by ``Costs.stage_latency_ms`` (TOP measures stages while
   training only and never while searching, which is what makes GPG fast).
 
-**Training** is :mod:`opweave.learn.gpg` (REINFORCE with a sample-mean baseline on combined zoo blocks and random
-DAGs, ``opweave train-gpg``); this module only runs the weights it saves. The shipped default weights
-(``data/top_gpg.pt``, float16, about 230 KB) and the command that trained them are described there.
+**Training** is :mod:`opweave.learn.gpg` (REINFORCE with a greedy-rollout baseline per step on combined zoo
+blocks and random DAGs, ``opweave train-gpg``); this module only runs the weights it saves. The shipped default
+weights (``data/top_gpg.pt``, float16, about 230 KB) and the command that trains them are described there.
+
+**Rules** (:data:`RULES`, ``rule=``): the same walk with a one-line scorer in place of the network, the candidate
+with the largest work or the highest speed-up (work / stage latency bound). They are what a trained network must
+beat to have learned anything (``benchmarks/top_gpg.py`` runs both beside GPG and the DP).
 
 Complexity per chunk: steps × (endings of the visited state, each priced by the cost model) + one network pass per
 step, against the DP's sum over *all* states of the chunk (``benchmarks/top_gpg.py`` measures both).
