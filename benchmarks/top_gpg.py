@@ -1,7 +1,7 @@
 """GPG against IOS's DP and two one-line rules on combined blocks of 1-6 sub-blocks (TOP §VI-C, Fig. 13):
 scheduling time and makespan.
 
-    .venv/bin/python benchmarks/top_gpg.py [--quick] [--graphs N] [--models ...] [--seed S]
+    .venv/bin/python benchmarks/top_gpg.py [--quick] [--graphs N] [--models ...] [--seed S] [--weights FILE]
 
 For each k = 1..6: ``--graphs`` combined blocks of k distinct random ``(model, block)`` sub-blocks of the zoo
 models (each at a random batch of 1-16), side by side as the serving engine combines them, with the simulated
@@ -12,12 +12,12 @@ with and which is not the validation graphs' seed (12345). The seeds keep the dr
 among the 20000 training graphs by chance.
 
 Four partitioners search the same space (IOS's chunks, r = 3, s = 8): IOS's DP (``ios``), GPG with the shipped
-weights (``top-gpg``, loaded once before timing) and GPG's Alg. 2 walk with a one-line rule in place of the network
-(``top-gpg`` with ``rule="work"``: the candidate with the largest work; ``rule="speedup"``: the highest work / stage
-latency), the baselines that tell whether the network learned anything. Scheduling time is the median of
-``--repeats`` calls of ``schedulers.run`` (one intra-op torch thread for GPG, as it runs); the makespan is the
-schedule's predicted latency under the cost model (sum of its stages). Every schedule passes the validator and none
-is below the DP's makespan (they search the same space): ``ok`` says so.
+weights or those of ``--weights`` (``top-gpg``, loaded once before timing) and GPG's Alg. 2 walk with a one-line
+rule in place of the network (``top-gpg`` with ``rule="work"``: the candidate with the largest work;
+``rule="speedup"``: the highest work / stage latency), the baselines that tell whether the network learned
+anything. Scheduling time is the median of ``--repeats`` calls of ``schedulers.run`` (one intra-op torch thread for
+GPG, as it runs); the makespan is the schedule's predicted latency under the cost model (sum of its stages). Every
+schedule passes the validator and none is below the DP's makespan (they search the same space): ``ok`` says so.
 
 Reported per k and overall: each partitioner's mean makespan over the DP's. ``acceptance`` (issue 24) compares GPG's
 overall mean with the better rule's (GPG must be at least 1 % lower: ``gpg_over_better_rule`` <= 0.99) and GPG's
@@ -29,6 +29,7 @@ shared and timings are noisy. Writes ``top_gpg.json`` and ``top_gpg.png``.
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import _common as common
 
@@ -40,7 +41,7 @@ from opweave.schedulers import top_gpg
 MODELS = ("inception_v3", "resnet50", "squeezenet")
 # column name -> (scheduler, options)
 RUNS = {"ios": ("ios", {}), "top-gpg": ("top-gpg", {}), "rule-work": ("top-gpg", {"rule": "work"}),
-        "rule-speedup": ("top-gpg", {"rule": "speedup"})}
+        "rule-speedup": ("top-gpg", {"rule": "speedup"})}  # main() gives "top-gpg" the --weights
 RULE_RUNS = ("rule-work", "rule-speedup")
 MAX_GPG_OVER_RULE = 0.99
 MIN_SPEEDUP = 10.0
@@ -53,12 +54,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=HELD_OUT_SEED, help="draws the graphs (default %(default)s, a seed "
                                                                     "training never uses)")
+    p.add_argument("--weights", type=Path, default=None, help="top-gpg weights to measure (default: the shipped "
+                                                              "file)")
     args = p.parse_args()
     graphs_per_k = args.graphs or (2 if args.quick else 5)
     models = common.split_names(args.models, MODELS, "model") or (["squeezenet"] if args.quick else list(MODELS))
     clock = common.Stopwatch()
     source = GpgGraphs.from_zoo(models, preset=args.preset, seed=args.seed)
-    top_gpg.load()  # the weights, once
+    if args.weights is not None:
+        RUNS["top-gpg"] = ("top-gpg", {"weights": args.weights})
+    top_gpg.load(args.weights)  # the weights, once
     rows = []
     for k in range(1, 7):
         for _ in range(graphs_per_k):
@@ -97,7 +102,8 @@ def main() -> None:
     verdict = acceptance(overall, summary)
     out = {"settings": {"models": models, "preset": args.preset, "cost_model": "gpu", "graphs_per_k": graphs_per_k,
                         "repeats": args.repeats, "seed": args.seed, "held_out": args.seed == HELD_OUT_SEED,
-                        "max_group_ops": 3, "max_groups": 8, "weights": str(top_gpg.DEFAULT_WEIGHTS.name),
+                        "max_group_ops": 3, "max_groups": 8,
+                        "weights": str(args.weights or top_gpg.DEFAULT_WEIGHTS.name),
                         "rules": {c: RUNS[c][1]["rule"] for c in RULE_RUNS}},
            "machine": common.machine_info(), "elapsed_s": clock.elapsed_s, "summary": summary, "overall": overall,
            "acceptance": verdict, "results": rows,
