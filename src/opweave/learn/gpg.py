@@ -2,18 +2,19 @@
 ``top-gpg`` (:mod:`opweave.schedulers.top_gpg`: the network, its encoding and greedy decoding, its choices).
 
 **REINFORCE with a greedy-rollout baseline per step** (:func:`train`), after Kool, van Hoof and Welling,
-"Attention, Learn to Solve Routing Problems!" (ICLR 2019), who subtract the cost of the policy's own greedy
-rollout from a sampled one's. The makespan of a chunk is a sum of stage latencies, so the baseline can be taken per
+"Attention, Learn to Solve Routing Problems!" (ICLR 2019), who subtract from a sampled solution's cost that of a
+greedy rollout of the policy (their frozen best-so-far copy; here the current weights, whose greedy walk does not
+change within an episode). The makespan of a chunk is a sum of stage latencies, so the baseline can be taken per
 step: for a choice E sampled in state S, its advantage is
 
     A = V(S) − (latency(E) + V(S − E)),   V(S) = latency of the stages the greedy policy splits S into,
 
-over the graph's greedy makespan: positive when taking E here, then going on greedily, beats going greedily from
-here. The greedy cost-to-go V is cached per state within an episode (the weights do not change during one), so a
+divided by the graph's greedy makespan: positive when taking E here, then going on greedily, beats going greedily
+from here. The greedy cost-to-go V is cached per state within an episode (the weights do not change during one), so a
 choice equal to the greedy one has A = 0 exactly and costs nothing. Per graph, ``samples`` rollouts are sampled per
-chunk from the softmax; the loss is −Σ A · log π(E | S) / samples − ``entropy`` × the policy's mean entropy, and
-Adam (TOP's η = 0.001, falling linearly to a tenth over the run) takes one step per graph. The sample-mean baseline
-of the first weights (one advantage per rollout, shared by all its steps) learned nothing a one-line rule does not
+chunk from the softmax; the loss is −Σ A · log π(E | S) / samples − ``entropy`` (0.01) × the policy's mean entropy,
+and Adam (TOP's η = 0.001, falling linearly to a tenth over the run) takes one step per graph. The sample-mean
+baseline this replaces (one advantage per rollout, shared by all its steps) learned nothing a one-line rule does not
 do: the weights it kept (episode 25 of 600) gave the same mean makespan over the DP as "take the ending with the
 largest work" on the benchmark's graphs (1.0353 against 1.0350).
 
