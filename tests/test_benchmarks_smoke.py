@@ -186,9 +186,18 @@ def test_top_gpg_quick(tmp_path):
     data = json.loads((tmp_path / "top_gpg.json").read_text())
     assert [s["sub_blocks"] for s in data["summary"]] == [1, 2, 3, 4, 5, 6]
     for row in data["results"]:
-        assert row["ok"] and row["top-gpg"]["makespan_ms"] >= row["ios"]["makespan_ms"] - 1e-6
-        assert row["ios"]["time_ms"] > 0 and row["top-gpg"]["time_ms"] > 0
+        for column in ("top-gpg", "rule-work", "rule-speedup"):
+            assert row["ok"] and row[column]["makespan_ms"] >= row["ios"]["makespan_ms"] - 1e-6
+            assert row[column]["time_ms"] > 0
+        assert row["ios"]["time_ms"] > 0
+        assert row["rule-speedup_over_dp"] == round(row["rule-speedup"]["makespan_ms"] / row["ios"]["makespan_ms"], 4)
+    assert data["settings"]["held_out"] and data["overall"]["graphs"] == 6
+    verdict = data["acceptance"]
+    assert verdict["better_rule_over_dp"] == min(data["overall"]["rule-work_over_dp"],
+                                                 data["overall"]["rule-speedup_over_dp"])
+    assert set(verdict["speedups"]) == {"4", "5", "6"} and isinstance(verdict["met"], bool)
     assert (tmp_path / "top_gpg.png").stat().st_size > 1000 and "GPG vs IOS-DP" in result.stdout
+    assert "acceptance " in result.stdout
 
 
 @pytest.mark.slow

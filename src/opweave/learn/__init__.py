@@ -1,8 +1,9 @@
 """TOP's learning (Lin et al., TOP, IEEE TPDS 2024, §V): the training, and only the training, of its two learned
 pieces.
 
-* :mod:`.gpg` — the GPG stage partitioner behind scheduler ``top-gpg`` (§V-C): training graphs, REINFORCE, the
-  validation against IOS's DP that picks the weights kept, the weights file (``opweave train-gpg``);
+* :mod:`.gpg` — the GPG stage partitioner behind scheduler ``top-gpg`` (§V-C): training graphs, REINFORCE with a
+  greedy-rollout baseline, the validation against IOS's DP that picks the weights kept, the weights file
+  (``opweave train-gpg``);
 * :mod:`.maddpg` — multi-agent DDPG (§V-B eqs. 3-4): centralized critics, replay, soft target updates;
 * :mod:`.policy` — Alg. 1's offline phase behind serving policy ``top``: the reward, eq. (2), on Z-scored
   quantities, the training loop against the simulated engine, the policy file (``opweave train-policy``).

@@ -27,11 +27,12 @@ costs and the weights file.
 
 * *Discrete scores instead of a 1-D continuous action.* TOP's policy outputs m ∈ [0, 1) and takes ending
   ⌊m·M⌋ of a list it does not define the order of, trained with DDPG and a critic q (eqs. 7-8). A score per
-  candidate ranks endings by what they are, not by their place in a list, and needs no critic: we train it with
-  REINFORCE (:mod:`opweave.learn.gpg`). The critic's sizes (1024, 512, 300) are therefore unused here.
+  candidate ranks endings by what they are, not by their place in a list, and needs no learned critic: we train it
+  with REINFORCE whose baseline is the policy's own greedy rollout from the same state (:mod:`opweave.learn.gpg`).
+  The critic's sizes (1024, 512, 300) are therefore unused here.
 * *Reward.* TOP's u_t = e^{-l_t} summed over steps rewards *more* stages (each adds a term ≤ 1), not a shorter
-  total. We use u_t = -l_t / mean op latency, so the return of an episode is minus the makespan it chose,
-  exactly the quantity the DP minimizes.
+  total. We use u_t = -l_t (over the graph's greedy makespan), so the return of an episode is minus the makespan
+  it chose, exactly the quantity the DP minimizes.
 * *Candidates.* The graph is first cut into the chunks IOS's DP uses (:func:`opweave.schedulers.ios.blocks`: cut
   ops, then chunks of ≤ 20 ops and ≤ 512 down-sets), so that GPG and the DP search the same space and the endings
   of a state can be listed (the number of endings of a wide combined block is otherwise combinatorial). The stage
@@ -39,9 +40,13 @@ costs and the weights file.
   group, device work); only the chosen stage is priced by ``Costs.stage_latency_ms`` (TOP measures stages while
   training only and never while searching, which is what makes GPG fast).
 
-**Training** is :mod:`opweave.learn.gpg` (REINFORCE with a sample-mean baseline on combined zoo blocks and random
-DAGs, ``opweave train-gpg``); this module only runs the weights it saves. The shipped default weights
-(``data/top_gpg.pt``, float16, about 230 KB) and the command that trained them are described there.
+**Training** is :mod:`opweave.learn.gpg` (REINFORCE with a greedy-rollout baseline per step on combined zoo
+blocks and random DAGs, ``opweave train-gpg``); this module only runs the weights it saves. The shipped default
+weights (``data/top_gpg.pt``, float16, about 230 KB) and the command that trains them are described there.
+
+**Rules** (:data:`RULES`, ``rule=``): the same walk with a one-line scorer in place of the network, the candidate
+with the largest work or the highest speed-up (work / stage latency bound). They are what a trained network must
+beat to have learned anything (``benchmarks/top_gpg.py`` runs both beside GPG and the DP).
 
 Complexity per chunk: steps × (endings of the visited state, each priced by the cost model) + one network pass per
 step, against the DP's sum over *all* states of the chunk (``benchmarks/top_gpg.py`` measures both).
@@ -54,9 +59,12 @@ import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from functools import lru_cache
+from itertools import chain
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opweave.costs.model import Costs
@@ -74,6 +82,10 @@ _KIND_WORDS = (("conv", ("conv",)), ("linear", ("linear", "matmul", "addmm", "bm
                ("elementwise", ("add", "mul", "sub", "div", "mean", "flatten", "view", "reshape")))
 NODE_FEATURES = len(KINDS) + 7
 CAND_FEATURES = 6
+# One-line scorers in place of the network (``chunk_stages(rule=...)``, ``schedule(rule=...)``): take the candidate
+# with the largest value of one candidate feature, its work (Σ latency of its ops) or its speed-up (work / stage
+# latency bound). The baselines a trained GPG must beat (``benchmarks/top_gpg.py``).
+RULES = {"work": 1, "speedup": 2}
 EMBED = 32
 
 
@@ -95,6 +107,14 @@ def _mlp(*sizes: int, last_relu: bool = True) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def _run(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """``layers(x)`` without the module-call machinery: the same ``linear`` and ``relu`` calls, so the same bits,
+    about 5 µs less per layer (a step of the walk runs 7 layers, and GPG's speed is the point of it)."""
+    for layer in layers:
+        x = F.linear(x, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else torch.relu(x)
+    return x
+
+
 class GPG(nn.Module):
     """The encoder (g1, h1, g2, h2, the raw-state projection P) and the policy network (module docstring)."""
 
@@ -111,17 +131,17 @@ class GPG(nn.Module):
         own = self.proj(x)
         e = torch.zeros_like(own)
         for ops, src, dst in levels:
-            agg = torch.zeros(len(ops), EMBED, dtype=x.dtype).index_add(0, dst, self.g1(e[src]))
-            e = e.index_copy(0, ops, self.h1(agg) + own[ops])
-        return self.g2(e)
+            agg = torch.zeros(len(ops), EMBED, dtype=x.dtype).index_add(0, dst, _run(self.g1, e[src]))
+            e = e.index_copy(0, ops, _run(self.h1, agg) + own[ops])
+        return _run(self.g2, e)
 
     def scores(self, g2e: torch.Tensor, leaves: torch.Tensor, members: torch.Tensor, owner: torch.Tensor,
                count: int, features: torch.Tensor) -> torch.Tensor:
         """One logit per candidate: layer 2 (eq. 6) over the leaves (z_t) and over each candidate's ops
         (``members[k]`` belongs to candidate ``owner[k]``), with the candidates' cost features."""
-        z = self.h2(g2e[leaves].sum(0, keepdim=True))
-        y = self.h2(torch.zeros(count, EMBED, dtype=g2e.dtype).index_add(0, owner, g2e[members]))
-        return self.policy(torch.cat([z.expand(count, -1), y, features], 1)).squeeze(1)
+        z = _run(self.h2, g2e[leaves].sum(0, keepdim=True))
+        y = _run(self.h2, torch.zeros(count, EMBED, dtype=g2e.dtype).index_add(0, owner, g2e[members]))
+        return _run(self.policy, torch.cat([z.expand(count, -1), y, features], 1)).squeeze(1)
 
 
 # ---- graph encoding -------------------------------------------------------------------------------------------
@@ -174,37 +194,91 @@ def stage_bound_ms(costs: Costs, groups: list[list[str]]) -> float:
 
 
 # ---- one chunk, one rollout -----------------------------------------------------------------------------------
-def chunk_stages(net: GPG, g2e: torch.Tensor, index: dict[str, int], graph: OpGraph, costs: Costs, block: list[str],
-                 max_group_ops: int, max_groups: int, scale: float, *,
-                 pick: Callable[[torch.Tensor], int] | None = None) -> tuple[float, list, list[torch.Tensor]]:
+def candidates(costs: Costs, block: list[str], desc: list[int], state: int, max_group_ops: int, max_groups: int,
+               scale: float) -> tuple[list[tuple[int, tuple[int, ...]]], list[list[list[str]]], list[list[float]]]:
+    """The candidate endings of ``state`` (bitset over ``block``, ``desc`` from
+    :func:`opweave.schedulers.ios.block_descendants`) in :func:`opweave.schedulers.ios.endings`' order: the
+    (ending, groups) bitsets, their groups as op ids, and their :data:`CAND_FEATURES` cost features (module
+    docstring). They depend on the graph and costs only, not on the network."""
+    cands = ios.endings(state, desc, max_group_ops, max_groups)
+    left = state.bit_count()
+    latency, utilization = costs.latency_ms, costs.utilization
+    exact_bound = costs.model == "ideal"
+    # per group (shared by every candidate holding it): its ops, their latencies, their latency × utilization, and
+    # its Σ latency; the sums below add the same terms in the same order as stage_bound_ms and a plain
+    # sum over the ops do (so the same bits), without walking a group's bits again for every candidate
+    split: dict[int, tuple[list[str], list[float], list[float], float]] = {}
+    groups_ops, feats = [], []
+    for ending, groups in cands:
+        for g in groups:
+            if g not in split:
+                ops = [block[i] for i in ios._bits(g)]
+                lat = [latency[o] for o in ops]
+                split[g] = (ops, lat, [latency[o] * utilization.get(o, 1.0) for o in ops], sum(lat))
+        parts = [split[g] for g in groups]
+        op_groups = [p[0] for p in parts]
+        longest = max(p[3] for p in parts)
+        if len(groups) == 1:
+            stage_ms = work = longest
+        else:
+            work = sum(chain.from_iterable(p[1] for p in parts))
+            if exact_bound:
+                stage_ms = longest
+            else:
+                device = sum(chain.from_iterable(p[2] for p in parts))
+                stage_ms = max(longest, device) + costs.gpu.event_overhead_ms * (len(groups) - 1)
+        n = ending.bit_count()
+        groups_ops.append(op_groups)
+        feats.append([math.log1p(stage_ms / scale), math.log1p(work / scale), work / stage_ms if stage_ms > 0
+                      else 1.0, len(groups) / max_groups, n / (max_group_ops * max_groups), n / left])
+    return cands, groups_ops, feats
+
+
+def candidate_logits(net: GPG, g2e: torch.Tensor, index: dict[str, int], block: list[str], desc: list[int],
+                     state: int, groups_ops: list[list[list[str]]], feats: list[list[float]]) -> torch.Tensor:
+    """The policy's logit of each candidate of ``state`` (:func:`candidates`); ``g2e`` is :meth:`GPG.embed`'s output
+    and ``index`` maps op ids to its rows."""
+    leaves = [index[block[i]] for i in ios._bits(state) if not desc[i] & state]
+    members = [index[o] for g in groups_ops for grp in g for o in grp]
+    owner = [k for k, g in enumerate(groups_ops) for grp in g for _ in grp]
+    # through numpy: the same tensors as torch.tensor(list) in a fifth of the time, and a step makes four
+    return net.scores(g2e, _ints(leaves), _ints(members), _ints(owner), len(groups_ops),
+                      torch.from_numpy(np.array(feats, dtype=np.float32)).to(g2e.dtype))
+
+
+def _ints(values: list[int]) -> torch.Tensor:
+    return torch.from_numpy(np.array(values, dtype=np.int64))
+
+
+def rule_choice(rule: str, feats: list[list[float]]) -> int:
+    """The candidate a one-line rule (:data:`RULES`) takes: the largest value of its feature, ties to the first."""
+    return greedy(torch.tensor([f[RULES[rule]] for f in feats], dtype=torch.float64))
+
+
+def chunk_stages(net: GPG | None, g2e: torch.Tensor | None, index: dict[str, int], graph: OpGraph, costs: Costs,
+                 block: list[str], max_group_ops: int, max_groups: int, scale: float, *,
+                 pick: Callable[[torch.Tensor], int] | None = None,
+                 rule: str | None = None) -> tuple[float, list, list[torch.Tensor]]:
     """Alg. 2 on one chunk: (total latency in ms, stages as lists of groups in run order, per sampled choice its
     log-probability and the policy's entropy, stacked). ``pick`` chooses a candidate from the logits (training
-    samples); None takes the argmax."""
+    samples); None takes the argmax. ``rule`` (a key of :data:`RULES`) scores the candidates by one of their
+    features instead of the network (``net`` and ``g2e`` may then be None): the one-line baselines a trained
+    network must beat."""
+    if rule is not None and rule not in RULES:
+        raise UsageError(f"top-gpg rule {rule!r}: choose one of {', '.join(RULES)}")
     desc = ios.block_descendants(graph, block)
     state = (1 << len(block)) - 1
     stages: list[list[list[str]]] = []
     logps: list[torch.Tensor] = []
     total = 0.0
     while state:
-        cands = ios.endings(state, desc, max_group_ops, max_groups)
-        left = state.bit_count()
-        groups_ops, feats = [], []
-        for ending, groups in cands:
-            op_groups = [[block[i] for i in ios._bits(g)] for g in groups]
-            stage_ms = stage_bound_ms(costs, op_groups)
-            work = sum(costs.latency_ms[o] for g in op_groups for o in g)
-            n = ending.bit_count()
-            groups_ops.append(op_groups)
-            feats.append([math.log1p(stage_ms / scale), math.log1p(work / scale), work / stage_ms if stage_ms > 0
-                          else 1.0, len(groups) / max_groups, n / (max_group_ops * max_groups), n / left])
+        cands, groups_ops, feats = candidates(costs, block, desc, state, max_group_ops, max_groups, scale)
         if len(cands) == 1:
             choice = 0
+        elif rule is not None:
+            choice = rule_choice(rule, feats)
         else:
-            leaves = [index[block[i]] for i in ios._bits(state) if not desc[i] & state]
-            members = [index[o] for g in groups_ops for grp in g for o in grp]
-            owner = [k for k, g in enumerate(groups_ops) for grp in g for _ in grp]
-            logits = net.scores(g2e, torch.tensor(leaves), torch.tensor(members), torch.tensor(owner), len(cands),
-                                torch.tensor(feats, dtype=g2e.dtype))
+            logits = candidate_logits(net, g2e, index, block, desc, state, groups_ops, feats)
             if pick is None:
                 choice = greedy(logits)
             else:
@@ -226,9 +300,11 @@ def greedy(logits: torch.Tensor, tolerance: float = 1e-6) -> int:
     >>> greedy(torch.tensor([0.5, 1.0, 1.0 + 1e-7, 0.9]))
     1
     """
-    top = float(logits.max())
-    close = (logits >= top - tolerance * max(1.0, abs(top))).nonzero()
-    return int(close[0, 0])
+    values = logits.tolist()
+    top = max(values)
+    # torch compares a tensor with a Python float in the tensor's dtype: round the threshold the same way
+    threshold = torch.tensor(top - tolerance * max(1.0, abs(top)), dtype=logits.dtype).item()
+    return next(i for i, v in enumerate(values) if v >= threshold)
 
 
 # ---- weights ----------------------------------------------------------------------------------------------------
@@ -266,29 +342,39 @@ def one_thread():
 def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, devices: int = 1,
              weights: str | Path | None = None, max_group_ops: int = ios.DEFAULT_MAX_GROUP_OPS,
              max_groups: int = ios.DEFAULT_MAX_GROUPS, max_block_ops: int = ios.DEFAULT_MAX_BLOCK_OPS,
-             max_states: int = ios.DEFAULT_MAX_STATES) -> Schedule:
+             max_states: int = ios.DEFAULT_MAX_STATES, rule: str | None = None) -> Schedule:
     """GPG on one device (``devices`` > 1 is ignored): greedy (argmax) stage partition with the weights at
-    ``weights`` (default: the shipped file). ``streams`` caps the groups per stage, as for ``ios``."""
+    ``weights`` (default: the shipped file). ``streams`` caps the groups per stage, as for ``ios``. ``rule``
+    (``"work"`` or ``"speedup"``, :data:`RULES`) walks the same Alg. 2 with that one-line scorer instead of the
+    network (no weights are read): a baseline for measuring what the network learned, not a scheduler to use."""
     if max_group_ops < 1 or max_groups < 1 or max_block_ops < 1 or max_states < 2:
         raise UsageError("top-gpg needs max_group_ops, max_groups, max_block_ops >= 1 and max_states >= 2")
-    with one_thread():  # loading too: a forked child (benchmarks/_common.run_limited) hangs in a second thread
-        net = load(weights)
+    if rule is not None and rule not in RULES:
+        raise UsageError(f"top-gpg rule {rule!r}: choose one of {', '.join(RULES)}")
     group_cap = max_groups if streams is None else min(max_groups, streams)
     options = {"max_group_ops": max_group_ops, "max_groups": group_cap, "max_block_ops": max_block_ops,
-               "max_states": max_states, "weights": str(weights or DEFAULT_WEIGHTS.name)}
+               "max_states": max_states}
+    if rule is None:
+        with one_thread():  # loading too: a forked child (benchmarks/_common.run_limited) hangs in a second thread
+            net = load(weights)
+        options["weights"] = str(weights or DEFAULT_WEIGHTS.name)
+    else:
+        net = None
+        options["rule"] = rule
     if not len(graph):
         return ios.staged("top-gpg", [], None, options)
     index = {o: i for i, o in enumerate(graph.ids)}
     scale = scale_ms(graph, costs)
-    with torch.no_grad(), one_thread():
-        g2e = net.embed(*encode_inputs(graph, costs))
+    with torch.inference_mode(), one_thread():  # no autograd bookkeeping at all: a step is ~20 tiny torch calls
+        g2e = None if net is None else net.embed(*encode_inputs(graph, costs))
 
         def solve(block: list[str]) -> tuple[float, list]:
-            total, stages, _ = chunk_stages(net, g2e, index, graph, costs, block, max_group_ops, group_cap, scale)
+            total, stages, _ = chunk_stages(net, g2e, index, graph, costs, block, max_group_ops, group_cap, scale,
+                                            rule=rule)
             return total, stages
 
         return ios.staged("top-gpg", ios.blocks(graph, max_block_ops, max_states), solve, options)
 
 
-__all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "chunk_stages", "encode_inputs", "greedy", "load", "one_thread",
-           "op_kind", "scale_ms", "schedule"]
+__all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "RULES", "candidate_logits", "candidates", "chunk_stages",
+           "encode_inputs", "greedy", "load", "one_thread", "op_kind", "rule_choice", "scale_ms", "schedule"]
