@@ -32,7 +32,7 @@ from serving import MAX_BATCH, MAX_QUEUE, MULTI, SINGLE_RATE, SLO_MS, H, plot, r
 
 from opweave.cli.learn import learning_png
 from opweave.errors import UsageError
-from opweave.learn.policy import STEPS, HeldOut, save_agents, train
+from opweave.learn.policy import SCALES, STEPS, HeldOut, save_agents, train
 from opweave.schedulers.top_gpg import one_thread
 from opweave.serve import loadgen, policies, top
 from opweave.serve.build import load_models
@@ -42,6 +42,8 @@ from opweave.serve.executors import SimClock, SimExecutor
 PATTERNS = {"multi": dict(MULTI), **{m: {m: SINGLE_RATE} for m in MULTI}}
 BASELINES = ("static", "batch", "heuristic")
 QUICK_HELD_OUT = HeldOut(seeds=(101,), duration_s=0.2, max_scale=8.0)
+# training scales: up to about 2-3 times what heuristic sustains on the pattern (59 for SqueezeNet, 12-27 others)
+TRAIN_SCALES = {"squeezenet": (*SCALES, 64.0)}
 
 
 def policy_file(name: str, pattern: dict, args) -> tuple[Path, str]:
@@ -86,8 +88,8 @@ def main() -> None:
             file.parent.mkdir(parents=True, exist_ok=True)
             start = time.perf_counter()
             with one_thread():
-                trained = train(executor, pattern, steps=steps, max_queue=MAX_QUEUE, max_batch=MAX_BATCH,
-                                max_sub_blocks=H, seed=args.seed,
+                trained = train(executor, pattern, steps=steps, scales=TRAIN_SCALES.get(name, SCALES),
+                                max_queue=MAX_QUEUE, max_batch=MAX_BATCH, max_sub_blocks=H, seed=args.seed,
                                 **(dict(warmup=10, eval_every=10, held_out=QUICK_HELD_OUT) if args.quick else {}))
             train_s = time.perf_counter() - start
             blocks = {m: len(executor.models[m].blocks) for m in pattern}

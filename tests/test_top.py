@@ -253,7 +253,7 @@ def test_learning_on_squeezenets_pattern_sustains_more_than_the_untrained_actors
     with top_gpg.one_thread():
         untrained = policy.train(squeezenet_sim, {"squeezenet": 240.0}, steps=0, held_out=selection)
         trained = policy.train(squeezenet_sim, {"squeezenet": 240.0}, steps=300, warmup=100, eval_every=100,
-                               held_out=selection)
+                               scales=(1, 2, 4, 8, 16, 32, 64), held_out=selection)
     assert [e["step"] for e in trained.evals] == [0, 100, 200, 300] and trained.kept_step > 0
     assert trained.evals[0]["scale"] == untrained.evals[0]["scale"]
     judge = policy.HeldOut(seeds=(7, 8), duration_s=0.5)

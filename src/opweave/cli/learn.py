@@ -97,11 +97,11 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
                                       ] = 50.0,
                  episode_steps: Annotated[int, typer.Option("--episode-steps", min=1)] = 40,
                  scales: Annotated[str, typer.Option("--scales", help="pattern scales drawn per episode")
-                                   ] = "1,2,4,8,16,32,64",
+                                   ] = "1,2,4,8,16,32",
                  warmup: Annotated[int, typer.Option("--warmup", min=1, help="transitions before the first update "
                                                      "(Alg. 1's replay_size)")] = 2000,
                  eval_every: Annotated[int, typer.Option("--eval-every", min=1, help="steps between held-out "
-                                                         "evaluations (the best is kept)")] = 250,
+                                                         "evaluations (the best is kept)")] = 100,
                  eval_seeds: Annotated[str, typer.Option("--eval-seeds", help="held-out arrival traces")
                                        ] = "101,102",
                  eval_s: Annotated[float, typer.Option("--eval-s", min=0.01, help="virtual seconds per held-out "

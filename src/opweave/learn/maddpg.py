@@ -12,7 +12,8 @@ from torch import nn
 
 from opweave.serve.top import Actors
 
-GAMMA, LR, BATCH, REPLAY = 0.95, 1e-3, 100, 2000  # §VI-B
+GAMMA, LR, BATCH, REPLAY_SIZE = 0.95, 1e-3, 100, 2000  # §VI-B (replay_size: transitions before the first update)
+CAPACITY = 100_000  # transitions the replay buffer keeps (TOP gives none; see MADDPG)
 ACTOR_LR = 1e-4  # DDPG's (Lillicrap et al. 2016) actor rate under Adam; see MADDPG
 
 
@@ -26,7 +27,7 @@ class MADDPG(Actors):
     """Multi-agent DDPG (Lowe et al. 2017; TOP §V-B eqs. 3-4): decentralized actors ρ^i(s) → a^i ∈ [0, 1]^{d_i}
     (:class:`~opweave.serve.top.Actors`, TOP's policy network), centralized critics Q^i(s, a^0..a^W)
     (:func:`critic_net`, TOP's value network), target copies of both moved by soft updates
-    (``tau``), a replay buffer of ``replay`` transitions (oldest dropped) sampled in batches of ``batch``, discount
+    (``tau``), a replay buffer of ``capacity`` transitions (oldest dropped) sampled in batches of ``batch``, discount
     γ. All agents see the same state (TOP stacks one global state for every agent).
 
     Choices where TOP is silent or where we depart from it:
@@ -35,8 +36,11 @@ class MADDPG(Actors):
       et al. 2016). TOP's eqs. (3)-(4) are plain gradient steps with one η; under Adam, whose steps do not shrink
       with the gradient, η = 10⁻³ drove the model agents' outputs to 0 or 1 within 50 updates (ResNet-50), where
       every block lands in the first or last interval: superblocks.
-    * Updates start once ``warmup`` transitions are stored (default ``replay``: Alg. 1 waits for ``replay_size``,
-      2000) and run once per stored transition.
+    * Updates start once ``warmup`` transitions are stored (Alg. 1 line 19: ``replay_size``, 2000) and run once per
+      stored transition. The buffer keeps ``capacity`` = 10⁵ transitions (all of a training's): TOP does not say
+      how many it keeps, and a buffer of 2000 (50 episodes), tried first, forgot what long launch intervals cost
+      once the launcher had settled on short ones; the critic then extrapolated, its gradient changed sign and the
+      launcher went from 0.1 ms to 1 s intervals within 200 updates (ResNet-50).
     * Exploration adds Gaussian noise to every action (clipped to [0, 1]), standard deviation ``noise`` (one value,
       or one per agent: the trainer gives the model agents one interval's width).
     * ``tau`` = 0.01 (TOP gives none).
@@ -51,15 +55,15 @@ class MADDPG(Actors):
     :meth:`start_at` sets where an actor begins."""
 
     def __init__(self, state_dim: int, action_dims: list[int], *, gamma: float = GAMMA, lr: float = LR,
-                 actor_lr: float = ACTOR_LR, batch: int = BATCH, replay: int = REPLAY, warmup: int | None = None,
+                 actor_lr: float = ACTOR_LR, batch: int = BATCH, capacity: int = CAPACITY, warmup: int = REPLAY_SIZE,
                  tau: float = 0.01, noise: float | list[float] = 0.1, saturation: float = 1e-2,
-                 max_group: int | None = None, crowding: float = 1.0, seed: int = 0):
+                 max_group: int | None = None, crowding: float = 10.0, seed: int = 0):
         torch.manual_seed(seed)  # before the actors: their initial weights follow from the seed
         super().__init__(state_dim, action_dims)
-        self.gamma, self.batch, self.replay, self.tau = gamma, batch, replay, tau
+        self.gamma, self.batch, self.capacity, self.tau = gamma, batch, capacity, tau
         self.noise = list(noise) if isinstance(noise, list | tuple) else [float(noise)] * len(action_dims)
         self.saturation, self.max_group, self.crowding = saturation, max_group, crowding
-        self.warmup = replay if warmup is None else warmup
+        self.warmup = warmup
         self.rng = np.random.default_rng(seed)
         total = state_dim + sum(action_dims)
         self.critics = [critic_net(total) for _ in action_dims]
@@ -89,17 +93,24 @@ class MADDPG(Actors):
                    for a, sd in zip(out, self.noise, strict=True)]
         return out
 
-    def store(self, state, actions: list, rewards: list[float], next_state, final: bool = False) -> None:
-        """Keep a transition (the oldest dropped once ``replay`` are kept); ``final``: nothing follows it, its value
-        is its reward alone (no bootstrapped value of ``next_state``)."""
+    def store(self, state, actions: list, rewards: list[float], next_state, final: bool = False) -> int:
+        """Keep a transition (the oldest dropped once ``capacity`` are kept) and return its index in the buffer;
+        ``final``: nothing follows it, its value is its reward alone (no bootstrapped value of ``next_state``)."""
         item = (np.asarray(state, np.float32), np.concatenate(actions).astype(np.float32),
                 np.asarray(rewards, np.float32), np.asarray(next_state, np.float32),
                 np.asarray([0.0 if final else 1.0], np.float32))
-        if len(self.buffer) < self.replay:
+        index = self.pos
+        if len(self.buffer) < self.capacity:
             self.buffer.append(item)
         else:
             self.buffer[self.pos] = item
-        self.pos = (self.pos + 1) % self.replay
+        self.pos = (self.pos + 1) % self.capacity
+        return index
+
+    def relabel(self, rewards) -> None:
+        """Replace the rewards of the stored transitions: ``rewards(i)`` gives transition i's."""
+        for i, (s, a, _, s2, go_on) in enumerate(self.buffer):
+            self.buffer[i] = (s, a, np.asarray(rewards(i), np.float32), s2, go_on)
 
     def overflow(self, values: torch.Tensor) -> torch.Tensor:
         """The model agents' soft superblock penalty (mean over the batch): each of the K block values is spread
@@ -150,4 +161,4 @@ class MADDPG(Actors):
         return {"critic_loss": critic_loss / len(self.actors), "actor_loss": actor_loss / len(self.actors)}
 
 
-__all__ = ["ACTOR_LR", "BATCH", "GAMMA", "LR", "MADDPG", "REPLAY", "critic_net"]
+__all__ = ["ACTOR_LR", "BATCH", "CAPACITY", "GAMMA", "LR", "MADDPG", "REPLAY_SIZE", "critic_net"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from opweave.errors import UsageError
-from opweave.learn.maddpg import MADDPG, REPLAY
+from opweave.learn.maddpg import MADDPG, REPLAY_SIZE
 from opweave.serve.engine import Engine, Observer, Simulation
 from opweave.serve.executors import SimClock, SimExecutor
 from opweave.serve.loadgen import arrivals, run_simulated
@@ -30,8 +30,9 @@ from opweave.serve.top import FORMAT, Actors, TopPolicy
 
 A_UTIL, B_LATENCY, C_SIGMA = 0.4, 0.4, 0.2  # eq. (2) weights (§VI-B)
 STEPS = 8000  # TOP's MADDPG "can converge within 8000 steps" (§VI-F, Fig. 22)
-SCALES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+SCALES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 GRID = 8  # held-out scales are 2^(k / GRID): steps of 9 %
+REJECTED_MS = 1000.0  # a request refused by a full queue counts in eq. (2)'s mean latency as this late
 
 
 # ---- the reward (eq. 2) -------------------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ class Trained:
 
 def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEPS, period_ms: float = 50.0,
           episode_steps: int = 40, scales: tuple[float, ...] = SCALES, max_queue: int = 64, max_batch: int = 16,
-          max_sub_blocks: int = 4, warmup: int = REPLAY, eval_every: int = 250, held_out: HeldOut = HeldOut(),
+          max_sub_blocks: int = 4, warmup: int = REPLAY_SIZE, eval_every: int = 100, held_out: HeldOut = HeldOut(),
           superblock_final: bool = True, seed: int = 0, on_step=None, on_eval=None) -> Trained:
     """Alg. 1's offline phase against the simulated executor: ``steps`` decisions of ``period_ms`` of virtual time
     each, in episodes of ``episode_steps`` (each a fresh engine with empty queues and Poisson arrivals of
@@ -190,8 +191,12 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEP
     One step: the agents act on the state (with exploration noise); a superblock gets reward 0 for every agent and
     keeps the state, the intervals and the combination (Alg. 1 lines 8-9, §V-D); otherwise the engine runs one
     period, the next state is sampled, and eq. (2) gives the rewards from the Z-scored mean utilization of the
-    period's samples, each model's mean latency of the requests answered in the period (when none was: the wait of
-    its oldest queued request, 0 if none) and σ. The Z-scores are against running statistics *of the episode's
+    period's samples, each model's mean latency of the requests answered in the period, those its full queue
+    refused in the period counted as answered after ``REJECTED_MS`` = 1 s (when none was either: the wait of its
+    oldest queued request, 0 if none) and σ. TOP's queues are unbounded, so a task it cannot serve waits and its
+    wait counts; ours hold 64, and with the refused left out a launcher that sheds load was rewarded for it (past
+    the device's capacity the answered few are fast): ResNet-50's launcher went back from 0.1 ms to 1 s
+    intervals after 500 updates. The Z-scores are against running statistics *of the episode's
     load scale* (one set per scale): against pooled statistics a step's reward said mostly which scale its episode
     had drawn (light load: short latencies, high reward, whatever the actions), not how good its actions were. The
     transition is stored and, once ``warmup`` transitions are (Alg. 1's ``replay_size``, 2000), every agent
@@ -236,6 +241,15 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEP
 
     held_out_eval(0)
     stats: dict[float, tuple[ZScore, ZScore, dict[str, ZScore]]] = {}
+    raw: dict[int, tuple | None] = {}  # buffer index: what its reward was computed from (None: a superblock)
+
+    def relabelled(item: tuple | None) -> list[float]:
+        if item is None:
+            return [0.0] * (len(models) + 1)
+        scale, util, latency, sigma = item
+        u, g, lat = stats[scale]
+        return reward(u.z(util), [lat[m].z(v) for m, v in zip(models, latency, strict=True)], g.z(sigma))
+
     rng = random.Random(seed)
     step = episode = 0
     while step < steps:
@@ -248,6 +262,7 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEP
         period = policy.period_s
         sim = Simulation(engine, arrivals(pattern, episode_steps * period, seed=seed * 7919 + episode, scale=scale))
         state = policy.state()
+        rejected = 0
         for _ in range(min(episode_steps, steps - step)):
             actions = agents.act(state, explore=True)
             record = {"step": step, "episode": episode, "scale": scale,
@@ -261,9 +276,11 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEP
                 done = answers.take()
                 util = sum(policy.util_samples) / len(policy.util_samples) if policy.util_samples else 0.0
                 sigma = policy.sigma()
+                shed, rejected = sim.rejected[rejected:], len(sim.rejected)
                 latency = {}
                 for m in models:
                     mine = [r.latency_s * 1e3 for r in done if r.model == m]
+                    mine += [REJECTED_MS] * sum(a.model == m for a in shed)
                     latency[m] = sum(mine) / len(mine) if mine else obs.models[m].oldest_wait_s * 1e3
                 util_z.add(util)
                 sigma_z.add(sigma)
@@ -275,7 +292,8 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEP
                               latency_ms={m: round(v, 3) for m, v in latency.items()},
                               intervals_ms={m: round(v * 1e3, 3) for m, v in policy.intervals.items()},
                               combined_blocks=len(policy.groups))
-            agents.store(state, actions, rewards, next_state, final=record["superblock"] and superblock_final)
+            index = agents.store(state, actions, rewards, next_state, final=record["superblock"] and superblock_final)
+            raw[index] = None if record["superblock"] else (scale, util, [latency[m] for m in models], sigma)
             losses = agents.update()
             record.update(reward=round(rewards[0], 4), rewards=[round(r, 4) for r in rewards], **(losses or {}))
             trained.curve.append(record)
@@ -286,6 +304,7 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEP
             if agents.updates and (step % eval_every == 0 or step == steps):
                 held_out_eval(step)
         episode += 1
+        agents.relabel(lambda i: relabelled(raw[i]))
     for actor, kept in zip(agents.actors, trained.kept_actors, strict=True):
         actor.load_state_dict(kept)
     del trained.kept_actors
@@ -303,5 +322,5 @@ def save_agents(agents: Actors, path: str | Path, *, blocks: dict[str, int], max
                str(path))
 
 
-__all__ = ["A_UTIL", "B_LATENCY", "C_SIGMA", "GRID", "SCALES", "STEPS", "HeldOut", "Trained", "ZScore", "evaluate",
-           "reward", "save_agents", "train"]
+__all__ = ["A_UTIL", "B_LATENCY", "C_SIGMA", "GRID", "REJECTED_MS", "SCALES", "STEPS", "HeldOut", "Trained",
+           "ZScore", "evaluate", "reward", "save_agents", "train"]
