@@ -226,17 +226,131 @@ def test_reward_is_eq_2_and_zscores_are_running_and_clipped():
 
 
 def test_combination_intervals_and_superblocks():
-    policy = top.TopPolicy()
+    policy = top.TopPolicy(shipped=False)
     policy.bind({"a": 3, "b": 2}, {"a": 8, "b": 8}, 2)
-    # 5 blocks: [0, 1] cut into 5 intervals
+    # 5 blocks: [0, 1] cut into 5 intervals; the start (H - 1 = 1 per group): every block alone
+    start = [(("a", 0),), (("a", 1),), (("a", 2),), (("b", 0),), (("b", 1),)]
+    assert policy.groups == start and policy.intervals == pytest.approx({"a": 0.01, "b": 0.01})
     assert policy.combination([[0.5, 0.5], [0.05, 0.1, 0.95], [0.15, 0.9]]) == [
         (("a", 0), ("a", 1), ("b", 0)), (("a", 2), ("b", 1))]
-    assert not policy.apply([[0.5, 0.5], [0.05, 0.1, 0.95], [0.15, 0.9]])  # 3 > H = 2: refused
-    assert policy.superblocks == 1 and policy.groups == [(("a", 0),), (("a", 1),), (("a", 2),), (("b", 0),),
-                                                          (("b", 1),)]
+    assert not policy.apply([[0.5, 0.5], [0.05, 0.1, 0.95], [0.15, 0.9]])  # 3 > H = 2: refused, start kept
+    assert policy.superblocks == 1 and policy.decisions == 0 and policy.groups == start
+    assert policy.intervals == pytest.approx({"a": 0.01, "b": 0.01})
     assert policy.apply([[1.0, 0.0], [0.05, 0.3, 0.95], [0.15, 0.5]])
-    assert policy.intervals == pytest.approx({"a": 1.0, "b": 1e-3})
+    assert policy.intervals == pytest.approx({"a": 1.0, "b": 1e-4})
     assert policy.groups == [(("a", 0), ("b", 0)), (("a", 1),), (("b", 1),), (("a", 2),)]
+
+
+@pytest.mark.parametrize("blocks, h", [({"m": 8}, 4), ({"m": 11}, 4), ({"m": 16}, 4),
+                                       ({"i": 11, "r": 16, "s": 8}, 4), ({"m": 5}, 1), ({"a": 2, "b": 3}, 3)])
+def test_the_start_is_a_valid_strided_combination_with_room_between_groups(blocks, h):
+    """Every block in exactly one group of at most H - 1 (H with H = 1), blocks of a group ⌈K/(H-1)⌉ slots apart,
+    and no two groups in neighbouring intervals: one block moved by one interval makes no superblock."""
+    policy = top.TopPolicy(shipped=False)
+    policy.bind(blocks, dict.fromkeys(blocks, 16), h)
+    groups = policy.start_groups()
+    slots = [(m, b) for m in blocks for b in range(blocks[m])]
+    assert sorted(s for g in groups for s in g) == sorted(slots)
+    assert max(len(g) for g in groups) <= max(1, h - 1)
+    k = len(slots)
+    bins = sorted({int(a * k) for acts in policy.start_actions() for a in acts})
+    assert len(bins) == len(groups)
+    if len(groups) < k:
+        assert min(b - a for a, b in zip(bins, bins[1:], strict=False)) >= 2
+    assert policy.apply([[0.5] * len(blocks)] + policy.start_actions()) and policy.groups == groups
+
+
+class FixedActors:
+    """Actors that always answer the same actions (what the policy does with them is under test)."""
+
+    def __init__(self, actions):
+        self.actions, self.calls = actions, 0
+
+    def act(self, state):
+        self.calls += 1
+        self.states = getattr(self, "states", []) + [list(state)]
+        return self.actions
+
+
+@pytest.fixture(scope="module")
+def squeezenet_sim():
+    from opweave.serve.executors import SimExecutor
+
+    served = load_models(["squeezenet"], device="sim", max_batch=16)
+    return SimExecutor({"squeezenet": served["squeezenet"].blocked}, preset="h100")
+
+
+def simulate_top(executor, policy, scale: float, duration: float = 0.5):
+    from opweave.serve.engine import Engine
+    from opweave.serve.executors import SimClock
+    from opweave.serve.loadgen import run_simulated
+
+    engine = Engine(executor, policy, SimClock(), max_queue=64, max_batch=16, max_sub_blocks=4)
+    rep, _ = run_simulated(engine, {"squeezenet": 240.0}, duration, seed=3, scale=scale)
+    return rep
+
+
+def test_one_model_state_carries_its_queue_and_the_actors_decide_every_period(squeezenet_sim):
+    """With one model TOP's queue deviation is always 0; the state's queue part is the queue length in batches and
+    is not all zero under load. The actors are asked every period (T = 0, as trained): once per 50 ms of the run,
+    until it has drained; with T above any variance, only once."""
+    start = top.TopPolicy(shipped=False)
+    start.bind({"squeezenet": 8}, {"squeezenet": 16}, 4)
+    actors = FixedActors([np.array([0.9])] + [np.array(a) for a in start.start_actions()])  # 0.4 s: a backlog
+    policy = top.TopPolicy(agents=actors)
+    rep = simulate_top(squeezenet_sim, policy, 8.0)
+    assert actors.calls == policy.decisions and policy.superblocks == 0
+    assert rep["elapsed_s"] / 0.05 - 1 <= actors.calls <= rep["elapsed_s"] / 0.05 + 1 and actors.calls >= 10
+    queue_part = [x for s in actors.states for x in s[::9]]  # the first of each sample's 9 numbers
+    assert max(queue_part) > 0.5
+    gated = FixedActors(actors.actions)
+    simulate_top(squeezenet_sim, top.TopPolicy(agents=gated, threshold=1e9), 8.0)
+    assert gated.calls == 1
+
+
+def test_superblocks_leave_the_policy_on_its_valid_start_not_on_uncombined_blocks(squeezenet_sim):
+    """Actors that answer only superblocks (every block in one interval) never decide; the policy serves on its
+    start (every group valid, some of more than one block) and its 10 ms intervals, and answers."""
+    actors = FixedActors([np.array([0.0]), np.full(8, 0.5)])
+    policy = top.TopPolicy(agents=actors)
+    rep = simulate_top(squeezenet_sim, policy, 16.0)
+    assert policy.decisions == 0 and policy.superblocks == actors.calls >= 10
+    assert policy.groups == policy.start_groups() and sorted(len(g) for g in policy.groups) == [2, 3, 3]
+    assert policy.intervals == {"squeezenet": pytest.approx(0.01)} and rep["total"]["answered"] > 0
+
+
+def test_learning_on_squeezenets_pattern_sustains_more_than_the_untrained_actors(squeezenet_sim, tmp_path):
+    """A short training (300 decisions, updates from the 100th transition, fixed seeds) on TOP's SqueezeNet
+    pattern: the actors kept sustain a higher scale than the untrained ones, judged on held-out traces that the
+    selection never saw."""
+    selection = policy.HeldOut(seeds=(101,), duration_s=0.5)
+    with top_gpg.one_thread():
+        untrained = policy.train(squeezenet_sim, {"squeezenet": 240.0}, steps=0, held_out=selection)
+        trained = policy.train(squeezenet_sim, {"squeezenet": 240.0}, steps=300, warmup=100, eval_every=100,
+                               scales=(1, 2, 4, 8, 16, 32, 64), held_out=selection)
+    assert [e["step"] for e in trained.evals] == [0, 100, 200, 300] and trained.kept_step > 0
+    assert trained.evals[0]["scale"] == untrained.evals[0]["scale"]
+    judge = policy.HeldOut(seeds=(7, 8), duration_s=0.5)
+    before = policy.evaluate(untrained.agents, squeezenet_sim, {"squeezenet": 240.0}, judge)
+    after = policy.evaluate(trained.agents, squeezenet_sim, {"squeezenet": 240.0}, judge)
+    assert after["scale"] > 2 * before["scale"], (before, after)
+    assert untrained.agents.updates == 0 and trained.agents.updates == 201
+    path = tmp_path / "p.pt"  # the policy file keeps weights in half precision: the same actions, near enough
+    policy.save_agents(trained.agents, path, blocks={"squeezenet": 8}, max_sub_blocks=4, meta=trained.summary())
+    loaded = top.load_agents(path, {"squeezenet": 8}, 4)
+    for state in np.random.default_rng(0).uniform(0, 2, (20, trained.agents.state_dim)):
+        for a, b in zip(trained.agents.act(state), loaded.act(state), strict=True):
+            assert np.abs(a - b).max() < 5e-3
+    assert path.stat().st_size < 500_000
+
+
+def test_the_shipped_policy_is_the_default(policy_file, tmp_path, monkeypatch):
+    shipped = tmp_path / "top_squeezenet.pt"
+    shipped.write_bytes(policy_file.read_bytes())
+    monkeypatch.setattr(top, "DATA_DIR", tmp_path)
+    chosen = top.TopPolicy()
+    chosen.bind({"squeezenet": 8}, {"squeezenet": 16}, 4)
+    assert chosen.policy_file == str(shipped) and len(chosen.agents.actors) == 2
 
 
 # ---- the CLI and the server -----------------------------------------------------------------------------------------
@@ -248,7 +362,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def policy_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("top")
     proc = run_cli("train-policy", "--pattern", "squeezenet:240", "--steps", "40", "--episode-steps", "10",
-                   "--warmup", "20", "--image-size", "64", "-o", str(d / "p.pt"), "--plot", str(d / "p.png"))
+                   "--warmup", "20", "--eval-every", "20", "--eval-seeds", "5", "--eval-s", "0.1",
+                   "--eval-max-scale", "4", "--image-size", "64", "-o", str(d / "p.pt"), "--plot", str(d / "p.png"))
     assert proc.returncode == 0, proc.stderr
     return d / "p.pt"
 
@@ -258,14 +373,21 @@ def test_train_policy_writes_the_actors_and_the_learning_curve(policy_file):
     assert len(curve["curve"]) == 40 and curve["meta"]["updates"] == 21
     assert curve["meta"]["command"].startswith("opweave train-policy --pattern squeezenet:240 --steps 40")
     assert all(r["reward"] >= 0 for r in curve["curve"])
+    assert [e["step"] for e in curve["evals"]] == [0, 20, 40]
     assert policy_file.with_suffix(".png").stat().st_size > 1000
     data = torch.load(str(policy_file), weights_only=True)
     assert data["blocks"] == {"squeezenet": 8} and len(data["actors"]) == 2
+    meta = data["meta"]
+    assert [e[0] for e in meta["evals"]] == [0, 20, 40] and meta["kept_step"] in (0, 20, 40)
+    assert meta["kept_scale"] == max(e[1] for e in meta["evals"]) and meta["start_scale"] == meta["evals"][0][1]
 
 
 def test_cli_refusals_for_the_top_policy(policy_file, tmp_path):
-    proc = run_cli("loadgen", "--simulate", "--pattern", "squeezenet:100", "--policy", "top")
-    assert proc.returncode == 2 and "needs --policy-file" in proc.stderr
+    proc = run_cli("loadgen", "--simulate", "--pattern", "squeezenet:100", "--policy", "top", "--policy-file",
+                   str(tmp_path / "missing.pt"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+    with pytest.raises(UsageError, match="no top policy is shipped for a, b .*--policy-file"):
+        top.TopPolicy().bind({"b": 2, "a": 3}, {"a": 8, "b": 8}, 4)
     with pytest.raises(UsageError, match="was trained for {'squeezenet': 8} with H=4, not {'squeezenet': 7}"):
         top.load_agents(policy_file, {"squeezenet": 7}, 4)
     proc = run_cli("train-policy", "--pattern", "squeezenet:240", "--scales", "0", "-o", str(tmp_path / "x.pt"))

@@ -104,14 +104,22 @@ def train_gpg(output: Annotated[Path, typer.Option("--output", "-o", help="weigh
 @guard
 def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,... requests per second")],
                  output: Annotated[Path, typer.Option("--output", "-o", help="policy file to write")],
-                 steps: Annotated[int, typer.Option("--steps", min=1, help="decisions (MADDPG steps)")] = 3000,
+                 steps: Annotated[int, typer.Option("--steps", min=0, help="decisions (MADDPG steps)")] = 8000,
                  period_ms: Annotated[float, typer.Option("--period-ms", min=0.1, help="virtual time per step")
                                       ] = 50.0,
                  episode_steps: Annotated[int, typer.Option("--episode-steps", min=1)] = 40,
                  scales: Annotated[str, typer.Option("--scales", help="pattern scales drawn per episode")
-                                   ] = "1,2,4,8",
-                 warmup: Annotated[int | None, typer.Option("--warmup", min=1, help="transitions before the "
-                                                            "first update (default: one batch)")] = None,
+                                   ] = "1,2,4,8,16,32",
+                 warmup: Annotated[int, typer.Option("--warmup", min=1, help="transitions before the first update "
+                                                     "(Alg. 1's replay_size)")] = 2000,
+                 eval_every: Annotated[int, typer.Option("--eval-every", min=1, help="steps between held-out "
+                                                         "evaluations (the best is kept)")] = 100,
+                 eval_seeds: Annotated[str, typer.Option("--eval-seeds", help="held-out arrival traces")
+                                       ] = "101,102",
+                 eval_s: Annotated[float, typer.Option("--eval-s", min=0.01, help="virtual seconds per held-out "
+                                                       "run")] = 1.0,
+                 eval_max_scale: Annotated[float, typer.Option("--eval-max-scale", min=1.0)] = 128.0,
+                 slo_ms: Annotated[float, typer.Option("--slo-ms", min=0.1, help="held-out p99 bound")] = 100.0,
                  preset: Annotated[str, typer.Option("--device-preset", help="roofline preset")] = "h100",
                  max_batch: Annotated[int, typer.Option("--max-batch", min=1)] = 16,
                  max_queue: Annotated[int, typer.Option("--max-queue", min=1)] = 64,
@@ -120,7 +128,9 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
                                        ] = None,
                  seed: SeedOpt = 0, plot: PlotOpt = None):
     """Train TOP's MADDPG agents (launcher + one per model; TOP §V-B, Alg. 1) against the simulated executor on
-    ``--pattern``; write the actors for ``opweave serve --policy top --policy-file``."""
+    ``--pattern``; every ``--eval-every`` steps the greedy actors are scored on held-out traces (the highest scale
+    of the pattern they sustain under ``--slo-ms``), and the best are written, for ``opweave serve --policy top
+    --policy-file`` (or, written to ``src/opweave/serve/data/top_<models>.pt``, shipped as the default)."""
     from opweave.learn import policy
     from opweave.schedulers.top_gpg import one_thread
     from opweave.serve.build import load_models, parse_image_size
@@ -128,12 +138,9 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
     from opweave.serve.loadgen import parse_pattern
 
     rates = parse_pattern(pattern)
-    try:
-        scale_list = tuple(float(s) for s in scales.split(",") if s.strip())
-    except ValueError:
-        scale_list = ()
-    if not scale_list or min(scale_list) <= 0:
-        raise UsageError(f"--scales {scales!r} must be positive numbers, comma-separated")
+    scale_list = _numbers(scales, "--scales", float)
+    seeds = _numbers(eval_seeds, "--eval-seeds", int)
+    held_out = policy.HeldOut(seeds=tuple(seeds), duration_s=eval_s, slo_ms=slo_ms, max_scale=eval_max_scale)
     start = time.perf_counter()
     served = load_models(list(rates), device="sim", max_batch=max_batch, image_size=parse_image_size(image_size))
     executor = SimExecutor({n: m.blocked for n, m in served.items()}, preset=preset)
@@ -141,36 +148,78 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
     curve: list[dict] = []
     with _bar() as bar, one_thread():
         task = bar.add_task("train-policy", total=steps, info="")
+        last_eval = ""
 
         def on_step(i: int, rec: dict) -> None:
             curve.append(rec)
             recent = curve[-100:]
             bar.update(task, advance=1, info=f"reward (last 100) {sum(r['reward'] for r in recent) / len(recent):.3f}"
-                       f"  superblocks {sum(r['superblock'] for r in recent)}")
+                       f"  superblocks {sum(r['superblock'] for r in recent)}{last_eval}")
 
-        agents, _ = policy.train(executor, rates, steps=steps, period_ms=period_ms, episode_steps=episode_steps,
-                                 scales=scale_list, max_queue=max_queue, max_batch=max_batch,
-                                 max_sub_blocks=max_sub_blocks, warmup=warmup, seed=seed, on_step=on_step)
+        def on_eval(rec: dict) -> None:
+            nonlocal last_eval
+            last_eval = f"  held-out scale {rec['scale']:g} at step {rec['step']}"
+            bar.update(task, info=last_eval.strip())
+
+        trained = policy.train(executor, rates, steps=steps, period_ms=period_ms, episode_steps=episode_steps,
+                               scales=tuple(scale_list), max_queue=max_queue, max_batch=max_batch,
+                               max_sub_blocks=max_sub_blocks, warmup=warmup, eval_every=eval_every,
+                               held_out=held_out, seed=seed, on_step=on_step, on_eval=on_eval)
     train_s = time.perf_counter() - loaded
     blocks = {m: len(served[m].blocked.blocks) for m in rates}
     meta = {"command": f"opweave train-policy --pattern {pattern} --steps {steps} --period-ms {period_ms:g} "
-                       f"--episode-steps {episode_steps} --scales {scales} --device-preset {preset} --max-batch "
-                       f"{max_batch} --max-queue {max_queue} --max-sub-blocks {max_sub_blocks} --seed {seed}"
-                       + (f" --image-size {image_size}" if image_size else "") + (f" --warmup {warmup}"
-                                                                                  if warmup else ""),
-            "train_s": round(train_s, 1), "load_s": round(loaded - start, 1), "steps": steps,
-            "updates": agents.updates, "kept_step": agents.kept_step}
-    policy.save_agents(agents, output, blocks=blocks, max_sub_blocks=max_sub_blocks, meta=meta)
+                       f"--episode-steps {episode_steps} --scales {scales} --warmup {warmup} --eval-every "
+                       f"{eval_every} --eval-seeds {eval_seeds} --eval-s {eval_s:g} --eval-max-scale "
+                       f"{eval_max_scale:g} --slo-ms {slo_ms:g} --device-preset {preset} --max-batch {max_batch} "
+                       f"--max-queue {max_queue} --max-sub-blocks {max_sub_blocks} --seed {seed}"
+                       + (f" --image-size {image_size}" if image_size else ""),
+            "pattern": rates, "preset": preset, "train_s": round(train_s, 1), "load_s": round(loaded - start, 1),
+            "eval_s": round(sum(e["seconds"] for e in trained.evals), 1), **trained.summary()}
+    policy.save_agents(trained.agents, output, blocks=blocks, max_sub_blocks=max_sub_blocks, meta=meta)
     curve_path = (plot or output).with_suffix(".json")
-    curve_path.write_text(json.dumps({"meta": meta, "curve": curve}) + "\n")
+    curve_path.write_text(json.dumps({"meta": meta, "curve": curve, "evals": trained.evals}) + "\n")
     if plot:
-        window = 100
-        smooth = [sum(r["reward"] for r in curve[max(0, i - window + 1):i + 1]) / min(window, i + 1)
-                  for i in range(len(curve))]
-        sb = [sum(r["superblock"] for r in curve[max(0, i - window + 1):i + 1]) / min(window, i + 1)
-              for i in range(len(curve))]
-        x = [r["step"] for r in curve]
-        _curve_png(plot, {f"launcher reward, eq. (2) (mean of last {window})": (x, smooth),
-                          f"superblock share (last {window})": (x, sb)}, f"MADDPG training on {pattern}",
-                   "reward / share", "step")
-    err.print(f"wrote {output} and {curve_path}: {steps} steps in {train_s:.0f} s (+ {loaded - start:.0f} s loading)")
+        learning_png(plot, {pattern: meta})
+    err.print(f"wrote {output} and {curve_path}: {steps} steps in {train_s:.0f} s (+ {loaded - start:.0f} s "
+              f"loading); kept step {trained.kept_step}: held-out scale {trained.kept_scale:g} (untrained "
+              f"{meta['start_scale']:g})")
+
+
+def _numbers(text: str, option: str, cast) -> list:
+    try:
+        values = [cast(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        values = []
+    if not values or (cast is float and min(values) <= 0):
+        raise UsageError(f"{option} {text!r} must be {'positive ' if cast is float else ''}numbers, comma-separated")
+    return values
+
+
+def learning_png(path: Path, runs: dict[str, dict]) -> None:
+    """Learning curves of ``top`` trainings (each a policy file's ``meta``, :meth:`opweave.learn.policy.Trained.
+    summary`): above, the launcher's reward (eq. 2) and the share of superblocks, as means over the summary's
+    windows; below, the held-out evaluation (the highest scale the greedy actors sustain), the kept one marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top_ax, eval_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for name, meta in runs.items():
+        x = [c[0] for c in meta["curve"]]
+        line, = top_ax.plot(x, [c[1] for c in meta["curve"]], label=f"{name}: launcher reward", linewidth=1.2)
+        top_ax.plot(x, [c[2] for c in meta["curve"]], linestyle=":", color=line.get_color(),
+                    label=f"{name}: superblock share")
+        evals = meta["evals"]
+        eval_ax.plot([e[0] for e in evals], [e[1] for e in evals], marker=".", color=line.get_color(), label=name)
+        eval_ax.plot([meta["kept_step"]], [meta["kept_scale"]], marker="*", markersize=12, color=line.get_color())
+    top_ax.set(ylabel=f"mean over {next(iter(runs.values()))['curve_every']} steps",
+               title="MADDPG training (simulated)")
+    eval_ax.set(xlabel="training step (one decision per period)", ylabel="held-out sustained scale",
+                title="held-out evaluation (greedy actors; * = kept)")
+    for ax in (top_ax, eval_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

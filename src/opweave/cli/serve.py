@@ -17,7 +17,7 @@ PolicyOpt = Annotated[str, typer.Option("--policy", help="static | batch | heuri
                                                         "policy)")]
 PolicyOptionsOpt = Annotated[str | None, typer.Option("--policy-options", help="KEY=VALUE,... for the policy")]
 PolicyFileOpt = Annotated[Path | None, typer.Option("--policy-file", help="trained policy (top: opweave "
-                                                    "train-policy)")]
+                                                    "train-policy; default: the one shipped for the models)")]
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", min=1, help="requests waiting per model (then 429)")]
 MaxBatchOpt = Annotated[int, typer.Option("--max-batch", min=1, help="samples stacked in one instance")]
 HOpt = Annotated[int, typer.Option("--max-sub-blocks", min=1, help="H: sub-blocks per combined block")]
@@ -40,8 +40,6 @@ def _policy_options(policy: str, text: str | None, policy_file: Path | None) -> 
         if not policy_file.is_file():
             raise UsageError(f"--policy-file {policy_file}: no such file")
         options["policy_file"] = str(policy_file)
-    elif policy == "top" and "policy_file" not in options:
-        raise UsageError("--policy top needs --policy-file (train one with opweave train-policy)")
     return options
 
 

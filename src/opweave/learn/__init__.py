@@ -6,7 +6,8 @@ pieces.
   (``opweave train-gpg``);
 * :mod:`.maddpg` — multi-agent DDPG (§V-B eqs. 3-4): centralized critics, replay, soft target updates;
 * :mod:`.policy` — Alg. 1's offline phase behind serving policy ``top``: the reward, eq. (2), on Z-scored
-  quantities, the training loop against the simulated engine, the policy file (``opweave train-policy``).
+  quantities, the training loop against the simulated engine, the held-out evaluation that picks the actors kept,
+  the policy file (``opweave train-policy``).
 
 What runs at inference stays with its user and never imports this package: the ``top-gpg`` network, its feature
 encoding, greedy decoding and the loading of its weights in :mod:`opweave.schedulers.top_gpg` (a scheduler is a pure

@@ -318,13 +318,16 @@ class Engine:
 
     def next_wake(self) -> float:
         """The earliest time a step could do something no submission triggers: a dequeue interval or batching delay
-        ending, or a deadline passing (inf: nothing pending)."""
+        ending, a deadline passing, or, while requests are queued, the policy's own next decision
+        (:meth:`~opweave.serve.policies.Policy.wake`) (inf: nothing pending)."""
         with self.lock:
             times = [math.inf]
             for s in self.models.values():
                 if s.queue:
                     times.append(s.wake)
                     times += [r.deadline for r in s.queue if r.deadline is not None]
+            if len(times) > 1:
+                times.append(self.policy.wake())
             return min(times)
 
     # ---- one step -----------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ Built in:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -121,6 +122,12 @@ class Policy:
 
     def combine(self, obs: Observation) -> list[tuple[Slot, ...]]:
         return [(s.key,) for s in _oldest_first(obs.ready)]
+
+    def wake(self) -> float:
+        """When the policy wants a step (and so a :meth:`launch` call) while requests are queued, even if nothing
+        else is due then (clock seconds; inf: never). A policy that decides on a period says when its next
+        decision is."""
+        return math.inf
 
     def describe(self) -> dict:
         """The policy's name and options, for reports."""
