@@ -57,7 +57,6 @@ from opweave.schedulers.top_gpg import (
     FORMAT,
     GPG,
     RULES,
-    Candidates,
     candidate_logits,
     candidates,
     chunk_stages,
@@ -158,12 +157,12 @@ class _Chunk:
         self.net, self.g2e, self.index, self.costs, self.block, self.scale = net, g2e, index, costs, block, scale
         self.desc = ios.block_descendants(graph, block)
         self.full = (1 << len(block)) - 1
-        self._cands: dict[int, Candidates] = {}
+        self._cands: dict[int, tuple] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._stage_ms: dict[int, float] = {}
         self._value: dict[int, float] = {0: 0.0}
 
-    def candidates(self, state: int) -> Candidates:
+    def candidates(self, state: int) -> tuple:
         if state not in self._cands:
             self._cands[state] = candidates(self.costs, self.block, self.desc, state, ios.DEFAULT_MAX_GROUP_OPS,
                                             ios.DEFAULT_MAX_GROUPS, self.scale)
@@ -171,20 +170,21 @@ class _Chunk:
 
     def logits(self, state: int) -> torch.Tensor:
         if state not in self._logits:
+            _, groups_ops, feats = self.candidates(state)
             self._logits[state] = candidate_logits(self.net, self.g2e, self.index, self.block, self.desc, state,
-                                                   self.candidates(state))
+                                                   groups_ops, feats)
         return self._logits[state]
 
     def step(self, state: int, choice: int) -> tuple[float, int]:
         """(exact latency of candidate ``choice``'s stage, the state left)."""
-        cands = self.candidates(state)
-        ending = cands.endings[choice]
+        cands, groups_ops, _ = self.candidates(state)
+        ending = cands[choice][0]
         if ending not in self._stage_ms:
-            self._stage_ms[ending] = self.costs.stage_latency_ms(cands.groups(choice))
+            self._stage_ms[ending] = self.costs.stage_latency_ms(groups_ops[choice])
         return self._stage_ms[ending], state ^ ending
 
     def greedy_choice(self, state: int) -> int:
-        return 0 if len(self.candidates(state)) == 1 else greedy(self.logits(state).detach())
+        return 0 if len(self.candidates(state)[0]) == 1 else greedy(self.logits(state).detach())
 
     def value(self, state: int) -> float:
         """V(state): the latency of the stages the greedy policy partitions ``state`` into."""
@@ -228,7 +228,7 @@ def train(net: GPG, graphs: Iterable[tuple[OpGraph, Costs]], *, samples: int = 4
             for _ in range(samples):
                 state = chunk.full
                 while state:
-                    if len(chunk.candidates(state)) == 1:
+                    if len(chunk.candidates(state)[0]) == 1:
                         latency, rest = chunk.step(state, 0)
                     else:
                         logp = torch.log_softmax(chunk.logits(state), 0)

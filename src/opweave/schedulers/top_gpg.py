@@ -58,8 +58,8 @@ import math
 import os
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -135,16 +135,12 @@ class GPG(nn.Module):
             e = e.index_copy(0, ops, _run(self.h1, agg) + own[ops])
         return _run(self.g2, e)
 
-    def scores(self, g2e: torch.Tensor, leaves: torch.Tensor, rows: torch.Tensor, row_group: torch.Tensor,
-               groups: int, pair_group: torch.Tensor, pair_owner: torch.Tensor, count: int,
-               features: torch.Tensor) -> torch.Tensor:
-        """One logit per candidate: layer 2 (eq. 6) over the leaves (z_t) and over each candidate's ops, with the
-        candidates' cost features. A candidate's ops are the union of its groups: each of the ``groups`` distinct
-        groups sums its ops' rows once (op row ``rows[k]`` is in group ``row_group[k]``), and each candidate sums
-        its groups' sums (group ``pair_group[k]`` is in candidate ``pair_owner[k]``)."""
+    def scores(self, g2e: torch.Tensor, leaves: torch.Tensor, members: torch.Tensor, owner: torch.Tensor,
+               count: int, features: torch.Tensor) -> torch.Tensor:
+        """One logit per candidate: layer 2 (eq. 6) over the leaves (z_t) and over each candidate's ops
+        (``members[k]`` belongs to candidate ``owner[k]``), with the candidates' cost features."""
         z = _run(self.h2, g2e[leaves].sum(0, keepdim=True))
-        per_group = torch.zeros(groups, EMBED, dtype=g2e.dtype).index_add(0, row_group, g2e[rows])
-        y = _run(self.h2, torch.zeros(count, EMBED, dtype=g2e.dtype).index_add(0, pair_owner, per_group[pair_group]))
+        y = _run(self.h2, torch.zeros(count, EMBED, dtype=g2e.dtype).index_add(0, owner, g2e[members]))
         return _run(self.policy, torch.cat([z.expand(count, -1), y, features], 1)).squeeze(1)
 
 
@@ -198,93 +194,65 @@ def stage_bound_ms(costs: Costs, groups: list[list[str]]) -> float:
 
 
 # ---- one chunk, one rollout -----------------------------------------------------------------------------------
-@dataclass
-class Candidates:
-    """The candidate endings of one state, in :func:`opweave.schedulers.ios.endings`' order, as the walk and the
-    network need them: ``endings`` (bitsets over the chunk), the distinct groups they are made of (``group_ops``: op
-    ids; a group is shared by every candidate holding it), per candidate its groups (``pair_group`` indexes
-    ``group_ops``, ``pair_owner`` the candidate, in candidate order) and its :data:`CAND_FEATURES` cost features
-    (``features``, float64, one row per candidate). They depend on the graph and costs only, not on the network."""
-
-    endings: list[int]
-    group_ops: list[list[str]]
-    pair_group: np.ndarray
-    pair_owner: np.ndarray
-    starts: np.ndarray  # position in pair_group of each candidate's first group
-    features: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.endings)
-
-    def groups(self, k: int) -> list[list[str]]:
-        """Candidate ``k``'s groups as lists of op ids."""
-        end = self.starts[k + 1] if k + 1 < len(self.starts) else len(self.pair_group)
-        return [self.group_ops[g] for g in self.pair_group[self.starts[k]:end]]
-
-
 def candidates(costs: Costs, block: list[str], desc: list[int], state: int, max_group_ops: int, max_groups: int,
-               scale: float) -> Candidates:
-    """The candidates of ``state`` (bitset over ``block``, ``desc`` from
-    :func:`opweave.schedulers.ios.block_descendants`): see :class:`Candidates`. Each distinct group's Σ latency and
-    Σ latency × utilization are summed once; a candidate's stage bound (:func:`stage_bound_ms`) and work then come
-    from its groups' sums, for all candidates at once (a state of a wide chunk has hundreds of candidates built from
-    a few dozen groups: the walk's time went into summing every op again for every candidate)."""
+               scale: float) -> tuple[list[tuple[int, tuple[int, ...]]], list[list[list[str]]], list[list[float]]]:
+    """The candidate endings of ``state`` (bitset over ``block``, ``desc`` from
+    :func:`opweave.schedulers.ios.block_descendants`) in :func:`opweave.schedulers.ios.endings`' order: the
+    (ending, groups) bitsets, their groups as op ids, and their :data:`CAND_FEATURES` cost features (module
+    docstring). They depend on the graph and costs only, not on the network."""
     cands = ios.endings(state, desc, max_group_ops, max_groups)
+    left = state.bit_count()
     latency, utilization = costs.latency_ms, costs.utilization
-    group_of: dict[int, int] = {}
-    group_ops: list[list[str]] = []
-    lat: list[float] = []
-    device: list[float] = []
-    pairs: list[int] = []
-    counts: list[int] = []
-    for _, groups in cands:
+    exact_bound = costs.model == "ideal"
+    # per group (shared by every candidate holding it): its ops, their latencies, their latency × utilization, and
+    # its Σ latency; the sums below add the same terms in the same order as stage_bound_ms and a plain
+    # sum over the ops do (so the same bits), without walking a group's bits again for every candidate
+    split: dict[int, tuple[list[str], list[float], list[float], float]] = {}
+    groups_ops, feats = [], []
+    for ending, groups in cands:
         for g in groups:
-            i = group_of.get(g)
-            if i is None:
-                i = group_of[g] = len(group_ops)
-                ops = [block[j] for j in ios._bits(g)]
-                group_ops.append(ops)
-                lat.append(sum(latency[o] for o in ops))
-                device.append(sum(latency[o] * utilization.get(o, 1.0) for o in ops))
-            pairs.append(i)
-        counts.append(len(groups))
-    pair_group = np.array(pairs, dtype=np.int64)
-    count = np.array(counts, dtype=np.int64)
-    starts = np.concatenate(([0], np.cumsum(count)[:-1])).astype(np.int64)
-    lat_of_pair = np.array(lat)[pair_group]
-    longest = np.maximum.reduceat(lat_of_pair, starts)
-    work = np.add.reduceat(lat_of_pair, starts)
-    stage = longest
-    if costs.model != "ideal":
-        busy = np.add.reduceat(np.array(device)[pair_group], starts)
-        stage = np.where(count > 1, np.maximum(longest, busy) + costs.gpu.event_overhead_ms * (count - 1), longest)
-    ops = np.array([ending.bit_count() for ending, _ in cands], dtype=np.float64)
-    speedup = np.divide(work, stage, out=np.ones_like(work), where=stage > 0)
-    features = np.stack([np.log1p(stage / scale), np.log1p(work / scale), speedup, count / max_groups,
-                         ops / (max_group_ops * max_groups), ops / state.bit_count()], axis=1)
-    return Candidates([ending for ending, _ in cands], group_ops, pair_group,
-                      np.repeat(np.arange(len(cands), dtype=np.int64), count), starts, features)
+            if g not in split:
+                ops = [block[i] for i in ios._bits(g)]
+                lat = [latency[o] for o in ops]
+                split[g] = (ops, lat, [latency[o] * utilization.get(o, 1.0) for o in ops], sum(lat))
+        parts = [split[g] for g in groups]
+        op_groups = [p[0] for p in parts]
+        longest = max(p[3] for p in parts)
+        if len(groups) == 1:
+            stage_ms = work = longest
+        else:
+            work = sum(chain.from_iterable(p[1] for p in parts))
+            if exact_bound:
+                stage_ms = longest
+            else:
+                device = sum(chain.from_iterable(p[2] for p in parts))
+                stage_ms = max(longest, device) + costs.gpu.event_overhead_ms * (len(groups) - 1)
+        n = ending.bit_count()
+        groups_ops.append(op_groups)
+        feats.append([math.log1p(stage_ms / scale), math.log1p(work / scale), work / stage_ms if stage_ms > 0
+                      else 1.0, len(groups) / max_groups, n / (max_group_ops * max_groups), n / left])
+    return cands, groups_ops, feats
 
 
 def candidate_logits(net: GPG, g2e: torch.Tensor, index: dict[str, int], block: list[str], desc: list[int],
-                     state: int, cands: Candidates) -> torch.Tensor:
+                     state: int, groups_ops: list[list[list[str]]], feats: list[list[float]]) -> torch.Tensor:
     """The policy's logit of each candidate of ``state`` (:func:`candidates`); ``g2e`` is :meth:`GPG.embed`'s output
     and ``index`` maps op ids to its rows."""
     leaves = [index[block[i]] for i in ios._bits(state) if not desc[i] & state]
-    rows = [index[o] for ops in cands.group_ops for o in ops]
-    row_group = [g for g, ops in enumerate(cands.group_ops) for _ in ops]
-    return net.scores(g2e, _ints(leaves), _ints(rows), _ints(row_group), len(cands.group_ops),
-                      torch.from_numpy(cands.pair_group), torch.from_numpy(cands.pair_owner), len(cands),
-                      torch.from_numpy(cands.features).to(g2e.dtype))
+    members = [index[o] for g in groups_ops for grp in g for o in grp]
+    owner = [k for k, g in enumerate(groups_ops) for grp in g for _ in grp]
+    # through numpy: the same tensors as torch.tensor(list) in a fifth of the time, and a step makes four
+    return net.scores(g2e, _ints(leaves), _ints(members), _ints(owner), len(groups_ops),
+                      torch.from_numpy(np.array(feats, dtype=np.float32)).to(g2e.dtype))
 
 
 def _ints(values: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
-def rule_choice(rule: str, cands: Candidates) -> int:
+def rule_choice(rule: str, feats: list[list[float]]) -> int:
     """The candidate a one-line rule (:data:`RULES`) takes: the largest value of its feature, ties to the first."""
-    return greedy(torch.from_numpy(cands.features[:, RULES[rule]]))
+    return greedy(torch.tensor([f[RULES[rule]] for f in feats], dtype=torch.float64))
 
 
 def chunk_stages(net: GPG | None, g2e: torch.Tensor | None, index: dict[str, int], graph: OpGraph, costs: Costs,
@@ -304,23 +272,22 @@ def chunk_stages(net: GPG | None, g2e: torch.Tensor | None, index: dict[str, int
     logps: list[torch.Tensor] = []
     total = 0.0
     while state:
-        cands = candidates(costs, block, desc, state, max_group_ops, max_groups, scale)
+        cands, groups_ops, feats = candidates(costs, block, desc, state, max_group_ops, max_groups, scale)
         if len(cands) == 1:
             choice = 0
         elif rule is not None:
-            choice = rule_choice(rule, cands)
+            choice = rule_choice(rule, feats)
         else:
-            logits = candidate_logits(net, g2e, index, block, desc, state, cands)
+            logits = candidate_logits(net, g2e, index, block, desc, state, groups_ops, feats)
             if pick is None:
                 choice = greedy(logits)
             else:
                 choice = pick(logits)
                 logp = torch.log_softmax(logits, 0)
                 logps.append(torch.stack([logp[choice], -(logp.exp() * logp).sum()]))
-        chosen = cands.groups(choice)
-        stages.append(chosen)
-        total += costs.stage_latency_ms(chosen)
-        state ^= cands.endings[choice]
+        stages.append(groups_ops[choice])
+        total += costs.stage_latency_ms(groups_ops[choice])
+        state ^= cands[choice][0]
     return total, stages[::-1], logps
 
 
@@ -409,6 +376,5 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
         return ios.staged("top-gpg", ios.blocks(graph, max_block_ops, max_states), solve, options)
 
 
-__all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "RULES", "Candidates", "candidate_logits", "candidates",
-           "chunk_stages", "encode_inputs", "greedy", "load", "one_thread", "op_kind", "rule_choice", "scale_ms",
-           "schedule"]
+__all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "RULES", "candidate_logits", "candidates", "chunk_stages",
+           "encode_inputs", "greedy", "load", "one_thread", "op_kind", "rule_choice", "scale_ms", "schedule"]
