@@ -79,6 +79,32 @@ def test_pin_puts_a_replica_on_its_own_cores():
     assert result.stdout.split() == ["True", "True"], result.stderr
 
 
+def test_retrying_post_waits_out_a_429_and_gives_up_on_other_refusals():
+    """The CI run of 2026-11-25 lost two requests of the kill test to 429s: the surviving replica's queue filled
+    with the dead one's share, and the client gave up on a refusal that said when to come back."""
+    seen = []
+
+    def handler(request):
+        seen.append(request.url.path)
+        if request.url.path == "/bad":
+            return httpx.Response(400, json={"error": "bad"})
+        if len(seen) == 1:
+            return httpx.Response(429, headers={"Retry-After": "0"}, json={"error": "queue full"})
+        if len(seen) == 2:
+            return httpx.Response(503)
+        return httpx.Response(200, json={"ok": True})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://x") as c:
+            ok = await retrying_post(c, "/infer", backoff_s=0.0)
+            bad = await retrying_post(c, "/bad", backoff_s=0.0)
+            return ok, bad
+
+    (ok, ok_failures), (bad, bad_failures) = asyncio.run(go())
+    assert ok.status_code == 200 and ok_failures == ["429", "503"]
+    assert bad.status_code == 400 and bad_failures == [] and seen.count("/bad") == 1
+
+
 def _replicas(pid: int) -> list[int]:
     """The Ray Serve replica processes under the server process ``pid`` (Ray's workers are its descendants)."""
     import psutil

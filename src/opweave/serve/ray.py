@@ -16,9 +16,11 @@ What a replica's death costs. Ray Serve's proxy routes each request to one repli
 replica that dies is answered by the proxy with a 5xx status (500, or 503 while no replica can take it) — never
 left hanging, never answered with wrong data — and Ray starts a replacement. Inference is idempotent, so a client
 that retries 5xx answers from the proxy (:func:`retrying_post` does: up to ``attempts`` times, ``backoff_s`` apart)
-gets every request answered by a live replica. "No accepted request lost" means exactly that: every request the
-proxy accepted got a response, and with that retry policy every one was answered 200 with eager's outputs
-(``tests/test_serve_ray.py`` kills a replica process mid-load and checks it).
+gets every request answered by a live replica. The survivors take the dead replica's share, so their queues may
+fill: a 429 is a refusal, not a loss (the request was never accepted), and it says when to come back
+(``Retry-After``); :func:`retrying_post` waits that long and tries again. "No accepted request lost" means
+exactly that: every request the proxy accepted got a response, and with that retry policy every one was answered
+200 with eager's outputs (``tests/test_serve_ray.py`` kills a replica process mid-load and checks it).
 
 Ray runs on 127.0.0.1 when this module starts it (:func:`start_local`: no dashboard, ``_node_ip_address``), or joins
 the cluster at ``address``.
@@ -211,15 +213,18 @@ def shutdown() -> None:
         ray.shutdown()
 
 
-async def retrying_post(client, url: str, *, attempts: int = 5, backoff_s: float = 0.2, **kwargs):
+async def retrying_post(client, url: str, *, attempts: int = 5, backoff_s: float = 0.2, max_wait_s: float = 10.0,
+                        **kwargs):
     """POST with the retry policy of the module docstring: a 5xx from Ray's proxy, or a connection error, is
-    retried (up to ``attempts`` tries, ``backoff_s`` x try apart). Returns ``(response, failures)``, the failed
-    tries before it (their status codes, or the transport errors' names). The server's own 4xx refusals are not
-    retried."""
+    retried (up to ``attempts`` tries, ``backoff_s`` x try apart); a 429 (the replica's queue is full) is retried
+    after its ``Retry-After`` seconds (at most ``max_wait_s``). Returns ``(response, failures)``, the failed tries
+    before it (their status codes, or the transport errors' names). The server's other 4xx refusals (a bad
+    request, an unknown model) are not retried: a second try would get the same answer."""
     import httpx
 
     failures: list[str] = []
     for attempt in range(1, attempts + 1):
+        wait = backoff_s * attempt
         try:
             response = await client.post(url, **kwargs)
         except httpx.TransportError as exc:
@@ -227,10 +232,16 @@ async def retrying_post(client, url: str, *, attempts: int = 5, backoff_s: float
                 raise
             failures.append(type(exc).__name__)
         else:
-            if response.status_code < 500 or attempt == attempts:
+            retry = response.status_code >= 500 or response.status_code == 429
+            if not retry or attempt == attempts:
                 return response, failures
             failures.append(str(response.status_code))
-        await asyncio.sleep(backoff_s * attempt)
+            if response.status_code == 429:
+                try:
+                    wait = min(max_wait_s, float(response.headers.get("Retry-After", wait)))
+                except ValueError:  # an HTTP date instead of seconds: back off as for a 5xx
+                    pass
+        await asyncio.sleep(wait)
     raise AssertionError("unreachable")
 
 
