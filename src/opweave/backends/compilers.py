@@ -15,15 +15,18 @@ by op, with a warning.
   ``threads`` (``cpp.threads``, which is also part of Inductor's cache key, so a cached kernel is never reused at
   another width). Inductor's on-disk FX graph cache serves identical segments (``TORCHINDUCTOR_CACHE_DIR``).
 * ``onnxruntime`` — each segment exported with ``torch.onnx`` and run by one ONNX Runtime ``InferenceSession`` whose
-  intra-op pool has the lane's ``threads`` (sequential executor, one inter-op thread). The pool spins between
-  parallel sections, as ORT's does by default, only when it has every core (the segment then runs alone); a smaller
-  pool sleeps when idle, since another lane may need the core. (Spinning matters: GoogLeNet whole at 2 threads took
-  13.2 ms with the pool sleeping against 11.3 ms spinning, so a one-lane plan lost to plain ONNX Runtime.) The
-  export uses the TorchScript exporter (``dynamo=False``): it exports a segment in milliseconds where the
-  ``torch.export``-based exporter takes about half a second, which for a model's hundreds of segments is minutes;
-  when it fails the ``torch.export``-based one is tried. ORT releases the GIL while it runs, so lanes overlap.
-  Inputs are handed over as NumPy views (no copy for contiguous tensors), outputs come back as tensors sharing ORT's
-  arrays. A segment with a non-tensor output (a shape read by a later segment) cannot be exported and runs op by op.
+  intra-op pool has the lane's ``threads`` (sequential executor, one inter-op thread). The pool spins between parallel
+  sections, as ORT's does by default, only when the caller says the segment runs ``alone`` (the segments of a one-lane
+  plan); otherwise it sleeps when idle, since another lane may need the core. Spinning matters both ways: GoogLeNet
+  whole at 2 threads took 13.2 ms with the pool sleeping against 11.3 ms spinning, so a one-lane plan lost to plain ONNX
+  Runtime; but in a plan with two lanes, a segment that the replayed plan runs alone (so it gets both cores) may in fact
+  overlap the other lane, and spinning pools then took the cores from each other: Inception-v3's heft+onnxruntime took
+  123 ms spinning, 51 ms sleeping, against 36 ms for one lane. The export uses the TorchScript exporter
+  (``dynamo=False``): it exports a segment in milliseconds where the ``torch.export``-based exporter takes about half a
+  second, which for a model's hundreds of segments is minutes; when it fails the ``torch.export``-based one is tried.
+  ORT releases the GIL while it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy for contiguous
+  tensors), outputs come back as tensors sharing ORT's arrays. A segment with a non-tensor output (a shape read by a
+  later segment) cannot be exported and runs op by op.
 * ``eager`` — the segment's ``GraphModule`` as it is (a check of the segment machinery).
 """
 
@@ -39,7 +42,6 @@ from typing import Any, Protocol
 import torch
 from torch import fx
 
-from opweave.backends.threads import cores
 from opweave.errors import MissingPackageError, UsageError
 
 
@@ -48,13 +50,15 @@ class SegmentCompiler(Protocol):
 
     name: str
 
-    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int) -> Callable[..., tuple]: ...
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
+                 alone: bool = False) -> Callable[..., tuple]: ...
 
 
 class Eager:
     name = "eager"
 
-    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int) -> Callable[..., tuple]:
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
+                 alone: bool = False) -> Callable[..., tuple]:
         return gm
 
 
@@ -66,7 +70,8 @@ class Inductor:
     def __init__(self, freeze: bool | None = None):
         self.freeze = freeze
 
-    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int) -> Callable[..., tuple]:
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
+                 alone: bool = False) -> Callable[..., tuple]:
         from torch._guards import TracingContext, tracing
         from torch._inductor.compile_fx import compile_fx
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -89,10 +94,11 @@ class OnnxRuntime:
 
     name = "onnxruntime"
 
-    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int,
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *, alone: bool = False,
                  dynamic_batch: bool = False) -> Callable[..., tuple]:
-        """``dynamic_batch``: dimension 0 of every input and output left free (one session for every batch size;
-        the caller checks it at another batch, since a graph may have baked its batch in)."""
+        """``alone``: nothing else runs while the session does (its pool may spin); ``dynamic_batch``: dimension
+        0 of every input and output left free (one session for every batch size; the caller checks it at another
+        batch, since a graph may have baked its batch in)."""
         ort = import_onnxruntime()
         if any(x.device.type != "cpu" for x in inputs):
             raise UsageError("fuse='onnxruntime' runs on the CPU")
@@ -106,7 +112,7 @@ class OnnxRuntime:
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
-        if 1 < threads < cores():  # the pool sleeps when idle: another lane may need the core
+        if threads > 1 and not alone:  # the pool sleeps when idle: another lane may need the core
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         return OrtSegment(session, ort.RunOptions())

@@ -256,8 +256,9 @@ class _Segment:
         try:
             gm, specs = self._graph_module(values, examples)
             inputs = [leaf for v in values for leaf in pytree.tree_leaves(v) if isinstance(leaf, torch.Tensor)]
-            threads = self.owner.threads.get(self.seg) or torch.get_num_threads()  # one lane: the caller's
-            fn = get_compiler(self.owner.compiler)(gm, inputs, threads)
+            alone = not self.owner.threads  # no budgets: a one-lane plan, run on the caller's threads
+            threads = self.owner.threads.get(self.seg) or torch.get_num_threads()
+            fn = get_compiler(self.owner.compiler)(gm, inputs, threads, alone=alone)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run this segment op by op
             self.owner.stats["fallbacks"] += 1
             text = str(exc).strip().splitlines()
