@@ -76,13 +76,17 @@ def backend_for(captured, plan: LaunchPlan, device: str, *, fuse: str | None = N
     (its ``stats``; None without). ``fuse="inductor"`` compiles every stream segment of the plan
     (:mod:`opweave.backends.segments`): on the CPU now, for ``example_inputs``; on CUDA in the backend's warm-up.
     ``fuse="onnxruntime"`` runs each segment in ONNX Runtime (CPU; :mod:`opweave.backends.compilers`). ``threads``
-    (CPU: op -> intra-op threads, :func:`opweave.backends.threads.op_threads`) budgets each op's (or segment's)
-    threads; without it the CPU lanes share the cores evenly. ``options`` go to the CUDA backend (``mode``,
-    ``static_outputs``, ``fallback``, ...); the CPU backend takes none.
+    (CPU: op -> intra-op threads, :func:`opweave.backends.threads.lane_threads`) budgets each op's (or segment's)
+    threads; without it each lane gets its :func:`~opweave.backends.threads.budgets` share. ``options`` go to the
+    CUDA backend (``mode``, ``static_outputs``, ``fallback``, ...); the CPU backend takes none.
     """
     if device == "cpu" and options:
         raise UsageError(f"the cpu backend takes no options, got {', '.join(options)}")
     runner, run_plan = captured, plan
+    if device == "cpu" and threads is None:
+        from opweave.backends.threads import lane_threads
+
+        threads = lane_threads(captured.graph, plan)
     if fuse is not None:
         from opweave.backends.segments import fuse_segments
 
@@ -201,10 +205,8 @@ def compile_captured(captured, example_inputs, *, scheduler: str | None = None, 
         if scheduler == "heft":  # a cross-lane edge costs a thread hand-off here: weigh it
             scheduler_options = {"sync_ms": cpu_threads.sync_cost_ms(), **(scheduler_options or {})}
     sched, plan = plan_for(graph, costs, scheduler, streams=streams, **(scheduler_options or {}))
-    if device == "cpu" and sched.streams_used > 1:
-        from opweave.backends.simulate import simulate
-
-        threads = cpu_threads.op_threads(simulate(graph, plan, costs))
+    if device == "cpu":
+        threads = cpu_threads.lane_threads(graph, plan, costs, fuse)
     backend, fused = backend_for(captured, plan, device, fuse=fuse, example_inputs=example_inputs, threads=threads,
                                  **backend_options)
     compiled = Compiled(graph, costs, sched, plan, backend, device, captured, fused=fused)

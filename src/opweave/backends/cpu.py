@@ -1,12 +1,13 @@
-"""CPU backend: the LaunchPlan on worker threads, one per lane, each lane one generated Python function.
+"""CPU backend: the LaunchPlan on the caller's thread and one worker thread per other lane, each lane generated code.
 
-:class:`CpuBackend` generates every lane's code once (:class:`~opweave.backends.lanecode.LaneCode`: the lane's ops
-with the plan's signals and waits between them, values in slots, every intermediate dropped at its last use) and
-runs each lane on a long-lived :class:`CodeWorker` thread; a plan's record becomes ``threading.Event.set`` and its
-wait ``Event.wait``. Each worker runs on its own intra-op thread budget (:mod:`opweave.backends.threads`: lanes x
-threads within the cores; per op when the caller gives budgets). A plan with a single lane runs in the caller's
-thread, on the caller's threads. PyTorch (and ONNX Runtime) release the GIL inside their kernels, so independent
-ops overlap on a multi-core CPU.
+:class:`CpuBackend` generates every lane's code once (:class:`~opweave.backends.lanecode.LaneCode`: the lane's ops with
+the plan's signals and waits between them, values in slots, every intermediate dropped at its last use) and runs the
+first lane in the caller's thread and each other lane on a long-lived :class:`CodeWorker` thread; a plan's record
+becomes ``threading.Event.set`` and its wait ``Event.wait``. The first lane's ops run on the budgets they are given (per
+op, the caller's count restored after the call); a worker's on one intra-op thread (:mod:`opweave.backends.threads` says
+why: a worker holding a bigger OpenMP team slowed every kernel of the process). A plan with a single lane runs in the
+caller's thread, on the caller's threads. PyTorch (and ONNX Runtime) release the GIL inside their kernels, so
+independent ops overlap on a multi-core CPU.
 
 A lane that raises records the error and releases every signal; the other lanes stop at their next wait, and the
 first error is re-raised in the caller, naming the op and its fx node.
@@ -42,27 +43,29 @@ from opweave.plan.launchplan import LaunchPlan
 
 
 class CpuBackend:
-    """A plan on worker threads, one per lane, each running its lane's generated code (module docstring).
-    ``stats``: ``calls``. ``close()`` stops the workers (also done when the backend is collected or the interpreter
-    exits); a closed backend refuses calls. ``threads`` (op -> intra-op threads) sets each op's budget
-    (:func:`opweave.backends.threads.op_threads`); without it the lanes share the cores evenly
-    (:func:`opweave.backends.threads.budgets`). A single lane runs in the caller's thread with the caller's own
-    thread count."""
+    """A plan on the caller's thread (its first lane) and worker threads (one per other lane), each running its
+    lane's generated code (module docstring). ``stats``: ``calls``. ``close()`` stops the workers (also done when
+    the backend is collected or the interpreter exits); a closed backend refuses calls. ``threads`` (op -> intra-op
+    threads, :func:`opweave.backends.threads.op_threads`) sets the first lane's ops' budgets; every other lane's
+    ops run on one thread whatever it says. Without it the first lane takes the cores the workers leave
+    (:func:`opweave.backends.threads.budgets`). A single lane runs with the caller's own thread count."""
 
     def __init__(self, runner, plan: LaunchPlan, threads: dict[str, int] | None = None):
         self.captured = runner
         self.program = Program.from_plan(plan)
         self.stats = {"calls": 0}
         lanes = sorted(self.program.lanes)
-        if len(lanes) > 1 and threads is None:
+        if len(lanes) > 1:
             share = budgets(lanes)
-            threads = {step.op: share[lane] for lane, step in self.program.issue_order if step.kind == "launch"}
+            threads = {step.op: (threads or {}).get(step.op, share[lane]) if lane == lanes[0] else 1
+                       for lane, step in self.program.issue_order if step.kind == "launch"}
         self.code = LaneCode(runner, self.program, threads if len(lanes) > 1 else None)
         self._lock = threading.Lock()  # one call at a time: the workers share one call's slots
+        self._caller_lane = lanes[0] if lanes else None
         self._workers = []
         if len(lanes) > 1:
             default = torch.get_num_threads()
-            self._workers = [CodeWorker(lane, self.code) for lane in lanes]
+            self._workers = [CodeWorker(lane, self.code) for lane in lanes[1:]]
             for worker in self._workers:
                 worker.ready.wait()
             restore_default(default)  # the workers' set_num_threads also set the process-wide default
@@ -77,16 +80,26 @@ class CpuBackend:
                 raise UsageError(f"{self.captured.graph.name}: this CPU backend was closed")
             self.stats["calls"] += 1
             slots = self.code.bind(args)
-            call = Call(slots, self.program.num_signals, len(self._workers))
+            lane, function = self._caller_lane, self.code.functions[self._caller_lane]
             if not self._workers:  # a single lane needs no threads
-                ((lane, function),) = self.code.functions.items()
                 try:
-                    function(slots, call)
+                    function(slots, Call(slots, self.program.num_signals, 0))
                 except Exception as exc:
                     raise self.code.error(lane, exc) from exc
                 return self.code.output(slots)
+            call = Call(slots, self.program.num_signals, len(self._workers) + 1)
             for worker in self._workers:
                 worker.inbox.put(call)
+            caller_threads = torch.get_num_threads()
+            try:
+                function(slots, call)
+            except Stopped:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - stops the workers, raised below
+                call.fail(self.code.error(lane, exc))
+            finally:
+                torch.set_num_threads(caller_threads)  # the lane's budgets changed the caller's count
+                call.lane_finished()
             call.done.wait()
             if call.errors:
                 raise call.errors[0]

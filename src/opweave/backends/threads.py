@@ -14,8 +14,24 @@ from that process-wide default, once (``at::internal::lazy_init_num_threads``, t
   own), so the backend restores it from the caller's thread once its workers are set (:func:`restore_default`),
   which does not change the caller's own count.
 
-:func:`budgets` gives each lane of a plan its share: ``cores // lanes`` (at least 1), the remainder to the first
-lanes; a single lane keeps every core. ``cores`` is the number of CPUs this process may run on.
+**Only the caller's thread ever runs more than one OpenMP thread.** The first lane of a plan runs in the caller's
+thread; every other lane's worker runs its ops on one thread. libgomp keeps a thread's team once it has run a
+parallel region with it, and once the threads held in teams outnumber the cores it throttles its spin-wait for the
+whole process (``GOMP_SPINCOUNT``'s 300000 iterations drop to the throttled 1000: every team's threads then sleep
+between parallel regions and are woken by futex). So one worker that ever ran a two-thread kernel slowed every
+OpenMP kernel in the process from then on, the lanes' own and the user's: eager GoogLeNet took 64 ms against 40 ms
+while two idle threads held two-thread teams, and 40 ms when they held one-thread teams
+(``benchmarks/omp_teams.py``). Within the caller's thread the count changes from op to op as the budgets say.
+
+:func:`budgets` gives a plan's lanes their threads when no per-op budgets are given: one to each lane but the first,
+the rest of the cores to the first (a single lane keeps every core), so the lanes never hold more threads than there
+are cores. Per-op budgets (:func:`op_threads`: an op of the first lane that runs alone gets every core) are given
+only to ``fuse="onnxruntime"`` plans (:func:`lane_threads`): ONNX Runtime's pools sleep when idle there. An OpenMP
+team does not: after a two-thread kernel the caller's second thread spins on, and a worker lane that starts its
+next op meanwhile finds both cores taken. On the 2-core machine (2026-11-25, batch 1, medians of 20 calls
+interleaved in one process whose workers never held a team above one thread), HEFT's two lanes with per-op budgets
+against every op on one thread: GoogLeNet 56.7 / 51.2 ms, NASNet 48.2 / 45.9, RandWire 46.8 / 35.6, Inception-v3
+100.7 / 100.6. ``cores`` is the number of CPUs this process may run on.
 """
 
 from __future__ import annotations
@@ -38,17 +54,15 @@ def cores() -> int:
 
 
 def budgets(lanes: Sequence, total: int | None = None) -> dict:
-    """Intra-op threads per lane so that their sum is at most ``total`` (default: :func:`cores`) and each has one.
+    """Intra-op threads per lane: one for every lane but the first, which runs in the caller's thread and gets the
+    rest of ``total`` (default: :func:`cores`; at least 1). Module docstring: why the workers get one.
 
     >>> budgets(["a", "b"], total=2), budgets(["a", "b", "c"], total=8), budgets(["a"], total=4)
-    ({'a': 1, 'b': 1}, {'a': 3, 'b': 3, 'c': 2}, {'a': 4})
+    ({'a': 1, 'b': 1}, {'a': 6, 'b': 1, 'c': 1}, {'a': 4})
     """
     total = cores() if total is None else total
     lanes = list(lanes)
-    if not lanes:
-        return {}
-    share, extra = divmod(total, len(lanes))
-    return {lane: max(1, share + (i < extra)) for i, lane in enumerate(lanes)}
+    return {lane: max(1, total - len(lanes) + 1) if i == 0 else 1 for i, lane in enumerate(lanes)}
 
 
 @functools.cache
@@ -88,24 +102,46 @@ def restore_default(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def lane_threads(graph, plan, costs=None, fuse: str | None = None) -> dict[str, int] | None:
+    """Each op's intra-op threads on a CPU plan's lanes (None for a single lane: the caller's own count). A plan of
+    ``fuse="onnxruntime"`` segments with ``costs`` gets :func:`op_threads`' per-op budgets; any other plan its
+    lanes' :func:`budgets`, the same for every op of a lane (module docstring says why)."""
+    lane_of = {i.op: (i.device, i.stream) for i in plan.instrs if i.kind == "launch"}
+    lanes = sorted(set(lane_of.values()))
+    if len(lanes) < 2:
+        return None
+    if fuse == "onnxruntime" and costs is not None:
+        from opweave.backends.simulate import simulate
+
+        return op_threads(simulate(graph, plan, costs))
+    share = budgets(lanes)
+    return {op: share[lane] for op, lane in lane_of.items()}
+
+
 def op_threads(sim, total: int | None = None, overlap: float = 0.1) -> dict[str, int]:
-    """Intra-op threads per op of a replayed plan (:func:`opweave.backends.simulate.simulate`): the cores are split
-    among the lanes that run at once. An op gets ``total // k`` threads (at least 1), where ``k`` is its own lane
-    plus every other lane that is busy for more than ``overlap`` of the op's time; an op that runs alone gets every
-    core. A lane then changes its thread count between ops (``torch.set_num_threads`` costs about 0.1 µs).
+    """Intra-op threads per op of a replayed plan (:func:`opweave.backends.simulate.simulate`). The first lane (the
+    smallest; it runs in the caller's thread) shares the cores with the lanes that run beside it: its op gets
+    ``total // k`` threads (at least 1), where ``k`` is its own lane plus every other lane that is busy for more
+    than ``overlap`` of the op's time, so an op that runs alone gets every core. Every other lane's op gets one
+    thread (module docstring: a worker with a bigger team slows every OpenMP kernel of the process). A lane changes
+    its thread count between ops (``torch.set_num_threads`` costs about 0.1 µs).
 
     >>> from types import SimpleNamespace
-    >>> sim = SimpleNamespace(start_ms={"a": 0, "b": 0, "c": 4}, finish_ms={"a": 4, "b": 3, "c": 6},
-    ...                       lane_of={"a": (0, 0), "b": (0, 1), "c": (0, 0)})
+    >>> sim = SimpleNamespace(start_ms={"a": 0, "b": 0, "c": 4, "d": 6}, finish_ms={"a": 4, "b": 3, "c": 6, "d": 8},
+    ...                       lane_of={"a": (0, 0), "b": (0, 1), "c": (0, 0), "d": (0, 1)})
     >>> op_threads(sim, total=2)
-    {'a': 1, 'b': 1, 'c': 2}
+    {'a': 1, 'b': 1, 'c': 2, 'd': 1}
     """
     total = cores() if total is None else total
     busy: dict = {}
     for op, lane in sim.lane_of.items():
         busy.setdefault(lane, []).append((sim.start_ms[op], sim.finish_ms[op]))
+    first = min(busy, default=None)
     out = {}
     for op, lane in sim.lane_of.items():
+        if lane != first:
+            out[op] = 1
+            continue
         start, finish = sim.start_ms[op], sim.finish_ms[op]
         length = finish - start
         sharing = 1

@@ -311,12 +311,9 @@ class CpuExecutor(TensorExecutor):
         captured = self.combined(sig)[0] if self.fuse is None else self._parts_graph(sig)
         costs = estimate(captured.graph, "cpu", model="ideal")
         sched, plan = plan_for(captured.graph, costs, self.scheduler, streams=self.streams)
-        threads = None
-        if sched.streams_used > 1:
-            from opweave.backends.simulate import simulate
-            from opweave.backends.threads import op_threads
+        from opweave.backends.threads import lane_threads
 
-            threads = op_threads(simulate(captured.graph, plan, costs))
+        threads = lane_threads(captured.graph, plan, costs, "onnxruntime" if self.fuse == "onnxruntime" else None)
         return backend_for(captured, plan, "cpu", threads=threads)[0]
 
     def _parts_graph(self, sig: Signature) -> Captured:
