@@ -306,15 +306,13 @@ class CpuExecutor(TensorExecutor):
         self._blocks: dict[tuple[str, int], _CompiledBlock] = {}
 
     def _compile(self, sig: Signature) -> Any:
+        from opweave.backends.threads import lane_threads
         from opweave.costs.roofline import estimate
 
         captured = self.combined(sig)[0] if self.fuse is None else self._parts_graph(sig)
         costs = estimate(captured.graph, "cpu", model="ideal")
-        sched, plan = plan_for(captured.graph, costs, self.scheduler, streams=self.streams)
-        from opweave.backends.threads import lane_threads
-
-        threads = lane_threads(captured.graph, plan, costs, "onnxruntime" if self.fuse == "onnxruntime" else None)
-        return backend_for(captured, plan, "cpu", threads=threads)[0]
+        _, plan = plan_for(captured.graph, costs, self.scheduler, streams=self.streams)
+        return backend_for(captured, plan, "cpu", threads=lane_threads(captured.graph, plan, costs, self.fuse))[0]
 
     def _parts_graph(self, sig: Signature) -> Captured:
         """``sig`` as a graph whose ops are its parts, each one call of its compiled block (class docstring); an
