@@ -145,6 +145,8 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, sch
     >>> fast.schedule.streams_used, torch.allclose(fast(x), model(x))
     (2, True)
     """
+    import torch
+
     from opweave.capture import capture, load_program
 
     if isinstance(model, (str, Path)):
@@ -154,7 +156,9 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, sch
     example_inputs = captured.example_inputs
     return compile_captured(captured, example_inputs, scheduler=scheduler, device=device, mode=mode, streams=streams,
                             costs=costs, profile=profile, cost_model=cost_model, devices=devices, link=link,
-                            coarsen=coarsen, fuse=fuse, scheduler_options=scheduler_options, **backend_options)
+                            coarsen=coarsen, fuse=fuse, scheduler_options=scheduler_options,
+                            eager=model if isinstance(model, torch.nn.Module) else None,
+                            **backend_options)
 
 
 def compile_captured(captured, example_inputs, *, scheduler: str | None = None, device: str = "cpu",
@@ -162,8 +166,15 @@ def compile_captured(captured, example_inputs, *, scheduler: str | None = None, 
                      profile: str | Path | None = None,
                      cost_model: str = "ideal", devices: int = 1, link: str | Path | None = None,
                      coarsen: bool = True, fuse: str | None = None, scheduler_options: dict | None = None,
-                     **backend_options) -> Compiled:
-    """:func:`compile` from an already captured model (``opweave.capture``): one capture can serve many schedules."""
+                     eager=None, **backend_options) -> Compiled:
+    """:func:`compile` from an already captured model (``opweave.capture``): one capture can serve many schedules.
+
+    The default on the CPU (no ``scheduler``, ``streams``, ``fuse``, one device) is never slower than what it
+    replaces: it times its plan against one lane in the model's order and against ``eager`` (the model itself,
+    when given: :func:`compile` gives it), interleaved (:func:`_fastest`), and keeps the fastest; ``choice`` says
+    which (``"lanes"``, ``"one lane"`` or ``"eager"``) and what each measured. A kept ``eager`` runs the model
+    (:class:`~opweave.backends.cpu.EagerBackend`) and the result's ``schedule`` and ``plan`` are one lane's: on
+    small models the lanes' per-call cost (binding inputs, the generated code's calls) is more than they save."""
     example_inputs = _check(device, example_inputs)
     if mode not in MODES:
         raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -210,14 +221,35 @@ def compile_captured(captured, example_inputs, *, scheduler: str | None = None, 
     backend, fused = backend_for(captured, plan, device, fuse=fuse, example_inputs=example_inputs, threads=threads,
                                  **backend_options)
     compiled = Compiled(graph, costs, sched, plan, backend, device, captured, fused=fused)
-    if guard and sched.streams_used > 1:  # never slower than one lane, the eager order
-        one = compile_captured(captured, example_inputs, scheduler="sequential", streams=1, costs=costs,
-                               coarsen=False)
-        best, medians = _fastest({"lanes": compiled, "one lane": one}, example_inputs)
-        (one if best == "lanes" else compiled).close()
-        compiled = compiled if best == "lanes" else one
-        compiled.choice = {"label": best, "candidates": {k: {"median_ms": v} for k, v in medians.items()}}
+    if guard:  # never slower than one lane in the model's order, nor than the model itself
+        compiled = _guarded(compiled, captured, example_inputs, eager)
     return compiled
+
+
+def _guarded(compiled: Compiled, captured, example_inputs: tuple, eager) -> Compiled:
+    """The fastest of ``compiled`` (when it has more than one lane), one lane and ``eager`` (when given), measured;
+    the others closed (:func:`compile_captured`)."""
+    from opweave.backends.cpu import EagerBackend
+
+    built = {}
+    if compiled.schedule.streams_used > 1:
+        built["lanes"] = compiled
+        built["one lane"] = compile_captured(captured, example_inputs, scheduler="sequential", streams=1,
+                                             costs=compiled.costs, coarsen=False)
+    else:
+        built["one lane"] = compiled
+    if eager is not None:
+        one = built["one lane"]
+        built["eager"] = Compiled(one.graph, one.costs, one.schedule, one.plan, EagerBackend(eager), "cpu", captured)
+    if len(built) == 1:
+        return compiled
+    best, medians = _fastest(built, example_inputs)
+    for label, other in built.items():
+        if label != best and other.backend is not built[best].backend:
+            other.close()
+    kept = built[best]
+    kept.choice = {"label": best, "candidates": {k: {"median_ms": v} for k, v in medians.items()}}
+    return kept
 
 
 def _fastest(built: dict[str, Compiled], inputs: tuple, rounds: int = 5, runs: int = 3) -> tuple[str, dict]:

@@ -106,6 +106,25 @@ class CpuBackend:
             return self.code.output(slots)
 
 
+class EagerBackend:
+    """The model itself, run as the CPU lanes run a plan (under ``no_grad``, on the caller's threads): what
+    ``opweave.compile``'s default keeps when neither its lanes nor one lane beat the model
+    (:func:`opweave.api.compile_captured`, ``eager``). It calls the live model, so a later change to the model's
+    weights shows in its outputs. ``stats``: ``calls``."""
+
+    def __init__(self, model):
+        self.model = model
+        self.stats = {"calls": 0}
+
+    def __call__(self, *args) -> Any:
+        with torch.no_grad():
+            self.stats["calls"] += 1
+            return self.model(*args)
+
+    def close(self) -> None:
+        pass
+
+
 class CodeWorker:
     """A long-lived thread that runs one lane's generated function (:class:`~opweave.backends.lanecode.LaneCode`)
     for every :class:`Call` put in its inbox (``None`` stops it), under ``no_grad``. It sets its own intra-op
