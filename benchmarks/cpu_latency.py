@@ -202,7 +202,10 @@ def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespac
     from opweave.costs import timing
 
     model, inputs = create(name, batch, args)
-    fns = {mode: build(model, inputs, mode)[0] for mode in modes}
+    built = {mode: build(model, inputs, mode) for mode in modes}
+    fns = {mode: fn for mode, (fn, _) in built.items()}
+    # a measured choice (max-speed, the default's guard) is made again in this process: record this one's
+    chosen = {mode: info["choice"]["label"] for mode, (_, info) in built.items() if "choice" in info}
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     per_round = [args.runs // args.rounds + (i < args.runs % args.rounds) for i in range(args.rounds)]
     with torch.inference_mode():
@@ -215,7 +218,8 @@ def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespac
         for runs in per_round:
             for mode, fn in fns.items():
                 times[mode] += timing.times_ms(lambda fn=fn: fn(*inputs), runs=runs, warmup=0)
-    return {mode: {"median_ms": statistics.median(ts), "min_ms": min(ts)} for mode, ts in times.items()}
+    return {mode: {"median_ms": statistics.median(ts), "min_ms": min(ts),
+                   **({"timed_choice": chosen[mode]} if mode in chosen else {})} for mode, ts in times.items()}
 
 
 def limits(name: str, batch: int, args: argparse.Namespace) -> dict:
@@ -340,7 +344,7 @@ def measure(name: str, batch: int, args: argparse.Namespace, tmp: Path) -> list[
         if status != "ok":
             row["error"] = f"latency: {latency}"
             continue
-        row.update({k: round(v, 3) for k, v in latency[row["mode"]].items()})
+        row.update({k: round(v, 3) if isinstance(v, float) else v for k, v in latency[row["mode"]].items()})
         if eager:
             row["speedup_vs_eager"] = round(eager / latency[row["mode"]]["median_ms"], 3)
     load = round(os.getloadavg()[0], 2)
@@ -380,6 +384,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         entry["multi_over_single_lane"] = lanes
         if "opweave default" in timed and "eager" in timed:
             entry["default_vs_eager"] = round(timed["eager"] / timed["opweave default"], 3)
+            # "eager": the default runs the model itself (api._guarded), so the ratio is the machine's noise
+            entry["default_choice"] = next((r.get("timed_choice") for r in rows if (r["model"], r["batch"], r["mode"])
+                                            == (*key, "opweave default")), None)
         out.append(entry)
     return out
 
