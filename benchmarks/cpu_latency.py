@@ -27,7 +27,8 @@ Every mode is built and checked against eager first, each in its own spawned chi
 tensor's scale (:func:`opweave.outputs.compare`). Then one child per model and batch builds every mode that
 passed (on the merged caches) and times them **interleaved**: round-robin warm-up calls for ``--warmup-s``
 seconds, then ``--rounds`` rounds in which every mode runs its share of ``--runs`` calls (``perf_counter`` around
-the whole call); per mode the median and the minimum. On a shared machine whose load moves timings tenfold within
+the whole call), each round starting at the next mode (with a fixed order, sub-millisecond models measured a bias: the default,
+which on DeepFM runs the model itself, measured 0.93x eager); per mode the median and the minimum. On a shared machine whose load moves timings tenfold within
 minutes, only modes exposed to the same load are comparable; ratios of medians are what the summary reports.
 
 Writes ``DIR/cpu_latency.json`` (machine, settings, rows, summary), ``DIR/cpu_latency.png`` and
@@ -215,9 +216,10 @@ def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespac
                 fn(*inputs)
             if time.perf_counter() >= deadline:
                 break
-        for runs in per_round:
-            for mode, fn in fns.items():
-                times[mode] += timing.times_ms(lambda fn=fn: fn(*inputs), runs=runs, warmup=0)
+        order = list(fns)
+        for k, runs in enumerate(per_round):  # each round starts at the next mode: no mode always goes first
+            for mode in order[k % len(order):] + order[:k % len(order)]:
+                times[mode] += timing.times_ms(lambda fn=fns[mode]: fn(*inputs), runs=runs, warmup=0)
     return {mode: {"median_ms": statistics.median(ts), "min_ms": min(ts),
                    **({"timed_choice": chosen[mode]} if mode in chosen else {})} for mode, ts in times.items()}
 
