@@ -27,9 +27,10 @@ Every mode is built and checked against eager first, each in its own spawned chi
 tensor's scale (:func:`opweave.outputs.compare`). Then one child per model and batch builds every mode that
 passed (on the merged caches) and times them **interleaved**: round-robin warm-up calls for ``--warmup-s``
 seconds, then ``--rounds`` rounds in which every mode runs its share of ``--runs`` calls (``perf_counter`` around
-the whole call), each round starting at the next mode (with a fixed order, sub-millisecond models measured a bias: the default,
-which on DeepFM runs the model itself, measured 0.93x eager); per mode the median and the minimum. On a shared machine whose load moves timings tenfold within
-minutes, only modes exposed to the same load are comparable; ratios of medians are what the summary reports.
+the whole call), each round starting at the next mode (with a fixed order, sub-millisecond models measured a
+bias: the default, which on DeepFM runs the model itself, measured 0.93x eager); per mode the median and the
+minimum. On a shared machine whose load moves timings tenfold within minutes, only modes exposed to the same
+load are comparable; ratios of medians are what the summary reports.
 
 Writes ``DIR/cpu_latency.json`` (machine, settings, rows, summary), ``DIR/cpu_latency.png`` and
 ``DIR/cpu_latency.md`` (the README's table). ``--check-only``: builds and checks only (``cpu_latency_check.json``).
