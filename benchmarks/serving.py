@@ -183,10 +183,13 @@ def sim_runner(args, models: list[str]):
 class Server:
     """``opweave serve`` in a subprocess on 127.0.0.1 with an ephemeral port; stopped with SIGTERM (drains)."""
 
-    def __init__(self, models: list[str], device: str, policy: str, image_size: str | None, timeout_s: float = 900):
+    def __init__(self, models: list[str], device: str, policy: str, image_size: str | None, timeout_s: float = 900,
+                 lanes: int | None = None):
         cmd = [sys.executable, "-m", "opweave", "serve", "--models", ",".join(models), "--device", device,
                "--port", "0", "--policy", policy, "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
                "--max-sub-blocks", str(H)]
+        if lanes:
+            cmd += ["--streams", str(lanes)]
         if image_size:
             cmd += ["--image-size", image_size]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -217,7 +220,7 @@ def http_runner(args, models: list[str], device: str):
 
                 servers[policy] = RayPeer(models, args.image_size, float(policy.partition("@")[2]))
             else:
-                servers[policy] = Server(models, device, policy, args.image_size)
+                servers[policy] = Server(models, device, policy, args.image_size, lanes=args.lanes)
             common.console.print(f"{policy} server up in {time.perf_counter() - start:.0f} s")
         return servers[policy]
 
@@ -234,7 +237,8 @@ def http_runner(args, models: list[str], device: str):
 
     settings = {"device": device, "image_size": args.image_size or "published (Inception-v3 299, others 224)",
                 "rate_divisor": args.cpu_divisor if device == "cpu" else 1, "min_duration_s": args.duration,
-                "executor": "opweave serve's default (cpu: blocks compiled by ONNX Runtime, heft over the parts)"}
+                "executor": "opweave serve's default (cpu: blocks compiled by ONNX Runtime, heft over the parts)",
+                "lanes": args.lanes or "opweave serve's default (one per core on a CPU)"}
     measure.close = close
     return measure, settings, lambda: {}
 
@@ -257,6 +261,8 @@ def main() -> None:
     p.add_argument("--ray-waits", default="2,10", help="cpu mode: Ray Serve batch waits (ms) to tune over")
     p.add_argument("--cpu-divisor", type=float, default=40.0, help="cpu mode: divide the patterns' rates by this")
     p.add_argument("--no-search", action="store_true", help="skip the sustainable-rate search")
+    p.add_argument("--lanes", type=int, default=None, help="cpu/gpu mode: lanes (streams) per combined block given to "
+                                                            "opweave serve (default: its own, one per core on a CPU)")
     p.add_argument("--slo-ms", type=float, default=None, help="p99 bound of a sustainable rate (default 100 ms, "
                                                               "1000 ms in cpu mode: one CPU request takes longer)")
     args = p.parse_args()
