@@ -2,7 +2,7 @@
 ``opweave serve --device cpu`` runs its blocks with), one session on every core against one one-thread session per
 core side by side.
 
-    .venv/bin/python benchmarks/serving_bound.py [--models inception_v3,resnet50,squeezenet] [--seconds 2]
+    .venv/bin/python benchmarks/serving_bound.py [--models inception_v3,resnet50,squeezenet] [--seconds 2] [--quick]
 
 For each model at its published input size (Inception-v3 299, the others 224), each batch size in ``--batches``,
 interleaved over ``--rounds`` rounds: samples per second of (a) one ORT session with intra-op threads = the cores,
@@ -68,6 +68,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=2.0, help="per setting and round (default %(default)s)")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
+    if args.quick:  # a smoke run: one small model, one batch size, short timings
+        args.models, args.batches, args.seconds, args.rounds = args.models or "squeezenet", "1", 0.3, 1
     import torch
 
     from opweave import zoo

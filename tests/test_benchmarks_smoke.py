@@ -181,6 +181,17 @@ def test_cpu_latency_check_only_and_limits(tmp_path):
     assert bound["heft_segments"] >= bound["heft_lanes"] >= 1 and bound["segmenting_costs_ort"] > 0
 
 
+@pytest.mark.slow
+def test_serving_bound_quick(tmp_path):
+    """ORT's capacity on SqueezeNet, one session on every core against one-thread sessions side by side: both
+    rates measured (samples per second), and the bound is their ratio."""
+    run_script("serving_bound.py", tmp_path)
+    result = json.loads((tmp_path / "serving_bound.json").read_text())["results"]["squeezenet"]
+    best = result["best"]
+    assert best["one session, every core"] > 0 and best["one-thread sessions side by side"] > 0
+    assert result["bound"] == round(best["one-thread sessions side by side"] / best["one session, every core"], 3)
+
+
 def test_top_gpg_quick(tmp_path):
     result = run_script("top_gpg.py", tmp_path, "--graphs", "1", "--repeats", "1")
     data = json.loads((tmp_path / "top_gpg.json").read_text())
