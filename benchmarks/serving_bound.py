@@ -11,7 +11,7 @@ per core, each called in a loop by its own thread on its own batch, all at once 
 by side, as ``heuristic``'s combined blocks do, can get: every core busy, no barrier between the parts, no
 imbalance). ``bound`` = best (b) / best (a): the most any side-by-side policy can sustain over ``batch`` when the
 engine's time is all ORT compute (a profile of ``opweave serve --policy batch`` under load found its engine thread
-in ORT 96% of the time). Writes ``benchmarks/results/serving_bound.json``.
+in ORT 95% of the time). Writes ``benchmarks/results/serving_bound.json``.
 """
 
 from __future__ import annotations
@@ -82,13 +82,13 @@ def main() -> None:
     clock = common.Stopwatch()
     results = {}
     for name in models:
-        model, _ = zoo.create(name, batch_size=1, image_size=SIZES.get(name, 224))
         size = SIZES.get(name, 224)
+        model, _ = zoo.create(name, batch_size=1, image_size=size)
         inputs = {b: torch.randn(b, 3, size, size) for b in batches}
         whole = {b: session(model, x, n) for b, x in inputs.items()}  # one session per batch: captures bake it in
         lanes = {b: [session(model, x, 1) for _ in range(n)] for b, x in inputs.items()}
-        rates: dict[str, dict[int, list[float]]] = {"one session, every core": {}, "one-thread sessions side by side":
-                                                    {}}
+        rates: dict[str, dict[int, list[float]]] = {"one session, every core": {},
+                                                    "one-thread sessions side by side": {}}
         for _ in range(args.rounds):
             for b, x in inputs.items():
                 rates["one session, every core"].setdefault(b, []).append(rate([whole[b]], x, args.seconds))

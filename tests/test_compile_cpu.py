@@ -216,5 +216,5 @@ def test_the_default_keeps_the_model_itself_when_it_wins_and_runs_it_as_the_lane
     assert not out.requires_grad and eager.stats["calls"] == 1 and torch.equal(out, model(x).detach())
     if fast.choice["label"] == "eager":
         assert fast.backend.model is model and fast.schedule.streams_used == 1
-    # a captured program or a plan asked for has no model to fall back on
+    # a plan asked for is kept as it is: no guard, no fallback to the model
     assert opweave.compile(model, (x,), scheduler="sequential").choice is None

@@ -245,7 +245,7 @@ def _guarded(compiled: Compiled, captured, example_inputs: tuple, eager) -> Comp
         return compiled
     best, medians = _fastest(built, example_inputs)
     for label, other in built.items():
-        if label != best and other.backend is not built[best].backend:
+        if label != best:
             other.close()
     kept = built[best]
     kept.choice = {"label": best, "candidates": {k: {"median_ms": v} for k, v in medians.items()}}

@@ -118,8 +118,6 @@ class EagerBackend:
 
     def __call__(self, *args) -> Any:
         self.stats["calls"] += 1
-        if not torch.is_grad_enabled():  # no_grad or inference_mode already: entering no_grad costs a microsecond
-            return self.model(*args)
         with torch.no_grad():
             return self.model(*args)
 
