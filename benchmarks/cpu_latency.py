@@ -16,7 +16,9 @@ Modes (``--modes``, separated by ``;``; default :data:`DEFAULT_MODES`):
   CPU. ``sequential`` is one lane on the caller's thread (its own thread count); the other schedulers plan one lane
   per core, and each op (or segment) gets the threads its lane may use while it runs (``opweave.backends.threads``).
   COMPILER: none (the coarsened ops, each lane one generated Python function), ``inductor`` (each segment compiled
-  and frozen by TorchInductor) or ``onnxruntime`` (each segment one ORT session);
+  and frozen by TorchInductor), ``onnxruntime`` (each segment one ORT session) or ``onnxruntime-graph`` (ORT
+  optimizes the whole model, opweave schedules the nodes of its optimized graph, each segment a session of those
+  nodes over bound buffers: ``opweave.backends.ortgraph``);
 * ``opweave max-speed`` — ``opweave.compile(..., mode="max-speed")``: opweave's own search over those plans
   (its choice is cached per model and machine: the latency phase reads it back);
 * ``opweave default`` — ``opweave.compile(model, inputs)`` with no option.
@@ -54,6 +56,7 @@ import _common as common
 ACCEPTANCE_MODELS = ("inception_v3", "googlenet", "nasnet_a_mobile", "randwire")
 PEERS = ("eager", "torch.compile", "torch.compile freezing", "onnxruntime", "onnxruntime parallel")
 OPWEAVE = ("opweave sequential", "opweave heft", "opweave sequential+onnxruntime", "opweave heft+onnxruntime",
+           "opweave sequential+onnxruntime-graph", "opweave heft+onnxruntime-graph",
            "opweave sequential+inductor", "opweave heft+inductor", "opweave max-speed", "opweave default")
 DEFAULT_MODES = PEERS + OPWEAVE
 QUICK_MODES = ("eager", "onnxruntime", "opweave sequential", "opweave heft", "opweave heft+onnxruntime",

@@ -119,6 +119,7 @@ def test_max_speed_measures_the_candidates_keeps_one_that_equals_eager_and_cache
     timed = {k: v["median_ms"] for k, v in choice["candidates"].items() if "median_ms" in v}
     assert len(timed) >= 4 and timed[choice["label"]] == min(timed.values())
     assert {"sequential", "heft+onnxruntime sync"} & {k.partition(" 0")[0] for k in timed}
+    assert {"sequential+onnxruntime-graph", "heft+onnxruntime-graph sync"} <= {k.partition(" 0")[0] for k in timed}
     with torch.inference_mode():
         assert compare(model(*inputs), fast(*inputs)).ok
     again = opweave.compile(model, inputs, device="cpu", mode="max-speed")

@@ -21,6 +21,7 @@ DEVICES = ("cpu", "cuda")
 MODES = ("default", "max-speed")
 # heft fills a few CPU lanes (schedulers/heft.py); opara was written for a GPU's streams
 DEFAULT_SCHEDULER = {"cpu": "heft", "cuda": "opara"}
+ORT_GRAPH = "onnxruntime-graph"  # fuse=: lanes over ONNX Runtime's optimized graph of the whole model
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Compiled:
     backend: Backend
     device: str
     captured: Any = None
-    fused: Any = None  # with fuse=...: the Segmented model (its stats: segments, compiles, compile_s)
+    fused: Any = None  # with fuse=...: the Segmented model, or the OrtLanes backend (stats: segments, compiles, ...)
     choice: dict | None = None  # what a measured choice picked (mode="max-speed", or lanes vs one lane) and timed
 
     def __call__(self, *args, **kwargs) -> Any:
@@ -123,7 +124,9 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, sch
     :func:`opweave.backends.cuda.default_streams` (8, the GPU's hardware queues), on the CPU to no cap.
     ``coarsen`` schedules the papers' operators (:func:`opweave.capture.coarsen`: each op merged with its
     epilogues, BatchNorm folded) instead of one op per fx node. ``fuse="inductor"`` compiles every stream segment
-    of the plan with TorchInductor (:mod:`opweave.backends.segments`; one device only).
+    of the plan with TorchInductor (:mod:`opweave.backends.segments`; one device only), ``fuse="onnxruntime"``
+    runs each in an ONNX Runtime session (CPU), and ``fuse="onnxruntime-graph"`` (CPU) has ONNX Runtime optimize
+    the whole model first and schedules the nodes of its optimized graph (:func:`compile_ort_graph`).
     ``backend_options`` go to the backend (CUDA: ``mode``, ``static_outputs``, ``fallback``).
 
     ``devices > 1`` (with ``hios-lp`` or ``hios-mr``): the plan spans ``devices`` devices and runs on as many
@@ -190,6 +193,11 @@ def compile_captured(captured, example_inputs, *, scheduler: str | None = None, 
             raise UsageError("mode='max-speed' chooses the plan itself, on the CPU: give neither "
                              + ", ".join(given or ["device='cuda'"]))
         return _max_speed(captured, example_inputs)
+    if fuse == ORT_GRAPH:
+        if device != "cpu" or devices != 1:
+            raise UsageError(f"fuse={ORT_GRAPH!r} runs on one CPU")
+        return compile_ort_graph(captured, example_inputs, scheduler=scheduler or DEFAULT_SCHEDULER["cpu"],
+                                 streams=streams, costs=costs, scheduler_options=scheduler_options)
     guard = device == "cpu" and scheduler is None and streams is None and fuse is None and devices == 1
     scheduler = scheduler or ("hios-lp" if devices != 1 else DEFAULT_SCHEDULER[device])
     graph = captured.graph
@@ -224,6 +232,35 @@ def compile_captured(captured, example_inputs, *, scheduler: str | None = None, 
     if guard:  # never slower than one lane in the model's order, nor than the model itself
         compiled = _guarded(compiled, captured, example_inputs, eager)
     return compiled
+
+
+def compile_ort_graph(captured, example_inputs: tuple, *, scheduler: str = "heft", streams: int | None = None,
+                      costs: Costs | None = None, scheduler_options: dict | None = None, model=None) -> Compiled:
+    """``fuse="onnxruntime-graph"``: ``captured`` exported whole and optimized by ONNX Runtime, the nodes of its
+    optimized graph scheduled onto one lane per core (at most ``streams``) and run as sessions of each segment over
+    bound buffers (:mod:`opweave.backends.ortgraph`). Costs are each node's kernel time on one thread from ONNX
+    Runtime's profiler, or ``costs``' latencies when they name exactly the optimized graph's nodes (a cached
+    choice). ``heft`` weighs a cross-lane edge at 3x the thread hand-off (:func:`~opweave.backends.threads.
+    sync_cost_ms`): there it also cuts a segment, which costs ONNX Runtime some of its whole-graph locality.
+    ``model``: an :class:`~opweave.backends.ortgraph.OrtGraph` already built for these inputs (max-speed shares
+    one among its candidates). The result's ``graph``, ``schedule`` and ``plan`` are the optimized graph's."""
+    import dataclasses
+
+    from opweave.backends import threads as cpu_threads
+    from opweave.backends.ortgraph import OrtGraph, OrtLanes
+    from opweave.costs import from_graph
+
+    model = model if model is not None else OrtGraph(captured, example_inputs)
+    graph = model.graph
+    planned = from_graph(graph)
+    if costs is not None and set(costs.latency_ms) == set(graph.ids):
+        planned = dataclasses.replace(planned, latency_ms=dict(costs.latency_ms))
+    options = dict(scheduler_options or {})
+    if scheduler == "heft":
+        options.setdefault("sync_ms", 3 * cpu_threads.sync_cost_ms())
+    sched, plan = plan_for(graph, planned, scheduler, streams=streams or cpu_threads.cores(), **options)
+    backend = OrtLanes(model, plan, cpu_threads.lane_threads(graph, plan, planned, ORT_GRAPH))
+    return Compiled(graph, planned, sched, plan, backend, "cpu", captured, fused=backend)
 
 
 def _guarded(compiled: Compiled, captured, example_inputs: tuple, eager) -> Compiled:
@@ -282,8 +319,11 @@ def _candidates(sync_ms: float) -> list[dict]:
     from opweave.backends.compilers import available
 
     fuses = [None, *available()]
+    if "onnxruntime" in fuses:
+        fuses.append(ORT_GRAPH)
     out = [{"scheduler": "sequential", "fuse": f, "sync_ms": None} for f in fuses]
-    syncs = {None: (1, 4), "onnxruntime": (1, 4, 16), "inductor": (4,)}  # a segment boundary costs ORT a call
+    # a segment boundary costs ORT a call (and, over its whole graph, some locality)
+    syncs = {None: (1, 4), "onnxruntime": (1, 4, 16), "inductor": (4,), ORT_GRAPH: (1, 3, 10)}
     for f in fuses:
         out += [{"scheduler": "heft", "fuse": f, "sync_ms": round(k * sync_ms, 4)} for k in syncs[f]]
     return out
@@ -294,8 +334,12 @@ def _label(c: dict) -> str:
         f" sync {c['sync_ms']}" if c["sync_ms"] is not None else "")
 
 
-def _build(captured, example_inputs, candidate: dict, costs: Costs) -> Compiled:
+def _build(captured, example_inputs, candidate: dict, costs: Costs, ort_graph=None) -> Compiled:
     options = {"sync_ms": candidate["sync_ms"]} if candidate["sync_ms"] is not None else None
+    if candidate["fuse"] == ORT_GRAPH:
+        return compile_ort_graph(captured, example_inputs, scheduler=candidate["scheduler"],
+                                 streams=1 if candidate["scheduler"] == "sequential" else None, costs=costs,
+                                 scheduler_options=options, model=ort_graph)
     return compile_captured(captured, example_inputs, scheduler=candidate["scheduler"], device="cpu",
                             streams=1 if candidate["scheduler"] == "sequential" else None, costs=costs,
                             coarsen=False, fuse=candidate["fuse"], scheduler_options=options)
@@ -339,7 +383,8 @@ def _max_speed(captured, example_inputs: tuple) -> Compiled:
         chosen.close()
     candidates = _candidates(sync_cost_ms())
     eager_ms = profile_model(captured, example_inputs, device="cpu", repeats=5, warmup=1, threads=1).latency_ms
-    latencies = {fuse: eager_ms for fuse in {c["fuse"] for c in candidates}}
+    latencies = {fuse: eager_ms for fuse in {c["fuse"] for c in candidates} if fuse != ORT_GRAPH}
+    ort_graph = None  # built with the first of its candidates; its latencies are its own graph's nodes'
     if "onnxruntime" in latencies:  # its kernels are timed as they will run (segments.op_latencies)
         from opweave.backends.segments import op_latencies
 
@@ -354,9 +399,14 @@ def _max_speed(captured, example_inputs: tuple) -> Compiled:
             label = _label(candidate)
             bar.update(task, description=f"{graph.name}: max-speed, building {label}")
             start = time.perf_counter()
-            costs = dataclasses.replace(roofline, latency_ms=latencies[candidate["fuse"]])
             try:
-                fast = _build(captured, example_inputs, candidate, costs)
+                if candidate["fuse"] == ORT_GRAPH and ORT_GRAPH not in latencies:  # one export for its candidates
+                    from opweave.backends.ortgraph import OrtGraph
+
+                    ort_graph = OrtGraph(captured, example_inputs)
+                    latencies[ORT_GRAPH] = ort_graph.graph.latencies()
+                costs = dataclasses.replace(roofline, latency_ms=latencies[candidate["fuse"]])
+                fast = _build(captured, example_inputs, candidate, costs, ort_graph)
                 with torch.no_grad():
                     check = compare(reference, fast(*example_inputs))
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot be built is left out, and said so

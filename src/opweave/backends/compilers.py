@@ -182,7 +182,7 @@ def available() -> list[str]:
 def get(name: str) -> SegmentCompiler:
     """The compiler called ``name``; :class:`~opweave.errors.UsageError` naming the choices otherwise."""
     if name not in COMPILERS:
-        raise UsageError(f"fuse must be one of {', '.join(COMPILERS)} (or None), got {name!r}")
+        raise UsageError(f"fuse must be one of {', '.join(COMPILERS)}, onnxruntime-graph (or None), got {name!r}")
     return COMPILERS[name]()
 
 

@@ -195,15 +195,17 @@ class Call:
 
 class LaneWorker(Walker):
     """A long-lived thread that runs one lane's steps for every :class:`Call` put in its inbox (``None`` stops it):
-    a launch runs the op in the call's environment, a signal sets the call's signal, a wait waits for it. Once
-    another lane has failed, the remaining steps are skipped."""
+    a launch runs the op in the call's environment (``captured.run_op``), a signal sets the call's signal, a wait
+    waits for it. Once another lane has failed, the remaining steps are skipped. With ``thread=False`` it starts no
+    thread: the caller runs the lane itself with :meth:`run_call`."""
 
-    def __init__(self, lane: Lane, steps: list[Step], captured):
+    def __init__(self, lane: Lane, steps: list[Step], captured, thread: bool = True):
         self.lane, self.steps, self.captured = lane, steps, captured
         self.call: Call | None = None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=f"opweave-d{lane[0]}s{lane[1]}", daemon=True)
-        self.thread.start()
+        if thread:
+            self.thread.start()
 
     def _loop(self) -> None:
         while (call := self.inbox.get()) is not None:

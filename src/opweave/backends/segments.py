@@ -235,23 +235,21 @@ class _Segment:
             raise CaptureError(f"{self.owner.graph.name}: segment {self.seg!r} ({len(self.owner.nodes[self.seg])} "
                                f"fx nodes) failed in its compiled graph: {type(exc).__name__}: "
                                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
-        if compiled.flat:
-            return results
-        outputs, position = [], 0
-        for spec, count in compiled.output_specs:
-            outputs.append(pytree.tree_unflatten(list(results[position:position + count]), spec))
-            position += count
-        return outputs
+        return results if compiled.flat else unflatten(results, compiled.output_specs)
 
-    def _compile(self, values: list[Any]) -> _Compiled | None:
-        """Compile the segment for these input values; None (with a warning) when the compiler fails. An error
-        of the segment's own ops (found by one run op by op, which also gives the outputs' structure) is raised."""
+    def examples(self, values: list[Any]) -> list[Any]:
+        """The segment's output values for ``values``, run op by op (an error of its own ops is raised here)."""
         scratch = dict(zip(self.input_keys, values, strict=True))
         for name, path in self.owner._constants:  # parameters and constants the ops read
             scratch[name] = _attr(self.owner.gm, path)
         with torch.no_grad():
             self.owner.run_unfused(self.seg, scratch)
-        examples = [scratch[n.name] for n in self.outputs]
+        return [scratch[n.name] for n in self.outputs]
+
+    def _compile(self, values: list[Any]) -> _Compiled | None:
+        """Compile the segment for these input values; None (with a warning) when the compiler fails. An error
+        of the segment's own ops (found by one run op by op, which also gives the outputs' structure) is raised."""
+        examples = self.examples(values)
         start = time.perf_counter()
         try:
             gm, specs = self._graph_module(values, examples)
@@ -303,6 +301,62 @@ class _Segment:
             specs.append((spec, len(paths)))
         graph.output(tuple(outs))
         return fx.GraphModule(self.owner.gm, graph), specs
+
+
+def unflatten(results, specs: list[tuple]) -> list[Any]:
+    """A segment's outputs from its compiled graph's flat results (``specs``: per output its pytree spec and number
+    of leaves, as :meth:`_Segment._graph_module` gives them)."""
+    outputs, position = [], 0
+    for spec, count in specs:
+        outputs.append(pytree.tree_unflatten(list(results[position:position + count]), spec))
+        position += count
+    return outputs
+
+
+@dataclass
+class Whole:
+    """A captured model as one graph, for a compiler that takes the model whole (:func:`whole_module`)."""
+
+    gm: fx.GraphModule  # takes ``inputs``' tensors, returns the flat tensor leaves of the model's output values
+    inputs: list[torch.Tensor]  # the example call's tensor leaves, in ``gm``'s order
+    outputs: list[torch.Tensor]  # ``gm``'s results for them
+    key: Any  # the example's input signature: a call with another runs elsewhere (:meth:`leaves` says None)
+    segmented: Segmented
+    segment: _Segment
+    specs: list[tuple]
+
+    def leaves(self, args: tuple) -> list[torch.Tensor] | None:
+        """The tensors ``gm`` takes for the model's arguments ``args``; None when their signature (shapes,
+        strides, dtypes, non-tensor values) is not the example's, for which the graph was built."""
+        env = self.segmented.bind(args)
+        values = [env[k] for k in self.segment.input_keys]
+        if signature(values, strides=True)[0] != self.key:
+            return None
+        return [leaf for v in values for leaf in pytree.tree_leaves(v) if isinstance(leaf, torch.Tensor)]
+
+    def output(self, results) -> Any:
+        """The model's output from ``gm``'s flat results."""
+        values = unflatten(results, self.specs)
+        return self.segmented.output(dict(zip(self.segment.output_keys, values, strict=True)))
+
+
+def whole_module(captured: Captured, args: tuple) -> Whole:
+    """``captured`` as one ``fx.GraphModule`` over the tensor leaves of its bound inputs, as a segment holding
+    every op is given to a segment compiler (non-tensor values baked in for ``args``' signature), with what maps a
+    call's arguments to its inputs and its flat results back to the model's output."""
+    merged = merge_ops(captured, [list(captured.graph.topo_order)])
+    segmented = Segmented(merged.graph, merged.gm, merged.nodes, signature=merged.signature,
+                          example_inputs=merged.example_inputs, compiler="eager")
+    segment = next(iter(segmented._segments.values()))
+    env = segmented.bind(tuple(args))
+    values = [env[k] for k in segment.input_keys]
+    examples = segment.examples(values)
+    gm, specs = segment._graph_module(values, examples)
+    inputs = [leaf for v in values for leaf in pytree.tree_leaves(v) if isinstance(leaf, torch.Tensor)]
+    outputs = [leaf for e in examples for leaf in pytree.tree_leaves(e)]
+    if not all(isinstance(x, torch.Tensor) for x in outputs):
+        raise CaptureError(f"{captured.graph.name}: an output is not a tensor; the model cannot run as one graph")
+    return Whole(gm, inputs, outputs, signature(values, strides=True)[0], segmented, segment, specs)
 
 
 @dataclass

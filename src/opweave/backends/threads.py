@@ -104,13 +104,14 @@ def restore_default(threads: int) -> None:
 
 def lane_threads(graph, plan, costs=None, fuse: str | None = None) -> dict[str, int] | None:
     """Each op's intra-op threads on a CPU plan's lanes (None for a single lane: the caller's own count). A plan of
-    ``fuse="onnxruntime"`` segments with ``costs`` gets :func:`op_threads`' per-op budgets; any other plan its
+    ONNX Runtime sessions (``fuse="onnxruntime"`` or ``"onnxruntime-graph"``) with ``costs`` gets
+    :func:`op_threads`' per-op budgets; any other plan its
     lanes' :func:`budgets`, the same for every op of a lane (module docstring says why)."""
     lane_of = {i.op: (i.device, i.stream) for i in plan.instrs if i.kind == "launch"}
     lanes = sorted(set(lane_of.values()))
     if len(lanes) < 2:
         return None
-    if fuse == "onnxruntime" and costs is not None:
+    if fuse in ("onnxruntime", "onnxruntime-graph") and costs is not None:
         from opweave.backends.simulate import simulate
 
         return op_threads(simulate(graph, plan, costs))
