@@ -156,14 +156,35 @@ def test_whole_module_is_the_model_as_one_graph():
     captured = coarsen(capture(model, inputs))
     whole = whole_module(captured, inputs)
     results = whole.gm(*whole.inputs)
+    env, leaves = whole.bind(inputs)
     with torch.inference_mode():
         expected = model(*inputs)
-        assert compare(expected, whole.output(list(results))).ok
-    assert whole.leaves(inputs)[0] is inputs[0]
-    assert whole.leaves((inputs[0].to(memory_format=torch.channels_last),)) is None
+        assert compare(expected, whole.output(env, list(results))).ok
+    assert leaves[0] is inputs[0]
+    assert whole.bind((inputs[0].to(memory_format=torch.channels_last),))[1] is None
 
 
 def test_ort_graph_runs_on_one_cpu_only():
     model, inputs = _model()
     with pytest.raises(UsageError, match="runs on one CPU"):
         opweave.compile(model, inputs, device="cpu", fuse="onnxruntime-graph", devices=2, scheduler="hios-lp")
+
+
+class PassThrough(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.a(x)) + torch.tanh(self.b(x)), x, self.b.weight * 2
+
+
+def test_outputs_the_graph_does_not_compute_are_returned():
+    """The model's input returned as it is (the call's own argument), and a constant output: ONNX Runtime folds
+    it into an initializer, which no node of its graph makes (an Identity node is added to make it)."""
+    model, x = PassThrough().eval(), torch.randn(2, 8)
+    fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph")
+    assert fast.backend.model.model.graph.node[-1].op_type == "Identity"
+    with torch.inference_mode():
+        out = fast(x)
+        assert compare(model(x), out).ok and torch.equal(out[1], x)

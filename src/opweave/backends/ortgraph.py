@@ -86,6 +86,12 @@ class OrtGraph:
             self.session(raw, 1, optimize=True, save=path)
             self.model = onnx.load(str(path))
         graph = self.model.graph
+        made = {o for n in graph.node for o in n.output if o}
+        for output in graph.output:  # an output no node makes (an input or a constant): one node makes it now
+            if output.name not in made:
+                source = output.name
+                output.name = f"{source}__out"
+                graph.node.append(onnx.helper.make_node("Identity", [source], [output.name]))
         seen: set[str] = set()
         for i, node in enumerate(graph.node):
             if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
@@ -252,7 +258,7 @@ class OrtLanes:
             if not self.close.alive:
                 raise UsageError(f"{self.model.graph.name}: this ONNX Runtime lanes backend was closed")
             self.stats["calls"] += 1
-            leaves = self.model.whole.leaves(args)
+            env, leaves = self.model.whole.bind(args)
             if leaves is None:
                 return self._op_by_op(args)
             fed = {name: self._ort_value(_array(leaves[i])) for name, i in self.model.inputs}
@@ -270,7 +276,7 @@ class OrtLanes:
             call.done.wait()
             if call.errors:
                 raise call.errors[0]
-            return self.model.whole.output([torch.from_numpy(a.copy()) for a in self._outputs])
+            return self.model.whole.output(env, [torch.from_numpy(a.copy()) for a in self._outputs])
 
     def _op_by_op(self, args: tuple) -> Any:
         self.stats["fallbacks"] += 1

@@ -320,24 +320,25 @@ class Whole:
     gm: fx.GraphModule  # takes ``inputs``' tensors, returns the flat tensor leaves of the model's output values
     inputs: list[torch.Tensor]  # the example call's tensor leaves, in ``gm``'s order
     outputs: list[torch.Tensor]  # ``gm``'s results for them
-    key: Any  # the example's input signature: a call with another runs elsewhere (:meth:`leaves` says None)
+    key: Any  # the example's input signature: a call with another runs elsewhere (:meth:`bind` says None)
     segmented: Segmented
     segment: _Segment
     specs: list[tuple]
 
-    def leaves(self, args: tuple) -> list[torch.Tensor] | None:
-        """The tensors ``gm`` takes for the model's arguments ``args``; None when their signature (shapes,
-        strides, dtypes, non-tensor values) is not the example's, for which the graph was built."""
+    def bind(self, args: tuple) -> tuple[dict[str, Any], list[torch.Tensor] | None]:
+        """The call's environment (the model's arguments ``args`` bound) and the tensors ``gm`` takes for them;
+        None for the tensors when their signature (shapes, strides, dtypes, non-tensor values) is not the
+        example's, for which the graph was built."""
         env = self.segmented.bind(args)
         values = [env[k] for k in self.segment.input_keys]
         if signature(values, strides=True)[0] != self.key:
-            return None
-        return [leaf for v in values for leaf in pytree.tree_leaves(v) if isinstance(leaf, torch.Tensor)]
+            return env, None
+        return env, [leaf for v in values for leaf in pytree.tree_leaves(v) if isinstance(leaf, torch.Tensor)]
 
-    def output(self, results) -> Any:
-        """The model's output from ``gm``'s flat results."""
+    def output(self, env: dict[str, Any], results) -> Any:
+        """The model's output from the call's environment and ``gm``'s flat results (an output may be an input)."""
         values = unflatten(results, self.specs)
-        return self.segmented.output(dict(zip(self.segment.output_keys, values, strict=True)))
+        return self.segmented.output({**env, **dict(zip(self.segment.output_keys, values, strict=True))})
 
 
 def whole_module(captured: Captured, args: tuple) -> Whole:
