@@ -240,8 +240,10 @@ def compile_ort_graph(captured, example_inputs: tuple, *, scheduler: str = "heft
     optimized graph scheduled onto one lane per core (at most ``streams``) and run as sessions of each segment over
     bound buffers (:mod:`opweave.backends.ortgraph`). Costs are each node's kernel time on one thread from ONNX
     Runtime's profiler, or ``costs``' latencies when they name exactly the optimized graph's nodes (a cached
-    choice). ``heft`` weighs a cross-lane edge at 3x the thread hand-off (:func:`~opweave.backends.threads.
-    sync_cost_ms`): there it also cuts a segment, which costs ONNX Runtime some of its whole-graph locality.
+    choice). ``heft`` weighs a cross-lane edge at 10x the thread hand-off (:func:`~opweave.backends.threads.
+    sync_cost_ms`): there it also cuts a segment, which costs ONNX Runtime some of its whole-graph locality;
+    max-speed's search over 1x, 3x and 10x picked 10x for NASNet in both of its runs on 2026-11-26 (17.3 ms
+    against 19.3 ms at 3x, ``benchmarks/results/cpu_latency.json``) and for Inception-v3 in one.
     ``model``: an :class:`~opweave.backends.ortgraph.OrtGraph` already built for these inputs (max-speed shares
     one among its candidates). The result's ``graph``, ``schedule`` and ``plan`` are the optimized graph's."""
     import dataclasses
@@ -257,7 +259,7 @@ def compile_ort_graph(captured, example_inputs: tuple, *, scheduler: str = "heft
         planned = dataclasses.replace(planned, latency_ms=dict(costs.latency_ms))
     options = dict(scheduler_options or {})
     if scheduler == "heft":
-        options.setdefault("sync_ms", 3 * cpu_threads.sync_cost_ms())
+        options.setdefault("sync_ms", 10 * cpu_threads.sync_cost_ms())
     sched, plan = plan_for(graph, planned, scheduler, streams=streams or cpu_threads.cores(), **options)
     backend = OrtLanes(model, plan, cpu_threads.lane_threads(graph, plan, planned, ORT_GRAPH))
     return Compiled(graph, planned, sched, plan, backend, "cpu", captured, fused=backend)
@@ -323,7 +325,7 @@ def _candidates(sync_ms: float) -> list[dict]:
         fuses.append(ORT_GRAPH)
     out = [{"scheduler": "sequential", "fuse": f, "sync_ms": None} for f in fuses]
     # a segment boundary costs ORT a call (and, over its whole graph, some locality)
-    syncs = {None: (1, 4), "onnxruntime": (1, 4, 16), "inductor": (4,), ORT_GRAPH: (1, 3, 10)}
+    syncs = {None: (1, 4), "onnxruntime": (1, 4, 16), "inductor": (4,), ORT_GRAPH: (3, 10, 30)}
     for f in fuses:
         out += [{"scheduler": "heft", "fuse": f, "sync_ms": round(k * sync_ms, 4)} for k in syncs[f]]
     return out
