@@ -47,13 +47,14 @@ def test_ort_graph_lanes_equal_eager(name, scheduler):
     options = {"num_layers": 2} if name == "bert_base" else {"image_size": 64} if name == "squeezenet" else {}
     model, inputs = zoo.create(name, batch_size=1, **options)
     fast = opweave.compile(model, inputs, device="cpu", scheduler=scheduler, fuse="onnxruntime-graph",
-                           streams=1 if scheduler == "sequential" else 2)
+                           streams=1 if scheduler == "sequential" else 2,
+                           scheduler_options={"sync_ms": 0.0} if scheduler == "heft" else None)
     with torch.inference_mode():
         assert compare(model(*inputs), fast(*inputs), tolerance=1e-4).ok
     if scheduler == "sequential":
         assert fast.fused.stats["segments"] == 1
     else:
-        assert fast.schedule.streams_used <= 2 and fast.fused.stats["segments"] >= fast.schedule.streams_used
+        assert fast.schedule.streams_used == 2 and fast.fused.stats["segments"] >= 2
     assert fast.fused.stats["fallbacks"] == 0
     fast.close()
 
@@ -74,19 +75,86 @@ def test_the_plan_is_over_ort_nodes_validated_and_each_segment_is_one_session():
         assert compare(model(*inputs), fast(*inputs)).ok
 
 
-def test_buffers_are_made_once_and_outputs_are_copied_out():
-    """No allocation per call: every boundary value's buffer keeps its address; each call's outputs are its own
-    (the next call does not overwrite them)."""
+def test_sessions_write_into_the_buffers_made_once_and_outputs_are_copied_out():
+    """No allocation per call: the sessions write every boundary value into the one array made for it (its
+    contents follow the inputs, its address stays); each call's outputs are its own (the next call does not
+    overwrite them)."""
     model, inputs = _model()
     fast = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph",
                            scheduler_options={"sync_ms": 0.0})
-    addresses = {k: v.data_ptr() for k, v in fast.backend.buffers.items()}
+    arrays = fast.backend.arrays
+    addresses = {k: a.ctypes.data for k, a in arrays.items()}
+    inside = [k for k in arrays if k not in fast.backend.model.outputs]
+    assert inside
     other = torch.randn_like(inputs[0])
     with torch.inference_mode():
-        first, second = fast(*inputs), fast(other)
+        first = fast(*inputs)
+        seen = {k: arrays[k].copy() for k in inside}
+        second = fast(other)
         assert compare(model(*inputs), first).ok and compare(model(other), second).ok
-    assert {k: v.data_ptr() for k, v in fast.backend.buffers.items()} == addresses
+    assert all(not (arrays[k] == seen[k]).all() for k in inside)
+    assert {k: a.ctypes.data for k, a in arrays.items()} == addresses
     assert not torch.equal(first["sum"], second["sum"])
+
+
+class Fork(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.a(x)) * torch.sigmoid(self.b(x))
+
+
+def test_an_input_read_on_both_lanes_is_bound_in_each():
+    model, x = Fork().eval(), torch.randn(4, 16)
+    fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph",
+                           scheduler_options={"sync_ms": 0.0})
+    readers = {fast.plan.instrs[i].stream for i, ins in enumerate(fast.plan.instrs) if ins.kind == "launch"
+               and any(name == "in0" for name in fast.backend.model.node[ins.op].input)}
+    assert readers == {0, 1}
+    for _ in range(3):
+        y = torch.randn(4, 16)
+        with torch.inference_mode():
+            assert compare(model(y), fast(y)).ok
+
+
+def test_an_error_in_a_worker_lane_reaches_the_caller_and_the_next_call_works():
+    model, x = Fork().eval(), torch.randn(4, 16)
+    fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph",
+                           scheduler_options={"sync_ms": 0.0})
+    segments = fast.backend._workers[0].captured
+    worker_op = next(s.op for s in fast.backend._workers[0].steps if s.kind == "launch")
+    kept = segments.bound[worker_op]
+
+    def broken(binding, options):
+        raise RuntimeError("segment failed")
+
+    segments.bound[worker_op] = (broken, kept[1])
+    with pytest.raises(RuntimeError, match="segment failed"):
+        fast(x)
+    segments.bound[worker_op] = kept
+    with torch.inference_mode():
+        assert compare(model(x), fast(x)).ok
+
+
+def test_workers_stop_on_close_and_when_the_backend_is_collected():
+    import gc
+
+    model, x = Fork().eval(), torch.randn(4, 16)
+    for closing in (True, False):
+        fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph",
+                               scheduler_options={"sync_ms": 0.0})
+        threads = [w.thread for w in fast.backend._workers]
+        assert threads and all(t.is_alive() for t in threads)
+        if closing:
+            fast.close()
+        else:
+            del fast
+            gc.collect()
+        for t in threads:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in threads)
 
 
 def test_inputs_with_other_strides_run_op_by_op_with_one_warning():
@@ -104,23 +172,27 @@ def test_inputs_with_other_strides_run_op_by_op_with_one_warning():
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_session_budgets_follow_the_plan(lanes):
     """One lane: one session of the whole graph on every core, its pool spinning (ONNX Runtime's own run). Two
-    lanes: each session on its ops' budget (lane_threads), the pool sleeping when it has more than one thread."""
-    from opweave.backends.threads import cores
+    lanes: each session on the smallest budget of its ops (lane_threads), its pool sleeping when it has more than
+    one thread."""
+    from opweave.backends.segments import segment_groups
+    from opweave.backends.threads import cores, lane_threads
 
     model, inputs = _model()
     fast = opweave.compile(model, inputs, device="cpu", scheduler="sequential" if lanes == 1 else "heft",
-                           streams=lanes, fuse="onnxruntime-graph")
-    for session in fast.backend.sessions.values():
+                           streams=lanes, fuse="onnxruntime-graph",
+                           scheduler_options={"sync_ms": 0.0} if lanes == 2 else None)
+    assert fast.schedule.streams_used == lanes
+    budgets = lane_threads(fast.graph, fast.plan, fast.costs, "onnxruntime-graph") or {}
+    expected = {g[0]: cores() if lanes == 1 else min(budgets.get(op, 1) for op in g)
+                for g in segment_groups(fast.plan)}
+    for first, session in fast.backend.sessions.items():
         options = session.get_session_options()
         try:
             spinning = options.get_session_config_entry("session.intra_op.allow_spinning")
         except RuntimeError:  # not set: ORT's default, which spins
             spinning = "1"
-        if lanes == 1:
-            assert options.intra_op_num_threads == cores() and spinning != "0"
-        else:
-            assert options.intra_op_num_threads >= 1
-            assert spinning == ("0" if options.intra_op_num_threads > 1 else spinning)
+        assert options.intra_op_num_threads == expected[first]
+        assert (spinning != "0") == (lanes == 1 or expected[first] == 1)
 
 
 def test_a_closed_backend_refuses_calls():
@@ -141,14 +213,20 @@ def test_ort_graph_costs_are_one_thread_kernel_times_of_every_node():
     assert built.graph.edges and all(e.bytes > 0 for e in built.graph.edges)
 
 
-def test_a_cached_choices_latencies_plan_the_same_schedule():
-    """costs naming exactly the optimized graph's nodes are planned on as given (max-speed's cache)."""
+def test_a_cached_choice_rebuilds_the_same_plan_without_profiling(monkeypatch):
+    """max-speed's cache holds the chosen plan's latencies, which name the optimized graph's nodes: building the
+    choice again plans on them as given and does not profile again."""
+    from opweave.api import _build
+
     model, inputs = _model()
     first = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph")
-    again = opweave.api.compile_ort_graph(coarsen(capture(model, inputs)), inputs,
-                                          streams=2, costs=first.costs)
+    monkeypatch.setattr(OrtGraph, "_profile", lambda self, runs: pytest.fail("profiled again"))
+    candidate = {"scheduler": "heft", "fuse": "onnxruntime-graph", "sync_ms": first.schedule.options.get("sync_ms")}
+    again = _build(coarsen(capture(model, inputs)), inputs, candidate, first.costs)
     assert again.costs.latency_ms == first.costs.latency_ms
     assert again.schedule.stream_of == first.schedule.stream_of
+    with torch.inference_mode():
+        assert compare(model(*inputs), again(*inputs)).ok
 
 
 def test_whole_module_is_the_model_as_one_graph():
@@ -180,7 +258,7 @@ class PassThrough(nn.Module):
 
 
 def test_outputs_the_graph_does_not_compute_are_returned():
-    """The model's input returned as it is (the call's own argument), and a constant output: ONNX Runtime folds
+    """The model's input returned as it is (equal to the call's argument), and a constant output: ONNX Runtime folds
     it into an initializer, which no node of its graph makes (an Identity node is added to make it)."""
     model, x = PassThrough().eval(), torch.randn(2, 8)
     fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph")

@@ -242,8 +242,9 @@ def compile_ort_graph(captured, example_inputs: tuple, *, scheduler: str = "heft
     Runtime's profiler, or ``costs``' latencies when they name exactly the optimized graph's nodes (a cached
     choice). ``heft`` weighs a cross-lane edge at 10x the thread hand-off (:func:`~opweave.backends.threads.
     sync_cost_ms`): there it also cuts a segment, which costs ONNX Runtime some of its whole-graph locality;
-    max-speed's search over 1x, 3x and 10x picked 10x for NASNet in both of its runs on 2026-11-26 (17.3 ms
-    against 19.3 ms at 3x, ``benchmarks/results/cpu_latency.json``) and for Inception-v3 in one.
+    max-speed's search over 1x, 3x and 10x (now 3x, 10x, 30x) picked 10x for NASNet in both of its runs on
+    2026-11-26 (17.3 ms against 19.3 ms at 3x, ``benchmarks/results/cpu_latency.json``) and for Inception-v3 in
+    one.
     ``model``: an :class:`~opweave.backends.ortgraph.OrtGraph` already built for these inputs (max-speed shares
     one among its candidates). The result's ``graph``, ``schedule`` and ``plan`` are the optimized graph's."""
     import dataclasses
@@ -252,7 +253,8 @@ def compile_ort_graph(captured, example_inputs: tuple, *, scheduler: str = "heft
     from opweave.backends.ortgraph import OrtGraph, OrtLanes
     from opweave.costs import from_graph
 
-    model = model if model is not None else OrtGraph(captured, example_inputs)
+    if model is None:
+        model = OrtGraph(captured, example_inputs, latency_ms=costs.latency_ms if costs is not None else None)
     graph = model.graph
     planned = from_graph(graph)
     if costs is not None and set(costs.latency_ms) == set(graph.ids):
@@ -402,11 +404,14 @@ def _max_speed(captured, example_inputs: tuple) -> Compiled:
             bar.update(task, description=f"{graph.name}: max-speed, building {label}")
             start = time.perf_counter()
             try:
-                if candidate["fuse"] == ORT_GRAPH and ORT_GRAPH not in latencies:  # one export for its candidates
+                if candidate["fuse"] == ORT_GRAPH and ort_graph is None:  # one export for all its candidates
                     from opweave.backends.ortgraph import OrtGraph
 
+                    ort_graph = UsageError("building ONNX Runtime's graph failed (see the first of its candidates)")
                     ort_graph = OrtGraph(captured, example_inputs)
                     latencies[ORT_GRAPH] = ort_graph.graph.latencies()
+                if candidate["fuse"] == ORT_GRAPH and isinstance(ort_graph, Exception):
+                    raise ort_graph
                 costs = dataclasses.replace(roofline, latency_ms=latencies[candidate["fuse"]])
                 fast = _build(captured, example_inputs, candidate, costs, ort_graph)
                 with torch.no_grad():

@@ -16,9 +16,10 @@ boundary and its fusions stop there. Here the order is turned round:
    sync inside (:func:`~opweave.backends.segments.segment_groups`) becomes a model of exactly those nodes, run with
    optimizations off so the nodes stay as ONNX Runtime made them, and tensors cross segments in the layout the whole
    graph gave them (NCHWc blocks included).
-4. **No allocation or copy per call.** Every value that crosses a segment boundary lives in one buffer allocated
-   once, and each session reads and writes those buffers through an ``IOBinding`` made once; a call rebinds only the
-   model's inputs (no copy) and copies only the model's outputs out. The plan's lanes run as the CPU backend's do:
+4. **No tensor allocated or copied per call.** Every value that crosses a segment boundary lives in one buffer
+   allocated once, and each session reads and writes those buffers through an ``IOBinding`` made once; a call
+   rebinds only the model's inputs (no copy) and copies only the model's outputs out (beside them, a call makes one
+   ``Event`` per sync and one ``OrtValue`` header per input). The plan's lanes run as the CPU backend's do:
    the first in the caller's thread, every other on a long-lived :class:`~opweave.backends.cpu.LaneWorker`, a record
    an ``Event.set`` and a wait an ``Event.wait`` (ONNX Runtime releases the GIL while a session runs).
 
@@ -38,19 +39,26 @@ run, its pool spinning). With several lanes each segment's session gets the budg
 (:func:`opweave.backends.threads.lane_threads`: one thread, or every core for a segment of the first lane that the
 plan runs alone), its pool sleeping when idle, since another lane may need the core.
 
-A call whose inputs do not have the example's signature (shape, strides, dtype; the graph was exported for it)
-runs the captured model op by op, with one warning.
+Shapes and dtypes other than the example's are refused as every captured model refuses them
+(:meth:`~opweave.capture.runtime.Captured.bind`); a call whose inputs have other strides (the graph was exported for
+the example's) runs the captured model op by op, with one warning.
+
+Each session with more than one intra-op thread has a pool of its own (sleeping when idle); on a machine with many
+cores a plan's first-lane segments would hold many idle threads, where ONNX Runtime's global pool could share one
+(not done: on 2 cores a session has at most one extra thread).
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import math
 import statistics
 import tempfile
 import threading
 import warnings
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +76,12 @@ from opweave.plan.launchplan import LaunchPlan
 
 class OrtGraph:
     """``captured`` exported whole and optimized by ONNX Runtime; ``graph`` is an OpGraph of the optimized nodes with
-    their one-thread kernel times (module docstring). ``stats``: ``nodes``, ``export_s``, ``optimize_s``."""
+    their one-thread kernel times (module docstring), or ``latency_ms`` where it names exactly those nodes (a cached
+    choice: not profiled again). ``values`` holds each value's shape and dtype (what sizes a buffer), not its data.
+    ``stats``: ``nodes``, ``export_s``, ``optimize_s`` (optimizing and profiling)."""
 
-    def __init__(self, captured, example_inputs: tuple, profile_runs: int = 20):
+    def __init__(self, captured, example_inputs: tuple, profile_runs: int = 20,
+                 latency_ms: dict[str, float] | None = None):
         import time
 
         import onnx
@@ -108,7 +119,8 @@ class OrtGraph:
         self.outputs = [o.name for o in graph.output]
         self.feed = {name: _array(self.whole.inputs[i]) for name, i in self.inputs}
         self.values = self._values()
-        self.latency_ms = self._profile(profile_runs)
+        known = latency_ms is not None and set(latency_ms) == set(self.node)
+        self.latency_ms = dict(latency_ms) if known else self._profile(profile_runs)
         producer = {o: n.name for n in graph.node for o in n.output if o}
         ops = [Op(id=n.name, name=n.op_type, target=f"{n.domain or 'ai.onnx'}::{n.op_type}",
                   latency_ms=max(self.latency_ms[n.name], 1e-4)) for n in graph.node]
@@ -141,7 +153,8 @@ class OrtGraph:
                                     providers=["CPUExecutionProvider"])
 
     def _values(self) -> dict[str, Any]:
-        """Every value of the optimized graph for the example inputs (their shapes and dtypes size the buffers)."""
+        """Every value of the optimized graph for the example inputs, as its :class:`Value` (shape and dtype; the
+        data is not kept)."""
         import onnx
         from onnx import helper
 
@@ -151,7 +164,7 @@ class OrtGraph:
         del everything.graph.output[:]
         everything.graph.output.extend(helper.make_empty_tensor_value_info(o) for o in produced)
         results = self.session(everything.SerializeToString(), 1).run(produced, self.feed)
-        return {**self.feed, **dict(zip(produced, results, strict=True))}
+        return {name: _shape_of(value) for name, value in (*self.feed.items(), *zip(produced, results, strict=True))}
 
     def _profile(self, runs: int) -> dict[str, float]:
         """Each node's kernel time (ms) on one thread: ONNX Runtime's profiler, median over ``runs`` runs."""
@@ -195,33 +208,33 @@ class OrtLanes:
     docstring). ``threads`` (op -> intra-op threads, :func:`opweave.backends.threads.lane_threads`) gives each
     segment the smallest budget of its ops (one thread when it says nothing); a one-lane plan runs on every core.
     ``stats``: ``calls``, ``segments`` (sessions), ``compiles`` (the same), ``compile_s`` (exporting, optimizing
-    and profiling the model, then making the sessions), ``fallbacks`` (calls run op by op: another input
-    signature)."""
+    and profiling the model, then making the sessions), ``fallbacks`` (calls run op by op: inputs with other
+    strides than the example's). ``close()`` stops the worker threads (also done when the backend is collected)
+    and waits for a call in progress; a closed backend refuses calls."""
 
     compiler = "onnxruntime-graph"
 
     def __init__(self, model: OrtGraph, plan: LaunchPlan, threads: dict[str, int] | None = None):
         import time
 
-        import numpy as np
-
         start = time.perf_counter()
-
         self.model = model
         groups = segment_groups(plan)
         self.program = Program.from_plan(segment_plan(plan, groups))
         lanes = sorted(self.program.lanes)
         alone = len(lanes) == 1
         ort = model.ort
-        self.buffers: dict[str, Any] = {}  # value -> OrtValue over a numpy array allocated once
+        self.arrays: dict[str, Any] = {}  # value -> its buffer, a numpy array allocated once
+        self.buffers: dict[str, Any] = {}  # value -> the OrtValue over that array, which the sessions are bound to
 
         def buffer(name: str):
             if name not in self.buffers:
-                self.buffers[name] = ort.OrtValue.ortvalue_from_numpy(np.empty_like(model.values[name]))
+                self.arrays[name] = model.values[name].empty()
+                self.buffers[name] = ort.OrtValue.ortvalue_from_numpy(self.arrays[name])
             return self.buffers[name]
 
         feed_names = {name for name, _ in model.inputs}
-        self.sessions, self._bound, self._rebind = {}, {}, []
+        self.sessions, bound, self._rebind = {}, {}, []
         for group in groups:
             budget = cores() if alone else min((threads or {}).get(op, 1) for op in group)
             data, inputs, outputs = model.segment_model(group)
@@ -235,27 +248,27 @@ class OrtLanes:
             for name in outputs:
                 binding.bind_ortvalue_output(name, buffer(name))
             self.sessions[group[0]] = session
-            self._bound[group[0]] = (session._sess.run_with_iobinding, binding._iobinding)
+            bound[group[0]] = (session._sess.run_with_iobinding, binding._iobinding)
         self._ort_value = ort.OrtValue.ortvalue_from_numpy
-        self._run_options = ort.RunOptions()
-        self._outputs = [self.buffers[o].numpy() for o in model.outputs]
+        self._outputs = [self.arrays[o] for o in model.outputs]
         made_s = model.stats["export_s"] + model.stats["optimize_s"] + time.perf_counter() - start
         self.stats = {"calls": 0, "segments": len(groups), "compiles": len(groups), "compile_s": round(made_s, 2),
                       "fallbacks": 0}
         self._lock = threading.Lock()
-        self._caller = LaneWorker(lanes[0], self.program.lanes[lanes[0]], self, thread=False)
-        self._workers = [LaneWorker(lane, self.program.lanes[lane], self) for lane in lanes[1:]]
+        # the lanes hold the segments, not the backend: a worker thread that referred to it would keep it alive
+        segments = _Segments(bound, ort.RunOptions())
+        self._caller = LaneWorker(lanes[0], self.program.lanes[lanes[0]], segments, thread=False)
+        self._workers = [LaneWorker(lane, self.program.lanes[lane], segments) for lane in lanes[1:]]
         self._warned = False
-        self.close = weakref.finalize(self, stop_workers, list(self._workers))
+        self._stop = weakref.finalize(self, stop_workers, list(self._workers))
 
-    def run_op(self, op: str, env: Any) -> None:
-        """Run segment ``op`` (what a :class:`~opweave.backends.cpu.LaneWorker`'s launch calls)."""
-        run, binding = self._bound[op]
-        run(binding, self._run_options)
+    def close(self) -> None:
+        with self._lock:  # not in the middle of a call: its workers would never take it
+            self._stop()
 
     def __call__(self, *args) -> Any:
         with self._lock, torch.no_grad():
-            if not self.close.alive:
+            if not self._stop.alive:
                 raise UsageError(f"{self.model.graph.name}: this ONNX Runtime lanes backend was closed")
             self.stats["calls"] += 1
             env, leaves = self.model.whole.bind(args)
@@ -283,12 +296,45 @@ class OrtLanes:
         if not self._warned:
             self._warned = True
             warnings.warn(f"{self.model.graph.name}: inputs with another signature than the example's run op by op "
-                          "(fuse='onnxruntime-graph' exported the model for the example's)", stacklevel=3)
+                          "(fuse='onnxruntime-graph' exported the model for the example's strides)", stacklevel=3)
         captured = self.model.captured
         env = captured.bind(args)
         for op in captured.graph.topo_order:
             captured.run_op(op, env)
         return captured.output(env)
+
+
+class _Segments:
+    """What the lanes run: each segment's bound session (a :class:`~opweave.backends.cpu.LaneWorker` launches an op
+    with ``run_op``)."""
+
+    def __init__(self, bound: dict[str, tuple], options):
+        self.bound, self.options = bound, options
+
+    def run_op(self, op: str, env: Any) -> None:
+        run, binding = self.bound[op]
+        run(binding, self.options)
+
+
+@dataclass(frozen=True)
+class Value:
+    """A value of the optimized graph: its shape and dtype (what sizes its buffer)."""
+
+    shape: tuple[int, ...]
+    dtype: Any  # numpy dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(math.prod(self.shape)) * self.dtype.itemsize
+
+    def empty(self):
+        import numpy as np
+
+        return np.empty(self.shape, dtype=self.dtype)
+
+
+def _shape_of(value) -> Value:
+    return Value(tuple(value.shape), value.dtype)
 
 
 def _array(tensor: torch.Tensor):

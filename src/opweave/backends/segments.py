@@ -327,8 +327,8 @@ class Whole:
 
     def bind(self, args: tuple) -> tuple[dict[str, Any], list[torch.Tensor] | None]:
         """The call's environment (the model's arguments ``args`` bound) and the tensors ``gm`` takes for them;
-        None for the tensors when their signature (shapes, strides, dtypes, non-tensor values) is not the
-        example's, for which the graph was built."""
+        None for the tensors when their signature is not the example's, for which the graph was built (other
+        strides or non-tensor values: other shapes and dtypes are refused by the captured model's ``bind``)."""
         env = self.segmented.bind(args)
         values = [env[k] for k in self.segment.input_keys]
         if signature(values, strides=True)[0] != self.key:
