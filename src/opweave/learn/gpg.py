@@ -59,11 +59,11 @@ from opweave.schedulers.top_gpg import (
     RULES,
     candidate_logits,
     candidates,
-    chunk_stages,
     encode_inputs,
     greedy,
     one_thread,
     scale_ms,
+    walk,
 )
 from opweave.serve.executors import SimExecutor, union_costs, union_graph
 
@@ -140,8 +140,8 @@ def gpg_over_dp(net: GPG | None, valid: list[tuple[OpGraph, Costs, float]], rule
             index = {o: i for i, o in enumerate(g.ids)}
             g2e = None if rule is not None else net.embed(*encode_inputs(g, c))
             scale = scale_ms(g, c)
-            total = sum(chunk_stages(net, g2e, index, g, c, block, ios.DEFAULT_MAX_GROUP_OPS,
-                                     ios.DEFAULT_MAX_GROUPS, scale, rule=rule)[0] for block in ios.blocks(g))
+            total = sum(t for t, _ in walk(net, g2e, index, g, c, ios.blocks(g), ios.DEFAULT_MAX_GROUP_OPS,
+                                           ios.DEFAULT_MAX_GROUPS, scale, rule=rule))
             ratios.append(total / dp_ms if dp_ms > 0 else 1.0)
     return sum(ratios) / len(ratios)
 

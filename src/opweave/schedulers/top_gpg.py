@@ -49,15 +49,16 @@ with the largest work or the highest speed-up (work / stage latency bound). They
 beat to have learned anything (``benchmarks/top_gpg.py`` runs both beside GPG and the DP).
 
 Complexity per chunk: steps × (endings of the visited state, each priced by the cost model) + one network pass per
-step, against the DP's sum over *all* states of the chunk (``benchmarks/top_gpg.py`` measures both).
+step, against the DP's sum over *all* states of the chunk (``benchmarks/top_gpg.py`` measures both). A graph's chunks
+are walked in lockstep (:func:`walk`), so one network pass scores the candidates of every chunk's current step.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
 from pathlib import Path
@@ -82,7 +83,7 @@ _KIND_WORDS = (("conv", ("conv",)), ("linear", ("linear", "matmul", "addmm", "bm
                ("elementwise", ("add", "mul", "sub", "div", "mean", "flatten", "view", "reshape")))
 NODE_FEATURES = len(KINDS) + 7
 CAND_FEATURES = 6
-# One-line scorers in place of the network (``chunk_stages(rule=...)``, ``schedule(rule=...)``): take the candidate
+# One-line scorers in place of the network (``walk(rule=...)``, ``schedule(rule=...)``): take the candidate
 # with the largest value of one candidate feature, its work (Σ latency of its ops) or its speed-up (work / stage
 # latency bound). The baselines a trained GPG must beat (``benchmarks/top_gpg.py``).
 RULES = {"work": 1, "speedup": 2}
@@ -135,13 +136,15 @@ class GPG(nn.Module):
             e = e.index_copy(0, ops, _run(self.h1, agg) + own[ops])
         return _run(self.g2, e)
 
-    def scores(self, g2e: torch.Tensor, leaves: torch.Tensor, members: torch.Tensor, owner: torch.Tensor,
-               count: int, features: torch.Tensor) -> torch.Tensor:
-        """One logit per candidate: layer 2 (eq. 6) over the leaves (z_t) and over each candidate's ops
-        (``members[k]`` belongs to candidate ``owner[k]``), with the candidates' cost features."""
-        z = _run(self.h2, g2e[leaves].sum(0, keepdim=True))
-        y = _run(self.h2, torch.zeros(count, EMBED, dtype=g2e.dtype).index_add(0, owner, g2e[members]))
-        return _run(self.policy, torch.cat([z.expand(count, -1), y, features], 1)).squeeze(1)
+    def scores(self, g2e: torch.Tensor, rows: torch.Tensor, owner: torch.Tensor, states: int,
+               state_of: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """One logit per candidate of ``states`` states at once. Layer 2 (eq. 6) pools op embeddings into one row
+        per state (its leaves: z_t) and one per candidate (its ops: y_E), ``g2e[rows[k]]`` into row ``owner[k]``
+        (rows ``0..states-1`` the states', then the candidates' in order), in one pass; candidate ``i`` belongs to
+        state ``state_of[i]`` and has the cost ``features[i]``."""
+        pooled = torch.zeros(states + len(features), EMBED, dtype=g2e.dtype).index_add(0, owner, g2e[rows])
+        h = _run(self.h2, pooled)
+        return _run(self.policy, torch.cat([h[state_of], h[states:], features], 1)).squeeze(1)
 
 
 # ---- graph encoding -------------------------------------------------------------------------------------------
@@ -238,11 +241,35 @@ def candidate_logits(net: GPG, g2e: torch.Tensor, index: dict[str, int], block: 
                      state: int, groups_ops: list[list[list[str]]], feats: list[list[float]]) -> torch.Tensor:
     """The policy's logit of each candidate of ``state`` (:func:`candidates`); ``g2e`` is :meth:`GPG.embed`'s output
     and ``index`` maps op ids to its rows."""
-    leaves = [index[block[i]] for i in ios._bits(state) if not desc[i] & state]
-    members = [index[o] for g in groups_ops for grp in g for o in grp]
-    owner = [k for k, g in enumerate(groups_ops) for grp in g for _ in grp]
-    # through numpy: the same tensors as torch.tensor(list) in a fifth of the time, and a step makes four
-    return net.scores(g2e, _ints(leaves), _ints(members), _ints(owner), len(groups_ops),
+    return batch_logits(net, g2e, index, [(block, desc, state, groups_ops, feats)])
+
+
+Step = tuple[list[str], list[int], int, list[list[list[str]]], list[list[float]]]  # what batch_logits scores
+
+
+def batch_logits(net: GPG, g2e: torch.Tensor, index: dict[str, int], steps: list[Step]) -> torch.Tensor:
+    """The logits of the candidates of several states of one graph in one network pass, concatenated in the order
+    of ``steps``: per state (its chunk's ops, their descendants, the state, its candidates' groups as op ids and
+    their features, as :func:`candidate_logits` takes them)."""
+    rows: list[int] = []
+    owner: list[int] = []
+    state_of: list[int] = []
+    feats: list[list[float]] = []
+    for k, (block, desc, state, _, _) in enumerate(steps):
+        leaves = [index[block[i]] for i in ios._bits(state) if not desc[i] & state]
+        rows += leaves
+        owner += [k] * len(leaves)
+    row = len(steps)
+    for k, (_, _, _, groups_ops, f) in enumerate(steps):
+        for groups in groups_ops:
+            members = [index[o] for grp in groups for o in grp]
+            rows += members
+            owner += [row] * len(members)
+            row += 1
+        state_of += [k] * len(groups_ops)
+        feats += f
+    # through numpy: the same tensors as torch.tensor(list) in a fifth of the time
+    return net.scores(g2e, _ints(rows), _ints(owner), len(steps), _ints(state_of),
                       torch.from_numpy(np.array(feats, dtype=np.float32)).to(g2e.dtype))
 
 
@@ -255,40 +282,57 @@ def rule_choice(rule: str, feats: list[list[float]]) -> int:
     return greedy(torch.tensor([f[RULES[rule]] for f in feats], dtype=torch.float64))
 
 
-def chunk_stages(net: GPG | None, g2e: torch.Tensor | None, index: dict[str, int], graph: OpGraph, costs: Costs,
-                 block: list[str], max_group_ops: int, max_groups: int, scale: float, *,
-                 pick: Callable[[torch.Tensor], int] | None = None,
-                 rule: str | None = None) -> tuple[float, list, list[torch.Tensor]]:
-    """Alg. 2 on one chunk: (total latency in ms, stages as lists of groups in run order, per sampled choice its
-    log-probability and the policy's entropy, stacked). ``pick`` chooses a candidate from the logits (training
-    samples); None takes the argmax. ``rule`` (a key of :data:`RULES`) scores the candidates by one of their
-    features instead of the network (``net`` and ``g2e`` may then be None): the one-line baselines a trained
-    network must beat."""
+@dataclass
+class _Walk:
+    """Alg. 2's state on one chunk: the ops left (a bitset over ``block``), the stages taken, their latency."""
+
+    block: list[str]
+    desc: list[int]
+    state: int
+    stages: list = field(default_factory=list)
+    total: float = 0.0
+
+
+def walk(net: GPG | None, g2e: torch.Tensor | None, index: dict[str, int], graph: OpGraph, costs: Costs,
+         blocks: list[list[str]], max_group_ops: int, max_groups: int, scale: float, *,
+         rule: str | None = None) -> list[tuple[float, list]]:
+    """Alg. 2, greedy (argmax), on every chunk of ``blocks``: per chunk (total latency in ms, stages as lists of
+    groups in run order). ``rule`` (a key of :data:`RULES`) scores the candidates by one of their features instead
+    of the network (``net`` and ``g2e`` may then be None): the one-line baselines a trained network must beat.
+
+    The chunks are independent, so they are walked in lockstep: each round takes one step in every chunk not yet
+    empty, and the candidates of every chunk that needs the network are scored in one pass (:func:`batch_logits`).
+    A pass costs about 20 small torch calls whatever its size, so a graph of c chunks pays for one pass per round
+    instead of c; the choices are those of walking each chunk alone."""
     if rule is not None and rule not in RULES:
         raise UsageError(f"top-gpg rule {rule!r}: choose one of {', '.join(RULES)}")
-    desc = ios.block_descendants(graph, block)
-    state = (1 << len(block)) - 1
-    stages: list[list[list[str]]] = []
-    logps: list[torch.Tensor] = []
-    total = 0.0
-    while state:
-        cands, groups_ops, feats = candidates(costs, block, desc, state, max_group_ops, max_groups, scale)
-        if len(cands) == 1:
-            choice = 0
-        elif rule is not None:
-            choice = rule_choice(rule, feats)
-        else:
-            logits = candidate_logits(net, g2e, index, block, desc, state, groups_ops, feats)
-            if pick is None:
-                choice = greedy(logits)
+    walks = [_Walk(block, ios.block_descendants(graph, block), (1 << len(block)) - 1) for block in blocks]
+    active = [w for w in walks if w.state]
+    while active:
+        scored = []
+        for w in active:
+            cands, groups_ops, feats = candidates(costs, w.block, w.desc, w.state, max_group_ops, max_groups, scale)
+            if len(cands) == 1:
+                _take(costs, w, cands, groups_ops, 0)
+            elif rule is not None:
+                _take(costs, w, cands, groups_ops, rule_choice(rule, feats))
             else:
-                choice = pick(logits)
-                logp = torch.log_softmax(logits, 0)
-                logps.append(torch.stack([logp[choice], -(logp.exp() * logp).sum()]))
-        stages.append(groups_ops[choice])
-        total += costs.stage_latency_ms(groups_ops[choice])
-        state ^= cands[choice][0]
-    return total, stages[::-1], logps
+                scored.append((w, cands, groups_ops, feats))
+        if scored:
+            logits = batch_logits(net, g2e, index, [(w.block, w.desc, w.state, g, f) for w, _, g, f in scored])
+            values, dtype, start = logits.tolist(), logits.dtype, 0
+            for w, cands, groups_ops, _ in scored:
+                choice = _greedy_values(values[start:start + len(cands)], dtype)
+                start += len(cands)
+                _take(costs, w, cands, groups_ops, choice)
+        active = [w for w in active if w.state]
+    return [(w.total, w.stages[::-1]) for w in walks]
+
+
+def _take(costs: Costs, w: _Walk, cands: list, groups_ops: list, choice: int) -> None:
+    w.stages.append(groups_ops[choice])
+    w.total += costs.stage_latency_ms(groups_ops[choice])
+    w.state ^= cands[choice][0]
 
 
 def greedy(logits: torch.Tensor, tolerance: float = 1e-6) -> int:
@@ -300,10 +344,18 @@ def greedy(logits: torch.Tensor, tolerance: float = 1e-6) -> int:
     >>> greedy(torch.tensor([0.5, 1.0, 1.0 + 1e-7, 0.9]))
     1
     """
-    values = logits.tolist()
+    return _greedy_values(logits.tolist(), logits.dtype, tolerance)
+
+
+def _greedy_values(values: list[float], dtype: torch.dtype, tolerance: float = 1e-6) -> int:
+    """:func:`greedy` of logits already read out as floats (of a tensor of ``dtype``)."""
     top = max(values)
     # torch compares a tensor with a Python float in the tensor's dtype: round the threshold the same way
-    threshold = torch.tensor(top - tolerance * max(1.0, abs(top)), dtype=logits.dtype).item()
+    threshold = top - tolerance * max(1.0, abs(top))
+    if dtype == torch.float32:
+        threshold = float(np.float32(threshold))  # IEEE round-to-nearest, as torch.tensor(x, dtype=float32) does
+    elif dtype != torch.float64:
+        threshold = torch.tensor(threshold, dtype=dtype).item()
     return next(i for i, v in enumerate(values) if v >= threshold)
 
 
@@ -365,16 +417,12 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
         return ios.staged("top-gpg", [], None, options)
     index = {o: i for i, o in enumerate(graph.ids)}
     scale = scale_ms(graph, costs)
+    chunks = ios.blocks(graph, max_block_ops, max_states)
     with torch.inference_mode(), one_thread():  # no autograd bookkeeping at all: a step is ~20 tiny torch calls
         g2e = None if net is None else net.embed(*encode_inputs(graph, costs))
-
-        def solve(block: list[str]) -> tuple[float, list]:
-            total, stages, _ = chunk_stages(net, g2e, index, graph, costs, block, max_group_ops, group_cap, scale,
-                                            rule=rule)
-            return total, stages
-
-        return ios.staged("top-gpg", ios.blocks(graph, max_block_ops, max_states), solve, options)
+        solved = iter(walk(net, g2e, index, graph, costs, chunks, max_group_ops, group_cap, scale, rule=rule))
+        return ios.staged("top-gpg", chunks, lambda block: next(solved), options)
 
 
-__all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "RULES", "candidate_logits", "candidates", "chunk_stages",
-           "encode_inputs", "greedy", "load", "one_thread", "op_kind", "rule_choice", "scale_ms", "schedule"]
+__all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "RULES", "batch_logits", "candidate_logits", "candidates",
+           "encode_inputs", "greedy", "load", "one_thread", "op_kind", "rule_choice", "scale_ms", "schedule", "walk"]
