@@ -478,3 +478,28 @@ def test_gpg_greedy_pick_ignores_last_bit_noise_between_tied_candidates(levels, 
             noisy[i] = torch.nextafter(noisy[i], toward)
     first = int((x == x.max()).nonzero()[0, 0])
     assert top_gpg.greedy(noisy) == top_gpg.greedy(x) == first
+
+
+def test_gpg_walks_chunks_in_lockstep_as_it_would_walk_each_alone():
+    """walk() scores every chunk's step in one network pass: each chunk's stages and latency are those of walking it
+    alone, and the batched logits of several states are each state's own (to float rounding)."""
+    graph, costs = gpg.GpgGraphs.from_zoo(["squeezenet"], seed=7).random_combined(4)
+    net = top_gpg.load()
+    index = {o: i for i, o in enumerate(graph.ids)}
+    scale = top_gpg.scale_ms(graph, costs)
+    chunks = ios.blocks(graph)
+    assert len(chunks) > 1
+    with torch.inference_mode(), top_gpg.one_thread():
+        g2e = net.embed(*top_gpg.encode_inputs(graph, costs))
+        together = top_gpg.walk(net, g2e, index, graph, costs, chunks, 3, 8, scale)
+        alone = [top_gpg.walk(net, g2e, index, graph, costs, [c], 3, 8, scale)[0] for c in chunks]
+        assert together == alone
+        steps = []
+        for block in chunks:
+            desc = ios.block_descendants(graph, block)
+            state = (1 << len(block)) - 1
+            _, groups_ops, feats = top_gpg.candidates(costs, block, desc, state, 3, 8, scale)
+            steps.append((block, desc, state, groups_ops, feats))
+        batched = top_gpg.batch_logits(net, g2e, index, steps)
+        single = torch.cat([top_gpg.candidate_logits(net, g2e, index, *step) for step in steps])
+    assert batched.shape == single.shape and torch.allclose(batched, single, rtol=1e-5, atol=1e-6)

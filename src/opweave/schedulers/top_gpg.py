@@ -48,9 +48,10 @@ weights (``data/top_gpg.pt``, float16, about 230 KB) and the command that trains
 with the largest work or the highest speed-up (work / stage latency bound). They are what a trained network must
 beat to have learned anything (``benchmarks/top_gpg.py`` runs both beside GPG and the DP).
 
-Complexity per chunk: steps × (endings of the visited state, each priced by the cost model) + one network pass per
-step, against the DP's sum over *all* states of the chunk (``benchmarks/top_gpg.py`` measures both). A graph's chunks
-are walked in lockstep (:func:`walk`), so one network pass scores the candidates of every chunk's current step.
+Complexity per chunk: steps × (endings of the visited state, each priced by the cost model) + the network on each
+step's candidates, against the DP's sum over *all* states of the chunk (``benchmarks/top_gpg.py`` measures both). A
+graph's chunks are walked in lockstep (:func:`walk`): one network pass scores the candidates of every chunk's
+current step, so a graph pays a pass's fixed cost once per round, not once per chunk and step.
 """
 
 from __future__ import annotations
@@ -350,7 +351,7 @@ def greedy(logits: torch.Tensor, tolerance: float = 1e-6) -> int:
 def _greedy_values(values: list[float], dtype: torch.dtype, tolerance: float = 1e-6) -> int:
     """:func:`greedy` of logits already read out as floats (of a tensor of ``dtype``)."""
     top = max(values)
-    # torch compares a tensor with a Python float in the tensor's dtype: round the threshold the same way
+    # the logits are of ``dtype``: the threshold is rounded to it, as comparing them in torch would round it
     threshold = top - tolerance * max(1.0, abs(top))
     if dtype == torch.float32:
         threshold = float(np.float32(threshold))  # IEEE round-to-nearest, as torch.tensor(x, dtype=float32) does
