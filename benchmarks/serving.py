@@ -14,6 +14,10 @@ all (3), and it stands only if every repeat keeps the bound (otherwise the searc
 spread (throughput and p99, min and max) is reported. Every probe lasts long enough to send at least
 ``--min-requests`` (300) requests at its rate. Arrivals are Poisson (seeded, another seed per repeat), every run
 starts with empty queues.
+Patterns run one after another, every policy of a pattern before the next (``--patterns`` picks them and their
+order), so the policies of a pattern are measured close together in time; the runs at scale 1 and 2 are the search's
+first two probes (made once). The JSON is rewritten after every pattern-policy entry (``complete`` false until the
+end): a run cut short keeps what it measured.
 
 Modes:
 
@@ -265,6 +269,8 @@ def main() -> None:
                                                             "opweave serve (default: its own, one per core on a CPU)")
     p.add_argument("--slo-ms", type=float, default=None, help="p99 bound of a sustainable rate (default 100 ms, "
                                                               "1000 ms in cpu mode: one CPU request takes longer)")
+    p.add_argument("--patterns", default=None, help="comma list of patterns, in the order run (default: all; e.g. "
+                                                    "multi,squeezenet: a name matches the pattern it starts)")
     args = p.parse_args()
     args.duration = args.duration or (0.5 if args.quick else 2.0 if args.mode == "sim" else 10.0)
     args.slo_ms = args.slo_ms or (CPU_SLO_MS if args.mode == "cpu" else SLO_MS)
@@ -275,48 +281,81 @@ def main() -> None:
         chosen.append("ray")
     runs = [f"ray@{w}" for w in args.ray_waits.split(",")] if "ray" in chosen else []
     runs = [c for c in chosen if c != "ray"] + runs
+    todo = pick_patterns(patterns(models), args.patterns)
     clock = common.Stopwatch()
     if args.mode == "sim":
         measure, settings, stats = sim_runner(args, models)
     else:
         measure, settings, stats = http_runner(args, models, "cpu" if args.mode == "cpu" else "cuda")
+    stem = {"sim": "serving_sim", "cpu": "serving_cpu", "gpu": "serving_gpu"}[args.mode]
+    probed: dict[tuple, dict] = {}
+
+    def once(policy: str, name: str, scale: float, repeat: int = 0) -> dict:
+        """One probe, made once: the table's runs at scale 1 and 2 are the search's first two probes."""
+        key = (policy, name, round(scale, 9), repeat)
+        if key not in probed:
+            probed[key] = measure(policy, todo[name], scale, repeat)
+        return probed[key]
+
+    def report(results: list[dict], complete: bool) -> dict:
+        out = {"mode": args.mode, "complete": complete,
+               "settings": {**settings, "max_batch": MAX_BATCH, "max_queue": MAX_QUEUE, "max_sub_blocks": H,
+                            "slo_ms": args.slo_ms, "arrivals": "poisson", "seed": args.seed,
+                            "order": "pattern by pattern, every policy of a pattern one after another"},
+               "machine": common.machine_info(), "elapsed_s": clock.elapsed_s, "executor_stats": stats(),
+               "results": results, "acceptance": verdicts(results, todo, args.mode, args.min_requests),
+               "paper_reference": "TOP Table II: Inception-v3 13 blocks, ResNet-50 5, SqueezeNet 12; single-model "
+                                  "240 FPS, multi-model 30+60+120 FPS, doubled on the server; TOP reports +63% "
+                                  "throughput over POS on three models and 14-180% over mainstream frameworks "
+                                  "(A100)."}
+        common.write_json(args.out / f"{stem}.json", out)  # after every entry: a run cut short keeps its figures
+        return out
+
     results = []
     try:
-        for policy in runs:  # one server per policy in the cpu and gpu modes
-            for name, pattern in patterns(models).items():
+        # Pattern by pattern, so that the policies of one pattern are measured close together in time (the machine
+        # is shared) and a run cut short leaves whole patterns, each with every policy.
+        for name, pattern in todo.items():
+            for policy in runs:  # one server per policy at a time in the cpu and gpu modes
                 entry = {"pattern": name, "rates": pattern, "policy": policy, "scales": {}}
                 for scale in (1.0, 2.0):
-                    entry["scales"][f"{scale:g}"] = measure(policy, pattern, scale)
+                    entry["scales"][f"{scale:g}"] = once(policy, name, scale)
                 if not args.no_search and not args.quick:
-                    best, probes = search(lambda s, r, policy=policy, pattern=pattern: measure(policy, pattern, s, r),
+                    best, probes = search(lambda s, r, policy=policy, name=name: once(policy, name, s, r),
                                           tolerance=args.tolerance, repeats=args.repeats)
                     entry["sustainable_scale"] = round(best, 4)
                     entry["sustainable_rps"] = round(best * sum(pattern.values()) /
                                                      (args.cpu_divisor if args.mode == "cpu" else 1), 2)
+                    probes = list({id(r): (s, r) for s, r in probes}.values())  # a probe made once, listed once
                     entry["probes"] = [[round(s, 4), r] for s, r in probes]
                     entry["at_sustainable"] = spread([r for s, r in probes if s == best])
                 results.append(entry)
                 common.console.print(f"{name} {policy}: {entry['scales']['1']} sustainable scale "
                                      f"{entry.get('sustainable_scale')}")
+                report(results, complete=False)
     finally:
         getattr(measure, "close", lambda: None)()
-    acceptance = verdicts(results, patterns(models), args.mode, args.min_requests)
     if hasattr(measure, "explain"):  # simulation: what bounds heuristic over batch (docs/serving.md)
         for e in results:
             if e["policy"] in ("batch", "heuristic") and e.get("sustainable_scale"):
                 e["where_time_goes"] = measure.explain(e["policy"], e["rates"], e["sustainable_scale"])
-    out = {"mode": args.mode, "settings": {**settings, "max_batch": MAX_BATCH, "max_queue": MAX_QUEUE,
-                                           "max_sub_blocks": H, "slo_ms": args.slo_ms, "arrivals": "poisson",
-                                           "seed": args.seed},
-           "machine": common.machine_info(), "elapsed_s": clock.elapsed_s, "executor_stats": stats(),
-           "results": results, "acceptance": acceptance,
-           "paper_reference": "TOP Table II: Inception-v3 13 blocks, ResNet-50 5, SqueezeNet 12; single-model 240 "
-                              "FPS, multi-model 30+60+120 FPS, doubled on the server; TOP reports +63% throughput "
-                              "over POS on three models and 14-180% over mainstream frameworks (A100)."}
-    stem = {"sim": "serving_sim", "cpu": "serving_cpu", "gpu": "serving_gpu"}[args.mode]
+    out = report(results, complete=True)
     print_tables(out)
-    common.write_json(args.out / f"{stem}.json", out)
     plot(out, args.out / f"{stem}.png")
+
+
+def pick_patterns(known: dict[str, dict[str, float]], names: str | None) -> dict[str, dict[str, float]]:
+    """The patterns named (a name matches the pattern it starts, ``multi`` for ``multi:30+60+120``), in that
+    order; all of them when none is named."""
+    if not names:
+        return known
+    out = {}
+    for n in (n.strip() for n in names.split(",") if n.strip()):
+        match = [k for k in known if k == n or k.split(":")[0] == n]
+        if not match:
+            raise SystemExit(f"unknown pattern {n!r}; known: {', '.join(known)}")
+        out[match[0]] = known[match[0]]
+    return out
 
 
 def spread(rows: list[dict]) -> dict:

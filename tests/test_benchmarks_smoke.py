@@ -136,6 +136,21 @@ def test_serving_quick(tmp_path):
     assert (tmp_path / "serving_sim.png").stat().st_size > 1000 and "serving (sim)" in result.stdout
 
 
+def test_serving_runs_pattern_by_pattern_in_the_order_named(tmp_path):
+    """Every policy of a pattern is measured before the next pattern, in the order ``--patterns`` names; the JSON,
+    written after every entry, says the run completed."""
+    run_script("serving.py", tmp_path, "--models", "squeezenet,resnet50", "--patterns", "resnet50,squeezenet",
+               "--policies", "static,heuristic")
+    data = json.loads((tmp_path / "serving_sim.json").read_text())
+    assert data["complete"] is True
+    assert [(e["pattern"], e["policy"]) for e in data["results"]] == [
+        ("resnet50:240", "static"), ("resnet50:240", "heuristic"),
+        ("squeezenet:240", "static"), ("squeezenet:240", "heuristic")]
+    bad = subprocess.run([sys.executable, str(BENCHMARKS / "serving.py"), "--quick", "--out", str(tmp_path),
+                          "--patterns", "alexnet"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "unknown pattern 'alexnet'" in bad.stdout + bad.stderr
+
+
 @pytest.mark.slow
 def test_multi_device_quick(tmp_path):
     run_script("multi_device.py", tmp_path)
