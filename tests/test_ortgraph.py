@@ -266,3 +266,25 @@ def test_outputs_the_graph_does_not_compute_are_returned():
     with torch.inference_mode():
         out = fast(x)
         assert compare(model(x), out).ok and torch.equal(out[1], x)
+
+
+def test_max_speed_builds_ort_graph_once_when_it_fails(tmp_path, monkeypatch):
+    """When ONNX Runtime's graph cannot be built, max-speed tries once: the first of its candidates says why, the
+    others say it failed without building it again, and a candidate of another compiler is chosen."""
+    monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
+    tries = []
+
+    def refuse(self, *args, **kwargs):
+        tries.append(1)
+        raise RuntimeError("no export today")
+
+    monkeypatch.setattr(OrtGraph, "__init__", refuse)
+    model, inputs = _model()
+    fast = opweave.compile(model, inputs, device="cpu", mode="max-speed")
+    errors = [v["error"] for k, v in fast.choice["candidates"].items() if "onnxruntime-graph" in k]
+    assert len(tries) == 1 and len(errors) >= 2
+    assert errors[0] == "RuntimeError: no export today"
+    assert all(e.startswith("UsageError: building ONNX Runtime's graph failed") for e in errors[1:])
+    assert "onnxruntime-graph" not in fast.choice["label"]
+    with torch.inference_mode():
+        assert compare(model(*inputs), fast(*inputs)).ok

@@ -242,9 +242,9 @@ def compile_ort_graph(captured, example_inputs: tuple, *, scheduler: str = "heft
     Runtime's profiler, or ``costs``' latencies when they name exactly the optimized graph's nodes (a cached
     choice). ``heft`` weighs a cross-lane edge at 10x the thread hand-off (:func:`~opweave.backends.threads.
     sync_cost_ms`): there it also cuts a segment, which costs ONNX Runtime some of its whole-graph locality;
-    max-speed's search over 1x, 3x and 10x (now 3x, 10x, 30x) picked 10x for NASNet in both of its runs on
-    2026-11-26 (17.3 ms against 19.3 ms at 3x, ``benchmarks/results/cpu_latency.json``) and for Inception-v3 in
-    one.
+    max-speed, when it searched 1x, 3x and 10x (it now tries 3x, 10x and 30x), picked 10x for NASNet in both of its
+    runs on 2026-11-26 (17.3 ms against 19.3 ms at 3x, ``benchmarks/results/cpu_latency.json``) and for
+    Inception-v3 in one.
     ``model``: an :class:`~opweave.backends.ortgraph.OrtGraph` already built for these inputs (max-speed shares
     one among its candidates). The result's ``graph``, ``schedule`` and ``plan`` are the optimized graph's."""
     import dataclasses
@@ -407,8 +407,12 @@ def _max_speed(captured, example_inputs: tuple) -> Compiled:
                 if candidate["fuse"] == ORT_GRAPH and ort_graph is None:  # one export for all its candidates
                     from opweave.backends.ortgraph import OrtGraph
 
-                    ort_graph = UsageError("building ONNX Runtime's graph failed (see the first of its candidates)")
-                    ort_graph = OrtGraph(captured, example_inputs)
+                    try:
+                        ort_graph = OrtGraph(captured, example_inputs)
+                    except Exception:  # the first candidate says why; the others do not build it again
+                        ort_graph = UsageError("building ONNX Runtime's graph failed (see the first of its "
+                                               "candidates)")
+                        raise
                     latencies[ORT_GRAPH] = ort_graph.graph.latencies()
                 if candidate["fuse"] == ORT_GRAPH and isinstance(ort_graph, Exception):
                     raise ort_graph

@@ -164,7 +164,8 @@ class OrtGraph:
         del everything.graph.output[:]
         everything.graph.output.extend(helper.make_empty_tensor_value_info(o) for o in produced)
         results = self.session(everything.SerializeToString(), 1).run(produced, self.feed)
-        return {name: _shape_of(value) for name, value in (*self.feed.items(), *zip(produced, results, strict=True))}
+        return {name: Value(tuple(value.shape), value.dtype)
+                for name, value in (*self.feed.items(), *zip(produced, results, strict=True))}
 
     def _profile(self, runs: int) -> dict[str, float]:
         """Each node's kernel time (ms) on one thread: ONNX Runtime's profiler, median over ``runs`` runs."""
@@ -331,10 +332,6 @@ class Value:
         import numpy as np
 
         return np.empty(self.shape, dtype=self.dtype)
-
-
-def _shape_of(value) -> Value:
-    return Value(tuple(value.shape), value.dtype)
 
 
 def _array(tensor: torch.Tensor):

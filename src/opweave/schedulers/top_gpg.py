@@ -421,8 +421,9 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
     chunks = ios.blocks(graph, max_block_ops, max_states)
     with torch.inference_mode(), one_thread():  # no autograd bookkeeping at all: a step is ~20 tiny torch calls
         g2e = None if net is None else net.embed(*encode_inputs(graph, costs))
-        solved = iter(walk(net, g2e, index, graph, costs, chunks, max_group_ops, group_cap, scale, rule=rule))
-        return ios.staged("top-gpg", chunks, lambda block: next(solved), options)
+        walked = walk(net, g2e, index, graph, costs, chunks, max_group_ops, group_cap, scale, rule=rule)
+        solved = {tuple(block): result for block, result in zip(chunks, walked, strict=True)}
+        return ios.staged("top-gpg", chunks, lambda block: solved[tuple(block)], options)
 
 
 __all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "RULES", "batch_logits", "candidate_logits", "candidates",
