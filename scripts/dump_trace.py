@@ -2,8 +2,8 @@
 
     python3 scripts/dump_trace.py googlenet out/googlenet-trace.json.gz [--repeats 3]
 
-Needs a GPU. The model is captured on CUDA and every op is warmed up, then run ``--repeats`` times under
-``torch.profiler``, each run inside its own ``opweave::<op>`` range: exactly what
+Needs a GPU (without one: one line on stderr, exit status 2). The model is captured on CUDA and every op is warmed
+up, then run ``--repeats`` times under ``torch.profiler``, each run inside its own ``opweave::<op>`` range: exactly what
 :func:`opweave.costs.profile.profile_model` traces (:func:`opweave.costs.profile.kineto.trace_ops`). The trace gets
 an extra top-level ``"opweave"`` entry (model, ops in order, each op's FLOPs and target, repeats, torch, device),
 so that the CPU tests can check their parsing on it without the model (tests/data/, ``test_cuda_cpu_paths``).
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
 
 import torch
 
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out")
     p.add_argument("--repeats", type=int, default=3, help="runs of each op in the trace (default %(default)s)")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"dump_trace: CUDA is not available (torch {torch.__version__}); a real trace needs a GPU",
+              file=sys.stderr)
+        return 2
     _, inputs, captured = load(args.model, device="cuda", coarsen=False)
     graph = captured.graph
     with torch.no_grad():

@@ -2,27 +2,35 @@
 # The whole GPU check, on a GPU machine with no network whose python3 already has torch, torchvision, timm,
 # transformers, pytest and pytest-timeout (no venv: the project is installed into that python3, without its deps).
 #
-#   OUT=/some/dir scripts/gpu_check.sh [env] [tests] [more] [trace] [profile] [bench]   # default: all six, in order
+#   OUT=/some/dir scripts/gpu_check.sh [lease | lease2 | env tests more trace profile bench]   # default: all six
 #
-# A device call is limited to 10 minutes, so run it in four calls, e.g.
-#   OUT=$OUT scripts/gpu_check.sh env tests        (~6 min)
-#   OUT=$OUT scripts/gpu_check.sh more             (~8 min)
-#   OUT=$OUT scripts/gpu_check.sh trace profile    (~4 min)
-#   OUT=$OUT scripts/gpu_check.sh bench            (--quick: ~8 min; BENCH_ARGS="..." for more)
+# A lent GPU comes with 15 minutes of device time in all (the machine's start, a minute or two, included; no start
+# under 4 minutes left), so the check is two plans sized to it. First, here: scripts/gpu_wheels.sh (cachetools,
+# FastAPI, uvicorn: the machine's image lacks them and has no network). Then, each as one device call with
+# carry [".whl"]:
+#   OUT=$OUT scripts/gpu_check.sh lease     env, tests, trace, bench on the issue's four models at batch 1: stage
+#                                           limits 500 s, about 8.5 min with the install (timeout_s 560)
+#   OUT=$OUT scripts/gpu_check.sh lease2    right after, on the still-warm machine, if 4 minutes are left: more,
+#                                           profile googlenet: stage limits 180 s, about 3.5 min (timeout_s 230)
+# A plan's stages run with shorter limits than alone (below); a limit set in the environment wins. With more time,
+# the stages one by one (each set meant to fit one 10-minute call):
+#   env tests (~6 min) | more (~8 min) | trace profile (~4 min) | bench (--quick: ~8 min; BENCH_ARGS="..." for more)
 #
-# env      nvidia-smi, python/torch/CUDA/cuDNN versions, device properties, package versions
+# env      nvidia-smi, python/torch/CUDA/cuDNN versions, device properties, package versions, and that opweave and
+#          its server import (the run stops here if `import opweave` fails: nothing after it could run)
 # tests    the CUDA tests: pytest -m cuda tests/test_cuda.py, a per-test timeout, JUnit XML  -> $OUT/junit.xml
-#          (--noconftest: tests/conftest.py imports hypothesis, a dev extra the GPU machine may lack)
+#          (--noconftest: tests/conftest.py imports hypothesis, a dev extra a GPU machine may lack)
 # more     the other CUDA tests: Inductor segments inside the CUDA graph (tests/test_fuse.py), the serving engine's
 #          CudaExecutor (tests/test_serve_cuda.py), the README's CUDA lines (tests/test_readme.py) -> $OUT/junit-more.xml
 # trace    a real profiler trace of googlenet's ops (the CPU tests' fixture; copy it to tests/data/)
 #                                                                          -> $OUT/googlenet-trace.json.gz
-# profile  opweave profile for googlenet and inception_v3 (per-op GPU time and kernels)
+# profile  opweave profile for $PROFILE_MODELS (default googlenet and inception_v3; per-op GPU time and kernels)
 #                                                                          -> $OUT/<model>.profile.json
 # bench    benchmarks/gpu_latency.py $BENCH_ARGS (default --quick)          -> $OUT/<device>-<date>.json
 #
-# Everything a stage prints goes to one log, $OUT/gpu_check.log (with a header per stage); at most 7 files come
-# back, each well under 16 MiB, none in a subfolder. Every stage runs under its own time limit ($TESTS_TIMEOUT_S,
+# Wheels in .whl/ (carried) are installed into /tmp/site first and put on PYTHONPATH. Everything a stage prints goes
+# to one log, $OUT/gpu_check.log (with a header per stage); at most 7 files come back, each well under 16 MiB, none
+# in a subfolder. Every stage runs under its own time limit ($ENV_TIMEOUT_S, $TESTS_TIMEOUT_S, $MORE_TIMEOUT_S,
 # $TRACE_TIMEOUT_S, $PROFILE_TIMEOUT_S per model, $BENCH_TIMEOUT_S) so that what was measured comes back even when
 # a stage runs long, and ends with one summary line on stdout (also at the end of the log). The exit status is the
 # first failing stage's.
@@ -34,14 +42,33 @@ LOG="$OUT/gpu_check.log"
 export PYTHONUNBUFFERED=1
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env tests more trace profile bench)
+# The two plans of a 15-minute lease: their stages, and limits that add up to what the header says (the install
+# and the stages' start-up fit in the margin). Limits already in the environment are kept.
+if [ "${stages[*]}" = lease ]; then
+    stages=(env tests trace bench)
+    : "${ENV_TIMEOUT_S:=40}" "${TESTS_TIMEOUT_S:=170}" "${TEST_TIMEOUT_S:=60}" "${TRACE_TIMEOUT_S:=60}"
+    : "${BENCH_TIMEOUT_S:=230}"
+    : "${BENCH_ARGS:=--models googlenet,inception_v3,nasnet_a_mobile,randwire --batch-sizes 1 --dtypes fp32 --fuse-schedulers none}"
+elif [ "${stages[*]}" = lease2 ]; then
+    stages=(more profile)
+    : "${MORE_TIMEOUT_S:=130}" "${TEST_TIMEOUT_S:=60}" "${PROFILE_TIMEOUT_S:=50}" "${PROFILE_MODELS:=googlenet}"
+fi
 for stage in "${stages[@]}"; do
     case $stage in env|tests|more|trace|profile|bench) ;;
-    *) echo "unknown stage $stage (env tests more trace profile bench)"; exit 2 ;;
+    *) echo "unknown stage $stage (env tests more trace profile bench, or one plan alone: lease, lease2)"; exit 2 ;;
     esac
 done
 status=0
 summaries=()
 
+if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels (scripts/gpu_wheels.sh): what the image lacks
+    if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl >"$OUT/install.log" 2>&1; then
+        tee -a "$LOG" <"$OUT/install.log"
+        exit 1
+    fi
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
     cat "$OUT/install.log" | tee -a "$LOG"
     exit 1
@@ -88,7 +115,7 @@ for stage in "${stages[@]}"; do
     start=$SECONDS
     case $stage in
     env)
-        run 120 bash -c 'nvidia-smi; echo "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-unset}"
+        run "${ENV_TIMEOUT_S:-120}" bash -c 'nvidia-smi; echo "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-unset}"
 python3 - <<"PY"
 import importlib.metadata as md, platform, torch
 p = torch.cuda.get_device_properties(0)
@@ -100,13 +127,16 @@ import torch._inductor.graph as ig, torch._inductor.scheduler as isch  # backend
 print("inductor stream annotations", hasattr(isch.Scheduler, "_populate_stream_assignments")
       and hasattr(ig.GraphLowering, "_get_node_stream"))
 for name in ("torchvision", "timm", "transformers", "pytest", "pytest-timeout", "hypothesis", "numpy", "networkx",
-             "rich", "typer"):
+             "rich", "typer", "cachetools", "fastapi", "uvicorn", "onnxruntime"):
     try:
         print(name, md.version(name))
     except md.PackageNotFoundError:
         print(name, "not installed")
+import opweave, opweave.serve.server  # every later stage needs the first, the README lines of lease2 the second
+print("opweave", opweave.__version__, "and its server import")
 PY'
-        summary env $rc $((SECONDS - start)) "$(grep -m1 '^device ' "$LOG" | cut -c1-100)" ;;
+        summary env $rc $((SECONDS - start)) "$(grep -m1 '^device ' "$LOG" | cut -c1-100)"
+        [ $rc -ne 0 ] && break ;;  # no GPU, or opweave does not import: every later stage would fail the same way
     tests)
         run "${TESTS_TIMEOUT_S:-480}" python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --noconftest \
             --timeout "${TEST_TIMEOUT_S:-240}" --junitxml "$OUT/junit.xml" -rfEs ${TESTS_ARGS:-}
@@ -121,16 +151,16 @@ PY'
         summary trace $rc $((SECONDS - start)) "$(grep '^wrote .*googlenet-trace' "$LOG" | tail -1 | cut -c1-160)" ;;
     profile)
         worst=0
-        for model in googlenet inception_v3; do
+        for model in ${PROFILE_MODELS:-googlenet inception_v3}; do
             run "${PROFILE_TIMEOUT_S:-180}" "${opweave[@]}" profile --model "$model" --device cuda \
                 -o "$OUT/$model.profile.json"
             [ $rc -ne 0 ] && [ $worst -eq 0 ] && worst=$rc
         done
-        facts=$(python3 - "$OUT" <<'PY' 2>/dev/null
+        facts=$(python3 - "$OUT" "${PROFILE_MODELS:-googlenet inception_v3}" <<'PY' 2>/dev/null
 import json, sys
 from pathlib import Path
 parts = []
-for model in ("googlenet", "inception_v3"):
+for model in sys.argv[2].split():
     path = Path(sys.argv[1]) / f"{model}.profile.json"
     if not path.exists():
         parts.append(f"{model}: none")

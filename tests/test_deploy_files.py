@@ -1,7 +1,8 @@
 """The container and KServe files say what the CLI takes: every flag the Dockerfile's entrypoint and the
 InferenceService's args pass is an option of ``opweave serve``, the CPU torch is installed before opweave (so the
 CUDA build is never pulled), and the manifest's probes are the server's health routes. (Docker cannot run here;
-this keeps the files from drifting from the code.)"""
+this keeps the files from drifting from the code.) The GPU check's scripts likewise: the wheels carried to the lent
+GPU machine cover what its image lacks, and its scripts refuse clearly where they cannot run."""
 
 import json
 import os
@@ -48,3 +49,37 @@ def test_inferenceservice_runs_the_image_with_known_flags_and_the_v2_health_rout
     assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     assert container["ports"][0]["containerPort"] == 8080  # the Dockerfile's --port
+
+
+# The lent GPU machine's image, as the device README listed it (2026-11-17): the packages opweave and its serve extra
+# need that it has. It has no network; what it lacks travels as wheels that scripts/gpu_wheels.sh downloads.
+GPU_IMAGE_HAS = {"torch", "numpy", "networkx", "rich", "typer", "matplotlib", "prometheus-client", "httpx", "grpcio",
+                 "click", "h11", "anyio", "typing-extensions", "annotated-doc"}
+
+
+def test_gpu_wheels_carry_every_dependency_the_gpu_image_lacks():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {re.split(r"[<>=\[ ;]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    needed |= {"fastapi", "uvicorn"}  # opweave serve on the GPU (the serve extra's HTTP server)
+    listed = re.search(r"^NEEDED=\(([^)]*)\)", (ROOT / "scripts/gpu_wheels.sh").read_text(), re.M)
+    carried = set(listed.group(1).split())
+    missing = needed - GPU_IMAGE_HAS - carried
+    assert not missing, f"neither in the GPU image nor carried: {missing}"
+
+
+def test_gpu_check_refuses_an_unknown_stage_before_installing_anything(tmp_path):
+    out = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "lease", "bogus"], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "OUT": str(tmp_path)})
+    assert out.returncode == 2
+    assert "unknown stage lease" in out.stdout and "lease, lease2" in out.stdout
+    assert not (tmp_path / "install.log").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal without a GPU")
+def test_dump_trace_without_cuda_says_so_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/dump_trace.py"), "googlenet", str(tmp_path / "t.gz")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "needs a GPU" in out.stderr
+    assert not (tmp_path / "t.gz").exists()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The wheels that the lent GPU machine's python3 lacks, downloaded here into .whl/ (git ignores it) for the device
+# call to carry: that machine has no network, and its image (torch, torchvision, timm, transformers, pytest,
+# hypothesis, networkx, numpy, rich, typer, matplotlib, onnxruntime, httpx, grpcio, prometheus-client, ...) has no
+# cachetools, which `import opweave` needs, nor FastAPI and uvicorn, which `opweave serve` needs.
+#
+#   scripts/gpu_wheels.sh            # then: run(command="OUT=$OUT scripts/gpu_check.sh lease", carry=[".whl"])
+#
+# Versions are those of this checkout's .venv (what the tests ran against), or the newest where it lacks one; built
+# for that machine's CPython 3.12 on x86-64. scripts/gpu_check.sh installs whatever .whl/ holds before its stages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# Not in the GPU machine's image (the device README's package list, 2026-11-17): opweave's dependency cachetools;
+# the serve extra's FastAPI, uvicorn and what they need beyond the image (starlette, pydantic and its parts).
+NEEDED=(cachetools fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn)
+PY=${PYTHON:-.venv/bin/python}
+mkdir -p .whl
+specs=()
+for name in "${NEEDED[@]}"; do
+    version=$("$PY" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p' || true)
+    specs+=("$name${version:+==$version}")
+done
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+    platforms+=(--platform "$p")
+done
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
+    -d .whl "${specs[@]}"
+ls -1 .whl
+du -sh .whl
