@@ -37,7 +37,7 @@ from opweave import schedulers, zoo
 from opweave.costs import from_graph
 from opweave.costs.model import Costs
 from opweave.costs.roofline import estimate
-from opweave.ir.graph import OpGraph
+from opweave.ir.graph import OpGraph, chain
 from opweave.ir.synth import random_dag
 from opweave.schedulers.hios.stages import Problem, evaluate
 from opweave.schedulers.schedule import Schedule
@@ -239,6 +239,17 @@ def test_schedules_do_not_depend_on_the_hash_seed():
                               env={**os.environ, "PYTHONHASHSEED": seed})
         results.append(json.loads(proc.stdout))
     assert results[0] == results[1]
+
+
+def test_sums_of_latencies_are_the_same_on_every_python():
+    """Python 3.12's ``sum`` of floats compensates and 3.11's does not: ten 0.1 ms ops sum to 1.0 on one and to
+    0.9999999999999999 on the other, and IOS's DP broke a tie on GoogLeNet differently on the two. Sequential's
+    prediction and a stage's latency are correctly rounded (``math.fsum``), so every pinned digest holds on both."""
+    graph = chain([0.1] * 10)
+    costs = from_graph(graph)
+    assert schedulers.run("sequential", graph, costs).predicted_ms == 1.0
+    assert costs.stage_latency_ms([graph.topo_order]) == 1.0
+    assert costs.stage_latency_ms([graph.topo_order[:5], graph.topo_order[5:]]) == math.fsum([0.1] * 5)
 
 
 def test_run_logs_its_decisions_at_debug_level_only(caplog):

@@ -11,6 +11,7 @@ Schedulers read :class:`Costs` only; they never touch torch or a device.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -69,10 +70,12 @@ class Costs:
         """Latency of a stage: the groups run concurrently, each group's ops in sequence on its own stream.
 
         Under ``ideal`` this is the longest group; under ``gpu`` the groups share the device (see
-        :func:`opweave.costs.contention.run_streams`), plus one event per extra group to fork/join.
+        :func:`opweave.costs.contention.run_streams`), plus one event per extra group to fork/join. A group's sum is
+        ``math.fsum`` (correctly rounded): Python 3.12's ``sum`` of floats differs from 3.11's in the last bit, and
+        schedulers that compare stages (IOS's DP) would break ties differently on the two.
         """
         if self.model == "ideal" or len(groups) <= 1:
-            return max((sum(self.latency_ms[o] for o in g) for g in groups), default=0.0)
+            return max((math.fsum(self.latency_ms[o] for o in g) for g in groups), default=0.0)
         from opweave.costs.contention import run_streams
 
         finish = run_streams([[(o, self.latency_ms[o], self.util(o)) for o in g] for g in groups])
