@@ -218,12 +218,36 @@ def test_new_values_reuse_the_compiled_segments_and_new_strides_compile_again():
     assert fast.fused.stats["compiles"] == compiles + 1
 
 
+@torch.library.custom_op("opweave_test::positive", mutates_args=())
+def positive(x: torch.Tensor) -> torch.Tensor:
+    """``x`` where every element is positive, else an error: an op that fails inside compiled code on every torch
+    (Inductor calls a custom op as is; torch 2.11's compiled ``linalg.cholesky`` returns garbage where eager raises)."""
+    if bool((x <= 0).any()):
+        raise RuntimeError("opweave_test::positive: an element is not positive")
+    return x.clone()
+
+
+@positive.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class FailingBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(3, 3)
+
+    def forward(self, x, m):
+        return torch.relu(self.a(x)) + 1, positive(self.b(m).exp() * m) * 2
+
+
 def test_an_error_inside_a_compiled_segment_reaches_the_caller_without_hanging():
-    model = TwoBranches()
-    x, m = torch.randn(4, 8), torch.eye(3) * 2
+    model = FailingBranch()
+    x, m = torch.randn(4, 8), torch.rand(3, 3) + 0.5
     fast = compile_captured(capture(model, (x, m)), (x, m), scheduler="lios", fuse="inductor")
-    with pytest.raises((CaptureError, RuntimeError)):
-        fast(x, -m)  # not positive definite: fails on one lane while the other runs
+    assert fast.schedule.streams_used == 2 and fast.fused.stats["fallbacks"] == 0  # both lanes compiled
+    with pytest.raises((CaptureError, RuntimeError), match="not positive"):
+        fast(x, -m)  # fails on one lane while the other runs
     assert_allclose(fast(x, m), model(x, m))
 
 
