@@ -11,7 +11,7 @@ from torch import nn
 
 import opweave
 from opweave import zoo
-from opweave.backends.ortgraph import OrtGraph, OrtLanes
+from opweave.backends.ortgraph import OrtGraph, OrtLanes, stable_names
 from opweave.backends.segments import whole_module
 from opweave.capture import capture, coarsen
 from opweave.errors import UsageError
@@ -211,6 +211,23 @@ def test_ort_graph_costs_are_one_thread_kernel_times_of_every_node():
     assert sum(built.latency_ms.values()) > 0
     # edges carry the bytes of the value between two nodes
     assert built.graph.edges and all(e.bytes > 0 for e in built.graph.edges)
+
+
+def test_node_names_say_what_a_node_computes_not_what_onnx_runtime_called_it():
+    """ONNX Runtime's names for the nodes it adds come from a counter, and once two of them swapped between two
+    builds of one model (a cached choice's latencies then fell on the wrong nodes): the names opweave plans on are
+    those of what each node computes, the same whatever ONNX Runtime called them."""
+    model, inputs = _model()
+    built = OrtGraph(coarsen(capture(model, inputs)), inputs, profile_runs=1)
+    names = [n.name for n in built.model.graph.node]
+    assert len(set(names)) == len(names) and all(name.startswith(n.op_type + "_") for name, n in
+                                                    zip(names, built.model.graph.node, strict=True))
+    renamed = type(built.model.graph)()
+    renamed.CopyFrom(built.model.graph)
+    for i, node in enumerate(reversed(renamed.node)):  # as if ONNX Runtime had numbered them the other way round
+        node.name = f"ReorderOutput_token_{i}"
+    stable_names(renamed)
+    assert [n.name for n in renamed.node] == names
 
 
 def test_a_cached_choice_rebuilds_the_same_plan_without_profiling(monkeypatch):

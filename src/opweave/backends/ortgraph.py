@@ -74,6 +74,64 @@ from opweave.ir.graph import Edge, Op, OpGraph
 from opweave.plan.launchplan import LaunchPlan
 
 
+def stable_names(graph) -> None:
+    """Name every node of an ONNX graph by what it computes: its op, domain and attributes and, for each input, the
+    name of the node that makes it (with the output's index), or the graph input's name, or an initializer's
+    contents. ONNX Runtime names the nodes its optimizers add with a counter (``ReorderOutput``,
+    ``ReorderOutput_token_18``), and which of two such nodes got which name differed once between two optimizations
+    of one model in one process (tests/test_ortgraph.py under Python 3.12): a cached choice's latencies, keyed by
+    node name, then fell on the wrong nodes. Nodes that compute the same thing from the same inputs are told apart
+    by a counter in graph order (being alike, which is which does not matter). Renames in place; values keep their
+    names."""
+    import hashlib
+
+    def digest(*parts: bytes) -> str:
+        h = hashlib.blake2b(digest_size=8)
+        for part in parts:
+            h.update(len(part).to_bytes(8, "little") + part)
+        return h.hexdigest()
+
+    constant = {}
+    for t in graph.initializer:
+        anonymous = type(t)()
+        anonymous.CopyFrom(t)
+        anonymous.name = ""
+        constant[t.name] = digest(b"const", anonymous.SerializeToString())
+    made = {o: (n, k) for n in graph.node for k, o in enumerate(n.output) if o}
+    name: dict[int, str] = {}  # id(node) -> its structural digest
+    taken: collections.Counter = collections.Counter()
+
+    def source(value: str) -> bytes:
+        if not value:
+            return b"none"
+        if value in made:
+            node, k = made[value]
+            return f"{visit(node)}:{k}".encode()
+        return constant.get(value, f"input:{value}").encode()
+
+    def visit(node) -> str:
+        stack = [node]
+        while stack:  # iterative: a deep graph would overflow Python's recursion
+            top = stack[-1]
+            if id(top) in name:
+                stack.pop()
+                continue
+            pending = [made[v][0] for v in top.input if v in made and id(made[v][0]) not in name]
+            if pending:
+                stack.extend(pending)
+                continue
+            attrs = sorted(a.SerializeToString() for a in top.attribute)
+            name[id(top)] = digest(top.op_type.encode(), top.domain.encode(), *attrs, b"|",
+                                   *(source(v) for v in top.input))
+            stack.pop()
+        return name[id(node)]
+
+    for node in graph.node:
+        base = f"{node.op_type}_{visit(node)}"
+        taken[base] += 1
+        node.name = base if taken[base] == 1 else f"{base}_{taken[base] - 1}"
+
+
 class OrtGraph:
     """``captured`` exported whole and optimized by ONNX Runtime; ``graph`` is an OpGraph of the optimized nodes with
     their one-thread kernel times (module docstring), or ``latency_ms`` where it names exactly those nodes (a cached
@@ -103,14 +161,11 @@ class OrtGraph:
                 source = output.name
                 output.name = f"{source}__out"
                 graph.node.append(onnx.helper.make_node("Identity", [source], [output.name]))
-        seen: set[str] = set()
-        for i, node in enumerate(graph.node):
+        for node in graph.node:
             if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
                 raise UsageError(f"{captured.graph.name}: ONNX Runtime's graph has a control-flow node "
                                  f"({node.op_type}); fuse='onnxruntime-graph' takes straight-line graphs")
-            if not node.name or node.name in seen:
-                node.name = f"n{i}_{node.op_type}"
-            seen.add(node.name)
+        stable_names(graph)
         self.node = {n.name: n for n in graph.node}
         self.order = [n.name for n in graph.node]
         self.initializer = {t.name: t for t in graph.initializer}
