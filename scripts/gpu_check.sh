@@ -61,19 +61,19 @@ done
 status=0
 summaries=()
 
-if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels (scripts/gpu_wheels.sh): what the image lacks
-    if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl >"$OUT/install.log" 2>&1; then
+# install ARGS...: pip install, quiet; when it fails, what it printed goes to the log and the run stops
+install() {
+    if ! python3 -m pip install -q "$@" >"$OUT/install.log" 2>&1; then
         tee -a "$LOG" <"$OUT/install.log"
         exit 1
     fi
+    rm -f "$OUT/install.log"
+}
+if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels (scripts/gpu_wheels.sh): what the image lacks
+    install --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
-    cat "$OUT/install.log" | tee -a "$LOG"
-    exit 1
-fi
-rm -f "$OUT/install.log"
+install --no-deps --no-build-isolation -e .
 if command -v opweave >/dev/null 2>&1; then opweave=(opweave); else opweave=(python3 -c "from opweave.cli import app; app()"); fi
 
 # run LIMIT_S COMMAND...: the command under a time limit, its output appended to the log; sets rc. The limit sends

@@ -91,43 +91,24 @@ def stable_names(graph) -> None:
             h.update(len(part).to_bytes(8, "little") + part)
         return h.hexdigest()
 
-    constant = {}
+    what: dict[str, bytes] = {"": b"none"}  # a value's name -> what computes it ("": an optional input left out)
     for t in graph.initializer:
         anonymous = type(t)()
         anonymous.CopyFrom(t)
         anonymous.name = ""
-        constant[t.name] = digest(b"const", anonymous.SerializeToString())
-    made = {o: (n, k) for n in graph.node for k, o in enumerate(n.output) if o}
-    name: dict[int, str] = {}  # id(node) -> its structural digest
+        what[t.name] = digest(b"const", anonymous.SerializeToString()).encode()
+    made = {o for n in graph.node for o in n.output if o}
     taken: collections.Counter = collections.Counter()
-
-    def source(value: str) -> bytes:
-        if not value:
-            return b"none"
-        if value in made:
-            node, k = made[value]
-            return f"{visit(node)}:{k}".encode()
-        return constant.get(value, f"input:{value}").encode()
-
-    def visit(node) -> str:
-        stack = [node]
-        while stack:  # iterative: a deep graph would overflow Python's recursion
-            top = stack[-1]
-            if id(top) in name:
-                stack.pop()
-                continue
-            pending = [made[v][0] for v in top.input if v in made and id(made[v][0]) not in name]
-            if pending:
-                stack.extend(pending)
-                continue
-            attrs = sorted(a.SerializeToString() for a in top.attribute)
-            name[id(top)] = digest(top.op_type.encode(), top.domain.encode(), *attrs, b"|",
-                                   *(source(v) for v in top.input))
-            stack.pop()
-        return name[id(node)]
-
-    for node in graph.node:
-        base = f"{node.op_type}_{visit(node)}"
+    for node in graph.node:  # ONNX keeps a graph's nodes in topological order: what a node reads is known first
+        reads = []
+        for v in node.input:
+            if v not in what and v in made:
+                raise UsageError(f"ONNX graph {graph.name!r}: node {node.name!r} reads {v!r} before its maker")
+            reads.append(what.get(v, f"input:{v}".encode()))
+        attrs = sorted(a.SerializeToString() for a in node.attribute)
+        digested = digest(node.op_type.encode(), node.domain.encode(), *attrs, b"|", *reads)
+        what.update((o, f"{digested}:{k}".encode()) for k, o in enumerate(node.output) if o)
+        base = f"{node.op_type}_{digested}"
         taken[base] += 1
         node.name = base if taken[base] == 1 else f"{base}_{taken[base] - 1}"
 

@@ -190,10 +190,10 @@ def stage_bound_ms(costs: Costs, groups: list[list[str]]) -> float:
     also the work the device must do (Σ latency × utilization) plus the fork/join events. Exact under ``ideal``.
     What the policy sees of a candidate (pricing every candidate with the contention model cost more than the
     whole DP on wide graphs); the chosen stage is priced exactly."""
-    longest = max(sum(costs.latency_ms[o] for o in g) for g in groups)
+    longest = max(math.fsum(costs.latency_ms[o] for o in g) for g in groups)  # as Costs.stage_latency_ms sums
     if costs.model == "ideal" or len(groups) <= 1:
         return longest
-    work = sum(costs.latency_ms[o] * costs.util(o) for g in groups for o in g)
+    work = math.fsum(costs.latency_ms[o] * costs.util(o) for g in groups for o in g)
     return max(longest, work) + costs.gpu.event_overhead_ms * (len(groups) - 1)
 
 
@@ -209,8 +209,8 @@ def candidates(costs: Costs, block: list[str], desc: list[int], state: int, max_
     latency, utilization = costs.latency_ms, costs.utilization
     exact_bound = costs.model == "ideal"
     # per group (shared by every candidate holding it): its ops, their latencies, their latency × utilization, and
-    # its Σ latency; the sums below add the same terms in the same order as stage_bound_ms and a plain
-    # sum over the ops do (so the same bits), without walking a group's bits again for every candidate
+    # its Σ latency; the sums below are math.fsum of the same terms as stage_bound_ms's (so the same bits: fsum is
+    # correctly rounded, whatever the order), without walking a group's bits again for every candidate
     split: dict[int, tuple[list[str], list[float], list[float], float]] = {}
     groups_ops, feats = [], []
     for ending, groups in cands:
@@ -218,18 +218,18 @@ def candidates(costs: Costs, block: list[str], desc: list[int], state: int, max_
             if g not in split:
                 ops = [block[i] for i in ios._bits(g)]
                 lat = [latency[o] for o in ops]
-                split[g] = (ops, lat, [latency[o] * utilization.get(o, 1.0) for o in ops], sum(lat))
+                split[g] = (ops, lat, [latency[o] * utilization.get(o, 1.0) for o in ops], math.fsum(lat))
         parts = [split[g] for g in groups]
         op_groups = [p[0] for p in parts]
         longest = max(p[3] for p in parts)
         if len(groups) == 1:
             stage_ms = work = longest
         else:
-            work = sum(chain.from_iterable(p[1] for p in parts))
+            work = math.fsum(chain.from_iterable(p[1] for p in parts))
             if exact_bound:
                 stage_ms = longest
             else:
-                device = sum(chain.from_iterable(p[2] for p in parts))
+                device = math.fsum(chain.from_iterable(p[2] for p in parts))
                 stage_ms = max(longest, device) + costs.gpu.event_overhead_ms * (len(groups) - 1)
         n = ending.bit_count()
         groups_ops.append(op_groups)
