@@ -196,6 +196,32 @@ def test_real_engine_never_mixes_up_stacked_requests(two_tiny):
             assert torch.allclose(results[x.data_ptr()], model(x), atol=1e-5)
 
 
+def test_draining_or_unloading_runs_a_batch_held_for_more_requests_at_once(two_tiny):
+    """A dequeue held for a fuller batch (Triton's max queue delay) waits for requests that can no longer come once
+    the engine drains or the model is being unloaded: both run what is queued at once (a long delay once held a
+    drain past the shutdown's grace period)."""
+    _, models = two_tiny
+    hour = {"max_batch": 4, "max_queue_delay_ms": 3.6e6}
+    eng = Engine(SimExecutor(models), policies.create("batch", **hour), SimClock(), max_batch=4)
+    held = [eng.submit(m) for m in "abab"]
+    assert eng.step() is False and eng.queue_lengths() == {"a": 2, "b": 2}  # waiting for two more each
+    eng.drain()
+    while eng.busy():
+        assert eng.step()
+    assert [r.status for r in held] == ["done"] * 4 and eng.clock.now() < 1.0
+
+    eng = Engine(CpuExecutor(models), policies.create("batch", **hour), RealClock(), max_batch=4)
+    eng.start()
+    try:
+        answered = threading.Event()
+        held = [eng.submit("a", (torch.randn(1, 3, 8, 8),)), eng.submit("a", (torch.randn(1, 3, 8, 8),),
+                                                                       on_done=lambda r: answered.set())]
+        eng.remove_model("a", timeout_s=60)  # returns once "a" holds nothing (else raises after 60 s)
+        assert answered.is_set() and [r.status for r in held] == ["done"] * 2 and "a" not in eng.models
+    finally:
+        eng.stop(timeout_s=10)
+
+
 def test_a_failing_block_answers_its_requests_with_an_error_and_the_engine_goes_on(two_tiny):
     _, models = two_tiny
     eng = Engine(CpuExecutor(models), policies.create("static"), RealClock())

@@ -408,12 +408,14 @@ class Engine:
         for m, s in self.models.items():
             launch = launches.get(m) or Launch()
             want = max(1, min(launch.batch, s.max_batch))
+            fillable = self.accepting and not s.closing  # else no request can come to fill a batch: none is held
             s.wake = math.inf  # held only by the instance cap: the end of a step wakes it
             while s.queue and (launch.max_instances is None or len(s.instances) < launch.max_instances):
                 if now < s.next_dequeue:
                     s.wake = s.next_dequeue
                     break
-                if sum(r.batch for r in s.queue) < want and now - s.queue[0].arrival < launch.max_delay_s:
+                if fillable and sum(r.batch for r in s.queue) < want and \
+                        now - s.queue[0].arrival < launch.max_delay_s:
                     s.wake = s.queue[0].arrival + launch.max_delay_s  # wait for a fuller batch
                     break
                 taken = [s.queue.popleft()]

@@ -44,7 +44,7 @@ class Launch:
     ``interval_s``: at most one dequeue per interval (0: as often as the other limits allow). ``batch``: requests
     (counted in samples) stacked into the new instance. ``max_instances``: instances of the model in flight at most
     (None: no cap). ``max_delay_s``: hold a dequeue until ``batch`` samples are queued or the oldest has waited this
-    long.
+    long (the engine holds none while it drains or unloads the model: no request can come to fill the batch).
     """
 
     interval_s: float = 0.0
