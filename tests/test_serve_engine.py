@@ -210,7 +210,7 @@ def test_draining_or_unloading_runs_a_batch_held_for_more_requests_at_once(two_t
         assert eng.step()
     assert [r.status for r in held] == ["done"] * 4 and eng.clock.now() < 1.0
 
-    eng = Engine(CpuExecutor(models), policies.create("batch", **hour), RealClock(), max_batch=4)
+    eng = Engine(CpuExecutor(dict(models)), policies.create("batch", **hour), RealClock(), max_batch=4)
     eng.start()
     try:
         answered = threading.Event()
