@@ -1,10 +1,17 @@
 """Small models for the serving tests (``from serve_models import Tiny``): two branching modules between chains,
-so that it splits into blocks, and a model whose output has no batch dimension."""
+so that it splits into blocks, and a model whose output has no batch dimension. And :class:`Gate`, which holds an
+engine's work until a test lets it go."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
+
+from opweave.serve.engine import Observer
+
+WAIT_S = 120.0  # the bound of every wait on a server below: generous, it is reached only when something is wrong
 
 
 class Branchy(nn.Module):
@@ -50,3 +57,43 @@ def tiny(batch: int = 1, seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor]]
     torch.manual_seed(seed)
     model = Tiny().eval()
     return model, (torch.randn(batch, 3, 8, 8, generator=torch.Generator().manual_seed(seed)),)
+
+
+class Gate(Observer):
+    """Holds ``engine``'s combined blocks until :meth:`open` and counts the requests it accepted and refused, so that
+    a test decides what the engine holds when (a queue full, a drain with requests in flight) instead of racing it:
+    the first block to run waits at the gate, the requests behind it stay queued."""
+
+    def __init__(self, engine):
+        self.opened = threading.Event()
+        self.changed = threading.Condition()
+        self.accepted = self.refused = 0
+        run = engine.executor.run
+
+        def gated(parts):
+            if not self.opened.wait(WAIT_S):
+                raise RuntimeError(f"the test kept the gate shut for {WAIT_S:g} s")
+            return run(parts)
+
+        engine.executor.run = gated
+        engine.observers.append(self)
+
+    def on_submit(self, request) -> None:
+        with self.changed:
+            self.accepted += 1
+            self.changed.notify_all()
+
+    def on_reject(self, model: str) -> None:
+        with self.changed:
+            self.refused += 1
+            self.changed.notify_all()
+
+    def wait_for(self, requests: int) -> None:
+        """Until the engine has accepted or refused ``requests`` requests in all (at most :data:`WAIT_S`)."""
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.accepted + self.refused >= requests, WAIT_S):
+                raise AssertionError(f"the engine accepted {self.accepted} requests and refused {self.refused} in "
+                                     f"{WAIT_S:g} s; the test waited for {requests}")
+
+    def open(self) -> None:
+        self.opened.set()
