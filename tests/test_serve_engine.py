@@ -168,8 +168,10 @@ def test_heuristic_sustains_a_rate_at_which_static_sheds_load(two_tiny):
 
 
 def test_real_engine_never_mixes_up_stacked_requests(two_tiny):
+    """24 requests from 24 threads into a running engine; a batch waits for its 4 requests (up to an hour), so
+    that they are stacked however the threads' submissions interleave with the engine's steps."""
     model, models = two_tiny
-    eng = Engine(CpuExecutor(models), policies.create("batch"), RealClock(), max_batch=4)
+    eng = Engine(CpuExecutor(models), policies.create("batch", max_queue_delay_ms=3.6e6), RealClock(), max_batch=4)
     steps = Steps()
     eng.observers.append(steps)
     eng.start()
@@ -190,7 +192,7 @@ def test_real_engine_never_mixes_up_stacked_requests(two_tiny):
         t.join()
     assert done.wait(60)
     eng.stop()
-    assert any(n > 1 for p in steps.parts for _, _, n in p)  # some requests were stacked
+    assert [n for p in steps.parts for _, _, n in p] == [4] * 12  # 3 instances of 4 per model, 2 blocks each
     with torch.no_grad():
         for x in inputs:
             assert torch.allclose(results[x.data_ptr()], model(x), atol=1e-5)

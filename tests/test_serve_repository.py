@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from opweave import zoo
+from opweave.errors import UsageError
 from opweave.serve.build import load_models, make_engine
 from opweave.serve.engine import Unavailable
 from opweave.serve.frontend import Refused
 from opweave.serve.protocol import HEADER, encode_tensor
 from opweave.serve.repository import Repository
 from opweave.serve.server import BackgroundServer
-from serve_models import tiny
+from serve_models import WAIT_S, tiny
 
 SQUEEZE = {"image_size": 64}
 
@@ -102,19 +103,13 @@ def test_engine_adds_and_removes_a_model_between_steps_answering_what_it_accepte
             engine.submit("tiny", (x,), on_done=done.append)
         remover = threading.Thread(target=engine.remove_model, args=("tiny",))
         remover.start()
-        for _ in range(500):  # closing: new requests are refused while those queued are still answered
-            try:
-                engine.submit("tiny", (xs[0],))
-            except Unavailable as exc:
-                assert "being unloaded" in str(exc)
-                break
-            except Exception as exc:  # noqa: BLE001 - already gone: refused as unknown, also clean
-                assert "unknown model" in str(exc)
-                break
-            time.sleep(0.001)
-        else:
-            raise AssertionError("a closing model took a request")
-        remover.join(timeout=60)
+        with engine.wakeup:  # remove_model marks it closing and notifies; then it may leave at once
+            assert engine.wakeup.wait_for(lambda: "tiny" not in engine.models or engine.models["tiny"].closing,
+                                          WAIT_S), f"remove_model did not start closing the model in {WAIT_S:g} s"
+        # closing: new requests are refused while those queued are still answered (already gone: unknown, also clean)
+        with pytest.raises((Unavailable, UsageError), match="being unloaded|unknown model 'tiny'"):
+            engine.submit("tiny", (xs[0],))
+        remover.join(timeout=WAIT_S)
         assert not remover.is_alive() and "tiny" not in engine.models and "tiny" not in engine.executor.models
         assert [r.status for r in done] == ["done"] * 12  # every accepted request answered
         by_x = {id(r.inputs[0]): r for r in done}
@@ -200,22 +195,35 @@ def test_load_and_unload_over_http_and_grpc_while_another_model_serves_under_loa
     background = BackgroundServer(engine, served, grpc=True, repository=repository)
     reference = zoo.create("deepfm")[0]
     squeeze = models["squeezenet"]
+    loads: list[tuple[float, float]] = []
+    answered_during_load = threading.Event()
+    warm = engine.executor.warm_model
+
+    def warm_then_wait_for_deepfm(*args, **kwargs):
+        """The load's last step: it returns only once a deepfm request sent after it began has been answered (or
+        after WAIT_S: the assertion on ``during`` below then fails), so "during" does not depend on how long the
+        compiles take against a request's round trip."""
+        warm(*args, **kwargs)
+        answered_during_load.wait(WAIT_S)
+
+    engine.executor.warm_model = warm_then_wait_for_deepfm
     with background as url:
         http = triton_http.InferenceServerClient(url.removeprefix("http://"))
-        loads: list[tuple[float, float]] = []
         loaded_blocks: list = []
 
         async def scenario():
-            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as c:
                 stop = asyncio.Event()
 
                 async def steady():
                     out, i = [], 0
-                    while not stop.is_set():
+                    while not stop.is_set() or len(out) <= 20:
                         inputs, body, headers = deepfm_request(i)
                         sent = time.monotonic()
                         r = await c.post("/v2/models/deepfm/infer", content=body, headers=headers)
                         out.append((inputs, r, sent, time.monotonic()))
+                        if loads and sent > loads[0][0]:
+                            answered_during_load.set()
                         i += 1
                         await asyncio.sleep(0.02)
                     return out
@@ -227,9 +235,9 @@ def test_load_and_unload_over_http_and_grpc_while_another_model_serves_under_loa
 
                 background_load = asyncio.create_task(steady())
                 await asyncio.sleep(0.5)
-                start = time.monotonic()
+                loads.append((time.monotonic(), float("inf")))
                 r = await c.post("/v2/repository/models/squeezenet/load")
-                loads.append((start, time.monotonic()))
+                loads[0] = (loads[0][0], time.monotonic())
                 assert r.status_code == 200, r.text
                 assert 'opweave_queue_depth{model="squeezenet"}' in (await c.get("/metrics")).text
                 loaded_blocks.extend(bool(b.compiled) for key, b in engine.executor._blocks.items()
