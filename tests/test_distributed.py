@@ -319,19 +319,25 @@ def test_a_killed_rank_ends_the_run_with_an_error_naming_it():
     pids = backend.pids
     try:
         assert backend.info[1]["ops"] > 0
-        start = time.monotonic()
         backend(x)  # warm: the next call is a mid-run kill, not a start-up one
-        # a third of a warm call in: a fixed 0.3 s once came after a whole call (0.26 s) on a quiet machine
-        killer = threading.Timer((time.monotonic() - start) / 3, os.kill, (pids[1], signal.SIGKILL))
-        killer.start()
+        # rank 1 is killed once rank 0 has been sent the call, before its own share is sent: the kill always lands
+        # mid-call, with rank 0 working on it (a timer a third of a warm call in could come after the whole call on
+        # a loaded machine)
+        send = backend.ranks.send
+
+        def kill_rank_1_then_send(rank, message):
+            if rank == 1 and message[0] == "run":
+                os.kill(pids[1], signal.SIGKILL)
+            send(rank, message)
+
+        backend.ranks.send = kill_rank_1_then_send
         result = call_within(backend, (x,), 60)
-        killer.join()
     finally:
         backend.close()
     assert isinstance(result.get("error"), RankError), result
     message = str(result["error"])
     assert "rank 1" in message and "SIGKILL" in message and "\n" not in message
-    assert result["seconds"] < 30
+    assert result["seconds"] < 30, f"the killed rank was reported after {result['seconds']:.1f} s, not at once"
     assert wait_gone(pids) == []
     with pytest.raises(RankError, match="rank 1"):  # the backend stays stopped
         backend(x)
