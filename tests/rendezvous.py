@@ -36,8 +36,9 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def armed(parties: int = 2, timeout_s: float = 20.0) -> Iterator[threading.Barrier]:
-    """Make every rendezvous op wait until ``parties`` of them are waiting (at most ``timeout_s``)."""
+def armed(parties: int = 2, timeout_s: float = 120.0) -> Iterator[threading.Barrier]:
+    """Make every rendezvous op wait until ``parties`` of them are waiting (at most ``timeout_s``: ops that do meet
+    go on at once, so the bound is generous; a test that expects them not to meet passes a short one)."""
     global _barrier
     _barrier = threading.Barrier(parties, timeout=timeout_s)
     try:
