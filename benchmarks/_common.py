@@ -129,6 +129,7 @@ def machine_info() -> dict:
     import torch
 
     import opweave
+    from opweave.evaluate.bench import load_average
 
     return {
         "platform": platform.platform(),
@@ -142,7 +143,7 @@ def machine_info() -> dict:
         "opweave": getattr(opweave, "__version__", None),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         # other work on the machine inflates every timing; say how busy it was when the results were written
-        "load_average_1_5_15m": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "load_average_1_5_15m": load_average(),
     }
 
 

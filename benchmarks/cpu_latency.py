@@ -353,7 +353,9 @@ def measure(name: str, batch: int, args: argparse.Namespace, tmp: Path) -> list[
         row.update({k: round(v, 3) if isinstance(v, float) else v for k, v in latency[row["mode"]].items()})
         if eager:
             row["speedup_vs_eager"] = round(eager / latency[row["mode"]]["median_ms"], 3)
-    load = round(os.getloadavg()[0], 2)
+    from opweave.evaluate.bench import load_average
+
+    load = (load_average() or [None])[0]
     return [{**row, "load_average_1m": load} for row in rows]
 
 

@@ -107,8 +107,16 @@ def test_bench_cpu_json():
     result = json.loads(opweave("bench", "--model", "squeezenet", "--device", "cpu", "--schedulers", "sequential,lios",
                                 "--runs", "2", "--warmup", "1", "--json").stdout)
     assert [r["mode"] for r in result["rows"]] == ["eager", "opweave sequential", "opweave lios"]
-    assert all(r["median_ms"] > 0 for r in result["rows"])
+    assert all(0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"] and r["spread_pct"] >= 0 for r in result["rows"])
     assert all(r["max_abs_diff"] < 1e-3 for r in result["rows"][1:])
+    # each speed-up carries the verdict of the rule (opweave.evaluate.bench.versus) on its own figures
+    for row in result["rows"][1:]:
+        assert row["within_spread"] == (row["p10_ms"] <= result["rows"][0]["p90_ms"]
+                                        and result["rows"][0]["p10_ms"] <= row["p90_ms"])
+    assert "within_spread" not in result["rows"][0] and result["rounds"] == 2
+    machine = result["machine"]
+    assert set(machine) == {"cpus", "load_average_1_5_15m", "others_cpu_share", "busy"}
+    assert (result["warning"] is not None) == machine["busy"]
 
 
 def test_cpu_profile_feeds_simulate_and_is_refused_for_another_model(tmp_path):

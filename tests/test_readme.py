@@ -263,11 +263,14 @@ def check_simulate_file_gantt(line: str, tmp_path: Path) -> None:
 
 
 def check_bench(line: str, tmp_path: Path) -> None:
-    rows = table_rows(succeeds(opweave_cli(line, *FAST_BENCH)))
+    text = succeeds(opweave_cli(line, *FAST_BENCH))
+    rows = table_rows(text)
     assert list(rows) == ["eager"] + [f"opweave {name}" for name in opweave.schedulers.names()]
-    for mode, (median_ms, _, _, _, diff) in rows.items():
+    for mode, (median_ms, spread, versus, _, _, diff) in rows.items():
+        assert float(median_ms) > 0 and spread.endswith("%") and versus.endswith("x"), (mode, spread, versus)
         if mode.startswith("opweave"):
-            assert float(median_ms) > 0 and float(diff) < 1e-3, (mode, diff)
+            assert float(diff) < 1e-3, (mode, diff)
+    assert "interleaved rounds" in text and "CPUs" in text
 
 
 def check_profile_cuda(line: str, tmp_path: Path) -> None:

@@ -36,7 +36,10 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
           warmup: Annotated[int, typer.Option(min=0)] = 3,
           profile: Annotated[Path | None, typer.Option(help="schedule on this measured profile")] = None,
           coarsen: CoarsenOpt = True, as_json: JsonOpt = False):
-    """Real runs: eager vs opweave with each scheduler, median latency after warm-up."""
+    """Real runs: eager vs opweave with each scheduler. Every mode is built first, then all are timed interleaved
+    (rounds of a few calls each, so that all see the same load): the median, the spread (p10 to p90, as % of the
+    median) and the speed-up over eager, shown as ~ when it is within the spread (README, "How to read a
+    benchmark"). A machine that other processes kept busy meanwhile gets a warning."""
     from opweave.evaluate.bench import bench_model, resolve_device
 
     device = resolve_device(device)
@@ -51,16 +54,27 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
     if as_json:
         print(json.dumps(result))
         return
-    table = Table(title=f"{result['model']} batch {batch_size} on {result['device_name']} (median of {runs} runs, "
-                        f"torch {result['torch']})")
-    for col in ("mode", "median ms", "vs eager", "streams", "syncs", "max |diff|"):
-        table.add_column(col, justify="left" if col == "mode" else "right")
+    machine = result["machine"]
+    load = machine["load_average_1_5_15m"]
+    others = machine["others_cpu_share"]
+    caption = (f"ms: median of {runs} calls per mode in {result['rounds']} interleaved rounds; spread: p10 to p90 "
+               "as % of the median; ~: within the spread, not a speed-up this run can show\n"
+               f"{machine['cpus']} CPUs" + (f", load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}" if load else "")
+               + (f"; other processes: {others:.0%} of them while timing" if others is not None else ""))
+    table = Table(title=f"{result['model']} batch {batch_size} on {result['device_name']} (torch {result['torch']})",
+                  caption=caption, pad_edge=False)
+    for col in ("mode", "ms", "spread", "vs eager", "streams", "syncs", "max diff"):
+        table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
     for r in result["rows"]:
-        table.add_row(r["mode"], f"{r['median_ms']:.3f}", f"{r['speedup_vs_eager']:.2f}x",
+        table.add_row(r["mode"], f"{r['median_ms']:.3f}" if r["median_ms"] < 1e4 else f"{r['median_ms']:.0f}",
+                      f"{r['spread_pct']:.0f}%",
+                      ("~" if r.get("within_spread") else "") + f"{r['speedup_vs_eager']:.2f}x",
                       "" if r.get("streams") is None else str(r["streams"]),
                       "" if r.get("syncs") is None else str(r["syncs"]),
                       "" if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:.1e}")
     out.print(table)
+    if result["warning"]:
+        err.print(f"[yellow]warning:[/yellow] {result['warning']}")
 
 
 @app.command()
