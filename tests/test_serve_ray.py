@@ -133,14 +133,15 @@ def test_two_ray_serve_replicas_answer_equal_eager_and_a_killed_one_loses_no_acc
                              "--max-batch", "4", "--policy", "batch"], stdout=out, stderr=err, env=env)
     try:
         url = None
-        for _ in range(2400):  # Ray's start and both replicas' loads: bounded at 240 s
+        deadline = time.monotonic() + 600  # Ray's start and both replicas' loads (minutes on a loaded machine)
+        while time.monotonic() < deadline:
             text = (tmp_path / "out.txt").read_text()
             if "listening on http://127.0.0.1:" in text:
                 url = text.split("listening on ", 1)[1].split()[0]
                 break
             assert proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
             time.sleep(0.1)
-        assert url, "opweave serve --ray did not come up within 240 s"
+        assert url, "opweave serve --ray did not come up within 600 s"
         first = _replicas(proc.pid)
         assert len(first) == 2, first
 
@@ -187,12 +188,13 @@ def test_two_ray_serve_replicas_answer_equal_eager_and_a_killed_one_loses_no_acc
               f"tries {dict(failures)}")
 
         # Ray replaces the killed replica
-        for _ in range(1200):  # bounded: 120 s
+        deadline = time.monotonic() + 600  # a new replica starts and loads its models
+        while time.monotonic() < deadline:
             now = _replicas(proc.pid)
             if len(now) == 2 and first[0] not in now:
                 break
             time.sleep(0.1)
-        assert len(now) == 2 and first[0] not in now, now
+        assert len(now) == 2 and first[0] not in now, f"Ray had not replaced the killed replica in 600 s: {now}"
         with httpx.Client(base_url=url, timeout=60) as c:
             x = torch.randn(1, 3, 8, 8)
             body, headers = binary_request(x)
