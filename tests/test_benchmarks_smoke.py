@@ -38,7 +38,7 @@ def failed_checks(data: object, where: str = "") -> list[str]:
     return found
 
 
-SCRIPT_S = 1200  # a bound on one quick run, far above its time on a loaded 2-core machine (under 150 s)
+SCRIPT_S = 1200  # a bound on one quick run: the longest took 317 s on a loaded 2-core machine (120 s was too few)
 
 
 def run_script(name: str, out: Path, *extra: str, timed: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

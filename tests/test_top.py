@@ -455,7 +455,7 @@ def test_gpg_schedules_in_a_forked_child(tmp_path):
         receive, send = ctx.Pipe(duplex=False)
         child = ctx.Process(target=_schedule_in_child, args=(send, graph, weights), daemon=True)
         child.start()
-        assert receive.poll(300), "the forked child did not answer within 300 s (a hang: the whole test takes under a second)"
+        assert receive.poll(300), "the forked child did not answer within 300 s (a hang: the test takes a second)"
         assert receive.recv() == schedulers.run("top-gpg", graph, from_graph(graph), weights=weights).predicted_ms
     finally:
         torch.set_num_threads(before)
