@@ -204,15 +204,13 @@ def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespac
     """Phase 2 (in a child): every mode built (untimed), then timed interleaved (module docstring)."""
     import torch
 
-    from opweave.costs import timing
+    from opweave.evaluate.bench import interleaved_times_ms
 
     model, inputs = create(name, batch, args)
     built = {mode: build(model, inputs, mode) for mode in modes}
     fns = {mode: fn for mode, (fn, _) in built.items()}
     # a measured choice (max-speed, the default's guard) is made again in this process: record this one's
     chosen = {mode: info["choice"]["label"] for mode, (_, info) in built.items() if "choice" in info}
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
-    per_round = [args.runs // args.rounds + (i < args.runs % args.rounds) for i in range(args.rounds)]
     with torch.inference_mode():
         deadline = time.perf_counter() + args.warmup_s
         while True:
@@ -220,10 +218,9 @@ def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespac
                 fn(*inputs)
             if time.perf_counter() >= deadline:
                 break
-        order = list(fns)
-        for k, runs in enumerate(per_round):  # each round starts at the next mode: no mode always goes first
-            for mode in order[k % len(order):] + order[:k % len(order)]:
-                times[mode] += timing.times_ms(lambda fn=fns[mode]: fn(*inputs), runs=runs, warmup=0)
+        # each round starts at the next mode: no mode always goes first
+        times = interleaved_times_ms({mode: (lambda fn=fn: fn(*inputs)) for mode, fn in fns.items()},
+                                     runs=args.runs, warmup=0, rounds=args.rounds)
     return {mode: {"median_ms": statistics.median(ts), "min_ms": min(ts),
                    **({"timed_choice": chosen[mode]} if mode in chosen else {})} for mode, ts in times.items()}
 
