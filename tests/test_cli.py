@@ -37,7 +37,7 @@ def one_line(result) -> str:
 
 
 def opweave_process(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, timeout=900)
 
 
 def test_schedule_json_lios_fig3():
@@ -199,7 +199,7 @@ def test_a_bug_prints_its_traceback():
 
         app(["broken"], prog_name="opweave")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr and proc.stderr.endswith("KeyError: 0\n")
     assert "opweave: error" not in proc.stderr

@@ -382,7 +382,7 @@ def test_no_rank_outlives_a_caller_that_crashes(tmp_path):
     """))
     for how in (signal.SIGKILL, signal.SIGSEGV):
         proc = subprocess.run([sys.executable, str(script), str(int(how))], capture_output=True, text=True,
-                              timeout=300)
+                              timeout=900)
         assert proc.returncode == -how, proc.stderr[-2000:]
         pids = [int(p) for p in proc.stdout.split()]
         assert len(pids) == 2

@@ -62,7 +62,7 @@ def test_a_file_that_is_not_an_exported_program_is_one_usage_error(tmp_path):
 
 
 def opweave_cli(*args: str, rc: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, timeout=900)
     assert proc.returncode == rc, proc.stderr[-3000:]
     return proc
 

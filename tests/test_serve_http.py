@@ -342,7 +342,7 @@ def test_sigterm_drains_every_accepted_request_then_exits(references):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, timeout=900)
 
 
 def test_cli_loadgen_simulate_and_blocks(tmp_path):

@@ -332,5 +332,5 @@ def test_cli_serves_a_model_repository_and_refuses_one_that_does_not_load(repo, 
             proc.kill()
     # a model of the repository that does not load stops the start, naming it (Triton's exit-on-error)
     proc = subprocess.run([sys.executable, "-m", "opweave", "serve", "--model-repository", str(root), "--port", "0",
-                           "--fuse", "none"], capture_output=True, text=True, timeout=300)
+                           "--fuse", "none"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 2 and "model 'broken'" in proc.stderr and proc.stdout == ""

@@ -355,7 +355,7 @@ def test_the_shipped_policy_is_the_default(policy_file, tmp_path, monkeypatch):
 
 # ---- the CLI and the server -----------------------------------------------------------------------------------------
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
