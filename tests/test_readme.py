@@ -345,7 +345,7 @@ def readme_server():
         assert "inception_v3 (11 blocks)" in first and "policy heuristic" in first
         yield found.group(1)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
