@@ -195,6 +195,6 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
     return {"model": model_name, "batch_size": batch_size, "device": device, "device_name": device_name(device),
             "costs": "profile " + str(profile) if profile else "roofline estimate", "coarsen": coarsen,
             "torch": torch.__version__, "runs": runs, "warmup": warmup, "rounds": max(1, min(ROUNDS, runs)),
-            "machine": {"cpus": os.cpu_count(), "load_average_1_5_15m": load, "others_cpu_share": other.share,
-                        "busy": other.busy},
+            "machine": {"cpus": os.cpu_count(), "load_average_1_5_15m": load,
+                        "others_cpu_share": None if other.share is None else round(other.share, 3), "busy": other.busy},
             "warning": busy_warning(other.share, load) if other.busy else None, "rows": rows}
