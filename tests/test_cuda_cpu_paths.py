@@ -28,7 +28,6 @@ from benchmark_module import gpu_latency
 from dags import dags
 from opweave import costs as costs_mod
 from opweave import schedulers
-from opweave.api import plan_for
 from opweave.backends.cache import BoundedCache, signature
 from opweave.backends.cuda import CudaBackend, InputCopies, _static_copy, input_signature, on_device, require_cuda
 from opweave.backends.cudagraph import capture_error
@@ -42,6 +41,7 @@ from opweave.backends.liveness import (
 )
 from opweave.backends.program import Program, Step, Walker
 from opweave.backends.streams import check_distinct_streams, default_streams
+from opweave.build import plan_for
 from opweave.capture import capture
 from opweave.costs.profile import Profile, ProfileKeyError, profile_key, profile_model
 from opweave.costs.profile.kineto import kernels_by_op, range_runs, trace_ops
@@ -729,8 +729,8 @@ def test_benchmark_summary_table_and_json(tmp_path):
             row("opweave lios", 1.0, peak=120.0, scheduler="lios", streams=4, syncs=9, costs="profile"),
             row("opweave opara", 0.5, ok=False, scheduler="opara", streams=8, syncs=20, costs="profile"),
             {**base, "mode": "opweave ios", "scheduler": "ios", "error": "scheduling timed out", "costs": "profile"},
-            row("opweave lios+inductor", 0.8, peak=90.0, scheduler="lios", fuse="inductor", kernels_per_call=41.0),
-            row("opweave opara+inductor", 0.4, ok=False, scheduler="opara", fuse="inductor")]
+            row("opweave lios+inductor", 0.8, peak=90.0, scheduler="lios", compiler="inductor", kernels_per_call=41.0),
+            row("opweave opara+inductor", 0.4, ok=False, scheduler="opara", compiler="inductor")]
     summary = gl.summarize(rows)
     assert summary["best_scheduler"] == "lios"  # unfused: opara is faster but wrong, lios+inductor is fused
     assert summary["best_ms"] == 1.0

@@ -9,6 +9,6 @@ plan's order: which record a wait pairs with and what happens before what come f
 * :mod:`.cpu` — worker threads, one per lane;
 * :mod:`.streams` — one CUDA stream pool per device, and lanes on streams forked from and joined into the caller's;
 * :mod:`.cuda` — the CUDA backend: lanes on streams, recorded ahead of time into a CUDA Graph (:mod:`.cudagraph`);
-* :mod:`.segments` — stream segments compiled with TorchInductor (``fuse="inductor"``);
+* :mod:`.segments` — stream segments compiled with TorchInductor (``compiler="inductor"``);
 * :mod:`.distributed` — one process per device.
 """

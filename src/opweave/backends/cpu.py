@@ -46,17 +46,18 @@ class CpuBackend:
     """A plan on the caller's thread (its first lane) and worker threads (one per other lane), each running its
     lane's generated code (module docstring). ``stats``: ``calls``. ``close()`` stops the workers (also done when
     the backend is collected or the interpreter exits); a closed backend refuses calls. ``threads`` (op -> intra-op
-    threads, :func:`opweave.backends.threads.op_threads`) sets the first lane's ops' budgets; every other lane's
-    ops run on one thread whatever it says. Without it the first lane takes the cores the workers leave
-    (:func:`opweave.backends.threads.budgets`). A single lane runs with the caller's own thread count."""
+    threads, :func:`opweave.backends.threads.lane_threads`) sets the first lane's ops' budgets; every other lane's
+    ops run on one thread whatever it says. Without it the first lane takes what the workers leave of ``total``
+    threads (default: every core; :func:`opweave.backends.threads.budgets`). A single lane runs with the caller's
+    own thread count."""
 
-    def __init__(self, runner, plan: LaunchPlan, threads: dict[str, int] | None = None):
+    def __init__(self, runner, plan: LaunchPlan, threads: dict[str, int] | None = None, total: int | None = None):
         self.captured = runner
         self.program = Program.from_plan(plan)
         self.stats = {"calls": 0}
         lanes = sorted(self.program.lanes)
         if len(lanes) > 1:
-            share = budgets(lanes)
+            share = budgets(lanes, total=total)
             threads = {step.op: (threads or {}).get(step.op, share[lane]) if lane == lanes[0] else 1
                        for lane, step in self.program.issue_order if step.kind == "launch"}
         self.code = LaneCode(runner, self.program, threads if len(lanes) > 1 else None)

@@ -1,6 +1,6 @@
-"""Lanes over ONNX Runtime's optimized graph of the whole model: ``opweave.compile(..., fuse="onnxruntime-graph")``.
+"""Lanes over ONNX Runtime's optimized graph of the whole model: ``opweave.compile(..., graph="onnxruntime")``.
 
-``fuse="onnxruntime"`` exports each segment of a plan on its own, so ONNX Runtime optimizes each alone: its NCHWc
+``compiler="onnxruntime"`` exports each segment of a plan on its own, so ONNX Runtime optimizes each alone: its NCHWc
 layout (convolutions on 8-channel blocks, which doubles a small convolution's speed) is undone at every segment
 boundary and its fusions stop there. Here the order is turned round:
 
@@ -145,7 +145,7 @@ class OrtGraph:
         for node in graph.node:
             if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
                 raise UsageError(f"{captured.graph.name}: ONNX Runtime's graph has a control-flow node "
-                                 f"({node.op_type}); fuse='onnxruntime-graph' takes straight-line graphs")
+                                 f"({node.op_type}); graph='onnxruntime' takes straight-line graphs")
         stable_names(graph)
         self.node = {n.name: n for n in graph.node}
         self.order = [n.name for n in graph.node]
@@ -333,12 +333,8 @@ class OrtLanes:
         if not self._warned:
             self._warned = True
             warnings.warn(f"{self.model.graph.name}: inputs with another signature than the example's run op by op "
-                          "(fuse='onnxruntime-graph' exported the model for the example's strides)", stacklevel=3)
-        captured = self.model.captured
-        env = captured.bind(args)
-        for op in captured.graph.topo_order:
-            captured.run_op(op, env)
-        return captured.output(env)
+                          "(graph='onnxruntime' exported the model for the example's strides)", stacklevel=3)
+        return self.model.captured.run(args)
 
 
 class _Segments:

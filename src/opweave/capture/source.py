@@ -12,8 +12,8 @@ from torch import nn
 from opweave import zoo
 from opweave.capture.coarsen import coarsen as coarsen_ops
 from opweave.capture.runtime import Captured
-from opweave.capture.trace import ExportedModule, _first_line, capture
-from opweave.errors import UsageError
+from opweave.capture.trace import ExportedModule, capture
+from opweave.errors import UsageError, first_line
 
 
 class Loaded(NamedTuple):
@@ -66,7 +66,7 @@ def load_program(path: str | Path, device: str = "cpu") -> ExportedModule:
     try:
         program = torch.export.load(path)
     except Exception as exc:  # noqa: BLE001 - any failure to read means "not an exported program"
-        raise UsageError(f"{str(path)!r} is not a program saved by torch.export.save ({_first_line(exc)})") from exc
+        raise UsageError(f"{str(path)!r} is not a program saved by torch.export.save ({first_line(exc)})") from exc
     if device != "cpu":
         from torch.export.passes import move_to_device_pass
 
