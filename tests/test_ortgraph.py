@@ -123,8 +123,9 @@ def test_an_error_in_a_worker_lane_reaches_the_caller_and_the_next_call_works():
     model, x = Fork().eval(), torch.randn(4, 16)
     fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, graph="onnxruntime",
                            scheduler_options={"sync_ms": 0.0})
-    segments = fast.backend._workers[0].captured
-    worker_op = next(s.op for s in fast.backend._workers[0].steps if s.kind == "launch")
+    lane = fast.backend._pool.workers[0].run.__self__  # the worker lane's LaneWorker
+    segments = lane.captured
+    worker_op = next(s.op for s in lane.steps if s.kind == "launch")
     kept = segments.bound[worker_op]
 
     def broken(binding, options):
@@ -145,7 +146,7 @@ def test_workers_stop_on_close_and_when_the_backend_is_collected():
     for closing in (True, False):
         fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, graph="onnxruntime",
                                scheduler_options={"sync_ms": 0.0})
-        threads = [w.thread for w in fast.backend._workers]
+        threads = [w.thread for w in fast.backend._pool.workers]
         assert threads and all(t.is_alive() for t in threads)
         if closing:
             fast.close()

@@ -37,7 +37,7 @@ cannot be scheduled for one fixed shape; it runs eagerly, with a warning. Pass `
 compiled graph per shape instead.
 
 Every compiled graph is kept (the last :data:`KEEP` of them) for introspection: :func:`last_compiled` and
-:func:`compiled_graphs` return the :class:`opweave.api.Compiled` objects, with their ``schedule`` and ``plan``.
+:func:`compiled_graphs` return the :class:`opweave.Compiled` objects, with their ``schedule`` and ``plan``.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _static_input(x: Any) -> bool:
 
 
 def last_compiled():
-    """The :class:`opweave.api.Compiled` of the last graph the backend compiled (None before any)."""
+    """The :class:`opweave.Compiled` of the last graph the backend compiled (None before any)."""
     return _COMPILED[-1] if _COMPILED else None
 
 

@@ -20,7 +20,7 @@ boundary and its fusions stop there. Here the order is turned round:
    allocated once, and each session reads and writes those buffers through an ``IOBinding`` made once; a call
    rebinds only the model's inputs (no copy) and copies only the model's outputs out (beside them, a call makes one
    ``Event`` per sync and one ``OrtValue`` header per input). The plan's lanes run as the CPU backend's do:
-   the first in the caller's thread, every other on a long-lived :class:`~opweave.backends.cpu.LaneWorker`, a record
+   the first in the caller's thread, every other on a worker of a :class:`~opweave.backends.cpu.LanePool`, a record
    an ``Event.set`` and a wait an ``Event.wait`` (ONNX Runtime releases the GIL while a session runs).
 
 Each value is written once per call and the calls are serialised (one lock per backend), so the buffers need no
@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from opweave.backends.compilers import export_onnx, import_onnxruntime
-from opweave.backends.cpu import Call, LaneWorker, stop_workers
+from opweave.backends.cpu import Call, LanePool, LaneWorker
 from opweave.backends.program import Program
 from opweave.backends.segments import segment_groups, segment_plan, whole_module
 from opweave.backends.threads import cores
@@ -294,10 +294,11 @@ class OrtLanes:
         self._lock = threading.Lock()
         # the lanes hold the segments, not the backend: a worker thread that referred to it would keep it alive
         segments = _Segments(bound, ort.RunOptions())
-        self._caller = LaneWorker(lanes[0], self.program.lanes[lanes[0]], segments, thread=False)
-        self._workers = [LaneWorker(lane, self.program.lanes[lane], segments) for lane in lanes[1:]]
+        self._caller = LaneWorker(lanes[0], self.program.lanes[lanes[0]], segments)
+        self._pool = LanePool({lane: LaneWorker(lane, self.program.lanes[lane], segments).run_call
+                               for lane in lanes[1:]})
         self._warned = False
-        self._stop = weakref.finalize(self, stop_workers, list(self._workers))
+        self._stop = weakref.finalize(self, self._pool.close)
 
     def close(self) -> None:
         with self._lock:  # not in the middle of a call: its workers would never take it
@@ -314,18 +315,7 @@ class OrtLanes:
             fed = {name: self._ort_value(_array(leaves[i])) for name, i in self.model.inputs}
             for binding, name in self._rebind:
                 binding.bind_ortvalue_input(name, fed[name]._ortvalue)
-            call = Call({}, self.program.num_signals, len(self._workers) + 1)
-            for worker in self._workers:
-                worker.inbox.put(call)
-            try:
-                self._caller.run_call(call)
-            except BaseException as exc:  # noqa: BLE001 - stops the other lanes, raised below
-                call.fail(exc)
-            finally:
-                call.lane_finished()
-            call.done.wait()
-            if call.errors:
-                raise call.errors[0]
+            self._pool.run(Call({}, self.program.num_signals, len(self._pool.workers) + 1), self._caller.run_call)
             return self.model.whole.output(env, [torch.from_numpy(a.copy()) for a in self._outputs])
 
     def _op_by_op(self, args: tuple) -> Any:
