@@ -447,7 +447,7 @@ CHECKS = {
         check_serve, (pytest.mark.slow,)),
     "opweave loadgen --url http://127.0.0.1:8000 --pattern inception_v3:30,resnet50:60,squeezenet:120 --duration 10": (
         check_loadgen_url, (pytest.mark.slow,)),
-    "opweave loadgen --simulate --device-preset h100 --pattern inception_v3:60,resnet50:120,squeezenet:240": (
+    "opweave loadgen --simulate --preset h100 --pattern inception_v3:60,resnet50:120,squeezenet:240": (
         check_loadgen_simulate, (pytest.mark.slow,)),
     "opweave blocks --models inception_v3,resnet50,squeezenet": (check_blocks, (pytest.mark.slow,)),
     # several devices (HIOS)

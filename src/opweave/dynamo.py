@@ -29,6 +29,7 @@ carry no ``grad_fn``; dynamo guards on grad mode, so the same model under ``torc
 torch's presets (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``),
 ``options`` any of :data:`opweave.build.OPTIONS` (``scheduler``, ``streams``, ``compiler``, ``cudagraphs``, ...),
 with the same defaults: no scheduler means the device's default plan. Each graph's device is its example inputs'.
+``fold_bn`` is refused: dynamo's graphs hold no BatchNorm modules to fold.
 An option that does not apply there is a :class:`~opweave.errors.UsageError` (dynamo reports it as
 ``BackendCompilerFailed``).
 
@@ -86,7 +87,10 @@ class OpweaveGraph:
 
         self.gm, self.mode, self.options = gm, mode, options
         self.device = "cuda" if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs) else "cpu"
-        resolve(self.device, mode, options)  # refused at once, before anything is captured
+        if resolve(self.device, mode, options).fold_bn:  # refused at once, before anything is captured
+            raise UsageError("option 'fold_bn' folds BatchNorm modules when capturing a module; dynamo hands over a "
+                             "graph whose BatchNorm is a function of its parameters (compile the module with "
+                             "opweave.compile to fold it)")
         self.recompiles = 0
         self._lock = threading.Lock()
         self._build(example_inputs)

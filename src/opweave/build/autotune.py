@@ -71,7 +71,7 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
     if compiled.schedule.streams_used > 1:
         built["lanes"] = compiled
         one = options.replace(scheduler="sequential", streams=1, costs=compiled.costs, coarsen=False,
-                              given=options.given | {"scheduler"})
+                              scheduler_options=None, given=options.given | {"scheduler"})
         built["one lane"] = CpuTarget().build(captured, inputs, one)
     else:
         built["one lane"] = compiled

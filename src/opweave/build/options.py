@@ -127,8 +127,8 @@ class Options:
 
 def mode_options(mode: str) -> dict[str, Any]:
     """What ``mode`` sets (as ``torch._inductor.list_mode_options``); the device defaults are :func:`resolve`'s."""
-    if mode not in MODES:
-        hint = f" (now {RENAMED_MODES[mode]!r})" if mode in RENAMED_MODES else ""
+    if not isinstance(mode, str) or mode not in MODES:
+        hint = f" (now {RENAMED_MODES[mode]!r})" if isinstance(mode, str) and mode in RENAMED_MODES else ""
         raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}{hint}")
     return {"default": {}, "reduce-overhead": {"cudagraphs": True}, "max-autotune": {"autotune": True},
             "max-autotune-no-cudagraphs": {"autotune": True, "cudagraphs": False}}[mode]
@@ -144,10 +144,12 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
         raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     mode = mode or "default"
     preset = mode_options(mode)
-    both = sorted(set(options or {}) & set(given))
+    options = {k: v for k, v in (options or {}).items() if v is not None}  # None: not given
+    given = {k: v for k, v in given.items() if v is not None}
+    both = sorted(set(options) & set(given))
     if both:
         raise UsageError(f"option {both[0]!r} given both as a keyword and in options")
-    given = {**(options or {}), **given}
+    given = {**options, **given}
     for key in given:
         if key not in OPTIONS:
             hint = (f" (now {RENAMED[key]!r})" if key in RENAMED else

@@ -55,7 +55,7 @@ from opweave.capture.coarsen import fold_batchnorm
 from opweave.capture.functionalize import rewrite_inplace
 from opweave.capture.partition import build_graph, partition
 from opweave.capture.runtime import Captured, positional
-from opweave.errors import CaptureError, first_line
+from opweave.errors import CaptureError, UsageError, first_line
 from opweave.outputs import compare
 
 SUGGESTION = 'torch.compile(model, backend="opweave") schedules each subgraph it can capture around such code'
@@ -82,6 +82,9 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
     model_name = name or ("ExportedProgram" if program is not None else type(model).__name__)
     signature = model.signature if program is not None else _signature(model)
     example_inputs = positional(signature, example_inputs, example_kwargs or {}, model_name)
+    if fold_bn and program is not None:
+        raise UsageError(f"{model_name}: fold_bn folds BatchNorm modules of an nn.Module; an exported program has "
+                         "none (its BatchNorm is a function of its parameters)")
     if fold_bn and model.training:
         raise CaptureError(f"cannot fold BatchNorm into convolutions of {model_name}: it is in training mode "
                            "(call model.eval() first)")

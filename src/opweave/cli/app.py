@@ -132,16 +132,6 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
     return OpGraph.load(graph)
 
 
-def build_options(device: str, options: list[str] | None, **given):
-    """The command's own flags and its ``--option KEY=VALUE`` settings (:func:`opweave.build.parse_option`),
-    resolved together (:func:`opweave.build.resolve`): a setting the device cannot honour is refused."""
-    from opweave.build import parse_option, resolve
-
-    settings = dict(parse_option(text) for text in options or [])
-    return resolve(device, settings.pop("mode", None), {k: v for k, v in given.items() if v is not None},
-                   **settings)
-
-
 def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, devices: int):
     """Schedule, lower, validate and replay one scheduler: (schedule, plan, simulation result)."""
     from opweave.backends.simulate import simulate

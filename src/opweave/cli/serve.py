@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from opweave.cli.app import JsonOpt, app, err, guard, out
+from opweave.cli.app import JsonOpt, OptionOpt, app, err, guard, out
 from opweave.errors import UsageError
 
 PolicyOpt = Annotated[str, typer.Option("--policy", help="static | batch | heuristic | top (or a registered "
@@ -78,7 +78,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           compiler: Annotated[str, typer.Option("--compiler", help="cpu: each block compiled whole by onnxruntime or "
                                                            "inductor, or none (TOP's combined op graphs); default "
                                                            "onnxruntime when installed")] = "default",
-          log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
+          options: OptionOpt = None, log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
     """Serve models over the Open Inference Protocol (KServe v2 / Triton HTTP, and gRPC with ``--grpc-port``) until
     SIGTERM, which drains. ``--model-repository`` serves Triton's repository layout (docs/serving.md). ``--ray``
     runs ``--replicas`` engines as a Ray Serve deployment instead (opweave.serve.ray).
@@ -96,6 +96,12 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    from opweave.build import parse_option
+    from opweave.serve.build import serving_options
+
+    settings = serving_options(device, dict(parse_option(text) for text in options or []))
+    scheduler, streams = settings.get("scheduler", scheduler), settings.get("streams", streams)
+    compiler = settings.get("compiler", compiler)
     if threads is not None:
         torch.set_num_threads(threads)
     options = _policy_options(policy, policy_options, policy_file)
@@ -183,8 +189,8 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
             scale: Annotated[float, typer.Option("--scale", min=0.0001, help="multiply every rate")] = 1.0,
             seed: Annotated[int, typer.Option("--seed")] = 0,
             simulate: Annotated[bool, typer.Option("--simulate", help="run the engine in simulation, no HTTP")] = False,
-            device_preset: Annotated[str, typer.Option("--device-preset", help="roofline preset (simulation)")
-                                     ] = "h100",
+            device_preset: Annotated[str, typer.Option("--preset", "--device-preset",
+                                                       help="roofline preset (simulation)")] = "h100",
             policy: PolicyOpt = "heuristic", policy_options: PolicyOptionsOpt = None,
             policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64,
             max_batch: MaxBatchOpt = 8, max_sub_blocks: HOpt = 4, scheduler: SchedulerOpt = "lios",

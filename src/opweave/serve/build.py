@@ -80,6 +80,25 @@ def parse_cuts(items: list[str] | None) -> dict[str, list[str]]:
     return out
 
 
+SERVING_OPTIONS = {"cpu": ("scheduler", "streams", "compiler"), "cuda": ("scheduler", "streams"),
+                   "sim": ("scheduler", "streams")}
+
+
+def serving_options(device: str, settings: dict) -> dict:
+    """The options of ``opweave.compile`` (:data:`opweave.build.OPTIONS`) the serving executors take: the scheduler of
+    every combined block (lios, ios or heft), its stream cap and, on the CPU, the compiler of every block; checked
+    as ``opweave.compile`` checks them. Any other is refused: the engine decides it per combined block itself (one
+    CUDA Graph per combination, roofline costs, the blocks' own granularity)."""
+    from opweave.build import resolve
+
+    resolve("cpu" if device == "sim" else device, "default", settings, check_device=False)
+    for key in settings:
+        if key not in SERVING_OPTIONS[device]:
+            raise UsageError(f"option {key!r} does not apply to serving on {device}: the engine builds every combined "
+                             f"block itself (options it takes: {', '.join(SERVING_OPTIONS[device])})")
+    return settings
+
+
 def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", policy: str = "heuristic",
                 policy_options: dict | None = None, max_queue: int = 64, max_batch: int = 8, max_sub_blocks: int = 4,
                 timeout_s: float | None = None, scheduler: str = "lios", streams: int | None = None,
