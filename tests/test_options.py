@@ -239,3 +239,13 @@ def test_an_option_the_scheduler_does_not_take_is_a_usage_error_naming_it():
         opweave.compile(model, inputs, scheduler="sequential", scheduler_options={"sync_ms": 0.1})
     with opweave.compile(model, inputs, scheduler_options={"sync_ms": 0.1}) as fast:  # the default plan's guard
         assert fast.choice["label"] in ("lanes", "one lane", "eager")  # builds one lane without heft's option
+
+
+def test_the_docs_show_the_options_table_as_it_is():
+    from pathlib import Path
+
+    from opweave.build.options import options_markdown
+
+    root = Path(__file__).resolve().parent.parent
+    for doc in ("README.md", "docs/design.md"):
+        assert options_markdown() in (root / doc).read_text(), f"{doc}: the options table is out of date"

@@ -301,4 +301,14 @@ def option_table() -> list[dict[str, str]]:
     return [{"name": name, **dataclasses.asdict(spec)} for name, spec in OPTIONS.items()]
 
 
-__all__ = ["DEVICES", "MODES", "OPTIONS", "Options", "mode_options", "option_table", "parse_option", "resolve"]
+def options_markdown() -> str:
+    """:func:`option_table` as the Markdown table docs/design.md and the README carry (a test keeps them equal)."""
+    rows = ["| option | meaning | devices | default |", "| --- | --- | --- | --- |"]
+    for row in option_table():
+        needs = f" (with {row['needs']})" if row["needs"] else ""
+        rows.append(f"| `{row['name']}` | {row['meaning']}{needs} | {row['devices']} | {row['default']} |")
+    return "\n".join(rows)
+
+
+__all__ = ["DEVICES", "MODES", "OPTIONS", "Options", "mode_options", "option_table", "options_markdown", "parse_option",
+           "resolve"]
