@@ -729,8 +729,8 @@ def test_benchmark_summary_table_and_json(tmp_path):
             row("opweave lios", 1.0, peak=120.0, scheduler="lios", streams=4, syncs=9, costs="profile"),
             row("opweave opara", 0.5, ok=False, scheduler="opara", streams=8, syncs=20, costs="profile"),
             {**base, "mode": "opweave ios", "scheduler": "ios", "error": "scheduling timed out", "costs": "profile"},
-            row("opweave lios+inductor", 0.8, peak=90.0, scheduler="lios", compiler="inductor", kernels_per_call=41.0),
-            row("opweave opara+inductor", 0.4, ok=False, scheduler="opara", compiler="inductor")]
+            row("opweave lios+inductor", 0.8, peak=90.0, scheduler="lios", fuse="inductor", kernels_per_call=41.0),
+            row("opweave opara+inductor", 0.4, ok=False, scheduler="opara", fuse="inductor")]
     summary = gl.summarize(rows)
     assert summary["best_scheduler"] == "lios"  # unfused: opara is faster but wrong, lios+inductor is fused
     assert summary["best_ms"] == 1.0

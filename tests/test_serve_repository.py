@@ -303,7 +303,7 @@ def test_cli_serves_a_model_repository_and_refuses_one_that_does_not_load(repo, 
     clean = tmp_path / "repo"
     shutil.copytree(root / "tiny", clean / "tiny")
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-repository", str(clean), "--port",
-                             "0", "--fuse", "none", "--max-batch", "4"], stdout=subprocess.PIPE,
+                             "0", "--compiler", "none", "--max-batch", "4"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -324,5 +324,5 @@ def test_cli_serves_a_model_repository_and_refuses_one_that_does_not_load(repo, 
             proc.kill()
     # a model of the repository that does not load stops the start, naming it (Triton's exit-on-error)
     proc = subprocess.run([sys.executable, "-m", "opweave", "serve", "--model-repository", str(root), "--port", "0",
-                           "--fuse", "none"], capture_output=True, text=True, timeout=300)
+                           "--compiler", "none"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "model 'broken'" in proc.stderr and proc.stdout == ""
