@@ -57,6 +57,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from opweave.errors import first_line
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_MODELS = ("squeezenet", "googlenet")
 QUICK_FUSE_SCHEDULERS = ("lios", "opara")
@@ -186,7 +188,7 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], fuse_sche
         model, inputs, captured = load(name, batch_size=batch, device="cuda", dtype=getattr(torch, DTYPES[dtype]),
                                        coarsen=False)
     except Exception as exc:  # noqa: BLE001 - a missing optional package or a failed capture skips the model, recorded
-        return [{**base, "mode": "build", "error": _line(exc)}]
+        return [{**base, "mode": "build", "error": first_line(exc)}]
     fresh = fresh_inputs(inputs, seed=1)
     with torch.no_grad():
         reference, fresh_reference = model(*inputs), model(*fresh)
@@ -207,18 +209,19 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], fuse_sche
     if not args.no_torch_compile:
         measure("torch.compile", lambda: _compiled(model, inputs))
         torch._dynamo.reset()  # frees its CUDA graphs before the next modes are measured
+    default: dict = {"scheduler": None, "costs": "roofline (compile's default)"}
+    measure("opweave default", lambda: _default(model, inputs, default), default)
     costs, source = _costs(captured, inputs, args)
-    for sched_name in scheds:
+    for sched_name in scheds:  # a probe, under a time limit: the pipeline then schedules again (deterministic)
         status, sched = common.run_limited(_schedule, (sched_name, captured.graph, costs, args.streams or None),
                                            args.sched_timeout_s)
         if status != "ok":
             rows.append({**base, "mode": f"opweave {sched_name}", "scheduler": sched_name, "costs": source,
                          "error": "scheduling timed out" if status == "timeout" else sched})
             continue
-        extra = {"scheduler": sched_name, "costs": source, "streams": sched.streams_used,
-                 "scheduling_time_s": sched.scheduling_time_s, "predicted_ms": sched.predicted_ms,
-                 "ops": len(captured.graph)}
-        measure(f"opweave {sched_name}", lambda s=sched, e=extra: _opweave(captured, s, inputs, e), extra)
+        extra = {"scheduler": sched_name, "costs": source, "ops": len(captured.graph)}
+        measure(f"opweave {sched_name}", lambda s=sched_name, e=extra: _opweave(captured, inputs, costs, s, args, e),
+                extra)
     if fuse_scheds:
         rows.extend(_fused_rows(captured, fuse_scheds, inputs, args, common, measure, base))
     return rows
@@ -237,7 +240,7 @@ def _costs(captured, inputs, args):
         return profile.costs(captured.graph), "profile"
     except Exception as exc:  # noqa: BLE001 - recorded; the schedulers still run, on estimated costs
         preset = preset_for_gpu(torch.cuda.get_device_name()) or "h100"
-        return estimate(captured.graph, preset), f"roofline {preset} (profile failed: {_line(exc)})"
+        return estimate(captured.graph, preset), f"roofline {preset} (profile failed: {first_line(exc)})"
 
 
 def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[dict]:
@@ -247,7 +250,7 @@ def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[d
     try:
         coarse = coarsen(captured)
     except Exception as exc:  # noqa: BLE001 - recorded, the other modes stand
-        return [{**base, "mode": "opweave +inductor", "error": f"coarsening failed: {_line(exc)}"}]
+        return [{**base, "mode": "opweave +inductor", "error": f"coarsening failed: {first_line(exc)}"}]
     costs, source = _costs(coarse, inputs, args)
     failed = []
     for sched_name in scheds:
@@ -258,11 +261,21 @@ def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[d
             failed.append({**base, "mode": mode, "scheduler": sched_name, "costs": source, "fuse": "inductor",
                            "error": "scheduling timed out" if status == "timeout" else sched})
             continue
-        extra = {"scheduler": sched_name, "costs": source, "streams": sched.streams_used,
-                 "scheduling_time_s": sched.scheduling_time_s, "predicted_ms": sched.predicted_ms,
-                 "ops": len(coarse.graph), "fuse": "inductor"}
-        measure(mode, lambda s=sched, e=extra: _opweave(coarse, s, inputs, e, fuse="inductor"), extra)
+        extra = {"scheduler": sched_name, "costs": source, "ops": len(coarse.graph), "fuse": "inductor"}
+        measure(mode, lambda s=sched_name, e=extra: _opweave(coarse, inputs, costs, s, args, e, compiler="inductor"),
+                extra)
     return failed
+
+
+def _default(model, inputs, extra: dict):
+    """``opweave.compile(model, inputs, device="cuda")``: what a user gets with no option (the coarsened graph,
+    the plan the calibrated simulator picks, recorded into a CUDA Graph); ``extra`` gets what it picked."""
+    import opweave
+
+    fast = opweave.compile(model, inputs, device="cuda")
+    extra.update(scheduler=fast.schedule.scheduler, streams=fast.schedule.streams_used, syncs=fast.plan.syncs,
+                 ops=len(fast.graph), predicted_ms=fast.schedule.predicted_ms)
+    return fast
 
 
 def _schedule(name, graph, costs, streams):
@@ -271,18 +284,22 @@ def _schedule(name, graph, costs, streams):
     return schedulers.run(name, graph, costs, streams=streams)
 
 
-def _opweave(captured, sched, inputs, extra: dict, fuse: str | None = None):
+def _opweave(captured, inputs, costs, scheduler: str, args, extra: dict, compiler: str | None = None):
+    """``captured`` built by opweave's pipeline (:func:`opweave.build.build`, what ``opweave.compile`` runs) with
+    ``scheduler`` on ``costs``, at the granularity it was captured at; ``extra`` gets what was decided."""
     import time
 
-    from opweave.api import backend_for, validated_plan
+    from opweave.build import build, resolve
 
-    plan = validated_plan(captured.graph, sched)
-    extra["syncs"] = plan.syncs
+    options = resolve("cuda", scheduler=scheduler, streams=args.streams or None, costs=costs, coarsen=False,
+                      compiler=compiler)
     start = time.perf_counter()
-    backend, segmented = backend_for(captured, plan, "cuda", fuse=fuse, example_inputs=inputs, mode="graph")
-    if segmented is not None:  # the backend's warm-up runs compiled the segments
-        extra.update(build_s=time.perf_counter() - start, **{f"fuse_{k}": v for k, v in segmented.stats.items()})
-    return backend
+    fast = build(captured, inputs, options)
+    extra.update(streams=fast.schedule.streams_used, scheduling_time_s=fast.schedule.scheduling_time_s,
+                 predicted_ms=fast.schedule.predicted_ms, syncs=fast.plan.syncs)
+    if fast.fused is not None:  # the backend's warm-up runs compiled the segments
+        extra.update(build_s=time.perf_counter() - start, **{f"fuse_{k}": v for k, v in fast.fused.stats.items()})
+    return fast
 
 
 def _compiled(model, inputs):
@@ -349,7 +366,7 @@ def time_mode(build, inputs, checks, args) -> dict:
         except Exception:  # noqa: BLE001 - the count is extra information; the latency stands without it
             kernels = None
     except Exception as exc:  # noqa: BLE001 - one failing mode must not stop the benchmark
-        return {"error": _line(exc)}
+        return {"error": first_line(exc)}
     finally:
         del fn
     quantiles = statistics.quantiles(times, n=10)
@@ -460,11 +477,6 @@ def summarize(rows: list[dict]) -> dict:
             "torch_compile_ms": compiled["median_ms"] if compiled else None,
             "all_outputs_ok": all(r["ok"] for r in by_mode.values()),
             "failed_modes": sorted(r["mode"] for r in rows if "median_ms" not in r)}
-
-
-def _line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
 def speedup_table(name: str, batch: int, dtype: str, rows: list[dict], common):

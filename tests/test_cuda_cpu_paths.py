@@ -28,7 +28,6 @@ from benchmark_module import gpu_latency
 from dags import dags
 from opweave import costs as costs_mod
 from opweave import schedulers
-from opweave.api import plan_for
 from opweave.backends.cache import BoundedCache, signature
 from opweave.backends.cuda import CudaBackend, InputCopies, _static_copy, input_signature, on_device, require_cuda
 from opweave.backends.cudagraph import capture_error
@@ -42,6 +41,7 @@ from opweave.backends.liveness import (
 )
 from opweave.backends.program import Program, Step, Walker
 from opweave.backends.streams import check_distinct_streams, default_streams
+from opweave.build import plan_for
 from opweave.capture import capture
 from opweave.costs.profile import Profile, ProfileKeyError, profile_key, profile_model
 from opweave.costs.profile.kineto import kernels_by_op, range_runs, trace_ops

@@ -251,7 +251,7 @@ def test_sigterm_drains_every_accepted_request_then_exits(served):
     """`opweave serve` in a subprocess: requests in flight at SIGTERM are answered, new ones get 503, exit 0. (Eager
     blocks on one thread, so that the queue takes longer to drain than the late request takes to arrive.)"""
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--models", "squeezenet", "--image-size", "64",
-                             "--port", "0", "--policy", "static", "--max-queue", "64", "--fuse", "none",
+                             "--port", "0", "--policy", "static", "--max-queue", "64", "--compiler", "none",
                              "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

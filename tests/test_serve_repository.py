@@ -89,7 +89,7 @@ def binary_output(response: httpx.Response) -> torch.Tensor:
 # ---- the engine --------------------------------------------------------------------------------------------------
 def test_engine_adds_and_removes_a_model_between_steps_answering_what_it_accepted(base, repo):
     root, models = repo
-    engine = make_engine(dict(base), device="cpu", policy="heuristic", max_batch=4, fuse=None)
+    engine = make_engine(dict(base), device="cpu", policy="heuristic", max_batch=4, compiler=None)
     extra = load_models([], {"tiny": root / "tiny" / "2" / "model.pt2"}, max_batch=4)["tiny"]
     engine.start()
     try:
@@ -133,7 +133,7 @@ def test_engine_adds_and_removes_a_model_between_steps_answering_what_it_accepte
 
 def test_an_engine_with_no_model_steps_and_takes_one(repo):
     root, models = repo
-    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, fuse=None)
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
     assert engine.step() is False and engine.observe().queue_variance == 0.0
     extra = load_models([], {"tiny": root / "tiny" / "1" / "model.pt2"}, max_batch=4)["tiny"]
     engine.add_model("tiny", extra.blocked)
@@ -152,7 +152,7 @@ def test_an_engine_with_no_model_steps_and_takes_one(repo):
 # ---- the repository ----------------------------------------------------------------------------------------------
 def test_repository_layout_versions_and_config(base, repo):
     root, models = repo
-    engine = make_engine(dict(base), device="cpu", policy="heuristic", max_batch=4, fuse=None)
+    engine = make_engine(dict(base), device="cpu", policy="heuristic", max_batch=4, compiler=None)
     repository = Repository(engine, dict(base), root, max_batch=4)
     assert repository.names() == ["broken", "squeezenet", "tiny"]
     index = {m["name"]: m for m in repository.index()}
@@ -303,7 +303,7 @@ def test_cli_serves_a_model_repository_and_refuses_one_that_does_not_load(repo, 
     clean = tmp_path / "repo"
     shutil.copytree(root / "tiny", clean / "tiny")
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-repository", str(clean), "--port",
-                             "0", "--fuse", "none", "--max-batch", "4"], stdout=subprocess.PIPE,
+                             "0", "--compiler", "none", "--max-batch", "4"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -324,5 +324,5 @@ def test_cli_serves_a_model_repository_and_refuses_one_that_does_not_load(repo, 
             proc.kill()
     # a model of the repository that does not load stops the start, naming it (Triton's exit-on-error)
     proc = subprocess.run([sys.executable, "-m", "opweave", "serve", "--model-repository", str(root), "--port", "0",
-                           "--fuse", "none"], capture_output=True, text=True, timeout=300)
+                           "--compiler", "none"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "model 'broken'" in proc.stderr and proc.stdout == ""

@@ -1,7 +1,7 @@
 """Segment compilers: what turns one stream segment (an ``fx.GraphModule`` over tensors) into a fast callable.
 
 :mod:`opweave.backends.segments` hands every segment to one :class:`SegmentCompiler`, chosen by name
-(``opweave.compile(..., fuse=NAME)``); a compiler is a callable ``compiler(gm, inputs, threads) -> fn`` where
+(``opweave.compile(..., compiler=NAME)``); a compiler is a callable ``compiler(gm, inputs, threads) -> fn`` where
 ``gm`` takes the segment's tensor inputs and returns a flat tuple of its outputs, ``inputs`` are example tensors
 (their shapes, strides and dtypes are the ones the result is called with), and ``threads`` is the intra-op thread
 budget of the lane that runs the segment (:mod:`opweave.backends.threads`). ``fn(*tensors)`` returns the outputs as
@@ -42,13 +42,14 @@ from typing import Any, Protocol
 import torch
 from torch import fx
 
-from opweave.errors import MissingPackageError, UsageError
+from opweave.errors import MissingPackageError, UsageError, first_line
 
 
 class SegmentCompiler(Protocol):
     """Turns a segment into a callable (module docstring)."""
 
     name: str
+    per_op_threads: bool  # its thread pools sleep when idle, so an op that runs alone may take every thread
 
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
                  alone: bool = False) -> Callable[..., tuple]: ...
@@ -56,6 +57,7 @@ class SegmentCompiler(Protocol):
 
 class Eager:
     name = "eager"
+    per_op_threads = False
 
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
                  alone: bool = False) -> Callable[..., tuple]:
@@ -66,6 +68,7 @@ class Inductor:
     """TorchInductor; ``freeze`` (default: on the CPU) folds the parameters in as constants."""
 
     name = "inductor"
+    per_op_threads = False  # its OpenMP teams spin between kernels (opweave.backends.threads)
 
     def __init__(self, freeze: bool | None = None):
         self.freeze = freeze
@@ -93,6 +96,7 @@ class OnnxRuntime:
     """ONNX Runtime, one session per segment (module docstring)."""
 
     name = "onnxruntime"
+    per_op_threads = True
 
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *, alone: bool = False,
                  dynamic_batch: bool = False) -> Callable[..., tuple]:
@@ -101,7 +105,7 @@ class OnnxRuntime:
         batch, since a graph may have baked its batch in)."""
         ort = import_onnxruntime()
         if any(x.device.type != "cpu" for x in inputs):
-            raise UsageError("fuse='onnxruntime' runs on the CPU")
+            raise UsageError("compiler='onnxruntime' runs on the CPU")
         with torch.no_grad():
             examples = gm(*inputs)
         if not all(isinstance(x, torch.Tensor) for x in examples):
@@ -153,8 +157,8 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dy
                 dynamo_names = {k: v for k, v in names.items() if k != "dynamic_axes"}  # static shapes there
                 program = torch.onnx.export(gm, tuple(inputs), dynamo=True, verbose=False, **dynamo_names)
         except Exception as second:
-            raise UsageError(f"torch.onnx cannot export the segment: {_first_line(first)}; "
-                             f"dynamo: {_first_line(second)}") from second
+            raise UsageError(f"torch.onnx cannot export the segment: {first_line(first)}; "
+                             f"dynamo: {first_line(second)}") from second
         return program.model_proto.SerializeToString()
 
 
@@ -162,7 +166,7 @@ def import_onnxruntime():
     try:
         import onnxruntime
     except ImportError as exc:
-        raise MissingPackageError("fuse='onnxruntime' needs ONNX Runtime: pip install 'opweave[onnx]'") from exc
+        raise MissingPackageError("compiler='onnxruntime' needs ONNX Runtime: pip install 'opweave[onnx]'") from exc
     return onnxruntime
 
 
@@ -182,10 +186,5 @@ def available() -> list[str]:
 def get(name: str) -> SegmentCompiler:
     """The compiler called ``name``; :class:`~opweave.errors.UsageError` naming the choices otherwise."""
     if name not in COMPILERS:
-        raise UsageError(f"fuse must be one of {', '.join(COMPILERS)}, onnxruntime-graph (or None), got {name!r}")
+        raise UsageError(f"compiler must be one of {', '.join(COMPILERS)} (or None), got {name!r}")
     return COMPILERS[name]()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:200] if text else ''}"

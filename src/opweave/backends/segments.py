@@ -1,4 +1,5 @@
-"""Stream segments, each compiled as one graph (``opweave.compile(..., fuse="inductor")`` or ``fuse="onnxruntime"``).
+"""Stream segments, each compiled as one graph (``opweave.compile(..., compiler="inductor")`` or
+``compiler="onnxruntime"``).
 
 After scheduling, lowering and validation, every maximal run of launches on one lane (device, stream) with no
 other instruction of that lane inside it (no record, wait, send or recv) is a **segment** (:func:`segment_groups`).
@@ -78,12 +79,12 @@ from opweave.backends.cache import BoundedCache, signature
 from opweave.backends.compilers import get as get_compiler
 from opweave.capture.coarsen import merge_ops
 from opweave.capture.runtime import Captured
-from opweave.errors import CaptureError
+from opweave.errors import CaptureError, first_line
 from opweave.plan.launchplan import LaunchPlan
 from opweave.plan.semantics import Lane
 
 MAX_SIGNATURES = 8  # compiled graphs kept per segment; later signatures run op by op
-_COMPILE_LOCK = threading.Lock()  # Inductor's compile is not thread-safe; CPU lanes may meet a new signature at once
+COMPILE_LOCK = threading.Lock()  # Inductor's compile is not thread-safe; CPU lanes may meet a new signature at once
 
 
 def segment_groups(plan: LaunchPlan) -> list[list[str]]:
@@ -212,7 +213,7 @@ class _Segment:
         key, _ = signature(values, strides=True)
         compiled = self.compiled.get(key, False)
         if compiled is False:
-            with _COMPILE_LOCK:
+            with COMPILE_LOCK:
                 compiled = self.compiled.get(key, False)
                 if compiled is False and len(self.compiled) >= MAX_SIGNATURES:
                     compiled = None
@@ -233,8 +234,7 @@ class _Segment:
                                      if isinstance(leaf, torch.Tensor)]))
         except Exception as exc:
             raise CaptureError(f"{self.owner.graph.name}: segment {self.seg!r} ({len(self.owner.nodes[self.seg])} "
-                               f"fx nodes) failed in its compiled graph: {type(exc).__name__}: "
-                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+                               f"fx nodes) failed in its compiled graph: {first_line(exc)}") from exc
         return results if compiled.flat else unflatten(results, compiled.output_specs)
 
     def examples(self, values: list[Any]) -> list[Any]:
@@ -259,10 +259,8 @@ class _Segment:
             fn = get_compiler(self.owner.compiler)(gm, inputs, threads, alone=alone)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run this segment op by op
             self.owner.stats["fallbacks"] += 1
-            text = str(exc).strip().splitlines()
             warnings.warn(f"{self.owner.graph.name}: segment {self.seg!r} could not be compiled with "
-                          f"{self.owner.compiler} ({type(exc).__name__}: {text[0][:200] if text else ''}); it runs op "
-                          "by op", stacklevel=4)
+                          f"{self.owner.compiler} ({first_line(exc, 200)}); it runs op by op", stacklevel=4)
             return None
         finally:
             self.owner.stats["compile_s"] += time.perf_counter() - start
@@ -383,7 +381,7 @@ def _attr(module, path: list[str]):
 
 def op_latencies(captured: Captured, inputs: tuple, compiler: str, threads: int = 1, repeats: int = 5) -> dict:
     """Each op's latency (ms, median of ``repeats`` after one warm-up) when compiled alone by ``compiler`` and run
-    on ``threads`` intra-op threads: the costs to plan a ``fuse=compiler`` model with, since a compiler's kernels
+    on ``threads`` intra-op threads: the costs to plan a ``compiler=...`` model with, since a compiler's kernels
     differ from eager's in more than speed (ONNX Runtime's layout changes make a convolution several times faster
     than eager's at batch 1, an elementwise op hardly at all). Every op is one segment here; ops the compiler
     cannot take alone run op by op (their eager time)."""

@@ -58,6 +58,9 @@ ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="measured pro
 CoarsenOpt = Annotated[bool, typer.Option("--coarsen/--no-coarsen",
                                            help="the papers' operators, each op merged with its epilogues, as "
                                                 "opweave.compile plans them (--no-coarsen: one op per fx node)")]
+OptionOpt = Annotated[list[str] | None, typer.Option(
+    "--option", "-o", help="KEY=VALUE: any option of opweave.compile (e.g. cudagraphs=false, compiler=inductor, "
+                           "scheduler_options={\"sync_ms\": 0.1}), as in the options table; repeat for more")]
 LinkOpt = Annotated[str | None, typer.Option(
     "--link", help="link between devices: nvlink4, pcie4, pcie5, loopback or a file from opweave profile-links; "
                    "sets every edge's transfer time (HIOS schedulers, simulator)")]
@@ -86,10 +89,53 @@ def linked(graph: OpGraph, link: str | None) -> OpGraph:
     return with_link(graph, link)
 
 
+def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,
+               preset: str = "h100", profile: str | Path | None = None, coarsen: bool = True,
+               model_file: str | Path | None = None) -> OpGraph:
+    """The graph the CLI's ``schedule`` and ``simulate`` work on: a graph JSON file or a shipped example
+    (``graph``, which carries its own ops), or a zoo ``model`` captured at ``batch_size`` (or the ``.pt2``
+    ``model_file``; :func:`opweave.capture.load`) and coarsened, as :func:`compile` plans it, unless
+    ``coarsen=False``, with roofline latencies for ``preset``, or with the latencies measured in ``profile``.
+
+    A profile must have been measured for this model, batch (input shapes), dtype and granularity; otherwise
+    :class:`~opweave.costs.profile.ProfileKeyError`. Its device and torch version are not checked: scheduling and
+    simulating a GPU's profile on another machine is the point (the graph then carries that GPU's costs).
+    """
+    from opweave.ir import examples
+
+    if sum(x is not None for x in (graph, model, model_file)) != 1:
+        raise UsageError("give a GRAPH (file or example name), --model NAME or --model-file PATH.pt2, one of them")
+    if profile is not None and model is None:
+        raise UsageError("--profile goes with --model (a graph file carries its own latencies)")
+    if graph is None:
+        from opweave.capture import load
+        from opweave.costs.roofline import with_estimates
+
+        _, inputs, captured = load(Path(model_file) if model_file is not None else model, batch_size=batch_size,
+                                   coarsen=coarsen)
+        estimated = with_estimates(captured.graph, preset)
+        if profile is None:
+            return estimated
+        from opweave.costs.profile import Profile, profile_key
+        from opweave.costs.profile.store import model_dtype
+
+        measured = Profile.load(profile)
+        expect = profile_key(model, inputs, "cpu", model_dtype(captured, inputs))
+        expect = {k: v for k, v in expect.items() if k not in ("device", "torch")}
+        measured.check_key({**expect, "device": measured.key.get("device"), "torch": measured.key.get("torch")},
+                           source=str(profile))
+        return measured.apply(estimated)
+    if str(graph) in examples.names():
+        return examples.load(str(graph))
+    if not Path(graph).exists():
+        raise UsageError(f"no graph file {str(graph)!r} (examples: {', '.join(examples.names())})")
+    return OpGraph.load(graph)
+
+
 def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, devices: int):
     """Schedule, lower, validate and replay one scheduler: (schedule, plan, simulation result)."""
-    from opweave.api import plan_for
     from opweave.backends.simulate import simulate
+    from opweave.build import plan_for
 
     sched, plan = plan_for(graph, costs, name, streams=streams,
                            devices=devices if name in schedulers.MULTI_DEVICE else 1)

@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from opweave.api import load_graph
 from opweave.cli.app import (
     BatchOpt,
     CoarsenOpt,
@@ -28,6 +27,7 @@ from opweave.cli.app import (
     graph_costs,
     guard,
     linked,
+    load_graph,
     out,
     run_one,
     schedule_json,

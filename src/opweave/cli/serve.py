@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from opweave.cli.app import JsonOpt, app, err, guard, out
+from opweave.cli.app import JsonOpt, OptionOpt, app, err, guard, out
 from opweave.errors import UsageError
 
 PolicyOpt = Annotated[str, typer.Option("--policy", help="static | batch | heuristic | top (or a registered "
@@ -75,17 +75,17 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="larger request bodies get 400")] = 64.0,
           threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch intra-op threads (cpu; "
                                                       "default: the cores, split among the lanes)")] = None,
-          fuse: Annotated[str, typer.Option("--fuse", help="cpu: each block compiled whole by onnxruntime or "
+          compiler: Annotated[str, typer.Option("--compiler", help="cpu: each block compiled whole by onnxruntime or "
                                                            "inductor, or none (TOP's combined op graphs); default "
                                                            "onnxruntime when installed")] = "default",
-          log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
+          options: OptionOpt = None, log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
     """Serve models over the Open Inference Protocol (KServe v2 / Triton HTTP, and gRPC with ``--grpc-port``) until
     SIGTERM, which drains. ``--model-repository`` serves Triton's repository layout (docs/serving.md). ``--ray``
     runs ``--replicas`` engines as a Ray Serve deployment instead (opweave.serve.ray).
 
-    On the CPU a combined block runs on one lane per core and each of its ops (or blocks, with ``--fuse``) on the
+    On the CPU a combined block runs on one lane per core and each of its ops (or blocks, with ``--compiler``) on the
     cores its lane may use while it runs (opweave.backends.threads), so lanes x intra-op threads never exceed the
-    cores. With ``--fuse`` (the default when ONNX Runtime is installed) every block is compiled at every padded
+    cores. With ``--compiler`` (the default when ONNX Runtime is installed) every block is compiled at every padded
     batch before the server listens."""
     import torch
 
@@ -96,6 +96,12 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    from opweave.build import parse_option
+    from opweave.serve.build import serving_options
+
+    settings = serving_options(device, dict(parse_option(text) for text in options or []))
+    scheduler, streams = settings.get("scheduler", scheduler), settings.get("streams", streams)
+    compiler = settings.get("compiler", compiler)
     if threads is not None:
         torch.set_num_threads(threads)
     options = _policy_options(policy, policy_options, policy_file)
@@ -111,7 +117,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
             policy=policy, policy_options=options, max_queue=max_queue, max_batch=max_batch,
             max_sub_blocks=max_sub_blocks, timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
             scheduler=scheduler, streams=streams, image_size=parse_image_size(image_size), cuts=parse_cuts(cuts),
-            fuse=None if fuse == "none" else fuse, threads=threads or 1, max_body_bytes=int(max_body_mb * (1 << 20)),
+            compiler=None if compiler == "none" else compiler, threads=threads or 1,
+            max_body_bytes=int(max_body_mb * (1 << 20)),
             pin_cores=pin_cores),
             replicas, max_replicas, host, port, ray_address)
         return
@@ -124,7 +131,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
                          policy_options=options,
                          max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
                          timeout_s=None if timeout_ms is None else timeout_ms / 1e3, scheduler=scheduler,
-                         streams=streams, fuse=None if fuse == "none" else fuse)
+                         streams=streams, compiler=None if compiler == "none" else compiler)
     repository = Repository(engine, served, model_repository, device=device, max_batch=max_batch)
     repository.load_all()
     blocks = ", ".join(f"{n} ({len(m.blocked.blocks)} blocks)" for n, m in served.items()) or "no model"
@@ -182,8 +189,8 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
             scale: Annotated[float, typer.Option("--scale", min=0.0001, help="multiply every rate")] = 1.0,
             seed: Annotated[int, typer.Option("--seed")] = 0,
             simulate: Annotated[bool, typer.Option("--simulate", help="run the engine in simulation, no HTTP")] = False,
-            device_preset: Annotated[str, typer.Option("--device-preset", help="roofline preset (simulation)")
-                                     ] = "h100",
+            device_preset: Annotated[str, typer.Option("--preset", "--device-preset",
+                                                       help="roofline preset (simulation)")] = "h100",
             policy: PolicyOpt = "heuristic", policy_options: PolicyOptionsOpt = None,
             policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64,
             max_batch: MaxBatchOpt = 8, max_sub_blocks: HOpt = 4, scheduler: SchedulerOpt = "lios",

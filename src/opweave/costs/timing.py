@@ -43,3 +43,18 @@ def times_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str = 
 def median_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str = "cpu") -> float:
     """Median of :func:`times_ms`."""
     return statistics.median(times_ms(fn, runs=runs, warmup=warmup, device=device))
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], *, rounds: int = 5, runs: int = 3, warmup: int = 2,
+                   device: str = "cpu") -> dict[str, list[float]]:
+    """Milliseconds of every call of each of ``fns``, timed interleaved so that all see the same load (as
+    ``torch.utils.benchmark``'s comparisons are): ``warmup`` untimed calls each, then ``rounds`` rounds in which
+    each runs ``runs`` timed calls (:func:`times_ms`)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {label: [] for label in fns}
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            times[label] += times_ms(fn, runs=runs, warmup=0, device=device)
+    return times

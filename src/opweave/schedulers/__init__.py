@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import inspect
 import logging
 import time
 
@@ -70,6 +71,14 @@ def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, 
         raise UsageError(f"devices must be at least 1, got {devices}")
     module_name, fixed = _MODULES[name]
     module = importlib.import_module(f"opweave.schedulers.{module_name}")
+    takes = inspect.signature(module.schedule).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        unknown = sorted(set(options) - set(takes))
+        if unknown:
+            known = [k for k, p in takes.items() if p.kind is p.KEYWORD_ONLY and k not in ("streams", "devices")
+                     and k not in fixed]
+            raise UsageError(f"scheduler {name!r} takes no option {unknown[0]!r} (its options: "
+                             f"{', '.join(known) or 'none'})")
     collecting = gc.isenabled()
     gc.disable()
     try:

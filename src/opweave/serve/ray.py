@@ -55,7 +55,7 @@ class ReplicaOptions:
     streams: int | None = None
     image_size: Any = None  # int or {"*": int, model: int}
     cuts: dict[str, list[str]] = field(default_factory=dict)
-    fuse: str | None = "default"
+    compiler: str | None = "default"
     threads: int | None = 1  # torch intra-op threads per replica (its CPU share)
     pin_cores: bool = False  # each replica on its own `threads` cores, chosen by its local rank (see pin)
     max_body_bytes: int = 64 << 20
@@ -82,7 +82,7 @@ class Replica:
             else {}
         self.engine = make_engine(served, device=o.device, policy=o.policy, policy_options=o.policy_options,
                                   max_queue=o.max_queue, max_batch=o.max_batch, max_sub_blocks=o.max_sub_blocks,
-                                  timeout_s=o.timeout_s, scheduler=o.scheduler, streams=o.streams, fuse=o.fuse)
+                                  timeout_s=o.timeout_s, scheduler=o.scheduler, streams=o.streams, compiler=o.compiler)
         self.repository = Repository(self.engine, served, o.model_repository, device=o.device,
                                      max_batch=o.max_batch)
         self.repository.load_all()

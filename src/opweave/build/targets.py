@@ -1,0 +1,202 @@
+"""One target per device: each owns its defaults and builds its backend from a validated plan.
+
+* :class:`CpuTarget` — lanes as threads (:class:`~opweave.backends.cpu.CpuBackend`), or lanes over ONNX Runtime's
+  optimized graph (``graph="onnxruntime"``, :class:`~opweave.backends.ortgraph.OrtLanes`). Default plan: HEFT on one
+  lane per core, the cross-lane edge weighed at the measured thread hand-off, kept only when it beats one lane and
+  eager (:func:`opweave.build.autotune.guarded`).
+* :class:`CudaTarget` — CUDA streams, recorded into a CUDA Graph (:class:`~opweave.backends.cuda.CudaBackend`).
+  Default plan: the scheduler and stream cap the calibrated simulator predicts fastest.
+* :class:`RanksTarget` — one rank process per device (``devices > 1``,
+  :class:`~opweave.backends.distributed.DistributedBackend`).
+
+**Thread budgets** (CPU): lanes x intra-op threads never exceed the threads given (``options.threads``, default
+every core; :mod:`opweave.backends.threads`). How they are split depends on what runs the ops, which says so
+itself: a segment compiler whose thread pools sleep when idle (ONNX Runtime, ``per_op_threads``) gets per-op
+budgets (an op the replayed plan runs alone gets every thread); anything else one thread per worker lane and the
+rest to the caller's lane.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from opweave.build.options import Options
+from opweave.build.pipeline import Compiled, costs_for, plan_for
+from opweave.costs import Costs
+from opweave.plan import LaunchPlan
+
+
+class CpuTarget:
+    device = "cpu"
+
+    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+        from opweave.backends import threads as cpu_threads
+
+        if options.graph == "onnxruntime":
+            return self.build_ort_graph(captured, inputs, options)
+        scheduler = options.scheduler or "heft"
+        streams = options.streams or options.threads or cpu_threads.cores()  # one lane per core it may use
+        sched_options = dict(options.scheduler_options or {})
+        if scheduler == "heft":  # a cross-lane edge costs a thread hand-off here: weigh it
+            sched_options.setdefault("sync_ms", cpu_threads.sync_cost_ms())
+        costs = costs_for(captured, inputs, options, "cpu")
+        sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams, **sched_options)
+        compiled = self.runnable(captured, plan, inputs, options, costs)
+        compiled.schedule = sched
+        if options.default_plan:  # never slower than one lane in the model's order, nor than the model itself
+            from opweave.build.autotune import guarded
+
+            compiled = guarded(compiled, captured, inputs, options, eager)
+        return compiled
+
+    def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs) -> Compiled:
+        """The CPU backend running the validated ``plan`` of ``captured`` (its segments compiled first with
+        ``options.compiler``); ``schedule`` is left for the caller to set when it has one."""
+        from opweave.backends.cpu import CpuBackend
+        from opweave.backends.threads import lane_threads
+
+        per_op = _per_op_threads(options)
+        threads = lane_threads(captured.graph, plan, costs, per_op=per_op, total=options.threads)
+        runner, run_plan, fused = captured, plan, None
+        if options.compiler is not None:
+            from opweave.backends.segments import fuse_segments
+
+            runner, run_plan = fuse_segments(captured, plan, options.compiler, threads=threads)
+            threads, fused = runner.threads or None, runner
+            runner.prepare(inputs, run_plan)  # compile now, not in the first call
+        backend = CpuBackend(runner, run_plan, threads=threads, total=options.threads)
+        return Compiled(captured.graph, costs, None, plan, backend, "cpu", captured, fused=fused, options=options)
+
+    def build_ort_graph(self, captured, inputs: tuple, options: Options, *, model=None,
+                        costs: Costs | None = None) -> Compiled:
+        """``graph="onnxruntime"``: ``captured`` exported whole and optimized by ONNX Runtime, the nodes of its
+        optimized graph scheduled onto one lane per core (at most ``streams``) and run as sessions of each segment
+        over bound buffers (:mod:`opweave.backends.ortgraph`). Costs are each node's kernel time on one thread from
+        ONNX Runtime's profiler, or ``costs``' latencies when they name exactly the optimized graph's nodes (a
+        cached choice). ``heft`` weighs a cross-lane edge at 10x the thread hand-off: there it also cuts a segment,
+        which costs ONNX Runtime some of its whole-graph locality (max-autotune tries 3x, 10x and 30x; it picked
+        10x for NASNet in both of its runs on 2026-11-26, 17.3 ms against 19.3 ms at 3x,
+        ``benchmarks/results/cpu_latency.json``). ``model``: an :class:`~opweave.backends.ortgraph.OrtGraph`
+        already built for these inputs (max-autotune shares one among its candidates). The result's ``graph``,
+        ``schedule`` and ``plan`` are the optimized graph's."""
+        import dataclasses
+
+        from opweave.backends import threads as cpu_threads
+        from opweave.backends.ortgraph import OrtGraph, OrtLanes
+        from opweave.costs import from_graph
+
+        if model is None:
+            model = OrtGraph(captured, inputs, latency_ms=costs.latency_ms if costs is not None else None)
+        graph = model.graph
+        planned = from_graph(graph)
+        if costs is not None and set(costs.latency_ms) == set(graph.ids):
+            planned = dataclasses.replace(planned, latency_ms=dict(costs.latency_ms))
+        scheduler = options.scheduler or "heft"
+        sched_options = dict(options.scheduler_options or {})
+        if scheduler == "heft":
+            sched_options.setdefault("sync_ms", 10 * cpu_threads.sync_cost_ms())
+        streams = options.streams or options.threads or cpu_threads.cores()
+        sched, plan = plan_for(graph, planned, scheduler, streams=streams, **sched_options)
+        backend = OrtLanes(model, plan, cpu_threads.lane_threads(graph, plan, planned, per_op=True,
+                                                                 total=options.threads))
+        return Compiled(graph, planned, sched, plan, backend, "cpu", captured, options=options)
+
+
+class CudaTarget:
+    device = "cuda"
+
+    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+        from opweave.backends.cuda import default_streams
+
+        costs = costs_for(captured, inputs, options, visible_gpu_preset())
+        streams = options.streams or default_streams()  # more lanes than hardware queues add false dependencies
+        scheduler, choice = options.scheduler, None
+        if scheduler is None:
+            scheduler, streams, choice = self.choose(captured.graph, costs, streams)
+        sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams,
+                               **(options.scheduler_options or {}))
+        compiled = self.runnable(captured, plan, inputs, options, costs)
+        compiled.schedule, compiled.choice = sched, choice
+        return compiled
+
+    def choose(self, graph, costs: Costs, streams: int) -> tuple[str, int, dict | None]:
+        """The default plan: the scheduler (and stream cap, at most ``streams``) predicted fastest."""
+        return "opara", streams, None
+
+    def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs) -> Compiled:
+        """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
+        ``options.compiler`` in the backend's warm-up)."""
+        from opweave.backends.cuda import CudaBackend
+
+        runner, run_plan, fused = captured, plan, None
+        if options.compiler is not None:
+            from opweave.backends.segments import fuse_segments
+
+            runner, run_plan = fuse_segments(captured, plan, options.compiler)
+            fused = runner
+        backend = CudaBackend(runner, run_plan, inputs, cudagraphs=options.cudagraphs,
+                              capture_fallback=options.capture_fallback, static_outputs=options.static_outputs,
+                              cache_size=options.cache_size, warmup=options.warmup)
+        return Compiled(captured.graph, costs, None, plan, backend, "cuda", captured, fused=fused, options=options)
+
+
+class RanksTarget:
+    """``devices > 1``: the plan spans several devices, one persistent rank process each."""
+
+    DEFAULT_LINK = {"cpu": "loopback", "cuda": "nvlink4"}
+
+    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+        from opweave.backends.distributed import DistributedBackend
+
+        costs, sched, plan = self.plan(captured, inputs, options)
+        backend = DistributedBackend(captured, plan, world=options.devices, device=options.device,
+                                     threads=options.threads, timeout_s=options.timeout_s,
+                                     start_method=options.start_method)
+        return Compiled(captured.graph, costs, sched, plan, backend, options.device, captured, options=options)
+
+    def plan(self, captured, inputs: tuple, options: Options):
+        """Costs, schedule and validated plan of ``captured`` on ``options.devices`` devices. Edge transfer times
+        come from ``options.link`` (a preset or a ``profile-links`` file); when none is given, from the costs' own,
+        else the default link of the device kind (loopback for CPU ranks, NVLink 4 for GPUs)."""
+        from opweave.backends.distributed import check_devices
+        from opweave.costs.links import transfer_times
+
+        check_devices(options.devices, options.device, ops=len(captured.graph))
+        preset = "cpu" if options.device == "cpu" else visible_gpu_preset()
+        costs = costs_for(captured, inputs, options, preset)
+        if options.link is not None or not costs.edge_transfer_ms:
+            link = options.link or self.DEFAULT_LINK[options.device]
+            costs = replace(costs, edge_transfer_ms=transfer_times(captured.graph, link))
+        sched, plan = plan_for(captured.graph, costs, options.scheduler or "hios-lp", streams=options.streams,
+                               devices=options.devices, **(options.scheduler_options or {}))
+        return costs, sched, plan
+
+
+def for_options(options: Options):
+    """The target that builds ``options``' plans."""
+    if options.devices > 1:
+        return RanksTarget()
+    return CudaTarget() if options.device == "cuda" else CpuTarget()
+
+
+def visible_gpu_preset() -> str:
+    """The roofline preset of the visible GPU (H100 when unknown)."""
+    import torch
+
+    from opweave.costs.roofline import preset_for_gpu
+
+    return preset_for_gpu(torch.cuda.get_device_name()) or "h100"
+
+
+def _per_op_threads(options: Options) -> bool:
+    """Whether what runs the ops sleeps when idle, so an op the plan runs alone may take every thread."""
+    if options.per_op_threads is not None:
+        return options.per_op_threads
+    if options.compiler is None:
+        return False
+    from opweave.backends.compilers import get
+
+    return get(options.compiler).per_op_threads
+
+
+__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "for_options", "visible_gpu_preset"]
