@@ -15,7 +15,8 @@ instruction of its (device, stream) (FIFO) and, for a wait or recv, the record o
   for all of them, so it is there when the slowest edge says it is).
 
 Overheads (``gpu`` only; ``ideal`` has none, so a list scheduler's own prediction equals the replay):
-with a CUDA Graph the whole plan is one graph launch, so nothing starts before ``graph_launch_overhead_ms``;
+with a CUDA Graph the whole plan is one graph launch, so nothing starts before ``graph_launch_overhead_ms``, and
+each op's kernels wait ``kernel_gap_ms`` each on its stream before it runs (``Costs.kernels`` per op);
 without one a single CPU thread per device issues the launches one after another, so the k-th launch of a device
 (1-based, issue order) cannot start before ``k × launch_overhead_ms``. Waits cost ``event_overhead_ms`` either way.
 
@@ -135,6 +136,8 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
             t = max(t, done_ms[deps[i][-1]] + transfer_ms(ins))
         elif ins.kind == "wait" and gpu:
             t += costs.gpu.event_overhead_ms
+        if ins.kind == "launch" and gpu and cuda_graph:
+            t += costs.kernel_count(ins.op) * costs.gpu.kernel_gap_ms
         if ins.kind == "launch" and gpu:
             heapq.heappush(events, (t, i, "start"))
         elif ins.kind == "launch":
