@@ -29,13 +29,13 @@ from pathlib import Path
 import numpy as np
 
 from opweave.costs import calibrated
-from opweave.costs.calibrated import CLASSES, BORROW, Device, OpClass
+from opweave.costs.calibrated import BORROW, CLASSES, Device, OpClass
 from opweave.errors import UsageError
 from opweave.ir.graph import OpGraph
 
-CALL_PARAMS = ("kernel_gap_us", "event_wait_us", "call_us", "concurrency")
-BOUNDS = {"kernel_gap_us": (0.0, 5.0), "event_wait_us": (0.0, 10.0), "call_us": (0.0, 200.0),
-          "concurrency": (0.05, 10.0)}
+CALL_PARAMS = ("kernel_gap_us", "dispatch_us", "event_wait_us", "call_us", "concurrency")
+BOUNDS = {"kernel_gap_us": (0.0, 5.0), "dispatch_us": (0.0, 3.0), "event_wait_us": (0.0, 10.0),
+          "call_us": (0.0, 200.0), "concurrency": (0.05, 10.0)}
 
 
 # ---- the rows -----------------------------------------------------------------------------------------------------
@@ -134,7 +134,8 @@ def fit_classes(graph: OpGraph, trace: dict, base: Device) -> Device:
             mem = np.array([terms[o.op][1] for o in members]) / mem_eff
             meas = np.log([o.us for o in members])
             k_op = k + np.array([split[o.op] for o in members])
-            pred = k_op[None, None, :] * floors[:, None, None] + np.maximum(comp[None, None, :] / effs[None, :, None], mem)
+            work = np.maximum(comp[None, None, :] / effs[None, :, None], mem)
+            pred = k_op[None, None, :] * floors[:, None, None] + work
             err = ((np.log(pred) - meas) ** 2).sum(axis=2)
             i, j = np.unravel_index(np.argmin(err), err.shape)
             total += float(err[i, j])
@@ -184,6 +185,7 @@ class Config:
     graph: OpGraph
     dtype: str
     plans: dict[tuple[str, int | None], object]
+    latency_ms: dict[str, float] | None = None  # measured op times (a profile), else the fitted classes'
 
 
 def graph_for(model: str, batch: int) -> OpGraph:
@@ -222,7 +224,7 @@ def predict(rows: Sequence[Row], configs: dict[tuple, Config], dev: Device) -> l
     for row in rows:
         cfg = configs[row.config]
         if row.config not in cache:
-            cache[row.config] = calibrated.costs(cfg.graph, dev, cfg.dtype)
+            cache[row.config] = calibrated.costs(cfg.graph, dev, cfg.dtype, cfg.latency_ms)
         out.append(makespan_ms(cfg.graph, cfg.plans[(row.scheduler, row.streams)], cache[row.config]))
     return out
 
@@ -289,26 +291,22 @@ def summary(rows: Sequence[Row], predicted: Sequence[float]) -> dict:
         members = [(r, p) for r, p in zip(rows, predicted, strict=True) if r.config == config]
         chosen = min(members, key=lambda m: m[1])[0]
         fastest = min(members, key=lambda m: m[0].measured_ms)[0]
-        picks["/".join(map(str, config))] = {"predicted_fastest": chosen.scheduler, "measured_fastest": fastest.scheduler,
+        picks["/".join(map(str, config))] = {"predicted_fastest": chosen.scheduler,
+                                             "measured_fastest": fastest.scheduler,
                                              "loss": chosen.measured_ms / fastest.measured_ms - 1}
     return {"rows": len(errs), "mean_error": float(np.mean(np.abs(errs))), "max_error": float(np.max(np.abs(errs))),
             "picks": picks}
 
 
-def calibrate(rows: Sequence[Row], base: Device, traces: Sequence[tuple[OpGraph, dict, str]] = (),
+def calibrate(rows: Sequence[Row], base: Device, trace: tuple[OpGraph, dict, str] | None = None,
               iterations: int = 60, leave_one_out: bool = True, log=lambda text: None) -> tuple[Device, dict]:
-    """Refit ``base`` on ``traces`` (graph, trace, model name: the op classes, from the first trace) and ``rows``
-    (the call); the fitted device and a report: every row's prediction, the error fitted on all rows, and with each
-    model left out (its rows predicted by a device whose call was fitted on the other models' rows and whose classes
-    come from a trace of another model, or are ``base``'s)."""
-    def classes_without(model: str | None) -> Device:
-        usable = [(g, t) for g, t, name in traces if name != model]
-        return fit_classes(usable[0][0], usable[0][1], base) if usable else base
-
-    graphs: dict = {}
-    dev = classes_without(None)
-    log(f"op classes fitted on {traces[0][2] if traces else 'nothing (kept)'}; scheduling {len(rows)} rows")
-    configs = prepare(rows, dev, graphs)
+    """Refit ``base``: its op classes on ``trace`` (graph, trace, model name; kept as they are without one), its
+    call on ``rows``. Returns the fitted device and a report: every row's prediction, the error fitted on all rows,
+    and with each model left out (its rows predicted by a device whose call was fitted on the other models' rows;
+    the op classes, fitted on the trace of ops alone and on no row, are the same in every fold)."""
+    dev = fit_classes(trace[0], trace[1], base) if trace else base
+    log(f"op classes from {'the trace of ' + trace[2] if trace else 'the base device'}; scheduling {len(rows)} rows")
+    configs = prepare(rows, dev)
     dev = fit_call(rows, configs, dev, iterations)
     predicted = predict(rows, configs, dev)
     report = {"fitted": summary(rows, predicted),
@@ -322,18 +320,15 @@ def calibrate(rows: Sequence[Row], base: Device, traces: Sequence[tuple[OpGraph,
         for model in models:
             train = [r for r in rows if r.model != model]
             test = [r for r in rows if r.model == model]
-            part = classes_without(model)
-            part_configs = configs if part.classes == dev.classes else prepare(rows, part, graphs)
-            part = fit_call(train, part_configs, replace(part, **{p: getattr(dev, p) for p in CALL_PARAMS}),
-                            iterations)
-            pred = predict(test, part_configs, part)
+            pred = predict(test, configs, fit_call(train, configs, dev, iterations))
             held_rows += test
             held_pred += pred
             log(f"left out {model}: mean error {np.mean(np.abs(errors(test, pred))):.1%}")
         report["leave_one_model_out"] = summary(held_rows, held_pred)
-        report["leave_one_model_out"]["predicted_ms"] = {f"{r.model}/{r.batch}/{r.dtype}/{r.scheduler}": p
-                                                        for r, p in zip(held_rows, held_pred, strict=True)}
-    fit = {"rows": sorted({r.source for r in rows}), "traces": [name for _, _, name in traces],
+        held = {id(r): p for r, p in zip(held_rows, held_pred, strict=True)}
+        for entry, r in zip(report["rows"], rows, strict=True):
+            entry["left_out_ms"] = held[id(r)]
+    fit = {"rows": sorted({r.source for r in rows}), "trace": trace[2] if trace else None,
            "mean_error": report["fitted"]["mean_error"], "max_error": report["fitted"]["max_error"]}
     if "leave_one_model_out" in report:
         fit["leave_one_model_out_mean_error"] = report["leave_one_model_out"]["mean_error"]

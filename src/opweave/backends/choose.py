@@ -61,7 +61,8 @@ class Choice:
 
     def reason(self) -> str:
         """One line: what was picked, its predicted time, and the runner-up's."""
-        text = f"{self.scheduler} on at most {self.streams} streams: {self.makespan_ms:.3f} ms predicted on {self.device}"
+        text = (f"{self.scheduler} on at most {self.streams} streams: {self.makespan_ms:.3f} ms predicted on "
+                f"{self.device}")
         others = [p for p in self.predictions if (p.scheduler, p.streams) != (self.scheduler, self.streams)]
         if others:
             text += f" (next: {others[0].scheduler}/{others[0].streams} {others[0].makespan_ms:.3f} ms"

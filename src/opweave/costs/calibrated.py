@@ -18,7 +18,8 @@ pool, reduce, data) launches ``k_c`` kernels and takes ::
   than SMs leaves SMs idle (one wave of ``tile`` = 64 x 64 outputs per SM), so below a wave its time stops
   shrinking with its size; for every other class ``fill = fill_mem = min(1, elements / (SMs x threads per SM))``
   with ``elements`` = bytes / element size (a thread per element read or written): too few threads in flight cannot
-  pull the full bandwidth (a matmul at batch 1 is a GEMV, bound by its weights, which cuBLAS splits over the SMs). Half types halve ``bytes`` (the graph's bytes are scaled by the element size).
+  pull the full bandwidth (a matmul at batch 1 is a GEMV, bound by its weights, which cuBLAS splits over the SMs).
+  Half types halve ``bytes`` (the graph's bytes are scaled by the element size).
 
 ``k_c``, ``floor_c`` and ``eff_c`` are fitted per class on a real trace of every op alone (``opweave calibrate
 --trace``: the kernels each op launched and their durations); a class the trace lacks borrows the parameters of the
@@ -31,6 +32,8 @@ an implicit GEMM in NHWC with its layout transforms (input and filter in, someti
 
 * ``kernel_gap_us``: between the end of a kernel and the start of the next on the same stream inside a graph;
   each op waits ``k x kernel_gap_us`` before its kernels run;
+* ``dispatch_us``: the device's front end starts one kernel at a time, this long apart, whatever the stream: the
+  most kernels per µs a graph can start however many streams it uses;
 * ``event_wait_us``: a cross-stream edge (an event wait) adds this on the waiting stream;
 * ``call_us`` + (input + output bytes) / bandwidth: copying the inputs into the graph's buffers, launching it,
   cloning the outputs;
@@ -122,6 +125,7 @@ class Device:
     event_wait_us: float = 1.0
     call_us: float = 20.0
     concurrency: float = 1.0
+    dispatch_us: float = 0.0
     fit: dict = field(default_factory=dict)  # what it was fitted on and how well (opweave calibrate)
 
     @property
@@ -171,7 +175,7 @@ class Device:
         io_us = io_bytes(graph, dtype) / (self.datasheet.bandwidth_gbs * 1e3) if graph is not None else 0.0
         return GpuModel(launch_overhead_ms=0.0, graph_launch_overhead_ms=(self.call_us + io_us) / 1e3,
                         event_overhead_ms=self.event_wait_us / 1e3, cuda_graph=True,
-                        kernel_gap_ms=self.kernel_gap_us / 1e3)
+                        kernel_gap_ms=self.kernel_gap_us / 1e3, dispatch_ms=self.dispatch_us / 1e3)
 
 
 # ---- the H200 file and the presets derived from it ----------------------------------------------------------------

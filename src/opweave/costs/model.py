@@ -31,7 +31,8 @@ class GpuModel:
     thread, so launches serialize); with one, a launch costs ``graph_launch_overhead_ms`` and each cross-stream
     ``wait`` costs ``event_overhead_ms`` on the waiting stream. Inside a graph, each of an op's kernels
     (``Costs.kernels``, 1 unless given) waits ``kernel_gap_ms`` on its stream before it runs: the gap between
-    back-to-back kernels of a graph (a fitted device, :mod:`opweave.costs.calibrated`, sets it; 0 by default).
+    back-to-back kernels of a graph, and the device starts at most one kernel every ``dispatch_ms`` across all its
+    streams (a fitted device, :mod:`opweave.costs.calibrated`, sets both; 0 by default).
     """
 
     launch_overhead_ms: float = 0.005
@@ -39,6 +40,7 @@ class GpuModel:
     event_overhead_ms: float = 0.002
     cuda_graph: bool = True
     kernel_gap_ms: float = 0.0
+    dispatch_ms: float = 0.0
 
 
 @dataclass(frozen=True)
