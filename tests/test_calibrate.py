@@ -105,34 +105,34 @@ def test_the_trace_fit_reproduces_googlenets_op_times_and_kernels(h200):
 
 # ---- the call fit recovers a known device -------------------------------------------------------------------------
 def synthetic_configs(seed: int = 0):
-    """Three random DAGs whose ops have shapes (so they share the device) and measured times, each planned by four
-    schedulers at a stream cap of 4."""
+    """Three random DAGs whose ops have shapes (so they share the device) and measured times, each planned by
+    sequential and by three schedulers at stream caps from 2 to 8."""
     rng = random.Random(seed)
     configs, rows = {}, []
     for i in range(3):
         dag = random_dag(24, 5, seed=seed + i)
-        ops = [replace(o, latency_ms=rng.uniform(0.002, 0.02), target="torch.nn.ReLU", category="memory",
-                       shape=[1, rng.choice([16, 64, 256]), 56, 56]) for o in dag.ops]
+        ops = [replace(o, latency_ms=rng.uniform(0.0005, 0.004), target="torch.nn.ReLU", category="memory",
+                       shape=[1, rng.choice([16, 64, 256]), 28, 28]) for o in dag.ops]
         graph = OpGraph(ops, dag.edges, dag.name)
         cfg = fit.Config(graph, "float32", {}, graph.latencies())
-        for name in ("sequential", "wavefront", "lios", "heft"):
-            cfg.plans[(name, 4)] = plan(graph, from_graph(graph), name, 4)[1]
-            rows.append(fit.Row(graph.name, 1, "fp32", name, 4, 1.0))
+        for name, cap in (("sequential", 1), ("wavefront", 8), ("lios", 2), ("lios", 8), ("heft", 4)):
+            cfg.plans[(name, cap)] = plan(graph, from_graph(graph), name, cap)[1]
+            rows.append(fit.Row(graph.name, 1, "fp32", name, cap, 1.0))
         configs[(graph.name, 1, "fp32")] = cfg
     return rows, configs
 
 
 def test_the_call_fit_recovers_a_synthetic_device_whose_parameters_are_known(h200):
-    truth = replace(h200, kernel_gap_us=1.2, dispatch_us=0.4, event_wait_us=2.5, call_us=30.0, concurrency=2.0)
+    truth = replace(h200, kernel_gap_us=0.6, dispatch_us=1.2, event_wait_us=2.5, call_us=30.0, concurrency=2.0)
     rows, configs = synthetic_configs()
     rows = [replace(r, measured_ms=ms) for r, ms in zip(rows, fit.predict(rows, configs, truth), strict=True)]
-    start = replace(h200, kernel_gap_us=0.5, dispatch_us=1.0, event_wait_us=1.0, call_us=60.0, concurrency=1.0)
-    assert fit.summary(rows, fit.predict(rows, configs, start))["mean_error"] > 0.2
+    start = replace(h200, kernel_gap_us=1.0, dispatch_us=0.5, event_wait_us=1.0, call_us=60.0, concurrency=1.0)
+    assert fit.summary(rows, fit.predict(rows, configs, start))["mean_error"] > 0.1
     fitted = fit.fit_call(rows, configs, start, iterations=150)
     assert fit.summary(rows, fit.predict(rows, configs, fitted))["mean_error"] < 0.01
-    assert fitted.call_us == pytest.approx(truth.call_us, rel=0.15)
-    assert fitted.kernel_gap_us + fitted.dispatch_us == pytest.approx(truth.kernel_gap_us + truth.dispatch_us, rel=0.1)
-    assert fitted.event_wait_us == pytest.approx(truth.event_wait_us, rel=0.3)
+    for name in ("kernel_gap_us", "dispatch_us", "event_wait_us", "call_us"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
+    assert fitted.concurrency == pytest.approx(truth.concurrency, rel=0.15)  # binds only where shares crowd
 
 
 def test_nelder_mead_finds_a_quadratics_minimum():
@@ -209,9 +209,12 @@ def test_an_unknown_dtype_is_refused():
 
 
 def test_calibrate_writes_a_device_file_the_preset_can_read(tmp_path):
-    out = tmp_path / "dev.json"
-    text = cli("calibrate", str(RESULTS), "--out", str(out), "--iterations", "1", "--no-leave-one-out", "--json")
+    measured = json.loads(RESULTS.read_text())
+    measured["results"] = [r for r in measured["results"] if r["model"] == "googlenet"][:6]  # 3 opweave rows
+    results, out = tmp_path / "results.json", tmp_path / "dev.json"
+    results.write_text(json.dumps(measured))
+    text = cli("calibrate", str(results), "--out", str(out), "--iterations", "1", "--no-leave-one-out", "--json")
     data = json.loads(text)
-    assert data["fitted"]["rows"] == 40 and Device.load(out).fit["rows"] == [str(RESULTS)]
+    assert data["fitted"]["rows"] == 3 and Device.load(out).fit["rows"] == [str(results)]
     assert calibrated.device("h200", out).name == "NVIDIA H200 SXM"
     assert isinstance(OpClass(**data["device"]["classes"]["conv"]), OpClass)
