@@ -78,6 +78,9 @@ def conv(channels_in: int, channels_out: int, size: int, kernel: int, batch: int
 def test_convolutions_are_told_apart_by_their_depth_against_their_input_channels(args, cls):
     graph = conv(*args)
     assert calibrated.op_class(graph, graph.op["c"]) == cls
+    out = calibrated._numel(graph.op["c"].shape)  # a coarse op: its ReLU and residual add count 2 FLOPs per output
+    coarse = OpGraph([graph.op["x"], replace(graph.op["c"], flops=graph.op["c"].flops + 2 * out)], graph.edges)
+    assert calibrated.op_class(coarse, coarse.op["c"]) == cls
 
 
 def test_half_precision_and_bigger_batches_cost_what_the_datasheet_says(h200):

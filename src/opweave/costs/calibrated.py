@@ -64,6 +64,7 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 CLASSES = ("conv", "conv_pointwise", "conv_depthwise", "matmul", "norm", "elementwise", "pool", "reduce", "data")
 TILED = ("conv", "conv_pointwise")  # GEMM tiles over the output: fill by output tiles
 TILE_OUTPUTS = 64 * 64  # outputs of one GEMM tile (cuBLAS/cuDNN's 64x64 tiles on this trace)
+EPILOGUE_DEPTH = 4  # what a coarse op's epilogues (activation, residual add, norm) add to its depth, at most
 SPLIT_K_DEPTH = 384  # reduction depth past which cuBLAS splits a small GEMM (between 256 and 480 on the trace)
 
 # the class that runs the same way, for a class the trace did not measure
@@ -205,7 +206,8 @@ def device(name: str = "h200", path: str | Path | None = None) -> Device:
 def op_class(graph: OpGraph, op: Op) -> str:
     """The class of ``op``: its target's kind; a convolution is ``conv_pointwise`` when its reduction depth
     (FLOPs / 2 / output elements) equals its input's channels (1x1, one group), ``conv_depthwise`` when the depth is
-    not a whole multiple of them (grouped), ``conv`` else (or when the input's channels are unknown)."""
+    not a whole multiple of them (grouped), ``conv`` else (or when the input's channels are unknown). A coarse op's
+    epilogues add up to :data:`EPILOGUE_DEPTH` to the depth, which is allowed for (up to a tenth of a tap)."""
     short = (op.target or "").rsplit(".", 1)[-1].lower()
     kind = _KIND.get(short, "elementwise")
     if kind != "conv":
@@ -216,9 +218,10 @@ def op_class(graph: OpGraph, op: Op) -> str:
     if not out or not shape or len(shape) < 2 or not op.flops:
         return "conv"
     depth, channels = op.flops / 2 / out, shape[1]
-    if abs(depth - channels) < 0.5:
-        return "conv_pointwise"
-    return "conv" if depth >= channels and abs(depth / channels - round(depth / channels)) < 1e-6 else "conv_depthwise"
+    taps, rest = divmod(depth, channels)  # kernel taps of a dense convolution, and what is left over
+    if taps < 1 or rest > min(EPILOGUE_DEPTH, channels / 10):
+        return "conv_depthwise"
+    return "conv_pointwise" if taps == 1 else "conv"
 
 
 def _numel(shape) -> int:
