@@ -140,8 +140,10 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
             t += costs.gpu.event_overhead_ms
         if ins.kind == "launch" and gpu and cuda_graph:
             kernels = costs.kernel_count(ins.op)
-            t = max(t + kernels * costs.gpu.kernel_gap_ms, front_end[ins.device])
-            front_end[ins.device] = t + kernels * costs.gpu.dispatch_ms
+            t += kernels * costs.gpu.kernel_gap_ms
+            if costs.gpu.dispatch_ms:
+                t = max(t, front_end[ins.device])
+                front_end[ins.device] = t + kernels * costs.gpu.dispatch_ms
         if ins.kind == "launch" and gpu:
             heapq.heappush(events, (t, i, "start"))
         elif ins.kind == "launch":
