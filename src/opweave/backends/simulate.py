@@ -15,7 +15,9 @@ instruction of its (device, stream) (FIFO) and, for a wait or recv, the record o
   for all of them, so it is there when the slowest edge says it is).
 
 Overheads (``gpu`` only; ``ideal`` has none, so a list scheduler's own prediction equals the replay):
-with a CUDA Graph the whole plan is one graph launch, so nothing starts before ``graph_launch_overhead_ms``;
+with a CUDA Graph the whole plan is one graph launch, so nothing starts before ``graph_launch_overhead_ms``, and
+each op's kernels wait ``kernel_gap_ms`` each on its stream before it runs (``Costs.kernels`` per op), and the
+device's front end starts one kernel every ``dispatch_ms`` whatever its stream (in the order ops become ready);
 without one a single CPU thread per device issues the launches one after another, so the k-th launch of a device
 (1-based, issue order) cannot start before ``k × launch_overhead_ms``. Waits cost ``event_overhead_ms`` either way.
 
@@ -127,6 +129,7 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
     finish: dict[str, float] = {}
     launch_index = {ins.op: i for i, ins in enumerate(instrs) if ins.kind == "launch"}
     events: list[tuple[float, int, str]] = []  # (time, instruction, "start" | "done")
+    front_end = dict.fromkeys(devices, 0.0)  # when each device's front end can start the next kernel (CUDA graph)
 
     def ready(i: int) -> None:
         ins = instrs[i]
@@ -135,6 +138,12 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
             t = max(t, done_ms[deps[i][-1]] + transfer_ms(ins))
         elif ins.kind == "wait" and gpu:
             t += costs.gpu.event_overhead_ms
+        if ins.kind == "launch" and gpu and cuda_graph:
+            kernels = costs.kernel_count(ins.op)
+            t += kernels * costs.gpu.kernel_gap_ms
+            if costs.gpu.dispatch_ms:
+                t = max(t, front_end[ins.device])
+                front_end[ins.device] = t + kernels * costs.gpu.dispatch_ms
         if ins.kind == "launch" and gpu:
             heapq.heappush(events, (t, i, "start"))
         elif ins.kind == "launch":

@@ -119,19 +119,21 @@ def cpu_candidates(sync_ms: float) -> list[Candidate]:
     return out
 
 
-def cuda_candidates(graph, costs, streams: int, *, plans: int = 3, fused: int = 2,
+def cuda_candidates(graph, costs, streams: int, *, dtype: str = "float32", plans: int = 3, fused: int = 2,
                     torch_compile: bool = True) -> list[Candidate]:
     """``torch.compile`` of the whole model, the ``plans`` plans the calibrated simulator ranks first (scheduler
     and stream cap), and the first ``fused`` of them with Inductor's segments."""
     from opweave.build.targets import CudaTarget
 
-    ranked = CudaTarget().ranking(graph, costs, streams)[:plans]
+    ranked = CudaTarget().ranking(graph, costs, streams, dtype=dtype).predictions
+    firsts = [p for i, p in enumerate(ranked) if p.scheduler not in {q.scheduler for q in ranked[:i]}][:plans]
     out = [Candidate("torch.compile", whole=True)] if torch_compile else []
-    for scheduler, cap, _ in ranked:
-        out.append(Candidate(f"{scheduler} x{cap}", {"scheduler": scheduler, "streams": cap}, "roofline"))
-    for scheduler, cap, _ in ranked[:fused]:
-        out.append(Candidate(f"{scheduler} x{cap}+inductor", {"scheduler": scheduler, "streams": cap,
-                                                              "compiler": "inductor"}, "roofline"))
+    for p in firsts:  # the best stream cap of each of the schedulers predicted fastest
+        out.append(Candidate(f"{p.scheduler} x{p.streams}", {"scheduler": p.scheduler, "streams": p.streams},
+                             "fitted"))
+    for p in firsts[:fused]:
+        out.append(Candidate(f"{p.scheduler} x{p.streams}+inductor", {"scheduler": p.scheduler, "streams": p.streams,
+                                                                      "compiler": "inductor"}, "fitted"))
     return out
 
 
@@ -208,11 +210,11 @@ def _candidates(target, captured, options: Options) -> list[Candidate]:
 
         return cpu_candidates(sync_cost_ms())
     from opweave.backends.cuda import default_streams
-    from opweave.build.pipeline import costs_for
-    from opweave.build.targets import visible_gpu_preset
+    from opweave.build.targets import CudaTarget, _dtype, fitted_device
 
-    costs = costs_for(captured, (), options, visible_gpu_preset())
-    return cuda_candidates(captured.graph, costs, default_streams())
+    device, dtype = fitted_device(), _dtype(captured)
+    costs = CudaTarget().costs(captured, (), options, device, dtype)
+    return cuda_candidates(captured.graph, costs, default_streams(), dtype=dtype)
 
 
 class _Latencies:
@@ -220,7 +222,7 @@ class _Latencies:
 
     def __init__(self, captured, inputs: tuple, device: str):
         self.captured, self.inputs, self.device = captured, inputs, device
-        self.known: dict[str, dict | None] = {"roofline": None}
+        self.known: dict[str, dict | None] = {"fitted": None}  # the target's own costs
         self.ort_graph = None  # built with the first of its candidates; its latencies are its own graph's nodes'
 
     def of(self, candidate: Candidate) -> dict | None:

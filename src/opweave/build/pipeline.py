@@ -15,14 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from opweave import schedulers
 from opweave.backends.program import Backend
 from opweave.build.options import Options
 from opweave.costs import Costs
 from opweave.ir import OpGraph
 from opweave.plan import LaunchPlan
-from opweave.plan.lower import lower
-from opweave.plan.validate import validate
+from opweave.plan.make import plan_for, validated_plan
 from opweave.schedulers.schedule import Schedule
 
 
@@ -78,20 +76,6 @@ def build(captured, example_inputs, options: Options, *, eager=None) -> Compiled
     if options.autotune:
         return autotune.search(target, captured, inputs, options, eager=eager)
     return target.build(captured, inputs, options, eager=eager)
-
-
-def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | None = None, devices: int = 1,
-             **options) -> tuple[Schedule, LaunchPlan]:
-    """Schedule and lower ``graph``; the plan has passed the validator."""
-    sched = schedulers.run(scheduler, graph, costs, streams=streams, devices=devices, **options)
-    return sched, validated_plan(graph, sched)
-
-
-def validated_plan(graph: OpGraph, schedule: Schedule) -> LaunchPlan:
-    """``schedule`` lowered to a plan (:func:`~opweave.plan.lower.lower`) that has passed the validator."""
-    plan = lower(graph, schedule)
-    validate(graph, plan, schedule)
-    return plan
 
 
 def costs_for(captured, inputs: tuple, options: Options, preset: str) -> Costs:

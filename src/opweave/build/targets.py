@@ -18,12 +18,15 @@ rest to the caller's lane.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from opweave.build.options import Options
 from opweave.build.pipeline import Compiled, costs_for, plan_for
 from opweave.costs import Costs
 from opweave.plan import LaunchPlan
+
+log = logging.getLogger(__name__)
 
 
 class CpuTarget:
@@ -106,22 +109,43 @@ class CudaTarget:
     device = "cuda"
 
     def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+        from opweave.backends.choose import sync_options
         from opweave.backends.cuda import default_streams
 
-        costs = costs_for(captured, inputs, options, visible_gpu_preset())
+        device, dtype = fitted_device(), _dtype(captured)
+        costs = self.costs(captured, inputs, options, device, dtype)
         streams = options.streams or default_streams()  # more lanes than hardware queues add false dependencies
         scheduler, choice = options.scheduler, None
-        if scheduler is None:
-            scheduler, streams, choice = self.choose(captured.graph, costs, streams)
-        sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams,
-                               **(options.scheduler_options or {}))
+        if scheduler is None:  # the plan the calibrated simulator predicts fastest
+            picked = self.ranking(captured.graph, costs, streams, device, dtype)
+            scheduler, streams = picked.scheduler, picked.streams
+            choice = {"label": f"{scheduler} x{streams}", "predicted_ms": picked.makespan_ms,
+                      "reason": picked.reason(), "candidates": {
+                          f"{p.scheduler} x{p.streams}": {"predicted_ms": p.makespan_ms} for p in picked.predictions}}
+        sched_options = {**sync_options(scheduler, device), **(options.scheduler_options or {})}
+        sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams, **sched_options)
         compiled = self.runnable(captured, plan, inputs, options, costs)
         compiled.schedule, compiled.choice = sched, choice
+        if choice is not None:
+            log.info("%s: %s", captured.graph.name, choice["reason"])
         return compiled
 
-    def choose(self, graph, costs: Costs, streams: int) -> tuple[str, int, dict | None]:
-        """The default plan: the scheduler (and stream cap, at most ``streams``) predicted fastest."""
-        return "opara", streams, None
+    def costs(self, captured, inputs: tuple, options: Options, device, dtype: str) -> Costs:
+        """``options``' costs or profile, else each op's time on the fitted device (:mod:`opweave.costs.calibrated`:
+        the roofline calibrated per op class on real traces), as the schedulers see a profile."""
+        if options.costs is not None or options.profile is not None:
+            return costs_for(captured, inputs, options, visible_gpu_preset())
+        from opweave.costs import calibrated
+
+        return replace(calibrated.costs(captured.graph, device, dtype), model=options.cost_model)
+
+    def ranking(self, graph, costs: Costs, streams: int, device=None, dtype: str = "float32"):
+        """Every single-device scheduler at stream caps up to ``streams``, ranked by the fitted device's prediction
+        (:func:`opweave.backends.choose.choose`): its ``predictions``, fastest first."""
+        from opweave.backends.choose import STREAM_CAPS, choose
+
+        caps = sorted({c for c in STREAM_CAPS if c < streams} | {streams})
+        return choose(graph, costs, device or fitted_device(), dtype=dtype, stream_caps=caps)
 
     def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs) -> Compiled:
         """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
@@ -177,6 +201,25 @@ def for_options(options: Options):
     if options.devices > 1:
         return RanksTarget()
     return CudaTarget() if options.device == "cuda" else CpuTarget()
+
+
+def fitted_device():
+    """The fitted device model of the visible GPU (:mod:`opweave.costs.calibrated`; the H100's for a GPU it does not
+    know)."""
+    from opweave.costs import calibrated
+
+    preset = visible_gpu_preset()
+    return calibrated.device(preset if preset in calibrated.FITTED else "h100")
+
+
+def _dtype(captured) -> str:
+    """The floating dtype the model computes in (its parameters'), as the cost model names it."""
+    import torch
+
+    for p in captured.gm.parameters():
+        if p.is_floating_point():
+            return str(p.dtype).removeprefix("torch.")
+    return "float32"
 
 
 def visible_gpu_preset() -> str:

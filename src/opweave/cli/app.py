@@ -53,6 +53,8 @@ DevicesOpt = Annotated[int, typer.Option("--devices", min=1, help="number of dev
 CostOpt = Annotated[str, typer.Option("--cost-model", help="ideal | gpu")]
 PresetOpt = Annotated[str, typer.Option("--preset", help="device preset for zoo models' estimated latencies")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", min=1)]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="fp32 | fp16 | bf16: what a zoo model's ops compute in "
+                                                       "(estimated costs)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
 ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="measured profile (opweave profile) for --model")]
 CoarsenOpt = Annotated[bool, typer.Option("--coarsen/--no-coarsen",
@@ -132,14 +134,44 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
     return OpGraph.load(graph)
 
 
-def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, devices: int):
-    """Schedule, lower, validate and replay one scheduler: (schedule, plan, simulation result)."""
+def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, devices: int,
+            replay: Costs | None = None):
+    """Schedule, lower, validate and replay one scheduler: (schedule, plan, simulation result). The scheduler sees
+    ``costs``; the replay runs under ``replay`` (default ``costs``)."""
     from opweave.backends.simulate import simulate
     from opweave.build import plan_for
 
     sched, plan = plan_for(graph, costs, name, streams=streams,
                            devices=devices if name in schedulers.MULTI_DEVICE else 1)
-    return sched, plan, simulate(graph, plan, costs)
+    return sched, plan, simulate(graph, plan, replay or costs)
+
+
+def device_costs(graph: OpGraph, cost_model: str, preset: str, dtype: str, measured: bool) -> tuple[OpGraph, Costs,
+                                                                                                      Costs]:
+    """(graph, the costs a scheduler sees, the costs the replay runs under) for ``simulate`` and ``schedule``.
+
+    Under ``--cost-model gpu`` with a fitted preset (h200, h100: :mod:`opweave.costs.calibrated`) the ops get the
+    fitted device's times, except where ``measured`` (a profile gave the graph its latencies), the schedulers see
+    them as ideal costs (as the GPU benchmark's schedulers saw its profile) and the replay is the fitted model of one
+    CUDA Graph call. Otherwise the graph's own latencies (roofline estimates for ``dtype``, or the profile's) under
+    ``cost_model``, for the scheduler and the replay alike."""
+    from dataclasses import replace
+
+    from opweave.costs import calibrated, roofline
+
+    dtype = calibrated.DTYPES.get(dtype)
+    if dtype is None:
+        raise UsageError(f"unknown dtype; choose one of {', '.join(calibrated.DTYPES)}")
+    if cost_model == "gpu" and preset.lower() in calibrated.FITTED:
+        fitted = calibrated.costs(graph, calibrated.device(preset), dtype,
+                                  latency_ms=graph.latencies() if measured else None)
+        graph = OpGraph([replace(o, latency_ms=fitted.latency_ms[o.id], utilization=fitted.utilization[o.id])
+                         for o in graph.ops], graph.edges, graph.name)
+        return graph, replace(fitted, model="ideal"), fitted
+    if dtype != "float32" and not measured and all(o.latency_ms is not None for o in graph.ops):
+        graph = roofline.with_estimates(graph, preset, dtype)
+    costs = graph_costs(graph, cost_model)
+    return graph, costs, costs
 
 
 def schedule_json(sched, plan, sim) -> dict:
