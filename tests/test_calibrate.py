@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 
 from opweave.backends import calibrate as fit
 from opweave.backends.choose import choose, sync_options
-from opweave.plan.make import plan_for
 from opweave.backends.simulate import simulate
 from opweave.cli import app
 from opweave.costs import calibrated, from_graph
@@ -20,6 +19,7 @@ from opweave.costs.calibrated import Device, OpClass
 from opweave.errors import UsageError
 from opweave.ir import Edge, Op, OpGraph
 from opweave.ir.synth import random_dag
+from opweave.plan.make import plan_for
 
 DATA = Path(__file__).parent / "data"
 RESULTS = Path(__file__).parents[1] / "benchmarks" / "results" / "gpu_latency_h200_b1_fp32.json"

@@ -214,7 +214,6 @@ def fitted_device():
 
 def _dtype(captured) -> str:
     """The floating dtype the model computes in (its parameters'), as the cost model names it."""
-    import torch
 
     for p in captured.gm.parameters():
         if p.is_floating_point():
