@@ -503,5 +503,36 @@ def speedup_table(name: str, batch: int, dtype: str, rows: list[dict], common):
                         cells, caption=f"opweave schedules on costs from: {'; '.join(sources)}" if sources else None)
 
 
+def markdown(data: dict) -> str:
+    """The results of one run as Markdown, one table per configuration (every mode's median with its 10th-90th
+    percentile spread, its speed-ups over the sequential CUDA Graph and torch.compile, kernels per call, streams,
+    syncs, peak memory, whether its output was right): what docs/gpu.md shows, kept equal to the committed JSON by a
+    test."""
+    out = []
+    configs = sorted({(r["model"], r["batch_size"], r["dtype"]) for r in data["results"]},
+                     key=lambda c: (c[1], c[2], c[0]))
+    for model, batch, dtype in configs:
+        rows = [r for r in data["results"] if (r["model"], r["batch_size"], r["dtype"]) == (model, batch, dtype)]
+        by_mode = {r["mode"]: r.get("median_ms") for r in rows}
+        graph_ms, compile_ms = by_mode.get("cuda-graph"), by_mode.get("torch.compile")
+        out += [f"**{model}**, batch {batch}, {dtype}", "",
+                "| mode | median ms (p10-p90) | vs CUDA Graph | vs torch.compile | kernels/call | streams | syncs | "
+                "peak MB | output |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in rows:
+            if r.get("median_ms") is None:
+                out.append(f"| {r['mode']} | - | - | - | - | - | - | - | {r.get('error', '')[:80]} |")
+                continue
+            ms = r["median_ms"]
+            cells = [r["mode"], f"{ms:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f})",
+                     f"{graph_ms / ms:.2f}x" if graph_ms else "-", f"{compile_ms / ms:.2f}x" if compile_ms else "-",
+                     "" if r.get("kernels_per_call") is None else f"{r['kernels_per_call']:.0f}",
+                     "" if r.get("streams") is None else str(r["streams"]),
+                     "" if r.get("syncs") is None else str(r["syncs"]), f"{r['peak_memory_mb']:.1f}",
+                     "ok" if r["ok"] else "WRONG"]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import opweave
-from benchmark_module import gpu_latency
+from benchmark_module import BENCHMARKS, gpu_latency
 from dags import dags
 from opweave import costs as costs_mod
 from opweave import schedulers
@@ -529,21 +529,43 @@ def test_profiler_ranges_on_a_real_cpu_trace():
         latencies_from_runs(cap.graph, runs)
 
 
-REAL_TRACE = DATA / "googlenet-trace.json.gz"
+REAL_TRACE = DATA / "googlenet-trace.json.gz"  # scripts/dump_trace.py on an H200, 2026-11-27 (docs/gpu.md)
 
 
-@pytest.mark.skipif(not REAL_TRACE.exists(), reason="no real CUDA trace committed yet: scripts/gpu_check.sh trace "
-                                                    "writes one (scripts/dump_trace.py) to copy to tests/data/")
-def test_profiler_parsing_on_a_real_cuda_trace():
+def real_trace() -> tuple[dict, OpGraph]:
     with gzip.open(REAL_TRACE, "rt") as f:
         trace = json.load(f)
     meta = trace["opweave"]
-    graph = OpGraph([Op(op, target=meta["targets"][op], flops=meta["flops"][op]) for op in meta["ops"]])
+    return trace, OpGraph([Op(op, target=meta["targets"][op], flops=meta["flops"][op]) for op in meta["ops"]])
+
+
+def test_profiler_parsing_on_a_real_cuda_trace():
+    """The H200's trace of GoogLeNet's 195 ops x 3 runs: as that run reported it, 269 kernels in the median runs,
+    every op with GPU work, their GPU times summing to 0.714 ms; the largest a 3x3 convolution."""
+    trace, graph = real_trace()
     runs = range_runs(trace)
-    assert len(runs) == len(meta["ops"]) * meta["repeats"]
+    assert len(runs) == len(graph) * trace["opweave"]["repeats"] == 585
     latency, kernels = latencies_from_runs(graph, runs)
     assert all(latency[o.id] > 0 and kernels[o.id] for o in graph.ops if o.flops > 0)
     assert all(k["grid"] and k["block"] and k["duration_us"] > 0 for ks in kernels.values() for k in ks)
+    assert sum(v > 0 for v in latency.values()) == 195 and sum(map(len, kernels.values())) == 269
+    assert sum(latency.values()) == pytest.approx(0.714, abs=5e-4)
+    assert max(latency, key=latency.get) == "inception4_4_branch2_1_conv"
+
+
+@pytest.mark.parametrize("source", ["synthetic", "real"])
+def test_categories_and_thread_numbers_do_not_change_what_is_attributed(source):
+    """Kineto's category names in other letter cases or older spellings, and launches recorded under another thread
+    number than their op's range, give the same per-op GPU times: on the synthetic fixture and on the real trace."""
+    trace, graph = (fixture_trace(), fixture_graph()) if source == "synthetic" else real_trace()
+    expected = latencies_from_runs(graph, range_runs(trace))[0]
+    old_names = {"cuda_runtime": "Runtime", "gpu_memcpy": "Memcpy", "gpu_memset": "Memset"}
+    for e in trace["traceEvents"]:
+        if "cat" in e:
+            e["cat"] = old_names.get(str(e["cat"]).lower(), str(e["cat"]).upper())
+        if str(e.get("cat", "")).lower() == "runtime":
+            e["tid"] = 99  # no op range on that thread: every thread's ranges are searched
+    assert latencies_from_runs(graph, range_runs(trace))[0] == pytest.approx(expected)
 
 
 # ---- CUDA backend helpers --------------------------------------------------------------------------------------------
@@ -757,3 +779,11 @@ def test_benchmark_summary_table_and_json(tmp_path):
     assert "WRONG (5.0e-01)" in text and "1.50x" in text and "scheduling timed out" in text and "profile" in text
     fused_line = next(line for line in text.splitlines() if "opweave lios+inductor" in line)
     assert [c.strip() for c in fused_line.strip().strip("│").split("│")][4] == "41"  # kernels/call
+
+
+def test_docs_gpu_shows_the_committed_results_as_they_are():
+    """docs/gpu.md carries the committed GPU results' tables as gpu_latency.markdown renders them."""
+    doc = (BENCHMARKS.parent / "docs" / "gpu.md").read_text()
+    for name in ("gpu_latency_h200_b1_fp32.json", "gpu_latency_h200_googlenet_fused.json"):
+        data = json.loads((BENCHMARKS / "results" / name).read_text())
+        assert gpu_latency().markdown(data) in doc, f"docs/gpu.md: the tables of {name} are out of date"
