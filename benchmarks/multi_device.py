@@ -39,8 +39,8 @@ import _common as common  # noqa: E402
 import torch  # noqa: E402
 
 from opweave.backends.distributed import profile_link  # noqa: E402
-from opweave.backends.distributed.launch import usable_cores  # noqa: E402
 from opweave.backends.simulate import simulate  # noqa: E402
+from opweave.backends.threads import cores as usable_cores  # noqa: E402
 from opweave.build import Options  # noqa: E402
 from opweave.build.targets import RanksTarget  # noqa: E402
 from opweave.capture import load  # noqa: E402
