@@ -15,13 +15,13 @@ into those very tensors is queued on the launching stream. ``Event.record`` and 
 a wait holds its stream until the record it pairs with (the latest one of its event issued before it) has run.
 
 **Nothing runs until something must observe it**: ``synchronize``, ``Stream.synchronize``, ``Event.synchronize``,
-and synchronizing ops (``.item()``, ``.tolist()``, ``nonzero``, Python control flow on a value: any op whose meta
-kernel cannot say its output, as a data-dependent one cannot) issued inside a launch, which first run their
-stream's queue. Queued work then runs in a **seeded random interleaving** that respects only each stream's FIFO
-order and the waits: each drain gives the streams random priorities, always runs the ready stream with the highest
-one, and reshuffles the priorities now and then, so long runs of one stream alternate with switches. The seed is
-``seed=`` or else ``$OPWEAVE_FAKECUDA_SEED`` or else a fresh random one; ``FakeCuda.seed`` says which, so a failing
-order can be replayed.
+and, issued inside a launch, the ops that synchronize on CUDA: ``.item()`` and every op whose meta kernel cannot say
+its output (a data-dependent one: ``nonzero``, boolean masks, Python control flow on a value), and host reads that
+are no ATen op (``tolist``, ``numpy``, printing); these first run their stream's queue. Queued work then runs in a
+**seeded random interleaving** that respects only each stream's FIFO order and the waits: each drain gives the
+streams random priorities, always runs the ready stream with the highest one, and reshuffles the priorities now and
+then, so long runs of one stream alternate with switches. The seed is ``seed=`` or else ``$OPWEAVE_FAKECUDA_SEED``
+or else a fresh random one; ``FakeCuda.seed`` says which, so a failing order can be replayed.
 
 **Freeing** (:meth:`FakeCuda.dropped`, which the backend calls at each liveness release) is modelled as CUDA's
 caching allocator behaves: the block goes back to the pool of the stream that allocated it, whose *later* work may
@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -80,6 +81,7 @@ _aten = torch.ops.aten
 _VIEWS = {_aten._unsafe_view.default}  # aliases its input without saying so in its schema
 _UNINITIALIZED = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
                   _aten.new_empty.default, _aten.new_empty_strided.default}
+_HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.__repr__}
 _META = torch.device("meta")
 _CAPTURING = "CUDA error: operation not permitted when stream is capturing"
 
@@ -264,6 +266,20 @@ class _Issue(TorchDispatchMode):
         return self.fake._issue(self.lane, func, args, kwargs or {})
 
 
+class _HostReads(TorchFunctionMode):
+    """Inside :meth:`FakeCuda.launch`: reading a tensor's values on the host without an ATen op (``tolist``,
+    ``numpy``, printing) synchronizes, as the copy to the host does on CUDA."""
+
+    def __init__(self, fake: FakeCuda, lane: _Lane):
+        super().__init__()
+        self.fake, self.lane = fake, lane
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_READS and not self.fake._executing:
+            self.fake._sync_point(self.lane, f"Tensor.{func.__name__} reads the device")
+        return func(*args, **(kwargs or {}))
+
+
 # ---- the runtime -----------------------------------------------------------------------------------------------------
 
 
@@ -351,7 +367,7 @@ class FakeCuda:
             if stream != self.current_stream():
                 raise RuntimeError(f"fake CUDA: work launched on {stream!r} while {self.current_stream()!r} is "
                                    "current (PyTorch would issue it on the current stream)")
-            with _Issue(self, stream._lane):
+            with _Issue(self, stream._lane), _HostReads(self, stream._lane):
                 return fn(*args)
 
     def dropped(self, values) -> None:
@@ -508,15 +524,19 @@ class FakeCuda:
 
     def _synchronizing(self, lane: _Lane, func, args: tuple, kwargs: dict):
         """An op whose result the host needs now: its stream's queue runs first (module docstring)."""
-        what = f"{func} synchronizes"
+        self._sync_point(lane, f"{func} synchronizes")
+        return func(*args, **kwargs)
+
+    def _sync_point(self, lane: _Lane, what: str) -> None:
+        """The host waits for ``lane``'s work here: refused while capturing, checked in sync-debug mode, and the
+        lane's queue (with whatever it waits for) run."""
         self._refuse_while_capturing(what)
         if self._sync_debug == 2:
-            raise RuntimeError(f"called a synchronizing CUDA operation ({func})")
+            raise RuntimeError(f"called a synchronizing CUDA operation ({what})")
         if self._sync_debug == 1:
-            warnings.warn(f"called a synchronizing CUDA operation ({func})", stacklevel=2)
+            warnings.warn(f"called a synchronizing CUDA operation ({what})", stacklevel=3)
         self.stats["syncs"] += 1
         self._drain(lambda: not lane.queue)
-        return func(*args, **kwargs)
 
     def _refuse_while_capturing(self, what: str) -> None:
         me = threading.get_ident()
