@@ -16,7 +16,7 @@ from opweave.backends.fakecuda import SEED_ENV, FakeCuda
 from opweave.backends.runtime import CUDA
 
 ON_GPU = torch.cuda.is_available()
-DEVICE = torch.device("cuda", torch.cuda.current_device()) if ON_GPU else FakeCuda.device
+DEVICE = torch.device("cuda") if ON_GPU else FakeCuda.device  # (no index: importing this initializes no GPU)
 
 
 def needs_gpu(reason: str):

@@ -291,18 +291,18 @@ def test_torch_compile_backend_takes_fuse():
 
 # ---- CUDA (skipped without a GPU; not yet run on one) ----------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["graph", "streams"])
+@pytest.mark.parametrize("cudagraphs", [True, False], ids=["cudagraphs", "streams"])
 @pytest.mark.parametrize("name", ["squeezenet", "bert_base"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_inductor_segments_on_cuda_streams_inside_the_cuda_graph(name, mode):
+def test_inductor_segments_on_cuda_streams_inside_the_cuda_graph(name, cudagraphs):
     model, inputs = zoo.create(name, **SMALL.get(name, {}))
     model, inputs = model.cuda(), tuple(x.cuda() for x in inputs)
     with torch.no_grad():
         reference = model(*inputs)
     for scheduler in ACCEPTANCE:
         fast = compile_captured(capture(model, inputs, name=name), inputs, scheduler=scheduler, device="cuda",
-                                streams=3, fuse="inductor", mode=mode)
+                                streams=3, fuse="inductor", cudagraphs=cudagraphs)
         stats = fast.fused.stats
         assert stats["compiles"] == stats["segments"] and stats["fallbacks"] == 0
         with torch.no_grad():
