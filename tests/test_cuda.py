@@ -371,17 +371,23 @@ def test_one_entry_per_signature_in_a_bounded_lru_cache(rt, cudagraphs):  # noqa
 
 
 def test_calls_from_another_stream_are_ordered_after_the_previous_call(rt):  # noqa: F811
-    model, inputs, reference, _ = cuda_model("squeezenet")
+    """Calls alternate between the current stream and another one, with no wait between them but the backend's:
+    each call's input copy must not overwrite the static inputs (nor its replay the static outputs) before the
+    previous call, on the other stream, has read them."""
+    model, inputs, _, _ = cuda_model("squeezenet")
+    xs = [fresh(inputs, seed) for seed in range(6)]
+    with torch.no_grad():
+        refs = [model(*x) for x in xs]
     for cudagraphs in (True, False):
         fast = compile_cuda(model, inputs, scheduler="opara", cudagraphs=cudagraphs, runtime=rt)
         other = rt.Stream()
-        first = fast(*inputs)
-        other.wait_stream(rt.current_stream())
-        with rt.stream(other):
-            second = fast(*inputs)
+        outs = []
+        for i, x in enumerate(xs):
+            with rt.stream(other if i % 2 else None):
+                outs.append(fast(*x))
         rt.synchronize()
-        check(reference, first, f"cudagraphs={cudagraphs}: first")
-        check(reference, second, f"cudagraphs={cudagraphs}: second, from another stream")
+        for i, (ref, out) in enumerate(zip(refs, outs, strict=True)):
+            check(ref, out, f"cudagraphs={cudagraphs}: call {i}, {'another' if i % 2 else 'the current'} stream")
 
 
 @GRAPHS

@@ -19,8 +19,9 @@ and, issued inside a launch, the ops that synchronize on CUDA: ``.item()`` and e
 its output (a data-dependent one: ``nonzero``, boolean masks, Python control flow on a value), and host reads that
 are no ATen op (``tolist``, ``numpy``, printing); these first run their stream's queue. Queued work then runs in a
 **seeded random interleaving** that respects only each stream's FIFO order and the waits: each drain gives the
-streams random priorities, always runs the ready stream with the highest one, and reshuffles the priorities now and
-then, so long runs of one stream alternate with switches. The seed is ``seed=`` or else ``$OPWEAVE_FAKECUDA_SEED``
+streams random priorities and always runs the ready stream with the highest one; half the drains reshuffle the
+priorities now and then (long runs of one stream, a few switches), the other half before every item (a stream
+picked at random each time). The seed is ``seed=`` or else ``$OPWEAVE_FAKECUDA_SEED``
 or else a fresh random one; ``FakeCuda.seed`` says which, so a failing order can be replayed.
 
 **Freeing** (:meth:`FakeCuda.dropped`, which the backend calls at each liveness release) is modelled as CUDA's
@@ -74,7 +75,7 @@ from opweave.backends.streams import TORCH_POOL
 __all__ = ["SEED_ENV", "FakeCuda", "FakeEvent", "FakeGraph", "FakeStream"]
 
 SEED_ENV = "OPWEAVE_FAKECUDA_SEED"
-RESHUFFLE = 0.125  # chance, per queued item run, that a drain draws new stream priorities
+RESHUFFLES = (0.125, 1.0)  # chance, per queued item run, that a drain draws new stream priorities: one per drain
 POISON = 0xFF  # the byte a fresh or reused block holds: NaN in every floating-point format, -1 in integers
 
 _aten = torch.ops.aten
@@ -287,6 +288,7 @@ class FakeCuda:
     """A fake CUDA runtime (see the module docstring); ``seed`` fixes the interleavings."""
 
     name = "fake"
+    device = torch.device("cpu")  # device memory is CPU tensors
 
     def __init__(self, seed: int | None = None):
         self.seed = default_seed() if seed is None else seed
@@ -304,8 +306,6 @@ class FakeCuda:
         self._sync_debug = 0
         self._blocks: dict[int, _Block] = {}
         self._allocated = self._peak = 0
-
-    device = torch.device("cpu")
 
     def __repr__(self) -> str:
         return f"FakeCuda(seed={self.seed})"
@@ -466,7 +466,10 @@ class FakeCuda:
             meta = func(*_to_meta(args), **_to_meta(kwargs))
         except Exception:  # noqa: BLE001 - no meta kernel, or a data-dependent output: a synchronizing op
             return self._synchronizing(lane, func, args, kwargs)
-        if any(not isinstance(x, torch.Tensor) for x in pytree.tree_leaves(meta) if x is not None):
+        leaves = [x for x in pytree.tree_leaves(meta) if x is not None]
+        if not any(isinstance(x, torch.Tensor) for x in leaves) and leaves:
+            return func(*args, **kwargs)  # metadata alone (a size, say): the meta kernel needed no data either
+        if not all(isinstance(x, torch.Tensor) for x in leaves):
             return self._synchronizing(lane, func, args, kwargs)
         schema = func._schema
         if schema.is_mutable:
@@ -604,6 +607,7 @@ class FakeCuda:
         """Run ``queues`` in a random interleaving until ``until()`` holds or all are empty; ``done``: the record
         numbers that have run by event, for a graph's own events (None: the events' own)."""
         priority: dict[_Lane, float] = {}
+        reshuffle = self._rng.choice(RESHUFFLES)
         while until is None or not until():
             ready = [lane for lane, q in queues.items() if q and self._ready(q[0], done)]
             if not ready:
@@ -612,7 +616,7 @@ class FakeCuda:
                     raise RuntimeError(f"fake CUDA: streams {[hex(lane.handle) for lane in stuck]} wait for events "
                                        "that no queued work records")
                 return
-            if self._rng.random() < RESHUFFLE:
+            if self._rng.random() < reshuffle:
                 priority.clear()
             for lane in ready:
                 if lane not in priority:
