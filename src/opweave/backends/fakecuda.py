@@ -21,8 +21,8 @@ are no ATen op (``tolist``, ``numpy``, printing); these first run their stream's
 **seeded random interleaving** that respects only each stream's FIFO order and the waits: each drain gives the
 streams random priorities and always runs the ready stream with the highest one; half the drains reshuffle the
 priorities now and then (long runs of one stream, a few switches), the other half before every item (a stream
-picked at random each time). The seed is ``seed=`` or else ``$OPWEAVE_FAKECUDA_SEED``
-or else a fresh random one; ``FakeCuda.seed`` says which, so a failing order can be replayed.
+picked at random each time). The seed is ``seed=`` or else ``$OPWEAVE_FAKECUDA_SEED`` or else a fresh random one;
+``FakeCuda.seed`` says which, so a failing order can be replayed.
 
 **Freeing** (:meth:`FakeCuda.dropped`, which the backend calls at each liveness release) is modelled as CUDA's
 caching allocator behaves: the block goes back to the pool of the stream that allocated it, whose *later* work may
@@ -42,13 +42,16 @@ raises ``called a synchronizing CUDA operation`` (``"warn"`` warns).
 **Streams**: the default stream (handle 0) and, per priority, a pool of 32 handed out round robin by ``Stream()``
 as PyTorch's pool is, so two users may get the same stream. The current stream is per thread.
 
-**Not modelled**: timing (kernels take no time: ``torch.cuda._sleep`` has no counterpart, and the profiler sees
-nothing); the host/device distinction (the fake's device is the CPU, so moving a tensor there is no copy, pinned
-memory means nothing, and host code that reads device tensors *outside* a launch reads them as they are now, with
-no implicit synchronization: call ``synchronize`` first); blocks freed other than through :meth:`FakeCuda.dropped`
-(a tensor the host simply lets go of, such as an op's temporary, is not reused early); ops whose output shape the
-meta kernel gets wrong; in-place ops that change a tensor's metadata (``resize_``, ``t_``, ``as_strided_``), whose
-new shape is only seen when their kernel runs; multiple devices (one fake device).
+**Not modelled**: timing (kernels take no time: ``torch.cuda._sleep`` has no counterpart, events have no
+``elapsed_time``, and the profiler sees nothing); the host/device distinction (the fake's device is the CPU, so
+moving a tensor there or back, ``.cpu()`` included, is no copy and no sync, pinned memory means nothing, and host
+code that reads device tensors *outside* a launch reads them as they are now, with no implicit synchronization: call
+``synchronize`` first); blocks freed other than through :meth:`FakeCuda.dropped` (a tensor the host simply lets go
+of, such as an op's temporary, is not reused early); ops without a meta kernel (taken for synchronizing ops) and
+ops whose output the meta kernel gets wrong; in-place ops that change a tensor's metadata (``resize_``, ``t_``,
+``as_strided_``), whose new shape is only seen when their kernel runs; where a failing kernel's error surfaces (at
+the drain that runs it, as an asynchronous CUDA error does, but not as a device-side assert); several devices (one
+fake device).
 """
 
 from __future__ import annotations
