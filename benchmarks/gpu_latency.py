@@ -15,10 +15,10 @@ and dtype, every mode below is built, checked against eager and timed the same w
 * ``opweave <scheduler>`` — the model captured once, profiled on this GPU (:func:`opweave.costs.profile.profile_model`;
   if profiling fails, the roofline estimate, recorded as the row's ``costs``), each scheduler run on those costs with
   at most ``--streams`` streams (default 8, the GPU's hardware queues), the plan lowered, validated and recorded by
-  the CUDA backend in graph mode (static inputs copied in, outputs cloned);
+  the CUDA backend into a CUDA graph (static inputs copied in, outputs cloned);
 * ``opweave <scheduler>+inductor`` — the captured graph coarsened (:func:`opweave.capture.coarsen`), profiled (or
   estimated) on its own, scheduled, lowered and validated the same way, every stream segment compiled by
-  TorchInductor (:mod:`opweave.backends.segments`) and the whole plan recorded by the CUDA backend in graph mode,
+  TorchInductor (:mod:`opweave.backends.segments`) and the whole plan recorded by the CUDA backend into a CUDA graph,
   for the schedulers of ``--fuse-schedulers`` (default: every one measured; ``--quick``: lios and opara, since each
   scheduler cuts its own segments and every segment is compiled anew).
 

@@ -590,18 +590,18 @@ def test_input_signatures_need_no_pytree_walk_for_flat_arguments():
     cpu = torch.device("cpu")
     x, weight = torch.randn(2, 3), nn.Parameter(torch.randn(3))
     args = (x, weight, 4)
-    key, leaves = input_signature(args, "graph", cpu)
+    key, leaves = input_signature(args, True, cpu)
     assert leaves is args  # flat: the arguments are the leaves
     assert key == ((None, (x.shape, x.dtype, cpu), (weight.shape, weight.dtype, cpu, weight.data_ptr()),
                     ("value", "4")))
-    assert input_signature((torch.randn(2, 3), weight, 4), "graph", cpu)[0] == key  # new values, same signature
-    assert input_signature((x, nn.Parameter(torch.randn(3)), 4), "graph", cpu)[0] != key  # another parameter
-    assert input_signature((x, weight, 5), "graph", cpu)[0] != key
-    # streams mode uses inputs in place: strides count
+    assert input_signature((torch.randn(2, 3), weight, 4), True, cpu)[0] == key  # new values, same signature
+    assert input_signature((x, nn.Parameter(torch.randn(3)), 4), True, cpu)[0] != key  # another parameter
+    assert input_signature((x, weight, 5), True, cpu)[0] != key
+    # without graphs inputs are used in place: strides count
     t = torch.randn(3, 2).t()
-    assert input_signature((t,), "streams", cpu)[0] != input_signature((t.contiguous(),), "streams", cpu)[0]
-    assert input_signature((t,), "graph", cpu)[0] == input_signature((t.contiguous(),), "graph", cpu)[0]
-    nested_key, nested = input_signature(([x], {"w": weight}), "graph", cpu)
+    assert input_signature((t,), False, cpu)[0] != input_signature((t.contiguous(),), False, cpu)[0]
+    assert input_signature((t,), True, cpu)[0] == input_signature((t.contiguous(),), True, cpu)[0]
+    nested_key, nested = input_signature(([x], {"w": weight}), True, cpu)
     assert nested == [x, weight] and nested_key[0] is not None and nested_key[1:] == key[1:3]
 
 
@@ -695,11 +695,11 @@ def test_capture_errors_name_the_op_in_one_line():
     wrapped.__cause__ = inner
     assert "synchronizes the CPU with the GPU" in str(capture_error(cap, op, wrapped, sync=True))
     assert "a step outside the ops" in str(capture_error(cap, None, ValueError("bad input")))
-    assert err.endswith("pass fallback='eager' or mode='streams' to run it without a graph")
+    assert err.endswith("pass capture_fallback='eager' or cudagraphs=False to run it without a graph")
     during = str(capture_error(cap, None, RuntimeError("CUDA error: operation failed due to a previous error"),
                                where="ending the capture", during_capture=True))
     assert "ending the capture failed: RuntimeError: CUDA error: operation failed due to a previous error" in during
-    assert "fallback='eager'" not in during and "is never run eagerly" in during
+    assert "capture_fallback='eager'" not in during and "is never run eagerly" in during
 
 
 # ---- the GPU benchmark's parts that need no GPU ---------------------------------------------------------------------

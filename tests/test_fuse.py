@@ -276,10 +276,10 @@ def test_unknown_compiler_is_refused():
         compile_captured(capture(nn.Linear(8, 8), (x,)), (x,), compiler="tvm")
 
 
-def test_torch_compile_backend_takes_fuse():
+def test_torch_compile_backend_takes_a_segment_compiler():
     torch._dynamo.reset()
     model, x = TwoBranches(), (torch.randn(4, 8), torch.eye(3) * 2)
-    fast = torch.compile(model, backend="opweave", options={"fuse": "inductor", "scheduler": "lios", "streams": 2})
+    fast = torch.compile(model, backend="opweave", options={"compiler": "inductor", "scheduler": "lios", "streams": 2})
     with torch.inference_mode():
         assert_allclose(fast(*x), model(*x))
     import opweave.dynamo
@@ -291,7 +291,7 @@ def test_torch_compile_backend_takes_fuse():
 
 # ---- CUDA (skipped without a GPU) ----------------------------------------------------------------
 
-@pytest.mark.parametrize("cudagraphs", [True, False])
+@pytest.mark.parametrize("cudagraphs", [True, False], ids=["cudagraphs", "streams"])
 @pytest.mark.parametrize("name", ["squeezenet", "bert_base"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

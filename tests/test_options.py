@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 import opweave
 import opweave.dynamo
+from opweave.backends.fakecuda import FakeCuda
 from opweave.backends.ortgraph import OrtLanes
 from opweave.build import OPTIONS, Options, mode_options, option_table, parse_option, resolve
 from opweave.costs.profile import profile_model
@@ -35,11 +36,12 @@ def tiny():
     return Tiny().eval(), (torch.randn(1, 3, 8, 8),)
 
 
-SAMPLES = {"scheduler": "lios", "streams": 2, "devices": 2, "cost_model": "gpu", "coarsen": False, "fold_bn": True,
+SAMPLES = {"runtime": FakeCuda(seed=0), "scheduler": "lios", "streams": 2, "devices": 2, "cost_model": "gpu",
+           "coarsen": False, "fold_bn": True,
            "graph": "onnxruntime", "compiler": "eager", "scheduler_options": {"sync_ms": 0.125}, "threads": 1,
            "cudagraphs": False, "capture_fallback": "eager", "static_outputs": True, "cache_size": 2, "warmup": 1,
            "link": "loopback", "timeout_s": 60.0, "start_method": "spawn"}  # costs and profile: made per model
-CUDA_ONLY = {"cudagraphs", "capture_fallback", "static_outputs", "cache_size", "warmup"}
+CUDA_ONLY = {"cudagraphs", "capture_fallback", "static_outputs", "cache_size", "warmup", "runtime"}
 RANKS_ONLY = {"link", "timeout_s", "start_method"}  # alone: refused (they need devices > 1)
 CPU_ONLY = {"graph", "threads"}
 WITH = {"fold_bn": {"coarsen": False},  # coarsening folds BatchNorm too: its effect shows on the fx nodes
@@ -151,6 +153,8 @@ def effect(key: str, value, fast, coarse) -> bool:
         return fast.schedule.options.get("sync_ms") == value["sync_ms"]
     if key == "threads":
         return fast.schedule.streams_used == 1  # one thread: one lane
+    if key in ("cudagraphs", "capture_fallback", "static_outputs", "cache_size", "warmup", "runtime"):
+        return getattr(fast.backend, key) is value or getattr(fast.backend, key) == value
     raise AssertionError(key)
 
 
@@ -166,6 +170,26 @@ def test_compile_uses_or_refuses_every_option_on_the_cpu(made):
             assert opweave.outputs.compare(model(*inputs), fast(*inputs), tolerance=1e-4).ok, key
 
 
+def test_compile_uses_or_refuses_every_option_on_cuda_through_the_fake_runtime(made):
+    """The CUDA door for real, on the CPU: the fake CUDA runtime (opweave.backends.fakecuda) runs the CUDA target's
+    plans, graphs and streams; ranks are left out (no GPU to give each rank)."""
+    model, inputs, coarse, path = made
+    samples = {k: v for k, v in _samples(coarse.graph, path).items() if k not in ("devices", "profile")}
+    needs = {"capture_fallback": {"cudagraphs": True}, "static_outputs": {"cudagraphs": True},
+             "warmup": {"cudagraphs": True}, "fold_bn": {"coarsen": False}}
+    for key, value in samples.items():
+        given = {"runtime": FakeCuda(seed=1), **needs.get(key, {}), key: value}
+        if key in expected_refused("cuda"):
+            with pytest.raises(UsageError, match=repr(key)):
+                opweave.compile(model, inputs, device="cuda", **given)
+            continue
+        with opweave.compile(model, inputs, device="cuda", **given) as fast, torch.no_grad():
+            assert effect(key, value, fast, coarse.graph), key
+            got = fast(*inputs)
+            given["runtime"].synchronize()
+            assert opweave.outputs.compare(model(*inputs), got, tolerance=1e-4).ok, key
+
+
 def test_the_torch_compile_backend_uses_or_refuses_every_option(made):
     model, inputs, coarse, path = made
     torch._dynamo.reset()
@@ -178,13 +202,16 @@ def test_the_torch_compile_backend_uses_or_refuses_every_option(made):
     for key, value in samples.items():
         torch._dynamo.reset()
         fast = torch.compile(model, backend="opweave", options={key: value, **WITH.get(key, {})})
-        if key in expected_refused("cpu") | {"fold_bn"}:  # dynamo's graphs hold no BatchNorm module to fold
+        # dynamo's graphs hold no BatchNorm module to fold; a runtime makes the graph CUDA's (the fake one here)
+        if key in (expected_refused("cpu") - {"runtime"}) | {"fold_bn"}:
             with torch.no_grad(), pytest.raises(Exception, match=repr(key)) as info:
                 fast(*inputs)
             assert any(isinstance(e, UsageError) for e in _chain(info.value)), key
             continue
         with torch.no_grad():
-            assert opweave.outputs.compare(model(*inputs), fast(*inputs), tolerance=1e-4).ok, key
+            got = fast(*inputs)
+            SAMPLES["runtime"].synchronize()
+            assert opweave.outputs.compare(model(*inputs), got, tolerance=1e-4).ok, key
         compiled = opweave.dynamo.last_compiled()
         assert effect(key, value, compiled, graph.graph if key != "coarsen" else coarse.graph), key
         compiled.close()

@@ -28,7 +28,8 @@ carry no ``grad_fn``; dynamo guards on grad mode, so the same model under ``torc
 ``torchsched``) mean what they mean for ``opweave.compile`` (:mod:`opweave.build.options`): ``mode`` one of
 torch's presets (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``),
 ``options`` any of :data:`opweave.build.OPTIONS` (``scheduler``, ``streams``, ``compiler``, ``cudagraphs``, ...),
-with the same defaults: no scheduler means the device's default plan. Each graph's device is its example inputs'.
+with the same defaults: no scheduler means the device's default plan. Each graph's device is its example inputs'
+(CUDA too when a ``runtime`` is given: the fake CUDA runtime runs it on the CPU).
 ``fold_bn`` is refused: dynamo's graphs hold no BatchNorm modules to fold.
 An option that does not apply there is a :class:`~opweave.errors.UsageError` (dynamo reports it as
 ``BackendCompilerFailed``).
@@ -86,7 +87,9 @@ class OpweaveGraph:
         from opweave.build import resolve
 
         self.gm, self.mode, self.options = gm, mode, options
-        self.device = "cuda" if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs) else "cpu"
+        cuda = options.get("runtime") is not None or any(isinstance(x, torch.Tensor) and x.is_cuda
+                                                          for x in example_inputs)
+        self.device = "cuda" if cuda else "cpu"  # a runtime option (the fake one on the CPU) means CUDA too
         if resolve(self.device, mode, options).fold_bn:  # refused at once, before anything is captured
             raise UsageError("option 'fold_bn' folds BatchNorm modules when capturing a module; dynamo hands over a "
                              "graph whose BatchNorm is a function of its parameters (compile the module with "

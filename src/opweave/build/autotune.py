@@ -150,7 +150,7 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
 
     graph, device = captured.graph, options.device
     reference = captured.run(inputs)
-    key = choices.key(captured, inputs, device=device)
+    key = choices.key(captured, inputs, device=device, runtime=options.runtime)
     known = choices.load(key)
     if known is not None:
         chosen = _build(target, captured, inputs, options, Candidate(**known["candidate"]), known.get("latency_ms"),
@@ -212,7 +212,7 @@ def _candidates(target, captured, options: Options) -> list[Candidate]:
     from opweave.backends.cuda import default_streams
     from opweave.build.targets import CudaTarget, _dtype, fitted_device
 
-    device, dtype = fitted_device(), _dtype(captured)
+    device, dtype = fitted_device(options.runtime), _dtype(captured)
     costs = CudaTarget().costs(captured, (), options, device, dtype)
     return cuda_candidates(captured.graph, costs, default_streams(), dtype=dtype)
 

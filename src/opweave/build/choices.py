@@ -40,7 +40,7 @@ def machine() -> str:
     return f"{name} x{cores()}"
 
 
-def key(captured, inputs: tuple, device: str = "cpu") -> str:
+def key(captured, inputs: tuple, device: str = "cpu", runtime=None) -> str:
     """What a choice is valid for (module docstring), as a short hash."""
     try:
         import onnxruntime
@@ -53,12 +53,18 @@ def key(captured, inputs: tuple, device: str = "cpu") -> str:
         "ops": [(op.id, op.target) for op in captured.graph.ops],
         "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in inputs],
         "machine": machine(),
-        "device": device if device == "cpu" else torch.cuda.get_device_name(),
+        "device": device if device == "cpu" else _gpu_name(runtime),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "onnxruntime": ort,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _gpu_name(runtime) -> str:
+    from opweave.backends.runtime import CUDA
+
+    return (runtime or CUDA).device_name()
 
 
 def load(entry_key: str) -> dict | None:

@@ -76,6 +76,8 @@ OPTIONS: dict[str, Spec] = {
     "static_outputs": Spec("return the graph's own output tensors (overwritten by the next call) instead of "
                            "clones", "cuda", "false", "cudagraphs"),
     "cache_size": Spec("input signatures kept recorded (least recently used dropped)", "cuda", "8"),
+    "runtime": Spec("what the CUDA backend reaches CUDA through: torch.cuda, or opweave.backends.fakecuda.FakeCuda() "
+                    "to run the whole CUDA path on the CPU (tests, no GPU)", "cuda", "torch.cuda"),
     "warmup": Spec("plain runs before recording a signature", "cuda", "2", "cudagraphs"),
     "link": Spec("the link between devices: a preset or a file written by `opweave profile-links`", "cpu, cuda",
                  "cpu: loopback; cuda: nvlink4", "devices > 1"),
@@ -108,6 +110,7 @@ class Options:
     capture_fallback: str = "error"
     static_outputs: bool = False
     cache_size: int = 8
+    runtime: Any = None  # None: torch.cuda (opweave.backends.runtime.CUDA)
     warmup: int = 2
     link: str | Path | None = None
     timeout_s: float = 300.0
@@ -211,8 +214,9 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
                    given=frozenset(set_keys), **{k: v for k, v in values.items() if k != "cudagraphs"})
     if check_device and cuda:
         from opweave.backends.cuda import require_cuda
+        from opweave.backends.runtime import CUDA
 
-        require_cuda()
+        require_cuda(opts.runtime or CUDA)
     return opts
 
 
@@ -254,6 +258,8 @@ def _check_values(values: dict) -> None:
             fail("scheduler", "one of " + ", ".join(schedulers.names()))
     if "scheduler_options" in values and not isinstance(values["scheduler_options"], dict):
         fail("scheduler_options", "a dict of the scheduler's keyword options")
+    if "runtime" in values and not all(hasattr(values["runtime"], a) for a in ("launch", "is_available", "Stream")):
+        fail("runtime", "a CUDA runtime (opweave.backends.runtime.CUDA or opweave.backends.fakecuda.FakeCuda())")
     if "costs" in values:
         from opweave.costs import Costs
 

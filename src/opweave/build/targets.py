@@ -24,6 +24,7 @@ from dataclasses import replace
 from opweave.build.options import Options
 from opweave.build.pipeline import Compiled, costs_for, plan_for
 from opweave.costs import Costs
+from opweave.errors import UsageError
 from opweave.plan import LaunchPlan
 
 log = logging.getLogger(__name__)
@@ -112,12 +113,12 @@ class CudaTarget:
         from opweave.backends.choose import sync_options
         from opweave.backends.cuda import default_streams
 
-        device, dtype = fitted_device(), _dtype(captured)
+        device, dtype = fitted_device(options.runtime), _dtype(captured)
         costs = self.costs(captured, inputs, options, device, dtype)
         streams = options.streams or default_streams()  # more lanes than hardware queues add false dependencies
         scheduler, choice = options.scheduler, None
         if scheduler is None:  # the plan the calibrated simulator predicts fastest
-            picked = self.ranking(captured.graph, costs, streams, device, dtype)
+            picked = self.ranking(captured.graph, costs, streams, device, dtype, set(options.scheduler_options or {}))
             scheduler, streams = picked.scheduler, picked.streams
             choice = {"label": f"{scheduler} x{streams}", "predicted_ms": picked.makespan_ms,
                       "reason": picked.reason(), "candidates": {
@@ -134,18 +135,25 @@ class CudaTarget:
         """``options``' costs or profile, else each op's time on the fitted device (:mod:`opweave.costs.calibrated`:
         the roofline calibrated per op class on real traces), as the schedulers see a profile."""
         if options.costs is not None or options.profile is not None:
-            return costs_for(captured, inputs, options, visible_gpu_preset())
+            return costs_for(captured, inputs, options, visible_gpu_preset(options.runtime))
         from opweave.costs import calibrated
 
         return replace(calibrated.costs(captured.graph, device, dtype), model=options.cost_model)
 
-    def ranking(self, graph, costs: Costs, streams: int, device=None, dtype: str = "float32"):
-        """Every single-device scheduler at stream caps up to ``streams``, ranked by the fitted device's prediction
-        (:func:`opweave.backends.choose.choose`): its ``predictions``, fastest first."""
+    def ranking(self, graph, costs: Costs, streams: int, device=None, dtype: str = "float32",
+                taking: set[str] = frozenset()):
+        """Every single-device scheduler (that takes the options ``taking``) at stream caps up to ``streams``,
+        ranked by the fitted device's prediction (:func:`opweave.backends.choose.choose`): its ``predictions``,
+        fastest first."""
+        from opweave import schedulers
         from opweave.backends.choose import STREAM_CAPS, choose
 
         caps = sorted({c for c in STREAM_CAPS if c < streams} | {streams})
-        return choose(graph, costs, device or fitted_device(), dtype=dtype, stream_caps=caps)
+        names = [n for n in schedulers.names() if (schedulers.options_of(n) is None
+                                                     or taking <= schedulers.options_of(n))]
+        if not names:
+            raise UsageError(f"no scheduler takes the options {', '.join(sorted(taking))}")
+        return choose(graph, costs, device or fitted_device(), dtype=dtype, names=names, stream_caps=caps)
 
     def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs) -> Compiled:
         """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
@@ -160,7 +168,7 @@ class CudaTarget:
             fused = runner
         backend = CudaBackend(runner, run_plan, inputs, cudagraphs=options.cudagraphs,
                               capture_fallback=options.capture_fallback, static_outputs=options.static_outputs,
-                              cache_size=options.cache_size, warmup=options.warmup)
+                              cache_size=options.cache_size, warmup=options.warmup, runtime=options.runtime)
         return Compiled(captured.graph, costs, None, plan, backend, "cuda", captured, fused=fused, options=options)
 
 
@@ -186,7 +194,7 @@ class RanksTarget:
         from opweave.costs.links import transfer_times
 
         check_devices(options.devices, options.device, ops=len(captured.graph))
-        preset = "cpu" if options.device == "cpu" else visible_gpu_preset()
+        preset = "cpu" if options.device == "cpu" else visible_gpu_preset(options.runtime)
         costs = costs_for(captured, inputs, options, preset)
         if options.link is not None or not costs.edge_transfer_ms:
             link = options.link or self.DEFAULT_LINK[options.device]
@@ -203,12 +211,12 @@ def for_options(options: Options):
     return CudaTarget() if options.device == "cuda" else CpuTarget()
 
 
-def fitted_device():
+def fitted_device(runtime=None):
     """The fitted device model of the visible GPU (:mod:`opweave.costs.calibrated`; the H100's for a GPU it does not
-    know)."""
+    know, or the fake runtime's)."""
     from opweave.costs import calibrated
 
-    preset = visible_gpu_preset()
+    preset = visible_gpu_preset(runtime)
     return calibrated.device(preset if preset in calibrated.FITTED else "h100")
 
 
@@ -221,13 +229,13 @@ def _dtype(captured) -> str:
     return "float32"
 
 
-def visible_gpu_preset() -> str:
-    """The roofline preset of the visible GPU (H100 when unknown)."""
-    import torch
-
+def visible_gpu_preset(runtime=None) -> str:
+    """The roofline preset of the visible GPU, as ``runtime`` (default ``torch.cuda``) names it (H100 when
+    unknown)."""
+    from opweave.backends.runtime import CUDA
     from opweave.costs.roofline import preset_for_gpu
 
-    return preset_for_gpu(torch.cuda.get_device_name()) or "h100"
+    return preset_for_gpu((runtime or CUDA).device_name()) or "h100"
 
 
 def _per_op_threads(options: Options) -> bool:

@@ -451,29 +451,33 @@ class CudaExecutor(TensorExecutor):
     """Combined blocks on one GPU, each signature recorded once into a CUDA Graph (TOP §VI-A keeps one graph per
     combined block; Nimble's ahead-of-time recording). A signature compiles to: the parts' block modules joined side
     by side (:func:`opweave.serve.blocks.combined_module`), captured for their batches, roofline costs for the
-    visible GPU's preset, the scheduler, lowering, validation and a :class:`opweave.backends.cuda.CudaBackend` in
-    graph mode. ``cache_size`` bounds the recorded graphs (each holds its own memory pool).
+    visible GPU's preset, the scheduler, lowering, validation and a :class:`opweave.backends.cuda.CudaBackend`
+    recording CUDA graphs. ``cache_size`` bounds the recorded graphs (each holds its own memory pool).
 
-    The models must already be on the GPU (see :func:`opweave.serve.models.load`). Not tested without a GPU."""
+    The models must already be on the GPU (see :func:`opweave.serve.models.load`). ``runtime``: the CUDA runtime
+    (:mod:`opweave.backends.runtime`; default ``torch.cuda``; the fake one runs it on the CPU, with the models and
+    inputs there)."""
 
     def __init__(self, models: dict[str, BlockedModel], *, scheduler: str = "lios", streams: int | None = None,
-                 cache_size: int = 64, pad: bool = True):
+                 cache_size: int = 64, pad: bool = True, runtime=None):
         from opweave.backends.cuda import default_streams, require_cuda
+        from opweave.backends.runtime import CUDA
 
-        require_cuda()
+        self.runtime = runtime or CUDA
+        require_cuda(self.runtime)
         # at most the GPU's hardware queues, as opweave.compile caps them: more lanes only add false dependencies
         super().__init__(models, scheduler=scheduler, streams=streams or default_streams(), cache_size=cache_size,
                          pad=pad)
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = self.runtime.device
 
     def _compile(self, sig: Signature) -> Any:
         from opweave.costs.roofline import estimate, preset_for_gpu
 
         captured, example = self.combined(sig)
-        preset = preset_for_gpu(torch.cuda.get_device_name()) or "h100"
+        preset = preset_for_gpu(self.runtime.device_name()) or "h100"
         costs = estimate(captured.graph, preset, model="ideal")
         options = resolve("cuda", options={"scheduler": self.scheduler, "streams": self.streams, "costs": costs,
-                                           "coarsen": False, "cache_size": 1, "warmup": 2})
+                                           "coarsen": False, "cache_size": 1, "warmup": 2, "runtime": self.runtime})
         return build(captured, example, options).backend
 
     def _evict(self, entry: Any) -> None:
@@ -482,7 +486,7 @@ class CudaExecutor(TensorExecutor):
     def run(self, parts: list[Part]) -> StepCost:
         ordered, sig, inputs = self._states(parts)
         backend = self.compiled(sig)
-        stream = torch.cuda.current_stream(self.device)
+        stream = self.runtime.current_stream(self.device)
         start = time.perf_counter()
         with torch.no_grad():
             outs = backend(*[x for state in inputs for x in state])
