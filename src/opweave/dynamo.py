@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from opweave.capture.runtime import static_input
 from opweave.errors import UsageError
 
 KEEP = 32
@@ -131,7 +132,7 @@ def bake_static_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tup
     module. Baked in, they are neither copied into static buffers nor checked on every call.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    static = [i for i, x in enumerate(example_inputs) if _static_input(x)]
+    static = [i for i, x in enumerate(example_inputs) if static_input(x)]
     if not static or len(placeholders) != len(example_inputs):
         return gm, list(range(len(example_inputs)))
     baked = fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -150,10 +151,6 @@ def bake_static_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tup
         baked.graph.erase_node(nodes[i])
     baked.recompile()
     return baked, [i for i in range(len(example_inputs)) if i not in set(static)]
-
-
-def _static_input(x: Any) -> bool:
-    return isinstance(x, nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) is not None
 
 
 def last_compiled():

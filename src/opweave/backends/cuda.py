@@ -78,7 +78,7 @@ from opweave.backends.liveness import release_keys, steps_with_releases
 from opweave.backends.program import Lane, Program, Step
 from opweave.backends.runtime import CUDA, Runtime
 from opweave.backends.streams import CudaLanes, default_streams, stream_pool
-from opweave.capture.runtime import Captured, module_tensors
+from opweave.capture.runtime import Captured, as_tuple, module_tensors, static_input
 from opweave.errors import DeviceError, UsageError
 from opweave.plan.launchplan import LaunchPlan
 
@@ -171,7 +171,7 @@ class CudaBackend:
         self.program = Program.from_plan(plan)
         self.lanes: list[Lane] = sorted(self.program.lanes)
         self.stats = {"captures": 0, "evictions": 0, "eager_fallbacks": 0}
-        example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        example_inputs = as_tuple(example_inputs)
         self.arity = len(example_inputs)
         self._example_shapes = _shapes(example_inputs)
         pool = stream_pool(self.device, runtime)
@@ -375,8 +375,7 @@ def _shapes(args) -> list:
 
 def _in_place(x: torch.Tensor, device: torch.device) -> bool:
     """An input whose address stays put between calls (a parameter), so a graph may read it without a copy."""
-    static = isinstance(x, nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) is not None
-    return static and x.device == device
+    return static_input(x) and x.device == device
 
 
 def _static_copy(x, device: torch.device):

@@ -17,6 +17,7 @@ from typing import Any
 
 from opweave.backends.program import Backend
 from opweave.build.options import Options
+from opweave.capture.runtime import as_tuple
 from opweave.costs import Costs
 from opweave.ir import OpGraph
 from opweave.plan import LaunchPlan
@@ -91,11 +92,6 @@ def costs_for(captured, inputs: tuple, options: Options, preset: str) -> Costs:
     from opweave.costs.roofline import estimate
 
     return estimate(captured.graph, device=preset, model=options.cost_model)
-
-
-def as_tuple(example_inputs) -> tuple:
-    """Example inputs as a tuple (one tensor becomes a one-tuple)."""
-    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
 
 __all__ = ["Compiled", "as_tuple", "build", "costs_for", "plan_for", "validated_plan"]

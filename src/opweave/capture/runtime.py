@@ -153,6 +153,17 @@ class Captured:
         return out
 
 
+def as_tuple(example_inputs) -> tuple:
+    """Example inputs as a tuple (a list becomes one; one tensor becomes a one-tuple)."""
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
+def static_input(x: Any) -> bool:
+    """Whether ``x`` keeps its address between calls: a parameter, or a tensor dynamo marked static (the parameters
+    and buffers it lifts to inputs), so a CUDA graph may read it in place."""
+    return isinstance(x, torch.nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) is not None
+
+
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """The tensors ``module`` holds: its parameters and buffers and, for a GraphModule, the plain tensor attributes
     its ``get_attr`` nodes read (torch.export lifts constants into those)."""

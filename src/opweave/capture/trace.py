@@ -54,7 +54,7 @@ from torch.utils import _pytree as pytree
 from opweave.capture.coarsen import fold_batchnorm
 from opweave.capture.functionalize import rewrite_inplace
 from opweave.capture.partition import build_graph, partition
-from opweave.capture.runtime import Captured, positional
+from opweave.capture.runtime import Captured, as_tuple, positional
 from opweave.errors import CaptureError, UsageError, first_line
 from opweave.outputs import compare
 
@@ -77,8 +77,7 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
     program = model.exported if isinstance(model, ExportedModule) else None
     if program is not None and not example_inputs and example_kwargs is None and model.example_inputs is not None:
         example_inputs = model.example_inputs
-    if not isinstance(example_inputs, tuple):
-        example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+    example_inputs = as_tuple(example_inputs)
     model_name = name or ("ExportedProgram" if program is not None else type(model).__name__)
     signature = model.signature if program is not None else _signature(model)
     example_inputs = positional(signature, example_inputs, example_kwargs or {}, model_name)
