@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
-from opweave.costs.model import Costs, GpuModel
+from opweave.costs.model import Costs, GpuModel, file_fields
 from opweave.errors import UsageError
 from opweave.ir.graph import Op, OpGraph
 
@@ -142,13 +142,7 @@ class Device:
 
     @classmethod
     def from_dict(cls, data: dict) -> Device:
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise UsageError(f"not an opweave device file (format {found!r}, expected {FORMAT!r})")
-        fields = {k: v for k, v in data.items() if k != "format"}
-        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise UsageError(f"device file has unknown field(s) {', '.join(unknown)}")
+        fields = file_fields(cls, data, FORMAT, "device file")
         try:
             sheet = Datasheet(**fields.pop("datasheet"))
             classes = {name: OpClass(**c) for name, c in fields.pop("classes").items()}

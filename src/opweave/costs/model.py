@@ -43,6 +43,19 @@ class GpuModel:
     dispatch_ms: float = 0.0
 
 
+def file_fields(cls, data, fmt: str, what: str, error: type[Exception] = UsageError) -> dict:
+    """The fields of a dataclass ``cls`` read back from its JSON form (``{"format": fmt, **fields}``): ``error``,
+    one line naming ``what`` it is not, for another format or a field ``cls`` does not have."""
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise error(f"not an opweave {what} (format {found!r}, expected {fmt!r})")
+    fields = {k: v for k, v in data.items() if k != "format"}
+    unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise error(f"{what} has unknown field(s) {', '.join(unknown)}")
+    return fields
+
+
 @dataclass(frozen=True)
 class Costs:
     """Per-op costs of one graph on one device kind (the same for every device of a multi-GPU run).
