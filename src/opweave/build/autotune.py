@@ -47,16 +47,20 @@ class Candidate:
         return {"label": self.label, "changes": self.changes, "costs": self.costs, "whole": self.whole}
 
 
-def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: int = 5,
-            runs: int = 3) -> tuple[str, dict[str, float]]:
-    """The label of the fastest of ``built`` by median time, and every median (ms), timed interleaved."""
+def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: int = 5, runs: int = 3,
+            runtime=None) -> tuple[str, dict[str, float]]:
+    """The label of the fastest of ``built`` by median time, and every median (ms), timed interleaved (on CUDA with
+    its events; on a stand-in ``runtime``, the fake one, on the host's clock with a synchronize after each call)."""
     import torch
 
+    from opweave.backends.runtime import CudaRuntime
     from opweave.costs.timing import interleaved_ms
 
+    sync = runtime.synchronize if device == "cuda" and runtime is not None and not isinstance(
+        runtime, CudaRuntime) else None
     with torch.inference_mode():
         times = interleaved_ms({label: (lambda f=fast: f(*inputs)) for label, fast in built.items()},
-                               rounds=rounds, runs=runs, device=device)
+                               rounds=rounds, runs=runs, device=device, sync=sync)
     medians = {label: round(statistics.median(ts), 4) for label, ts in times.items()}
     return min(medians, key=medians.get), medians
 
@@ -119,13 +123,13 @@ def cpu_candidates(sync_ms: float) -> list[Candidate]:
     return out
 
 
-def cuda_candidates(graph, costs, streams: int, *, dtype: str = "float32", plans: int = 3, fused: int = 2,
-                    torch_compile: bool = True) -> list[Candidate]:
+def cuda_candidates(graph, costs, streams: int, *, device=None, dtype: str = "float32", plans: int = 3,
+                    fused: int = 2, torch_compile: bool = True) -> list[Candidate]:
     """``torch.compile`` of the whole model, the ``plans`` plans the calibrated simulator ranks first (scheduler
     and stream cap), and the first ``fused`` of them with Inductor's segments."""
     from opweave.build.targets import CudaTarget
 
-    ranked = CudaTarget().ranking(graph, costs, streams, dtype=dtype).predictions
+    ranked = CudaTarget().ranking(graph, costs, streams, device, dtype).predictions
     firsts = [p for i, p in enumerate(ranked) if p.scheduler not in {q.scheduler for q in ranked[:i]}][:plans]
     out = [Candidate("torch.compile", whole=True)] if torch_compile else []
     for p in firsts:  # the best stream cap of each of the schedulers predicted fastest
@@ -156,7 +160,7 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
         chosen = _build(target, captured, inputs, options, Candidate(**known["candidate"]), known.get("latency_ms"),
                         eager)
         with torch.no_grad():
-            if compare(reference, chosen(*inputs)).ok:
+            if compare(reference, _output(chosen, inputs, options)).ok:
                 chosen.choice = {**known, "cached": True}
                 return chosen
         chosen.close()
@@ -174,7 +178,7 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
             try:
                 fast = _build(target, captured, inputs, options, candidate, latencies.of(candidate), eager)
                 with torch.no_grad():
-                    check = compare(reference, fast(*inputs))
+                    check = compare(reference, _output(fast, inputs, options))
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot be built is left out, and said so
                 measured[candidate.label] = {"error": first_line(exc)}
             else:
@@ -188,7 +192,7 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
         if not built:
             raise UsageError(f"{graph.name}: no max-autotune candidate equals the model: {measured}")
         bar.update(task, description=f"{graph.name}: max-autotune, timing {len(built)} candidates")
-        best, medians = fastest(built, inputs, device=device)
+        best, medians = fastest(built, inputs, device=device, runtime=options.runtime)
         bar.advance(task)
     for label, ms in medians.items():
         measured[label]["median_ms"] = ms
@@ -204,6 +208,16 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
     return chosen
 
 
+def _output(fast, inputs: tuple, options: Options):
+    """``fast(*inputs)``, once the device has computed it (the fake CUDA runtime runs queued work only when told)."""
+    out = fast(*inputs)
+    if options.device == "cuda":
+        from opweave.backends.runtime import CUDA
+
+        (options.runtime or CUDA).synchronize()
+    return out
+
+
 def _candidates(target, captured, options: Options) -> list[Candidate]:
     if options.device == "cpu":
         from opweave.backends.threads import sync_cost_ms
@@ -214,7 +228,7 @@ def _candidates(target, captured, options: Options) -> list[Candidate]:
 
     device, dtype = fitted_device(options.runtime), _dtype(captured)
     costs = CudaTarget().costs(captured, (), options, device, dtype)
-    return cuda_candidates(captured.graph, costs, default_streams(), dtype=dtype)
+    return cuda_candidates(captured.graph, costs, default_streams(), device=device, dtype=dtype)
 
 
 class _Latencies:
