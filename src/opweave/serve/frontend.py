@@ -11,16 +11,27 @@ kind           HTTP  gRPC                   when
 ``timeout``    504   ``DEADLINE_EXCEEDED``  the request passed its deadline
 ``error``      500   ``INTERNAL``           the model failed
 =============  ====  =====================  ================================================
+
+A refusal says one line (:func:`one_line`) that names the culprit and no directory of the server, and keeps
+nothing of the request: :func:`offload` raises its :class:`Refused` outside the handler of the
+:class:`~opweave.serve.protocol.ProtocolError` it replaces, so neither the exception's context nor its traceback
+(whose frames hold the request's bytes) outlives the answer. What the C heap keeps after a large request
+(gRPC reads a message it refuses on its own threads, each with a glibc arena of its own, and the freed memory stays
+with the arenas) goes back to the operating system through :class:`HeapTrimmer`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from opweave.errors import OpweaveError, UsageError
 from opweave.serve.engine import Engine, QueueFull, Request, Unavailable
-from opweave.serve.protocol import InferRequest
+from opweave.serve.protocol import InferRequest, ProtocolError
 
 HTTP_STATUS = {"invalid": 400, "not_found": 404, "full": 429, "draining": 503, "timeout": 504, "error": 500}
 
@@ -31,6 +42,68 @@ class Refused(OpweaveError):
     def __init__(self, kind: str, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.kind, self.retry_after_s = kind, retry_after_s
+
+
+def one_line(text: str, limit: int = 1000) -> str:
+    """What a refusal tells the client: ``text`` on one line, at most ``limit`` characters."""
+    text = " ".join(text.splitlines())
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+async def offload(decode: Callable[..., Any], *args: Any, size: int, threshold: int) -> Any:
+    """``decode(*args)`` (a request's decoding), on a worker thread when the request's ``size`` in bytes passes
+    ``threshold`` (a large JSON body takes seconds to parse: the event loop goes on answering meanwhile), else here.
+    Its :class:`~opweave.serve.protocol.ProtocolError` comes out as :class:`Refused` ``invalid``, raised after the
+    handler so that the refusal does not hold the decoding's frames."""
+    try:
+        if size > threshold:
+            return await asyncio.to_thread(decode, *args)
+        return decode(*args)
+    except ProtocolError as exc:
+        message = str(exc)
+    raise Refused("invalid", message)
+
+
+class HeapTrimmer:
+    """Gives memory the C heap has freed back to the operating system (glibc's ``malloc_trim``) whenever the
+    process's resident size has grown by ``threshold_bytes`` since it last did, looking every ``period_s`` on a
+    thread of its own (a read of ``/proc/self/statm``). Without glibc or ``/proc`` it does nothing."""
+
+    def __init__(self, period_s: float = 1.0, threshold_bytes: int = 32 << 20):
+        self.period_s, self.threshold_bytes = period_s, threshold_bytes
+        self.trims = 0
+        self._trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if os.name == "posix" else None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def resident_bytes() -> int | None:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def start(self) -> None:
+        if self._trim is None or self.resident_bytes() is None:
+            return
+        self._thread = threading.Thread(target=self._run, name="opweave-heap-trim", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        low = self.resident_bytes() or 0
+        while not self._stop.wait(self.period_s):
+            now = self.resident_bytes() or 0
+            if now > low + self.threshold_bytes:
+                self._trim(0)
+                self.trims += 1
+                now = self.resident_bytes() or 0
+            low = min(low, now) if now <= low + self.threshold_bytes else now
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
 
 class State:
@@ -85,4 +158,4 @@ async def infer(engine: Engine, state: State, name: str, request: InferRequest,
     return result
 
 
-__all__ = ["HTTP_STATUS", "Refused", "State", "infer"]
+__all__ = ["HTTP_STATUS", "HeapTrimmer", "Refused", "State", "infer", "offload", "one_line"]
