@@ -69,7 +69,7 @@ class HeapTrimmer:
     process's resident size has grown by ``threshold_bytes`` since it last did, looking every ``period_s`` on a
     thread of its own (a read of ``/proc/self/statm``). Without glibc or ``/proc`` it does nothing."""
 
-    def __init__(self, period_s: float = 1.0, threshold_bytes: int = 32 << 20):
+    def __init__(self, period_s: float = 1.0, threshold_bytes: int = 16 << 20):
         self.period_s, self.threshold_bytes = period_s, threshold_bytes
         self.trims = 0
         self._trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if os.name == "posix" else None

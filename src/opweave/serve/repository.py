@@ -212,35 +212,49 @@ class Repository:
 
     def _load(self, name: str, config_json: str | None = None) -> ServedModel:
         with self._changing:
-            config = self.read_config(name, json_text=config_json)
-            max_batch = self._max_batch(name, config, config_json is not None)
-            version, path = self.locate(name, config)
-            source = f"{name}/{version}/{MODEL_FILE}"
-            old = self.served.get(name)
-            if old is not None and old.version == version and old.source == source and config_json is None:
-                return old
             previous = self.status.get(name)
-            self.status[name] = ("LOADING", "")
             try:
-                model = self._build(name, path, version, config, max_batch)
-                model.source = source
-                if old is not None:
-                    self._unload(name)
-                self.engine.add_model(name, model.blocked, model.max_batch)
+                return self._link(name, config_json)
             except Refused as exc:
-                self.status[name] = previous if name in self.served else ("UNAVAILABLE", str(exc))
+                if name in self.served:
+                    self.status[name] = previous
+                elif previous is not None or self._entry(name):  # a model of the repository: the index says why
+                    self.status[name] = ("UNAVAILABLE", str(exc))
                 raise
-            except Exception as exc:  # noqa: BLE001 - a file that does not load is refused, whatever it raised
-                if not isinstance(exc, OpweaveError):
-                    log.warning("model repository: model %r did not load", name, exc_info=True)
-                why = str(exc) if isinstance(exc, OpweaveError) else _first_line(exc)
-                reason = self._hide(f"model {name!r} did not load: {why}")
-                del exc
-                self.status[name] = previous if name in self.served else ("UNAVAILABLE", reason)
-                raise Refused("invalid", reason) from None
+
+    def _entry(self, name: str) -> bool:
+        try:
+            return self.root is not None and bool(NAME.fullmatch(name)) and (self.root / name).is_dir()
+        except OSError:
+            return False
+
+    def _link(self, name: str, config_json: str | None) -> ServedModel:
+        config = self.read_config(name, json_text=config_json)
+        max_batch = self._max_batch(name, config, config_json is not None)
+        version, path = self.locate(name, config)
+        source = f"{name}/{version}/{MODEL_FILE}"
+        old = self.served.get(name)
+        if old is not None and old.version == version and old.source == source and config_json is None:
+            return old
+        self.status[name] = ("LOADING", "")
+        try:
+            model = self._build(name, path, version, config, max_batch)
+            model.source = source
+            if old is not None:
+                self._unload(name)
+            self.engine.add_model(name, model.blocked, model.max_batch)
+        except Refused:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a file that does not load is refused, whatever it raised
+            if not isinstance(exc, OpweaveError):
+                log.warning("model repository: model %r did not load", name, exc_info=True)
+            why = str(exc) if isinstance(exc, OpweaveError) else _first_line(exc)
+            reason = self._hide(f"model {name!r} did not load: {why}")
+        else:
             self.served[name] = model
             self.status[name] = ("READY", "")
             return model
+        raise Refused("invalid", reason)
 
     def _max_batch(self, name: str, config, from_client: bool) -> int:
         """The samples per instance ``config`` asks for (module docstring), within bounds."""
