@@ -24,7 +24,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from opweave.serve import protocol
+from opweave.serve import frontend, protocol
 from opweave.serve.build import make_engine
 from opweave.serve.models import ServedModel, TensorSpec
 from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
@@ -408,6 +408,25 @@ def test_refused_requests_leave_nothing_in_reference_cycles(server):
         gc.enable()
         channel.close()
     assert kept == []
+
+
+def test_the_heap_trimmer_gives_freed_memory_back():
+    """100 MB freed below a block still in use (so glibc cannot give it back by itself): the trimmer does."""
+    trimmer = frontend.HeapTrimmer(period_s=0.05, threshold_bytes=16 << 20)
+    if trimmer.slack() is None or trimmer._trim is None:
+        pytest.skip("needs glibc and /proc")
+    trimmer.start()
+    try:
+        blocks = [b"\1" * 100_000 for _ in range(1000)]
+        keep = b"\2" * 100_000
+        del blocks
+        for _ in range(600):  # bounded: it looks every 50 ms
+            if trimmer.trims:
+                break
+            threading.Event().wait(0.05)
+    finally:
+        trimmer.stop()
+    assert trimmer.trims >= 1 and keep
 
 
 def test_the_event_loop_answers_liveness_while_eight_large_bodies_are_decoded(server, monkeypatch):

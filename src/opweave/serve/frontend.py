@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from opweave.errors import OpweaveError, UsageError
@@ -50,55 +52,87 @@ def one_line(text: str, limit: int = 1000) -> str:
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
+_decoder: ThreadPoolExecutor | None = None
+_decoder_lock = threading.Lock()
+
+
+def _decoding_thread() -> ThreadPoolExecutor:
+    global _decoder
+    with _decoder_lock:
+        if _decoder is None:
+            _decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opweave-decode")
+        return _decoder
+
+
 async def offload(decode: Callable[..., Any], *args: Any, size: int, threshold: int) -> Any:
-    """``decode(*args)`` (a request's decoding), on a worker thread when the request's ``size`` in bytes passes
-    ``threshold`` (a large JSON body takes seconds to parse: the event loop goes on answering meanwhile), else here.
-    Its :class:`~opweave.serve.protocol.ProtocolError` comes out as :class:`Refused` ``invalid``, raised after the
+    """``decode(*args)`` (a request's decoding, or a response's encoding), on the process's one decoding thread when
+    the request's ``size`` in bytes passes ``threshold`` (a large JSON body takes seconds to parse: the event loops
+    go on answering meanwhile), else here. One thread: decoding holds the GIL, so more threads would decode no
+    faster and would each take the GIL from the event loops in turn. Its
+    :class:`~opweave.serve.protocol.ProtocolError` comes out as :class:`Refused` ``invalid``, raised after the
     handler so that the refusal does not hold the decoding's frames."""
     try:
         if size > threshold:
-            return await asyncio.to_thread(decode, *args)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(_decoding_thread(), functools.partial(decode, *args))
         return decode(*args)
     except ProtocolError as exc:
         message = str(exc)
     raise Refused("invalid", message)
 
 
-class HeapTrimmer:
-    """Gives memory the C heap has freed back to the operating system (glibc's ``malloc_trim``) whenever the
-    process's resident size has grown by ``threshold_bytes`` since it last did, looking every ``period_s`` on a
-    thread of its own (a read of ``/proc/self/statm``). Without glibc or ``/proc`` it does nothing."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(field, ctypes.c_size_t) for field in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
 
-    def __init__(self, period_s: float = 1.0, threshold_bytes: int = 16 << 20):
+
+class HeapTrimmer:
+    """Gives memory the C heap has freed back to the operating system (glibc's ``malloc_trim``) once the process's
+    *slack* (resident bytes that no live allocation holds: its resident size less what glibc's ``mallinfo2`` counts
+    in use) has grown by ``threshold_bytes`` since it last did; it looks every ``period_s`` on a thread of its own.
+    Memory in use (a request being decoded, a model loaded) is not slack, so it neither triggers a trim nor hides
+    what is freed after it. Without ``mallinfo2`` the slack is the resident size; without glibc or ``/proc``
+    nothing is done."""
+
+    def __init__(self, period_s: float = 1.0, threshold_bytes: int = 32 << 20):
         self.period_s, self.threshold_bytes = period_s, threshold_bytes
         self.trims = 0
-        self._trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if os.name == "posix" else None
+        libc = ctypes.CDLL(None) if os.name == "posix" else None
+        self._trim = getattr(libc, "malloc_trim", None)
+        self._info = getattr(libc, "mallinfo2", None)
+        if self._info is not None:
+            self._info.restype = _MallInfo2
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    @staticmethod
-    def resident_bytes() -> int | None:
+    def slack(self) -> int | None:
+        """Resident bytes not held by a live allocation of the C heap (the process's code and stacks among them)."""
         try:
             with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError, IndexError):
             return None
+        if self._info is None:
+            return resident
+        info = self._info()
+        return resident - info.uordblks - info.hblkhd
 
     def start(self) -> None:
-        if self._trim is None or self.resident_bytes() is None:
+        if self._trim is None or self.slack() is None:
             return
         self._thread = threading.Thread(target=self._run, name="opweave-heap-trim", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        low = self.resident_bytes() or 0
+        last = self.slack() or 0
         while not self._stop.wait(self.period_s):
-            now = self.resident_bytes() or 0
-            if now > low + self.threshold_bytes:
+            now = self.slack() or 0
+            if now > last + self.threshold_bytes:
                 self._trim(0)
                 self.trims += 1
-                now = self.resident_bytes() or 0
-            low = min(low, now) if now <= low + self.threshold_bytes else now
+                last = self.slack() or 0
+            else:
+                last = min(last, now)
 
     def stop(self) -> None:
         self._stop.set()
