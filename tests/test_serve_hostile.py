@@ -281,6 +281,19 @@ def test_not_found_names_no_other_model_and_metadata_names_no_directory(server, 
     assert status == 200 and meta["source"] == "tiny/1/model.pt2"
 
 
+def test_a_grpc_message_that_does_not_parse_is_invalid_argument(server):
+    channel = grpc.insecure_channel(server.grpc_address)
+    try:
+        for method, payload in (("ModelInfer", b"\x0a\x02\xff\xfe"), ("RepositoryModelLoad", b"\xff\xff\xff")):
+            call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")  # bytes as they are
+            with pytest.raises(grpc.RpcError) as info:
+                call(payload, timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            assert info.value.details().startswith("the request is no inference.")
+    finally:
+        channel.close()
+
+
 # ---- JSON, RFC 8259 both ways ------------------------------------------------------------------------------------
 def test_json_stays_rfc8259_and_non_finite_values_travel_as_binary_data(server, site):
     parent, _, model = site

@@ -94,7 +94,7 @@ class HeapTrimmer:
     what is freed after it. Without ``mallinfo2`` the slack is the resident size; without glibc or ``/proc``
     nothing is done."""
 
-    def __init__(self, period_s: float = 1.0, threshold_bytes: int = 32 << 20):
+    def __init__(self, period_s: float = 1.0, threshold_bytes: int = 16 << 20):
         self.period_s, self.threshold_bytes = period_s, threshold_bytes
         self.trims = 0
         libc = ctypes.CDLL(None) if os.name == "posix" else None

@@ -39,6 +39,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from torch.utils import _pytree as pytree
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
@@ -226,6 +227,64 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._call(context, work)
 
 
+SERVICE = "inference.GRPCInferenceService"
+
+
+class _Unparsable:
+    """What a request deserializer answers for bytes that are no message of its type (raising, the call would end
+    ``UNKNOWN`` with the parser's exception): the servicer's method then ends the call ``INVALID_ARGUMENT``."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _parser(message_class):
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return _Unparsable(f"the request is no {message_class.DESCRIPTOR.full_name} message")
+    return parse
+
+
+def _refusing_unparsable(behaviour):
+    async def call(request, context):
+        if isinstance(request, _Unparsable):
+            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_details(request.reason)
+            return None
+        return await behaviour(request, context)
+    return call
+
+
+def add_service(servicer: Servicer, server) -> None:
+    """Register ``servicer`` on ``server`` as tritonclient's generated code does, but with the request deserializers
+    of :func:`_parser` on the calls the servicer implements (coroutines): a message that does not parse is
+    ``INVALID_ARGUMENT``."""
+    class Table:  # what the generated registration hands a server
+        def __init__(self) -> None:
+            self.handlers: dict = {}
+
+        def add_generic_rpc_handlers(self, _handlers) -> None:
+            pass
+
+        def add_registered_method_handlers(self, _service, handlers) -> None:
+            self.handlers = handlers
+
+    table = Table()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
+    handlers = dict(table.handlers)
+    for name, handler in handlers.items():
+        if handler.unary_unary is not None and asyncio.iscoroutinefunction(handler.unary_unary):
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                _refusing_unparsable(handler.unary_unary),
+                request_deserializer=_parser(handler.request_deserializer.__self__),
+                response_serializer=handler.response_serializer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):
+        server.add_registered_method_handlers(SERVICE, handlers)
+
+
 MAX_MESSAGE_BYTES = 64 << 20  # room for the models a repository API load may bring (gRPC's own default is 4 MiB)
 
 
@@ -272,7 +331,7 @@ class GrpcServer:
 
         async def main() -> None:
             server = grpc.aio.server(options=self.options())
-            service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
+            add_service(self.servicer, server)
             try:
                 self.port = server.add_insecure_port(f"{self.host}:{self.port}")
                 await server.start()
@@ -310,5 +369,5 @@ class GrpcServer:
         self.thread.join(timeout=grace_s + 10)
 
 
-__all__ = ["CODES", "CONTENTS", "MAX_MESSAGE_BYTES", "OFFLOAD_BYTES", "GrpcServer", "Servicer", "decode", "encode",
-           "message_limit", "parameters"]
+__all__ = ["CODES", "CONTENTS", "MAX_MESSAGE_BYTES", "OFFLOAD_BYTES", "SERVICE", "GrpcServer", "Servicer",
+           "add_service", "decode", "encode", "message_limit", "parameters"]
