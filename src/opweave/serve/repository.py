@@ -42,8 +42,7 @@ import re
 import threading
 from pathlib import Path
 
-from opweave.capture.trace import _first_line
-from opweave.errors import OpweaveError, UsageError
+from opweave.errors import OpweaveError, UsageError, first_line
 from opweave.serve.engine import Engine
 from opweave.serve.frontend import Refused
 from opweave.serve.models import ServedModel
@@ -248,7 +247,7 @@ class Repository:
         except Exception as exc:  # noqa: BLE001 - a file that does not load is refused, whatever it raised
             if not isinstance(exc, OpweaveError):
                 log.warning("model repository: model %r did not load", name, exc_info=True)
-            why = str(exc) if isinstance(exc, OpweaveError) else _first_line(exc)
+            why = str(exc) if isinstance(exc, OpweaveError) else first_line(exc)
             reason = self._hide(f"model {name!r} did not load: {why}")
         else:
             self.served[name] = model
