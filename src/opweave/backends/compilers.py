@@ -11,7 +11,12 @@ by op, with a warning.
 * ``inductor`` — TorchInductor (C++ on the CPU, Triton on CUDA), as ``torch.compile`` compiles a graph. On the CPU
   it **freezes** the segment as ``torch.compile`` does with ``torch._inductor.config.freezing``: parameters become
   constants, so Inductor folds them and prepacks convolution and linear weights for oneDNN instead of reading them
-  on every call. The generated C++ kernels open OpenMP regions of a fixed width: they are compiled for the lane's
+  on every call. Frozen, each BatchNorm module after a convolution module is folded into it before Inductor sees
+  the segment (:func:`opweave.capture.coarsen.fold_batchnorm`, which is what Inductor's freezing does itself): Inductor
+  folds it while the segment's parameters are already fake tensors of the tracing context the segment is compiled
+  in, and the folded bias, a real tensor among fake ones, made the segment fail to compile (a convolution and its
+  BatchNorm in one segment of an uncoarsened graph ran op by op). The generated C++ kernels open OpenMP regions of a
+  fixed width: they are compiled for the lane's
   ``threads`` (``cpp.threads``, which is also part of Inductor's cache key, so a cached kernel is never reused at
   another width). Inductor's on-disk FX graph cache serves identical segments (``TORCHINDUCTOR_CACHE_DIR``).
 * ``onnxruntime`` — each segment exported with ``torch.onnx`` and run by one ONNX Runtime ``InferenceSession`` whose
@@ -73,6 +78,10 @@ class Inductor:
     def __init__(self, freeze: bool | None = None):
         self.freeze = freeze
 
+    def freezes(self, inputs: list[torch.Tensor]) -> bool:
+        """Whether a graph over ``inputs`` is compiled frozen."""
+        return all(x.device.type == "cpu" for x in inputs) if self.freeze is None else self.freeze
+
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
                  alone: bool = False) -> Callable[..., tuple]:
         from torch._guards import TracingContext, tracing
@@ -81,10 +90,14 @@ class Inductor:
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         on_cpu = all(x.device.type == "cpu" for x in inputs)
-        freeze = on_cpu if self.freeze is None else self.freeze
+        freeze = self.freezes(inputs)
         patches: dict[str, Any] = {"triton.cudagraphs": False, "freezing": freeze}
         if on_cpu:
             patches["cpp.threads"] = threads
+        if freeze:  # as Inductor's freezing would, but outside its fake mode (module docstring)
+            from opweave.capture.coarsen import fold_batchnorm
+
+            gm = fold_batchnorm(gm)
         static = {"ignore_shape_env": True} if "ignore_shape_env" in inspect.signature(compile_fx).parameters else {}
         # Inside a tracing context whose fake mode has a ShapeEnv: without one Inductor bypasses its FX graph cache
         # ("No shape env") and identical segments would each compile again.
