@@ -168,7 +168,7 @@ def kernel_groups(graph: OpGraph, kernels: list[Kernel]) -> tuple[list[list[str]
         members = sorted(kernel.ops, key=graph.index.__getitem__)
         split += sum(not merge(members[0], op) for op in members[1:])
         if kernel.launches:
-            launching.add(find(members[0]))
+            launching.update(find(op) for op in members)
     for op in reversed(graph.topo_order):  # consumers first: a chain of such groups joins the kernel after it
         group = find(op)
         if group in launching:
@@ -238,7 +238,6 @@ def _attribute(scheduler, values: dict, owner: dict[str, str]) -> tuple[list[Ker
     """Each final scheduler node with the captured ops it computes (module docstring, step 2); ``values``: each node
     of the lowered graph and what its lowering returned."""
     from torch._inductor import ir
-    from torch._inductor.scheduler import NopKernelSchedulerNode
 
     nodes = list(scheduler.nodes)
     writer: dict[str, int] = {}  # buffer name -> index of the scheduler node that writes it
@@ -252,16 +251,10 @@ def _attribute(scheduler, values: dict, owner: dict[str, str]) -> tuple[list[Ker
             i = unite[i]
         return i
 
-    launches = []
     for i, snode in enumerate(nodes):
         node = getattr(snode, "node", None)
         if isinstance(node, ir.MultiOutput):  # a further output of an extern call: that call computes it
             unite[i] = _first_writer(node.inputs, writer, i)
-            launches.append(0)
-        elif isinstance(snode, NopKernelSchedulerNode):
-            launches.append(0)
-        else:
-            launches.append(1)
     for i, snode in enumerate(nodes):
         node = getattr(snode, "node", None)
         if isinstance(node, ir.ConcatKernel):
@@ -291,9 +284,19 @@ def _attribute(scheduler, values: dict, owner: dict[str, str]) -> tuple[list[Ker
         groups.setdefault(root(i), []).append(i)
     owned, unowned = [], []
     for head, members in groups.items():
-        kernel = Kernel(frozenset(ops[head]), sum(launches[i] for i in members), type(nodes[head]).__name__)
+        kernel = Kernel(frozenset(ops[head]), sum(launches(nodes[i]) for i in members), type(nodes[head]).__name__)
         (owned if kernel.ops else unowned).append(kernel)
     return owned, unowned
+
+
+def launches(snode) -> int:
+    """The launches one node of Inductor's scheduler makes: none for a node that only names memory (a concatenation
+    written in place, a further output of an extern call), else one kernel or extern call."""
+    from torch._inductor import ir
+    from torch._inductor.scheduler import NopKernelSchedulerNode
+
+    return 0 if isinstance(snode, NopKernelSchedulerNode) or isinstance(getattr(snode, "node", None),
+                                                                          ir.MultiOutput) else 1
 
 
 def _first_writer(inputs, writer: dict[str, int], default: int) -> int:
@@ -344,4 +347,4 @@ def _given_graph(sources: list[set[tuple[int, str]]], names: set[str]) -> Any:
     return max(count, key=lambda g: len(count[g]), default=None)
 
 
-__all__ = ["InductorGraph", "Kernel", "fused_kernels", "inductor_graph", "kernel_groups"]
+__all__ = ["InductorGraph", "Kernel", "fused_kernels", "inductor_graph", "kernel_groups", "launches"]

@@ -6,6 +6,10 @@
   eager (:func:`opweave.build.autotune.guarded`).
 * :class:`CudaTarget` — CUDA streams, recorded into a CUDA Graph (:class:`~opweave.backends.cuda.CudaBackend`).
   Default plan: the scheduler and stream cap the calibrated simulator predicts fastest.
+
+On both, ``graph="inductor"`` plans over Inductor's kernels instead of the captured ops (:func:`inductor_ops`,
+:mod:`opweave.backends.inductorgraph`): the captured ops regrouped so that what Inductor fuses in the whole model is
+one op, each op's kernel count in the costs, every segment compiled by Inductor.
 * :class:`RanksTarget` — one rank process per device (``devices > 1``,
   :class:`~opweave.backends.distributed.DistributedBackend`).
 
@@ -37,12 +41,15 @@ class CpuTarget:
 
         if options.graph == "onnxruntime":
             return self.build_ort_graph(captured, inputs, options)
+        captured, kernels = inductor_ops(captured, inputs, options)
         scheduler = options.scheduler or "heft"
         streams = options.streams or options.threads or cpu_threads.cores()  # one lane per core it may use
         sched_options = dict(options.scheduler_options or {})
         if scheduler == "heft":  # a cross-lane edge costs a thread hand-off here: weigh it
             sched_options.setdefault("sync_ms", cpu_threads.sync_cost_ms())
         costs = costs_for(captured, inputs, options, "cpu")
+        if kernels is not None:
+            costs = replace(costs, kernels=kernels)
         sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams, **sched_options)
         compiled = self.runnable(captured, plan, inputs, options, costs)
         compiled.schedule = sched
@@ -113,7 +120,10 @@ class CudaTarget:
         from opweave.backends.cuda import default_streams
 
         device, dtype = fitted_device(), _dtype(captured)
+        captured, kernels = inductor_ops(captured, inputs, options)
         costs = self.costs(captured, inputs, options, device, dtype)
+        if kernels is not None:  # the fitted model's launch gaps are per kernel: Inductor's own count
+            costs = replace(costs, kernels=kernels)
         streams = options.streams or default_streams()  # more lanes than hardware queues add false dependencies
         scheduler, choice = options.scheduler, None
         if scheduler is None:  # the plan the calibrated simulator predicts fastest
@@ -196,6 +206,19 @@ class RanksTarget:
         return costs, sched, plan
 
 
+def inductor_ops(captured, inputs: tuple, options: Options):
+    """``graph="inductor"``: ``captured`` regrouped into one op per group of ops that share a kernel when Inductor
+    compiles the whole model (:mod:`opweave.backends.inductorgraph`), and per op the kernels it launches; else
+    ``captured`` as it is and None."""
+    if options.graph != "inductor":
+        return captured, None
+    from opweave.backends.inductorgraph import inductor_graph
+
+    regrouped = inductor_graph(captured, inputs, threads=options.threads)
+    log.info("%s: %d ops as Inductor's kernels (%s)", captured.graph.name, len(regrouped.graph), regrouped.stats)
+    return regrouped.captured, regrouped.kernels
+
+
 def for_options(options: Options):
     """The target that builds ``options``' plans."""
     if options.devices > 1:
@@ -241,4 +264,4 @@ def _per_op_threads(options: Options) -> bool:
     return get(options.compiler).per_op_threads
 
 
-__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "for_options", "visible_gpu_preset"]
+__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "for_options", "inductor_ops", "visible_gpu_preset"]
