@@ -17,7 +17,7 @@ from opweave.backends import compilers
 from opweave.backends.inductorgraph import Kernel, inductor_graph, kernel_groups
 from opweave.build import resolve
 from opweave.capture import capture
-from opweave.errors import UsageError
+from opweave.errors import CaptureError, UsageError
 from opweave.ir import Edge, Op, OpGraph
 from opweave.outputs import compare
 from opweave.plan.validate import validate
@@ -110,13 +110,19 @@ def test_a_zoo_model_over_inductor_kernels_equals_eager():
     fast.close()
 
 
-def test_without_provenance_the_captured_graph_is_kept_with_a_warning(monkeypatch):
+def _fails(*args):
+    raise CaptureError("m: Inductor cannot compile the whole model: RuntimeError: no")
+
+
+@pytest.mark.parametrize(("found", "says"), [(lambda *args: ([], []), "name no captured node"),
+                                             (_fails, "cannot compile the whole model")])
+def test_without_kernels_the_captured_graph_is_kept_with_a_warning(monkeypatch, found, says):
     from opweave.backends import inductorgraph
 
-    monkeypatch.setattr(inductorgraph, "fused_kernels", lambda *args: ([], []))
+    monkeypatch.setattr(inductorgraph, "fused_kernels", found)
     model, inputs = _made(Concat)
     captured = capture(model, inputs)
-    with pytest.warns(UserWarning, match="name no captured node"):
+    with pytest.warns(UserWarning, match=says):
         assert inductor_graph(captured, inputs).captured is captured
 
 

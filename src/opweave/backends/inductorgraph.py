@@ -42,8 +42,8 @@ in ``stats["unowned"]``.
 Inductor's fusion is read from its scheduler's nodes, an internal structure (``Scheduler.codegen`` is wrapped for
 one compile; the same attributes exist in torch 2.11 and 2.13). Nothing here changes what runs: the plan's segments
 are compiled as every ``compiler="inductor"`` segment is, so a wrong reading costs only fusion, never correctness.
-Where Inductor names no captured node at all (a torch whose lowering keeps no ``from_node``), the captured graph is
-kept as it is, with a warning.
+Where Inductor cannot compile the whole model, or names no captured node at all (a torch whose lowering keeps no
+``from_node``), the captured graph is kept as it is, with a warning.
 
 **Coarsening** does not apply (``coarsen=False`` is implied): the kernels are the grouping, and coarsening's
 BatchNorm folding gives a bias-free convolution a bias, which Inductor on CUDA peels off into its consumer's
@@ -65,6 +65,7 @@ from opweave.backends.compilers import Inductor
 from opweave.backends.segments import whole_module
 from opweave.capture.coarsen import merge_ops
 from opweave.capture.runtime import Captured
+from opweave.errors import CaptureError, first_line
 from opweave.ir.graph import OpGraph
 
 
@@ -94,7 +95,12 @@ def inductor_graph(captured: Captured, inputs: tuple, threads: int | None = None
     """``captured``'s ops grouped by the kernels Inductor fuses when it compiles the whole model for ``inputs``
     (compiled for ``threads`` intra-op threads on the CPU; default: the caller's)."""
     start = time.perf_counter()
-    kernels, unowned = fused_kernels(captured, inputs, threads)
+    try:
+        kernels, unowned = fused_kernels(captured, inputs, threads)
+    except CaptureError as exc:
+        warnings.warn(f"{exc}; its captured graph is scheduled as it is", stacklevel=2)
+        return InductorGraph(captured, {}, {"ops_before": len(captured.graph), "ops": len(captured.graph),
+                                            "error": first_line(exc)})
     lowering_s = time.perf_counter() - start
     stats = {"kernels": len(kernels) + len(unowned), "launches": sum(k.launches for k in kernels + unowned),
              "unowned": sum(k.launches for k in unowned), "ops_before": len(captured.graph),
@@ -215,10 +221,11 @@ def fused_kernels(captured: Captured, inputs: tuple, threads: int | None = None)
         warnings.simplefilter("ignore")
         try:
             compiler(whole.gm, whole.inputs, threads or torch.get_num_threads())
-        except Exception:
+        except Exception as exc:  # noqa: BLE001 - _Fused, wrapped by Inductor; anything else: it cannot compile
             if not seen:
-                raise
-    scheduler, lowered = seen[-1]
+                raise CaptureError(f"{captured.graph.name}: Inductor cannot compile the whole model: "
+                                   f"{first_line(exc)}") from exc
+    scheduler, lowered = seen[0]  # the model's graph (a subgraph's scheduler would generate inside it)
     kernels, unowned = _attribute(scheduler, {n: values[n] for n in lowered.graph.nodes if n in values}, owner)
     if compiler.freezes(whole.inputs):  # each foldable BatchNorm is folded into its convolution (compilers.Inductor)
         from opweave.capture.coarsen import foldable
