@@ -14,8 +14,9 @@ import opweave
 from dags import dags
 from opweave import zoo
 from opweave.backends import compilers
-from opweave.backends.inductorgraph import Kernel, inductor_graph, kernel_groups
+from opweave.backends.inductorgraph import Kernel, free_layouts, inductor_graph, kernel_groups
 from opweave.build import resolve
+from opweave.build.targets import segment_options
 from opweave.capture import capture
 from opweave.errors import CaptureError, UsageError
 from opweave.ir import Edge, Op, OpGraph
@@ -81,7 +82,7 @@ def test_a_concatenation_written_in_place_joins_its_epilogues_not_its_convolutio
     """Unfrozen (as on CUDA), each convolution is an extern call of its own and the epilogues (BatchNorm, ReLU)
     write straight into the concatenation's buffer: the epilogues and the concatenation are one op, the
     convolutions two others, so the convolutions may still run on two streams."""
-    monkeypatch.setattr(compilers.Inductor.__init__, "__defaults__", (False,))
+    monkeypatch.setattr(compilers.Inductor, "freezes", lambda self, inputs: False)
     model, inputs = _made(Concat)
     graph = inductor_graph(capture(model, inputs), inputs).graph
     tail = _group(graph, "cat")
@@ -96,9 +97,42 @@ def test_the_plan_over_inductor_kernels_is_validated_and_equals_eager(branches):
     assert fast.schedule.streams_used == 2 and fast.fused.stats["fallbacks"] == 0
     assert fast.options.compiler == "inductor" and not fast.options.coarsen
     assert set(fast.costs.kernels) == set(fast.graph.ids) and len(fast.graph) < len(capture(model, inputs).graph)
+    assert fast.fused.compiler_options == {"eager_strides": False}  # segments hand on Inductor's layouts
     with torch.inference_mode():
-        assert compare(model(*inputs), fast(*inputs)).ok
+        expected, got = model(*inputs), fast(*inputs)
+    assert compare(expected, got).ok
+    assert [t.stride() for t in got] == [t.stride() for t in expected]  # what the model returns: eager's layout
     fast.close()
+
+
+class Viewed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        return y.view(y.shape[0], -1)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0]
+
+
+def test_layouts_go_free_only_where_the_model_reads_none():
+    assert free_layouts(capture(*_made(Branches)))
+    assert not free_layouts(capture(*_made(Viewed)))  # a view of a channels-last value would fail
+    torch.manual_seed(0)
+    assert not free_layouts(capture(Attention().eval(), (torch.randn(1, 4, 8),)))  # a module that is not traced
+    options = resolve("cpu", graph="inductor")
+    assert segment_options(capture(*_made(Viewed)), options) is None
+    assert segment_options(capture(*_made(Branches)), options) == {"eager_strides": False}
+    assert segment_options(capture(*_made(Branches)), resolve("cpu", compiler="inductor")) is None
 
 
 def test_a_zoo_model_over_inductor_kernels_equals_eager():

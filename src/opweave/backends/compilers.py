@@ -70,13 +70,14 @@ class Eager:
 
 
 class Inductor:
-    """TorchInductor; ``freeze`` (default: on the CPU) folds the parameters in as constants."""
+    """TorchInductor; ``freeze`` (default: on the CPU) folds the parameters in as constants; ``eager_strides=False``
+    lets each output keep the layout Inductor chose for it (``keep_output_stride`` off) instead of eager's."""
 
     name = "inductor"
     per_op_threads = False  # its OpenMP teams spin between kernels (opweave.backends.threads)
 
-    def __init__(self, freeze: bool | None = None):
-        self.freeze = freeze
+    def __init__(self, freeze: bool | None = None, eager_strides: bool = True):
+        self.freeze, self.eager_strides = freeze, eager_strides
 
     def freezes(self, inputs: list[torch.Tensor]) -> bool:
         """Whether a graph over ``inputs`` is compiled frozen."""
@@ -91,7 +92,8 @@ class Inductor:
 
         on_cpu = all(x.device.type == "cpu" for x in inputs)
         freeze = self.freezes(inputs)
-        patches: dict[str, Any] = {"triton.cudagraphs": False, "freezing": freeze}
+        patches: dict[str, Any] = {"triton.cudagraphs": False, "freezing": freeze,
+                                   "keep_output_stride": self.eager_strides}
         if on_cpu:
             patches["cpp.threads"] = threads
         if freeze:  # as Inductor's freezing would, but outside its fake mode (module docstring)
@@ -196,8 +198,9 @@ def available() -> list[str]:
     return ["onnxruntime", "inductor"]
 
 
-def get(name: str) -> SegmentCompiler:
-    """The compiler called ``name``; :class:`~opweave.errors.UsageError` naming the choices otherwise."""
+def get(name: str, **options) -> SegmentCompiler:
+    """The compiler called ``name``, made with ``options`` (its constructor's keywords);
+    :class:`~opweave.errors.UsageError` naming the choices otherwise."""
     if name not in COMPILERS:
         raise UsageError(f"compiler must be one of {', '.join(COMPILERS)} (or None), got {name!r}")
-    return COMPILERS[name]()
+    return COMPILERS[name](**options)

@@ -60,6 +60,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from torch import nn
 
 from opweave.backends.compilers import Inductor
 from opweave.backends.segments import whole_module
@@ -117,6 +118,30 @@ def inductor_graph(captured: Captured, inputs: tuple, threads: int | None = None
         for head in {group_of[op] for op in k.ops}:
             counts[head] += k.launches
     return InductorGraph(merged, counts, {**stats, "split": split, "ops": len(merged.graph)})
+
+
+# torch.nn modules that read no layout of their input (a module called in the graph is run as it is, not traced)
+_LAYOUT_FREE = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
+                nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
+                nn.modules.pooling._AdaptiveMaxPoolNd, nn.Linear, nn.modules.dropout._DropoutNd, nn.Identity,
+                nn.Flatten, nn.Upsample, nn.modules.padding._ConstantPadNd, nn.modules.padding._ReflectionPadNd,
+                nn.modules.padding._ReplicationPadNd, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SiLU, nn.GELU,
+                nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Mish, nn.Softmax)
+
+
+def free_layouts(captured: Captured) -> bool:
+    """Whether the segments of ``captured`` may hand each other values in the layouts Inductor chose rather than
+    eager's: no fx node reads a layout (a view, ``as_strided``, a stride or a data pointer: values in another
+    layout would give other results or fail) and every module the graph calls is one of :data:`_LAYOUT_FREE`."""
+    for node in captured.gm.graph.nodes:
+        if node.op == "call_module":
+            if not isinstance(captured.gm.get_submodule(node.target), _LAYOUT_FREE):
+                return False
+        elif node.op in ("call_method", "call_function"):
+            name = str(node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target))
+            if any(word in name.lower() for word in ("view", "strided", "stride", "data_ptr", "storage")):
+                return False
+    return True
 
 
 def kernel_groups(graph: OpGraph, kernels: list[Kernel]) -> tuple[list[list[str]], int]:
@@ -354,4 +379,4 @@ def _given_graph(sources: list[set[tuple[int, str]]], names: set[str]) -> Any:
     return max(count, key=lambda g: len(count[g]), default=None)
 
 
-__all__ = ["InductorGraph", "Kernel", "fused_kernels", "inductor_graph", "kernel_groups", "launches"]
+__all__ = ["InductorGraph", "Kernel", "free_layouts", "fused_kernels", "inductor_graph", "kernel_groups", "launches"]

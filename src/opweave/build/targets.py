@@ -71,7 +71,8 @@ class CpuTarget:
         if options.compiler is not None:
             from opweave.backends.segments import fuse_segments
 
-            runner, run_plan = fuse_segments(captured, plan, options.compiler, threads=threads)
+            runner, run_plan = fuse_segments(captured, plan, options.compiler, threads=threads,
+                                             compiler_options=segment_options(captured, options))
             threads, fused = runner.threads or None, runner
             runner.prepare(inputs, run_plan)  # compile now, not in the first call
         backend = CpuBackend(runner, run_plan, threads=threads, total=options.threads)
@@ -166,7 +167,8 @@ class CudaTarget:
         if options.compiler is not None:
             from opweave.backends.segments import fuse_segments
 
-            runner, run_plan = fuse_segments(captured, plan, options.compiler)
+            runner, run_plan = fuse_segments(captured, plan, options.compiler,
+                                             compiler_options=segment_options(captured, options))
             fused = runner
         backend = CudaBackend(runner, run_plan, inputs, cudagraphs=options.cudagraphs,
                               capture_fallback=options.capture_fallback, static_outputs=options.static_outputs,
@@ -219,6 +221,19 @@ def inductor_ops(captured, inputs: tuple, options: Options):
     return regrouped.captured, regrouped.kernels
 
 
+def segment_options(captured, options: Options) -> dict | None:
+    """How the segment compiler is made: with ``graph="inductor"``, segments hand each other values in the layouts
+    Inductor chose (a convolution's channels-last output goes on as it is) wherever the model reads no layout
+    (:func:`opweave.backends.inductorgraph.free_layouts`); eager's layout at every segment boundary costs a copy
+    kernel on each side of it (GoogLeNet, Opara over 8 streams: 211 of Inductor's nodes per call with eager's
+    layouts against 153 without them and 156 for the whole model, ``benchmarks/inductor_groups.py``)."""
+    if options.graph != "inductor":
+        return None
+    from opweave.backends.inductorgraph import free_layouts
+
+    return {"eager_strides": False} if free_layouts(captured) else None
+
+
 def for_options(options: Options):
     """The target that builds ``options``' plans."""
     if options.devices > 1:
@@ -264,4 +279,5 @@ def _per_op_threads(options: Options) -> bool:
     return get(options.compiler).per_op_threads
 
 
-__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "for_options", "inductor_ops", "visible_gpu_preset"]
+__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "for_options", "inductor_ops", "segment_options",
+           "visible_gpu_preset"]
