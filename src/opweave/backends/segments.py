@@ -32,7 +32,10 @@ ops' budgets): ``inductor`` compiles it as ``torch._inductor.compile`` does, und
 ``triton.cudagraphs`` off (opweave records the whole plan into its own CUDA Graph; Inductor's graphs would nest and
 pin memory per segment) and, on the CPU, frozen (parameters folded in as constants, as ``torch.compile``'s freezing
 does: a parameter changed after compiling is not seen); ``onnxruntime`` exports it and runs it in one ONNX Runtime
-session. On the CPU Inductor emits C++; on CUDA, Triton. One compiled function is
+session. On the CPU Inductor emits C++; on CUDA, Triton. ``compiler_options`` are keywords the compiler is made with:
+``graph="inductor"`` makes Inductor's with ``eager_strides=False`` where the model reads no layout
+(:func:`opweave.backends.inductorgraph.free_layouts`), so segments hand each other values in Inductor's layouts, and
+:meth:`Segmented.output` makes a returned tensor contiguous where eager returns it so. One compiled function is
 kept per segment and *input signature* (each input's shape, strides, dtype and device, the values of non-tensor
 inputs; :func:`opweave.backends.cache.signature` with strides): Inductor checks sizes and strides, and constants were
 baked for those values. The compiled functions sit in a :class:`~opweave.backends.cache.BoundedCache` of
