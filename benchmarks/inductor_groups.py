@@ -150,24 +150,21 @@ def main(argv: list[str] | None = None) -> int:
         Inductor.freezes = lambda self, inputs: False
     models = ["squeezenet"] if args.quick else args.models.split(",")
     size = 64 if args.quick else args.image_size
-    rows = []
-    for name in models:
-        rows.append(measure(name, size, args.scheduler, args.streams))
-        r = rows[-1]
-        print(f"{name}: whole {r['whole']['launches']} launches / {r['whole']['fused_nodes']} fused nodes; "
-              f"fx+inductor {r['fx+inductor']['launches']} / {r['fx+inductor']['fused_nodes']} "
-              f"({r['fx+inductor']['segments']} segments); inductor-graph {r['inductor-graph']['launches']} / "
-              f"{r['inductor-graph']['fused_nodes']} ({r['inductor-graph']['segments']} segments)", flush=True)
     command = " ".join(["benchmarks/inductor_groups.py", *(sys.argv[1:] if argv is None else argv)])
     out = {"machine": {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "date": datetime.date.today().isoformat()},
            "settings": {"scheduler": args.scheduler, "streams": args.streams, "batch_size": 1, "dtype": "float32",
-                        "frozen": not args.unfrozen,
-                        "image_size": size, "command": command},
-           "results": rows}
+                        "frozen": not args.unfrozen, "image_size": size, "command": command},
+           "results": []}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"inductor_groups{'_unfrozen' if args.unfrozen else ''}{'_quick' if args.quick else ''}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    for name in models:  # the file is written again after each model
+        out["results"].append(r := measure(name, size, args.scheduler, args.streams))
+        print(f"{name}: whole {r['whole']['launches']} launches / {r['whole']['fused_nodes']} fused nodes; "
+              f"fx+inductor {r['fx+inductor']['launches']} / {r['fx+inductor']['fused_nodes']} "
+              f"({r['fx+inductor']['segments']} segments); inductor-graph {r['inductor-graph']['launches']} / "
+              f"{r['inductor-graph']['fused_nodes']} ({r['inductor-graph']['segments']} segments)", flush=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
 
