@@ -15,7 +15,7 @@ H200: 206 kernels per call against ``torch.compile``'s 147). Here the order is t
    nothing (a concatenation whose inputs are written in place, a second output of an extern call) counts 0.
 2. **Each kernel is mapped onto the captured fx nodes it computes.** Inductor records, for every node of the graph
    it lowered (the decomposed ATen graph), the node of the graph it was given that it came from
-   (``node.meta["from_node"]``, followed to the root), and keeps, in its lowering's environment, what each node's
+   (``node.meta["from_node"]``, followed back to that graph), and keeps, in its lowering's environment, what each node's
    value became. A value stored in a buffer is computed by the kernel that writes that buffer (an extern call's
    second outputs: by the extern call; a concatenation's inputs written in place: together with the
    concatenation); a value never stored (a pointwise op inlined into its consumers) by the first kernel, in
@@ -31,7 +31,6 @@ H200: 206 kernels per call against ``torch.compile``'s 147). Here the order is t
    convolution with its activation does, or views alone) joins the group of its only successor, else of its only
    predecessor; such a merge cannot close a cycle. Independent branches share no kernel and stay separate ops,
    so the scheduler can still put them on separate streams.
-
 4. **Segments keep Inductor's layouts** (:func:`free_layouts`, applied by the targets): compiled on its own, each
    segment would return its values in eager's layout and take them in eager's layout, so a convolution whose
    output Inductor keeps channels-last pays a copy kernel on each side of every segment boundary (compiled as
@@ -48,11 +47,12 @@ Inductor fused are in one op) and, per op, how many kernels the whole-graph comp
 captured op (copies of the model's inputs into another layout, constants Inductor fills on each call) are counted
 in ``stats["unowned"]``.
 
-Inductor's fusion is read from its scheduler's nodes, an internal structure (``Scheduler.codegen`` is wrapped for
-one compile; the same attributes exist in torch 2.11 and 2.13). Nothing here changes what runs: the plan's segments
-are compiled as every ``compiler="inductor"`` segment is, so a wrong reading costs only fusion, never correctness.
-Where Inductor cannot compile the whole model, or names no captured node at all (a torch whose lowering keeps no
-``from_node``), the captured graph is kept as it is, with a warning.
+Inductor's fusion is read from its internals: ``GraphLowering.run_node`` and ``Scheduler.codegen`` are wrapped for
+the one compile (the scheduler's nodes as code generation receives them, after every fusion pass; the config hook
+``_post_fusion_custom_pass`` would see them earlier, and whether torch 2.11 has it was not checked). Checked with
+torch 2.13 on the CPU only. A wrong reading costs fusion, never correctness: the segments are compiled, run and
+checked like any others. Where Inductor cannot compile the whole model, or names no captured node at all (a torch
+whose lowering keeps no ``from_node``), the captured graph is kept as it is, with a warning.
 
 **Coarsening** does not apply (``coarsen=False`` is implied): the kernels are the grouping, and coarsening's
 BatchNorm folding gives a bias-free convolution a bias, which Inductor on CUDA peels off into its consumer's
