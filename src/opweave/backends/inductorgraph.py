@@ -33,12 +33,14 @@ H200: 206 kernels per call against ``torch.compile``'s 147). Here the order is t
    so the scheduler can still put them on separate streams.
 4. **Segments keep Inductor's layouts** (:func:`free_layouts`, applied by the targets): compiled on its own, each
    segment would return its values in eager's layout and take them in eager's layout, so a convolution whose
-   output Inductor keeps channels-last pays a copy kernel on each side of every segment boundary (compiled as
-   on CUDA, GoogLeNet's Opara plan over 8 streams ran 211 of Inductor's nodes per call this way, with the same
-   grouping; ``benchmarks/inductor_groups.py``). Where no fx node reads a layout (no view, ``as_strided``,
-   stride or data pointer, and only modules of :data:`_LAYOUT_FREE`), segments are compiled with
-   ``keep_output_stride`` off and hand their values on as Inductor laid them out; only what the model returns is
-   made contiguous again where eager returns it so (:meth:`opweave.backends.segments.Segmented.output`).
+   output Inductor keeps channels-last pays a copy kernel on each side of every segment boundary (GoogLeNet at
+   64x64 on the CPU, compiled unfrozen as on CUDA, Opara over 8 streams: 211 of Inductor's nodes per call this way,
+   153 without, 156 for the whole model; at 224x224, ``benchmarks/results/inductor_groups_unfrozen.json``).
+   Where no fx node reads a layout (no view, ``as_strided``, stride or data pointer, and only modules of
+   :data:`_LAYOUT_FREE`), segments are compiled with ``keep_output_stride`` off and hand their values on as Inductor
+   laid them out; only what the model returns is made contiguous again where eager returns it so
+   (:meth:`opweave.backends.segments.Segmented.output`). Compiled frozen on the CPU, this changed nothing: there
+   the segments of GoogLeNet's plan ran as many of Inductor's nodes either way (``inductor_groups.json``).
 
 The result, :class:`InductorGraph`, holds the merged :class:`~opweave.capture.Captured` (any scheduler plans its
 graph; every stream segment compiled by Inductor then fuses again what the whole graph fused, since the nodes
