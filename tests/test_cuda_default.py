@@ -1,7 +1,7 @@
 """The CUDA target's own choices, run on the fake CUDA runtime: the default plan is the one the calibrated simulator
 predicts fastest (and says so), HEFT weighs a cross-stream edge at what the fit says it costs, and
-``mode="max-autotune"`` times torch.compile, the simulator's first plans and their Inductor-fused versions on the device, keeps the fastest
-that equals the model and caches the choice."""
+``mode="max-autotune"`` times torch.compile, the simulator's first plans and their Inductor-fused versions on the
+device, keeps the fastest that equals the model and caches the choice."""
 
 from __future__ import annotations
 
