@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts: options, graph loading, a time-limited child run, tables, JSON.
 
-Graphs come through :func:`opweave.api.load_graph`, so a benchmark sees exactly what ``opweave simulate --model
+Graphs come through :func:`opweave.cli.app.load_graph`, so a benchmark sees exactly what ``opweave simulate --model
 --no-coarsen`` sees: a zoo model captured at the given batch size, one op per fx node (the graphs the results in
 ``results/`` were measured on), with the roofline latencies of a device preset.
 """
@@ -23,7 +23,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from opweave import schedulers, zoo
-from opweave.api import load_graph
+from opweave.cli.app import load_graph
+from opweave.errors import first_line
 from opweave.ir import OpGraph
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -96,7 +97,7 @@ def _child(conn, fn: Callable, args: tuple) -> None:
     try:
         conn.send(("ok", fn(*args)))
     except BaseException as exc:  # report everything, the parent decides
-        conn.send(("error", f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        conn.send(("error", first_line(exc)))
     finally:
         conn.close()
 

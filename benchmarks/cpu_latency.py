@@ -12,14 +12,14 @@ Modes (``--modes``, separated by ``;``; default :data:`DEFAULT_MODES`):
   ``InferenceSession``, sequential executor, intra-op threads = the cores (ORT's default);
   ``onnxruntime parallel`` — ORT's own inter-operator executor (``ORT_PARALLEL``; one intra-op thread, inter-op
   threads = the cores);
-* ``opweave SCHEDULER[+COMPILER]`` — ``opweave.compile(model, inputs, scheduler=SCHEDULER, fuse=COMPILER)`` on the
+* ``opweave SCHEDULER[+COMPILER]`` — ``opweave.compile(model, inputs, scheduler=SCHEDULER, compiler=COMPILER)`` on the
   CPU. ``sequential`` is one lane on the caller's thread (its own thread count); the other schedulers plan one lane
   per core, and each op (or segment) gets the threads its lane may use while it runs (``opweave.backends.threads``).
   COMPILER: none (the coarsened ops, each lane one generated Python function), ``inductor`` (each segment compiled
-  and frozen by TorchInductor), ``onnxruntime`` (each segment one ORT session) or ``onnxruntime-graph`` (ORT
-  optimizes the whole model, opweave schedules the nodes of its optimized graph, each segment a session of those
-  nodes over bound buffers: ``opweave.backends.ortgraph``);
-* ``opweave max-speed`` — ``opweave.compile(..., mode="max-speed")``: opweave's own search over those plans
+  and frozen by TorchInductor), ``onnxruntime`` (each segment one ORT session) or ``onnxruntime-graph`` (option
+  ``graph="onnxruntime"``: ORT optimizes the whole model, opweave schedules the nodes of its optimized graph, each
+  segment a session of those nodes over bound buffers: ``opweave.backends.ortgraph``);
+* ``opweave max-autotune`` — ``opweave.compile(..., mode="max-autotune")``: opweave's own search over those plans
   (its choice is cached per model and machine: the latency phase reads it back);
 * ``opweave default`` — ``opweave.compile(model, inputs)`` with no option.
 
@@ -53,11 +53,13 @@ from pathlib import Path
 
 import _common as common
 
+from opweave.errors import first_line
+
 ACCEPTANCE_MODELS = ("inception_v3", "googlenet", "nasnet_a_mobile", "randwire")
 PEERS = ("eager", "torch.compile", "torch.compile freezing", "onnxruntime", "onnxruntime parallel")
 OPWEAVE = ("opweave sequential", "opweave heft", "opweave sequential+onnxruntime", "opweave heft+onnxruntime",
            "opweave sequential+onnxruntime-graph", "opweave heft+onnxruntime-graph",
-           "opweave sequential+inductor", "opweave heft+inductor", "opweave max-speed", "opweave default")
+           "opweave sequential+inductor", "opweave heft+inductor", "opweave max-autotune", "opweave default")
 DEFAULT_MODES = PEERS + OPWEAVE
 QUICK_MODES = ("eager", "onnxruntime", "opweave sequential", "opweave heft", "opweave heft+onnxruntime",
                "opweave default")
@@ -166,16 +168,17 @@ def build(model, inputs, mode: str) -> tuple[Callable, dict]:
         return onnxruntime_session(model, inputs, parallel=mode.endswith("parallel")), info
     if mode == "opweave default":
         fast = opweave.compile(model, inputs)
-    elif mode == "opweave max-speed":
-        fast = opweave.compile(model, inputs, device="cpu", mode="max-speed")
+    elif mode == "opweave max-autotune":
+        fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune")
     else:
-        scheduler, _, fuse = mode.removeprefix("opweave ").partition("+")
-        fast = opweave.compile(model, inputs, scheduler=scheduler, device="cpu", fuse=fuse or None,
-                               streams=1 if scheduler == "sequential" else None)
+        scheduler, _, compiler = mode.removeprefix("opweave ").partition("+")
+        how = {"graph": "onnxruntime"} if compiler == "onnxruntime-graph" else {"compiler": compiler or None}
+        fast = opweave.compile(model, inputs, scheduler=scheduler, device="cpu",
+                               streams=1 if scheduler == "sequential" else None, **how)
     info.update(scheduler=fast.schedule.scheduler, ops=len(fast.graph), lanes=fast.schedule.streams_used,
                 syncs=fast.plan.syncs)
     if fast.fused is not None:
-        info.update(fuse=fast.fused.compiler, segments=fast.fused.stats["segments"],
+        info.update(compiler=fast.fused.compiler, segments=fast.fused.stats["segments"],
                     in_compiler_s=round(fast.fused.stats["compile_s"], 2), fallbacks=fast.fused.stats["fallbacks"])
     if getattr(fast, "choice", None):
         info["choice"] = fast.choice
@@ -209,7 +212,7 @@ def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespac
     model, inputs = create(name, batch, args)
     built = {mode: build(model, inputs, mode) for mode in modes}
     fns = {mode: fn for mode, (fn, _) in built.items()}
-    # a measured choice (max-speed, the default's guard) is made again in this process: record this one's
+    # a measured choice (max-autotune, the default's guard) is made again in this process: record this one's
     chosen = {mode: info["choice"]["label"] for mode, (_, info) in built.items() if "choice" in info}
     with torch.inference_mode():
         deadline = time.perf_counter() + args.warmup_s
@@ -252,7 +255,7 @@ def limits(name: str, batch: int, args: argparse.Namespace) -> dict:
     from dataclasses import replace
 
     costs = replace(estimate(graph, "cpu", model="ideal"), latency_ms=latency)
-    fast = opweave.compile(model, inputs, scheduler="heft", device="cpu", fuse="onnxruntime", costs=costs)
+    fast = opweave.compile(model, inputs, scheduler="heft", device="cpu", compiler="onnxruntime", costs=costs)
     segmented, order = fast.fused, [i.op for i in fast.plan.instrs if i.kind == "launch"]
     caller = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -289,7 +292,7 @@ def _child(conn, fn: Callable, fn_args: tuple, env: dict) -> None:
     try:
         conn.send(("ok", fn(*fn_args)))
     except BaseException as exc:  # reported as an error row, the other modes stand
-        conn.send(("error", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
+        conn.send(("error", first_line(exc)))
     finally:
         conn.close()
 
@@ -325,7 +328,7 @@ def measure(name: str, batch: int, args: argparse.Namespace, tmp: Path) -> list[
         if status != "ok":
             rows.append({"model": name, "batch": batch, "mode": mode, "error": row})
             continue
-        if mode in INDUCTOR_MODES or mode.endswith("+inductor") or mode == "opweave max-speed":
+        if mode in INDUCTOR_MODES or mode.endswith("+inductor") or mode == "opweave max-autotune":
             status, warm = in_child(build_and_check, (name, batch, mode, args), env, args.timeout_s)
             if status == "ok":
                 row["warm_s"] = warm["compile_s"]
@@ -367,7 +370,7 @@ def compiler_of(mode: str) -> str:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Per model and batch: opweave's best mode against torch.compile (freezing) and ORT sequential, and the best
-    multi-lane plan against the best single-lane one with the same compiler (the issue's acceptance); max-speed
+    multi-lane plan against the best single-lane one with the same compiler (the issue's acceptance); max-autotune
     counts as the plan it chose, timed in this process."""
     out = []
     for key in dict.fromkeys((r["model"], r["batch"]) for r in rows):
@@ -380,14 +383,14 @@ def summarize(rows: list[dict]) -> list[dict]:
         for peer in ("torch.compile freezing", "onnxruntime", "eager"):
             if peer in timed:
                 entry[f"vs {peer}"] = round(timed[peer] / ours[best], 3)
-        # each plan as "opweave SCHEDULER[+COMPILER]"; max-speed counts as the plan it chose (its label's scheduler
+        # each plan as "opweave SCHEDULER[+COMPILER]"; max-autotune counts as the plan it chose (its label's scheduler
         # and compiler; the sync cost it searched is not a mode of its own)
         plans = {m: t for m, t in ours.items() if m.count(" ") == 1
-                 and m not in ("opweave max-speed", "opweave default")}
+                 and m not in ("opweave max-autotune", "opweave default")}
         choice = next((r.get("timed_choice") for r in rows if (r["model"], r["batch"], r["mode"])
-                       == (*key, "opweave max-speed")), None)
-        if "opweave max-speed" in ours and choice:
-            plans[f"opweave {choice.partition(' ')[0]}"] = min(ours["opweave max-speed"],
+                       == (*key, "opweave max-autotune")), None)
+        if "opweave max-autotune" in ours and choice:
+            plans[f"opweave {choice.partition(' ')[0]}"] = min(ours["opweave max-autotune"],
                                                               plans.get(f"opweave {choice.partition(' ')[0]}",
                                                                         float("inf")))
         lanes = {}

@@ -12,8 +12,8 @@ inputs are used) and each rank count M:
    ping-pong, fitted to latency + bytes / bandwidth);
 2. ``hios-lp`` schedules the graph on M devices with those costs; the simulator replays the plan (``ideal`` model:
    each device runs its ops at their measured latency, transfers cost the fitted link);
-3. the plan runs on M rank processes (``opweave.api.compile_ranks``, ``threads = cores // M``): median latency of
-   ``--runs`` calls after a warm-up.
+3. the plan runs on M rank processes (``opweave.build.targets.RanksTarget``, what ``opweave.compile(...,
+   devices=M)`` builds; ``threads = cores // M``): median latency of ``--runs`` calls after a warm-up.
 
 Speedups are against 1 rank (measured/measured, simulated/simulated) and measured against single-process eager
 (all cores). For comparison, the same graphs are also scheduled and simulated as they would run on 1, 2 and 4
@@ -38,10 +38,11 @@ import statistics  # noqa: E402
 import _common as common  # noqa: E402
 import torch  # noqa: E402
 
-from opweave.api import compile_ranks, plan_ranks  # noqa: E402
 from opweave.backends.distributed import profile_link  # noqa: E402
-from opweave.backends.distributed.launch import usable_cores  # noqa: E402
 from opweave.backends.simulate import simulate  # noqa: E402
+from opweave.backends.threads import cores as usable_cores  # noqa: E402
+from opweave.build import Options  # noqa: E402
+from opweave.build.targets import RanksTarget  # noqa: E402
 from opweave.capture import load  # noqa: E402
 from opweave.costs.links import fit  # noqa: E402
 from opweave.costs.profile import profile_model  # noqa: E402
@@ -66,10 +67,11 @@ def measure_model(name: str, size: int, ranks: list[int], args, link) -> dict:
         torch.set_num_threads(threads)
         profile = profile_model(captured, inputs, device="cpu", repeats=args.repeats, warmup=1)
         costs = profile.costs(captured.graph)
-        costs, sched, plan = plan_ranks(captured, scheduler=args.scheduler, devices=m, costs=costs, link=link)
+        options = Options(scheduler=args.scheduler, devices=m, costs=costs, link=link, threads=threads,
+                          timeout_s=1800, coarsen=False)  # one rank too: the baseline the others are held against
+        costs, sched, plan = RanksTarget().plan(captured, inputs, options)
         sim = simulate(captured.graph, plan, costs)
-        with compile_ranks(captured, scheduler=args.scheduler, devices=m, costs=costs, threads=threads,
-                           timeout_s=1800) as fast:
+        with RanksTarget().build(captured, inputs, options) as fast:
             if fast.plan.instrs != plan.instrs:
                 raise SystemExit(f"{name}: the plan run differs from the plan simulated")
             diff = compare(reference, fast(*inputs)).max_diff
@@ -81,8 +83,9 @@ def measure_model(name: str, size: int, ranks: list[int], args, link) -> dict:
                      "messages": sum(i["messages"] for i in info), "ops_per_rank": [i["ops"] for i in info],
                      "param_mb_per_rank": [round(i["param_bytes"] / 1e6, 2) for i in info]})
     for row in rows:  # the same graph on H100 GPUs with NVLink 4, simulated
-        h100, _, h100_plan = plan_ranks(captured, scheduler=args.scheduler, devices=row["ranks"],
-                                        costs=estimate(captured.graph, "h100", model="gpu"), link="nvlink4")
+        h100, _, h100_plan = RanksTarget().plan(captured, inputs, Options(  # planned here, H100's costs
+            scheduler=args.scheduler, devices=row["ranks"], link="nvlink4",
+            costs=estimate(captured.graph, "h100", model="gpu")))
         row["simulated_h100_nvlink4_ms"] = simulate(captured.graph, h100_plan, h100).makespan_ms
     base = rows[0]
     for row in rows:

@@ -35,7 +35,7 @@ from pathlib import Path
 import _common as common
 
 from opweave import schedulers
-from opweave.api import plan_for
+from opweave.build import plan_for
 from opweave.learn.gpg import HELD_OUT_SEED, GpgGraphs
 from opweave.schedulers import top_gpg
 

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from opweave import schedulers, zoo
-from opweave.api import compile_captured, plan_for
+from opweave.api import compile_captured
 from opweave.backends.cpu import CpuBackend
+from opweave.build import plan_for
 from opweave.capture import capture, coarsen
 from opweave.capture.coarsen import epilogue_groups
 from opweave.costs.roofline import estimate

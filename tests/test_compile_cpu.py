@@ -7,8 +7,8 @@ import torch
 
 import opweave
 from opweave import schedulers, zoo
-from opweave.api import plan_for
 from opweave.backends.cpu import CpuBackend, EagerBackend
+from opweave.build import plan_for
 from opweave.capture import CaptureError, capture, load
 from opweave.costs.roofline import estimate
 from opweave.errors import UsageError
@@ -158,27 +158,24 @@ def test_compile_schedules_on_a_measured_profile_and_refuses_a_stale_one(tmp_pat
         opweave.compile(model, other_batch, scheduler="lios", profile=path)
 
 
-def test_backend_for_runs_a_validated_plan_fused_or_not():
-    """The one step from a validated plan to a backend, which compile, the server's executors and the GPU benchmark
-    take; with ``fuse`` on the CPU every segment is compiled before the first call."""
-    from opweave.api import backend_for, validated_plan
+def test_the_cpu_target_runs_a_validated_plan_fused_or_not():
+    """The one step from a validated plan to a backend, which every door's build takes; with a segment compiler on
+    the CPU every segment is compiled before the first call."""
     from opweave.backends.segments import segment_groups
-    from opweave.errors import UsageError
+    from opweave.build import resolve, validated_plan
+    from opweave.build.targets import CpuTarget
 
     model, inputs, captured = load("deepfm")
-    sched, plan = plan_for(captured.graph, estimate(captured.graph, "cpu"), "lios", streams=2)
+    costs = estimate(captured.graph, "cpu")
+    sched, plan = plan_for(captured.graph, costs, "lios", streams=2)
     assert validated_plan(captured.graph, sched).instrs == plan.instrs
     with torch.inference_mode():
         reference = model(*inputs)
-        backend, fused = backend_for(captured, plan, "cpu")
-        assert fused is None and compare(reference, backend(*inputs)).max_diff < 1e-5
-        backend.close()
-        backend, fused = backend_for(captured, plan, "cpu", fuse="eager", example_inputs=inputs)
-        assert fused.stats["segments"] == fused.stats["compiles"] == len(segment_groups(plan)) > 1
-        assert compare(reference, backend(*inputs)).max_diff < 1e-5
-        backend.close()
-    with pytest.raises(UsageError, match="the cpu backend takes no options, got mode"):
-        backend_for(captured, plan, "cpu", mode="graph")
+        with CpuTarget().runnable(captured, plan, inputs, resolve("cpu"), costs) as fast:
+            assert fast.fused is None and compare(reference, fast(*inputs)).max_diff < 1e-5
+        with CpuTarget().runnable(captured, plan, inputs, resolve("cpu", compiler="eager"), costs) as fast:
+            assert fast.fused.stats["segments"] == fast.fused.stats["compiles"] == len(segment_groups(plan)) > 1
+            assert compare(reference, fast(*inputs)).max_diff < 1e-5
 
 
 def test_the_default_cpu_plan_is_kept_only_when_it_beats_one_lane_and_the_model_itself():

@@ -1,7 +1,9 @@
 """Segment compilers (opweave.backends.compilers): ONNX Runtime segments, frozen Inductor segments, and
-``mode="max-speed"``, which picks among them by measuring."""
+``mode="max-autotune"``, which picks among them by measuring."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ class Fork(nn.Module):
 def test_onnxruntime_segments_equal_eager(name, scheduler):
     options = {"num_layers": 2} if name == "bert_base" else {"image_size": 64} if name == "squeezenet" else {}
     model, inputs = zoo.create(name, batch_size=1, **options)
-    fast = opweave.compile(model, inputs, device="cpu", scheduler=scheduler, fuse="onnxruntime",
+    fast = opweave.compile(model, inputs, device="cpu", scheduler=scheduler, compiler="onnxruntime",
                            streams=1 if scheduler == "sequential" else 2)
     with torch.inference_mode():
         assert compare(model(*inputs), fast(*inputs), tolerance=1e-4).ok
@@ -69,7 +71,7 @@ def test_only_a_one_lane_plans_onnxruntime_segments_spin(lanes):
     gives every core still sleeps (its other lane may overlap it in fact)."""
     model, x = Fork().eval(), torch.randn(4, 16)
     compiled = opweave.compile(model, (x,), device="cpu", scheduler="sequential" if lanes == 1 else "wavefront",
-                               streams=lanes, fuse="onnxruntime")
+                               streams=lanes, compiler="onnxruntime")
     assert compiled.schedule.streams_used == lanes
     with torch.inference_mode():
         assert compare(model(x), compiled(x)).ok
@@ -85,8 +87,8 @@ def test_only_a_one_lane_plans_onnxruntime_segments_spin(lanes):
 
 def test_inductor_segments_on_the_cpu_are_frozen_and_eager_segments_are_not():
     model, x = Fork().eval(), torch.randn(4, 16)
-    frozen = opweave.compile(model, (x,), device="cpu", scheduler="sequential", fuse="inductor")
-    live = opweave.compile(model, (x,), device="cpu", scheduler="sequential", fuse="eager")
+    frozen = opweave.compile(model, (x,), device="cpu", scheduler="sequential", compiler="inductor")
+    live = opweave.compile(model, (x,), device="cpu", scheduler="sequential", compiler="eager")
     with torch.inference_mode():
         before = model(x)
         assert compare(before, frozen(x)).ok and compare(before, live(x)).ok
@@ -96,11 +98,27 @@ def test_inductor_segments_on_the_cpu_are_frozen_and_eager_segments_are_not():
         assert compare(model(x), live(x)).ok and not compare(before, live(x)).ok
 
 
+def test_a_convolution_and_its_batchnorm_compile_as_one_frozen_segment():
+    """Inductor's freezing folds the BatchNorm into the convolution itself; inside the segment's tracing context it
+    made a real bias among fake parameters and the segment ran op by op. The segment compiler folds it first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = opweave.compile(model, (x,), device="cpu", scheduler="sequential", coarsen=False, compiler="inductor")
+    assert not [w for w in caught if "could not be compiled" in str(w.message)]
+    assert fast.fused.stats["fallbacks"] == 0 and fast.fused.stats["compiles"] == 1
+    with torch.inference_mode():
+        assert compare(model(x), fast(x)).ok
+    assert isinstance(model[1], nn.BatchNorm2d) and model[0].bias is None  # the model is left as it was
+
+
 def test_an_unknown_compiler_is_refused_with_the_choices():
     with pytest.raises(UsageError, match="inductor, onnxruntime, eager"):
         get("tvm")
-    with pytest.raises(UsageError, match="fuse must be one of"):
-        opweave.compile(Fork(), (torch.randn(2, 16),), device="cpu", fuse="tvm")
+    with pytest.raises(UsageError, match="option 'compiler' must be one of inductor, onnxruntime, eager"):
+        opweave.compile(Fork(), (torch.randn(2, 16),), device="cpu", compiler="tvm")
 
 
 def test_op_latencies_times_every_op_compiled_alone():
@@ -110,10 +128,10 @@ def test_op_latencies_times_every_op_compiled_alone():
     assert set(latency) == set(captured.graph.ids) and all(v > 0 for v in latency.values())
 
 
-def test_max_speed_measures_the_candidates_keeps_one_that_equals_eager_and_caches_it(tmp_path, monkeypatch):
+def test_max_autotune_measures_the_candidates_keeps_one_that_equals_eager_and_caches_it(tmp_path, monkeypatch):
     monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
     model, inputs = zoo.create("deepfm", batch_size=1)
-    fast = opweave.compile(model, inputs, device="cpu", mode="max-speed")
+    fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune")
     choice = fast.choice
     assert not choice["cached"] and choice["label"] in choice["candidates"]
     timed = {k: v["median_ms"] for k, v in choice["candidates"].items() if "median_ms" in v}
@@ -122,15 +140,17 @@ def test_max_speed_measures_the_candidates_keeps_one_that_equals_eager_and_cache
     assert {"sequential+onnxruntime-graph", "heft+onnxruntime-graph sync"} <= {k.partition(" 0")[0] for k in timed}
     with torch.inference_mode():
         assert compare(model(*inputs), fast(*inputs)).ok
-    again = opweave.compile(model, inputs, device="cpu", mode="max-speed")
+    again = opweave.compile(model, inputs, device="cpu", mode="max-autotune")
     assert again.choice["cached"] and again.choice["label"] == choice["label"]
-    assert (tmp_path / "max_speed.json").exists()
+    assert (tmp_path / "autotune.json").exists()
     with torch.inference_mode():
         assert compare(model(*inputs), again(*inputs)).ok
 
 
-def test_max_speed_chooses_the_plan_itself():
-    with pytest.raises(UsageError, match="give neither scheduler"):
-        opweave.compile(Fork(), (torch.randn(2, 16),), device="cpu", mode="max-speed", scheduler="lios")
-    with pytest.raises(UsageError, match="mode must be one of default, max-speed"):
+def test_max_autotune_chooses_the_plan_itself():
+    with pytest.raises(UsageError, match="chooses the plan itself: give no 'scheduler'"):
+        opweave.compile(Fork(), (torch.randn(2, 16),), device="cpu", mode="max-autotune", scheduler="lios")
+    with pytest.raises(UsageError, match="mode must be one of default, reduce-overhead, max-autotune"):
         opweave.compile(Fork(), (torch.randn(2, 16),), device="cpu", mode="fast")
+    with pytest.raises(UsageError, match="now 'max-autotune'"):
+        opweave.compile(Fork(), (torch.randn(2, 16),), device="cpu", mode="max-speed")

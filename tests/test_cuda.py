@@ -1,17 +1,22 @@
-"""The CUDA backend on a real GPU (skipped without one).
+"""The CUDA backend, on a real GPU where one is present and on the fake CUDA runtime elsewhere (the ``rt`` fixture,
+``tests/cuda_runtime.py``; the fake runs every stream's work in a random order that the events allow, so a missing
+wait or a buffer freed too early gives a wrong output there too).
 
-Every (scheduler, mode) pair on every zoo model matches eager on a fresh input after the static outputs were filled
-with NaN; a race stress test (an op that sleeps on its lane before writing); fp16 at batch 8; a caller under
-``torch.inference_mode``; replays with new inputs; several graphs alive; in-place ops; static outputs; one graph
-per input signature; a sync found by the checked run (named, or run without a graph with ``fallback="eager"``),
-also with ``warmup=1``; failures *inside* the capture (a Python error, and a sync that invalidates the capture):
-named, never run eagerly, the caller's stream restored and the process usable; threads sharing one compiled model;
-the default lane cap and distinct streams (pooled, given back on close); the profiler's GPU time on a real trace; and
-``torch.compile(backend="opweave")`` on CUDA, swapped weights included.
+Every (scheduler, graphs or not) pair matches eager on a fresh input after the static outputs were filled with NaN
+(every zoo model on a GPU; squeezenet on the fake); a race stress test (an op that sleeps on its lane before writing;
+on the fake, the random order stresses it); fp16 (at batch 8 on a GPU; at batch 1 on the fake, whose CPU fp16
+convolutions are slow); a caller under ``torch.inference_mode``; replays with new inputs; several graphs alive;
+in-place ops; static outputs; one graph per input signature; a sync found by the checked run (named, or run without
+a graph with ``capture_fallback="eager"``), also with ``warmup=1``; failures *inside* the capture (a Python error,
+and a sync that invalidates the capture): named, never run eagerly, the caller's stream restored and the process
+usable; threads sharing one compiled model; the default lane cap and distinct streams (pooled, given back on
+close); and, on a GPU only, the profiler's GPU time on a real trace and ``torch.compile(backend="opweave")`` on
+CUDA, swapped weights included.
 
+Every model is built by :func:`compile_cuda` (or a :class:`CudaBackend` on a plan), on the test's runtime.
 Outputs are compared as the GPU benchmark compares them (:func:`opweave.outputs.compare`: fp32 within 1e-3 of the
 output's scale, fp16 within 1e-2 or, where BatchNorm folded into fp16 weights rounds differently, against float64),
-on inputs drawn by its ``fresh_inputs``; TF32 is off (``cuda_precision.fp32_math``).
+on inputs drawn by its ``fresh_inputs``, after synchronizing; TF32 is off (``cuda_precision.fp32_math``).
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ import opweave
 import opweave.dynamo
 from benchmark_module import gpu_latency
 from cuda_precision import fp32_math  # noqa: F401 - autouse: no TF32 in the CUDA tests
+from cuda_runtime import DEVICE, ON_GPU, needs_gpu, rt  # noqa: F401 - rt: the runtime fixture
 from opweave import schedulers, zoo
-from opweave.api import compile_captured, plan_for
 from opweave.backends.cuda import CudaBackend, GraphCaptureError, default_streams
-from opweave.capture import capture
+from opweave.backends.streams import stream_pool
+from opweave.build import Compiled, plan_for
+from opweave.capture import Captured, capture
 from opweave.costs.profile import profile_model
 from opweave.costs.profile.kineto import range_runs, trace_ops
 from opweave.costs.profile.measure import full_env
@@ -40,11 +47,32 @@ from opweave.costs.roofline import estimate
 from opweave.errors import DeviceError
 from opweave.outputs import compare, exact_outputs
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.cuda
 
 SMALL = {"bert_base": {"num_layers": 2}}
-MODES = ("graph", "streams")
+GRAPHS = pytest.mark.parametrize("cudagraphs", [True, False], ids=["cudagraphs", "streams"])
+MODELS = zoo.names() if ON_GPU else ["squeezenet"]  # every scheduler on each; the fake runs on 2 CPU cores
 SLEEP_CYCLES = 5_000_000  # torch.cuda._sleep: a few milliseconds at GPU clock rates
+RT = None  # the runtime of the running test, which the test ops below ask whether a capture is under way
+
+
+@pytest.fixture(autouse=True)
+def _runtime_of_the_test_ops(rt):  # noqa: F811 - the fixture
+    global RT
+    RT = rt
+    yield
+    RT = None
+
+
+def compile_cuda(model, inputs, *, runtime, scheduler: str = "opara", streams: int | None = None,
+                 cudagraphs: bool = True, **options) -> Compiled:
+    """``opweave.compile_captured(..., device="cuda", runtime=runtime)`` of ``model`` (or of its capture): the model
+    captured and coarsened, planned on the fitted device's op times with at most ``streams`` (default
+    :func:`default_streams`), run by a :class:`CudaBackend`; ``options`` are opweave.compile's. The one place these
+    tests build a compiled CUDA model."""
+    captured = model if isinstance(model, Captured) else capture(model, inputs)
+    return opweave.compile_captured(captured, inputs, device="cuda", scheduler=scheduler, streams=streams,
+                                    cudagraphs=cudagraphs, runtime=runtime, **options)
 
 
 def fresh(inputs: tuple, seed: int) -> tuple:
@@ -52,6 +80,7 @@ def fresh(inputs: tuple, seed: int) -> tuple:
 
 
 def check(reference, got, what: str, exact=None) -> None:
+    RT.synchronize()  # the fake runs queued work only when something must observe it
     result = compare(reference, got, exact=exact)
     assert result.ok, f"{what}: {result.reason}"
 
@@ -60,8 +89,8 @@ def check(reference, got, what: str, exact=None) -> None:
 def cuda_model(name: str, batch: int = 1, half: bool = False):
     model, inputs = zoo.create(name, batch_size=batch, **SMALL.get(name, {}))
     dtype = torch.float16 if half else torch.float32
-    model = model.cuda().to(dtype)
-    inputs = tuple(x.cuda().to(dtype) if x.is_floating_point() else x.cuda() for x in inputs)
+    model = model.to(DEVICE).to(dtype)
+    inputs = tuple(x.to(DEVICE).to(dtype) if x.is_floating_point() else x.to(DEVICE) for x in inputs)
     with torch.no_grad():
         reference = model(*inputs)
     return model, inputs, reference, capture(model, inputs, name=name)
@@ -78,22 +107,27 @@ def plan_of(name: str, scheduler: str):
 
 
 def slow_double(x):
-    """A long spin on the current stream, then the result: readers on other lanes must wait for it."""
+    """A long spin on the current stream, then the result: readers on other lanes must wait for it. (On the fake,
+    which has no time, its random order is the stress.)"""
     if x.is_cuda:
         torch.cuda._sleep(SLEEP_CYCLES)
     return x * 2
 
 
+def capturing() -> bool:
+    return RT is not None and RT.is_current_stream_capturing()
+
+
 def refuse_in_graph(x):
     """Fails only while recorded into a CUDA graph, and only for batch 2 (the example is batch 1)."""
-    if x.is_cuda and x.shape[0] == 2 and torch.cuda.is_current_stream_capturing():
+    if x.shape[0] == 2 and capturing():
         raise RuntimeError("this op refuses to be recorded")
     return x + 1
 
 
 def sync_in_graph(x):
     """Synchronizes the host only while recorded (so the checked run cannot see it), for batch 2."""
-    if x.is_cuda and x.shape[0] == 2 and torch.cuda.is_current_stream_capturing():
+    if x.shape[0] == 2 and capturing():
         return x * float(x.sum())  # .item(): a device-to-host copy and a sync, illegal in a capture
     return x * 1.0
 
@@ -169,21 +203,23 @@ def nan_fill(value) -> None:
             t.fill_(math.nan)
 
 
-# ---- every scheduler, both modes -------------------------------------------------------------------------------------
+# ---- every scheduler, with and without graphs ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
+@GRAPHS
 @pytest.mark.parametrize("scheduler", schedulers.names())
-def test_scheduler_matches_eager_on_new_inputs_in_mode(scheduler, mode):
-    """For every zoo model: built on the example, the static outputs filled with NaN (graph mode), then called with
-    a fresh input and with the example again; every model is tried and the failures are listed together."""
+def test_scheduler_matches_eager_on_new_inputs(rt, scheduler, cudagraphs):  # noqa: F811 - rt: the fixture
+    """For every model of ``MODELS``: built on the example, the static outputs filled with NaN (with graphs), then
+    called with a fresh input and with the example again; every model is tried and the failures are listed
+    together."""
     failures = []
-    for name in zoo.names():
+    for name in MODELS:
         try:
             model, inputs, reference, cap = cuda_model(name)
-            backend = CudaBackend(cap, plan_of(name, scheduler), inputs, mode=mode)
-            if mode == "graph":
+            backend = CudaBackend(cap, plan_of(name, scheduler), inputs, cudagraphs=cudagraphs, runtime=rt)
+            if cudagraphs:
                 (entry,) = backend._entries.values()
+                rt.synchronize()
                 nan_fill(entry.static_output)
             new = fresh(inputs, seed=1)
             with torch.no_grad():
@@ -196,14 +232,14 @@ def test_scheduler_matches_eager_on_new_inputs_in_mode(scheduler, mode):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@GRAPHS
 @pytest.mark.parametrize("scheduler", ["wavefront", "opara", "lios", "nimble"])
-def test_race_stress_a_sleeping_lane_during_capture_then_replays(scheduler, mode):
+def test_race_stress_a_sleeping_lane_during_capture_then_replays(rt, scheduler, cudagraphs):  # noqa: F811
     """The slow op spins for milliseconds before writing; a missing wait (or a buffer released too early and reused
     by another lane) would let its reader see the previous call's value, which differs with every new input."""
     torch.manual_seed(0)
-    model, x = Racy().cuda().eval(), torch.randn(2, 8, 32, 32, device="cuda")
-    fast = opweave.compile(model, (x,), scheduler=scheduler, device="cuda", streams=4, mode=mode)
+    model, x = Racy().to(DEVICE).eval(), torch.randn(2, 8, 32, 32, device=DEVICE)
+    fast = compile_cuda(model, (x,), scheduler=scheduler, streams=4, cudagraphs=cudagraphs, runtime=rt)
     lane_of = {i.op: (i.device, i.stream) for i in fast.plan.instrs if i.kind == "launch"}
     slow = [op for op in fast.graph.ids if "slow_double" in (fast.graph.op[op].target or "")]
     assert len(slow) == 2 and any(lane_of[r] != lane_of[s] for s in slow for r in fast.graph.succs[s])
@@ -217,13 +253,14 @@ def test_race_stress_a_sleeping_lane_during_capture_then_replays(scheduler, mode
 # ---- dtypes, batch sizes, callers ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["googlenet", "squeezenet"])
-def test_fp16_at_batch_8(name, mode):
-    model, inputs, reference, cap = cuda_model(name, batch=8, half=True)
-    """fp16 rounds BatchNorm folded into the weights (coarsening) differently from eager: checked against float64
-    as the benchmark checks (within 1e-2 of eager, or no farther from float64 than 3 times eager)."""
-    fast = compile_captured(cap, inputs, scheduler="opara", device="cuda", mode=mode)
+@GRAPHS
+@pytest.mark.parametrize("name", ["googlenet", "squeezenet"] if ON_GPU else ["squeezenet"])
+def test_fp16(rt, name, cudagraphs):  # noqa: F811
+    """At batch 8 on a GPU (batch 1 on the fake: fp16 convolutions are slow on a CPU). fp16 rounds BatchNorm folded
+    into the weights (coarsening) differently from eager: checked against float64 as the benchmark checks (within
+    1e-2 of eager, or no farther from float64 than 3 times eager)."""
+    model, inputs, reference, cap = cuda_model(name, batch=8 if ON_GPU else 1, half=True)
+    fast = compile_cuda(cap, inputs, scheduler="opara", cudagraphs=cudagraphs, runtime=rt)
     new = fresh(inputs, seed=3)
     exact, new_exact = exact_outputs(model, inputs, new)
     check(reference, fast(*inputs), "example", exact)
@@ -232,14 +269,14 @@ def test_fp16_at_batch_8(name, mode):
     check(expected, fast(*new), "fresh input", new_exact)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_caller_under_inference_mode(mode):
+@GRAPHS
+def test_a_caller_under_inference_mode(rt, cudagraphs):  # noqa: F811
     model, inputs, _, cap = cuda_model("googlenet")
-    fast = compile_captured(cap, inputs, scheduler="lios", device="cuda", mode=mode)
+    fast = compile_cuda(cap, inputs, scheduler="lios", cudagraphs=cudagraphs, runtime=rt)
     with torch.inference_mode():
         x = fresh(inputs, seed=4)
         check(model(*x), fast(*x), "inference mode")
-        batch2 = fresh((torch.randn(2, *inputs[0].shape[1:], device="cuda"),), seed=5)  # a new signature in there
+        batch2 = fresh((torch.randn(2, *inputs[0].shape[1:], device=DEVICE),), seed=5)  # a new signature in there
         check(model(*batch2), fast(*batch2), "new signature under inference mode")
     with torch.no_grad():  # and outside it again, on the entries made inside
         x = fresh(inputs, seed=6)
@@ -247,63 +284,66 @@ def test_a_caller_under_inference_mode(mode):
         check(model(*batch2), fast(*batch2), "batch 2 after inference mode")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_replay_with_new_inputs(mode):
+@GRAPHS
+def test_replay_with_new_inputs(rt, cudagraphs):  # noqa: F811
     model, inputs, _, _ = cuda_model("googlenet")
-    fast = opweave.compile(model, inputs, scheduler="nimble", device="cuda", mode=mode)
+    fast = compile_cuda(model, inputs, scheduler="nimble", cudagraphs=cudagraphs, runtime=rt)
     for seed in range(3):
         x = fresh(inputs, seed)
         with torch.no_grad():
             check(model(*x), fast(*x), f"seed {seed}")
 
 
-def test_cpu_inputs_are_copied_to_the_gpu_and_the_callers_model_stays_put():
+def test_cpu_inputs_are_copied_to_the_gpu_and_the_callers_model_stays_put(rt):  # noqa: F811
+    """(On the fake, whose device is the CPU, nothing is copied: the model must still stay put.)"""
     model, inputs = zoo.create("squeezenet")
-    fast = opweave.compile(model, inputs, scheduler="lios", device="cuda")
+    fast = compile_cuda(model, inputs, scheduler="lios", runtime=rt)
     assert next(model.parameters()).device.type == "cpu"
     got = fast(*inputs)
-    assert got.is_cuda
-    pinned = tuple(x.pin_memory() for x in fresh(inputs, seed=7))  # copied with non_blocking=True
+    assert got.device == rt.device
+    host = fresh(inputs, seed=7)
+    pinned = tuple(x.pin_memory() for x in host) if ON_GPU else host  # copied with non_blocking=True
     out = fast(*pinned)
+    rt.synchronize()
     with torch.no_grad():
         check(model(*inputs), got.cpu(), "pageable")
         check(model(*pinned), out.cpu(), "pinned")
 
 
-def test_two_captured_models_alive_at_once():
+def test_two_captured_models_alive_at_once(rt):  # noqa: F811
     a_model, a_inputs, a_ref, _ = cuda_model("googlenet")
     b_model, b_inputs, b_ref, _ = cuda_model("squeezenet")
-    a = opweave.compile(a_model, a_inputs, scheduler="opara", device="cuda")
-    b = opweave.compile(b_model, b_inputs, scheduler="lios", device="cuda")
+    a = compile_cuda(a_model, a_inputs, scheduler="opara", runtime=rt)
+    b = compile_cuda(b_model, b_inputs, scheduler="lios", runtime=rt)
     for _ in range(3):
         got_a, got_b = a(*a_inputs), b(*b_inputs)
         check(a_ref, got_a, "googlenet")
         check(b_ref, got_b, "squeezenet")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@GRAPHS
 @pytest.mark.parametrize("scheduler", ["sequential", "opara", "lios", "wavefront"])
-def test_in_place_ops(mode, scheduler):
+def test_in_place_ops(rt, cudagraphs, scheduler):  # noqa: F811
     torch.manual_seed(0)
-    model, x = InPlace().cuda().eval(), torch.randn(2, 3, 16, 16, device="cuda")
+    model, x = InPlace().to(DEVICE).eval(), torch.randn(2, 3, 16, 16, device=DEVICE)
     with torch.no_grad():
         expected = model(x.clone())
-    fast = opweave.compile(model, (x,), scheduler=scheduler, device="cuda", streams=3, mode=mode)
+    fast = compile_cuda(model, (x,), scheduler=scheduler, streams=3, cudagraphs=cudagraphs, runtime=rt)
     for _ in range(2):
         check(expected, fast(x), "in place")
 
 
-def test_static_outputs_are_overwritten_by_the_next_call():
+def test_static_outputs_are_overwritten_by_the_next_call(rt):  # noqa: F811
     model, inputs, _, _ = cuda_model("squeezenet")
     x1, x2 = inputs[0], fresh(inputs, seed=8)[0]
     with torch.no_grad():
         r1, r2 = model(x1), model(x2)
-    static = opweave.compile(model, inputs, scheduler="lios", device="cuda", static_outputs=True)
+    static = compile_cuda(model, inputs, scheduler="lios", static_outputs=True, runtime=rt)
     out1 = static(x1)
     out2 = static(x2)
     assert out1.data_ptr() == out2.data_ptr()
     check(r2, out1, "the first result now holds the second call's values")
-    cloned = opweave.compile(model, inputs, scheduler="lios", device="cuda")
+    cloned = compile_cuda(model, inputs, scheduler="lios", runtime=rt)
     out1 = cloned(x1)
     out2 = cloned(x2)
     assert out1.data_ptr() != out2.data_ptr()
@@ -311,53 +351,61 @@ def test_static_outputs_are_overwritten_by_the_next_call():
     check(r2, out2, "second")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_one_entry_per_signature_in_a_bounded_lru_cache(mode):
+@GRAPHS
+def test_one_entry_per_signature_in_a_bounded_lru_cache(rt, cudagraphs):  # noqa: F811
     model, inputs, _, _ = cuda_model("googlenet")
-    fast = opweave.compile(model, inputs, scheduler="opara", device="cuda", mode=mode, cache_size=2)
-    batches = [torch.randn(n, *inputs[0].shape[1:], device="cuda") for n in (1, 2, 3)]
+    fast = compile_cuda(model, inputs, scheduler="opara", cudagraphs=cudagraphs, cache_size=2, runtime=rt)
+    batches = [torch.randn(n, *inputs[0].shape[1:], device=DEVICE) for n in (1, 2, 3)]
     for x in [*batches, batches[0]]:
         with torch.no_grad():
             check(model(x), fast(x), f"batch {x.shape[0]}")
     backend = fast.backend
     assert len(backend.signatures) == 2
-    if mode == "graph":
+    if cudagraphs:
         assert backend.stats["captures"] == 4 and backend.stats["evictions"] == 2
     with pytest.raises(TypeError, match="expected 1 inputs"):
         fast(batches[0], batches[1])
 
 
-def test_calls_from_another_stream_are_ordered_after_the_previous_call():
-    model, inputs, reference, _ = cuda_model("squeezenet")
-    for mode in MODES:
-        fast = opweave.compile(model, inputs, scheduler="opara", device="cuda", mode=mode)
-        other = torch.cuda.Stream()
-        first = fast(*inputs)
-        other.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(other):
-            second = fast(*inputs)
-        torch.cuda.synchronize()
-        check(reference, first, f"{mode}: first")
-        check(reference, second, f"{mode}: second, from another stream")
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_threads_calling_one_compiled_model(mode):
-    """Six threads, half of them on their own streams, call one compiled model with different inputs."""
+def test_calls_from_another_stream_are_ordered_after_the_previous_call(rt):  # noqa: F811
+    """Calls alternate between the current stream and another one, with no wait between them but the backend's:
+    each call's input copy must not overwrite the static inputs (nor its replay the static outputs) before the
+    previous call, on the other stream, has read them."""
     model, inputs, _, _ = cuda_model("squeezenet")
-    fast = opweave.compile(model, inputs, scheduler="opara", device="cuda", mode=mode)
     xs = [fresh(inputs, seed) for seed in range(6)]
     with torch.no_grad():
         refs = [model(*x) for x in xs]
-    torch.cuda.synchronize()
+    for cudagraphs in (True, False):
+        fast = compile_cuda(model, inputs, scheduler="opara", cudagraphs=cudagraphs, runtime=rt)
+        other = rt.Stream()
+        outs = []
+        for i, x in enumerate(xs):
+            with rt.stream(other if i % 2 else None):
+                outs.append(fast(*x))
+        rt.synchronize()
+        for i, (ref, out) in enumerate(zip(refs, outs, strict=True)):
+            check(ref, out, f"cudagraphs={cudagraphs}: call {i}, {'another' if i % 2 else 'the current'} stream")
+
+
+@GRAPHS
+def test_threads_calling_one_compiled_model(rt, cudagraphs):  # noqa: F811
+    """Six threads, half of them on their own streams, call one compiled model with different inputs."""
+    model, inputs, _, _ = cuda_model("squeezenet")
+    fast = compile_cuda(model, inputs, scheduler="opara", cudagraphs=cudagraphs, runtime=rt)
+    xs = [fresh(inputs, seed) for seed in range(6)]
+    with torch.no_grad():
+        refs = [model(*x) for x in xs]
+    rt.synchronize()
     errors: list[str] = []
 
     def worker(k: int) -> None:
         try:
-            with torch.cuda.stream(torch.cuda.Stream() if k % 2 else None):
+            with rt.stream(rt.Stream() if k % 2 else None):
                 for rep in range(5):
                     i = (k + rep) % len(xs)
-                    result = compare(refs[i], fast(*xs[i]))  # float(): syncs this stream
+                    out = fast(*xs[i])
+                    rt.current_stream().synchronize()
+                    result = compare(refs[i], out)
                     if not result.ok:
                         errors.append(f"thread {k}, call {rep}: {result.reason}")
         except Exception as exc:  # noqa: BLE001 - reported by the main thread
@@ -375,80 +423,83 @@ def test_threads_calling_one_compiled_model(mode):
 
 
 @pytest.mark.parametrize("warmup", [1, 2])
-def test_a_sync_is_found_before_capture_and_named_or_run_without_a_graph(warmup):
+def test_a_sync_is_found_before_capture_and_named_or_run_without_a_graph(rt, warmup):  # noqa: F811
     torch.manual_seed(0)
-    model, x = Syncs().cuda().eval(), torch.randn(4, 16, device="cuda")
+    model, x = Syncs().to(DEVICE).eval(), torch.randn(4, 16, device=DEVICE)
     with pytest.raises(GraphCaptureError, match=r"op '.*'.*item.*synchronizes the CPU with the GPU"):
-        opweave.compile(model, (x,), scheduler="lios", device="cuda", warmup=warmup)
-    assert torch.cuda.get_sync_debug_mode() == 0  # restored
+        compile_cuda(model, (x,), scheduler="lios", warmup=warmup, runtime=rt)
+    assert rt.get_sync_debug_mode() == 0  # restored
     with pytest.warns(UserWarning, match="without a CUDA graph"):
-        fast = opweave.compile(model, (x,), scheduler="lios", device="cuda", fallback="eager", warmup=warmup)
+        fast = compile_cuda(model, (x,), scheduler="lios", capture_fallback="eager", warmup=warmup, runtime=rt)
     assert fast.backend.stats == {"captures": 0, "evictions": 0, "eager_fallbacks": 1}  # found before capture
     with torch.no_grad():
         check(model(x), fast(x), "fallback")
-    streams = opweave.compile(model, (x,), scheduler="lios", device="cuda", mode="streams")
+    streams = compile_cuda(model, (x,), scheduler="lios", cudagraphs=False, runtime=rt)
     with torch.no_grad():
-        check(model(x), streams(x), "streams mode")
+        check(model(x), streams(x), "without graphs")
 
 
 @pytest.mark.parametrize(("model_class", "cause"), [
     (Refuses, r"refuse_in_graph.*failed: CaptureError: .*this op refuses to be recorded"),
     (SyncsInCapture, r"sync_in_graph.*synchronizes the CPU with the GPU"),
 ])
-def test_a_failure_inside_capture_is_named_never_run_eagerly_and_leaves_the_process_usable(model_class, cause):
+def test_a_failure_inside_capture_is_named_never_run_eagerly_and_leaves_the_process_usable(
+        rt, model_class, cause):  # noqa: F811
     """The example (batch 1) captures; batch 2 fails while being recorded: a Python error, or a sync that
-    invalidates the capture. Even with fallback="eager" it is raised, the caller's (non-default) stream is current
-    again, no stream of the backend is left capturing, and the backend, the process and new compiles work."""
+    invalidates the capture. Even with capture_fallback="eager" it is raised, the caller's (non-default) stream is
+    current again, no stream of the backend is left capturing, and the backend, the process and new compiles work."""
     torch.manual_seed(0)
-    model = model_class().cuda().eval()
-    x1, x2 = torch.randn(1, 3, 16, 16, device="cuda"), torch.randn(2, 3, 16, 16, device="cuda")
-    caller = torch.cuda.Stream()
-    caller.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(caller):
-        fast = opweave.compile(model, (x1,), scheduler="wavefront", device="cuda", streams=2, fallback="eager")
+    model = model_class().to(DEVICE).eval()
+    x1, x2 = torch.randn(1, 3, 16, 16, device=DEVICE), torch.randn(2, 3, 16, 16, device=DEVICE)
+    caller = rt.Stream()
+    caller.wait_stream(rt.current_stream())
+    with rt.stream(caller):
+        fast = compile_cuda(model, (x1,), scheduler="wavefront", streams=2, capture_fallback="eager", runtime=rt)
         assert fast.schedule.streams_used == 2
         with pytest.raises(GraphCaptureError, match=cause):
             fast(x2)
-        assert torch.cuda.current_stream() == caller
-        assert not torch.cuda.is_current_stream_capturing()
+        assert rt.current_stream() == caller
+        assert not rt.is_current_stream_capturing()
         assert fast.backend.capturing_streams() == []
         assert fast.backend.stats["eager_fallbacks"] == 0
         with torch.no_grad():
             check(model(x1), fast(x1), "the captured signature still replays")
-    torch.cuda.synchronize()
+    rt.synchronize()
     other, inputs, reference, _ = cuda_model("squeezenet")
-    again = opweave.compile(other, inputs, scheduler="lios", device="cuda")
+    again = compile_cuda(other, inputs, scheduler="lios", runtime=rt)
     check(reference, again(*inputs), "a new compile after the failure")
 
 
 # ---- streams ---------------------------------------------------------------------------------------------------------
 
 
-def test_lanes_are_capped_by_default_and_get_distinct_streams():
-    model, inputs, _, cap = cuda_model("nasnet_a_mobile")
-    fast = compile_captured(cap, inputs, scheduler="wavefront", device="cuda")
+def test_lanes_are_capped_by_default_and_get_distinct_streams(rt):  # noqa: F811
+    model, inputs, _, cap = cuda_model("nasnet_a_mobile" if ON_GPU else "googlenet")
+    fast = compile_cuda(cap, inputs, scheduler="wavefront", runtime=rt)
     backend = fast.backend
     assert 1 < len(backend.lanes) <= default_streams()  # 8 unless CUDA_DEVICE_MAX_CONNECTIONS says otherwise
     handles = [s.cuda_stream for s in [*backend._lanes.side, backend._capture_stream]]
     assert len(set(handles)) == len(handles) == len(backend.lanes)
 
 
-def test_backends_alive_together_get_distinct_pooled_streams_and_give_them_back():
-    from opweave.backends.streams import stream_pool
-
+def test_backends_alive_together_get_distinct_pooled_streams_and_give_them_back(rt):  # noqa: F811
     model, inputs, reference, cap = cuda_model("squeezenet")
-    pool = stream_pool(torch.device("cuda", torch.cuda.current_device()))
-    _, plan = plan_for(cap.graph, estimate(cap.graph, "h100"), "wavefront", streams=3)
+    pool = stream_pool(rt.device, rt)
+    sched, plan = plan_for(cap.graph, estimate(cap.graph, "h100"), "wavefront", streams=3)
+    # wavefront gives each level at most as many streams as it has ops: squeezenet's widest levels are its fire
+    # modules' two expand convolutions, so 2 of the 3 streams allowed are used
+    assert sched.streams_used == 2
     gc.collect()
     gc.disable()  # no other backend is collected (giving its streams back) while the pool's counts are compared
     try:
         held = sum(pool.users)
-        a, b = (CudaBackend(cap, plan, inputs, mode=mode) for mode in MODES)
+        a, b = (CudaBackend(cap, plan, inputs, cudagraphs=graphs, runtime=rt) for graphs in (True, False))
         handles = [s.cuda_stream for backend in (a, b) for s in [*backend._lanes.side, backend._capture_stream]]
-        assert len(a.lanes) == 3 and len(set(handles)) == len(handles) == 6  # 2 side lanes + a capture stream each
-        assert sum(pool.users) == held + 6
-        check(reference, a(*inputs), "graph mode")
-        check(reference, b(*inputs), "streams mode")
+        assert len(a.lanes) == len(b.lanes) == 2  # each: 1 side lane and a capture stream
+        assert len(set(handles)) == len(handles) == 4
+        assert sum(pool.users) == held + 4
+        check(reference, a(*inputs), "with graphs")
+        check(reference, b(*inputs), "without graphs")
         a.close()
         b.close()
         b.close()  # twice: harmless
@@ -459,19 +510,19 @@ def test_backends_alive_together_get_distinct_pooled_streams_and_give_them_back(
         a(*inputs)
 
 
-def test_more_lanes_than_the_stream_pool_are_refused():
-    pool = [torch.cuda.Stream() for _ in range(40)]
+def test_more_lanes_than_the_stream_pool_are_refused(rt):  # noqa: F811
+    pool = [rt.Stream() for _ in range(40)]
     assert len({s.cuda_stream for s in pool}) < 40  # PyTorch hands out a pool of 32 streams round robin
     torch.manual_seed(0)
-    model, x = Wide(40).cuda().eval(), torch.randn(1, 4, 8, 8, device="cuda")
+    model, x = Wide(40).to(DEVICE).eval(), torch.randn(1, 4, 8, 8, device=DEVICE)
     with pytest.raises(DeviceError, match="got the same CUDA stream"):
-        opweave.compile(model, (x,), scheduler="wavefront", device="cuda", streams=40)
+        compile_cuda(model, (x,), scheduler="wavefront", streams=40, runtime=rt)
 
 
-def test_streams_mode_frees_buffers_before_the_end_of_a_sequential_run():
-    model, inputs, _, cap = cuda_model("resnet50")
+def test_running_without_graphs_frees_buffers_before_the_end_of_a_sequential_run(rt):  # noqa: F811
+    model, inputs, _, cap = cuda_model("resnet50" if ON_GPU else "squeezenet")
     _, plan = plan_for(cap.graph, estimate(cap.graph, "h100"), "sequential")
-    backend = CudaBackend(cap, plan, inputs, mode="streams")
+    backend = CudaBackend(cap, plan, inputs, cudagraphs=False, runtime=rt)
     (entry,) = backend._entries.values()
     released = sum(len(keys) for keys in entry.releases.values())
     assert released >= len(cap.graph) - 2
@@ -480,7 +531,8 @@ def test_streams_mode_frees_buffers_before_the_end_of_a_sequential_run():
 # ---- profiler --------------------------------------------------------------------------------------------------------
 
 
-def test_profiler_takes_gpu_time_from_a_real_trace():
+@needs_gpu("the kernels' GPU times in a real profiler trace")
+def test_profiler_takes_gpu_time_from_a_real_trace(rt):  # noqa: F811
     """Per-op latency is the kernels' GPU time: at batch 1 their sum is below eager's (host-bound) wall time."""
     from opweave.costs import timing
 
@@ -501,11 +553,12 @@ def test_profiler_takes_gpu_time_from_a_real_trace():
 # ---- torch.compile ---------------------------------------------------------------------------------------------------
 
 
-def test_torch_compile_backend_on_cuda_reads_the_parameters_in_place_and_follows_a_swap():
+def test_torch_compile_backend_on_cuda_reads_the_parameters_in_place_and_follows_a_swap(rt):  # noqa: F811
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model, x = InPlace().cuda().eval(), torch.randn(2, 3, 16, 16, device="cuda")
-    fast = torch.compile(model, backend="opweave", options={"scheduler": "lios", "streams": 2})
+    model, x = InPlace().to(DEVICE).eval(), torch.randn(2, 3, 16, 16, device=DEVICE)
+    fast = torch.compile(model, backend="opweave", options={"scheduler": "lios", "streams": 2,
+                                                             **({} if ON_GPU else {"runtime": rt})})
     with torch.no_grad():
         check(model(x.clone()), fast(x), "first call")
         x2 = torch.randn_like(x)

@@ -24,11 +24,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import opweave
-from benchmark_module import gpu_latency
+from benchmark_module import BENCHMARKS, gpu_latency
 from dags import dags
 from opweave import costs as costs_mod
 from opweave import schedulers
-from opweave.api import plan_for
 from opweave.backends.cache import BoundedCache, signature
 from opweave.backends.cuda import CudaBackend, InputCopies, _static_copy, input_signature, on_device, require_cuda
 from opweave.backends.cudagraph import capture_error
@@ -42,6 +41,7 @@ from opweave.backends.liveness import (
 )
 from opweave.backends.program import Program, Step, Walker
 from opweave.backends.streams import check_distinct_streams, default_streams
+from opweave.build import plan_for
 from opweave.capture import capture
 from opweave.costs.profile import Profile, ProfileKeyError, profile_key, profile_model
 from opweave.costs.profile.kineto import kernels_by_op, range_runs, trace_ops
@@ -529,21 +529,43 @@ def test_profiler_ranges_on_a_real_cpu_trace():
         latencies_from_runs(cap.graph, runs)
 
 
-REAL_TRACE = DATA / "googlenet-trace.json.gz"
+REAL_TRACE = DATA / "googlenet-trace.json.gz"  # scripts/dump_trace.py on an H200, 2026-11-27 (docs/gpu.md)
 
 
-@pytest.mark.skipif(not REAL_TRACE.exists(), reason="no real CUDA trace committed yet: scripts/gpu_check.sh trace "
-                                                    "writes one (scripts/dump_trace.py) to copy to tests/data/")
-def test_profiler_parsing_on_a_real_cuda_trace():
+def real_trace() -> tuple[dict, OpGraph]:
     with gzip.open(REAL_TRACE, "rt") as f:
         trace = json.load(f)
     meta = trace["opweave"]
-    graph = OpGraph([Op(op, target=meta["targets"][op], flops=meta["flops"][op]) for op in meta["ops"]])
+    return trace, OpGraph([Op(op, target=meta["targets"][op], flops=meta["flops"][op]) for op in meta["ops"]])
+
+
+def test_profiler_parsing_on_a_real_cuda_trace():
+    """The H200's trace of GoogLeNet's 195 ops x 3 runs: as that run reported it, 269 kernels in the median runs,
+    every op with GPU work, their GPU times summing to 0.714 ms; the largest a 3x3 convolution."""
+    trace, graph = real_trace()
     runs = range_runs(trace)
-    assert len(runs) == len(meta["ops"]) * meta["repeats"]
+    assert len(runs) == len(graph) * trace["opweave"]["repeats"] == 585
     latency, kernels = latencies_from_runs(graph, runs)
     assert all(latency[o.id] > 0 and kernels[o.id] for o in graph.ops if o.flops > 0)
     assert all(k["grid"] and k["block"] and k["duration_us"] > 0 for ks in kernels.values() for k in ks)
+    assert sum(v > 0 for v in latency.values()) == 195 and sum(map(len, kernels.values())) == 269
+    assert sum(latency.values()) == pytest.approx(0.714, abs=5e-4)
+    assert max(latency, key=latency.get) == "inception4_4_branch2_1_conv"
+
+
+@pytest.mark.parametrize("source", ["synthetic", "real"])
+def test_categories_and_thread_numbers_do_not_change_what_is_attributed(source):
+    """Kineto's category names in other letter cases or older spellings, and launches recorded under another thread
+    number than their op's range, give the same per-op GPU times: on the synthetic fixture and on the real trace."""
+    trace, graph = (fixture_trace(), fixture_graph()) if source == "synthetic" else real_trace()
+    expected = latencies_from_runs(graph, range_runs(trace))[0]
+    old_names = {"cuda_runtime": "Runtime", "gpu_memcpy": "Memcpy", "gpu_memset": "Memset"}
+    for e in trace["traceEvents"]:
+        if "cat" in e:
+            e["cat"] = old_names.get(str(e["cat"]).lower(), str(e["cat"]).upper())
+        if str(e.get("cat", "")).lower() == "runtime":
+            e["tid"] = 99  # no op range on that thread: every thread's ranges are searched
+    assert latencies_from_runs(graph, range_runs(trace))[0] == pytest.approx(expected)
 
 
 # ---- CUDA backend helpers --------------------------------------------------------------------------------------------
@@ -568,18 +590,18 @@ def test_input_signatures_need_no_pytree_walk_for_flat_arguments():
     cpu = torch.device("cpu")
     x, weight = torch.randn(2, 3), nn.Parameter(torch.randn(3))
     args = (x, weight, 4)
-    key, leaves = input_signature(args, "graph", cpu)
+    key, leaves = input_signature(args, True, cpu)
     assert leaves is args  # flat: the arguments are the leaves
     assert key == ((None, (x.shape, x.dtype, cpu), (weight.shape, weight.dtype, cpu, weight.data_ptr()),
                     ("value", "4")))
-    assert input_signature((torch.randn(2, 3), weight, 4), "graph", cpu)[0] == key  # new values, same signature
-    assert input_signature((x, nn.Parameter(torch.randn(3)), 4), "graph", cpu)[0] != key  # another parameter
-    assert input_signature((x, weight, 5), "graph", cpu)[0] != key
-    # streams mode uses inputs in place: strides count
+    assert input_signature((torch.randn(2, 3), weight, 4), True, cpu)[0] == key  # new values, same signature
+    assert input_signature((x, nn.Parameter(torch.randn(3)), 4), True, cpu)[0] != key  # another parameter
+    assert input_signature((x, weight, 5), True, cpu)[0] != key
+    # without graphs inputs are used in place: strides count
     t = torch.randn(3, 2).t()
-    assert input_signature((t,), "streams", cpu)[0] != input_signature((t.contiguous(),), "streams", cpu)[0]
-    assert input_signature((t,), "graph", cpu)[0] == input_signature((t.contiguous(),), "graph", cpu)[0]
-    nested_key, nested = input_signature(([x], {"w": weight}), "graph", cpu)
+    assert input_signature((t,), False, cpu)[0] != input_signature((t.contiguous(),), False, cpu)[0]
+    assert input_signature((t,), True, cpu)[0] == input_signature((t.contiguous(),), True, cpu)[0]
+    nested_key, nested = input_signature(([x], {"w": weight}), True, cpu)
     assert nested == [x, weight] and nested_key[0] is not None and nested_key[1:] == key[1:3]
 
 
@@ -673,11 +695,11 @@ def test_capture_errors_name_the_op_in_one_line():
     wrapped.__cause__ = inner
     assert "synchronizes the CPU with the GPU" in str(capture_error(cap, op, wrapped, sync=True))
     assert "a step outside the ops" in str(capture_error(cap, None, ValueError("bad input")))
-    assert err.endswith("pass fallback='eager' or mode='streams' to run it without a graph")
+    assert err.endswith("pass capture_fallback='eager' or cudagraphs=False to run it without a graph")
     during = str(capture_error(cap, None, RuntimeError("CUDA error: operation failed due to a previous error"),
                                where="ending the capture", during_capture=True))
     assert "ending the capture failed: RuntimeError: CUDA error: operation failed due to a previous error" in during
-    assert "fallback='eager'" not in during and "is never run eagerly" in during
+    assert "capture_fallback='eager'" not in during and "is never run eagerly" in during
 
 
 # ---- the GPU benchmark's parts that need no GPU ---------------------------------------------------------------------
@@ -757,3 +779,11 @@ def test_benchmark_summary_table_and_json(tmp_path):
     assert "WRONG (5.0e-01)" in text and "1.50x" in text and "scheduling timed out" in text and "profile" in text
     fused_line = next(line for line in text.splitlines() if "opweave lios+inductor" in line)
     assert [c.strip() for c in fused_line.strip().strip("│").split("│")][4] == "41"  # kernels/call
+
+
+def test_docs_gpu_shows_the_committed_results_as_they_are():
+    """docs/gpu.md carries the committed GPU results' tables as gpu_latency.markdown renders them."""
+    doc = (BENCHMARKS.parent / "docs" / "gpu.md").read_text()
+    for name in ("gpu_latency_h200_b1_fp32.json", "gpu_latency_h200_googlenet_fused.json"):
+        data = json.loads((BENCHMARKS / "results" / name).read_text())
+        assert gpu_latency().markdown(data) in doc, f"docs/gpu.md: the tables of {name} are out of date"

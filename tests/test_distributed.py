@@ -23,8 +23,9 @@ from torch import fx, nn
 
 from dags import dags
 from opweave import zoo
-from opweave.api import compile_ranks, plan_for, plan_ranks
 from opweave.backends.distributed import DistributedBackend, held_bytes, split, wire
+from opweave.build import Options, build, plan_for, resolve
+from opweave.build.targets import RanksTarget
 from opweave.capture import capture
 from opweave.costs.links import Link
 from opweave.costs.roofline import estimate
@@ -209,7 +210,7 @@ def test_zoo_models_on_2_and_4_ranks_equal_eager(name):
     model, inputs, cap, reference = captured_model(name)
     for world in (2, 4):
         for scheduler in ("hios-lp", "hios-mr"):
-            with compile_ranks(cap, scheduler=scheduler, devices=world, link=FREE, timeout_s=60) as fast:
+            with ranks(cap, scheduler=scheduler, devices=world, link=FREE, timeout_s=60) as fast:
                 got = fast(*inputs)
                 again = fast(*inputs)  # persistent ranks: a second call on the same processes
                 infos, pids = fast.backend.info, fast.backend.pids
@@ -223,7 +224,7 @@ def test_zoo_models_on_2_and_4_ranks_equal_eager(name):
 def test_parameter_bytes_of_the_ranks_add_up_to_the_model():
     model, inputs, cap, reference = captured_model("googlenet")
     total = held_bytes(model)
-    with compile_ranks(cap, scheduler="hios-lp", devices=4, link=FREE, timeout_s=60) as fast:
+    with ranks(cap, scheduler="hios-lp", devices=4, link=FREE, timeout_s=60) as fast:
         held = [info["param_bytes"] for info in fast.backend.info]
         assert compare(reference, fast(*inputs)).max_diff < 1e-4
         pids = fast.backend.pids
@@ -291,7 +292,8 @@ def test_random_multi_device_plans_finish_and_equal_eager(dag, devices, how, dat
         plan = lower(cap.graph, sched)
         validate(cap.graph, plan, sched)
     else:
-        _, sched, plan = plan_ranks(cap, scheduler=how, devices=min(devices, len(cap.graph)), link=FREE)
+        options = Options(scheduler=how, devices=min(devices, len(cap.graph)), link=FREE)
+        _, sched, plan = RanksTarget().plan(cap, (), options)
     with DistributedBackend(cap, plan, world=devices, timeout_s=30) as backend:
         for _ in range(2):
             result = call_within(backend, (x,), 90)
@@ -313,7 +315,7 @@ class _TwoHeavyBranches(nn.Module):
 def test_a_killed_rank_ends_the_run_with_an_error_naming_it():
     x = torch.randn(768, 768) / 30
     cap = capture(_TwoHeavyBranches(), (x,))
-    _, sched, plan = plan_ranks(cap, scheduler="hios-lp", devices=2, link=FREE)
+    _, sched, plan = RanksTarget().plan(cap, (), Options(scheduler="hios-lp", devices=2, link=FREE))
     assert sched.devices_used == 2
     backend = DistributedBackend(cap, plan, world=2, timeout_s=120)
     pids = backend.pids
@@ -345,7 +347,7 @@ def test_a_killed_rank_ends_the_run_with_an_error_naming_it():
 
 def test_a_rank_that_raises_ends_the_run_with_an_error_naming_rank_and_op():
     model, inputs, cap, _ = captured_model("deepfm")
-    with compile_ranks(cap, scheduler="hios-mr", devices=2, link=FREE, timeout_s=60) as fast:
+    with ranks(cap, scheduler="hios-mr", devices=2, link=FREE, timeout_s=60) as fast:
         pids = fast.backend.pids
         sparse, dense = inputs
         result = call_within(fast.backend, (sparse + 10 ** 6, dense), 60)  # ids out of every embedding's range
@@ -358,12 +360,17 @@ def test_a_rank_that_raises_ends_the_run_with_an_error_naming_rank_and_op():
     assert wait_gone(pids) == []
 
 
+def ranks(cap, device: str = "cpu", **options):
+    """``cap`` built for rank processes (``devices > 1``), as ``opweave.compile(..., devices=N)`` builds it."""
+    return build(cap, cap.example_inputs, resolve(device, coarsen=False, **options))
+
+
 def test_too_many_devices_and_a_single_device_scheduler_fail_with_one_line():
     _, _, cap, _ = captured_model("squeezenet")
     with pytest.raises(UsageError, match=f"more than the graph's {len(cap.graph)} ops"):
-        plan_ranks(cap, devices=len(cap.graph) + 1)
+        RanksTarget().plan(cap, (), Options(devices=len(cap.graph) + 1))
     with pytest.raises(UsageError, match="places every op on one device"):
-        plan_ranks(cap, scheduler="lios", devices=2)
+        resolve("cpu", scheduler="lios", devices=2)
 
 
 @pytest.mark.slow
@@ -394,7 +401,7 @@ def test_no_rank_outlives_a_caller_that_crashes(tmp_path):
 @pytest.mark.parametrize("scheduler", ["hios-lp", "hios-mr"])
 def test_nccl_ranks_on_two_gpus_equal_eager(scheduler):
     model, inputs, cap, reference = captured_model("googlenet")
-    with compile_ranks(cap, scheduler=scheduler, devices=2, device="cuda", link=FREE, timeout_s=120) as fast:
+    with ranks(cap, scheduler=scheduler, devices=2, device="cuda", link=FREE, timeout_s=120) as fast:
         got = fast(*inputs)
         pids = fast.backend.pids
     assert fast.schedule.devices_used == 2

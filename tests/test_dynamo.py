@@ -62,7 +62,20 @@ def test_zoo_model_matches_eager():
     fast = torch.compile(model, backend="opweave")
     with torch.no_grad():
         assert torch.allclose(model(*inputs), fast(*inputs), atol=1e-4)
-    assert opweave.dynamo.last_compiled().schedule.scheduler == "opara"
+    compiled = opweave.dynamo.last_compiled()  # the same default plan as opweave.compile's on the CPU
+    assert compiled.choice["label"] in ("lanes", "one lane", "eager")  # what the guard kept, measured
+
+
+def test_torch_modes_and_opweave_options_mean_what_they_mean_for_compile():
+    x = torch.randn(1, 3, 8, 8)
+    for kwargs, match in (({"options": {"fuse": "inductor"}}, "unknown option 'fuse' \\(now 'compiler'\\)"),
+                          ({"mode": "reduce-overhead"}, "records CUDA Graphs, which the CPU does not have"),
+                          ({"options": {"cudagraphs": True}}, "'cudagraphs' applies to device='cuda' only")):
+        torch._dynamo.reset()
+        fast = torch.compile(Branchy().eval(), backend="opweave", **kwargs)
+        with torch.no_grad(), pytest.raises(Exception, match=match) as info:
+            fast(x)
+        assert any(isinstance(e, opweave.errors.UsageError) for e in _chain(info.value))
 
 
 def test_symbolic_shapes_run_eagerly_with_a_warning():
@@ -77,7 +90,7 @@ def test_symbolic_shapes_run_eagerly_with_a_warning():
 
 def test_cuda_only_options_are_refused_for_cpu_graphs():
     fast = torch.compile(Branchy().eval(), backend="opweave", options={"static_outputs": True})
-    with torch.no_grad(), pytest.raises(Exception, match="static_outputs apply to CUDA graphs only"):
+    with torch.no_grad(), pytest.raises(Exception, match="'static_outputs' applies to device='cuda' only"):
         fast(torch.randn(1, 3, 8, 8))
 
 

@@ -1,5 +1,5 @@
 """Stream segments (opweave.backends.segments): the segment plan keeps every ordering the op-level plan proved, each
-segment runs as one graph, and ``fuse="inductor"`` equals eager on the CPU.
+segment runs as one graph, and ``compiler="inductor"`` equals eager on the CPU.
 
 The Inductor cases compile C++ kernels (one to three seconds per segment on a 2-core machine, far less once
 Inductor's on-disk caches hold them), so the fast set is small (deepfm, bert_base) and two convolutional networks
@@ -8,7 +8,7 @@ segments, 2 to 7 minutes each on a 2-core machine) would take the suite past its
 its full input size was checked by ``benchmarks/fused_cpu.py --check-only --models all --no-torch-compile`` (every
 mode ``ok`` against eager, no fallback; ``benchmarks/results/fused_cpu_check.json``), which
 ``benchmarks/cpu_latency.py --check-only`` has replaced.
-``fuse="eager"`` runs the same segment graphs uncompiled for every model and scheduler in seconds.
+``compiler="eager"`` runs the same segment graphs uncompiled for every model and scheduler in seconds.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_the_segment_plan_orders_every_dependency_between_segments(graph, schedu
 def test_segment_graphs_equal_eager_for_every_zoo_model(name):
     captured, inputs, reference = captured_model(name)
     for scheduler in (*ACCEPTANCE, "hios-lp"):
-        fast = compile_captured(captured, inputs, scheduler=scheduler, streams=3, fuse="eager")
+        fast = compile_captured(captured, inputs, scheduler=scheduler, streams=3, compiler="eager")
         assert fast.fused.stats["segments"] == len(segment_groups(fast.plan))
         with torch.inference_mode():
             assert_allclose(fast(*inputs), reference)
@@ -175,7 +175,7 @@ def test_a_segment_past_its_signature_bound_runs_op_by_op_and_warns_once():
 def inductor_matches_eager(name: str) -> None:
     captured, inputs, reference = captured_model(name)
     for scheduler in ACCEPTANCE:
-        fast = compile_captured(captured, inputs, scheduler=scheduler, streams=2, fuse="inductor")
+        fast = compile_captured(captured, inputs, scheduler=scheduler, streams=2, compiler="inductor")
         stats = fast.fused.stats
         assert stats["compiles"] == stats["segments"] and stats["fallbacks"] == 0 and stats["compile_s"] > 0
         with torch.inference_mode():
@@ -205,7 +205,7 @@ class TwoBranches(nn.Module):
 def test_new_values_reuse_the_compiled_segments_and_new_strides_compile_again():
     model = TwoBranches()
     x, m = torch.randn(4, 8), torch.eye(3) * 2
-    fast = compile_captured(capture(model, (x, m)), (x, m), scheduler="lios", fuse="inductor")
+    fast = compile_captured(capture(model, (x, m)), (x, m), scheduler="lios", compiler="inductor")
     assert fast.schedule.streams_used == 2
     compiles = fast.fused.stats["compiles"]
     with torch.inference_mode():
@@ -244,7 +244,7 @@ class FailingBranch(nn.Module):
 def test_an_error_inside_a_compiled_segment_reaches_the_caller_without_hanging():
     model = FailingBranch()
     x, m = torch.randn(4, 8), torch.rand(3, 3) + 0.5
-    fast = compile_captured(capture(model, (x, m)), (x, m), scheduler="lios", fuse="inductor")
+    fast = compile_captured(capture(model, (x, m)), (x, m), scheduler="lios", compiler="inductor")
     assert fast.schedule.streams_used == 2 and fast.fused.stats["fallbacks"] == 0  # both lanes compiled
     with pytest.raises((CaptureError, RuntimeError), match="not positive"):
         fast(x, -m)  # fails on one lane while the other runs
@@ -264,22 +264,22 @@ def test_a_segment_inductor_cannot_compile_runs_op_by_op_with_a_warning():
     x = torch.randn(4, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fast = compile_captured(capture(Custom(), (x,)), (x,), scheduler="sequential", fuse="inductor")
+        fast = compile_captured(capture(Custom(), (x,)), (x,), scheduler="sequential", compiler="inductor")
     assert any("could not be compiled with inductor" in str(w.message) for w in caught)
     assert fast.fused.stats["fallbacks"] == 1
     torch.testing.assert_close(fast(x), Custom()(x))
 
 
-def test_unknown_fuse_is_refused():
+def test_unknown_compiler_is_refused():
     x = torch.randn(4, 8)
-    with pytest.raises(ValueError, match="fuse must be one of"):
-        compile_captured(capture(nn.Linear(8, 8), (x,)), (x,), fuse="tvm")
+    with pytest.raises(ValueError, match="option 'compiler' must be one of"):
+        compile_captured(capture(nn.Linear(8, 8), (x,)), (x,), compiler="tvm")
 
 
-def test_torch_compile_backend_takes_fuse():
+def test_torch_compile_backend_takes_a_segment_compiler():
     torch._dynamo.reset()
     model, x = TwoBranches(), (torch.randn(4, 8), torch.eye(3) * 2)
-    fast = torch.compile(model, backend="opweave", options={"fuse": "inductor", "scheduler": "lios", "streams": 2})
+    fast = torch.compile(model, backend="opweave", options={"compiler": "inductor", "scheduler": "lios", "streams": 2})
     with torch.inference_mode():
         assert_allclose(fast(*x), model(*x))
     import opweave.dynamo
@@ -289,20 +289,20 @@ def test_torch_compile_backend_takes_fuse():
     torch._dynamo.reset()
 
 
-# ---- CUDA (skipped without a GPU; not yet run on one) ----------------------------------------------------------------
+# ---- CUDA (skipped without a GPU) ----------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["graph", "streams"])
+@pytest.mark.parametrize("cudagraphs", [True, False], ids=["cudagraphs", "streams"])
 @pytest.mark.parametrize("name", ["squeezenet", "bert_base"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_inductor_segments_on_cuda_streams_inside_the_cuda_graph(name, mode):
+def test_inductor_segments_on_cuda_streams_inside_the_cuda_graph(name, cudagraphs):
     model, inputs = zoo.create(name, **SMALL.get(name, {}))
     model, inputs = model.cuda(), tuple(x.cuda() for x in inputs)
     with torch.no_grad():
         reference = model(*inputs)
     for scheduler in ACCEPTANCE:
         fast = compile_captured(capture(model, inputs, name=name), inputs, scheduler=scheduler, device="cuda",
-                                streams=3, fuse="inductor", mode=mode)
+                                streams=3, compiler="inductor", cudagraphs=cudagraphs)
         stats = fast.fused.stats
         assert stats["compiles"] == stats["segments"] and stats["fallbacks"] == 0
         with torch.no_grad():
@@ -317,7 +317,7 @@ def test_inductor_segments_of_a_cpu_model_compiled_for_cuda():
     """The CUDA backend moves a CPU model's Captured to the GPU (a copy, through dataclasses.replace): the copy must
     still be a Segmented, compiling its segments for CUDA."""
     model, x = TwoBranches(), (torch.randn(4, 8), torch.eye(3) * 2)
-    fast = compile_captured(capture(model, x), x, scheduler="lios", device="cuda", fuse="inductor")
+    fast = compile_captured(capture(model, x), x, scheduler="lios", device="cuda", compiler="inductor")
     assert isinstance(fast.backend.captured, Segmented) and fast.backend.captured is not fast.fused
     assert fast.fused.stats["compiles"] == fast.fused.stats["segments"]  # stats shared with the copy
     with torch.no_grad():

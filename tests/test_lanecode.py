@@ -11,11 +11,11 @@ from torch import nn
 
 import opweave
 from opweave import zoo
-from opweave.api import plan_for
 from opweave.backends.cpu import CpuBackend
 from opweave.backends.lanecode import code_of
 from opweave.backends.simulate import simulate
 from opweave.backends.threads import budgets, enter_budget, op_threads, restore_default
+from opweave.build import plan_for
 from opweave.capture import capture
 from opweave.costs.roofline import estimate
 from opweave.outputs import compare
@@ -133,7 +133,7 @@ def test_only_the_callers_thread_runs_more_than_one_intra_op_thread():
     assert fast.schedule.streams_used == 2
     backend = fast.backend
     lanes = sorted(backend.program.lanes)
-    assert [w.lane for w in backend._workers] == lanes[1:]
+    assert [w.lane for w in backend._pool.workers] == lanes[1:]
     budget = {step.op: backend.code._threads.get(step.op) for lane, step in backend.program.issue_order
               if step.kind == "launch" and lane != lanes[0]}
     assert budget and set(budget.values()) == {1}

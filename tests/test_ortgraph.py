@@ -1,4 +1,4 @@
-"""Lanes over ONNX Runtime's optimized graph of the whole model (``fuse="onnxruntime-graph"``,
+"""Lanes over ONNX Runtime's optimized graph of the whole model (``graph="onnxruntime"``,
 opweave.backends.ortgraph)."""
 
 from __future__ import annotations
@@ -46,25 +46,25 @@ def _model():
 def test_ort_graph_lanes_equal_eager(name, scheduler):
     options = {"num_layers": 2} if name == "bert_base" else {"image_size": 64} if name == "squeezenet" else {}
     model, inputs = zoo.create(name, batch_size=1, **options)
-    fast = opweave.compile(model, inputs, device="cpu", scheduler=scheduler, fuse="onnxruntime-graph",
+    fast = opweave.compile(model, inputs, device="cpu", scheduler=scheduler, graph="onnxruntime",
                            streams=1 if scheduler == "sequential" else 2,
                            scheduler_options={"sync_ms": 0.0} if scheduler == "heft" else None)
     with torch.inference_mode():
         assert compare(model(*inputs), fast(*inputs), tolerance=1e-4).ok
     if scheduler == "sequential":
-        assert fast.fused.stats["segments"] == 1
+        assert fast.backend.stats["segments"] == 1
     else:
-        assert fast.schedule.streams_used == 2 and fast.fused.stats["segments"] >= 2
-    assert fast.fused.stats["fallbacks"] == 0
+        assert fast.schedule.streams_used == 2 and fast.backend.stats["segments"] >= 2
+    assert fast.backend.stats["fallbacks"] == 0
     fast.close()
 
 
 def test_the_plan_is_over_ort_nodes_validated_and_each_segment_is_one_session():
     model, inputs = _model()
-    fast = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph",
+    fast = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, graph="onnxruntime",
                            scheduler_options={"sync_ms": 0.0})
     backend = fast.backend
-    assert isinstance(backend, OrtLanes) and fast.fused is backend
+    assert isinstance(backend, OrtLanes) and fast.fused is None
     ort_model = backend.model
     assert set(fast.graph.ids) == {n.name for n in ort_model.model.graph.node}  # the optimized nodes
     validate(fast.graph, fast.plan, fast.schedule)
@@ -80,7 +80,7 @@ def test_sessions_write_into_the_buffers_made_once_and_outputs_are_copied_out():
     contents follow the inputs, its address stays); each call's outputs are its own (the next call does not
     overwrite them)."""
     model, inputs = _model()
-    fast = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph",
+    fast = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, graph="onnxruntime",
                            scheduler_options={"sync_ms": 0.0})
     arrays = fast.backend.arrays
     addresses = {k: a.ctypes.data for k, a in arrays.items()}
@@ -108,7 +108,7 @@ class Fork(nn.Module):
 
 def test_an_input_read_on_both_lanes_is_bound_in_each():
     model, x = Fork().eval(), torch.randn(4, 16)
-    fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph",
+    fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, graph="onnxruntime",
                            scheduler_options={"sync_ms": 0.0})
     readers = {fast.plan.instrs[i].stream for i, ins in enumerate(fast.plan.instrs) if ins.kind == "launch"
                and any(name == "in0" for name in fast.backend.model.node[ins.op].input)}
@@ -121,10 +121,11 @@ def test_an_input_read_on_both_lanes_is_bound_in_each():
 
 def test_an_error_in_a_worker_lane_reaches_the_caller_and_the_next_call_works():
     model, x = Fork().eval(), torch.randn(4, 16)
-    fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph",
+    fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, graph="onnxruntime",
                            scheduler_options={"sync_ms": 0.0})
-    segments = fast.backend._workers[0].captured
-    worker_op = next(s.op for s in fast.backend._workers[0].steps if s.kind == "launch")
+    lane = fast.backend._pool.workers[0].run.__self__  # the worker lane's LaneWorker
+    segments = lane.captured
+    worker_op = next(s.op for s in lane.steps if s.kind == "launch")
     kept = segments.bound[worker_op]
 
     def broken(binding, options):
@@ -143,9 +144,9 @@ def test_workers_stop_on_close_and_when_the_backend_is_collected():
 
     model, x = Fork().eval(), torch.randn(4, 16)
     for closing in (True, False):
-        fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph",
+        fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, graph="onnxruntime",
                                scheduler_options={"sync_ms": 0.0})
-        threads = [w.thread for w in fast.backend._workers]
+        threads = [w.thread for w in fast.backend._pool.workers]
         assert threads and all(t.is_alive() for t in threads)
         if closing:
             fast.close()
@@ -159,14 +160,14 @@ def test_workers_stop_on_close_and_when_the_backend_is_collected():
 
 def test_inputs_with_other_strides_run_op_by_op_with_one_warning():
     model, inputs = _model()
-    fast = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph")
+    fast = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, graph="onnxruntime")
     strided = inputs[0].to(memory_format=torch.channels_last)
     with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert compare(model(strided), fast(strided)).ok
         assert compare(model(strided), fast(strided)).ok
     assert sum("another signature" in str(w.message) for w in caught) == 1
-    assert fast.fused.stats["fallbacks"] == 2
+    assert fast.backend.stats["fallbacks"] == 2
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
@@ -179,10 +180,10 @@ def test_session_budgets_follow_the_plan(lanes):
 
     model, inputs = _model()
     fast = opweave.compile(model, inputs, device="cpu", scheduler="sequential" if lanes == 1 else "heft",
-                           streams=lanes, fuse="onnxruntime-graph",
+                           streams=lanes, graph="onnxruntime",
                            scheduler_options={"sync_ms": 0.0} if lanes == 2 else None)
     assert fast.schedule.streams_used == lanes
-    budgets = lane_threads(fast.graph, fast.plan, fast.costs, "onnxruntime-graph") or {}
+    budgets = lane_threads(fast.graph, fast.plan, fast.costs, per_op=True) or {}
     expected = {g[0]: cores() if lanes == 1 else min(budgets.get(op, 1) for op in g)
                 for g in segment_groups(fast.plan)}
     for first, session in fast.backend.sessions.items():
@@ -197,7 +198,7 @@ def test_session_budgets_follow_the_plan(lanes):
 
 def test_a_closed_backend_refuses_calls():
     model, inputs = _model()
-    fast = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph")
+    fast = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, graph="onnxruntime")
     fast.close()
     with pytest.raises(UsageError, match="closed"):
         fast(*inputs)
@@ -231,15 +232,19 @@ def test_node_names_say_what_a_node_computes_not_what_onnx_runtime_called_it():
 
 
 def test_a_cached_choice_rebuilds_the_same_plan_without_profiling(monkeypatch):
-    """max-speed's cache holds the chosen plan's latencies, which name the optimized graph's nodes: building the
+    """max-autotune's cache holds the chosen plan's latencies, which name the optimized graph's nodes: building the
     choice again plans on them as given and does not profile again."""
-    from opweave.api import _build
+    from opweave.build import resolve
+    from opweave.build.autotune import Candidate, _build
+    from opweave.build.targets import CpuTarget
 
     model, inputs = _model()
-    first = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph")
+    first = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, graph="onnxruntime")
     monkeypatch.setattr(OrtGraph, "_profile", lambda self, runs: pytest.fail("profiled again"))
-    candidate = {"scheduler": "heft", "fuse": "onnxruntime-graph", "sync_ms": first.schedule.options.get("sync_ms")}
-    again = _build(coarsen(capture(model, inputs)), inputs, candidate, first.costs)
+    candidate = Candidate("heft+onnxruntime-graph", {"graph": "onnxruntime", "scheduler": "heft", "scheduler_options": {
+        "sync_ms": first.schedule.options.get("sync_ms")}}, "onnxruntime-graph")
+    again = _build(CpuTarget(), coarsen(capture(model, inputs)), inputs, resolve("cpu"), candidate,
+                   first.costs.latency_ms, None)
     assert again.costs.latency_ms == first.costs.latency_ms
     assert again.schedule.stream_of == first.schedule.stream_of
     with torch.inference_mode():
@@ -261,8 +266,8 @@ def test_whole_module_is_the_model_as_one_graph():
 
 def test_ort_graph_runs_on_one_cpu_only():
     model, inputs = _model()
-    with pytest.raises(UsageError, match="runs on one CPU"):
-        opweave.compile(model, inputs, device="cpu", fuse="onnxruntime-graph", devices=2, scheduler="hios-lp")
+    with pytest.raises(UsageError, match="option 'graph' applies to one device"):
+        opweave.compile(model, inputs, device="cpu", graph="onnxruntime", devices=2, scheduler="hios-lp")
 
 
 class PassThrough(nn.Module):
@@ -278,15 +283,15 @@ def test_outputs_the_graph_does_not_compute_are_returned():
     """The model's input returned as it is (equal to the call's argument), and a constant output: ONNX Runtime folds
     it into an initializer, which no node of its graph makes (an Identity node is added to make it)."""
     model, x = PassThrough().eval(), torch.randn(2, 8)
-    fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, fuse="onnxruntime-graph")
+    fast = opweave.compile(model, (x,), device="cpu", scheduler="heft", streams=2, graph="onnxruntime")
     assert fast.backend.model.model.graph.node[-1].op_type == "Identity"
     with torch.inference_mode():
         out = fast(x)
         assert compare(model(x), out).ok and torch.equal(out[1], x)
 
 
-def test_max_speed_builds_ort_graph_once_when_it_fails(tmp_path, monkeypatch):
-    """When ONNX Runtime's graph cannot be built, max-speed tries once: the first of its candidates says why, the
+def test_max_autotune_builds_ort_graph_once_when_it_fails(tmp_path, monkeypatch):
+    """When ONNX Runtime's graph cannot be built, max-autotune tries once: the first of its candidates says why, the
     others say it failed without building it again, and a candidate of another compiler is chosen."""
     monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
     tries = []
@@ -297,7 +302,7 @@ def test_max_speed_builds_ort_graph_once_when_it_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(OrtGraph, "__init__", refuse)
     model, inputs = _model()
-    fast = opweave.compile(model, inputs, device="cpu", mode="max-speed")
+    fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune")
     errors = [v["error"] for k, v in fast.choice["candidates"].items() if "onnxruntime-graph" in k]
     assert len(tries) == 1 and len(errors) >= 2
     assert errors[0] == "RuntimeError: no export today"

@@ -196,17 +196,17 @@ def test_fused_segments_block():
 
 
 @pytest.mark.slow
-def test_max_speed_block(tmp_path, monkeypatch):
+def test_max_autotune_block(tmp_path, monkeypatch):
     monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
     first, second = blocks(section(FUSED), "python")
-    namespace, _ = run_python(first.split("fused =")[0] + second)  # the model of the first block, then max-speed
+    namespace, _ = run_python(first.split("fused =")[0] + second)  # the model of the first block, then max-autotune
     model, inputs, fast = (namespace[k] for k in ("model", "inputs", "fast"))
     label, candidates = fast.choice["label"], fast.choice["candidates"]
     assert label in candidates and candidates[label]["median_ms"] == min(
         c["median_ms"] for c in candidates.values() if "median_ms" in c)
     with torch.inference_mode():
         assert compare(model(*inputs), fast(*inputs)).ok
-    assert (tmp_path / "max_speed.json").exists()  # "caches the choice"
+    assert (tmp_path / "autotune.json").exists()  # "caches the choice"
 
 
 # ---- the command line quick start -----------------------------------------------------------------------------------
@@ -450,7 +450,7 @@ CHECKS = {
         check_serve, (pytest.mark.slow,)),
     "opweave loadgen --url http://127.0.0.1:8000 --pattern inception_v3:30,resnet50:60,squeezenet:120 --duration 10": (
         check_loadgen_url, (pytest.mark.slow,)),
-    "opweave loadgen --simulate --device-preset h100 --pattern inception_v3:60,resnet50:120,squeezenet:240": (
+    "opweave loadgen --simulate --preset h100 --pattern inception_v3:60,resnet50:120,squeezenet:240": (
         check_loadgen_simulate, (pytest.mark.slow,)),
     "opweave blocks --models inception_v3,resnet50,squeezenet": (check_blocks, (pytest.mark.slow,)),
     # several devices (HIOS)

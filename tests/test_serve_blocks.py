@@ -150,8 +150,8 @@ def test_sim_executor_times_a_combined_block_no_longer_than_its_parts_one_after_
 def test_makespan_ms_is_what_simulate_reports(graph, model):
     from dataclasses import replace
 
-    from opweave.api import plan_for
     from opweave.backends.simulate import makespan_ms, simulate
+    from opweave.build import plan_for
     from opweave.costs import from_graph
 
     costs = replace(from_graph(graph), model=model)
@@ -188,7 +188,7 @@ def test_a_block_at_a_large_batch_is_captured_without_a_forward_pass_and_runs_at
 def test_blocks_compiled_whole_by_onnxruntime_run_side_by_side_and_equal_eager():
     model, inputs = zoo.create("squeezenet", batch_size=1, image_size=64)
     blocked = blocks.split(capture(model, inputs, name="sq"), inputs, name="sq")
-    ex = CpuExecutor({"sq": blocked}, fuse="onnxruntime")
+    ex = CpuExecutor({"sq": blocked}, compiler="onnxruntime")
     assert not ex.pad and ex.scheduler == "heft"
     made = ex.compile_parts(max_batch=4)  # one function per block and thread count a part can get: any batch
     counts = {max(1, ex.streams // k) for k in range(1, ex.streams + 1)}

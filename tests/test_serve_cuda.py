@@ -1,10 +1,11 @@
-"""The serving engine on a GPU (skipped without one): combined blocks recorded into CUDA graphs, one per signature in
-a bounded LRU cache, answers equal eager."""
+"""The serving engine on CUDA (a real GPU where one is present, else the fake CUDA runtime: ``tests/cuda_runtime.py``):
+combined blocks recorded into CUDA graphs, one per signature in a bounded LRU cache, answers equal eager."""
 
 import pytest
 import torch
 
 from cuda_precision import fp32_math  # noqa: F401 - autouse: no TF32 in the CUDA tests
+from cuda_runtime import DEVICE, rt  # noqa: F401 - rt: the runtime fixture
 from opweave.backends.cuda import default_streams
 from opweave.capture import capture
 from opweave.serve import blocks, policies
@@ -12,23 +13,23 @@ from opweave.serve.engine import Engine
 from opweave.serve.executors import CudaExecutor, Part, RealClock
 from serve_models import tiny
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture(scope="module")
-def on_gpu():
+def on_device():
     model, x = tiny()
-    model, x = model.cuda(), tuple(t.cuda() for t in x)
+    model, x = model.to(DEVICE), tuple(t.to(DEVICE) for t in x)
     return model, blocks.split(capture(model, x), x, name="tiny")
 
 
-def test_combined_blocks_are_recorded_once_per_signature_and_answer_like_eager(on_gpu):
-    model, bm = on_gpu
-    ex = CudaExecutor({"a": bm, "b": bm}, cache_size=2)
+def test_combined_blocks_are_recorded_once_per_signature_and_answer_like_eager(on_device, rt):  # noqa: F811
+    model, bm = on_device
+    ex = CudaExecutor({"a": bm, "b": bm}, cache_size=2, runtime=rt)
     assert ex.streams == default_streams()  # capped as opweave.compile caps lanes (it had no cap)
-    x, y = torch.randn(3, 3, 8, 8, device="cuda"), torch.randn(2, 3, 8, 8, device="cuda")
+    x, y = torch.randn(3, 3, 8, 8, device=DEVICE), torch.randn(2, 3, 8, 8, device=DEVICE)
     first = Part("a", 0, 3, (x,))
-    ex.run([first])
+    ex.run([first])  # each run ends by synchronizing its stream
     parts = [Part("a", 1, 3, first.state), Part("b", 0, 2, (y,))]
     ex.run(parts)
     with torch.no_grad():
@@ -41,13 +42,13 @@ def test_combined_blocks_are_recorded_once_per_signature_and_answer_like_eager(o
     assert ex.stats["hits"] == 1
 
 
-def test_engine_on_cuda_stacks_requests_without_mixing_them_up(on_gpu):
-    model, bm = on_gpu
-    eng = Engine(CudaExecutor({"a": bm}), policies.create("heuristic"), RealClock(), max_batch=4)
+def test_engine_on_cuda_stacks_requests_without_mixing_them_up(on_device, rt):  # noqa: F811
+    model, bm = on_device
+    eng = Engine(CudaExecutor({"a": bm}, runtime=rt), policies.create("heuristic"), RealClock(), max_batch=4)
     inputs = [torch.randn(1, 3, 8, 8) for _ in range(12)]
     requests = [eng.submit("a", (x,)) for x in inputs]
     while eng.busy():
         eng.step()
     with torch.no_grad():
         for r, x in zip(requests, inputs, strict=True):
-            assert r.status == "done" and torch.allclose(r.output, model(x.cuda()).cpu(), atol=1e-4)
+            assert r.status == "done" and torch.allclose(r.output, model(x.to(DEVICE)).cpu(), atol=1e-4)

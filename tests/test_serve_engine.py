@@ -221,7 +221,7 @@ def test_draining_or_unloading_runs_a_batch_held_for_more_requests_at_once(two_t
         eng.remove_model("a", timeout_s=60)  # returns once "a" holds nothing (else raises after 60 s)
         assert answered.is_set() and [r.status for r in held] == ["done"] * 2 and "a" not in eng.models
     finally:
-        eng.stop(timeout_s=10)
+        eng.stop(timeout_s=120)
 
 
 def test_a_failing_block_answers_its_requests_with_an_error_and_the_engine_goes_on(two_tiny):

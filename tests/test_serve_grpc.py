@@ -342,8 +342,9 @@ def test_cli_serves_every_grpc_call_beside_http_and_drains_on_sigterm(references
     shutil.copy(tiny_file[1], repo / "other" / "1" / "model.pt2")
     (repo / "other" / "config.pbtxt").write_text("max_batch_size: 2\n")
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-repository", str(repo),
-                             "--port", "0", "--grpc-port", "0", "--policy", "static", "--fuse", "none",
-                             "--max-batch", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--port", "0", "--grpc-port", "0", "--policy", "static", "--compiler", "none",
+                             "--max-batch", "4", "--model-control-mode", "explicit"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line and "gRPC on 127.0.0.1:" in line, proc.stderr.read()
@@ -373,7 +374,7 @@ def test_cli_serves_every_grpc_call_beside_http_and_drains_on_sigterm(references
         http.close()
         client.close()
         os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=600) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -309,7 +309,7 @@ def test_sigterm_drains_every_accepted_request_then_exits(references):
     waits for no fuller batch. (That new requests get 503 while draining is the test above, in process.)"""
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--models", "squeezenet", "--image-size", "64",
                              "--port", "0", "--policy", "batch", "--policy-options", "max_queue_delay_ms=3600000",
-                             "--max-batch", "32", "--max-queue", "64", "--fuse", "none", "--threads", "1"],
+                             "--max-batch", "32", "--max-queue", "64", "--compiler", "none", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

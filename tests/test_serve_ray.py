@@ -55,7 +55,7 @@ def binary_output(response: httpx.Response) -> torch.Tensor:
 def test_one_replica_alone_serves_the_v2_routes(tiny_file):
     from fastapi.testclient import TestClient
 
-    replica = Replica(ReplicaOptions(model_files={"tiny": str(tiny_file[1])}, fuse=None, max_batch=4))
+    replica = Replica(ReplicaOptions(model_files={"tiny": str(tiny_file[1])}, compiler=None, max_batch=4))
     try:
         assert replica.healthy()
         with TestClient(replica.app()) as client:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from dags import dags
 from opweave import schedulers, zoo
-from opweave.api import plan_for
+from opweave.build import plan_for
 from opweave.costs.model import from_graph
 from opweave.errors import UsageError
 from opweave.ir.synth import random_dag

@@ -23,15 +23,17 @@ from opweave.errors import OpweaveError
 from opweave.ir import Edge, GraphError, Op, OpGraph
 
 __version__ = "0.1.0"
-__all__ = ["Edge", "GraphError", "Op", "OpGraph", "OpweaveError", "capture", "compile", "examples", "schedulers",
-           "synth", "zoo"]
+__all__ = ["Compiled", "Edge", "GraphError", "Op", "OpGraph", "OpweaveError", "capture", "compile", "compile_captured",
+           "examples", "schedulers", "synth", "zoo"]
 
-_LAZY = {"compile": ("opweave.api", "compile"), "capture": ("opweave.capture", None),
+_LAZY = {"compile": ("opweave.api", "compile"), "compile_captured": ("opweave.api", "compile_captured"),
+         "Compiled": ("opweave.build.pipeline", "Compiled"), "capture": ("opweave.capture", None),
          "zoo": ("opweave.zoo", None), "examples": ("opweave.ir.examples", None), "synth": ("opweave.ir.synth", None)}
 
 if TYPE_CHECKING:
     from opweave import capture, zoo
-    from opweave.api import compile
+    from opweave.api import compile, compile_captured
+    from opweave.build.pipeline import Compiled
     from opweave.ir import examples, synth
 
 

@@ -24,18 +24,22 @@ declined with a :class:`~opweave.errors.UsageError` rather than compiled into a 
 carry no ``grad_fn``; dynamo guards on grad mode, so the same model under ``torch.no_grad()`` or
 ``torch.inference_mode()`` compiles normally. (Dynamo reports the error as ``BackendCompilerFailed``.)
 
-``options`` (``torch.compile(..., options=...)`` arrives here as ``options=``, as for inductor and apex's
-``torchsched``): ``scheduler`` (default ``"opara"``), ``streams``, ``cost_model``, ``fold_bn``, ``coarsen``,
-``fuse`` (``"inductor"``: each stream segment compiled by TorchInductor, :mod:`opweave.backends.segments`), and the
-CUDA backend's ``mode``, ``static_outputs``, ``fallback``, ``cache_size``, ``warmup``. ``torch.compile``'s own ``mode``
-(e.g. ``"reduce-overhead"``) is accepted and ignored: the CUDA backend records a CUDA graph by default.
+``mode`` and ``options`` (``torch.compile(..., mode=...)`` or ``options=...``, as for inductor and apex's
+``torchsched``) mean what they mean for ``opweave.compile`` (:mod:`opweave.build.options`): ``mode`` one of
+torch's presets (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``),
+``options`` any of :data:`opweave.build.OPTIONS` (``scheduler``, ``streams``, ``compiler``, ``cudagraphs``, ...),
+with the same defaults: no scheduler means the device's default plan. Each graph's device is its example inputs'
+(CUDA too when a ``runtime`` is given: the fake CUDA runtime runs it on the CPU).
+``fold_bn`` is refused: dynamo's graphs hold no BatchNorm modules to fold.
+An option that does not apply there is a :class:`~opweave.errors.UsageError` (dynamo reports it as
+``BackendCompilerFailed``).
 
 A graph with symbolic shapes (dynamo's ``dynamic=True``, or its automatic dynamic shapes after a recompilation)
 cannot be scheduled for one fixed shape; it runs eagerly, with a warning. Pass ``dynamic=False`` to get one
 compiled graph per shape instead.
 
 Every compiled graph is kept (the last :data:`KEEP` of them) for introspection: :func:`last_compiled` and
-:func:`compiled_graphs` return the :class:`opweave.api.Compiled` objects, with their ``schedule`` and ``plan``.
+:func:`compiled_graphs` return the :class:`opweave.Compiled` objects, with their ``schedule`` and ``plan``.
 """
 
 from __future__ import annotations
@@ -50,11 +54,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from opweave.capture.runtime import static_input
 from opweave.errors import UsageError
 
 KEEP = 32
 _COMPILED: deque = deque(maxlen=KEEP)
-_COMPILE_KEYS = ("scheduler", "streams", "cost_model", "fold_bn", "costs", "coarsen", "fuse")
 
 
 def opweave_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
@@ -73,15 +77,24 @@ def opweave_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: 
             raise UsageError(f"opweave runs inference only, but this graph needs autograd ({needs_grad[0]} requires "
                              "grad and grad mode is on); call the compiled model under torch.no_grad() or "
                              "torch.inference_mode(), or use another backend for training")
-    return OpweaveGraph(gm, example_inputs, dict(options or {}))
+    return OpweaveGraph(gm, example_inputs, mode, dict(options or {}))
 
 
 class OpweaveGraph:
     """What the backend returns for one dynamo graph: the opweave-compiled graph, rebuilt when the tensors dynamo
     passes in the baked positions are not the ones baked in (swapped weights, see the module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: tuple, options: dict) -> None:
-        self.gm, self.options = gm, options
+    def __init__(self, gm: fx.GraphModule, example_inputs: tuple, mode: str | None, options: dict) -> None:
+        from opweave.build import resolve
+
+        self.gm, self.mode, self.options = gm, mode, options
+        cuda = options.get("runtime") is not None or any(isinstance(x, torch.Tensor) and x.is_cuda
+                                                          for x in example_inputs)
+        self.device = "cuda" if cuda else "cpu"  # a runtime option (the fake one on the CPU) means CUDA too
+        if resolve(self.device, mode, options).fold_bn:  # refused at once, before anything is captured
+            raise UsageError("option 'fold_bn' folds BatchNorm modules when capturing a module; dynamo hands over a "
+                             "graph whose BatchNorm is a function of its parameters (compile the module with "
+                             "opweave.compile to fold it)")
         self.recompiles = 0
         self._lock = threading.Lock()
         self._build(example_inputs)
@@ -89,18 +102,11 @@ class OpweaveGraph:
     def _build(self, inputs: tuple) -> None:
         from opweave.api import compile as opweave_compile
 
-        device = "cuda" if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else "cpu"
         gm, dynamic = bake_static_inputs(self.gm, inputs)
-        options = dict(self.options)
-        compile_options = {k: options.pop(k) for k in _COMPILE_KEYS if k in options}
-        scheduler = compile_options.pop("scheduler", "opara")
-        if device == "cpu" and options:
-            raise UsageError(f"opweave: option(s) {', '.join(sorted(options))} apply to CUDA graphs only "
-                             f"(the example inputs are on the CPU); known options: {', '.join(_COMPILE_KEYS)}")
         # Outside dynamo's tracing context: shape propagation would otherwise pick up its fake mode and symbolic sizes.
         with torch._guards.tracing(None):
-            compiled = opweave_compile(gm, tuple(inputs[i] for i in dynamic), scheduler=scheduler, device=device,
-                                       **compile_options, **options)
+            compiled = opweave_compile(gm, tuple(inputs[i] for i in dynamic), device=self.device, mode=self.mode,
+                                       options=self.options)
         static = [i for i in range(len(inputs)) if i not in set(dynamic)]
         self.compiled, self.dynamic = compiled, dynamic
         self._baked = [(i, inputs[i]) for i in static]
@@ -126,7 +132,7 @@ def bake_static_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tup
     module. Baked in, they are neither copied into static buffers nor checked on every call.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    static = [i for i, x in enumerate(example_inputs) if _static_input(x)]
+    static = [i for i, x in enumerate(example_inputs) if static_input(x)]
     if not static or len(placeholders) != len(example_inputs):
         return gm, list(range(len(example_inputs)))
     baked = fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -147,12 +153,8 @@ def bake_static_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tup
     return baked, [i for i in range(len(example_inputs)) if i not in set(static)]
 
 
-def _static_input(x: Any) -> bool:
-    return isinstance(x, nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) is not None
-
-
 def last_compiled():
-    """The :class:`opweave.api.Compiled` of the last graph the backend compiled (None before any)."""
+    """The :class:`opweave.Compiled` of the last graph the backend compiled (None before any)."""
     return _COMPILED[-1] if _COMPILED else None
 
 

@@ -60,5 +60,13 @@ class RankError(DeviceError):
     """A rank process of a multi-device run raised or died; every rank was stopped. Names the rank and the cause."""
 
 
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """``"TypeName: first line of its message"`` (at most ``limit`` characters of the line): how an error that
+    opweave reports on someone else's behalf (a candidate that failed, a rank, a segment compiler) is told in one
+    line."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:limit] if text else ''}"
+
+
 __all__ = ["CaptureError", "DeviceError", "GraphError", "MissingPackageError", "OpweaveError", "PlanError",
-           "ProfileError", "RankError", "ScheduleError", "UsageError"]
+           "ProfileError", "RankError", "ScheduleError", "UsageError", "first_line"]

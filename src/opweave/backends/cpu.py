@@ -2,12 +2,12 @@
 
 :class:`CpuBackend` generates every lane's code once (:class:`~opweave.backends.lanecode.LaneCode`: the lane's ops with
 the plan's signals and waits between them, values in slots, every intermediate dropped at its last use) and runs the
-first lane in the caller's thread and each other lane on a long-lived :class:`CodeWorker` thread; a plan's record
-becomes ``threading.Event.set`` and its wait ``Event.wait``. The first lane's ops run on the budgets they are given (per
-op, the caller's count restored after the call); a worker's on one intra-op thread (:mod:`opweave.backends.threads` says
-why: a worker holding a bigger OpenMP team slowed every kernel of the process). A plan with a single lane runs in the
-caller's thread, on the caller's threads. PyTorch (and ONNX Runtime) release the GIL inside their kernels, so
-independent ops overlap on a multi-core CPU.
+first lane in the caller's thread and each other lane on a long-lived worker thread of a :class:`LanePool`; a plan's
+record becomes ``threading.Event.set`` and its wait ``Event.wait``. The first lane's ops run on the budgets they are
+given (per op, the caller's count restored after the call); a worker's on one intra-op thread
+(:mod:`opweave.backends.threads` says why: a worker holding a bigger OpenMP team slowed every kernel of the process). A
+plan with a single lane runs in the caller's thread, on the caller's threads. PyTorch (and ONNX Runtime) release the GIL
+inside their kernels, so independent ops overlap on a multi-core CPU.
 
 A lane that raises records the error and releases every signal; the other lanes stop at their next wait, and the
 first error is re-raised in the caller, naming the op and its fx node.
@@ -21,9 +21,10 @@ failed on the lanes that ran with grad on (worker threads start with it on) and 
 thread: the layout depended on the schedule. Capture propagates shapes and verifies under ``no_grad``, so that is
 the mode every lane uses.
 
-:class:`Call` and :class:`LaneWorker` (a :class:`~opweave.backends.program.Walker` that interprets a lane's steps)
-are what a rank of the distributed backend runs its own lanes with (``backends/distributed``): there some signals
-stand for messages from other ranks, which write into the call's environment dict.
+:class:`LanePool` (the workers, the fan-out of a :class:`Call` and its join), :class:`Call` and :class:`LaneWorker` (a
+:class:`~opweave.backends.program.Walker` that interprets a lane's steps) are what the lanes over ONNX Runtime's graph
+(``backends/ortgraph.py``) and a rank of the distributed backend (``backends/distributed``) run their lanes with: in a
+rank some signals stand for messages from other ranks, which write into the call's environment dict.
 """
 
 from __future__ import annotations
@@ -46,33 +47,27 @@ class CpuBackend:
     """A plan on the caller's thread (its first lane) and worker threads (one per other lane), each running its
     lane's generated code (module docstring). ``stats``: ``calls``. ``close()`` stops the workers (also done when
     the backend is collected or the interpreter exits); a closed backend refuses calls. ``threads`` (op -> intra-op
-    threads, :func:`opweave.backends.threads.op_threads`) sets the first lane's ops' budgets; every other lane's
-    ops run on one thread whatever it says. Without it the first lane takes the cores the workers leave
-    (:func:`opweave.backends.threads.budgets`). A single lane runs with the caller's own thread count."""
+    threads, :func:`opweave.backends.threads.lane_threads`) sets the first lane's ops' budgets; every other lane's
+    ops run on one thread whatever it says. Without it the first lane takes what the workers leave of ``total``
+    threads (default: every core; :func:`opweave.backends.threads.budgets`). A single lane runs with the caller's
+    own thread count."""
 
-    def __init__(self, runner, plan: LaunchPlan, threads: dict[str, int] | None = None):
+    def __init__(self, runner, plan: LaunchPlan, threads: dict[str, int] | None = None, total: int | None = None):
         self.captured = runner
         self.program = Program.from_plan(plan)
         self.stats = {"calls": 0}
         lanes = sorted(self.program.lanes)
         if len(lanes) > 1:
-            share = budgets(lanes)
+            share = budgets(lanes, total=total)
             threads = {step.op: (threads or {}).get(step.op, share[lane]) if lane == lanes[0] else 1
                        for lane, step in self.program.issue_order if step.kind == "launch"}
         self.code = LaneCode(runner, self.program, threads if len(lanes) > 1 else None)
         self._lock = threading.Lock()  # one call at a time: the workers share one call's slots
         self._caller_lane = lanes[0] if lanes else None
-        self._workers = []
-        if len(lanes) > 1:
-            default = torch.get_num_threads()
-            self._workers = [CodeWorker(lane, self.code) for lane in lanes[1:]]
-            for worker in self._workers:
-                worker.ready.wait()
-            restore_default(default)  # the workers' set_num_threads also set the process-wide default
-        # Stop the workers when the backend is collected or the interpreter exits: a thread that used torch's
-        # intra-op pool and is still alive at teardown aborts the process ("terminate called without an active
-        # exception").
-        self.close = weakref.finalize(self, stop_workers, list(self._workers))
+        default = torch.get_num_threads()
+        self._pool = LanePool({lane: _generated(self.code, lane) for lane in lanes[1:]}, budget=1)
+        restore_default(default)  # the workers' set_num_threads also set the process-wide default
+        self.close = weakref.finalize(self, self._pool.close)
 
     def __call__(self, *args) -> Any:
         with self._lock, torch.no_grad():
@@ -81,35 +76,40 @@ class CpuBackend:
             self.stats["calls"] += 1
             slots = self.code.bind(args)
             lane, function = self._caller_lane, self.code.functions[self._caller_lane]
-            if not self._workers:  # a single lane needs no threads
+            if not self._pool.workers:  # a single lane needs no threads
                 try:
                     function(slots, Call(slots, self.program.num_signals, 0))
                 except Exception as exc:
                     raise self.code.error(lane, exc) from exc
                 return self.code.output(slots)
-            call = Call(slots, self.program.num_signals, len(self._workers) + 1)
-            for worker in self._workers:
-                worker.inbox.put(call)
             caller_threads = torch.get_num_threads()
             try:
-                function(slots, call)
-            except Stopped:
-                pass
-            except BaseException as exc:  # noqa: BLE001 - stops the workers, raised below
-                call.fail(self.code.error(lane, exc))
+                self._pool.run(Call(slots, self.program.num_signals, len(self._pool.workers) + 1),
+                               _generated(self.code, lane))
             finally:
                 torch.set_num_threads(caller_threads)  # the lane's budgets changed the caller's count
-                call.lane_finished()
-            call.done.wait()
-            if call.errors:
-                raise call.errors[0]
             return self.code.output(slots)
+
+
+def _generated(code: LaneCode, lane: Lane):
+    """Lane ``lane``'s generated function as a pool runs a lane: ``run(call)``, its error naming the op."""
+    function = code.functions[lane]
+
+    def run(call: Call) -> None:
+        try:
+            function(call.env, call)
+        except Stopped:  # another lane failed first
+            pass
+        except Exception as exc:
+            raise code.error(lane, exc) from exc
+
+    return run
 
 
 class EagerBackend:
     """The model itself, run as the CPU lanes run a plan (under ``no_grad``, on the caller's threads): what
     ``opweave.compile``'s default keeps when neither its lanes nor one lane beat the model
-    (:func:`opweave.api.compile_captured`, ``eager``). It calls the live model, so a later change to the model's
+    (:func:`opweave.build.autotune.guarded`, ``eager``). It calls the live model, so a later change to the model's
     weights shows in its outputs. ``stats``: ``calls``."""
 
     def __init__(self, model):
@@ -125,36 +125,65 @@ class EagerBackend:
         pass
 
 
-class CodeWorker:
-    """A long-lived thread that runs one lane's generated function (:class:`~opweave.backends.lanecode.LaneCode`)
-    for every :class:`Call` put in its inbox (``None`` stops it), under ``no_grad``. It sets its own intra-op
-    thread count once it starts (:func:`opweave.backends.threads.enter_budget`); the generated code changes it
-    between ops when the plan's budgets say so."""
+class LanePool:
+    """Long-lived worker threads, one per lane of ``lanes`` (lane -> ``run(call)``, which runs that lane's steps for
+    a :class:`Call`), the one fan-out and join that the CPU backend, the lanes over ONNX Runtime's graph and a CPU
+    rank share. Each worker runs under ``no_grad`` and, with ``budget``, sets its own intra-op thread count once it
+    starts (:func:`opweave.backends.threads.enter_budget`). :meth:`run` hands a call to every worker and runs the
+    caller's part in the calling thread; ``close()`` stops the workers (also when the pool is collected or the
+    interpreter exits: a thread that used torch's intra-op pool and is still alive at teardown aborts the process,
+    "terminate called without an active exception")."""
 
-    def __init__(self, lane: Lane, code: LaneCode):
-        self.lane, self.code = lane, code
-        self.function = code.functions[lane]
+    def __init__(self, lanes: dict, budget: int | None = None):
+        self.workers = [_Worker(lane, run, budget) for lane, run in lanes.items()]
+        for worker in self.workers:
+            worker.ready.wait()
+        self._stop = weakref.finalize(self, stop_workers, list(self.workers))
+
+    def run(self, call: Call, caller, *, caller_is_lane: bool = True) -> None:
+        """Hand ``call`` to every worker and run ``caller(call)`` in this thread (an exception it raises fails the
+        call; ``caller_is_lane``: it counts as one of the call's lanes), then wait until every lane has finished
+        (else until the call settled: every lane finished or one failed) and raise the first error."""
+        for worker in self.workers:
+            worker.inbox.put(call)
+        try:
+            caller(call)
+        except BaseException as exc:  # noqa: BLE001 - stops the other lanes, raised below
+            call.fail(exc)
+        finally:
+            if caller_is_lane:
+                call.lane_finished()
+        (call.done if caller_is_lane else call.settled).wait()
+        if call.errors:
+            raise call.errors[0]
+
+    def close(self) -> None:
+        self._stop()
+
+
+class _Worker:
+    def __init__(self, lane: Lane, run, budget: int | None):
+        self.lane, self.run, self.budget = lane, run, budget
         self.ready = threading.Event()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=f"opweave-d{lane[0]}s{lane[1]}", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
-        enter_budget(1)
+        if self.budget is not None:
+            enter_budget(self.budget)
         self.ready.set()
         with torch.no_grad():
             while (call := self.inbox.get()) is not None:
                 try:
-                    self.function(call.env, call)
-                except Stopped:
-                    pass
+                    self.run(call)
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    call.fail(self.code.error(self.lane, exc))
+                    call.fail(exc)
                 finally:
                     call.lane_finished()
 
 
-def stop_workers(workers: list[LaneWorker]) -> None:
+def stop_workers(workers: list[_Worker]) -> None:
     for worker in workers:
         worker.inbox.put(None)
     for worker in workers:
@@ -194,27 +223,13 @@ class Call:
 
 
 class LaneWorker(Walker):
-    """A long-lived thread that runs one lane's steps for every :class:`Call` put in its inbox (``None`` stops it):
-    a launch runs the op in the call's environment (``captured.run_op``), a signal sets the call's signal, a wait
-    waits for it. Once another lane has failed, the remaining steps are skipped. With ``thread=False`` it starts no
-    thread: the caller runs the lane itself with :meth:`run_call`."""
+    """One lane's steps as a :class:`LanePool` (or the caller's thread) runs them for a :class:`Call`: a launch runs
+    the op in the call's environment (``captured.run_op``), a signal sets the call's signal, a wait waits for it.
+    Once another lane has failed, the remaining steps are skipped."""
 
-    def __init__(self, lane: Lane, steps: list[Step], captured, thread: bool = True):
+    def __init__(self, lane: Lane, steps: list[Step], captured):
         self.lane, self.steps, self.captured = lane, steps, captured
         self.call: Call | None = None
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=f"opweave-d{lane[0]}s{lane[1]}", daemon=True)
-        if thread:
-            self.thread.start()
-
-    def _loop(self) -> None:
-        while (call := self.inbox.get()) is not None:
-            try:
-                self.run_call(call)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                call.fail(exc)
-            finally:
-                call.lane_finished()
 
     @torch.no_grad()
     def run_call(self, call: Call) -> None:

@@ -1,24 +1,24 @@
 """CUDA backend: an interpreter of the LaunchPlan on CUDA streams, recorded ahead of time into a CUDA Graph.
 
-Two modes, one interpreter (:class:`~opweave.backends.streams.CudaLanes`, in the plan's issue order, from one host
-thread; its module says how lanes map to streams and where their streams come from):
+Two ways to run, one interpreter (:class:`~opweave.backends.streams.CudaLanes`, in the plan's issue order, from one
+host thread; its module says how lanes map to streams and where their streams come from):
 
-* ``streams`` — every call runs the plan live: each (device, stream) lane is a CUDA stream, a ``record`` is
-  ``Event.record(stream)``, a ``wait`` is ``stream.wait_event(event)``. The first lane runs on the caller's
-  current stream; the other lanes are forked from and joined into it, so the caller sees an ordinary
+* ``cudagraphs=False`` — every call runs the plan live on the streams: each (device, stream) lane is a CUDA stream,
+  a ``record`` is ``Event.record(stream)``, a ``wait`` is ``stream.wait_event(event)``. The first lane runs on the
+  caller's current stream; the other lanes are forked from and joined into it, so the caller sees an ordinary
   stream-ordered result.
-* ``graph`` (default; Nimble's ahead-of-time scheduling, NeurIPS'20 Sec. 4) — the same run is captured once into a
-  ``torch.cuda.CUDAGraph`` and every call is a copy into static input buffers (one ``torch._foreach_copy_`` for the
-  inputs already on the GPU; pinned host inputs copied with ``non_blocking=True``, so the caller must not overwrite
-  them before the call's work is done, as for any non-blocking copy), one ``replay()``, and a clone of the static
-  outputs (unless ``static_outputs=True``: then the returned tensors are the graph's own and are overwritten by the
-  next call).
+* ``cudagraphs=True`` (default; Nimble's ahead-of-time scheduling, NeurIPS'20 Sec. 4) — the same run is captured once
+  into a ``torch.cuda.CUDAGraph`` and every call is a copy into static input buffers (one ``torch._foreach_copy_``
+  for the inputs already on the GPU; pinned host inputs copied with ``non_blocking=True``, so the caller must not
+  overwrite them before the call's work is done, as for any non-blocking copy), one ``replay()``, and a clone of
+  the static outputs (unless ``static_outputs=True``: then the returned tensors are the graph's own and are
+  overwritten by the next call).
 
-**Capture** (graph mode, once per input signature; :mod:`opweave.backends.cudagraph`): on the backend's capture
-stream, ``warmup`` plain runs (the first keeps every intermediate to find the release plan), one sync-checked run,
-then the capture. An op that synchronizes the CPU with the GPU is found by the checked run and named in a
-:class:`GraphCaptureError`; with ``fallback="eager"`` that signature then runs in ``streams`` mode instead, with a
-warning. A failure during the capture itself is always raised, and leaves the process usable.
+**Capture** (once per input signature; :mod:`opweave.backends.cudagraph`): on the backend's capture stream,
+``warmup`` plain runs (the first keeps every intermediate to find the release plan), one sync-checked run, then the
+capture. An op that synchronizes the CPU with the GPU is found by the checked run and named in a
+:class:`GraphCaptureError`; with ``capture_fallback="eager"`` that signature then runs on the streams without a
+graph instead, with a warning. A failure during the capture itself is always raised, and leaves the process usable.
 
 **Streams.** The side lanes and the capture stream are distinct streams of the device's
 :func:`~opweave.backends.streams.stream_pool` (a :class:`~opweave.errors.DeviceError` when PyTorch has too few),
@@ -32,14 +32,14 @@ distributed backend places devices on real GPUs.
 **Buffers**. The first run of an input signature keeps every intermediate alive until the final join. From it,
 :func:`opweave.backends.liveness.release_keys` says after which step of which lane each group of entries sharing a
 storage may be dropped (the liveness analysis knows the joins): later runs (the other warm-ups, the capture, later
-``streams`` calls) drop the group there. Groups that are model inputs, parameters, outputs, or allocated on several
-lanes, and groups whose lane never joins a consumer, stay alive until the end of the run; in ``graph`` mode the
-capture pool keeps their memory for the graph's lifetime, and in ``streams`` mode the caller's stream has joined
-every lane before they are dropped.
+calls without graphs) drop the group there. Groups that are model inputs, parameters, outputs, or allocated on
+several lanes, and groups whose lane never joins a consumer, stay alive until the end of the run; with graphs the
+capture pool keeps their memory for the graph's lifetime, and without them the caller's stream has joined every
+lane before they are dropped.
 
-**Input signatures.** One entry (a captured graph, or a streams-mode release plan) per input signature — pytree
-structure and every leaf's shape, dtype and device (plus strides in ``streams`` mode, where inputs are used in
-place, and the address of inputs used in place in ``graph`` mode; :func:`input_signature`) — in a
+**Input signatures.** One entry (a captured graph, or a release plan to run without one) per input signature —
+pytree structure and every leaf's shape, dtype and device (plus strides without graphs, where inputs are used in
+place, and the address of inputs used in place by a graph; :func:`input_signature`) — in a
 :class:`~opweave.backends.cache.BoundedCache` of ``cache_size`` entries; a new signature is captured on first use
 (the graph was traced for the example's shapes, so a shape the model cannot take fails there, naming the input),
 and the least recently used entry is dropped when the cache is full. A call whose arguments are all plain (no
@@ -50,6 +50,11 @@ them) are used in place rather than copied.
 Calls are serialized (one lock per backend). A call made from another stream than the previous call first makes
 that stream wait for the previous call's stream (they share streams, events and static buffers); calls from the
 same stream need no wait. Inference only: runs under ``torch.no_grad``.
+
+**Runtime.** Everything CUDA goes through ``runtime`` (:mod:`opweave.backends.runtime`): ``torch.cuda`` by default,
+or :class:`opweave.backends.fakecuda.FakeCuda`, which runs the same logic on the CPU with every stream's work in a
+random order the events allow (how the backend is tested without a GPU). Each op, input copy and output clone is
+issued through ``runtime.launch`` on the stream it runs on.
 """
 
 from __future__ import annotations
@@ -71,8 +76,9 @@ from opweave.backends.cache import BoundedCache, signature
 from opweave.backends.cudagraph import GraphCaptureError, checked_run, record
 from opweave.backends.liveness import release_keys, steps_with_releases
 from opweave.backends.program import Lane, Program, Step
+from opweave.backends.runtime import CUDA, Runtime
 from opweave.backends.streams import CudaLanes, default_streams, stream_pool
-from opweave.capture.runtime import Captured, module_tensors
+from opweave.capture.runtime import Captured, as_tuple, module_tensors, static_input
 from opweave.errors import DeviceError, UsageError
 from opweave.plan.launchplan import LaunchPlan
 
@@ -81,13 +87,12 @@ __all__ = ["CudaBackend", "GraphCaptureError", "InputCopies", "default_streams",
 
 log = logging.getLogger(__name__)
 
-MODES = ("graph", "streams")
-FALLBACKS = ("error", "eager")
+CAPTURE_FALLBACKS = ("error", "eager")
 
 
-def require_cuda() -> None:
-    """Raise a one-line RuntimeError unless a CUDA device is usable."""
-    if torch.cuda.is_available():
+def require_cuda(runtime: Runtime = CUDA) -> None:
+    """Raise a one-line RuntimeError unless a CUDA device is usable (through ``runtime``)."""
+    if runtime.is_available():
         return
     reason = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
               else "no CUDA device is visible to PyTorch")
@@ -97,12 +102,12 @@ def require_cuda() -> None:
 @dataclass
 class _Entry:
     """What one input signature needs: its Captured (shape-checked for it), release plan and the plan's steps with
-    their releases; in graph mode the graph, its static buffers and which input leaves are copied into which."""
+    their releases; with a CUDA graph the graph, its static buffers and which input leaves are copied into which."""
 
     captured: Captured
     releases: dict[tuple[Lane, int], list[str]]
     steps: list[tuple[Lane, Step]] = field(default_factory=list)
-    graph: torch.cuda.CUDAGraph | None = None
+    graph: Any = None  # torch.cuda.CUDAGraph, or the runtime's
     static_inputs: Any = None
     static_output: Any = None
     copies: InputCopies | None = None
@@ -142,40 +147,44 @@ class InputCopies:
 
 
 class CudaBackend:
-    """A plan on CUDA streams, in ``mode`` ``graph`` or ``streams`` (module docstring). ``stats``: ``captures``,
-    ``evictions``, ``eager_fallbacks``. ``close()`` drops the cached graphs and gives the streams back to the pool
-    (also done when the backend is collected); a closed backend refuses calls."""
+    """A plan on CUDA streams, recorded into a CUDA graph per input signature unless ``cudagraphs=False`` (module
+    docstring), through ``runtime`` (default: ``torch.cuda``). ``stats``: ``captures``, ``evictions``,
+    ``eager_fallbacks``. ``close()`` drops the cached graphs and gives the streams back to the pool (also done when
+    the backend is collected); a closed backend refuses calls."""
 
-    def __init__(self, captured: Captured, plan: LaunchPlan, example_inputs, *, mode: str = "graph",
-                 static_outputs: bool = False, fallback: str = "error", cache_size: int = 8, warmup: int = 2):
-        require_cuda()
-        if mode not in MODES:
-            raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if fallback not in FALLBACKS:
-            raise UsageError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+    def __init__(self, captured: Captured, plan: LaunchPlan, example_inputs, *, cudagraphs: bool = True,
+                 static_outputs: bool = False, capture_fallback: str = "error", cache_size: int = 8, warmup: int = 2,
+                 runtime: Runtime | None = None):
+        runtime = runtime or CUDA
+        require_cuda(runtime)
+        if not isinstance(cudagraphs, bool):
+            raise UsageError(f"cudagraphs must be True or False, got {cudagraphs!r}")
+        if capture_fallback not in CAPTURE_FALLBACKS:
+            raise UsageError(f"capture_fallback must be one of {', '.join(CAPTURE_FALLBACKS)}, "
+                             f"got {capture_fallback!r}")
         if cache_size < 1 or warmup < 1:
             raise UsageError(f"cache_size and warmup must be at least 1, got {cache_size} and {warmup}")
-        self.mode, self.static_outputs, self.fallback = mode, static_outputs, fallback
-        self.cache_size, self.warmup = cache_size, warmup
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.cudagraphs, self.static_outputs, self.capture_fallback = cudagraphs, static_outputs, capture_fallback
+        self.cache_size, self.warmup, self.runtime = cache_size, warmup, runtime
+        self.device = runtime.device
         self.captured = on_device(captured, self.device)
         self.program = Program.from_plan(plan)
         self.lanes: list[Lane] = sorted(self.program.lanes)
         self.stats = {"captures": 0, "evictions": 0, "eager_fallbacks": 0}
-        example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        example_inputs = as_tuple(example_inputs)
         self.arity = len(example_inputs)
         self._example_shapes = _shapes(example_inputs)
-        pool = stream_pool(self.device)
+        pool = stream_pool(self.device, runtime)
         *side, self._capture_stream = pool.take([f"lane {lane}" for lane in self.lanes[1:]] + ["the capture stream"])
         self._give_back = weakref.finalize(self, pool.give_back, [*side, self._capture_stream])
-        self._lanes = CudaLanes(self.lanes, side, self.program.num_signals)
-        self._last_origin: torch.cuda.Stream | None = None
+        self._lanes = CudaLanes(self.lanes, side, self.program.num_signals, runtime)
+        self._last_origin = None
         self._last_key: tuple | None = None
         self._last_entry: _Entry | None = None
         self._entries = BoundedCache(cache_size, self._evicted)
         self._lock = threading.Lock()
         with torch.no_grad():  # ahead of time: the example's signature is ready before the first call
-            key, leaves = input_signature(example_inputs, self.mode, self.device)
+            key, leaves = input_signature(example_inputs, self.cudagraphs, self.device)
             self._entry(key, example_inputs, leaves)
 
     # ---- calls --------------------------------------------------------------------------------------------------
@@ -186,26 +195,28 @@ class CudaBackend:
         with self._lock, torch.no_grad():
             if not self._give_back.alive:
                 raise UsageError(f"{self.captured.graph.name}: this CUDA backend was closed")
-            origin = torch.cuda.current_stream(self.device)
+            runtime = self.runtime
+            origin = runtime.current_stream(self.device)
             if self._last_origin is not None and origin != self._last_origin:
                 origin.wait_stream(self._last_origin)  # the previous call ran there and shares our buffers
-            key, leaves = input_signature(args, self.mode, self.device)
+            key, leaves = input_signature(args, self.cudagraphs, self.device)
             if key == self._last_key:
                 entry = self._last_entry
             else:
                 entry = self._entry(key, args, leaves)
                 self._last_key, self._last_entry = key, entry
             if entry.graph is not None:
-                entry.copies.copy_in(leaves)
+                runtime.launch(origin, entry.copies.copy_in, leaves)
                 entry.graph.replay()
-                out = entry.static_output if self.static_outputs else pytree.tree_map(_clone, entry.static_output)
+                out = entry.static_output if self.static_outputs else runtime.launch(
+                    origin, pytree.tree_map, _clone, entry.static_output)
             else:
-                env = entry.captured.bind(self._to_device(args))
+                env = runtime.launch(origin, entry.captured.bind, self._to_device(args))
                 self._lanes.issue(entry.steps, origin, entry.captured, env)
                 out = entry.captured.output(env)
                 for t in pytree.tree_leaves(out):  # it may come from a side stream's pool; the caller reads it here
-                    if isinstance(t, torch.Tensor) and t.is_cuda:
-                        t.record_stream(origin)
+                    if isinstance(t, torch.Tensor):
+                        runtime.record_stream(t, origin)
             self._last_origin = origin
             return out
 
@@ -216,7 +227,7 @@ class CudaBackend:
             if not self._give_back.alive:
                 return
             if any(entry.graph is not None for entry in self._entries.values()):
-                torch.cuda.synchronize(self.device)
+                self.runtime.synchronize(self.device)
             self._entries.clear()
             self._last_key = self._last_entry = None
             self._give_back()
@@ -232,8 +243,8 @@ class CudaBackend:
         named = [("the capture stream", self._capture_stream)] + [
             (f"lane {lane}", s) for lane, s in zip(self.lanes[1:], self._lanes.side, strict=True)]
         for name, stream in named:
-            with torch.cuda.stream(stream):
-                if torch.cuda.is_current_stream_capturing():
+            with self.runtime.stream(stream):
+                if self.runtime.is_current_stream_capturing():
                     found.append(name)
         return found
 
@@ -241,7 +252,7 @@ class CudaBackend:
         def move(x):
             if not isinstance(x, torch.Tensor) or x.device == self.device:
                 return x
-            return x.to(self.device, non_blocking=x.is_pinned())
+            return self.runtime.to_device(x, self.device)
 
         if any(isinstance(a, (list, tuple, dict)) for a in args):
             return pytree.tree_map(move, args)
@@ -255,16 +266,16 @@ class CudaBackend:
         with torch.inference_mode(False), torch.no_grad():
             args_on_device = self._to_device(args)
             captured = self._captured_for(args_on_device)
-            if self.mode == "graph":
+            if self.cudagraphs:
                 entry = self._record(captured, args_on_device, leaves)
             else:
-                entry = self._keep_all_run(captured, args_on_device, torch.cuda.current_stream(self.device))
+                entry = self._keep_all_run(captured, args_on_device, self.runtime.current_stream(self.device))
         self._entries[key] = entry
         return entry
 
     def _evicted(self, key: tuple, entry: _Entry) -> None:
         if entry.graph is not None:  # its pool goes back to the allocator: no replay may still be running
-            torch.cuda.synchronize(self.device)
+            self.runtime.synchronize(self.device)
         if key == self._last_key:
             self._last_key = self._last_entry = None
         self.stats["evictions"] += 1
@@ -283,35 +294,39 @@ class CudaBackend:
                              f"graph captured for {self._example_shapes}: {type(exc).__name__}: {exc}") from exc
         return dataclasses.replace(self.captured, gm=gm)  # keeps a subclass (backends/segments.py: Segmented)
 
-    def _keep_all_run(self, captured: Captured, args: tuple, origin: torch.cuda.Stream) -> _Entry:
+    def _keep_all_run(self, captured: Captured, args: tuple, origin) -> _Entry:
         """Run once keeping every intermediate; return the entry with its release plan."""
         entry = _Entry(captured, {}, steps_with_releases(self.program, {}))
-        env = captured.bind(args)
+        env = self.runtime.launch(origin, captured.bind, args)
         self._lanes.issue(entry.steps, origin, captured, env)
         entry.releases = release_keys(captured, env, self.program)
         entry.steps = steps_with_releases(self.program, entry.releases)
         return entry
 
-    # ---- graph mode ---------------------------------------------------------------------------------------------
+    # ---- CUDA graphs --------------------------------------------------------------------------------------------
     def _record(self, captured: Captured, args: tuple, leaves) -> _Entry:
         """Warm up and check on the capture stream, then capture one run into a CUDA graph
         (:mod:`opweave.backends.cudagraph`)."""
-        static_inputs = pytree.tree_map(lambda x: _static_copy(x, self.device), args)
-        caller = torch.cuda.current_stream(self.device)
+        runtime = self.runtime
+        caller = runtime.current_stream(self.device)
+        static_inputs = runtime.launch(caller, pytree.tree_map, lambda x: _static_copy(x, self.device), args)
         side = self._capture_stream
         side.wait_stream(caller)
         try:
-            with torch.cuda.stream(side):
+            with runtime.stream(side):
                 entry = self._keep_all_run(captured, static_inputs, side)
                 for _ in range(1, self.warmup):
-                    self._lanes.issue(entry.steps, side, captured, captured.bind(static_inputs))
-                checked_run(self._lanes, entry.steps, captured, captured.bind(static_inputs), side)
+                    env = runtime.launch(side, captured.bind, static_inputs)
+                    self._lanes.issue(entry.steps, side, captured, env)
+                env = runtime.launch(side, captured.bind, static_inputs)
+                checked_run(self._lanes, entry.steps, captured, env, side)
+                del env
         except GraphCaptureError as exc:  # only the checked run raises it: nothing was captured yet
-            if self.fallback != "eager":
+            if self.capture_fallback != "eager":
                 raise
             warnings.warn(f"{exc}; running this input signature on streams without a CUDA graph", stacklevel=4)
             self.stats["eager_fallbacks"] += 1
-            # Graph-mode signatures ignore strides, which can change what aliases what: keep every buffer.
+            # Signatures keyed for graphs ignore strides, which can change what aliases what: keep every buffer.
             return _Entry(captured, {}, steps_with_releases(self.program, {}))
         finally:
             caller.wait_stream(side)
@@ -327,11 +342,11 @@ class CudaBackend:
 # ---- helpers (no CUDA needed) ----------------------------------------------------------------------------------
 
 
-def input_signature(args: tuple, mode: str, device: torch.device) -> tuple[tuple, Any]:
+def input_signature(args: tuple, cudagraphs: bool, device: torch.device) -> tuple[tuple, Any]:
     """The cache key of a call's arguments and their leaves (:func:`opweave.backends.cache.signature`): strides
-    count in ``streams`` mode (inputs are used in place), and in ``graph`` mode the address of inputs used in place
+    count without CUDA graphs (inputs are used in place), and with them the address of inputs used in place
     (parameters: the graph reads them where they are)."""
-    if mode == "streams":
+    if not cudagraphs:
         return signature(args, strides=True)
     return signature(args, by_address=lambda x: _in_place(x, device))
 
@@ -360,8 +375,7 @@ def _shapes(args) -> list:
 
 def _in_place(x: torch.Tensor, device: torch.device) -> bool:
     """An input whose address stays put between calls (a parameter), so a graph may read it without a copy."""
-    static = isinstance(x, nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) is not None
-    return static and x.device == device
+    return static_input(x) and x.device == device
 
 
 def _static_copy(x, device: torch.device):

@@ -8,11 +8,11 @@ calls, a server's other requests say, neither break the capture nor are refused 
 
 * An op that synchronizes the CPU with the GPU (``.item()``, ``.tolist()``, ``nonzero``, boolean masks, Python
   control flow on a tensor's value) cannot be recorded; the checked run finds it before capture and
-  :class:`GraphCaptureError` names the op and the cause (the backend may then run the signature without a graph).
-  ``torch.cuda.set_sync_debug_mode`` is process-wide: while the checked run lasts (one run of the plan, once per new
-  signature), a synchronizing call made by *another* thread raises there too. Two checked runs never overlap (a
-  module lock), so the mode is always restored. (The alternative, "warn" mode and Python's warning filters, would
-  be just as process-wide and would misattribute another thread's sync to our op.)
+  :class:`GraphCaptureError` names the op and the cause (the backend may then run the signature without a graph,
+  ``capture_fallback="eager"``). ``torch.cuda.set_sync_debug_mode`` is process-wide: while the checked run lasts
+  (one run of the plan, once per new signature), a synchronizing call made by *another* thread raises there too.
+  Two checked runs never overlap (a module lock), so the mode is always restored. (The alternative, "warn" mode and
+  Python's warning filters, would be just as process-wide and would misattribute another thread's sync to our op.)
 * Anything that fails *during* capture is re-raised as :class:`GraphCaptureError` naming the op (never a fallback:
   the checked run passed, so the failure is not a sync and running the signature eagerly would hide it). The
   process is left usable: the other lanes are joined back where the capture allows it, the capture is ended, the
@@ -20,6 +20,9 @@ calls, a server's other requests say, neither break the capture nor are refused 
   work is drained, and the caller's current stream is restored in a ``finally`` (``torch.cuda.graph``'s own exit
   skips the restore when ``capture_end`` raises, which is why the capture is driven here with ``capture_begin`` /
   ``capture_end``).
+
+Everything CUDA is reached through the lanes' runtime (:mod:`opweave.backends.runtime`), so the fake runtime records
+and replays the same way on the CPU.
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from typing import Any
-
-import torch
 
 from opweave.backends.program import Lane, Step
 from opweave.backends.streams import CudaLanes
@@ -45,12 +46,13 @@ class GraphCaptureError(CaptureError):
 
 
 def checked_run(lanes: CudaLanes, steps: Iterable[tuple[Lane, Step]], captured: Captured, env: dict,
-                origin: torch.cuda.Stream) -> None:
+                origin) -> None:
     """One run of ``steps`` in CUDA's sync-debug "error" mode (process-wide: see the module docstring); a sync is
     raised as :class:`GraphCaptureError` naming the op."""
+    runtime = lanes.runtime
     with _SYNC_CHECK:
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
+        previous = runtime.get_sync_debug_mode()
+        runtime.set_sync_debug_mode("error")
         try:
             lanes.issue(steps, origin, captured, env)
         except Exception as exc:
@@ -58,32 +60,33 @@ def checked_run(lanes: CudaLanes, steps: Iterable[tuple[Lane, Step]], captured: 
                 raise capture_error(captured, lanes.current_op, exc, sync=True) from exc
             raise
         finally:
-            torch.cuda.set_sync_debug_mode(previous)
+            runtime.set_sync_debug_mode(previous)
 
 
 def record(lanes: CudaLanes, steps: Iterable[tuple[Lane, Step]], captured: Captured, static_inputs,
-           stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, Any]:
+           stream) -> tuple[Any, Any]:
     """Record one run of ``steps`` on ``stream`` (forked from and joined into it) into a new CUDA graph; the graph
     and its static output. Every failure path ends the capture, gives the memory pool back, restores the caller's
     current stream and raises :class:`GraphCaptureError` (module docstring)."""
+    runtime = lanes.runtime
     device = stream.device
-    caller = torch.cuda.current_stream(device)
-    graph = torch.cuda.CUDAGraph()
-    pool = torch.cuda.graph_pool_handle()
-    torch.cuda.synchronize(device)  # as torch.cuda.graph: nothing of ours still pending when capture begins
+    caller = runtime.current_stream(device)
+    graph = runtime.CUDAGraph()
+    pool = runtime.graph_pool_handle()
+    runtime.synchronize(device)  # as torch.cuda.graph: nothing of ours still pending when capture begins
     failure: BaseException | None = None
     where = output = None
-    torch.cuda.set_stream(stream)
+    runtime.set_stream(stream)
     try:
         try:
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         except BaseException as exc:  # noqa: BLE001 - re-raised after the clean-up
-            _give_back_pool(pool, device)
+            runtime.give_back_pool(pool, device)
             failure, where = exc, "beginning the capture"
         else:
             env = None
             try:
-                env = captured.bind(static_inputs)
+                env = runtime.launch(stream, captured.bind, static_inputs)
                 lanes.issue(steps, stream, captured, env)
                 output = captured.output(env)
             except BaseException as exc:  # noqa: BLE001 - re-raised after the clean-up
@@ -92,16 +95,16 @@ def record(lanes: CudaLanes, steps: Iterable[tuple[Lane, Step]], captured: Captu
             try:
                 graph.capture_end()
             except BaseException as exc:  # noqa: BLE001 - re-raised after the clean-up
-                _give_back_pool(pool, device)
+                runtime.give_back_pool(pool, device)
                 if failure is None:
                     failure, where = exc, "ending the capture"
             del env  # only now: the capture pool keeps these buffers for the graph, none reused mid-capture
     finally:
-        torch.cuda.set_stream(caller)
+        runtime.set_stream(caller)
     if failure is None:
         return graph, output
     del graph, output
-    _settle()
+    _settle(runtime)
     if not isinstance(failure, Exception):
         raise failure
     op, lanes.current_op = lanes.current_op, None
@@ -125,27 +128,9 @@ def capture_error(captured: Captured, op: str | None, exc: BaseException, *, syn
         place = f"op {op!r} ({captured.graph.op[op].target}; fx nodes {nodes})"
     else:
         place = "a step outside the ops (binding the inputs or building the output)"
-    remedy = ("mode='streams' runs it without a graph (a failure during the capture is never run eagerly instead)"
-              if during_capture else "pass fallback='eager' or mode='streams' to run it without a graph")
+    remedy = ("cudagraphs=False runs it without a graph (a failure during the capture is never run eagerly instead)"
+              if during_capture else "pass capture_fallback='eager' or cudagraphs=False to run it without a graph")
     return GraphCaptureError(f"cannot record {captured.graph.name} into a CUDA graph: {place} {cause}; {remedy}")
-
-
-def _give_back_pool(pool, device: torch.device) -> None:
-    """Stop routing allocations to a capture's private pool and release it, for a capture that did not end
-    cleanly: PyTorch's ``capture_end`` raises before doing either when ``cudaStreamEndCapture`` fails, and the
-    graph's destructor releases the pool only after a capture that ended. If stopping is refused, ``capture_end``
-    got past that point and the graph releases the pool itself: releasing it here too would do it twice.
-    (The binding was renamed in torch 2.8.)"""
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(
-        torch._C, "_cuda_endAllocateCurrentStreamToPool", None)
-    release = getattr(torch._C, "_cuda_releasePool", None)
-    if end is None or release is None:
-        return
-    try:
-        end(device.index, pool)
-    except Exception:  # noqa: BLE001 - not capturing to that pool any more: see the docstring
-        return
-    release(device.index, pool)
 
 
 def _chain(exc: BaseException | None):
@@ -156,9 +141,9 @@ def _chain(exc: BaseException | None):
         exc = exc.__cause__ or exc.__context__
 
 
-def _settle() -> None:
+def _settle(runtime) -> None:
     """After a failed capture, let pending work finish so the error does not surface in an unrelated call."""
     try:
-        torch.cuda.synchronize()
+        runtime.synchronize()
     except RuntimeError:
         pass

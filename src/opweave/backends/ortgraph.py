@@ -1,6 +1,6 @@
-"""Lanes over ONNX Runtime's optimized graph of the whole model: ``opweave.compile(..., fuse="onnxruntime-graph")``.
+"""Lanes over ONNX Runtime's optimized graph of the whole model: ``opweave.compile(..., graph="onnxruntime")``.
 
-``fuse="onnxruntime"`` exports each segment of a plan on its own, so ONNX Runtime optimizes each alone: its NCHWc
+``compiler="onnxruntime"`` exports each segment of a plan on its own, so ONNX Runtime optimizes each alone: its NCHWc
 layout (convolutions on 8-channel blocks, which doubles a small convolution's speed) is undone at every segment
 boundary and its fusions stop there. Here the order is turned round:
 
@@ -20,7 +20,7 @@ boundary and its fusions stop there. Here the order is turned round:
    allocated once, and each session reads and writes those buffers through an ``IOBinding`` made once; a call
    rebinds only the model's inputs (no copy) and copies only the model's outputs out (beside them, a call makes one
    ``Event`` per sync and one ``OrtValue`` header per input). The plan's lanes run as the CPU backend's do:
-   the first in the caller's thread, every other on a long-lived :class:`~opweave.backends.cpu.LaneWorker`, a record
+   the first in the caller's thread, every other on a worker of a :class:`~opweave.backends.cpu.LanePool`, a record
    an ``Event.set`` and a wait an ``Event.wait`` (ONNX Runtime releases the GIL while a session runs).
 
 Each value is written once per call and the calls are serialised (one lock per backend), so the buffers need no
@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from opweave.backends.compilers import export_onnx, import_onnxruntime
-from opweave.backends.cpu import Call, LaneWorker, stop_workers
+from opweave.backends.cpu import Call, LanePool, LaneWorker
 from opweave.backends.program import Program
 from opweave.backends.segments import segment_groups, segment_plan, whole_module
 from opweave.backends.threads import cores
@@ -145,7 +145,7 @@ class OrtGraph:
         for node in graph.node:
             if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
                 raise UsageError(f"{captured.graph.name}: ONNX Runtime's graph has a control-flow node "
-                                 f"({node.op_type}); fuse='onnxruntime-graph' takes straight-line graphs")
+                                 f"({node.op_type}); graph='onnxruntime' takes straight-line graphs")
         stable_names(graph)
         self.node = {n.name: n for n in graph.node}
         self.order = [n.name for n in graph.node]
@@ -294,10 +294,11 @@ class OrtLanes:
         self._lock = threading.Lock()
         # the lanes hold the segments, not the backend: a worker thread that referred to it would keep it alive
         segments = _Segments(bound, ort.RunOptions())
-        self._caller = LaneWorker(lanes[0], self.program.lanes[lanes[0]], segments, thread=False)
-        self._workers = [LaneWorker(lane, self.program.lanes[lane], segments) for lane in lanes[1:]]
+        self._caller = LaneWorker(lanes[0], self.program.lanes[lanes[0]], segments)
+        self._pool = LanePool({lane: LaneWorker(lane, self.program.lanes[lane], segments).run_call
+                               for lane in lanes[1:]})
         self._warned = False
-        self._stop = weakref.finalize(self, stop_workers, list(self._workers))
+        self._stop = weakref.finalize(self, self._pool.close)
 
     def close(self) -> None:
         with self._lock:  # not in the middle of a call: its workers would never take it
@@ -314,18 +315,7 @@ class OrtLanes:
             fed = {name: self._ort_value(_array(leaves[i])) for name, i in self.model.inputs}
             for binding, name in self._rebind:
                 binding.bind_ortvalue_input(name, fed[name]._ortvalue)
-            call = Call({}, self.program.num_signals, len(self._workers) + 1)
-            for worker in self._workers:
-                worker.inbox.put(call)
-            try:
-                self._caller.run_call(call)
-            except BaseException as exc:  # noqa: BLE001 - stops the other lanes, raised below
-                call.fail(exc)
-            finally:
-                call.lane_finished()
-            call.done.wait()
-            if call.errors:
-                raise call.errors[0]
+            self._pool.run(Call({}, self.program.num_signals, len(self._pool.workers) + 1), self._caller.run_call)
             return self.model.whole.output(env, [torch.from_numpy(a.copy()) for a in self._outputs])
 
     def _op_by_op(self, args: tuple) -> Any:
@@ -333,12 +323,8 @@ class OrtLanes:
         if not self._warned:
             self._warned = True
             warnings.warn(f"{self.model.graph.name}: inputs with another signature than the example's run op by op "
-                          "(fuse='onnxruntime-graph' exported the model for the example's strides)", stacklevel=3)
-        captured = self.model.captured
-        env = captured.bind(args)
-        for op in captured.graph.topo_order:
-            captured.run_op(op, env)
-        return captured.output(env)
+                          "(graph='onnxruntime' exported the model for the example's strides)", stacklevel=3)
+        return self.model.captured.run(args)
 
 
 class _Segments:

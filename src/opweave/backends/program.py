@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    """What runs a plan for :class:`opweave.api.Compiled`: called like the model; ``close()`` releases what it
+    """What runs a plan for :class:`opweave.Compiled`: called like the model; ``close()`` releases what it
     holds (threads, streams, graphs, rank processes; also done when it is collected; calling it twice is harmless);
     ``stats`` counts what it did (keys depend on the backend)."""
 

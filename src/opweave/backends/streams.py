@@ -12,7 +12,8 @@ has distinct streams is a :class:`~opweave.errors.DeviceError` naming two of the
 :func:`default_streams` (8, the GPU's default number of hardware queues, ``CUDA_DEVICE_MAX_CONNECTIONS``) is the
 stream cap ``opweave.compile`` gives the scheduler for CUDA. Shared streams only serialize work, except while a
 graph is being captured, when work another thread puts on the same CUDA stream would be recorded into the graph;
-keep captures (first calls of a signature) out of such overlaps.
+keep captures (first calls of a signature) out of such overlaps. Each runtime (:mod:`opweave.backends.runtime`) has
+its own pools: the fake runtime's streams are its own.
 
 **The lanes** (:class:`CudaLanes`, a :class:`~opweave.backends.program.Walker`). One host thread issues every lane,
 in the plan's issue order: the first lane runs on the caller's current stream (``origin``), every other lane on a
@@ -20,6 +21,8 @@ side stream that waits for an event recorded on ``origin`` at the start (fork), 
 side lane's last event at the end (join), so the caller sees an ordinary stream-ordered result. A signal is a CUDA
 event recorded on its lane's stream, a wait makes the lane's stream wait for it. The current stream is switched only
 where a launch is on another lane than the previous one. The CUDA backend and a CUDA rank both run their lanes so.
+Every launch, record, wait and release goes through the lanes' runtime (``runtime.launch`` runs the op, its work
+issued on the lane's stream; ``runtime.dropped`` is told what a release drops).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections.abc import Iterable
 import torch
 
 from opweave.backends.program import Lane, Step, Walker
+from opweave.backends.runtime import CUDA, Runtime
 from opweave.errors import DeviceError
 
 DEFAULT_STREAMS = 8  # CUDA's default number of hardware work queues per device (CUDA_DEVICE_MAX_CONNECTIONS)
@@ -58,10 +62,10 @@ def check_distinct_streams(streams: list[tuple[str, int]]) -> None:
 
 class StreamPool:
     """The distinct streams of one device that opweave took from PyTorch, and how many users hold each (see the
-    module docstring). Thread-safe."""
+    module docstring), from ``runtime``. Thread-safe."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, runtime: Runtime = CUDA):
+        self.device, self.runtime = device, runtime
         self.streams: list[torch.cuda.Stream] = []
         self.users: list[int] = []
         self.full = False  # PyTorch has no stream the pool lacks
@@ -92,7 +96,7 @@ class StreamPool:
         (other callers of ``torch.cuda.Stream()`` may have moved it on); none means the pool is full."""
         known = {s.cuda_stream for s in self.streams}
         for _ in range(TORCH_POOL):
-            stream = torch.cuda.Stream(self.device)
+            stream = self.runtime.Stream(self.device)
             if stream.cuda_stream not in known:
                 self.streams.append(stream)
                 self.users.append(0)
@@ -100,35 +104,32 @@ class StreamPool:
         self.full = True
 
 
-_POOLS: dict[int, StreamPool] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def stream_pool(device: torch.device) -> StreamPool:
-    """The one :class:`StreamPool` of CUDA device ``device``."""
-    index = torch.device(device).index
-    if index is None:
-        index = torch.cuda.current_device()
-    with _POOLS_LOCK:
-        if index not in _POOLS:
-            _POOLS[index] = StreamPool(torch.device("cuda", index))
-        return _POOLS[index]
+def stream_pool(device: torch.device, runtime: Runtime = CUDA) -> StreamPool:
+    """The one :class:`StreamPool` of ``runtime``'s device ``device`` (its current device when the index is None)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = runtime.device
+    with runtime.pools_lock:
+        if device.index not in runtime.pools:
+            runtime.pools[device.index] = StreamPool(device, runtime)
+        return runtime.pools[device.index]
 
 
 class CudaLanes(Walker):
     """A plan's lanes on CUDA streams, forked from and joined into the caller's stream (see the module docstring).
 
     ``lanes`` in order (the first runs on ``origin``), ``side`` the streams of the others, one CUDA event per
-    signal. :meth:`issue` runs ops of a ``captured`` model in ``env``, dropping the keys a step releases;
-    ``current_op`` names the op being launched when it raised (None after a walk that finished)."""
+    signal, all of ``runtime``. :meth:`issue` runs ops of a ``captured`` model in ``env``, dropping the keys a step
+    releases; ``current_op`` names the op being launched when it raised (None after a walk that finished)."""
 
-    def __init__(self, lanes: list[Lane], side: list[torch.cuda.Stream], num_signals: int):
+    def __init__(self, lanes: list[Lane], side: list[torch.cuda.Stream], num_signals: int,
+                 runtime: Runtime = CUDA):
         if len(side) != max(0, len(lanes) - 1):
             raise ValueError(f"{len(lanes)} lanes need {max(0, len(lanes) - 1)} side streams, got {len(side)}")
-        self.lanes, self.side = lanes, side
-        self.events = [torch.cuda.Event() for _ in range(num_signals)]
-        self._fork = torch.cuda.Event()
-        self._joins = [torch.cuda.Event() for _ in side]
+        self.lanes, self.side, self.runtime = lanes, side, runtime
+        self.events = [runtime.Event() for _ in range(num_signals)]
+        self._fork = runtime.Event()
+        self._joins = [runtime.Event() for _ in side]
         self.stream_of: dict[Lane, torch.cuda.Stream] = {}
         self.current_op: str | None = None
         self.captured = self.env = self._active = None
@@ -143,7 +144,7 @@ class CudaLanes(Walker):
             self.run(steps)
         finally:
             if self._active is not origin:
-                torch.cuda.set_stream(origin)
+                self.runtime.set_stream(origin)
             self.captured = self.env = self._active = None  # keep no buffer alive between calls
         self.current_op = None
         self.join(origin)
@@ -169,10 +170,10 @@ class CudaLanes(Walker):
     def launch(self, lane: Lane, op: str) -> None:
         stream = self.stream_of[lane]
         if stream is not self._active:
-            torch.cuda.set_stream(stream)
+            self.runtime.set_stream(stream)
             self._active = stream
         self.current_op = op
-        self.captured.run_op(op, self.env)
+        self.runtime.launch(stream, self.captured.run_op, op, self.env)
 
     def signal(self, lane: Lane, number: int) -> None:
         self.events[number].record(self.stream_of[lane])
@@ -181,5 +182,4 @@ class CudaLanes(Walker):
         self.stream_of[lane].wait_event(self.events[number])
 
     def release(self, lane: Lane, keys: tuple[str, ...]) -> None:
-        for key in keys:
-            self.env.pop(key, None)
+        self.runtime.dropped([self.env.pop(key, None) for key in keys])

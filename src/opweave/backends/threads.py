@@ -26,10 +26,11 @@ while two idle threads held two-thread teams, and 40 ms when they held one-threa
 :func:`budgets` gives a plan's lanes their threads when no per-op budgets are given: one to each lane but the first,
 the rest of the cores to the first (a single lane keeps every core), so the lanes never hold more threads than there
 are cores. Per-op budgets (:func:`op_threads`: an op of the first lane that runs alone gets every core) are given
-only to ``fuse="onnxruntime"`` plans (:func:`lane_threads`): ONNX Runtime's pools sleep when idle there. An OpenMP
-team does not: after a two-thread kernel the caller's second thread spins on, and a worker lane that starts its
-next op meanwhile finds both cores taken. On the 2-core machine (2026-11-25, batch 1, medians of 20 calls
-interleaved in one process whose workers never held a team above one thread), HEFT's two lanes with per-op budgets
+only to ONNX Runtime segments (``compiler="onnxruntime"``, ``graph="onnxruntime"``; :func:`lane_threads`): ONNX
+Runtime's pools sleep when idle there. An OpenMP team does not: after a two-thread kernel the caller's second
+thread spins on, and a worker lane that starts its next op meanwhile finds both cores taken. On the 2-core machine
+(2026-11-25, batch 1, medians of 20 calls interleaved in one process whose workers never held a team above one
+thread), HEFT's two lanes with per-op budgets
 against every op on one thread: GoogLeNet 56.7 / 51.2 ms, NASNet 48.2 / 45.9, RandWire 46.8 / 35.6, Inception-v3
 100.7 / 100.6. ``cores`` is the number of CPUs this process may run on.
 """
@@ -102,20 +103,20 @@ def restore_default(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def lane_threads(graph, plan, costs=None, fuse: str | None = None) -> dict[str, int] | None:
-    """Each op's intra-op threads on a CPU plan's lanes (None for a single lane: the caller's own count). A plan of
-    ONNX Runtime sessions (``fuse="onnxruntime"`` or ``"onnxruntime-graph"``) with ``costs`` gets
-    :func:`op_threads`' per-op budgets; any other plan its
-    lanes' :func:`budgets`, the same for every op of a lane (module docstring says why)."""
+def lane_threads(graph, plan, costs=None, *, per_op: bool = False, total: int | None = None) -> dict[str, int] | None:
+    """Each op's intra-op threads on a CPU plan's lanes, out of ``total`` (default :func:`cores`; None for a single
+    lane: the caller's own count). With ``per_op`` (what runs the ops sleeps when idle: ONNX Runtime sessions) and
+    ``costs``, :func:`op_threads`' per-op budgets; otherwise the lanes' :func:`budgets`, the same for every op of a
+    lane (module docstring says why)."""
     lane_of = {i.op: (i.device, i.stream) for i in plan.instrs if i.kind == "launch"}
     lanes = sorted(set(lane_of.values()))
     if len(lanes) < 2:
         return None
-    if fuse in ("onnxruntime", "onnxruntime-graph") and costs is not None:
+    if per_op and costs is not None:
         from opweave.backends.simulate import simulate
 
-        return op_threads(simulate(graph, plan, costs))
-    share = budgets(lanes)
+        return op_threads(simulate(graph, plan, costs), total=total)
+    share = budgets(lanes, total=total)
     return {op: share[lane] for op, lane in lane_of.items()}
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from opweave.capture import opinfo
-from opweave.errors import CaptureError, UsageError
+from opweave.errors import CaptureError, UsageError, first_line
 from opweave.ir.graph import OpGraph
 
 Step = Callable[[dict[str, Any]], Any]
@@ -106,6 +106,18 @@ class Captured:
             except Exception as exc:
                 raise self._failure(op_id, name, exc, env) from exc
 
+    def run(self, args: tuple) -> Any:
+        """One run op by op in the topological order, under ``no_grad``: the reference a backend's or a
+        candidate's output is held against."""
+        with torch.no_grad():
+            return self.output(self.run_all(self.bind(tuple(args))))
+
+    def run_all(self, env: dict[str, Any]) -> dict[str, Any]:
+        """Every op run once on the bound ``env``, in the topological order; ``env`` then holds every value."""
+        for op in self.graph.topo_order:
+            self.run_op(op, env)
+        return env
+
     def emit(self, op_id: str, graph: fx.Graph, load: Callable[[fx.Node], fx.Node]) -> dict[fx.Node, fx.Node]:
         """Copy op ``op_id``'s fx nodes into ``graph`` (generated lane code, :mod:`opweave.backends.lanecode`);
         ``load(node)`` gives the node in ``graph`` that holds a value from outside the op. Returns each of the op's
@@ -119,13 +131,12 @@ class Captured:
         """The error of a failed op: the op, what it runs on which tensors (dtype and shape), and its fx node as
         ``torch.fx.Interpreter`` names it."""
         node = next(n for n in self.nodes[op_id] if n.name == name)
-        text = str(exc).strip().splitlines()
         tensors = [env.get(a.name) for a in node.all_input_nodes]
         shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors
                            if isinstance(t, torch.Tensor))
         return CaptureError(f"{self.graph.name}: op {op_id!r} ({opinfo.target_name(node, self.gm)} on "
                             f"{shapes or 'no tensors'}) failed while executing fx node {name!r} "
-                            f"({node.format_node()}): {type(exc).__name__}: {text[0] if text else ''}")
+                            f"({node.format_node()}): {first_line(exc, 10**6)}")
 
     def output(self, env: dict[str, Any]) -> Any:
         """The model's output, in the structure ``model(*args)`` returns, rebuilt from ``env``."""
@@ -140,6 +151,17 @@ class Captured:
                     if op not in out.setdefault(arg.name, []):
                         out[arg.name].append(op)
         return out
+
+
+def as_tuple(example_inputs) -> tuple:
+    """Example inputs as a tuple (a list becomes one; one tensor becomes a one-tuple)."""
+    return tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+
+def static_input(x: Any) -> bool:
+    """Whether ``x`` keeps its address between calls: a parameter, or a tensor dynamo marked static (the parameters
+    and buffers it lifts to inputs), so a CUDA graph may read it in place."""
+    return isinstance(x, torch.nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) is not None
 
 
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -12,8 +12,8 @@ from torch import nn
 from opweave import zoo
 from opweave.capture.coarsen import coarsen as coarsen_ops
 from opweave.capture.runtime import Captured
-from opweave.capture.trace import ExportedModule, _first_line, capture
-from opweave.errors import UsageError
+from opweave.capture.trace import ExportedModule, capture
+from opweave.errors import UsageError, first_line
 
 
 class Loaded(NamedTuple):
@@ -25,7 +25,8 @@ class Loaded(NamedTuple):
 
 
 def load(source: str | Path, *, batch_size: int = 1, image_size: int | None = None, device: str = "cpu",
-         dtype: torch.dtype | None = None, coarsen: bool = True, name: str | None = None, **options) -> Loaded:
+         dtype: torch.dtype | None = None, coarsen: bool = True, name: str | None = None, fold_bn: bool = False,
+         **options) -> Loaded:
     """The model ``source`` names, its example inputs and its capture, coarsened (:func:`~.coarsen.coarsen`, the
     papers' operators) unless ``coarsen=False`` (one op per fx node).
 
@@ -34,7 +35,8 @@ def load(source: str | Path, *, batch_size: int = 1, image_size: int | None = No
     ``image_size`` goes to the zoo models that take one (:func:`opweave.zoo.takes_image_size`) and is ignored by the
     others and by files, so a caller may give one size for every model. The module and the floating-point inputs
     are converted to ``dtype`` (zoo models only), then moved to ``device``. ``name`` names the graph (default: the
-    zoo name or the file's stem).
+    zoo name or the file's stem). ``fold_bn``: BatchNorm folded into the convolutions at capture
+    (:func:`~.trace.capture`).
     """
     if isinstance(source, Path) or str(source).endswith(".pt2"):
         file = Path(source).name
@@ -52,7 +54,7 @@ def load(source: str | Path, *, batch_size: int = 1, image_size: int | None = No
             module = module.to(dtype)
             inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
         module, inputs, name = module.to(device), tuple(x.to(device) for x in inputs), name or str(source)
-    captured = capture(module, inputs, name=name)
+    captured = capture(module, inputs, name=name, fold_bn=fold_bn)
     return Loaded(module, inputs, coarsen_ops(captured) if coarsen else captured)
 
 
@@ -66,7 +68,7 @@ def load_program(path: str | Path, device: str = "cpu") -> ExportedModule:
     try:
         program = torch.export.load(path)
     except Exception as exc:  # noqa: BLE001 - any failure to read means "not an exported program"
-        raise UsageError(f"{str(path)!r} is not a program saved by torch.export.save ({_first_line(exc)})") from exc
+        raise UsageError(f"{str(path)!r} is not a program saved by torch.export.save ({first_line(exc)})") from exc
     if device != "cpu":
         from torch.export.passes import move_to_device_pass
 

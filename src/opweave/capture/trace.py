@@ -54,8 +54,8 @@ from torch.utils import _pytree as pytree
 from opweave.capture.coarsen import fold_batchnorm
 from opweave.capture.functionalize import rewrite_inplace
 from opweave.capture.partition import build_graph, partition
-from opweave.capture.runtime import Captured, positional
-from opweave.errors import CaptureError
+from opweave.capture.runtime import Captured, as_tuple, positional
+from opweave.errors import CaptureError, UsageError, first_line
 from opweave.outputs import compare
 
 SUGGESTION = 'torch.compile(model, backend="opweave") schedules each subgraph it can capture around such code'
@@ -77,11 +77,13 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
     program = model.exported if isinstance(model, ExportedModule) else None
     if program is not None and not example_inputs and example_kwargs is None and model.example_inputs is not None:
         example_inputs = model.example_inputs
-    if not isinstance(example_inputs, tuple):
-        example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+    example_inputs = as_tuple(example_inputs)
     model_name = name or ("ExportedProgram" if program is not None else type(model).__name__)
     signature = model.signature if program is not None else _signature(model)
     example_inputs = positional(signature, example_inputs, example_kwargs or {}, model_name)
+    if fold_bn and program is not None:
+        raise UsageError(f"{model_name}: fold_bn folds BatchNorm modules of an nn.Module; an exported program has "
+                         "none (its BatchNorm is a function of its parameters)")
     if fold_bn and model.training:
         raise CaptureError(f"cannot fold BatchNorm into convolutions of {model_name}: it is in training mode "
                            "(call model.eval() first)")
@@ -104,7 +106,7 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
             kept = rewrite_inplace(gm)
             result = _propagate_shapes(gm, example_inputs)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means "try the next route"
-            failures.append(f"{route}: {_first_line(exc)}")
+            failures.append(f"{route}: {first_line(exc)}")
             located = where(exc, model) or located
             continue
         if check:
@@ -203,7 +205,7 @@ def _eager(model: nn.Module, example_inputs: tuple, model_name: str) -> Any:
     except Exception as exc:  # noqa: BLE001 - whatever the model raises, the user must fix it first
         at = where(exc, model)
         raise CaptureError(f"{model_name} raises on the example inputs{' at ' + at if at else ''}: "
-                           f"{_first_line(exc)}") from exc
+                           f"{first_line(exc)}") from exc
 
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib)) + (
@@ -265,12 +267,6 @@ def _views_as_reshapes(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is view:
             node.target = reshape
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else ""
-    return f"{type(exc).__name__}: {line[:300]}"
 
 
 # ---- 4./5. shapes and verification --------------------------------------------------------------------------------

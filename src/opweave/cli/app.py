@@ -53,11 +53,16 @@ DevicesOpt = Annotated[int, typer.Option("--devices", min=1, help="number of dev
 CostOpt = Annotated[str, typer.Option("--cost-model", help="ideal | gpu")]
 PresetOpt = Annotated[str, typer.Option("--preset", help="device preset for zoo models' estimated latencies")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", min=1)]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="fp32 | fp16 | bf16: what a zoo model's ops compute in "
+                                                       "(estimated costs)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
 ProfileOpt = Annotated[Path | None, typer.Option("--profile", help="measured profile (opweave profile) for --model")]
 CoarsenOpt = Annotated[bool, typer.Option("--coarsen/--no-coarsen",
                                            help="the papers' operators, each op merged with its epilogues, as "
                                                 "opweave.compile plans them (--no-coarsen: one op per fx node)")]
+OptionOpt = Annotated[list[str] | None, typer.Option(
+    "--option", "-o", help="KEY=VALUE: any option of opweave.compile (e.g. cudagraphs=false, compiler=inductor, "
+                           "scheduler_options={\"sync_ms\": 0.1}), as in the options table; repeat for more")]
 LinkOpt = Annotated[str | None, typer.Option(
     "--link", help="link between devices: nvlink4, pcie4, pcie5, loopback or a file from opweave profile-links; "
                    "sets every edge's transfer time (HIOS schedulers, simulator)")]
@@ -86,14 +91,87 @@ def linked(graph: OpGraph, link: str | None) -> OpGraph:
     return with_link(graph, link)
 
 
-def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, devices: int):
-    """Schedule, lower, validate and replay one scheduler: (schedule, plan, simulation result)."""
-    from opweave.api import plan_for
+def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,
+               preset: str = "h100", profile: str | Path | None = None, coarsen: bool = True,
+               model_file: str | Path | None = None) -> OpGraph:
+    """The graph the CLI's ``schedule`` and ``simulate`` work on: a graph JSON file or a shipped example
+    (``graph``, which carries its own ops), or a zoo ``model`` captured at ``batch_size`` (or the ``.pt2``
+    ``model_file``; :func:`opweave.capture.load`) and coarsened, as :func:`compile` plans it, unless
+    ``coarsen=False``, with roofline latencies for ``preset``, or with the latencies measured in ``profile``.
+
+    A profile must have been measured for this model, batch (input shapes), dtype and granularity; otherwise
+    :class:`~opweave.costs.profile.ProfileKeyError`. Its device and torch version are not checked: scheduling and
+    simulating a GPU's profile on another machine is the point (the graph then carries that GPU's costs).
+    """
+    from opweave.ir import examples
+
+    if sum(x is not None for x in (graph, model, model_file)) != 1:
+        raise UsageError("give a GRAPH (file or example name), --model NAME or --model-file PATH.pt2, one of them")
+    if profile is not None and model is None:
+        raise UsageError("--profile goes with --model (a graph file carries its own latencies)")
+    if graph is None:
+        from opweave.capture import load
+        from opweave.costs.roofline import with_estimates
+
+        _, inputs, captured = load(Path(model_file) if model_file is not None else model, batch_size=batch_size,
+                                   coarsen=coarsen)
+        estimated = with_estimates(captured.graph, preset)
+        if profile is None:
+            return estimated
+        from opweave.costs.profile import Profile, profile_key
+        from opweave.costs.profile.store import model_dtype
+
+        measured = Profile.load(profile)
+        expect = profile_key(model, inputs, "cpu", model_dtype(captured, inputs))
+        expect = {k: v for k, v in expect.items() if k not in ("device", "torch")}
+        measured.check_key({**expect, "device": measured.key.get("device"), "torch": measured.key.get("torch")},
+                           source=str(profile))
+        return measured.apply(estimated)
+    if str(graph) in examples.names():
+        return examples.load(str(graph))
+    if not Path(graph).exists():
+        raise UsageError(f"no graph file {str(graph)!r} (examples: {', '.join(examples.names())})")
+    return OpGraph.load(graph)
+
+
+def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, devices: int,
+            replay: Costs | None = None):
+    """Schedule, lower, validate and replay one scheduler: (schedule, plan, simulation result). The scheduler sees
+    ``costs``; the replay runs under ``replay`` (default ``costs``)."""
     from opweave.backends.simulate import simulate
+    from opweave.build import plan_for
 
     sched, plan = plan_for(graph, costs, name, streams=streams,
                            devices=devices if name in schedulers.MULTI_DEVICE else 1)
-    return sched, plan, simulate(graph, plan, costs)
+    return sched, plan, simulate(graph, plan, replay or costs)
+
+
+def device_costs(graph: OpGraph, cost_model: str, preset: str, dtype: str, measured: bool) -> tuple[OpGraph, Costs,
+                                                                                                      Costs]:
+    """(graph, the costs a scheduler sees, the costs the replay runs under) for ``simulate`` and ``schedule``.
+
+    Under ``--cost-model gpu`` with a fitted preset (h200, h100: :mod:`opweave.costs.calibrated`) the ops get the
+    fitted device's times, except where ``measured`` (a profile gave the graph its latencies), the schedulers see
+    them as ideal costs (as the GPU benchmark's schedulers saw its profile) and the replay is the fitted model of one
+    CUDA Graph call. Otherwise the graph's own latencies (roofline estimates for ``dtype``, or the profile's) under
+    ``cost_model``, for the scheduler and the replay alike."""
+    from dataclasses import replace
+
+    from opweave.costs import calibrated, roofline
+
+    dtype = calibrated.DTYPES.get(dtype)
+    if dtype is None:
+        raise UsageError(f"unknown dtype; choose one of {', '.join(calibrated.DTYPES)}")
+    if cost_model == "gpu" and preset.lower() in calibrated.FITTED:
+        fitted = calibrated.costs(graph, calibrated.device(preset), dtype,
+                                  latency_ms=graph.latencies() if measured else None)
+        graph = OpGraph([replace(o, latency_ms=fitted.latency_ms[o.id], utilization=fitted.utilization[o.id])
+                         for o in graph.ops], graph.edges, graph.name)
+        return graph, replace(fitted, model="ideal"), fitted
+    if dtype != "float32" and not measured and all(o.latency_ms is not None for o in graph.ops):
+        graph = roofline.with_estimates(graph, preset, dtype)
+    costs = graph_costs(graph, cost_model)
+    return graph, costs, costs
 
 
 def schedule_json(sched, plan, sim) -> dict:

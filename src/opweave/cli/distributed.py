@@ -65,13 +65,12 @@ def _simulated_ms(compiled_graph, plan, costs) -> float:
 
 def _run_ranks(build, model, scheduler, devices, device, runs, warmup, streams, link, threads, timeout,
                check) -> dict:
-    from opweave.api import compile_ranks
+    from opweave.build.targets import RanksTarget
     from opweave.evaluate.bench import median_ms
 
     module, inputs, captured = build()
-    options = {"threads": threads} if threads else {}
-    with compile_ranks(captured, scheduler=scheduler, device=device, devices=devices, streams=streams, link=link,
-                       timeout_s=timeout, **options) as fast:
+    with RanksTarget().build(captured, inputs, _options(device, scheduler, devices, streams, link, threads,
+                                                        timeout)) as fast:
         ms = median_ms(fast, inputs, runs=runs, warmup=warmup)
         return {"model": model, "scheduler": scheduler, "devices": devices, "device": device, "launch": "processes",
                 "median_ms": ms, "runs": runs, "ops": len(fast.graph),
@@ -82,8 +81,8 @@ def _run_ranks(build, model, scheduler, devices, device, runs, warmup, streams, 
 
 def _run_torchrun(build, model, scheduler, devices, device, runs, warmup, streams, link, timeout,
                   check) -> dict | None:
-    from opweave.api import plan_ranks
     from opweave.backends.distributed import torchrun
+    from opweave.build.targets import RanksTarget
 
     rank, world = torchrun.rank_and_world()
     if devices is not None and devices != world:
@@ -92,8 +91,7 @@ def _run_torchrun(build, model, scheduler, devices, device, runs, warmup, stream
 
     def prepare():
         module, inputs, captured = build()
-        costs, sched, plan = plan_ranks(captured, scheduler=scheduler, device=device, devices=world,
-                                        streams=streams, link=link)
+        costs, sched, plan = RanksTarget().plan(captured, inputs, _options(device, scheduler, world, streams, link))
         built.update(module=module, inputs=inputs, costs=costs, sched=sched, plan=plan, graph=captured.graph)
         return captured, plan, inputs
 
@@ -106,6 +104,17 @@ def _run_torchrun(build, model, scheduler, devices, device, runs, warmup, stream
             "simulated_ms": _simulated_ms(built["graph"], built["plan"], built["costs"]),
             "devices_used": built["sched"].devices_used, "ranks": result["ranks"],
             **(_compare(module, inputs, result["output"]) if check else {})}
+
+
+def _options(device: str, scheduler: str, devices: int, streams, link, threads=None, timeout=None):
+    """The rank processes' options, checked as opweave.compile checks them (the model was coarsened, or not, when it
+    was loaded). One device runs the plan in one rank process: the baseline the others are held against."""
+    from opweave.build import resolve
+
+    ranks = {"link": link, "timeout_s": timeout} if devices > 1 else {}
+    return resolve(device, "default", {"scheduler": scheduler, "devices": devices, "streams": streams,
+                                       "threads": threads if device == "cpu" else None, "coarsen": False, **ranks},
+                   check_device=False)
 
 
 def _compare(module, inputs, got) -> dict:

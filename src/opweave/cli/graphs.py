@@ -9,12 +9,12 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from opweave.api import load_graph
 from opweave.cli.app import (
     BatchOpt,
     CoarsenOpt,
     CostOpt,
     DevicesOpt,
+    DtypeOpt,
     GraphArg,
     JsonOpt,
     LinkOpt,
@@ -24,10 +24,11 @@ from opweave.cli.app import (
     ProfileOpt,
     StreamsOpt,
     app,
+    device_costs,
     err,
-    graph_costs,
     guard,
     linked,
+    load_graph,
     out,
     run_one,
     schedule_json,
@@ -42,13 +43,14 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
              preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = True,
-             link: LinkOpt = None, as_json: JsonOpt = False):
+             link: LinkOpt = None, dtype: DtypeOpt = "fp32", as_json: JsonOpt = False):
     """Schedule a graph with one scheduler and show where each op runs (a model's coarsened graph, as compile plans
     it, unless --no-coarsen)."""
     g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
                           model_file=model_file), link)
     (name,) = scheduler_names(scheduler)
-    sched, plan, sim = run_one(g, graph_costs(g, cost_model), name, streams, devices)
+    g, costs, replay = device_costs(g, cost_model, preset, dtype, measured=graph is not None or profile is not None)
+    sched, plan, sim = run_one(g, costs, name, streams, devices, replay)
     result = schedule_json(sched, plan, sim)
     if as_json:
         print(json.dumps(result))
@@ -71,12 +73,13 @@ def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
              preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = True,
-             link: LinkOpt = None,
+             link: LinkOpt = None, dtype: DtypeOpt = "fp32",
              gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart PNG (one scheduler)")] = None,
              trace: Annotated[Path | None, typer.Option(help="write a Chrome trace JSON (one scheduler)")] = None,
              as_json: JsonOpt = False):
     """Compare schedulers on one graph: makespan, speedup over sequential, syncs, scheduling time (a model's coarsened
-    graph, as compile plans it, unless --no-coarsen)."""
+    graph, as compile plans it, unless --no-coarsen). With --cost-model gpu and a fitted preset (h200, h100) the
+    makespan is one CUDA Graph call on the fitted device, what benchmarks/gpu_latency.py measures."""
     from opweave.backends import render
 
     g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
@@ -84,10 +87,10 @@ def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
     names = scheduler_names(scheduler)
     if (gantt or trace) and len(names) != 1:
         raise UsageError("--gantt and --trace need a single --scheduler")
-    costs = graph_costs(g, cost_model)
+    g, costs, replay = device_costs(g, cost_model, preset, dtype, measured=graph is not None or profile is not None)
     rows = []
     for name in names:
-        sched, plan, sim = run_one(g, costs, name, streams, devices)
+        sched, plan, sim = run_one(g, costs, name, streams, devices, replay)
         rows.append({"scheduler": name, "makespan_ms": sim.makespan_ms, "sequential_ms": sim.sequential_ms,
                      "speedup": sim.sequential_ms / sim.makespan_ms if sim.makespan_ms else 1.0,
                      "streams_used": sched.streams_used, "devices_used": sched.devices_used, "syncs": plan.syncs,
@@ -98,7 +101,8 @@ def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
             render.chrome_trace(sim, trace)
     if as_json:
         print(json.dumps({"graph": g.name, "ops": len(g), "edges": len(g.edges), "cost_model": cost_model,
-                          "critical_path_ms": g.critical_path_ms(), "results": rows}))
+                          "costs": replay.source, "dtype": dtype, "critical_path_ms": g.critical_path_ms(),
+                          "results": rows}))
         return
     table = Table(title=f"{g.name}: {len(g)} ops, {len(g.edges)} edges, cost model {cost_model}, "
                         f"critical path {g.critical_path_ms():.3f} ms")
@@ -147,3 +151,71 @@ def models(as_json: JsonOpt = False):
               "where those packages are installed")
 
 
+
+
+@app.command()
+@guard
+def calibrate(results: Annotated[list[Path], typer.Argument(help="result JSON files of benchmarks/gpu_latency.py")],
+              trace: Annotated[Path | None, typer.Option(help="a profiler trace of one model's ops alone "
+                                                                "(scripts/dump_trace.py, .json or .json.gz): "
+                                                                "refits the op classes")] = None,
+              output: Annotated[Path | None, typer.Option(
+                  "--out", help="device file to write (default: the one the h200 preset reads, shipped in the "
+                                "package)")] = None,
+              base: Annotated[Path | None, typer.Option(help="device file to start from (default: the shipped "
+                                                             "H200 file)")] = None,
+              iterations: Annotated[int, typer.Option(min=1, help="Nelder-Mead steps per fit")] = 60,
+              leave_one_out: Annotated[bool, typer.Option("--leave-one-out/--no-leave-one-out",
+                                                          help="also fit with each model left out")] = True,
+              rank_weight: Annotated[float | None, typer.Option(
+                  min=0.0, help="weight of the term that keeps the measured orderings of each configuration's "
+                                "plans (0: fit the errors alone; default 1)")] = None,
+              report: Annotated[Path | None, typer.Option(help="write every row's prediction here (JSON)")] = None,
+              as_json: JsonOpt = False):
+    """Refit the GPU device model on measured results (and a trace): the op classes on the trace, the call on the
+    rows; print the error fitted on all rows and with each model left out, and write the device file."""
+    import gzip
+
+    from opweave.backends import calibrate as fit
+    from opweave.costs import calibrated
+
+    rows = fit.read_rows(results)
+    start = calibrated.Device.load(base or calibrated.shipped_path("h200"))
+    traced = None
+    if trace is not None:
+        opener = gzip.open if trace.suffix == ".gz" else open
+        try:
+            with opener(trace, "rt") as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UsageError(f"cannot read trace {str(trace)!r}: {exc}") from None
+        name = (data.get("opweave") or {}).get("model")
+        if not name:
+            raise UsageError(f"{trace}: no 'opweave' entry naming the model (write it with scripts/dump_trace.py)")
+        traced = (fit.graph_for(name, 1), data, name)
+    log = (lambda text: None) if as_json else (lambda text: err.print(text, markup=False, highlight=False))
+    weight = fit.RANK_WEIGHT if rank_weight is None else rank_weight
+    dev, rep = fit.calibrate(rows, start, traced, iterations, leave_one_out, log, weight)
+    target = output or calibrated.shipped_path("h200")
+    dev.save(target)
+    if report is not None:
+        report.write_text(json.dumps(rep, indent=1) + "\n")
+    if as_json:
+        print(json.dumps({"device": dev.to_dict(), "out": str(target), **rep}))
+        return
+    table = Table(title=f"{dev.name} fitted on {len(rows)} rows: mean |predicted / measured - 1| "
+                        f"{rep['fitted']['mean_error']:.1%} (worst {rep['fitted']['max_error']:.1%})")
+    for col in ("model", "batch", "dtype", "scheduler", "measured ms", "predicted ms", "error", "left out ms"):
+        table.add_column(col, justify="left" if col in ("model", "dtype", "scheduler") else "right")
+    for r in rep["rows"]:
+        held = r.get("left_out_ms")
+        table.add_row(r["model"], str(r["batch"]), r["dtype"], r["scheduler"], f"{r['measured_ms']:.3f}",
+                      f"{r['predicted_ms']:.3f}", f"{r['predicted_ms'] / r['measured_ms'] - 1:+.1%}",
+                      "" if held is None else f"{held:.3f}")
+    out.print(table)
+    params = ", ".join(f"{p} {getattr(dev, p):g}" for p in fit.CALL_PARAMS)
+    out.print(f"call: {params}; memory efficiency {dev.mem_efficiency:g}")
+    if "leave_one_model_out" in rep:
+        out.print(f"leave-one-model-out: mean {rep['leave_one_model_out']['mean_error']:.1%}, worst "
+                               f"{rep['leave_one_model_out']['max_error']:.1%}")
+    out.print(f"wrote {target}")

@@ -50,7 +50,7 @@ def _curve_png(path: Path, series: dict[str, tuple[list[float], list[float]]], t
 def train_gpg(output: Annotated[Path, typer.Option("--output", "-o", help="weights file to write")],
               episodes: Annotated[int, typer.Option("--episodes", min=1, help="training graphs")] = 20000,
               models: ModelsOpt = "inception_v3,resnet50,squeezenet",
-              preset: Annotated[str, typer.Option("--device-preset", help="roofline preset")] = "h100",
+              preset: Annotated[str, typer.Option("--preset", "--device-preset", help="roofline preset")] = "h100",
               samples: Annotated[int, typer.Option("--samples", min=1, help="rollouts per chunk and graph")] = 4,
               lr: Annotated[float, typer.Option("--lr", min=0.0, help="Adam's first learning rate (falls "
                                                 "linearly to a tenth over the run)")] = 1e-3,
@@ -77,7 +77,7 @@ def train_gpg(output: Annotated[Path, typer.Option("--output", "-o", help="weigh
                               on_episode=on_episode)
     elapsed = time.perf_counter() - start
     meta = {"command": f"opweave train-gpg --episodes {episodes} --seed {seed} --models {models} "
-                       f"--device-preset {preset} --samples {samples} --lr {lr:g} --validate-every {validate_every}",
+                       f"--preset {preset} --samples {samples} --lr {lr:g} --validate-every {validate_every}",
             "train_s": round(elapsed, 1), "kept_episode": kept.episode, "valid_over_dp": round(kept.valid_over_dp, 4),
             "rules_valid_over_dp": {k: round(v, 4) for k, v in kept.rules_over_dp.items()}}
     gpg.save(kept.net, output, meta)
@@ -120,7 +120,7 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
                                                        "run")] = 1.0,
                  eval_max_scale: Annotated[float, typer.Option("--eval-max-scale", min=1.0)] = 128.0,
                  slo_ms: Annotated[float, typer.Option("--slo-ms", min=0.1, help="held-out p99 bound")] = 100.0,
-                 preset: Annotated[str, typer.Option("--device-preset", help="roofline preset")] = "h100",
+                 preset: Annotated[str, typer.Option("--preset", "--device-preset", help="roofline preset")] = "h100",
                  max_batch: Annotated[int, typer.Option("--max-batch", min=1)] = 16,
                  max_queue: Annotated[int, typer.Option("--max-queue", min=1)] = 64,
                  max_sub_blocks: Annotated[int, typer.Option("--max-sub-blocks", min=1, help="H")] = 4,
@@ -170,7 +170,7 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
     meta = {"command": f"opweave train-policy --pattern {pattern} --steps {steps} --period-ms {period_ms:g} "
                        f"--episode-steps {episode_steps} --scales {scales} --warmup {warmup} --eval-every "
                        f"{eval_every} --eval-seeds {eval_seeds} --eval-s {eval_s:g} --eval-max-scale "
-                       f"{eval_max_scale:g} --slo-ms {slo_ms:g} --device-preset {preset} --max-batch {max_batch} "
+                       f"{eval_max_scale:g} --slo-ms {slo_ms:g} --preset {preset} --max-batch {max_batch} "
                        f"--max-queue {max_queue} --max-sub-blocks {max_sub_blocks} --seed {seed}"
                        + (f" --image-size {image_size}" if image_size else ""),
             "pattern": rates, "preset": preset, "train_s": round(train_s, 1), "load_s": round(loaded - start, 1),

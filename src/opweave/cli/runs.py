@@ -15,6 +15,7 @@ from opweave.cli.app import (
     CoarsenOpt,
     JsonOpt,
     ModelFileOpt,
+    OptionOpt,
     StreamsOpt,
     app,
     err,
@@ -29,20 +30,26 @@ from opweave.errors import UsageError
 @guard
 def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (default inception_v3)")] = None,
           model_file: ModelFileOpt = None,
-          device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when present)")] = "cpu",
+          device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when present)")] = "auto",
           batch_size: BatchOpt = 1,
           schedulers_: Annotated[str, typer.Option("--schedulers", help="comma list or all")] = "sequential,lios,opara",
           streams: StreamsOpt = None, runs: Annotated[int, typer.Option(min=1)] = 20,
           warmup: Annotated[int, typer.Option(min=0)] = 3,
           profile: Annotated[Path | None, typer.Option(help="schedule on this measured profile")] = None,
-          coarsen: CoarsenOpt = True, as_json: JsonOpt = False):
+          coarsen: CoarsenOpt = True, options: OptionOpt = None, as_json: JsonOpt = False):
     """Real runs: eager vs opweave with each scheduler. Every mode is built first, then all are timed interleaved
     (rounds of a few calls each, so that all see the same load): the median, the spread (p10 to p90, as % of the
     median) and the speed-up over eager, shown as ~ when it is within the spread (README, "How to read a
-    benchmark"). A machine that other processes kept busy meanwhile gets a warning."""
+    benchmark"). A machine that other processes kept busy meanwhile gets a warning. ``--option KEY=VALUE`` sets any
+    other option of opweave.compile for every scheduler (refused, before anything runs, where it does not apply)."""
+    from opweave.build import parse_option, resolve
     from opweave.evaluate.bench import bench_model, resolve_device
 
     device = resolve_device(device)
+    settings = dict(parse_option(text) for text in options or [])
+    mode = settings.pop("mode", "default")
+    resolve(device, mode, {"streams": streams, "profile": profile}, check_device=False,
+            **settings)  # checked here, once, before the model is built
     names = schedulers.names() if schedulers_ == "all" else [s.strip() for s in schedulers_.split(",") if s.strip()]
     for name in names:
         scheduler_names(name)
@@ -50,7 +57,7 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
         raise UsageError("give --model NAME or --model-file PATH.pt2, not both")
     result = bench_model(model_file or model or "inception_v3", device=device, batch_size=batch_size,
                          scheduler_names=names, streams=streams, runs=runs, warmup=warmup, progress=not as_json,
-                         profile=profile, coarsen=coarsen)
+                         profile=profile, coarsen=coarsen, mode=mode, options=settings)  # fold_bn: at capture
     if as_json:
         print(json.dumps(result))
         return
@@ -80,7 +87,8 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
 @app.command()
 @guard
 def profile(model: Annotated[str, typer.Option("--model")] = "inception_v3",
-            device: Annotated[str, typer.Option(help="cuda | cpu | auto")] = "cuda", batch_size: BatchOpt = 1,
+            device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when present)")] = "auto",
+            batch_size: BatchOpt = 1,
             output: Annotated[Path | None, typer.Option("-o", "--output")] = None, coarsen: CoarsenOpt = True,
             threads: Annotated[int, typer.Option(min=1, help="CPU: intra-op threads per op (a lane's budget when "
                                                             "the lanes fill the cores)")] = 1):

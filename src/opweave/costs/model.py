@@ -28,14 +28,34 @@ class GpuModel:
     Each op alone fills ``utilization`` (0–1) of the device. While the running ops' shares sum to more than 1,
     every running op progresses at rate ``1 / sum`` (proportional slow-down, processor sharing). Without a CUDA
     Graph every launch costs the CPU ``launch_overhead_ms`` (ops on all streams of a device are issued by one CPU
-    thread, so launches serialize); with one, a launch costs ``graph_launch_overhead_ms`` and each cross-stream
-    ``wait`` costs ``event_overhead_ms`` on the waiting stream.
+    thread, so launches serialize); with one, a launch costs ``graph_launch_overhead_ms``. Either way a
+    cross-stream ``wait`` is an edge that costs ``event_overhead_ms``: what waits starts that long after the
+    record completes. Inside a graph, each of an op's kernels (``Costs.kernels``, 1 unless given) starts
+    ``kernel_gap_ms`` after the kernel before it on its stream (the gap between back-to-back kernels of a graph),
+    the first no earlier than its cross-stream edges allow, and the device starts at most one kernel every
+    ``dispatch_ms`` across all its streams (a fitted device, :mod:`opweave.costs.calibrated`, sets both; 0 by
+    default).
     """
 
     launch_overhead_ms: float = 0.005
     graph_launch_overhead_ms: float = 0.0
     event_overhead_ms: float = 0.002
     cuda_graph: bool = True
+    kernel_gap_ms: float = 0.0
+    dispatch_ms: float = 0.0
+
+
+def file_fields(cls, data, fmt: str, what: str, error: type[Exception] = UsageError) -> dict:
+    """The fields of a dataclass ``cls`` read back from its JSON form (``{"format": fmt, **fields}``): ``error``,
+    one line naming ``what`` it is not, for another format or a field ``cls`` does not have."""
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise error(f"not an opweave {what} (format {found!r}, expected {fmt!r})")
+    fields = {k: v for k, v in data.items() if k != "format"}
+    unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise error(f"{what} has unknown field(s) {', '.join(unknown)}")
+    return fields
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,7 @@ class Costs:
     category: dict[str, str] = field(default_factory=dict)
     resources: dict[str, dict[str, float]] = field(default_factory=dict)
     edge_transfer_ms: dict[tuple[str, str], float] = field(default_factory=dict)
+    kernels: dict[str, float] = field(default_factory=dict)
     model: str = "ideal"
     gpu: GpuModel = field(default_factory=GpuModel)
     source: str = "graph"
@@ -61,6 +82,10 @@ class Costs:
 
     def util(self, op: str) -> float:
         return self.utilization.get(op, 1.0)
+
+    def kernel_count(self, op: str) -> float:
+        """Kernels ``op`` launches (1 unless given; the ``gpu`` model's launch gaps are per kernel)."""
+        return self.kernels.get(op, 1.0)
 
     def transfer_ms(self, src: str, dst: str) -> float:
         """Time to move ``src``'s output to another device for ``dst`` (0 when the graph gives none)."""

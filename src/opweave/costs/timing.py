@@ -17,15 +17,19 @@ from collections.abc import Callable
 import torch
 
 
-def times_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str = "cpu") -> list[float]:
-    """Milliseconds of each of ``runs`` calls of ``fn()`` after ``warmup`` untimed ones."""
+def times_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str = "cpu",
+             sync: Callable[[], object] | None = None) -> list[float]:
+    """Milliseconds of each of ``runs`` calls of ``fn()`` after ``warmup`` untimed ones. ``sync``: on the host's
+    clock, call this after each call (a device that is not CUDA's events, such as the fake CUDA runtime)."""
     for _ in range(warmup):
         fn()
-    if device != "cuda":
+    if device != "cuda" or sync is not None:
         times = []
         for _ in range(runs):
             t0 = time.perf_counter()
             fn()
+            if sync is not None:
+                sync()
             times.append((time.perf_counter() - t0) * 1e3)
         return times
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
@@ -43,3 +47,18 @@ def times_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str = 
 def median_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str = "cpu") -> float:
     """Median of :func:`times_ms`."""
     return statistics.median(times_ms(fn, runs=runs, warmup=warmup, device=device))
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], *, rounds: int = 5, runs: int = 3, warmup: int = 2,
+                   device: str = "cpu", sync: Callable[[], object] | None = None) -> dict[str, list[float]]:
+    """Milliseconds of every call of each of ``fns``, timed interleaved so that all see the same load (as
+    ``torch.utils.benchmark``'s comparisons are): ``warmup`` untimed calls each, then ``rounds`` rounds in which
+    each runs ``runs`` timed calls (:func:`times_ms`)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {label: [] for label in fns}
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            times[label] += times_ms(fn, runs=runs, warmup=0, device=device, sync=sync)
+    return times

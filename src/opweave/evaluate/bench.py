@@ -145,12 +145,14 @@ def device_name(device: str) -> str:
 
 def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
                 scheduler_names: Sequence[str] = (), streams: int | None = None, runs: int = 20, warmup: int = 3,
-                progress: bool = True, profile: str | None = None, coarsen: bool = True) -> dict:
+                progress: bool = True, profile: str | None = None, coarsen: bool = True,
+                mode: str = "default", options: dict | None = None) -> dict:
     """Eager vs ``opweave.compile`` with each scheduler on one zoo model or ``.pt2`` file (``source``, as
-    :func:`opweave.capture.load` takes it): every mode built and checked against eager, then all timed interleaved
-    (module docstring); returns a JSON-ready dict. Each row has its median, p10, p90 and spread; the others also
-    their speed-up over eager and whether it is within the spread (:func:`versus`). ``machine`` says what else ran
-    meanwhile, and ``warning`` is set when the machine was busy."""
+    :func:`opweave.capture.load` takes it), with ``options`` (any other option of ``opweave.compile``) for every
+    scheduler: every mode built and checked against eager, then all timed interleaved (module docstring); returns a
+    JSON-ready dict. Each row has its median, p10, p90 and spread; the others also their speed-up over eager and
+    whether it is within the spread (:func:`versus`). ``machine`` says what else ran meanwhile, and ``warning`` is
+    set when the machine was busy."""
     from rich.progress import Progress
 
     from opweave.api import compile_captured
@@ -161,7 +163,9 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
 
         require_cuda()
     # captured once: every scheduler plans the same graph
-    model, inputs, captured = load(source, batch_size=batch_size, device=device, coarsen=coarsen)
+    options = dict(options or {})
+    model, inputs, captured = load(source, batch_size=batch_size, device=device, coarsen=coarsen,
+                                   fold_bn=options.pop("fold_bn", False))
     model_name = captured.graph.name
     with torch.inference_mode():
         reference = model(*inputs)
@@ -172,7 +176,7 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
         for name in scheduler_names:
             bar.update(task, description=f"{model_name}: building opweave {name}")
             fast = compile_captured(captured, inputs, scheduler=name, device=device, streams=streams, profile=profile,
-                                    coarsen=False)
+                                    coarsen=False, mode=mode, options=options)
             with torch.inference_mode():
                 check = compare(reference, fast(*inputs))
             calls[f"opweave {name}"] = lambda fast=fast: fast(*inputs)

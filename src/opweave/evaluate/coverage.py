@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from opweave.errors import first_line
 from opweave.outputs import compare
 
 SCHEDULERS = ("sequential", "lios", "nimble", "opara", "hios-lp")
@@ -140,7 +141,7 @@ def check(name: str, schedulers: tuple[str, ...] = SCHEDULERS, **kwargs) -> dict
         with torch.no_grad():
             expected = [model(*case) for case in cases]
     except Exception as exc:  # noqa: BLE001 - reported, not raised: the table shows every model
-        row["error"] = _first_line(exc)
+        row["error"] = first_line(exc)
         return row
     for scheduler in schedulers:
         result: dict[str, Any] = {"compile_s": None, "difference": None, "error": None}
@@ -155,11 +156,6 @@ def check(name: str, schedulers: tuple[str, ...] = SCHEDULERS, **kwargs) -> dict
             if wrong is not None:
                 result["error"] = f"differs from eager: {wrong.reason}"
         except Exception as exc:  # noqa: BLE001 - reported per scheduler
-            result["error"] = _first_line(exc)
+            result["error"] = first_line(exc)
         row["schedulers"][scheduler] = result
     return row
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"

@@ -4,7 +4,8 @@
 * :mod:`.semantics` — what orders one instruction before another: :class:`~.semantics.PlanInterpreter`, the one
   owner of happens-before (pairing and vector clocks) that lowering, the validator and the backends build on;
 * :mod:`.lower` — ``lower(graph, schedule)``: a plan with only the waits it needs;
-* :mod:`.validate` — ``validate(graph, plan, schedule)``: every dependency ordered, or a :class:`PlanError`.
+* :mod:`.validate` — ``validate(graph, plan, schedule)``: every dependency ordered, or a :class:`PlanError`;
+* :mod:`.make` — ``plan_for(graph, costs, scheduler)``: schedule, lower and validate, the one way to a plan.
 """
 
 from opweave.errors import PlanError

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import inspect
 import logging
 import time
 
@@ -41,6 +42,15 @@ def names() -> list[str]:
     return list(_MODULES)
 
 
+def options_of(name: str) -> set[str] | None:
+    """The keyword options scheduler ``name`` takes (None: any)."""
+    module_name, fixed = _MODULES[name]
+    takes = inspect.signature(importlib.import_module(f"opweave.schedulers.{module_name}").schedule).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        return None
+    return {k for k, p in takes.items() if p.kind is p.KEYWORD_ONLY} - {"streams", "devices"} - set(fixed)
+
+
 def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, devices: int = 1,
         **options) -> Schedule:
     """Schedule ``graph`` with the scheduler called ``name``; fills in ``scheduling_time_s``.
@@ -70,6 +80,11 @@ def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, 
         raise UsageError(f"devices must be at least 1, got {devices}")
     module_name, fixed = _MODULES[name]
     module = importlib.import_module(f"opweave.schedulers.{module_name}")
+    known = options_of(name)
+    unknown = sorted(set(options) - known) if known is not None else []
+    if unknown:
+        raise UsageError(f"scheduler {name!r} takes no option {unknown[0]!r} (its options: "
+                         f"{', '.join(sorted(known)) or 'none'})")
     collecting = gc.isenabled()
     gc.disable()
     try:

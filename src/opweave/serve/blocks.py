@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from opweave.capture import Captured, opinfo
 from opweave.capture.partition import build_graph, partition
+from opweave.capture.runtime import as_tuple
 from opweave.errors import UsageError
 from opweave.ir.graph import OpGraph
 
@@ -288,8 +289,7 @@ def split(captured: Captured, example_inputs: tuple, *, cuts: list[str] | None =
           name: str | None = None) -> BlockedModel:
     """Split ``captured`` into blocks (automatic cut points, or exactly at ``cuts``; see the module docstring)."""
     name = name or captured.graph.name
-    if not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
+    example_inputs = as_tuple(example_inputs)
     order = captured.graph.topo_order
     found = cut_points(captured)
     if cuts is None:

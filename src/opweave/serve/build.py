@@ -80,14 +80,33 @@ def parse_cuts(items: list[str] | None) -> dict[str, list[str]]:
     return out
 
 
+SERVING_OPTIONS = {"cpu": ("scheduler", "streams", "compiler"), "cuda": ("scheduler", "streams"),
+                   "sim": ("scheduler", "streams")}
+
+
+def serving_options(device: str, settings: dict) -> dict:
+    """The options of ``opweave.compile`` (:data:`opweave.build.OPTIONS`) the serving executors take: the scheduler of
+    every combined block (lios, ios or heft), its stream cap and, on the CPU, the compiler of every block; checked
+    as ``opweave.compile`` checks them. Any other is refused: the engine decides it per combined block itself (one
+    CUDA Graph per combination, roofline costs, the blocks' own granularity)."""
+    from opweave.build import resolve
+
+    resolve("cpu" if device == "sim" else device, "default", settings, check_device=False)
+    for key in settings:
+        if key not in SERVING_OPTIONS[device]:
+            raise UsageError(f"option {key!r} does not apply to serving on {device}: the engine builds every combined "
+                             f"block itself (options it takes: {', '.join(SERVING_OPTIONS[device])})")
+    return settings
+
+
 def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", policy: str = "heuristic",
                 policy_options: dict | None = None, max_queue: int = 64, max_batch: int = 8, max_sub_blocks: int = 4,
                 timeout_s: float | None = None, scheduler: str = "lios", streams: int | None = None,
                 preset: str = "h100", step_overhead_ms: float = 0.03, profiles: dict | None = None,
-                warm: bool = True, fuse: str | None = "default") -> Engine:
+                warm: bool = True, compiler: str | None = "default") -> Engine:
     """An engine on the real executor of ``device`` (cpu, cuda) or on the simulator (``sim``, roofline ``preset``).
     ``profiles`` (simulation, see :func:`load_profiles`) replace roofline latencies. ``warm`` compiles every block
-    alone at batch 1 first (and checks it runs). ``fuse`` (CPU): each block compiled whole by that segment compiler
+    alone at batch 1 first (and checks it runs). ``compiler`` (CPU): each block compiled whole by that segment compiler
     (:class:`~opweave.serve.executors.CpuExecutor`); ``"default"``: ONNX Runtime when it is installed, else None
     (TOP's combined op graphs); with ``warm`` every block is compiled at every padded batch up front."""
     if device not in DEVICES:
@@ -101,16 +120,16 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", policy: 
         executor = CudaExecutor(blocked, scheduler=scheduler, streams=streams)
         clock = RealClock()
     else:
-        if fuse == "default":
+        if compiler == "default":
             from opweave.backends.compilers import available
 
-            fuse = "onnxruntime" if "onnxruntime" in available() else None
-        executor = CpuExecutor(blocked, scheduler=scheduler, streams=streams, fuse=fuse)
+            compiler = "onnxruntime" if "onnxruntime" in available() else None
+        executor = CpuExecutor(blocked, scheduler=scheduler, streams=streams, compiler=compiler)
         clock = RealClock()
     engine = Engine(executor, policies.create(policy, **(policy_options or {})), clock, max_queue=max_queue,
                     max_batch=max_batch, max_sub_blocks=max_sub_blocks, timeout_s=timeout_s)
     if warm:
-        if getattr(executor, "fuse", None) is not None:
+        if getattr(executor, "compiler", None) is not None:
             executor.compile_parts(max_batch)
         warm_up(engine)
     return engine

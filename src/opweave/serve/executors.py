@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from opweave.api import backend_for, plan_for
 from opweave.backends.cache import BoundedCache
+from opweave.build import build, plan_for, resolve
 from opweave.capture.runtime import Captured
 from opweave.costs.model import Costs
 from opweave.errors import UsageError
@@ -277,10 +277,10 @@ class CpuExecutor(TensorExecutor):
 
     Two granularities:
 
-    * ``fuse=None`` (TOP's own): a signature compiles to the union of its parts' op graphs (each part's block
+    * ``compiler=None`` (TOP's own): a signature compiles to the union of its parts' op graphs (each part's block
       captured at its batch, cached), roofline costs for the CPU, the scheduler (``streams`` lanes, default one per
       core), lowering, validation and a ``CpuBackend``: the parts' ops interleave on the lanes.
-    * ``fuse="onnxruntime"`` (or ``"inductor"``): each part (model, block, batch) is compiled once, whole, by that
+    * ``compiler="onnxruntime"`` (or ``"inductor"``): each part (model, block, batch) is compiled once, whole, by that
       segment compiler (:mod:`opweave.backends.compilers`; one compiled function per intra-op thread count it is
       called with), and a signature compiles to a graph of its parts as single ops, scheduled with ``heft`` onto the
       lanes: parts run side by side, one part alone gets every core. ONNX Runtime runs these blocks about three times
@@ -293,26 +293,26 @@ class CpuExecutor(TensorExecutor):
     device = "cpu"
 
     def __init__(self, models: dict[str, BlockedModel], *, scheduler: str = "lios", streams: int | None = None,
-                 cache_size: int = 32, pad: bool | None = None, fuse: str | None = None):
+                 cache_size: int = 32, pad: bool | None = None, compiler: str | None = None):
         from opweave.backends.threads import cores
 
-        super().__init__(models, scheduler=scheduler if fuse is None else "heft", streams=streams or cores(),
+        super().__init__(models, scheduler=scheduler if compiler is None else "heft", streams=streams or cores(),
                          cache_size=cache_size, pad=bool(pad))
-        if fuse is not None:
+        self.per_op_threads = False
+        if compiler is not None:
             from opweave.backends.compilers import get
 
-            get(fuse)  # an unknown name is refused here, not at the first request
-        self.fuse = fuse
+            self.per_op_threads = get(compiler).per_op_threads  # an unknown name is refused here, not at a request
+        self.compiler = compiler
         self._blocks: dict[tuple[str, int], _CompiledBlock] = {}
 
     def _compile(self, sig: Signature) -> Any:
-        from opweave.backends.threads import lane_threads
         from opweave.costs.roofline import estimate
 
-        captured = self.combined(sig)[0] if self.fuse is None else self._parts_graph(sig)
-        costs = estimate(captured.graph, "cpu", model="ideal")
-        _, plan = plan_for(captured.graph, costs, self.scheduler, streams=self.streams)
-        return backend_for(captured, plan, "cpu", threads=lane_threads(captured.graph, plan, costs, self.fuse))[0]
+        captured = self.combined(sig)[0] if self.compiler is None else self._parts_graph(sig)
+        options = resolve("cpu", options={"scheduler": self.scheduler, "streams": self.streams, "coarsen": False,
+                                          "costs": estimate(captured.graph, "cpu", model="ideal")})
+        return build(captured, (), options.replace(per_op_threads=self.per_op_threads)).backend
 
     def _parts_graph(self, sig: Signature) -> Captured:
         """``sig`` as a graph whose ops are its parts, each one call of its compiled block (class docstring); an
@@ -339,7 +339,7 @@ class CpuExecutor(TensorExecutor):
         return self._blocks.get(key) or self._blocks.setdefault(key, _CompiledBlock(self, model, block))
 
     def compile_parts(self, max_batch: int) -> int:
-        """With ``fuse``: compile every block of every model for every thread count a part may be called with (all
+        """With ``compiler``: compile every block of every model for every thread count a part may be called with (all
         the cores alone, their share beside others) and, where a block cannot take any batch, every batch up to
         ``max_batch``, so that no request waits for a compile. Returns how many compiled functions there are."""
         counts = sorted({max(1, self.streams // k) for k in range(1, self.streams + 1)})
@@ -358,10 +358,10 @@ class CpuExecutor(TensorExecutor):
         entry.close()  # stops its worker threads
 
     def warm_model(self, name: str, blocked: BlockedModel, max_batch: int) -> None:
-        """With ``fuse``: every block of ``name`` compiled as :meth:`compile_parts` does, by a scratch executor of
+        """With ``compiler``: every block of ``name`` compiled as :meth:`compile_parts` does, by a scratch executor of
         the same settings, its compiled blocks then handed over (their keys name only this model)."""
-        if self.fuse is not None:
-            scratch = CpuExecutor({name: blocked}, streams=self.streams, pad=self.pad, fuse=self.fuse)
+        if self.compiler is not None:
+            scratch = CpuExecutor({name: blocked}, streams=self.streams, pad=self.pad, compiler=self.compiler)
             scratch.compile_parts(max_batch)  # each compile under the lock a lane compiling on first use takes
             self._blocks.update(scratch._blocks)
 
@@ -392,10 +392,10 @@ class _CompiledBlock:
     is compiled per batch size met."""
 
     def __init__(self, executor: CpuExecutor, model: str, block: int):
-        self.blocked, self.block, self.fuse = executor.models[model], block, executor.fuse
+        self.blocked, self.block, self.compiler = executor.models[model], block, executor.compiler
         self.name = f"{model}.b{block}"
         self.module, self.spec = _flat_outputs(self.blocked.modules[block])
-        self.dynamic: bool | None = None if self.fuse == "onnxruntime" and self.blocked.stackable else False
+        self.dynamic: bool | None = None if self.compiler == "onnxruntime" and self.blocked.stackable else False
         self.compiled: dict[tuple[int, int | None], Any] = {}  # (threads, batch or None when dynamic) -> function
 
     def at(self, batch: int) -> Callable:
@@ -409,9 +409,9 @@ class _CompiledBlock:
         threads = threads or torch.get_num_threads()
         fn = self.compiled.get((threads, None)) or self.compiled.get((threads, batch))
         if fn is None:
-            from opweave.backends.segments import _COMPILE_LOCK
+            from opweave.backends.segments import COMPILE_LOCK
 
-            with _COMPILE_LOCK, torch.no_grad():
+            with COMPILE_LOCK, torch.no_grad():
                 fn = self._compile(batch, threads)
         return fn
 
@@ -419,7 +419,7 @@ class _CompiledBlock:
         from opweave.backends.compilers import get
         from opweave.outputs import compare
 
-        compiler = get(self.fuse)
+        compiler = get(self.compiler)
         if self.dynamic is not False:
             if (threads, None) in self.compiled:
                 return self.compiled[(threads, None)]
@@ -451,29 +451,34 @@ class CudaExecutor(TensorExecutor):
     """Combined blocks on one GPU, each signature recorded once into a CUDA Graph (TOP §VI-A keeps one graph per
     combined block; Nimble's ahead-of-time recording). A signature compiles to: the parts' block modules joined side
     by side (:func:`opweave.serve.blocks.combined_module`), captured for their batches, roofline costs for the
-    visible GPU's preset, the scheduler, lowering, validation and a :class:`opweave.backends.cuda.CudaBackend` in
-    graph mode. ``cache_size`` bounds the recorded graphs (each holds its own memory pool).
+    visible GPU's preset, the scheduler, lowering, validation and a :class:`opweave.backends.cuda.CudaBackend`
+    recording CUDA graphs. ``cache_size`` bounds the recorded graphs (each holds its own memory pool).
 
-    The models must already be on the GPU (see :func:`opweave.serve.models.load`). Not tested without a GPU."""
+    The models must already be on the GPU (see :func:`opweave.serve.models.load`). ``runtime``: the CUDA runtime
+    (:mod:`opweave.backends.runtime`; default ``torch.cuda``; the fake one runs it on the CPU, with the models and
+    inputs there)."""
 
     def __init__(self, models: dict[str, BlockedModel], *, scheduler: str = "lios", streams: int | None = None,
-                 cache_size: int = 64, pad: bool = True):
+                 cache_size: int = 64, pad: bool = True, runtime=None):
         from opweave.backends.cuda import default_streams, require_cuda
+        from opweave.backends.runtime import CUDA
 
-        require_cuda()
+        self.runtime = runtime or CUDA
+        require_cuda(self.runtime)
         # at most the GPU's hardware queues, as opweave.compile caps them: more lanes only add false dependencies
         super().__init__(models, scheduler=scheduler, streams=streams or default_streams(), cache_size=cache_size,
                          pad=pad)
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = self.runtime.device
 
     def _compile(self, sig: Signature) -> Any:
         from opweave.costs.roofline import estimate, preset_for_gpu
 
         captured, example = self.combined(sig)
-        preset = preset_for_gpu(torch.cuda.get_device_name()) or "h100"
+        preset = preset_for_gpu(self.runtime.device_name()) or "h100"
         costs = estimate(captured.graph, preset, model="ideal")
-        sched, plan = plan_for(captured.graph, costs, self.scheduler, streams=self.streams)
-        return backend_for(captured, plan, "cuda", example_inputs=example, mode="graph", cache_size=1, warmup=2)[0]
+        options = resolve("cuda", options={"scheduler": self.scheduler, "streams": self.streams, "costs": costs,
+                                           "coarsen": False, "cache_size": 1, "warmup": 2, "runtime": self.runtime})
+        return build(captured, example, options).backend
 
     def _evict(self, entry: Any) -> None:
         entry.close()  # frees its graph's memory and gives its streams back to the device's pool
@@ -481,7 +486,7 @@ class CudaExecutor(TensorExecutor):
     def run(self, parts: list[Part]) -> StepCost:
         ordered, sig, inputs = self._states(parts)
         backend = self.compiled(sig)
-        stream = torch.cuda.current_stream(self.device)
+        stream = self.runtime.current_stream(self.device)
         start = time.perf_counter()
         with torch.no_grad():
             outs = backend(*[x for state in inputs for x in state])

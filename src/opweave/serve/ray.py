@@ -55,10 +55,12 @@ class ReplicaOptions:
     streams: int | None = None
     image_size: Any = None  # int or {"*": int, model: int}
     cuts: dict[str, list[str]] = field(default_factory=dict)
-    fuse: str | None = "default"
+    compiler: str | None = "default"
     threads: int | None = 1  # torch intra-op threads per replica (its CPU share)
     pin_cores: bool = False  # each replica on its own `threads` cores, chosen by its local rank (see pin)
-    max_body_bytes: int = 64 << 20
+    max_body_bytes: int = 0  # raises every model's request limit (server.create_app)
+    allow_symlinks_outside_root: bool = False  # the model repository's links (repository.Repository)
+    strict: bool = False  # a model of the repository that does not load stops the replica
 
 
 class Replica:
@@ -82,10 +84,10 @@ class Replica:
             else {}
         self.engine = make_engine(served, device=o.device, policy=o.policy, policy_options=o.policy_options,
                                   max_queue=o.max_queue, max_batch=o.max_batch, max_sub_blocks=o.max_sub_blocks,
-                                  timeout_s=o.timeout_s, scheduler=o.scheduler, streams=o.streams, fuse=o.fuse)
+                                  timeout_s=o.timeout_s, scheduler=o.scheduler, streams=o.streams, compiler=o.compiler)
         self.repository = Repository(self.engine, served, o.model_repository, device=o.device,
-                                     max_batch=o.max_batch)
-        self.repository.load_all()
+                                     max_batch=o.max_batch, allow_symlinks_outside_root=o.allow_symlinks_outside_root)
+        self.repository.load_all(strict=o.strict)
         # a load or unload through the proxy would reach one replica: the replicas' models change by redeploying
         self.repository.changes = ("on Ray Serve a repository load or unload would reach one replica only: change "
                                    "the models by deploying again (serve.run / opweave serve --ray)")

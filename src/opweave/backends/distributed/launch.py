@@ -22,7 +22,6 @@ and the cause. A backend whose ranks were stopped refuses further calls with the
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -38,6 +37,7 @@ import torch.multiprocessing as mp
 from opweave.backends.distributed import rank as rank_module
 from opweave.backends.distributed import wire
 from opweave.backends.distributed.split import split
+from opweave.backends.threads import cores
 from opweave.capture.runtime import Captured
 from opweave.errors import DeviceError, RankError, UsageError
 from opweave.plan.launchplan import LaunchPlan
@@ -45,10 +45,6 @@ from opweave.plan.launchplan import LaunchPlan
 START_METHODS = ("forkserver", "spawn")
 DEFAULT_TIMEOUT_S = 300.0
 _PRIORITY = ("op", "error", "died", "comm", "silent")  # which failure is the cause when several are seen
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def check_devices(world: int, device: str, ops: int | None = None) -> None:
@@ -80,7 +76,7 @@ class Ranks:
         self.failure: str | None = None
         self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeout_s))
-        settings = rank_module.Settings(device, threads or max(1, usable_cores() // world), timeout_s,
+        settings = rank_module.Settings(device, threads or max(1, cores() // world), timeout_s,
                                         self.store.port)
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":

@@ -4,8 +4,8 @@ exchanged with ``torch.distributed`` point-to-point; and the entry points of ran
 :class:`RankRuntime` builds the rank's GraphModule (``fx.GraphModule(part.root, part.fx_graph)``: only the rank's
 parameters are real) and a :class:`~opweave.capture.runtime.Captured` on it, then runs one call at a time:
 
-* **CPU.** One :class:`~opweave.backends.cpu.LaneWorker` thread per lane, as the single-process CPU backend runs
-  them; the signal of each incoming message is an :class:`Arrival` (a lane's ``recv`` step waits for the transfer
+* **CPU.** One worker thread per lane (:class:`~opweave.backends.cpu.LanePool`), as the single-process CPU backend
+  runs them; the signal of each incoming message is an :class:`Arrival` (a lane's ``recv`` step waits for the transfer
   and finds the values in the environment). The calling thread posts the rank's messages in their global order
   (:meth:`RankRuntime._post_cpu`): a receive at once, a send once its lane has raised the send's signal.
 * **CUDA.** The lanes on streams as the single-process CUDA backend runs them
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from opweave.backends.cpu import Call, LaneWorker, stop_workers
+from opweave.backends.cpu import Call, LanePool, LaneWorker
 from opweave.backends.distributed import wire
 from opweave.backends.distributed.split import Message, RankPart
 from opweave.backends.program import Lane
@@ -126,7 +126,7 @@ class RankRuntime:
         self.held_bytes = held_bytes(gm)
         self.messages = part.messages
         self.stand_ins = {name: None if layout is None else wire.stand_in(layout) for name, layout in part.placeholders}
-        self.workers: list[LaneWorker] = []
+        self.pool: LanePool | None = None
         if device.type == "cuda":
             lanes = sorted(part.lanes)
             pool = stream_pool(device)
@@ -135,8 +135,9 @@ class RankRuntime:
             self.lanes = _RankLanes(lanes, side, part.num_signals, sends)
             self.close = weakref.finalize(self, pool.give_back, side)
         else:
-            self.workers = [LaneWorker(lane, steps, self.captured) for lane, steps in part.lanes.items()]
-            self.close = weakref.finalize(self, stop_workers, list(self.workers))
+            self.pool = LanePool({lane: LaneWorker(lane, steps, self.captured).run_call
+                                  for lane, steps in part.lanes.items()})
+            self.close = weakref.finalize(self, self.pool.close)
 
     def info(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "ops": len(self.part.ops), "lanes": len(self.part.lanes),
@@ -159,13 +160,12 @@ class RankRuntime:
 
     # ---- CPU ----
     def _run_cpu(self, env: dict, arrivals: dict[int, Arrival]) -> None:
-        call = Call(env, self.part.num_signals, len(self.workers))
+        call = Call(env, self.part.num_signals, len(self.pool.workers))
         for number, arrival in arrivals.items():
             call.signals[number] = arrival
-        for worker in self.workers:
-            worker.inbox.put(call)
-        sent: list = []
-        try:
+
+        def post(call: Call) -> None:  # this thread posts the messages while the lanes run
+            sent: list = []
             self._post_cpu(call, arrivals, sent)
             call.settled.wait()
             if not call.errors:
@@ -174,10 +174,8 @@ class RankRuntime:
                 for works, message in sent:
                     for work in works:
                         _checked(work.wait, f"sending op {message.op!r}'s output to rank {message.dst}")
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller with the lanes' errors
-            call.fail(exc)
-        if call.errors:
-            raise call.errors[0]
+
+        self.pool.run(call, post, caller_is_lane=False)
 
     def _post_cpu(self, call: Call, arrivals: dict[int, Arrival], sent: list) -> None:
         poster = _Poster(self.rank, contextlib.nullcontext)

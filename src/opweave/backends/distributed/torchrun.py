@@ -27,7 +27,7 @@ from opweave.backends.distributed import wire
 from opweave.backends.distributed.launch import DEFAULT_TIMEOUT_S, check_devices
 from opweave.backends.distributed.rank import RankRuntime, init_group
 from opweave.backends.distributed.split import RankPart, split
-from opweave.errors import OpweaveError, RankError
+from opweave.errors import OpweaveError, RankError, first_line
 
 
 def launched() -> bool:
@@ -51,8 +51,7 @@ def run(prepare: Callable[[], tuple[Any, Any, tuple]], *, device: str = "cpu", r
     except OpweaveError:
         raise
     except Exception as exc:
-        text = str(exc).strip().splitlines()
-        raise RankError(f"rank {rank} failed: {type(exc).__name__}: {text[0] if text else ''}") from exc
+        raise RankError(f"rank {rank} failed: {first_line(exc)}") from exc
     dist.destroy_process_group()
     return result
 

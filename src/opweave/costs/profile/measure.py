@@ -95,10 +95,7 @@ def profile_model(captured, inputs: Sequence, *, device: str = "cuda", repeats: 
 
 def full_env(captured, inputs: Sequence) -> dict:
     """Run every op once, in a topological order, so that each op's inputs are in the environment."""
-    env = captured.bind(tuple(inputs))
-    for op in captured.graph.topo_order:
-        captured.run_op(op, env)
-    return env
+    return captured.run_all(captured.bind(tuple(inputs)))
 
 
 def _gpu_latencies(captured, env: dict, repeats: int, warmup: int) -> tuple[dict[str, float], dict[str, list]]:

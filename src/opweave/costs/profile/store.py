@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from opweave.costs.model import Costs, from_graph
+from opweave.costs.model import Costs, file_fields, from_graph
 from opweave.errors import ProfileError
 from opweave.ir.graph import OpGraph
 
@@ -76,14 +76,7 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict) -> Profile:
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise ProfileError(f"not an opweave profile (format {found!r}, expected {FORMAT!r})")
-        fields = {k: v for k, v in data.items() if k != "format"}
-        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ProfileError(f"profile has unknown field(s) {', '.join(unknown)}")
-        return cls(**fields)
+        return cls(**file_fields(cls, data, FORMAT, "profile", ProfileError))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")

@@ -1,10 +1,11 @@
-"""Where ``opweave.compile(..., mode="max-speed")`` keeps what it chose, per model and machine.
+"""Where ``opweave.compile(..., mode="max-autotune")`` keeps what it chose, per model, device and machine.
 
-A JSON file, ``max_speed.json`` in ``$OPWEAVE_CACHE_DIR`` (default ``~/.cache/opweave``), maps a key to the
-chosen plan (scheduler, segment compiler, scheduler options), the costs it was planned with (so that the same plan
-is rebuilt) and what every candidate measured. The key covers what the choice depends on: the captured graph (its
-name, ops and their targets, and the granularity), the input shapes and dtypes, the machine (processor and the
-cores this process may use) and the versions of torch and ONNX Runtime. A file that cannot be read is ignored (and
+A JSON file, ``autotune.json`` in ``$OPWEAVE_CACHE_DIR`` (default ``~/.cache/opweave``), maps a key to the
+chosen candidate (:class:`opweave.build.autotune.Candidate`: scheduler, stream cap, segment compiler, graph,
+scheduler options), the costs it was planned with (so that the same plan is rebuilt) and what every candidate
+measured. The key covers what the choice depends on: the captured graph (its name, ops and their targets, and the
+granularity), the input shapes and dtypes, the device (the GPU's name for CUDA), the machine (processor and the
+cores this process may use) and the versions of torch, CUDA and ONNX Runtime. A file that cannot be read is ignored (and
 rewritten on the next choice); writes go through a temporary file, so a reader never sees half a file.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 
 def cache_path() -> Path:
-    return Path(os.environ.get("OPWEAVE_CACHE_DIR") or Path.home() / ".cache" / "opweave") / "max_speed.json"
+    return Path(os.environ.get("OPWEAVE_CACHE_DIR") or Path.home() / ".cache" / "opweave") / "autotune.json"
 
 
 def machine() -> str:
@@ -39,7 +40,7 @@ def machine() -> str:
     return f"{name} x{cores()}"
 
 
-def key(captured, inputs: tuple) -> str:
+def key(captured, inputs: tuple, device: str = "cpu", runtime=None) -> str:
     """What a choice is valid for (module docstring), as a short hash."""
     try:
         import onnxruntime
@@ -52,10 +53,18 @@ def key(captured, inputs: tuple) -> str:
         "ops": [(op.id, op.target) for op in captured.graph.ops],
         "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in inputs],
         "machine": machine(),
+        "device": device if device == "cpu" else _gpu_name(runtime),
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "onnxruntime": ort,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _gpu_name(runtime) -> str:
+    from opweave.backends.runtime import CUDA
+
+    return (runtime or CUDA).device_name()
 
 
 def load(entry_key: str) -> dict | None:

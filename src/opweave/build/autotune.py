@@ -1,0 +1,328 @@
+"""Measured choices: the CPU default's guard and ``mode="max-autotune"``'s search.
+
+Both build a bounded set of candidates through the device's target, keep those whose output equals the model's
+(:func:`opweave.outputs.compare`), time them interleaved on the device (:func:`opweave.costs.timing.interleaved_ms`)
+and keep the fastest; ``Compiled.choice`` says which and what each measured.
+
+* :func:`guarded` — the CPU default (no scheduler, streams, compiler or graph given) keeps its lanes only when they
+  beat one lane in the model's order and the model itself (small models, where binding inputs and the lane code's
+  calls cost more than the lanes save, keep the model: :class:`~opweave.backends.cpu.EagerBackend`).
+* :func:`search` — ``mode="max-autotune"``: on the CPU, one lane or one lane per core (HEFT at several weights of a
+  cross-lane edge), unfused, with every segment compiler present, and lanes over ONNX Runtime's optimized graph; on
+  CUDA, ``torch.compile`` of the whole model (Inductor and CUDA Graphs), the multi-stream CUDA Graph of the plans
+  the calibrated simulator ranks first, and the same plans over Inductor's own fused kernels
+  (``graph="inductor"``), every segment compiled by Inductor. The choice,
+  with the costs it was planned on, is cached per model, input shapes, machine and versions (:mod:`opweave.choices`),
+  so the next compile builds that plan alone (and searches again if it no longer equals the model).
+
+Each candidate is a :class:`Candidate`: a label, the options it builds with (its thread-budget policy follows from
+what runs its ops: a compiler whose pools sleep when idle gets per-op budgets) and the op latencies it plans on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from opweave.build.options import Options
+from opweave.build.pipeline import Compiled
+from opweave.errors import UsageError, first_line
+
+
+@dataclass
+class Candidate:
+    """One plan a search tries: ``changes`` to the options (scheduler, streams, compiler, graph, scheduler
+    options); ``costs`` the latencies' source (``"eager"``: eager's kernels at one thread per op; a compiler name:
+    that compiler's kernels; ``"onnxruntime-graph"``: ONNX Runtime's profiler on its own graph); ``whole``: the
+    model compiled whole by ``torch.compile`` instead of a plan."""
+
+    label: str
+    changes: dict = field(default_factory=dict)
+    costs: str = "eager"
+    whole: bool = False
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "changes": self.changes, "costs": self.costs, "whole": self.whole}
+
+
+def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: int = 5, runs: int = 3,
+            runtime=None) -> tuple[str, dict[str, float]]:
+    """The label of the fastest of ``built`` by median time, and every median (ms), timed interleaved (on CUDA with
+    its events; on a stand-in ``runtime``, the fake one, on the host's clock with a synchronize after each call)."""
+    import torch
+
+    from opweave.backends.runtime import CudaRuntime
+    from opweave.costs.timing import interleaved_ms
+
+    sync = runtime.synchronize if device == "cuda" and runtime is not None and not isinstance(
+        runtime, CudaRuntime) else None
+    with torch.inference_mode():
+        times = interleaved_ms({label: (lambda f=fast: f(*inputs)) for label, fast in built.items()},
+                               rounds=rounds, runs=runs, device=device, sync=sync)
+    medians = {label: round(statistics.median(ts), 4) for label, ts in times.items()}
+    return min(medians, key=medians.get), medians
+
+
+def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager) -> Compiled:
+    """The fastest of ``compiled`` (when it has more than one lane), one lane and ``eager`` (when given), measured;
+    the others closed."""
+    from opweave.backends.cpu import EagerBackend
+    from opweave.build.targets import CpuTarget
+
+    built = {}
+    if compiled.schedule.streams_used > 1:
+        built["lanes"] = compiled
+        one = options.replace(scheduler="sequential", streams=1, costs=compiled.costs, coarsen=False,
+                              scheduler_options=None, given=options.given | {"scheduler"})
+        built["one lane"] = CpuTarget().build(captured, inputs, one)
+    else:
+        built["one lane"] = compiled
+    if eager is not None:
+        one = built["one lane"]
+        built["eager"] = dataclasses.replace(one, backend=EagerBackend(eager), fused=None)
+    if len(built) == 1:
+        return compiled
+    best, medians = fastest(built, inputs)
+    for label, other in built.items():
+        if label != best:
+            other.close()
+    kept = built[best]
+    kept.choice = {"label": best, "candidates": {k: {"median_ms": v} for k, v in medians.items()}}
+    return kept
+
+
+# ---- mode="max-autotune" ------------------------------------------------------------------------------------------
+def cpu_candidates(sync_ms: float) -> list[Candidate]:
+    """One lane (the caller's threads) or one lane per core (HEFT at several sync costs), unfused and with every
+    segment compiler present, and lanes over ONNX Runtime's graph; Inductor's segments compile slowly, so once per
+    plan. A segment boundary costs ONNX Runtime a call (and, over its whole graph, some locality), hence higher
+    weights there."""
+    from opweave.backends.compilers import available
+
+    compilers = [None, *available()]
+    out = []
+    for compiler in compilers:
+        base = {"compiler": compiler} if compiler else {}
+        costs = "onnxruntime" if compiler == "onnxruntime" else "eager"  # Inductor plans on eager's kernels
+        name = f"+{compiler}" if compiler else ""
+        out.append(Candidate(f"sequential{name}", {**base, "scheduler": "sequential", "streams": 1}, costs))
+        for k in {None: (1, 4), "onnxruntime": (1, 4, 16), "inductor": (4,)}[compiler]:
+            sync = round(k * sync_ms, 4)
+            out.append(Candidate(f"heft{name} sync {sync}", {**base, "scheduler": "heft",
+                                                             "scheduler_options": {"sync_ms": sync}}, costs))
+    if "onnxruntime" in compilers:
+        graph = {"graph": "onnxruntime"}
+        out.append(Candidate("sequential+onnxruntime-graph", {**graph, "scheduler": "sequential", "streams": 1},
+                             "onnxruntime-graph"))
+        for k in (3, 10, 30):
+            sync = round(k * sync_ms, 4)
+            out.append(Candidate(f"heft+onnxruntime-graph sync {sync}", {
+                **graph, "scheduler": "heft", "scheduler_options": {"sync_ms": sync}}, "onnxruntime-graph"))
+    return out
+
+
+def cuda_candidates(graph, costs, streams: int, *, device=None, dtype: str = "float32", plans: int = 3,
+                    fused: int = 2, torch_compile: bool = True) -> list[Candidate]:
+    """``torch.compile`` of the whole model, the ``plans`` plans the calibrated simulator ranks first (scheduler
+    and stream cap), and the first ``fused`` of them with Inductor's segments."""
+    from opweave.build.targets import CudaTarget
+
+    ranked = CudaTarget().ranking(graph, costs, streams, device, dtype).predictions
+    firsts = [p for i, p in enumerate(ranked) if p.scheduler not in {q.scheduler for q in ranked[:i]}][:plans]
+    out = [Candidate("torch.compile", whole=True)] if torch_compile else []
+    for p in firsts:  # the best stream cap of each of the schedulers predicted fastest
+        out.append(Candidate(f"{p.scheduler} x{p.streams}", {"scheduler": p.scheduler, "streams": p.streams},
+                             "fitted"))
+    for p in firsts[:fused]:  # over Inductor's own kernels, so each segment re-fuses what the whole model fuses
+        out.append(Candidate(f"{p.scheduler} x{p.streams}+inductor", {"scheduler": p.scheduler, "streams": p.streams,
+                                                                      "graph": "inductor"}, "fitted"))
+    return out
+
+
+def search(target, captured, inputs: tuple, options: Options, *, eager=None, candidates=None) -> Compiled:
+    """``mode="max-autotune"`` (module docstring): build every candidate, keep those that equal the model, time them
+    interleaved, keep the fastest; the choice is cached. A transient progress bar on standard error shows the
+    search. ``candidates`` replaces the device's own list (tests)."""
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from opweave.build import choices
+    from opweave.outputs import compare
+
+    graph, device = captured.graph, options.device
+    reference = captured.run(inputs)
+    key = choices.key(captured, inputs, device=device, runtime=options.runtime)
+    known = choices.load(key)
+    if known is not None:
+        chosen = _build(target, captured, inputs, options, Candidate(**known["candidate"]), known.get("latency_ms"),
+                        eager)
+        with torch.no_grad():
+            if compare(reference, _output(chosen, inputs, options)).ok:
+                chosen.choice = {**known, "cached": True}
+                return chosen
+        chosen.close()
+    if candidates is None:
+        candidates = _candidates(target, captured, options)
+    latencies = _Latencies(captured, inputs, device)
+    built: dict[str, Compiled] = {}
+    measured: dict[str, dict] = {}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(f"{graph.name}: max-autotune, building", total=len(candidates) + 1)
+        for candidate in candidates:
+            bar.update(task, description=f"{graph.name}: max-autotune, building {candidate.label}")
+            start = time.perf_counter()
+            try:
+                fast = _build(target, captured, inputs, options, candidate, latencies.of(candidate), eager)
+                with torch.no_grad():
+                    check = compare(reference, _output(fast, inputs, options))
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot be built is left out, and said so
+                measured[candidate.label] = {"error": first_line(exc)}
+            else:
+                measured[candidate.label] = {"build_s": round(time.perf_counter() - start, 2), "ok": check.ok}
+                if check.ok:
+                    built[candidate.label] = fast
+                else:
+                    measured[candidate.label]["wrong"] = check.reason
+                    fast.close()
+            bar.advance(task)
+        if not built:
+            raise UsageError(f"{graph.name}: no max-autotune candidate equals the model: {measured}")
+        bar.update(task, description=f"{graph.name}: max-autotune, timing {len(built)} candidates")
+        best, medians = fastest(built, inputs, device=device, runtime=options.runtime)
+        bar.advance(task)
+    for label, ms in medians.items():
+        measured[label]["median_ms"] = ms
+    for label, fast in built.items():
+        if label != best:
+            fast.close()
+    candidate = next(c for c in candidates if c.label == best)
+    choice = {"candidate": candidate.to_json(), "label": best, "latency_ms": latencies.of(candidate),
+              "candidates": measured}
+    choices.save(key, choice)
+    chosen = built[best]
+    chosen.choice = {**choice, "cached": False}
+    return chosen
+
+
+def _output(fast, inputs: tuple, options: Options):
+    """``fast(*inputs)``, once the device has computed it (the fake CUDA runtime runs queued work only when told)."""
+    out = fast(*inputs)
+    if options.device == "cuda":
+        from opweave.backends.runtime import CUDA
+
+        (options.runtime or CUDA).synchronize()
+    return out
+
+
+def _candidates(target, captured, options: Options) -> list[Candidate]:
+    if options.device == "cpu":
+        from opweave.backends.threads import sync_cost_ms
+
+        return cpu_candidates(sync_cost_ms())
+    from opweave.backends.cuda import default_streams
+    from opweave.build.targets import CudaTarget, _dtype, fitted_device
+
+    device, dtype = fitted_device(options.runtime), _dtype(captured)
+    costs = CudaTarget().costs(captured, (), options, device, dtype)
+    return cuda_candidates(captured.graph, costs, default_streams(), device=device, dtype=dtype)
+
+
+class _Latencies:
+    """The op latencies each candidate plans on, measured once per source (:class:`Candidate`)."""
+
+    def __init__(self, captured, inputs: tuple, device: str):
+        self.captured, self.inputs, self.device = captured, inputs, device
+        self.known: dict[str, dict | None] = {"fitted": None}  # the target's own costs
+        self.ort_graph = None  # built with the first of its candidates; its latencies are its own graph's nodes'
+
+    def of(self, candidate: Candidate) -> dict | None:
+        if candidate.whole:
+            return None
+        source = candidate.costs
+        if source not in self.known:
+            if source == "eager":
+                from opweave.costs.profile import profile_model
+
+                self.known[source] = profile_model(self.captured, self.inputs, device="cpu", repeats=5, warmup=1,
+                                                   threads=1).latency_ms
+            elif source == "onnxruntime-graph":
+                self.known[source] = self.graph().graph.latencies()
+            else:  # a compiler's kernels are timed as they will run
+                from opweave.backends.segments import op_latencies
+
+                self.known[source] = op_latencies(self.captured, self.inputs, source)
+        return self.known[source]
+
+    def graph(self):
+        """ONNX Runtime's optimized graph, built once for all its candidates (a failure is said by the first)."""
+        if self.ort_graph is None:
+            from opweave.backends.ortgraph import OrtGraph
+
+            try:
+                self.ort_graph = OrtGraph(self.captured, self.inputs)
+            except Exception:
+                self.ort_graph = UsageError("building ONNX Runtime's graph failed (see the first of its candidates)")
+                raise
+        if isinstance(self.ort_graph, Exception):
+            raise self.ort_graph
+        return self.ort_graph
+
+
+def _build(target, captured, inputs: tuple, options: Options, candidate: Candidate, latency_ms: dict | None,
+           eager) -> Compiled:
+    """``candidate`` built through ``target`` on ``latency_ms`` (None: the target's own costs)."""
+    if candidate.whole:
+        return _torch_compiled(captured, inputs, options, eager)
+    given = options.given | set(candidate.changes)
+    changed = options.replace(autotune=False, coarsen=False, given=given, **candidate.changes)
+    if latency_ms is not None and candidate.costs != "onnxruntime-graph":
+        from opweave.costs.roofline import estimate
+
+        roofline = estimate(captured.graph, device="cpu", model="ideal")
+        changed = changed.replace(costs=dataclasses.replace(roofline, latency_ms=latency_ms))
+    if candidate.costs == "onnxruntime-graph":
+        from opweave.costs import Costs
+
+        costs = Costs(latency_ms) if latency_ms is not None else None
+        return target.build_ort_graph(captured, inputs, changed, costs=costs)
+    return target.build(captured, inputs, changed, eager=eager)
+
+
+def _torch_compiled(captured, inputs: tuple, options: Options, eager) -> Compiled:
+    """``torch.compile`` of the whole model (``mode="reduce-overhead"``: Inductor and CUDA Graphs), outputs cloned
+    as opweave's are: a peer every CUDA search holds its plans against, so the choice is never slower than it."""
+    import torch
+
+    from opweave.backends.cpu import EagerBackend
+    from opweave.build.pipeline import validated_plan
+    from opweave.costs.roofline import estimate
+    from opweave.schedulers import run
+
+    model = eager if eager is not None else captured.gm
+    compiled_model = torch.compile(model, mode="reduce-overhead")
+    costs = estimate(captured.graph, "h100", model="ideal")
+    sched = run("sequential", captured.graph, costs)
+    backend = EagerBackend(_Cloned(compiled_model))
+    return Compiled(captured.graph, costs, sched, validated_plan(captured.graph, sched), backend, options.device,
+                    captured, options=options)
+
+
+class _Cloned:
+    """A callable whose tensor outputs are cloned (CUDA Graph outputs are overwritten by the next replay)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        import torch
+        from torch.utils import _pytree as pytree
+
+        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.fn(*args))
+
+
+__all__ = ["Candidate", "cpu_candidates", "cuda_candidates", "fastest", "guarded", "search"]

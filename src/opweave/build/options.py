@@ -1,0 +1,333 @@
+"""One vocabulary for every way in: :class:`Options` and :func:`resolve`.
+
+``opweave.compile``, ``torch.compile(backend="opweave")``, the CLI's ``--option``, the serving executors and the
+benchmarks all describe what they want with the same names, and :func:`resolve` checks them once, before anything
+touches a device, as PyTorch's ``torch.compile`` does with ``mode`` and ``options``:
+
+* ``mode`` is a named preset that means the same on every device (:data:`MODES`, :func:`mode_options`):
+  ``"default"`` (one plan, chosen without timing anything on the device but for the CPU's guard),
+  ``"reduce-overhead"`` (CUDA Graphs on: every call one graph replay), ``"max-autotune"`` (the fastest of a bounded
+  set of candidates, timed on the device and cached) and ``"max-autotune-no-cudagraphs"`` (the same search, CUDA
+  Graphs off). Unlike ``torch.compile``, opweave records CUDA Graphs in its default mode too: recording the launches
+  ahead of time is half of what it is for (``cudagraphs=False`` turns it off).
+* every other knob is one field of :class:`Options`, with one meaning, the devices it applies to and its default
+  (:data:`OPTIONS`, the table docs/design.md and the README show). A knob given where it cannot be honoured (a CUDA
+  option on the CPU, a segment compiler with several devices, a cost source the chosen pipeline ignores) is a
+  :class:`~opweave.errors.UsageError` naming it, never silently dropped.
+
+:func:`resolve` returns an :class:`Options` whose every field is set for the device (``None`` only where the
+target decides with the graph in hand: the CUDA default scheduler, chosen by the calibrated simulator); a device
+that is not there is a :class:`~opweave.errors.DeviceError`, raised after the options were found consistent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opweave.errors import UsageError
+
+DEVICES = ("cpu", "cuda")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILERS = ("inductor", "onnxruntime", "eager")
+GRAPHS = ("fx", "onnxruntime", "inductor")
+FALLBACKS = ("error", "eager")
+RENAMED = {"fuse": "compiler", "fallback": "capture_fallback"}  # old keyword -> its name now
+RENAMED_MODES = {"max-speed": "max-autotune", "graph": "options cudagraphs=True",
+                 "streams": "options cudagraphs=False"}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One option: what it means, where it applies, its default (as the table prints it)."""
+
+    meaning: str
+    devices: str  # "cpu", "cuda", "cpu, cuda"; "devices > 1" options say so in ``needs``
+    default: str
+    needs: str = ""  # a condition besides the device, as the table prints it
+
+
+OPTIONS: dict[str, Spec] = {
+    "scheduler": Spec("the scheduler that places ops on streams (opweave.schedulers.names())", "cpu, cuda",
+                      "cpu: heft, kept only when it beats one lane and eager; cuda: the simulator's pick"),
+    "streams": Spec("at most this many streams (CPU: lanes) per device", "cpu, cuda",
+                    "cpu: one per core; cuda: 8 (CUDA_DEVICE_MAX_CONNECTIONS)"),
+    "devices": Spec("devices the plan spans (one rank process each; hios-lp or hios-mr)", "cpu, cuda", "1"),
+    "costs": Spec("a Costs object to schedule on", "cpu, cuda", "a profile, else the roofline estimate"),
+    "profile": Spec("a profile file written by `opweave profile` to schedule on", "cpu, cuda", "none"),
+    "cost_model": Spec("how costs turn a plan into time: ideal (the papers') or gpu (contention)", "cpu, cuda",
+                       "ideal"),
+    "coarsen": Spec("schedule the papers' operators (each op merged with its epilogues) instead of fx nodes",
+                    "cpu, cuda", "true"),
+    "fold_bn": Spec("fold eval-mode BatchNorm into the convolution before capture", "cpu, cuda", "false"),
+    "graph": Spec("the graph that is scheduled: fx (opweave's capture), onnxruntime (CPU: ONNX Runtime's optimized "
+                  "graph of the whole model, each segment one session) or inductor (one op per kernel Inductor fuses "
+                  "in the whole model, each segment compiled by Inductor)", "cpu, cuda", "fx"),
+    "compiler": Spec("the segment compiler: every stream segment of the plan compiled by inductor, onnxruntime "
+                     "(CPU) or eager (the segments as they are)", "cpu, cuda", "none"),
+    "scheduler_options": Spec("keyword options of the scheduler (e.g. heft's sync_ms)", "cpu, cuda", "none"),
+    "threads": Spec("CPU threads each device's lanes may use in all (lanes x intra-op threads)", "cpu",
+                    "every core (split among the ranks with devices > 1)"),
+    "cudagraphs": Spec("record the plan into a CUDA Graph per input signature (false: run the streams live)",
+                       "cuda", "true (false with devices > 1)"),
+    "capture_fallback": Spec("error: a plan that cannot be recorded is an error; eager: that signature runs on "
+                             "streams without a graph, with a warning", "cuda", "error", "cudagraphs"),
+    "static_outputs": Spec("return the graph's own output tensors (overwritten by the next call) instead of "
+                           "clones", "cuda", "false", "cudagraphs"),
+    "cache_size": Spec("input signatures kept recorded (least recently used dropped)", "cuda", "8"),
+    "runtime": Spec("what the CUDA backend reaches CUDA through: torch.cuda, or opweave.backends.fakecuda.FakeCuda() "
+                    "to run the whole CUDA path on the CPU (tests, no GPU)", "cuda", "torch.cuda"),
+    "warmup": Spec("plain runs before recording a signature", "cuda", "2", "cudagraphs"),
+    "link": Spec("the link between devices: a preset or a file written by `opweave profile-links`", "cpu, cuda",
+                 "cpu: loopback; cuda: nvlink4", "devices > 1"),
+    "timeout_s": Spec("how long a rank may take to start or answer", "cpu, cuda", "300", "devices > 1"),
+    "start_method": Spec("how rank processes start (forkserver or spawn)", "cpu, cuda", "forkserver",
+                         "devices > 1"),
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every option of :data:`OPTIONS`, checked and with the device's defaults filled in (:func:`resolve`)."""
+
+    device: str = "cpu"
+    mode: str = "default"
+    autotune: bool = False  # the mode's measured search ("max-autotune*")
+    scheduler: str | None = None  # None: the target chooses (CPU: heft + the guard; CUDA: the simulator's pick)
+    streams: int | None = None
+    devices: int = 1
+    costs: Any = None
+    profile: str | Path | None = None
+    cost_model: str = "ideal"
+    coarsen: bool = True
+    fold_bn: bool = False
+    graph: str = "fx"
+    compiler: str | None = None
+    scheduler_options: dict | None = None
+    threads: int | None = None
+    cudagraphs: bool = False
+    capture_fallback: str = "error"
+    static_outputs: bool = False
+    cache_size: int = 8
+    runtime: Any = None  # None: torch.cuda (opweave.backends.runtime.CUDA)
+    warmup: int = 2
+    link: str | Path | None = None
+    timeout_s: float = 300.0
+    start_method: str = "forkserver"
+    per_op_threads: bool | None = None  # not an option: callers whose ops are compiled calls that sleep when idle
+    given: frozenset[str] = frozenset()  # the options the caller set (not the mode's or the device's defaults)
+
+    def replace(self, **changes) -> Options:
+        """A copy with ``changes`` (not checked again: for the targets' own derived plans)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def default_plan(self) -> bool:
+        """Nothing about the plan was given: the target chooses it (the CPU's guard, the CUDA simulator's pick)."""
+        return self.scheduler is None and not {"streams", "compiler", "graph"} & self.given and self.devices == 1
+
+
+def mode_options(mode: str) -> dict[str, Any]:
+    """What ``mode`` sets (as ``torch._inductor.list_mode_options``); the device defaults are :func:`resolve`'s."""
+    if not isinstance(mode, str) or mode not in MODES:
+        hint = f" (now {RENAMED_MODES[mode]!r})" if isinstance(mode, str) and mode in RENAMED_MODES else ""
+        raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}{hint}")
+    return {"default": {}, "reduce-overhead": {"cudagraphs": True}, "max-autotune": {"autotune": True},
+            "max-autotune-no-cudagraphs": {"autotune": True, "cudagraphs": False}}[mode]
+
+
+def resolve(device: str = "cpu", mode: str | None = "default", options: dict | None = None, *,
+            check_device: bool = True, **given) -> Options:
+    """The checked :class:`Options` for ``device`` from ``mode``, ``options`` and keyword options (the same names;
+    one given both ways is an error). Every refusal is a :class:`~opweave.errors.UsageError` naming the option;
+    with ``check_device``, a CUDA device that is not there is a :class:`~opweave.errors.DeviceError`, raised only
+    once the options are found consistent."""
+    if device not in DEVICES:
+        raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    mode = mode or "default"
+    preset = mode_options(mode)
+    options = {k: v for k, v in (options or {}).items() if v is not None}  # None: not given
+    given = {k: v for k, v in given.items() if v is not None}
+    both = sorted(set(options) & set(given))
+    if both:
+        raise UsageError(f"option {both[0]!r} given both as a keyword and in options")
+    given = {**options, **given}
+    for key in given:
+        if key not in OPTIONS:
+            hint = (f" (now {RENAMED[key]!r})" if key in RENAMED else
+                    " (now a preset: mode='default', 'reduce-overhead' or 'max-autotune'; CUDA Graphs on or off is "
+                    "options cudagraphs=True/False)" if key == "mode" else "")
+            raise UsageError(f"unknown option {key!r}{hint}; options: {', '.join(OPTIONS)}")
+    set_keys = {k for k, v in given.items() if v is not None}
+    values = {k: v for k, v in given.items() if v is not None}
+    _check_values(values)
+    cuda = device == "cuda"
+    devices = values.get("devices", 1)
+    for key in sorted(set_keys):
+        spec = OPTIONS[key]
+        if device not in spec.devices:
+            raise UsageError(f"option {key!r} applies to device={spec.devices!r} only, not {device!r}")
+    ranks = devices > 1
+    for key in ("link", "timeout_s", "start_method"):
+        if key in set_keys and not ranks:
+            raise UsageError(f"option {key!r} applies to plans over several devices (devices > 1)")
+    if ranks:
+        from opweave import schedulers
+
+        for key in ("compiler", "graph", "cudagraphs", "static_outputs", "capture_fallback", "cache_size", "warmup"):
+            if key in set_keys and not (key == "cudagraphs" and values[key] is False):
+                raise UsageError(f"option {key!r} applies to one device; devices={devices} runs each rank's ops "
+                                 "unfused on streams")
+        if values.get("scheduler") is not None and values["scheduler"] not in schedulers.MULTI_DEVICE:
+            raise UsageError(f"scheduler {values['scheduler']!r} places every op on one device; use one of "
+                             f"{', '.join(schedulers.MULTI_DEVICE)} with devices > 1")
+    autotune = bool(preset.get("autotune"))
+    if autotune:
+        chosen = [k for k in ("scheduler", "streams", "costs", "profile", "cost_model", "compiler", "graph",
+                              "scheduler_options", "devices") if k in set_keys]
+        if chosen:
+            raise UsageError(f"mode={mode!r} chooses the plan itself: give no {chosen[0]!r}")
+    if preset.get("cudagraphs") is not None and "cudagraphs" in set_keys and values["cudagraphs"] != preset[
+            "cudagraphs"]:
+        raise UsageError(f"mode={mode!r} sets cudagraphs={preset['cudagraphs']}; cudagraphs={values['cudagraphs']} "
+                         "contradicts it")
+    if mode == "reduce-overhead" and not cuda:
+        raise UsageError("mode='reduce-overhead' records CUDA Graphs, which the CPU does not have; use "
+                         "mode='default' (the CPU's lanes are generated code already)")
+    cudagraphs = values.get("cudagraphs", preset.get("cudagraphs", cuda and not ranks)) if cuda else False
+    if cuda and not cudagraphs:
+        for key in ("capture_fallback", "static_outputs", "warmup"):
+            if key in set_keys:
+                raise UsageError(f"option {key!r} applies when CUDA Graphs are recorded (cudagraphs=True)")
+    graph = values.get("graph", "fx")
+    if graph == "onnxruntime":
+        if cuda:
+            raise UsageError("option 'graph'='onnxruntime' runs ONNX Runtime sessions on the CPU; on CUDA use "
+                             "graph='inductor'")
+        for key in ("compiler", "profile", "cost_model", "costs"):
+            if key in set_keys:
+                raise UsageError(f"option {key!r} does not apply with graph='onnxruntime' (ONNX Runtime's graph is "
+                                 "costed by its own profiler and run as sessions)")
+    if graph == "inductor":
+        for key, why in (("compiler", "every segment is compiled by Inductor"),
+                         ("coarsen", "its ops are Inductor's kernels"),
+                         ("costs", "its ops are known only once Inductor has fused the model"),
+                         ("profile", "its ops are known only once Inductor has fused the model")):
+            if key in set_keys and not (key == "compiler" and values[key] == "inductor"
+                                        or key == "coarsen" and values[key] is False):
+                raise UsageError(f"option {key!r} does not apply with graph='inductor' ({why})")
+        values = {**values, "compiler": "inductor", "coarsen": False}
+    if values.get("compiler") == "onnxruntime" and cuda:
+        raise UsageError("compiler='onnxruntime' runs segments on the CPU; on CUDA use compiler='inductor'")
+    if "costs" in set_keys and "profile" in set_keys:
+        raise UsageError("give costs or profile, not both")
+    opts = Options(device=device, mode=mode, autotune=autotune, cudagraphs=cudagraphs,
+                   given=frozenset(set_keys), **{k: v for k, v in values.items() if k != "cudagraphs"})
+    if check_device and cuda:
+        from opweave.backends.cuda import require_cuda
+        from opweave.backends.runtime import CUDA
+
+        require_cuda(opts.runtime or CUDA)
+    return opts
+
+
+def _check_values(values: dict) -> None:
+    """Each given value's type and range, one line naming the option."""
+
+    def fail(key: str, want: str) -> None:
+        raise UsageError(f"option {key!r} must be {want}, got {values[key]!r}")
+
+    def integer(key: str, low: int) -> None:
+        if key in values and (isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < low):
+            fail(key, f"an integer >= {low}")
+
+    for key in ("coarsen", "fold_bn", "cudagraphs", "static_outputs"):
+        if key in values and not isinstance(values[key], bool):
+            fail(key, "true or false")
+    integer("streams", 1)
+    integer("devices", 1)
+    integer("threads", 1)
+    integer("cache_size", 1)
+    integer("warmup", 1)
+    if "timeout_s" in values and (isinstance(values["timeout_s"], bool)
+                                  or not isinstance(values["timeout_s"], (int, float)) or values["timeout_s"] <= 0):
+        fail("timeout_s", "a positive number of seconds")
+    choices = {"graph": GRAPHS, "compiler": COMPILERS, "capture_fallback": FALLBACKS,
+               "start_method": ("forkserver", "spawn")}
+    for key, allowed in choices.items():
+        if key in values and values[key] not in allowed:
+            fail(key, "one of " + ", ".join(allowed))
+    if "cost_model" in values:
+        from opweave.costs import COST_MODELS
+
+        if values["cost_model"] not in COST_MODELS:
+            fail("cost_model", "one of " + ", ".join(COST_MODELS))
+    if "scheduler" in values:
+        from opweave import schedulers
+
+        if values["scheduler"] not in schedulers.names():
+            fail("scheduler", "one of " + ", ".join(schedulers.names()))
+    if "scheduler_options" in values and not isinstance(values["scheduler_options"], dict):
+        fail("scheduler_options", "a dict of the scheduler's keyword options")
+    if "runtime" in values and not all(hasattr(values["runtime"], a) for a in ("launch", "is_available", "Stream")):
+        fail("runtime", "a CUDA runtime (opweave.backends.runtime.CUDA or opweave.backends.fakecuda.FakeCuda())")
+    if "costs" in values:
+        from opweave.costs import Costs
+
+        if not isinstance(values["costs"], Costs):
+            fail("costs", "an opweave.costs.Costs")
+    if "profile" in values and not isinstance(values["profile"], (str, Path)):
+        fail("profile", "a path")
+    if "link" in values:
+        from opweave.costs.links import Link
+
+        if not isinstance(values["link"], (str, Path, Link)):
+            fail("link", "a preset name, a file written by `opweave profile-links` or a Link")
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` from the command line (``--option``): true/false, none, integers and numbers become Python
+    values, the rest stays a string; ``scheduler_options`` takes JSON."""
+    import json
+
+    key, sep, raw = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise UsageError(f"--option takes KEY=VALUE, got {text!r}")
+    raw = raw.strip()
+    if key == "scheduler_options":
+        try:
+            return key, json.loads(raw)
+        except ValueError as exc:
+            raise UsageError(f"--option scheduler_options takes JSON, got {raw!r}") from exc
+    lowered = raw.lower()
+    if lowered in ("true", "false"):
+        return key, lowered == "true"
+    if lowered == "none":
+        return key, None
+    for kind in (int, float):
+        try:
+            return key, kind(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
+def option_table() -> list[dict[str, str]]:
+    """Every option as a row (name, meaning, devices, default, needs): the table the docs show."""
+    return [{"name": name, **dataclasses.asdict(spec)} for name, spec in OPTIONS.items()]
+
+
+def options_markdown() -> str:
+    """:func:`option_table` as the Markdown table docs/design.md and the README carry (a test keeps them equal)."""
+    rows = ["| option | meaning | devices | default |", "| --- | --- | --- | --- |"]
+    for row in option_table():
+        needs = f" (with {row['needs']})" if row["needs"] else ""
+        rows.append(f"| `{row['name']}` | {row['meaning']}{needs} | {row['devices']} | {row['default']} |")
+    return "\n".join(rows)
+
+
+__all__ = ["DEVICES", "MODES", "OPTIONS", "Options", "mode_options", "option_table", "options_markdown", "parse_option",
+           "resolve"]

@@ -1,0 +1,291 @@
+"""One target per device: each owns its defaults and builds its backend from a validated plan.
+
+* :class:`CpuTarget` — lanes as threads (:class:`~opweave.backends.cpu.CpuBackend`), or lanes over ONNX Runtime's
+  optimized graph (``graph="onnxruntime"``, :class:`~opweave.backends.ortgraph.OrtLanes`). Default plan: HEFT on one
+  lane per core, the cross-lane edge weighed at the measured thread hand-off, kept only when it beats one lane and
+  eager (:func:`opweave.build.autotune.guarded`).
+* :class:`CudaTarget` — CUDA streams, recorded into a CUDA Graph (:class:`~opweave.backends.cuda.CudaBackend`).
+  Default plan: the scheduler and stream cap the calibrated simulator predicts fastest.
+
+On both, ``graph="inductor"`` plans over Inductor's kernels instead of the captured ops (:func:`inductor_ops`,
+:mod:`opweave.backends.inductorgraph`): the captured ops regrouped so that what Inductor fuses in the whole model is
+one op, each op's kernel count in the costs, every segment compiled by Inductor.
+* :class:`RanksTarget` — one rank process per device (``devices > 1``,
+  :class:`~opweave.backends.distributed.DistributedBackend`).
+
+**Thread budgets** (CPU): lanes x intra-op threads never exceed the threads given (``options.threads``, default
+every core; :mod:`opweave.backends.threads`). How they are split depends on what runs the ops, which says so
+itself: a segment compiler whose thread pools sleep when idle (ONNX Runtime, ``per_op_threads``) gets per-op
+budgets (an op the replayed plan runs alone gets every thread); anything else one thread per worker lane and the
+rest to the caller's lane.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from opweave.build.options import Options
+from opweave.build.pipeline import Compiled, costs_for, plan_for
+from opweave.costs import Costs
+from opweave.errors import UsageError
+from opweave.plan import LaunchPlan
+
+log = logging.getLogger(__name__)
+
+
+class CpuTarget:
+    device = "cpu"
+
+    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+        from opweave.backends import threads as cpu_threads
+
+        if options.graph == "onnxruntime":
+            return self.build_ort_graph(captured, inputs, options)
+        captured, kernels = inductor_ops(captured, inputs, options)
+        scheduler = options.scheduler or "heft"
+        streams = options.streams or options.threads or cpu_threads.cores()  # one lane per core it may use
+        sched_options = dict(options.scheduler_options or {})
+        if scheduler == "heft":  # a cross-lane edge costs a thread hand-off here: weigh it
+            sched_options.setdefault("sync_ms", cpu_threads.sync_cost_ms())
+        costs = costs_for(captured, inputs, options, "cpu")
+        if kernels is not None:
+            costs = replace(costs, kernels=kernels)
+        sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams, **sched_options)
+        compiled = self.runnable(captured, plan, inputs, options, costs)
+        compiled.schedule = sched
+        if options.default_plan:  # never slower than one lane in the model's order, nor than the model itself
+            from opweave.build.autotune import guarded
+
+            compiled = guarded(compiled, captured, inputs, options, eager)
+        return compiled
+
+    def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs) -> Compiled:
+        """The CPU backend running the validated ``plan`` of ``captured`` (its segments compiled first with
+        ``options.compiler``); ``schedule`` is left for the caller to set when it has one."""
+        from opweave.backends.cpu import CpuBackend
+        from opweave.backends.threads import lane_threads
+
+        per_op = _per_op_threads(options)
+        threads = lane_threads(captured.graph, plan, costs, per_op=per_op, total=options.threads)
+        runner, run_plan, fused = captured, plan, None
+        if options.compiler is not None:
+            from opweave.backends.segments import fuse_segments
+
+            runner, run_plan = fuse_segments(captured, plan, options.compiler, threads=threads,
+                                             compiler_options=segment_options(captured, options))
+            threads, fused = runner.threads or None, runner
+            runner.prepare(inputs, run_plan)  # compile now, not in the first call
+        backend = CpuBackend(runner, run_plan, threads=threads, total=options.threads)
+        return Compiled(captured.graph, costs, None, plan, backend, "cpu", captured, fused=fused, options=options)
+
+    def build_ort_graph(self, captured, inputs: tuple, options: Options, *, model=None,
+                        costs: Costs | None = None) -> Compiled:
+        """``graph="onnxruntime"``: ``captured`` exported whole and optimized by ONNX Runtime, the nodes of its
+        optimized graph scheduled onto one lane per core (at most ``streams``) and run as sessions of each segment
+        over bound buffers (:mod:`opweave.backends.ortgraph`). Costs are each node's kernel time on one thread from
+        ONNX Runtime's profiler, or ``costs``' latencies when they name exactly the optimized graph's nodes (a
+        cached choice). ``heft`` weighs a cross-lane edge at 10x the thread hand-off: there it also cuts a segment,
+        which costs ONNX Runtime some of its whole-graph locality (max-autotune tries 3x, 10x and 30x; it picked
+        10x for NASNet in both of its runs on 2026-11-26, 17.3 ms against 19.3 ms at 3x,
+        ``benchmarks/results/cpu_latency.json``). ``model``: an :class:`~opweave.backends.ortgraph.OrtGraph`
+        already built for these inputs (max-autotune shares one among its candidates). The result's ``graph``,
+        ``schedule`` and ``plan`` are the optimized graph's."""
+        import dataclasses
+
+        from opweave.backends import threads as cpu_threads
+        from opweave.backends.ortgraph import OrtGraph, OrtLanes
+        from opweave.costs import from_graph
+
+        if model is None:
+            model = OrtGraph(captured, inputs, latency_ms=costs.latency_ms if costs is not None else None)
+        graph = model.graph
+        planned = from_graph(graph)
+        if costs is not None and set(costs.latency_ms) == set(graph.ids):
+            planned = dataclasses.replace(planned, latency_ms=dict(costs.latency_ms))
+        scheduler = options.scheduler or "heft"
+        sched_options = dict(options.scheduler_options or {})
+        if scheduler == "heft":
+            sched_options.setdefault("sync_ms", 10 * cpu_threads.sync_cost_ms())
+        streams = options.streams or options.threads or cpu_threads.cores()
+        sched, plan = plan_for(graph, planned, scheduler, streams=streams, **sched_options)
+        backend = OrtLanes(model, plan, cpu_threads.lane_threads(graph, plan, planned, per_op=True,
+                                                                 total=options.threads))
+        return Compiled(graph, planned, sched, plan, backend, "cpu", captured, options=options)
+
+
+class CudaTarget:
+    device = "cuda"
+
+    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+        from opweave.backends.choose import sync_options
+        from opweave.backends.cuda import default_streams
+
+        device, dtype = fitted_device(options.runtime), _dtype(captured)
+        captured, kernels = inductor_ops(captured, inputs, options)
+        costs = self.costs(captured, inputs, options, device, dtype)
+        if kernels is not None:  # the fitted model's launch gaps are per kernel: Inductor's own count
+            costs = replace(costs, kernels=kernels)
+        streams = options.streams or default_streams()  # more lanes than hardware queues add false dependencies
+        scheduler, choice = options.scheduler, None
+        if scheduler is None:  # the plan the calibrated simulator predicts fastest
+            picked = self.ranking(captured.graph, costs, streams, device, dtype, set(options.scheduler_options or {}))
+            scheduler, streams = picked.scheduler, picked.streams
+            choice = {"label": f"{scheduler} x{streams}", "predicted_ms": picked.makespan_ms,
+                      "reason": picked.reason(), "candidates": {
+                          f"{p.scheduler} x{p.streams}": {"predicted_ms": p.makespan_ms} for p in picked.predictions}}
+        sched_options = {**sync_options(scheduler, device), **(options.scheduler_options or {})}
+        sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams, **sched_options)
+        compiled = self.runnable(captured, plan, inputs, options, costs)
+        compiled.schedule, compiled.choice = sched, choice
+        if choice is not None:
+            log.info("%s: %s", captured.graph.name, choice["reason"])
+        return compiled
+
+    def costs(self, captured, inputs: tuple, options: Options, device, dtype: str) -> Costs:
+        """``options``' costs or profile, else each op's time on the fitted device (:mod:`opweave.costs.calibrated`:
+        the roofline calibrated per op class on real traces), as the schedulers see a profile."""
+        if options.costs is not None or options.profile is not None:
+            return costs_for(captured, inputs, options, visible_gpu_preset(options.runtime))
+        from opweave.costs import calibrated
+
+        return replace(calibrated.costs(captured.graph, device, dtype), model=options.cost_model)
+
+    def ranking(self, graph, costs: Costs, streams: int, device=None, dtype: str = "float32",
+                taking: set[str] = frozenset()):
+        """Every single-device scheduler (that takes the options ``taking``) at stream caps up to ``streams``,
+        ranked by the fitted device's prediction (:func:`opweave.backends.choose.choose`): its ``predictions``,
+        fastest first."""
+        from opweave import schedulers
+        from opweave.backends.choose import STREAM_CAPS, choose
+
+        caps = sorted({c for c in STREAM_CAPS if c < streams} | {streams})
+        names = [n for n in schedulers.names() if (schedulers.options_of(n) is None
+                                                     or taking <= schedulers.options_of(n))]
+        if not names:
+            raise UsageError(f"no scheduler takes the options {', '.join(sorted(taking))}")
+        return choose(graph, costs, device or fitted_device(), dtype=dtype, names=names, stream_caps=caps)
+
+    def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs) -> Compiled:
+        """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
+        ``options.compiler`` in the backend's warm-up)."""
+        from opweave.backends.cuda import CudaBackend
+
+        runner, run_plan, fused = captured, plan, None
+        if options.compiler is not None:
+            from opweave.backends.segments import fuse_segments
+
+            runner, run_plan = fuse_segments(captured, plan, options.compiler,
+                                             compiler_options=segment_options(captured, options))
+            fused = runner
+        backend = CudaBackend(runner, run_plan, inputs, cudagraphs=options.cudagraphs,
+                              capture_fallback=options.capture_fallback, static_outputs=options.static_outputs,
+                              cache_size=options.cache_size, warmup=options.warmup, runtime=options.runtime)
+        return Compiled(captured.graph, costs, None, plan, backend, "cuda", captured, fused=fused, options=options)
+
+
+class RanksTarget:
+    """``devices > 1``: the plan spans several devices, one persistent rank process each."""
+
+    DEFAULT_LINK = {"cpu": "loopback", "cuda": "nvlink4"}
+
+    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+        from opweave.backends.distributed import DistributedBackend
+
+        costs, sched, plan = self.plan(captured, inputs, options)
+        backend = DistributedBackend(captured, plan, world=options.devices, device=options.device,
+                                     threads=options.threads, timeout_s=options.timeout_s,
+                                     start_method=options.start_method)
+        return Compiled(captured.graph, costs, sched, plan, backend, options.device, captured, options=options)
+
+    def plan(self, captured, inputs: tuple, options: Options):
+        """Costs, schedule and validated plan of ``captured`` on ``options.devices`` devices. Edge transfer times
+        come from ``options.link`` (a preset or a ``profile-links`` file); when none is given, from the costs' own,
+        else the default link of the device kind (loopback for CPU ranks, NVLink 4 for GPUs)."""
+        from opweave.backends.distributed import check_devices
+        from opweave.costs.links import transfer_times
+
+        check_devices(options.devices, options.device, ops=len(captured.graph))
+        preset = "cpu" if options.device == "cpu" else visible_gpu_preset(options.runtime)
+        costs = costs_for(captured, inputs, options, preset)
+        if options.link is not None or not costs.edge_transfer_ms:
+            link = options.link or self.DEFAULT_LINK[options.device]
+            costs = replace(costs, edge_transfer_ms=transfer_times(captured.graph, link))
+        sched, plan = plan_for(captured.graph, costs, options.scheduler or "hios-lp", streams=options.streams,
+                               devices=options.devices, **(options.scheduler_options or {}))
+        return costs, sched, plan
+
+
+def inductor_ops(captured, inputs: tuple, options: Options):
+    """``graph="inductor"``: ``captured`` regrouped into one op per group of ops that share a kernel when Inductor
+    compiles the whole model (:mod:`opweave.backends.inductorgraph`), and per op the kernels it launches; else
+    ``captured`` as it is and None."""
+    if options.graph != "inductor":
+        return captured, None
+    from opweave.backends.inductorgraph import inductor_graph
+
+    regrouped = inductor_graph(captured, inputs, threads=options.threads)
+    log.info("%s: %d ops as Inductor's kernels (%s)", captured.graph.name, len(regrouped.graph), regrouped.stats)
+    return regrouped.captured, regrouped.kernels
+
+
+def segment_options(captured, options: Options) -> dict | None:
+    """How the segment compiler is made: with ``graph="inductor"``, segments hand each other values in the layouts
+    Inductor chose (a convolution's channels-last output goes on as it is) wherever the model reads no layout
+    (:func:`opweave.backends.inductorgraph.free_layouts`); eager's layout at every segment boundary costs a copy
+    kernel on each side of it (GoogLeNet at 64x64 on the CPU, compiled unfrozen as on CUDA, Opara over 8 streams:
+    211 of Inductor's nodes per call with eager's layouts, 153 without them, 156 for the whole model)."""
+    if options.graph != "inductor":
+        return None
+    from opweave.backends.inductorgraph import free_layouts
+
+    return {"eager_strides": False} if free_layouts(captured) else None
+
+
+def for_options(options: Options):
+    """The target that builds ``options``' plans."""
+    if options.devices > 1:
+        return RanksTarget()
+    return CudaTarget() if options.device == "cuda" else CpuTarget()
+
+
+def fitted_device(runtime=None):
+    """The fitted device model of the visible GPU (:mod:`opweave.costs.calibrated`; the H100's for a GPU it does not
+    know, or the fake runtime's)."""
+    from opweave.costs import calibrated
+
+    preset = visible_gpu_preset(runtime)
+    return calibrated.device(preset if preset in calibrated.FITTED else "h100")
+
+
+def _dtype(captured) -> str:
+    """The floating dtype the model computes in (its parameters'), as the cost model names it."""
+
+    for p in captured.gm.parameters():
+        if p.is_floating_point():
+            return str(p.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def visible_gpu_preset(runtime=None) -> str:
+    """The roofline preset of the visible GPU, as ``runtime`` (default ``torch.cuda``) names it (H100 when
+    unknown)."""
+    from opweave.backends.runtime import CUDA
+    from opweave.costs.roofline import preset_for_gpu
+
+    return preset_for_gpu((runtime or CUDA).device_name()) or "h100"
+
+
+def _per_op_threads(options: Options) -> bool:
+    """Whether what runs the ops sleeps when idle, so an op the plan runs alone may take every thread."""
+    if options.per_op_threads is not None:
+        return options.per_op_threads
+    if options.compiler is None:
+        return False
+    from opweave.backends.compilers import get
+
+    return get(options.compiler).per_op_threads
+
+
+__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "for_options", "inductor_ops", "segment_options",
+           "visible_gpu_preset"]

@@ -1,0 +1,84 @@
+"""The CUDA target's own choices, run on the fake CUDA runtime: the default plan is the one the calibrated simulator
+predicts fastest (and says so), HEFT weighs a cross-stream edge at what the fit says it costs, and
+``mode="max-autotune"`` times torch.compile, the simulator's first plans and their Inductor-fused versions on the
+device, keeps the fastest that equals the model and caches the choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import opweave
+from opweave.backends.choose import choose
+from opweave.backends.fakecuda import FakeCuda
+from opweave.build.targets import fitted_device
+from opweave.capture import capture, coarsen
+from opweave.outputs import compare
+
+
+class Wide(nn.Module):
+    """Four independent branches joined at the end: room for streams."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()) for _ in range(4))
+
+    def forward(self, x):
+        return sum(b(x) for b in self.branches)
+
+
+def wide():
+    torch.manual_seed(0)
+    return Wide().eval(), (torch.randn(1, 3, 16, 16),)
+
+
+def run(fast, runtime, inputs):
+    with torch.no_grad():
+        out = fast(*inputs)
+    runtime.synchronize()
+    return out
+
+
+def test_the_cuda_default_picks_the_plan_the_fitted_device_predicts_fastest_and_says_why():
+    model, inputs = wide()
+    runtime = FakeCuda(seed=3)
+    fast = opweave.compile(model, inputs, device="cuda", runtime=runtime)
+    graph = coarsen(capture(model, inputs)).graph
+    device = fitted_device(runtime)
+    best = choose(graph, fast.costs, device, stream_caps=(2, 4, 8))  # fast.costs: the fitted device's op times
+    assert fast.choice["label"] == f"{best.scheduler} x{best.streams}" == \
+        f"{fast.schedule.scheduler} x{best.streams}"
+    assert fast.choice["predicted_ms"] == pytest.approx(best.makespan_ms)
+    assert "predicted" in fast.choice["reason"] and len(fast.choice["candidates"]) == len(best.predictions)
+    assert fast.schedule.streams_used <= best.streams
+    assert compare(model(*inputs), run(fast, runtime, inputs)).ok
+
+
+def test_heft_on_cuda_weighs_a_cross_stream_edge_at_what_the_fit_says_it_costs():
+    model, inputs = wide()
+    runtime = FakeCuda(seed=4)
+    fast = opweave.compile(model, inputs, device="cuda", runtime=runtime, scheduler="heft")
+    device = fitted_device(runtime)  # a cross-stream edge beyond what a same-stream one costs
+    assert fast.schedule.options["sync_ms"] == pytest.approx(max(0.0, device.event_wait_us - device.kernel_gap_us)
+                                                             / 1e3)
+    mine = opweave.compile(model, inputs, device="cuda", runtime=runtime, scheduler="heft",
+                           scheduler_options={"sync_ms": 0.5})
+    assert mine.schedule.options["sync_ms"] == 0.5  # the caller's option wins
+
+
+def test_max_autotune_on_cuda_keeps_the_fastest_candidate_that_equals_the_model_and_caches_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
+    model, inputs = wide()
+    runtime = FakeCuda(seed=5)
+    torch._dynamo.reset()
+    fast = opweave.compile(model, inputs, device="cuda", runtime=runtime, mode="max-autotune")
+    choice = fast.choice
+    timed = {k: v["median_ms"] for k, v in choice["candidates"].items() if "median_ms" in v}
+    assert "torch.compile" in choice["candidates"] and any(k.endswith("+inductor") for k in choice["candidates"])
+    assert len(timed) >= 3 and timed[choice["label"]] == min(timed.values()) and not choice["cached"]
+    assert compare(model(*inputs), run(fast, runtime, inputs)).ok
+    again = opweave.compile(model, inputs, device="cuda", runtime=runtime, mode="max-autotune")
+    assert again.choice["cached"] and again.choice["label"] == choice["label"]
+    assert compare(model(*inputs), run(again, runtime, inputs)).ok
+    torch._dynamo.reset()
