@@ -218,7 +218,7 @@ def test_draining_or_unloading_runs_a_batch_held_for_more_requests_at_once(two_t
         answered = threading.Event()
         held = [eng.submit("a", (torch.randn(1, 3, 8, 8),)), eng.submit("a", (torch.randn(1, 3, 8, 8),),
                                                                        on_done=lambda r: answered.set())]
-        eng.remove_model("a", timeout_s=60)  # returns once "a" holds nothing (else raises after 60 s)
+        eng.remove_model("a", timeout_s=300)  # returns once "a" holds nothing (else raises after 300 s)
         assert answered.is_set() and [r.status for r in held] == ["done"] * 2 and "a" not in eng.models
     finally:
         eng.stop(timeout_s=120)
