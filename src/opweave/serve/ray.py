@@ -45,7 +45,7 @@ class ReplicaOptions:
     model_files: dict[str, str] = field(default_factory=dict)
     model_repository: str | None = None
     device: str = "cpu"
-    policy: str = "heuristic"
+    policy: str | None = None  # None: the device's default (serve.build.default_policy)
     policy_options: dict = field(default_factory=dict)
     max_queue: int = 64
     max_batch: int = 8
