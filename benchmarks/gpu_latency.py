@@ -16,6 +16,10 @@ and dtype, every mode below is built, checked against eager and timed the same w
   if profiling fails, the roofline estimate, recorded as the row's ``costs``), each scheduler run on those costs with
   at most ``--streams`` streams (default 8, the GPU's hardware queues), the plan lowered, validated and recorded by
   the CUDA backend into a CUDA graph (static inputs copied in, outputs cloned);
+* ``opweave <scheduler>+inductor-graph`` — ``graph="inductor"``: the captured graph regrouped into the kernels
+  Inductor fuses in the whole model (:mod:`opweave.backends.inductorgraph`), costed by the fitted device, scheduled,
+  every segment compiled by Inductor (``--inductor-graph``, default on, off with ``--quick``), for the schedulers of
+  ``--fuse-schedulers``;
 * ``opweave <scheduler>+inductor`` — the captured graph coarsened (:func:`opweave.capture.coarsen`), profiled (or
   estimated) on its own, scheduled, lowered and validated the same way, every stream segment compiled by
   TorchInductor (:mod:`opweave.backends.segments`) and the whole plan recorded by the CUDA backend into a CUDA graph,
@@ -89,8 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fuse-schedulers", help="comma list of schedulers with a +inductor mode (default: those of "
                                              f"--schedulers; --quick: {','.join(QUICK_FUSE_SCHEDULERS)}); none: no "
                                              "+inductor mode")
+    p.add_argument("--inductor-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="also an S+inductor-graph mode (graph='inductor') per fuse scheduler (default: on, off with "
+                        "--quick)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON (default %(default)s)")
     args = p.parse_args(argv)
+    if args.inductor_graph is None:
+        args.inductor_graph = not args.quick
     if args.replays < 200 and not args.quick:
         p.error("--replays must be at least 200 (the median of fewer is not reported)")
     return args
@@ -279,7 +288,28 @@ def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[d
         extra = {"scheduler": sched_name, "costs": source, "ops": len(coarse.graph), "fuse": "inductor"}
         measure(mode, lambda s=sched_name, e=extra: _opweave(coarse, inputs, costs, s, args, e, compiler="inductor"),
                 extra)
+    for sched_name in scheds if args.inductor_graph else ():
+        extra = {"scheduler": sched_name, "costs": "calibrated", "fuse": "inductor-graph"}
+        measure(f"opweave {sched_name}+inductor-graph",
+                lambda s=sched_name, e=extra: _inductor_graph(captured, inputs, s, args, e), extra)
     return failed
+
+
+def _inductor_graph(captured, inputs, scheduler: str, args, extra: dict):
+    """``graph="inductor"``: ``captured`` regrouped into Inductor's kernels of the whole model, planned by
+    ``scheduler`` on the fitted device's costs, every segment compiled by Inductor; ``extra`` gets what was
+    decided."""
+    import time
+
+    from opweave.build import build, resolve
+
+    options = resolve("cuda", scheduler=scheduler, streams=args.streams or None, graph="inductor")
+    start = time.perf_counter()
+    fast = build(captured, inputs, options)
+    extra.update(ops=len(fast.graph), streams=fast.schedule.streams_used, predicted_ms=fast.schedule.predicted_ms,
+                 syncs=fast.plan.syncs, build_s=time.perf_counter() - start,
+                 **{f"fuse_{k}": v for k, v in fast.fused.stats.items()})
+    return fast
 
 
 def _chosen(model, inputs, mode: str, extra: dict):
