@@ -298,3 +298,14 @@ def test_a_measured_profile_sets_the_simulated_latencies(two_tiny):
                                                                     / one.latency_ms[op])
     chain = ex.run([Part("a", 0, 1)]).seconds * 1e3  # ms -> s -> ms may round one ulp down
     assert chain >= max(prof.latency_ms[o] for o in bm.blocks[0].ops) * (1 - 1e-12)
+
+
+def test_the_default_policy_follows_the_device():
+    """static on a CPU (the highest sustained rates measured there, docs/serving.md), heuristic on a GPU."""
+    from opweave.serve.build import default_policy, make_engine
+
+    assert (default_policy("cpu"), default_policy("cuda"), default_policy("sim")) == ("static", "heuristic",
+                                                                                      "heuristic")
+    assert make_engine({}, device="cpu", compiler=None).policy.name == "static"
+    assert make_engine({}, device="sim").policy.name == "heuristic"
+    assert make_engine({}, device="cpu", policy="batch", compiler=None).policy.name == "batch"

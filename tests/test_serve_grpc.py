@@ -111,9 +111,10 @@ def test_health_metadata_config_and_index(client):
         with pytest.raises(InferenceServerException) as info:
             call()
         assert info.value.status() == "StatusCode.NOT_FOUND"
-    with pytest.raises(InferenceServerException) as info:  # what opweave does not serve says so
-        client.get_inference_statistics("tiny")
+    with pytest.raises(InferenceServerException) as info:  # what opweave does not serve says so, in one line
+        client.get_trace_settings()
     assert info.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert info.value.message() == "opweave does not implement TraceSetting"
     assert client.is_server_live()
 
 

@@ -1,7 +1,8 @@
 """The engine on Ray Serve: ``opweave serve --ray --replicas 2`` on a local Ray cluster on 127.0.0.1 (CPU), answered
-through Ray Serve's proxy by tritonclient (HTTP) equal to eager; one replica process killed mid-load, every accepted
-request still answered (with the documented client retry of the proxy's 5xx, :func:`opweave.serve.ray.retrying_post`),
-Ray replacing the replica; SIGTERM shuts it all down. And one replica's app alone, without Ray."""
+through Ray Serve's proxy and the front by tritonclient (HTTP) equal to eager; one replica process killed mid-load,
+every accepted request still answered 200 (the front hands the dead replica's requests to the other: no client sees
+a 5xx), Ray replacing the replica; SIGTERM shuts it all down. And one replica alone and the front alone, without
+Ray."""
 
 import asyncio
 import os
@@ -58,6 +59,14 @@ def test_one_replica_alone_serves_the_v2_routes(tiny_file):
     replica = Replica(ReplicaOptions(model_files={"tiny": str(tiny_file[1])}, compiler=None, max_batch=4))
     try:
         assert replica.healthy()
+        x = torch.randn(3, 3, 8, 8)
+        body, headers = binary_request(x)
+        status, answer_headers, content = asyncio.run(replica.forward(  # what the front hands a replica
+            "POST", b"/v2/models/tiny/infer", b"", [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+            body))
+        assert status == 200 and torch.allclose(binary_output(httpx.Response(status, headers=answer_headers,
+                                                                             content=content)),
+                                                eager(tiny_file[0], [x]), atol=1e-5)
         with TestClient(replica.app()) as client:
             assert client.get("/v2/health/ready").status_code == 200
             x = torch.randn(2, 3, 8, 8)
@@ -103,6 +112,44 @@ def test_retrying_post_waits_out_a_429_and_gives_up_on_other_refusals():
     (ok, ok_failures), (bad, bad_failures) = asyncio.run(go())
     assert ok.status_code == 200 and ok_failures == ["429", "503"]
     assert bad.status_code == 400 and bad_failures == [] and seen.count("/bad") == 1
+
+
+def test_the_front_hands_a_dead_replicas_request_to_another_and_answers_its_own_errors_as_json():
+    """Ray's proxy answered a request whose replica died with a plain-text 500 that tritonclient cannot parse; the
+    front hands it to another replica, and what it answers itself is ``{"error": ...}``."""
+    from ray.exceptions import ActorDiedError
+
+    from opweave.serve.ray import front_app
+
+    calls = []
+
+    async def flaky(request):
+        calls.append(request)
+        if len(calls) == 1:
+            raise ActorDiedError()
+        return 200, [(b"content-type", b"application/json")], b'{"ok": true}'
+
+    async def broken(request):
+        raise RuntimeError("boom")
+
+    async def dead(request):
+        raise ActorDiedError()
+
+    async def go():
+        answers = []
+        for forward, body in ((flaky, b"abc"), (broken, b""), (dead, b""), (flaky, b"x" * 101)):
+            app = front_app(forward, limit=100, attempts=3, backoff_s=0.0)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://front") as c:
+                answers.append(await c.post("/v2/models/tiny/infer?a=1", content=body))
+        return answers
+
+    ok, bad, gone, large = asyncio.run(go())
+    assert ok.status_code == 200 and ok.json() == {"ok": True} and len(calls) == 2
+    assert calls[1][:3] == ("POST", b"/v2/models/tiny/infer", b"a=1") and calls[1][4] == b"abc"
+    assert bad.status_code == 500 and bad.json() == {"error": "RuntimeError: boom"}
+    assert gone.status_code == 503 and gone.json()["error"].startswith("no replica answered in 3 tries")
+    assert large.status_code == 400 and "exceeds the limit of 100 bytes" in large.json()["error"]
+    assert len(calls) == 2  # the body over the limit never reached a replica
 
 
 def _replicas(pid: int) -> list[int]:
@@ -186,6 +233,9 @@ def test_two_ray_serve_replicas_answer_equal_eager_and_a_killed_one_loses_no_acc
         failures = Counter(f for _, _, fs in results for f in fs)
         print(f"ray kill: 150 requests, {sum(bool(fs) for _, _, fs in results)} answered after a retry; failed "
               f"tries {dict(failures)}")
+        # the front handed the dead replica's requests to the survivor: no client saw a 5xx (a 429 is a refusal
+        # that says when to come back, not a failure)
+        assert not [f for f in failures if f.startswith("5") or not f.isdigit()], failures
 
         # Ray replaces the killed replica
         deadline = time.monotonic() + 600  # a new replica starts and loads its models

@@ -335,3 +335,124 @@ def test_cli_serves_a_model_repository_and_refuses_one_that_does_not_load(repo, 
     proc = subprocess.run([sys.executable, "-m", "opweave", "serve", "--model-repository", str(root), "--port", "0",
                            "--compiler", "none", "--strict"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 2 and "model 'broken'" in proc.stderr and proc.stdout == ""
+
+
+# ---- Triton's PyTorch layout: TorchScript model.pt ---------------------------------------------------------------
+class Masked(torch.nn.Module):
+    """Two inputs, taken by forward's argument names: a config that lists them in another order must not swap them."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, image, mask):
+        return torch.relu(self.conv(image)) * mask
+
+
+class Looped(torch.nn.Module):
+    """A loop over a tensor's size: TorchScript keeps it as prim::Loop, which torch's converter does not convert."""
+
+    def forward(self, x):
+        out = []
+        for i in range(int(x.shape[0])):
+            out.append(x[i] * i)
+        return torch.stack(out)
+
+
+FP32_IMAGE = 'data_type: TYPE_FP32 dims: [ 3, 8, 8 ]'
+
+
+@pytest.fixture(scope="module")
+def script_repo(tmp_path_factory):
+    """scripted/1 (torch.jit.script of tiny, Triton's INPUT__0 / OUTPUT__0 names), traced/1 (torch.jit.trace of
+    Masked, inputs by argument name, listed mask first), noconfig/1 (TorchScript without a config), looped/1
+    (TorchScript the converter refuses), onnx/1 (a model.onnx: another backend's file)."""
+    root = tmp_path_factory.mktemp("torchscript")
+    model, x = tiny(seed=4)
+    (root / "scripted" / "1").mkdir(parents=True)
+    torch.jit.save(torch.jit.script(model), str(root / "scripted" / "1" / "model.pt"))
+    (root / "scripted" / "config.pbtxt").write_text(
+        'platform: "pytorch_libtorch"\nmax_batch_size: 4\n'
+        f'input [ {{ name: "INPUT__0" {FP32_IMAGE} }} ]\n'
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 10 ] } ]\n')
+    torch.manual_seed(5)
+    masked = Masked().eval()
+    (root / "traced" / "1").mkdir(parents=True)
+    torch.jit.save(torch.jit.trace(masked, (torch.randn(1, 3, 8, 8), torch.rand(1, 2, 8, 8))),
+                   str(root / "traced" / "1" / "model.pt"))
+    (root / "traced" / "config.pbtxt").write_text(
+        'max_batch_size: 4\ninput [ { name: "mask" data_type: TYPE_FP32 dims: [ 2, 8, 8 ] },\n'
+        f'        {{ name: "image" {FP32_IMAGE} }} ]\n')
+    (root / "noconfig" / "1").mkdir(parents=True)
+    torch.jit.save(torch.jit.script(model), str(root / "noconfig" / "1" / "model.pt"))
+    (root / "looped" / "1").mkdir(parents=True)
+    torch.jit.save(torch.jit.script(Looped()), str(root / "looped" / "1" / "model.pt"))
+    (root / "looped" / "config.pbtxt").write_text(f'max_batch_size: 4\ninput [ {{ name: "x" {FP32_IMAGE} }} ]\n')
+    (root / "onnx" / "1").mkdir(parents=True)
+    (root / "onnx" / "1" / "model.onnx").write_bytes(b"not opweave's")
+    return root, {"scripted": model, "traced": masked}
+
+
+def test_a_torchscript_repository_serves_what_converts_equal_to_eager_and_says_why_not_the_rest(script_repo):
+    root, models = script_repo
+    served: dict = {}
+    engine = make_engine(served, device="cpu", policy="static", max_batch=4, compiler=None)
+    repository = Repository(engine, served, root, max_batch=4)
+    assert repository.names() == ["looped", "noconfig", "onnx", "scripted", "traced"]
+    assert sorted(repository.load_all()) == ["scripted", "traced"]
+    index = {m["name"]: m for m in repository.index()}
+    assert {n: m["state"] for n, m in index.items()} == {"looped": "UNAVAILABLE", "noconfig": "UNAVAILABLE",
+                                                         "onnx": "UNAVAILABLE", "scripted": "READY",
+                                                         "traced": "READY"}
+    assert "converter cannot convert it" in index["looped"]["reason"] and "prim::Loop" in index["looped"]["reason"]
+    assert "list its inputs (name, data_type, dims) in config.pbtxt" in index["noconfig"]["reason"]
+    assert "no model.pt2 or model.pt" in index["onnx"]["reason"] and "1/model.onnx" in index["onnx"]["reason"]
+    assert all("\n" not in m["reason"] and str(root) not in m["reason"] for m in index.values())
+    scripted, traced = served["scripted"], served["traced"]
+    assert [(s.name, s.shape) for s in scripted.inputs] == [("INPUT__0", (-1, 3, 8, 8))]
+    assert [s.name for s in scripted.outputs] == ["OUTPUT__0"] and scripted.source == "scripted/1/model.pt"
+    assert [s.name for s in traced.inputs] == ["image", "mask"]  # forward's order, not the config's
+    engine.start()
+    try:
+        x = torch.randn(3, 3, 8, 8)
+        image, mask = torch.randn(2, 3, 8, 8), torch.rand(2, 2, 8, 8)
+        done = [threading.Event(), threading.Event()]
+        first = engine.submit("scripted", (x,), batch=3, on_done=lambda r: done[0].set())
+        second = engine.submit("traced", (image, mask), batch=2, on_done=lambda r: done[1].set())
+        assert done[0].wait(60) and done[1].wait(60)
+        assert torch.allclose(first.output, eager(models["scripted"], [x]), atol=1e-5)
+        assert torch.allclose(second.output, eager(models["traced"], [image, mask]), atol=1e-5)
+    finally:
+        engine.stop(timeout_s=10)
+
+
+def test_cli_serves_torchscript_to_tritonclient_and_warns_at_start_of_what_it_cannot(script_repo):
+    import subprocess
+    import sys
+
+    import tritonclient.http as triton_http
+
+    root, models = script_repo
+    proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-repository", str(root), "--port",
+                             "0", "--compiler", "none", "--max-batch", "4"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, proc.stderr.read()
+        assert "scripted (" in line and "UNAVAILABLE: looped, noconfig, onnx" in line, line
+        client = triton_http.InferenceServerClient(line.strip().rsplit(" ", 1)[1].removeprefix("http://"))
+        assert client.is_model_ready("scripted") and not client.is_model_ready("onnx")
+        x = torch.randn(2, 3, 8, 8)
+        item = triton_http.InferInput("INPUT__0", [2, 3, 8, 8], "FP32")
+        item.set_data_from_numpy(x.numpy())
+        got = torch.from_numpy(np.array(client.infer("scripted", [item]).as_numpy("OUTPUT__0")))
+        assert torch.allclose(got, eager(models["scripted"], [x]), atol=1e-5)
+        client.close()
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+        warnings = [w for w in proc.stderr.read().splitlines() if w.startswith("model repository: model ")]
+        assert [w.split("'")[1] for w in warnings] == ["looped", "noconfig", "onnx"], warnings
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -1,5 +1,6 @@
-"""Serving commands: ``serve`` (the Open Inference Protocol server), ``loadgen`` (TOP's arrival patterns, over HTTP
-or simulated) and ``blocks`` (a model's blocks beside TOP Table II)."""
+"""Serving commands: ``serve`` (the Open Inference Protocol server), ``export`` (a model written as an entry of a
+model repository), ``loadgen`` (TOP's arrival patterns, over HTTP or simulated) and ``blocks`` (a model's blocks
+beside TOP Table II)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from opweave.errors import UsageError
 
 PolicyOpt = Annotated[str, typer.Option("--policy", help="static | batch | heuristic | top (or a registered "
                                                         "policy)")]
+ServePolicyOpt = Annotated[str | None, typer.Option("--policy", help="static | batch | heuristic | top (or a "
+                                                    "registered policy); default: static on a CPU, heuristic on a "
+                                                    "GPU (docs/serving.md)")]
 PolicyOptionsOpt = Annotated[str | None, typer.Option("--policy-options", help="KEY=VALUE,... for the policy")]
 PolicyFileOpt = Annotated[Path | None, typer.Option("--policy-file", help="trained policy (top: opweave "
                                                     "train-policy; default: the one shipped for the models)")]
@@ -67,7 +71,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           strict: Annotated[bool, typer.Option("--strict", help="exit if a model of --model-repository does not "
                                                "load at start (Triton's --exit-on-error)")] = False,
           ray: Annotated[bool, typer.Option("--ray", help="deploy on Ray Serve: --replicas engines behind its HTTP "
-                                                          "proxy (needs opweave[ray])")] = False,
+                                                          "proxy (needs opweave\\[ray])")] = False,
           replicas: Annotated[int, typer.Option("--replicas", min=1, help="Ray Serve replicas (with --ray)")] = 2,
           max_replicas: Annotated[int | None, typer.Option("--max-replicas", min=1, help="with --ray: let Ray "
                                                            "autoscale from --replicas up to this many")] = None,
@@ -75,7 +79,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
                                                           "(default: a local one on 127.0.0.1)")] = None,
           pin_cores: Annotated[bool, typer.Option("--pin-cores", help="with --ray: each replica on its own "
                                                   "--threads cores (else each engine spreads over all)")] = False,
-          policy: PolicyOpt = "heuristic", policy_options: PolicyOptionsOpt = None,
+          policy: ServePolicyOpt = None, policy_options: PolicyOptionsOpt = None,
           policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64, max_batch: MaxBatchOpt = 8,
           max_sub_blocks: HOpt = 4,
           timeout_ms: Annotated[float | None, typer.Option("--timeout-ms", help="default request deadline")] = None,
@@ -109,10 +113,13 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     On the CPU a combined block runs on one lane per core and each of its ops (or blocks, with ``--compiler``) on the
     cores its lane may use while it runs (opweave.backends.threads), so lanes x intra-op threads never exceed the
     cores. With ``--compiler`` (the default when ONNX Runtime is installed) every block is compiled at every padded
-    batch before the server listens."""
+    batch before the server listens.
+
+    Defaults that follow the device, printed when the server listens: ``--policy`` static on a CPU (it sustained the
+    highest rates measured there), heuristic on a GPU; ``--compiler`` onnxruntime on a CPU where it is installed."""
     import torch
 
-    from opweave.serve.build import load_models, make_engine, parse_cuts, parse_image_size
+    from opweave.serve.build import default_policy, load_models, make_engine, parse_cuts, parse_image_size
     from opweave.serve.models import parse_model_files
     from opweave.serve.repository import CONTROL_MODES, Repository
     from opweave.serve.server import serve as run_server
@@ -131,6 +138,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     max_body_bytes = 0 if max_body_mb is None else int(max_body_mb * (1 << 20))
     if threads is not None:
         torch.set_num_threads(threads)
+    chosen = "" if policy else f" (the default on {'a GPU' if device == 'cuda' else 'a CPU'})"
+    policy = policy or default_policy(device)
     options = _policy_options(policy, policy_options, policy_file)
     files = parse_model_files(model_file)
     if ray:
@@ -150,7 +159,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
             compiler=None if compiler == "none" else compiler, threads=threads or 1,
             max_body_bytes=max_body_bytes,
             pin_cores=pin_cores, allow_symlinks_outside_root=allow_symlinks_outside_root, strict=strict),
-            replicas, max_replicas, host, port, ray_address)
+            replicas, max_replicas, host, port, ray_address, chosen)
         return
     if model_repository is not None and not model_repository.is_dir():
         raise UsageError(f"--model-repository {model_repository}: no such directory")
@@ -170,9 +179,13 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     unavailable = [m["name"] for m in repository.index() if m["state"] != "READY"]
     down = f"; UNAVAILABLE: {', '.join(unavailable)} (see the repository index)" if unavailable else ""
 
+    compiled = getattr(engine.executor, "compiler", None) or "none"
+    builds = "" if device != "cpu" else f"; compiler {compiled}{' (the default)' if compiler == 'default' else ''}"
+
     def listening(h: str, p: int, g: int | None = None) -> None:
         rpc = f"gRPC on {h}:{g}; " if g is not None else ""
-        print(f"opweave serve: {blocks}{down}; policy {policy}; {rpc}listening on http://{h}:{p}", flush=True)
+        print(f"opweave serve: {blocks}{down}; device {device}, policy {policy}{chosen}{builds}; {rpc}listening on "
+              f"http://{h}:{p}", flush=True)
 
     run_server(engine, served, host=host, port=port, max_body_bytes=max_body_bytes, log_level=log_level,
                on_listen=listening, grpc_port=grpc_port, repository=repository, header_timeout_s=header_timeout_s,
@@ -180,7 +193,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
 
 def _serve_ray(options, replicas: int, max_replicas: int | None, host: str, port: int,
-               address: str | None) -> None:
+               address: str | None, chosen: str = "") -> None:
     """``opweave serve --ray``: deploy, print where, wait for SIGTERM or SIGINT, then shut Ray Serve down (its
     replicas drain: Ray waits for the requests they hold)."""
     import os
@@ -207,12 +220,45 @@ def _serve_ray(options, replicas: int, max_replicas: int | None, host: str, port
         for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, whose own SIGTERM handler aborts the process
             signal.signal(sig, lambda *_: stop.set())
         print(f"opweave serve: Ray Serve, {replicas} replicas"
-              f"{f' (autoscaling to {max_replicas})' if max_replicas else ''}; policy {options.policy}; "
+              f"{f' (autoscaling to {max_replicas})' if max_replicas else ''}; policy {options.policy}{chosen}; "
               f"listening on {url}", flush=True)
         while not stop.wait(0.5):
             pass
     finally:
         opweave_ray.shutdown()
+
+
+@app.command()
+@guard
+def export(model: Annotated[str, typer.Argument(help="zoo name, timm:<name> or hf:<name> (random weights, nothing "
+                                                     "downloaded); with --module, the entry's name")],
+           repository: Annotated[Path, typer.Argument(help="the model repository to write into (created if missing)")],
+           module: Annotated[str | None, typer.Option("--module", help="MODULE:FUNCTION: your own model, a "
+                                                      "function returning (model, example_inputs)")] = None,
+           name: Annotated[str | None, typer.Option("--name", help="the entry's name (default: MODEL without its "
+                                                    "prefix)")] = None,
+           version: Annotated[int, typer.Option("--version", min=1, help="the version directory")] = 1,
+           max_batch: Annotated[int, typer.Option("--max-batch", min=1, max=1024, help="max_batch_size of the "
+                                                  "config, where requests can stack")] = 8,
+           image_size: Annotated[int | None, typer.Option("--image-size", min=1, help="input size of a zoo "
+                                                          "CNN")] = None,
+           force: Annotated[bool, typer.Option("--force", help="replace an entry that exists")] = False):
+    """Write MODEL as an entry of a model repository: REPOSITORY/NAME/VERSION/model.pt2 (torch.export) and
+    REPOSITORY/NAME/config.pbtxt (its inputs' and outputs' names, datatypes and shapes, and max_batch_size, as
+    opweave serve will serve them). Then: opweave serve --model-repository REPOSITORY."""
+    from opweave.serve import export as exporting
+
+    if module is not None:
+        made, inputs = exporting.from_factory(module)
+        entry = name or model
+    else:
+        made, inputs = exporting.from_zoo(model, image_size)
+        entry = name or exporting.entry_name(model)
+    served = exporting.export(made, inputs, repository, entry, version=version, max_batch=max_batch, force=force)
+    shapes = ", ".join(f"{s.name} {s.datatype} {list(s.shape)}" for s in served.inputs)
+    err.print(f"wrote {repository / entry / str(version) / 'model.pt2'} and {repository / entry / 'config.pbtxt'} "
+              f"(inputs {shapes}; {len(served.blocked.blocks)} blocks); serve it: opweave serve --model-repository "
+              f"{repository}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -65,7 +65,10 @@ class Unavailable(OpweaveError, RuntimeError):
 @dataclass(eq=False)
 class Request:
     """One inference request: ``batch`` samples for ``model``. The engine fills in the times (clock seconds), the
-    status (``queued``, ``running``, ``done``, ``timeout``, ``error``) and the output, then calls ``on_done``."""
+    status (``queued``, ``running``, ``done``, ``timeout``, ``error``) and the output, then calls ``on_done``.
+    ``input_s``: the dequeue's preparing of the inputs of the instance it joined; ``output_s``: the splitting of its
+    instance's outputs into answers (both shared with the requests stacked with it); ``compute_s``: the combined
+    blocks it was part of."""
 
     id: int
     model: str
@@ -77,6 +80,8 @@ class Request:
     dequeued: float | None = None
     finished: float | None = None
     compute_s: float = 0.0
+    input_s: float = 0.0
+    output_s: float = 0.0
     status: str = "queued"
     output: Any = None
     error: str | None = None
@@ -88,6 +93,13 @@ class Request:
     @property
     def queue_s(self) -> float:
         return (self.dequeued if self.dequeued is not None else self.finished or self.arrival) - self.arrival
+
+    @property
+    def infer_s(self) -> float:
+        """From its inputs' preparing to the end of its last block: its blocks, and the waits between them."""
+        if self.dequeued is None or self.finished is None:
+            return 0.0
+        return max(0.0, self.finished - self.dequeued - self.input_s - self.output_s)
 
 
 @dataclass(eq=False)
@@ -377,9 +389,11 @@ class Engine:
                 if inst.block < state.blocks:
                     state.instances.append(inst)
                     continue
+                split = self.clock.now()
                 outputs = self.executor.outputs(inst.model, inst.state, [r.batch for r in inst.requests])
+                end = self.clock.now()
                 for r, out in zip(inst.requests, outputs, strict=True):
-                    r.finished, r.output = now, out
+                    r.finished, r.output, r.output_s = end, out, end - split
                     late = r.deadline is not None and now > r.deadline
                     r.status = "timeout" if late else "done"
                     state.answers.append(now)
@@ -424,7 +438,11 @@ class Engine:
                     r.dequeued, r.status = now, "running"
                     for o in self.observers:
                         o.on_dequeue(r)
-                s.instances.append(Instance(m, taken, 0, self.executor.prepare(m, [r.inputs for r in taken])))
+                start = self.clock.now()
+                state = self.executor.prepare(m, [r.inputs for r in taken])
+                for r in taken:
+                    r.input_s = self.clock.now() - start
+                s.instances.append(Instance(m, taken, 0, state))
                 s.next_dequeue = now + launch.interval_s
 
     def _choose(self, obs: Observation) -> list[Slot]:

@@ -6,8 +6,9 @@ The service's messages and stubs are ``tritonclient``'s (``tritonclient.grpc.ser
 ``grpc_predict_v2.proto`` with the repository and configuration calls); ``pip install opweave[serve]`` brings them.
 
 Calls: ``ServerLive``, ``ServerReady`` (not while draining), ``ModelReady`` (false for a model not served),
-``ServerMetadata``, ``ModelMetadata``, ``ModelConfig``, ``ModelInfer``, ``RepositoryIndex``, ``RepositoryModelLoad``,
-``RepositoryModelUnload``; the others (statistics, shared memory, tracing, streaming) answer ``UNIMPLEMENTED``.
+``ServerMetadata``, ``ModelMetadata``, ``ModelConfig``, ``ModelInfer``, ``ModelStatistics``
+(:mod:`opweave.serve.stats`), ``RepositoryIndex``, ``RepositoryModelLoad``, ``RepositoryModelUnload``; the others
+(shared memory, tracing, logging, streaming) answer ``UNIMPLEMENTED``, saying which call opweave does not implement.
 
 ``ModelInfer`` takes inputs as ``raw_input_contents`` (one entry per input, little-endian, row-major: what
 ``tritonclient.grpc`` sends) or typed ``contents`` (``fp32_contents`` for FP32, ...), and answers every output in
@@ -49,12 +50,13 @@ from opweave.serve.engine import Engine
 from opweave.serve.frontend import Refused, State
 from opweave.serve.models import ServedModel
 from opweave.serve.repository import Repository
+from opweave.serve.stats import Statistics
 
 OFFLOAD_BYTES = 256 << 10  # a ModelInfer this large is decoded on a worker thread, off the event loop
 CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
          "full": grpc.StatusCode.RESOURCE_EXHAUSTED, "draining": grpc.StatusCode.UNAVAILABLE,
          "timeout": grpc.StatusCode.DEADLINE_EXCEEDED, "error": grpc.StatusCode.INTERNAL}
-EXTENSIONS = ["model_configuration", "model_repository"]
+EXTENSIONS = ["model_configuration", "model_repository", "statistics"]
 
 # the typed contents field of each datatype (FP16 and BF16 travel only as raw bytes)
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -127,6 +129,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, engine: Engine, repository: Repository, state: State, max_body_bytes: int = 0):
         self.engine, self.repository, self.state = engine, repository, state
         self.max_body_bytes = max_body_bytes  # --max-body-mb: raises every model's request limit
+        self.statistics = Statistics.of(engine)
 
     def _served(self, name: str, version: str) -> ServedModel:
         model = self.repository.served.get(name)
@@ -202,6 +205,12 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             return encode(model, decoded, pytree.tree_leaves(result.output))
         return await self._call(context, work)
 
+    async def ModelStatistics(self, request, context):
+        async def work():
+            report = self.statistics.report(self.repository.served, request.name, request.version)
+            return json_format.ParseDict(report, service_pb2.ModelStatisticsResponse())
+        return await self._call(context, work)
+
     async def RepositoryIndex(self, request, context):
         models = [service_pb2.RepositoryIndexResponse.ModelIndex(**m)
                   for m in self.repository.index(ready=request.ready)]
@@ -257,10 +266,31 @@ def _refusing_unparsable(behaviour):
     return call
 
 
+def _unimplemented(name: str, handler):
+    """A handler of call ``name`` that answers ``UNIMPLEMENTED``, saying so in one line."""
+    details = f"opweave does not implement {name}"
+
+    async def refuse(request, context):
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details(details)
+
+    async def refuse_stream(requests, context):
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details(details)
+        return
+        yield  # an async generator that answers nothing
+
+    codec = {"request_deserializer": handler.request_deserializer,
+             "response_serializer": handler.response_serializer}
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, **codec)
+    return grpc.unary_unary_rpc_method_handler(refuse, **codec)
+
+
 def add_service(servicer: Servicer, server) -> None:
     """Register ``servicer`` on ``server`` as tritonclient's generated code does, but with the request deserializers
     of :func:`_parser` on the calls the servicer implements (coroutines): a message that does not parse is
-    ``INVALID_ARGUMENT``."""
+    ``INVALID_ARGUMENT``; the calls it does not implement answer ``UNIMPLEMENTED`` (:func:`_unimplemented`)."""
     class Table:  # what the generated registration hands a server
         def __init__(self) -> None:
             self.handlers: dict = {}
@@ -280,6 +310,8 @@ def add_service(servicer: Servicer, server) -> None:
                 _refusing_unparsable(handler.unary_unary),
                 request_deserializer=_parser(handler.request_deserializer.__self__),
                 response_serializer=handler.response_serializer)
+        else:  # the generated base class's: it would end the call with its NotImplementedError
+            handlers[name] = _unimplemented(name, handler)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     if hasattr(server, "add_registered_method_handlers"):
         server.add_registered_method_handlers(SERVICE, handlers)

@@ -1,6 +1,6 @@
 """The models a server serves: zoo models (random weights, the same ``opweave.zoo.create(name)`` gives, so a client
-can check its answers) or the user's own ``torch.export`` files, captured and split into blocks, with the tensor
-specs the Open Inference Protocol reports (names, shapes with -1 for the batch dimension, datatypes).
+can check its answers) or the user's own ``torch.export`` or TorchScript files, captured and split into blocks, with
+the tensor specs the Open Inference Protocol reports (names, shapes with -1 for the batch dimension, datatypes).
 """
 
 from __future__ import annotations
@@ -62,14 +62,17 @@ def parse_model_files(items: list[str] | None) -> dict[str, Path]:
 
 
 def load(name: str, *, path: Path | None = None, device: str = "cpu", max_batch: int = 8,
-         image_size: int | None = None, cuts: list[str] | None = None) -> ServedModel:
+         image_size: int | None = None, cuts: list[str] | None = None,
+         example_inputs: tuple | dict | None = None) -> ServedModel:
     """Load, capture and split one model (:func:`opweave.capture.load`, one op per fx node): the zoo's ``name``
-    (``image_size`` goes to zoo models that take one), or the ``torch.export`` program at ``path`` (its example
-    inputs, or zeros of its input shapes, capture it). Parameters stop requiring gradients (serving never trains)."""
+    (``image_size`` goes to zoo models that take one), the ``torch.export`` program at ``path`` (its example
+    inputs, or zeros of its input shapes, capture it), or the TorchScript module at ``path`` (a ``.pt`` file,
+    captured on ``example_inputs``; given by name, its inputs keep those names). Parameters stop requiring
+    gradients (serving never trains)."""
     from opweave import capture, zoo
 
     module, example, captured = capture.load(path or name, image_size=image_size, device=device, coarsen=False,
-                                             name=name)
+                                             name=name, example_inputs=example_inputs)
     if path is not None:
         if module.keywords:
             raise UsageError(f"--model-file {name}: keyword inputs are not supported")
@@ -81,8 +84,9 @@ def load(name: str, *, path: Path | None = None, device: str = "cpu", max_batch:
         p.requires_grad_(False)
     blocked = split(captured, example, cuts=cuts, name=name)
     batch = max_batch if blocked.stackable else 1
-    inputs = tuple(_spec(node.name, x, blocked.stackable) for node, x in
-                   zip(blocked.input_values, blocked.flat_inputs(example), strict=True))
+    names = getattr(module, "input_names", None) or [node.name for node in blocked.input_values]
+    inputs = tuple(_spec(n, x, blocked.stackable) for n, x in
+                   zip(names, blocked.flat_inputs(example), strict=True))
     with torch.no_grad():
         result = blocked.run(*example)
     leaves = pytree.tree_leaves(result)

@@ -1,7 +1,8 @@
 """The serving engine as a Ray Serve deployment: N replicas, each one engine on its own device (a CPU share or a
 GPU), behind Ray Serve's HTTP proxy with the same KServe v2 routes as ``opweave serve`` (the FastAPI app of
-:func:`opweave.serve.server.create_app`, built inside each replica: ``@serve.ingress()`` with
-``__serve_build_asgi_app__``).
+:func:`opweave.serve.server.create_app`, built inside each replica), reached through a front deployment that runs no
+model (``OpweaveFront``, :func:`front_app`): Ray's proxy hands it each request, it hands the request to a replica
+through a deployment handle (:meth:`Replica.forward`) and answers what the replica answered.
 
     from opweave.serve import ray as opweave_ray
     url = opweave_ray.deploy(ReplicaOptions(models=["squeezenet"], image_size=64), replicas=2)  # local cluster
@@ -12,15 +13,18 @@ repository directory, which every node must see at the same path), and reports i
 thread stops, so that Ray replaces it. ``replicas`` fixes their number; ``autoscaling`` (Ray's
 ``autoscaling_config``: ``min_replicas``, ``max_replicas``, ``target_ongoing_requests``, ...) lets Ray choose.
 
-What a replica's death costs. Ray Serve's proxy routes each request to one replica. A request in flight on a
-replica that dies is answered by the proxy with a 5xx status (500, or 503 while no replica can take it) — never
-left hanging, never answered with wrong data — and Ray starts a replacement. Inference is idempotent, so a client
-that retries 5xx answers from the proxy (:func:`retrying_post` does: up to ``attempts`` times, ``backoff_s`` apart)
-gets every request answered by a live replica. The survivors take the dead replica's share, so their queues may
-fill: a 429 is a refusal, not a loss (the request was never accepted), and it says when to come back
-(``Retry-After``); :func:`retrying_post` waits that long and tries again. "No accepted request lost" means
-exactly that: every request the proxy accepted got a response, and with that retry policy every one was answered
-200 with eager's outputs (``tests/test_serve_ray.py`` kills a replica process mid-load and checks it).
+What a replica's death costs. The front hands each request to one replica. A request in flight on a replica that
+dies fails in the front with Ray's actor error; inference is idempotent, so the front hands it to another replica
+(up to :data:`FRONT_ATTEMPTS` tries, ``0.2 s`` x try apart, Ray's router picking a live one) and the client sees
+only the answer. If no replica answers in that many tries, the front answers 503 in the protocol's error form
+(``{"error": "..."}``), never Ray's plain-text 500 that a Triton client cannot parse (without the front, Ray's proxy
+answered a dead replica's requests ``Internal Server Error`` in plain text). Ray starts a replacement. The survivors
+take the dead replica's share, so their queues may fill: a 429 is a refusal, not a loss (the request was never
+accepted), and it says when to come back (``Retry-After``); :func:`retrying_post` waits that long and tries again.
+"No accepted request lost" means exactly that: every request the proxy accepted got a response, every one 200 with
+eager's outputs (``tests/test_serve_ray.py`` kills a replica process mid-load and checks it with a plain client).
+If the front itself died, Ray's proxy would answer its requests in flight with its plain-text 500 (the front runs no
+model and holds nothing but requests in flight).
 
 Ray runs on 127.0.0.1 when this module starts it (:func:`start_local`: no dashboard, ``_node_ip_address``), or joins
 the cluster at ``address``.
@@ -35,6 +39,10 @@ from typing import Any
 
 APP_NAME = "opweave"
 DEPLOYMENT = "OpweaveReplica"
+FRONT = "OpweaveFront"
+FRONT_ATTEMPTS = 5  # tries of a request whose replica died (module docstring)
+FRONT_BODY_BYTES = 64 << 20  # the most a request's body may hold at the front (raised by max_body_bytes)
+HOP_HEADERS = {b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
 
 
 @dataclass
@@ -45,7 +53,7 @@ class ReplicaOptions:
     model_files: dict[str, str] = field(default_factory=dict)
     model_repository: str | None = None
     device: str = "cpu"
-    policy: str = "heuristic"
+    policy: str | None = None  # None: the device's default (serve.build.default_policy)
     policy_options: dict = field(default_factory=dict)
     max_queue: int = 64
     max_batch: int = 8
@@ -93,13 +101,31 @@ class Replica:
                                    "the models by deploying again (serve.run / opweave serve --ray)")
         self.state = State()
         self.options = options
+        self._app = self._client = None
         self.engine.start()
 
     def app(self):
+        """The replica's FastAPI app (:func:`opweave.serve.server.create_app`), built once."""
         from opweave.serve.server import create_app
 
-        return create_app(self.engine, self.repository.served, max_body_bytes=self.options.max_body_bytes,
-                          state=self.state, repository=self.repository)
+        if self._app is None:
+            self._app = create_app(self.engine, self.repository.served, max_body_bytes=self.options.max_body_bytes,
+                                   state=self.state, repository=self.repository)
+        return self._app
+
+    async def forward(self, method: str, raw_path: bytes, query: bytes, headers: list, body: bytes
+                      ) -> tuple[int, list, bytes]:
+        """One HTTP request, as the front received it, through the app: its status, headers and body."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app()), base_url="http://replica",
+                                             timeout=None)
+        url = httpx.URL("http://replica", raw_path=raw_path + (b"?" + query if query else b""))
+        response = await self._client.request(method, url, content=body,
+                                              headers=[(k, v) for k, v in headers if k.lower() not in HOP_HEADERS])
+        return response.status_code, [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_HEADERS], \
+            response.content
 
     def healthy(self) -> bool:
         thread = getattr(self.engine, "thread", None)
@@ -122,15 +148,15 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
 
     @serve.deployment(name=DEPLOYMENT, health_check_period_s=2, health_check_timeout_s=30,
                       graceful_shutdown_timeout_s=30)
-    @serve.ingress()
     class OpweaveReplica:
         def __init__(self, options: ReplicaOptions):
             if options.pin_cores:
                 pin(serve.get_replica_context().rank.local_rank, options.threads or 1)
             self.replica = Replica(options)
+            self.replica.app()
 
-        def __serve_build_asgi_app__(self):
-            return self.replica.app()
+        async def forward(self, request: tuple) -> tuple[int, list, bytes]:
+            return await self.replica.forward(*request)
 
         def check_health(self) -> None:
             if not self.replica.healthy():
@@ -141,16 +167,83 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
             if replica is not None:
                 replica.stop()
 
+    @serve.deployment(name=FRONT, graceful_shutdown_timeout_s=30)
+    @serve.ingress()
+    class OpweaveFront:
+        def __init__(self, replicas, limit: int):
+            self.replicas, self.limit = replicas, limit
+
+        def __serve_build_asgi_app__(self):
+            return front_app(lambda request: self.replicas.forward.remote(request), self.limit)
+
+    per_replica = max_ongoing_requests or options.max_queue + 4 * options.max_batch
     settings: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": (options.threads or 1) if num_cpus is None else num_cpus,
                               "num_gpus": (1 if options.device == "cuda" else 0) if num_gpus is None else num_gpus},
-        "max_ongoing_requests": max_ongoing_requests or options.max_queue + 4 * options.max_batch,
+        "max_ongoing_requests": per_replica,
     }
     if autoscaling is not None:
         settings["autoscaling_config"] = autoscaling
     else:
         settings["num_replicas"] = replicas
-    return OpweaveReplica.options(**settings).bind(options)
+    most = (autoscaling or {}).get("max_replicas", replicas)
+    front = OpweaveFront.options(num_replicas=1, ray_actor_options={"num_cpus": 0},
+                                 max_ongoing_requests=per_replica * most)
+    return front.bind(OpweaveReplica.options(**settings).bind(options),
+                      max(FRONT_BODY_BYTES, options.max_body_bytes))
+
+
+def front_app(forward, limit: int = FRONT_BODY_BYTES, attempts: int = FRONT_ATTEMPTS, backoff_s: float = 0.2):
+    """The front's ASGI app (module docstring): each HTTP request (its body at most ``limit`` bytes) handed as
+    ``(method, raw_path, query, headers, body)`` to ``forward`` (awaitable: a replica's answer ``(status, headers,
+    body)``); a request whose replica died (Ray's ``RayActorError``) is handed on again, up to ``attempts`` tries
+    ``backoff_s`` x try apart. Every error it answers itself is the protocol's ``{"error": one line}``."""
+    import json
+
+    from ray.exceptions import RayActorError
+
+    from opweave.errors import first_line
+    from opweave.serve.frontend import one_line
+
+    def error(status: int, message: str) -> tuple[int, list, bytes]:
+        return status, [(b"content-type", b"application/json")], json.dumps({"error": one_line(message)}).encode()
+
+    async def answer(scope, receive) -> tuple[int, list, bytes]:
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            return error(400, f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return error(400, "the client went away")
+            body += message.get("body", b"")
+            if len(body) > limit:
+                return error(400, f"request body exceeds the limit of {limit} bytes")
+            if not message.get("more_body"):
+                break
+        request = (scope["method"], scope.get("raw_path") or scope["path"].encode(), scope["query_string"],
+                   scope["headers"], bytes(body))
+        for attempt in range(1, attempts + 1):
+            try:
+                return await forward(request)
+            except RayActorError as exc:  # the replica died (or cannot be reached): another one takes the request
+                if attempt == attempts:
+                    return error(503, f"no replica answered in {attempts} tries (the last: {first_line(exc)})")
+            except Exception as exc:  # noqa: BLE001 - answered in the protocol's form, never as Ray's plain text
+                return error(500, first_line(exc))
+            await asyncio.sleep(backoff_s * attempt)
+        raise AssertionError("unreachable")
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        status, headers, content = await answer(scope, receive)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*headers, (b"content-length", str(len(content)).encode())]})
+        await send({"type": "http.response.body", "body": content})
+
+    return app
 
 
 def pin(rank: int, count: int) -> list[int]:
@@ -185,7 +278,16 @@ def deploy(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict | No
 
     if address is not None:
         if not ray.is_initialized():
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
+            from ray.exceptions import AuthenticationError
+
+            from opweave.errors import UsageError, first_line
+
+            try:
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
+            except (ConnectionError, AuthenticationError) as exc:
+                raise UsageError(f"--ray-address {address}: cannot join the Ray cluster ({first_line(exc)}); a "
+                                 f"cluster with token authentication needs its token here too: RAY_AUTH_MODE=token "
+                                 f"and RAY_AUTH_TOKEN or ~/.ray/auth_token (docs/serving.md, Ray Serve)") from None
     else:
         start_local(cluster_cpus)
     serve.start(http_options={"host": host, "port": port})
@@ -247,5 +349,5 @@ async def retrying_post(client, url: str, *, attempts: int = 5, backoff_s: float
     raise AssertionError("unreachable")
 
 
-__all__ = ["APP_NAME", "DEPLOYMENT", "Replica", "ReplicaOptions", "application", "deploy", "pin", "replica_states",
-           "retrying_post", "shutdown", "start_local"]
+__all__ = ["APP_NAME", "DEPLOYMENT", "FRONT", "FRONT_ATTEMPTS", "Replica", "ReplicaOptions", "application", "deploy",
+           "front_app", "pin", "replica_states", "retrying_post", "shutdown", "start_local"]

@@ -2,16 +2,26 @@
 
 Layout (``opweave serve --model-repository DIR``)::
 
-    DIR/<name>/config.pbtxt        optional: Triton's ModelConfig in protobuf text format
+    DIR/<name>/config.pbtxt        Triton's ModelConfig in protobuf text format (optional for a model.pt2)
     DIR/<name>/<version>/model.pt2 a torch.export program (torch.export.save); version a positive integer
+    DIR/<name>/<version>/model.pt  or TorchScript (torch.jit.save: Triton's PyTorch backend's layout)
 
-The version served is the highest present (Triton's default ``latest`` policy) or, with ``version_policy {
-specific { versions: [...] } }``, the highest of those listed. Of ``config.pbtxt`` opweave reads ``name`` (if set,
-the directory's), ``max_batch_size`` (samples per instance; 0 is Triton's "does not batch": 1; unset: the server's
+A TorchScript ``model.pt`` records no input shapes: its ``config.pbtxt`` must list every input (``name``,
+``data_type``, fixed ``dims``, without the batch dimension when ``max_batch_size`` > 0), as Triton's PyTorch backend
+requires. It is converted to a torch.export program (:func:`opweave.capture.load_torchscript`: torch's TorchScript
+converter, checked equal to the TorchScript module on the config's shapes) and served as one. Its inputs keep the
+config's names (``<name>__<index>`` by position, or ``forward``'s argument names), and its outputs take the names
+of the config's ``output`` list (``<name>__<index>`` by position, else in order; ``output__<i>`` without one). A
+version directory that holds files but neither program (a ``model.onnx``, a ``model.savedmodel``) makes its model
+UNAVAILABLE with that reason, never silently absent.
+
+The version served is the highest present (Triton's default ``latest`` policy) or, with ``version_policy { specific
+{ versions: [...] } }``, the highest of those listed. Of ``config.pbtxt`` opweave reads ``name`` (if set, the
+directory's), ``max_batch_size`` (samples per instance; 0 is Triton's "does not batch": 1; unset: the server's
 ``--max-batch``) and ``input`` (if listed, their names must be the program's inputs: opweave names inputs after the
-program's arguments and does not rename them); the rest (platform, backend, instance groups, ...) is not opweave's
-to follow and is ignored. A load request may carry the config instead (``parameters.config``: its JSON form, as
-``tritonclient``'s ``load_model(name, config=...)`` sends it).
+program's arguments and does not rename them; for TorchScript, above); the rest (platform, backend, instance groups,
+...) is not opweave's to follow and is ignored. A load request may carry the config instead (``parameters.config``:
+its JSON form, as ``tritonclient``'s ``load_model(name, config=...)`` sends it).
 
 :meth:`Repository.load` and :meth:`Repository.unload` are slow (seconds) and blocking: the front ends call them on a
 worker thread, never on their event loop, and they never hold the engine's lock while they capture or compile. A
@@ -23,15 +33,15 @@ Loading a model that is served reloads it only if its version changed (the old o
 for that moment requests to it are refused 404/503). One load or unload runs at a time.
 
 What it trusts and what it refuses (docs/serving.md, "Security"): the repository's contents are the operator's and
-are trusted (a ``.pt2`` is deserialized, which is as good as running it), so nothing outside the root is ever
-loaded. A model name is a plain name (:data:`NAME`: letters, digits, ``_``, ``-``, ``.``, not starting with ``.``,
-at most 128 characters) before it comes near a path; the program and config a name leads to must resolve to files
-under the resolved root (a symbolic link leaving the root is refused unless ``allow_symlinks_outside_root``). With
-``control="none"`` (Triton's ``--model-control-mode none``) the repository API neither loads nor unloads:
-every model is loaded at start (:meth:`Repository.load_all`) and stays. A load's config from a client
-(``parameters.config``) may not raise ``max_batch_size`` above the server's ``max_batch``. Every refusal is one line
-that names the model, never a path outside the repository; a directory that is no plain name (or no UTF-8) is left
-out of the index, with a warning in the server's log.
+are trusted (a ``.pt2`` is deserialized, which is as good as running it; a TorchScript file is code too), so nothing
+outside the root is ever loaded. A model name is a plain name (:data:`NAME`: letters, digits, ``_``, ``-``, ``.``,
+not starting with ``.``, at most 128 characters) before it comes near a path; the program and config a name leads to
+must resolve to files under the resolved root (a symbolic link leaving the root is refused unless
+``allow_symlinks_outside_root``). With ``control="none"`` (Triton's ``--model-control-mode none``) the repository
+API neither loads nor unloads: every model is loaded at start (:meth:`Repository.load_all`) and stays. A load's
+config from a client (``parameters.config``) may not raise ``max_batch_size`` above the server's ``max_batch``.
+Every refusal is one line that names the model, never a path outside the repository; a directory that is no plain
+name (or no UTF-8) is left out of the index, with a warning in the server's log.
 """
 
 from __future__ import annotations
@@ -42,14 +52,17 @@ import re
 import threading
 from pathlib import Path
 
+import torch
+
 from opweave.errors import OpweaveError, UsageError, first_line
 from opweave.serve.engine import Engine
 from opweave.serve.frontend import Refused
-from opweave.serve.models import ServedModel
+from opweave.serve.models import DTYPES, ServedModel, TensorSpec
 from opweave.serve.protocol import shown
 
 CONFIG = "config.pbtxt"
-MODEL_FILE = "model.pt2"
+MODEL_FILES = ("model.pt2", "model.pt")  # what a version directory serves: a torch.export program, else TorchScript
+MODEL_FILE = MODEL_FILES[0]
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")  # a model name of the repository (fullmatch)
 CONTROL_MODES = ("none", "explicit")
 MAX_BATCH_SIZE = 1024  # the largest max_batch_size a config.pbtxt may set
@@ -84,8 +97,9 @@ class Repository:
 
     # ---- what is there ----------------------------------------------------------------------------------------
     def names(self) -> list[str]:
-        """Model directories of the repository (those with at least one version holding a program); an entry whose
-        name is no plain name, or that cannot be read, is left out (with a warning in the log, once)."""
+        """Model directories of the repository (those with a version directory holding a program, or any file: a
+        model opweave cannot serve is listed, and UNAVAILABLE once loaded); an entry whose name is no plain name, or
+        that cannot be read, is left out (with a warning in the log, once)."""
         if self.root is None:
             return []
         out = []
@@ -100,7 +114,7 @@ class Repository:
                                    "at most 128 characters)")
                 continue
             try:
-                if d.is_dir() and _versions(d):
+                if d.is_dir() and any(any(v.iterdir()) for v in _version_dirs(d)):
                     out.append(d.name)
             except OSError as exc:
                 self._skip(d.name, f"it cannot be read ({exc.strerror})")
@@ -185,8 +199,14 @@ class Repository:
         except OSError as exc:
             raise Refused("invalid", f"model {name!r}: its directory cannot be read ({exc.strerror})") from None
         if not versions:
+            held = sorted(f"{v.name}/{f.name}" for v in _version_dirs(folder) for f in v.iterdir()) \
+                if folder.is_dir() else []
+            if held:
+                raise Refused("invalid", f"model {name!r}: no {' or '.join(MODEL_FILES)} in its version directories "
+                                         f"(they hold {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
+                                         f"opweave serves torch.export programs and TorchScript")
             raise Refused("not_found", f"model {name!r} is not in the repository (expected "
-                                       f"{name}/<version>/{MODEL_FILE})")
+                                       f"{name}/<version>/{MODEL_FILE} or {MODEL_FILES[1]})")
         policy = config.version_policy.WhichOneof("policy_choice")
         if policy == "specific":
             listed = [v for v in versions if v in set(config.version_policy.specific.versions)]
@@ -199,7 +219,7 @@ class Repository:
             raise Refused("invalid", f"model {name!r}: opweave serves one version of a model (version_policy all)")
         else:
             version = max(versions)
-        return str(version), self._confined(folder / str(version) / MODEL_FILE, name)
+        return str(version), self._confined(_program(folder / str(version)), name)
 
     # ---- changes ----------------------------------------------------------------------------------------------
     def load(self, name: str, config_json: str | None = None) -> ServedModel:
@@ -231,7 +251,7 @@ class Repository:
         config = self.read_config(name, json_text=config_json)
         max_batch = self._max_batch(name, config, config_json is not None)
         version, path = self.locate(name, config)
-        source = f"{name}/{version}/{MODEL_FILE}"
+        source = f"{name}/{version}/{path.name}"
         old = self.served.get(name)
         if old is not None and old.version == version and old.source == source and config_json is None:
             return old
@@ -275,7 +295,12 @@ class Repository:
         """Capture, split and compile ``path`` (off every lock the engine holds)."""
         from opweave.serve.models import load
 
-        model = load(name, path=path, device=self.device, max_batch=max_batch)
+        if path.suffix == ".pt":
+            model = load(name, path=path, device=self.device, max_batch=max_batch,
+                         example_inputs=torchscript_inputs(name, config))
+            model.outputs = _named_outputs(name, config, model.outputs)
+        else:
+            model = load(name, path=path, device=self.device, max_batch=max_batch)
         named = [i.name for i in config.input]
         if named and sorted(named) != sorted(s.name for s in model.inputs):
             raise Refused("invalid", f"model {name!r}: its config lists inputs {shown(named)}, the program takes "
@@ -323,12 +348,70 @@ class Repository:
         return loaded
 
 
+def _version_dirs(folder: Path) -> list[Path]:
+    """The version directories under ``folder``: named by a positive integer as written (``1``, not ``01``)."""
+    return [d for d in folder.iterdir()
+            if d.name.isascii() and d.name.isdigit() and d.name == str(int(d.name)) and int(d.name) > 0 and d.is_dir()]
+
+
+def _program(version: Path) -> Path | None:
+    """The program a version directory serves: the first of :data:`MODEL_FILES` it holds."""
+    return next((version / f for f in MODEL_FILES if (version / f).is_file()), None)
+
+
 def _versions(folder: Path) -> list[int]:
-    """The versions under ``folder``: directories named by a positive integer as written (``1``, not ``01``)
-    holding a program."""
-    return sorted(int(d.name) for d in folder.iterdir()
-                  if d.name.isascii() and d.name.isdigit() and d.name == str(int(d.name)) and int(d.name) > 0
-                  and d.is_dir() and (d / MODEL_FILE).is_file())
+    """The versions under ``folder`` that hold a program."""
+    return sorted(int(d.name) for d in _version_dirs(folder) if _program(d) is not None)
+
+
+def torchscript_inputs(name: str, config) -> dict:
+    """Example inputs of a TorchScript model by name, from its config's ``input`` list (module docstring): the
+    batch dimension 1 in front of ``dims`` when ``max_batch_size`` > 0; floating-point values random (seeded), so
+    that the conversion is checked on values that tell outputs apart, integers and booleans zero (valid indices)."""
+    from tritonclient.grpc import model_config_pb2
+
+    if not config.input:
+        raise Refused("invalid", f"model {name!r}: a TorchScript model.pt records no input shapes: list its inputs "
+                                 f"(name, data_type, dims) in {CONFIG}, as Triton's PyTorch backend requires")
+    generator = torch.Generator().manual_seed(0)
+    out = {}
+    for tensor in config.input:
+        datatype = model_config_pb2.DataType.Name(tensor.data_type).removeprefix("TYPE_")
+        if datatype not in DTYPES:
+            raise Refused("invalid", f"model {name!r}: input {shown(tensor.name)} has data_type TYPE_{datatype}, "
+                                     f"which opweave cannot serve (it serves {', '.join(DTYPES)})")
+        dims = list(tensor.dims)
+        if any(d < 1 for d in dims):
+            raise Refused("invalid", f"model {name!r}: input {shown(tensor.name)} has a variable dimension in dims "
+                                     f"{dims[:8]}: opweave captures fixed shapes, give every dimension")
+        shape = ([1] if config.max_batch_size > 0 else []) + dims
+        dtype = DTYPES[datatype]
+        out[tensor.name] = torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point else \
+            torch.zeros(shape, dtype=dtype)
+    return out
+
+
+def _named_outputs(name: str, config, outputs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+    """A TorchScript model's outputs named after its config's ``output`` list (module docstring); unchanged
+    without one."""
+    listed = list(config.output)
+    if not listed:
+        return outputs
+    if len(listed) != len(outputs):
+        raise Refused("invalid", f"model {name!r}: its config lists {len(listed)} outputs, the module gives "
+                                 f"{len(outputs)}")
+    indexed = [o.name.rpartition("__") for o in listed]
+    if all(sep and index.isdigit() for _, sep, index in indexed) and \
+            sorted(int(index) for _, _, index in indexed) == list(range(len(listed))):
+        listed = sorted(listed, key=lambda o: int(o.name.rpartition("__")[2]))
+    from tritonclient.grpc import model_config_pb2
+
+    for o, spec in zip(listed, outputs, strict=True):
+        datatype = model_config_pb2.DataType.Name(o.data_type).removeprefix("TYPE_")
+        if o.data_type and datatype != spec.datatype:
+            raise Refused("invalid", f"model {name!r}: its config gives output {shown(o.name)} data_type "
+                                     f"TYPE_{datatype}, the module answers {spec.datatype}")
+    return tuple(TensorSpec(o.name, spec.datatype, spec.shape) for o, spec in zip(listed, outputs, strict=True))
 
 
 def _declares_no_batching(config) -> bool:
@@ -337,4 +420,5 @@ def _declares_no_batching(config) -> bool:
     return config.ByteSize() > 0 and config.max_batch_size == 0
 
 
-__all__ = ["CONFIG", "CONTROL_MODES", "MAX_BATCH_SIZE", "MODEL_FILE", "NAME", "Repository"]
+__all__ = ["CONFIG", "CONTROL_MODES", "MAX_BATCH_SIZE", "MODEL_FILE", "MODEL_FILES", "NAME", "Repository",
+           "torchscript_inputs"]

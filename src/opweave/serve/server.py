@@ -5,7 +5,9 @@ Endpoints: ``GET /v2`` (server metadata), ``/v2/health/live``, ``/v2/health/read
 and outputs: names, shapes, datatypes), ``/v2/models/{name}/ready``, ``/v2/models/{name}/config``, ``POST
 /v2/models/{name}/infer`` (JSON tensors or the binary tensor data extension; the ``/versions/1/`` forms too) and
 ``GET /metrics`` (Prometheus text format); the repository extension (:mod:`opweave.serve.repository`): ``POST
-/v2/repository/index``, ``/v2/repository/models/{name}/load`` and ``/unload``. The gRPC front end
+/v2/repository/index``, ``/v2/repository/models/{name}/load`` and ``/unload``; the statistics extension
+(:mod:`opweave.serve.stats`): ``GET /v2/models/stats``, ``/v2/models/{name}/stats`` and
+``/v2/models/{name}/versions/{version}/stats``. The gRPC front end
 (:mod:`opweave.serve.grpc_server`) runs beside it on the same engine, models and draining state (``grpc_port``).
 
 Status codes: 200; 400 with ``{"error": message}`` for malformed JSON, a wrong input name, shape, datatype or data
@@ -53,13 +55,14 @@ from opweave.serve.executors import Part, StepCost
 from opweave.serve.frontend import Refused, State
 from opweave.serve.models import ServedModel
 from opweave.serve.repository import Repository
+from opweave.serve.stats import Statistics
 
 CONTROL_BODY_BYTES = 2 << 20  # a repository call's body (a load's parameters.config, at most 1 MiB of it)
 OFFLOAD_BYTES = 256 << 10  # a body (or a response) this large is decoded (encoded) on a worker thread
 MAX_HEADER_BYTES = 64 << 10  # a request's line and headers
 HEADER_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -185,6 +188,7 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
     models = repository.served
     metrics = Metrics(engine)
     engine.observers.append(metrics)
+    statistics = Statistics.of(engine)
     app = FastAPI(title="opweave serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
     app.state.engine = engine
@@ -231,6 +235,12 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
     @app.get("/v2/health/ready")
     async def ready():
         return Response(status_code=503 if state.draining else 200)
+
+    @app.get("/v2/models/stats")  # before /v2/models/{name}, which would take "stats" for a name
+    @app.get("/v2/models/{name}/stats")
+    @app.get("/v2/models/{name}/versions/{version}/stats")
+    def model_statistics(name: str = "", version: str = ""):
+        return statistics.report(models, name, version)
 
     @app.get("/v2/models/{name}")
     @app.get("/v2/models/{name}/versions/{version}")
