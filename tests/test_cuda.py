@@ -431,7 +431,8 @@ def test_a_sync_is_found_before_capture_and_named_or_run_without_a_graph(rt, war
     assert rt.get_sync_debug_mode() == 0  # restored
     with pytest.warns(UserWarning, match="without a CUDA graph"):
         fast = compile_cuda(model, (x,), scheduler="lios", capture_fallback="eager", warmup=warmup, runtime=rt)
-    assert fast.backend.stats == {"captures": 0, "evictions": 0, "eager_fallbacks": 1}  # found before capture
+    # found before capture; .item() cannot run on fake tensors, so a first run kept every buffer to find them
+    assert fast.backend.stats == {"captures": 0, "evictions": 0, "eager_fallbacks": 1, "keep_all_runs": 1}
     with torch.no_grad():
         check(model(x), fast(x), "fallback")
     streams = compile_cuda(model, (x,), scheduler="lios", cudagraphs=False, runtime=rt)

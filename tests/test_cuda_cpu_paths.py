@@ -245,7 +245,7 @@ def run_with_releases(cap, plan, inputs):
     with torch.no_grad():
         env = keep_all_run(cap, program, inputs)
         groups = storage_buffers(cap, env, program)
-        releases = release_keys(cap, env, program)
+        releases = release_keys(program, groups)
         walker = Dropping(cap, cap.bind(inputs))
         walker.run(steps_with_releases(program, releases))
         return cap.output(walker.env), groups, walker.dropped
