@@ -31,7 +31,9 @@ its allocating stream at that point, so a reader on another stream that is not o
 read garbage. Memory statistics count the bytes of the live blocks the fake allocated, as CUDA's allocator counts
 its allocated blocks: a block is live from the op that allocated it until it is dropped or the host holds no tensor
 on it any more (queued kernels and captured graphs keep only aliases of their tensors, which do not count, as
-CUDA's queues hold no references).
+CUDA's queues hold no references). ``compute=False`` runs no kernel at all (every output stays garbage, and no block
+is filled): the host's side and the memory statistics are the same, for measuring memory where the CPU's kernels
+would take too long (half precision, large batches).
 
 **CUDA graphs.** Between ``capture_begin`` and ``capture_end`` the capturing stream, and every stream that waits
 on an event recorded in the capture, queue into the graph instead of running; ``capture_end`` refuses a capture
@@ -293,13 +295,15 @@ class _HostReads(TorchFunctionMode):
 
 
 class FakeCuda:
-    """A fake CUDA runtime (see the module docstring); ``seed`` fixes the interleavings."""
+    """A fake CUDA runtime (see the module docstring); ``seed`` fixes the interleavings; ``compute=False`` runs no
+    kernel (memory statistics only)."""
 
     name = "fake"
     device = torch.device("cpu")  # device memory is CPU tensors
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, *, compute: bool = True):
         self.seed = default_seed() if seed is None else seed
+        self.compute = compute
         self._rng = random.Random(self.seed)
         self.pools: dict[int, Any] = {}
         self.pools_lock = threading.Lock()
@@ -316,7 +320,7 @@ class FakeCuda:
         self._allocated = self._peak = 0
 
     def __repr__(self) -> str:
-        return f"FakeCuda(seed={self.seed})"
+        return f"FakeCuda(seed={self.seed})" if self.compute else f"FakeCuda(seed={self.seed}, compute=False)"
 
     # ---- devices, streams, events, graphs ----
     def is_available(self) -> bool:
@@ -528,7 +532,8 @@ class FakeCuda:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes:
-            storage.fill_(POISON)
+            if self.compute:
+                storage.fill_(POISON)
             block = _Block(lane, nbytes, storage.data_ptr())
             self._blocks[block.ptr] = block
             self._allocated += nbytes
@@ -671,6 +676,8 @@ class FakeCuda:
             (item.event.done if done is None else done.setdefault(item.event, _Done())).add(item.seq)
         elif isinstance(item, _Kernel):
             self.stats["kernels"] += 1
+            if not self.compute:
+                return
             executing, self._executing = self._executing, True
             try:
                 with torch.inference_mode():

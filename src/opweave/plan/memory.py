@@ -17,7 +17,7 @@ its previous value happens before it. That is all a reuse needs; blocks are neve
   position on the lane); a buffer with none is kept until the final join (the end of the run).
 * :func:`validate_releases` — the proof, from the plan's semantics alone: each release is on the buffer's allocating
   lane and after every use there; a :class:`~opweave.errors.PlanError` names the buffer and the op otherwise.
-* :func:`live_bytes` — the bytes live after each instruction of the plan's issue order, a buffer allocated when its
+* :func:`live_bytes` — the bytes live at each instruction of the plan's issue order, a buffer allocated when its
   allocating op is issued and freed at its release (one host thread issues the plan and frees as it goes, so this
   is the peak a run allocates, within what the buffers cover).
 * :func:`free_joins` — the **added waits**. A buffer read by ops on other lanes can be freed only once its lane
@@ -164,9 +164,9 @@ def validate_releases(plan: LaunchPlan, buffers: Iterable[Buffer], releases: dic
 
 def live_bytes(plan: LaunchPlan, buffers: Iterable[Buffer], releases: dict[Point, list[str]], *,
                line: Timeline | None = None) -> list[int]:
-    """Bytes of ``buffers`` live after each instruction of the plan, in issue order (see the module docstring):
-    a buffer counts from the launch of its first user issued (the op that allocates it) to its release, or to the
-    end when it has none."""
+    """Bytes of ``buffers`` live at each instruction of the plan, in issue order (see the module docstring): a
+    buffer counts from the launch of its first user issued (the op that allocates it) up to the instruction it is
+    released after, or to the end when it has none."""
     line = line or timeline(plan)
     delta = [0] * (len(plan.instrs) + 1)
     freed_at = {name: line.index[lane][position - 1] for (lane, position), names in releases.items()
@@ -265,18 +265,16 @@ def _free_join(plan: LaunchPlan, line: Timeline, buf: Buffer, before: int, start
     next_event = 1 + max((ins.event for ins in instrs if ins.device == device and ins.event is not None), default=-1)
     for other, at in sorted(last.items()):
         use = _issued(line, at)
-        record = next((i for i in line.index[other][at[1]:] if instrs[i].kind == "record"), None)
-        if record is not None and record < before:  # an existing record after the use: wait for it
-            events.append(instrs[record].event)
-            after = max(after, record)
-            upto = bisect_left(line.index[other], record)
+        lane_index = line.index[other]
+        next_on_lane = lane_index[at[1]] if at[1] < len(lane_index) else None
+        if next_on_lane is not None and next_on_lane < before and instrs[next_on_lane].kind == "record":
+            events.append(instrs[next_on_lane].event)  # the record right after the use: done when the use is
+            after, ready = max(after, next_on_lane), max(ready, finish_ms[instrs[use].op])
         else:  # a new record right after the use
             records[use + 1] = Instr(device, "record", other[1], event=next_event)
             events.append(next_event)
             next_event += 1
-            after = max(after, use)
-            upto = at[1]
-        ready = max(ready, max(finish_ms[instrs[i].op] for i in line.index[other][:upto] if instrs[i].kind == "launch"))
+            after, ready = max(after, use), max(ready, finish_ms[instrs[use].op])
     # Right before the first launch of the lane issued after the records that starts once they are done (after the
     # lane's other instructions before it: a record there must not be delayed), or after the lane's last one.
     place, previous = None, -1
