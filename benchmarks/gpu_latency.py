@@ -16,6 +16,10 @@ and dtype, every mode below is built, checked against eager and timed the same w
   if profiling fails, the roofline estimate, recorded as the row's ``costs``), each scheduler run on those costs with
   at most ``--streams`` streams (default 8, the GPU's hardware queues), the plan lowered, validated and recorded by
   the CUDA backend into a CUDA graph (static inputs copied in, outputs cloned);
+* ``opweave <scheduler>+inductor-graph`` — ``graph="inductor"``: the captured graph regrouped into the kernels
+  Inductor fuses in the whole model (:mod:`opweave.backends.inductorgraph`), costed by the fitted device, scheduled,
+  every segment compiled by Inductor (``--inductor-graph``, default on, off with ``--quick``), for the schedulers of
+  ``--fuse-schedulers``;
 * ``opweave <scheduler>+inductor`` — the captured graph coarsened (:func:`opweave.capture.coarsen`), profiled (or
   estimated) on its own, scheduled, lowered and validated the same way, every stream segment compiled by
   TorchInductor (:mod:`opweave.backends.segments`) and the whole plan recorded by the CUDA backend into a CUDA graph,
@@ -79,12 +83,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                           "(default %(default)s, the GPU's hardware queues)")
     p.add_argument("--profile-repeats", type=int, default=20, help="runs per op when profiling (default %(default)s)")
     p.add_argument("--sched-timeout-s", type=float, default=120.0, help="give up on one schedule after this long")
-    p.add_argument("--no-torch-compile", action="store_true", help="skip the torch.compile mode")
+    p.add_argument("--no-torch-compile", action="store_true", help="skip the torch.compile modes")
+    p.add_argument("--torch-compile-modes", default="reduce-overhead",
+                   help="comma list of torch.compile modes measured as peers (default %(default)s; e.g. "
+                        "reduce-overhead,max-autotune)")
+    p.add_argument("--opweave-modes", default="default,max-autotune",
+                   help="comma list of what opweave.compile picks by itself: default (the calibrated simulator's "
+                        "plan), max-autotune (candidates timed on the device); none: neither (default %(default)s)")
     p.add_argument("--fuse-schedulers", help="comma list of schedulers with a +inductor mode (default: those of "
                                              f"--schedulers; --quick: {','.join(QUICK_FUSE_SCHEDULERS)}); none: no "
                                              "+inductor mode")
+    p.add_argument("--inductor-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="also an S+inductor-graph mode (graph='inductor') per fuse scheduler (default: on, off with "
+                        "--quick)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON (default %(default)s)")
     args = p.parse_args(argv)
+    if args.inductor_graph is None:
+        args.inductor_graph = not args.quick
     if args.replays < 200 and not args.quick:
         p.error("--replays must be at least 200 (the median of fewer is not reported)")
     return args
@@ -124,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 "dtypes": dtypes,
                 "replays": args.replays, "warmup": args.warmup, "streams": args.streams or None,
                 "profile_repeats": args.profile_repeats,
+                "torch_compile_modes": [] if args.no_torch_compile else _split(args.torch_compile_modes),
+                "opweave_modes": [m for m in _split(args.opweave_modes) if m != "none"],
                 "tolerance": {d: TOLERANCE[getattr(torch, t)] for d, t in DTYPES.items()},
                 "timing": "CUDA events around the whole call, synchronize after each, median",
                 "check": "every mode against eager on the example and on a fresh random input; right when within "
@@ -137,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 def partial(rows: list[dict]) -> None:  # after every mode: a time limit keeps what was measured
                     common.write_json(path, {**data, "results": data["results"] + rows}, quiet=True)
 
-                rows = bench_config(name, batch, dtype, scheds, fuse_scheds, args, common, partial)
+                rows = bench_config(name, batch, dtype, scheds, fuse_scheds, args, common, partial,
+                                    data["profiles"])
                 add_configuration(data, rows)
                 common.console.print(speedup_table(name, batch, dtype, rows, common))
                 common.write_json(path, data)
@@ -175,9 +193,10 @@ def _default_models() -> list[str]:
 
 
 def bench_config(name: str, batch: int, dtype: str, scheds: list[str], fuse_scheds: list[str], args, common,
-                 partial=lambda rows: None) -> list[dict]:
+                 partial=lambda rows: None, profiles: list | None = None) -> list[dict]:
     """Every mode of one model, batch size and dtype: one row each (figures or the error); ``partial(rows)`` after
-    each mode."""
+    each mode. The per-op profile the schedulers planned on is appended to ``profiles`` (the results file carries
+    it, so every row can be planned and simulated again on the costs it was planned with)."""
     import torch
 
     from opweave.capture import load
@@ -206,12 +225,17 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], fuse_sche
 
     measure("eager", lambda: model)
     measure("cuda-graph", lambda: plain_cuda_graph(model, inputs))
-    if not args.no_torch_compile:
-        measure("torch.compile", lambda: _compiled(model, inputs))
+    for mode in [] if args.no_torch_compile else _split(args.torch_compile_modes):
+        measure("torch.compile" + ("" if mode == "reduce-overhead" else f" {mode}"),
+                lambda m=mode: _compiled(model, inputs, m))
         torch._dynamo.reset()  # frees its CUDA graphs before the next modes are measured
-    default: dict = {"scheduler": None, "costs": "roofline (compile's default)"}
-    measure("opweave default", lambda: _default(model, inputs, default), default)
-    costs, source = _costs(captured, inputs, args)
+    for mode in [m for m in _split(args.opweave_modes) if m != "none"]:
+        chosen: dict = {"scheduler": None, "costs": "the fitted device (compile's default)"}
+        measure(f"opweave {mode}", lambda m=mode, e=chosen: _chosen(model, inputs, m, e), chosen)
+        torch._dynamo.reset()
+    costs, source, profile = _costs(captured, inputs, args)
+    if profiles is not None and profile is not None:
+        profiles.append({**base, "granularity": "fx nodes", **profile.to_dict()})
     for sched_name in scheds:  # a probe, under a time limit: the pipeline then schedules again (deterministic)
         status, sched = common.run_limited(_schedule, (sched_name, captured.graph, costs, args.streams or None),
                                            args.sched_timeout_s)
@@ -237,10 +261,10 @@ def _costs(captured, inputs, args):
 
     try:
         profile = profile_model(captured, inputs, device="cuda", repeats=args.profile_repeats, warmup=3)
-        return profile.costs(captured.graph), "profile"
+        return profile.costs(captured.graph), "profile", profile
     except Exception as exc:  # noqa: BLE001 - recorded; the schedulers still run, on estimated costs
         preset = preset_for_gpu(torch.cuda.get_device_name()) or "h100"
-        return estimate(captured.graph, preset), f"roofline {preset} (profile failed: {first_line(exc)})"
+        return estimate(captured.graph, preset), f"roofline {preset} (profile failed: {first_line(exc)})", None
 
 
 def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[dict]:
@@ -251,7 +275,7 @@ def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[d
         coarse = coarsen(captured)
     except Exception as exc:  # noqa: BLE001 - recorded, the other modes stand
         return [{**base, "mode": "opweave +inductor", "error": f"coarsening failed: {first_line(exc)}"}]
-    costs, source = _costs(coarse, inputs, args)
+    costs, source, _ = _costs(coarse, inputs, args)
     failed = []
     for sched_name in scheds:
         mode = f"opweave {sched_name}+inductor"
@@ -264,17 +288,40 @@ def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[d
         extra = {"scheduler": sched_name, "costs": source, "ops": len(coarse.graph), "fuse": "inductor"}
         measure(mode, lambda s=sched_name, e=extra: _opweave(coarse, inputs, costs, s, args, e, compiler="inductor"),
                 extra)
+    for sched_name in scheds if args.inductor_graph else ():
+        extra = {"scheduler": sched_name, "costs": "calibrated", "fuse": "inductor-graph"}
+        measure(f"opweave {sched_name}+inductor-graph",
+                lambda s=sched_name, e=extra: _inductor_graph(captured, inputs, s, args, e), extra)
     return failed
 
 
-def _default(model, inputs, extra: dict):
-    """``opweave.compile(model, inputs, device="cuda")``: what a user gets with no option (the coarsened graph,
-    the plan the calibrated simulator picks, recorded into a CUDA Graph); ``extra`` gets what it picked."""
+def _inductor_graph(captured, inputs, scheduler: str, args, extra: dict):
+    """``graph="inductor"``: ``captured`` regrouped into Inductor's kernels of the whole model, planned by
+    ``scheduler`` on the fitted device's costs, every segment compiled by Inductor; ``extra`` gets what was
+    decided."""
+    import time
+
+    from opweave.build import build, resolve
+
+    options = resolve("cuda", scheduler=scheduler, streams=args.streams or None, graph="inductor")
+    start = time.perf_counter()
+    fast = build(captured, inputs, options)
+    extra.update(ops=len(fast.graph), streams=fast.schedule.streams_used, predicted_ms=fast.schedule.predicted_ms,
+                 syncs=fast.plan.syncs, build_s=time.perf_counter() - start,
+                 **{f"fuse_{k}": v for k, v in fast.fused.stats.items()})
+    return fast
+
+
+def _chosen(model, inputs, mode: str, extra: dict):
+    """``opweave.compile(model, inputs, device="cuda", mode=mode)``: what a user gets with no option (``default``:
+    the coarsened graph, the plan the calibrated simulator picks, recorded into a CUDA Graph) or with
+    ``max-autotune`` (candidates timed on this GPU); ``extra`` gets what it picked and why."""
     import opweave
 
-    fast = opweave.compile(model, inputs, device="cuda")
+    fast = opweave.compile(model, inputs, device="cuda", mode=mode)
     extra.update(scheduler=fast.schedule.scheduler, streams=fast.schedule.streams_used, syncs=fast.plan.syncs,
-                 ops=len(fast.graph), predicted_ms=fast.schedule.predicted_ms)
+                 ops=len(fast.graph), choice=(fast.choice or {}).get("label"),
+                 predicted_ms=(fast.choice or {}).get("predicted_ms"))
     return fast
 
 
@@ -302,11 +349,11 @@ def _opweave(captured, inputs, costs, scheduler: str, args, extra: dict, compile
     return fast
 
 
-def _compiled(model, inputs):
+def _compiled(model, inputs, mode: str = "reduce-overhead"):
     import torch
 
     torch._dynamo.reset()
-    fn = torch.compile(model, mode="reduce-overhead")
+    fn = torch.compile(model, mode=mode)
     with torch.no_grad():
         for _ in range(3):  # compile and record its CUDA graphs before timing
             fn(*inputs)
@@ -439,7 +486,7 @@ def results_document(device: str, torch_version: str, cuda: str | None, date: da
                      settings: dict) -> dict:
     """The JSON document, before any configuration was measured."""
     return {"device": device, "torch": torch_version, "cuda": cuda, "date": date.isoformat(timespec="seconds"),
-            "machine": machine, "settings": settings, "results": [], "summaries": []}
+            "machine": machine, "settings": settings, "results": [], "summaries": [], "profiles": []}
 
 
 def add_configuration(data: dict, rows: list[dict]) -> None:
@@ -453,10 +500,13 @@ def summarize(rows: list[dict]) -> dict:
     """Per configuration: the fastest unfused opweave scheduler whose output was right (``best_scheduler``,
     ``best_ms``, ``speedup_vs_cuda_graph``, ``speedup_vs_torch_compile``, ``peak_memory_vs_cuda_graph``: its peak
     memory over the CUDA Graph's) and the same figures of the fastest right ``+inductor`` mode, prefixed
-    ``inductor_`` (None where a figure is missing)."""
+    ``inductor_`` (None where a figure is missing). "torch.compile" is the fastest of its modes measured;
+    ``best_mode`` the mode of the fastest right opweave row of any kind (its scheduler, default, max-autotune)."""
     first = rows[0]
     by_mode = {r["mode"]: r for r in rows if "median_ms" in r}
-    graph, compiled = by_mode.get("cuda-graph"), by_mode.get("torch.compile")
+    graph = by_mode.get("cuda-graph")
+    compiled = min((r for m, r in by_mode.items() if m.startswith("torch.compile") and r["ok"]),
+                   key=lambda r: r["median_ms"], default=None)  # the fastest torch.compile mode measured
 
     def ratio(a, b):
         return a / b if a is not None and b else None
@@ -470,7 +520,11 @@ def summarize(rows: list[dict]) -> dict:
                 "peak_memory_vs_cuda_graph": ratio(best and best["peak_memory_mb"], graph and graph["peak_memory_mb"])}
 
     unfused = best_of(False)
+    ours = [r for r in by_mode.values() if r["mode"].startswith("opweave ") and r["ok"]]
+    best_any = min(ours, key=lambda r: r["median_ms"], default=None)
     return {"model": first["model"], "batch_size": first["batch_size"], "dtype": first["dtype"],
+            "best_mode": best_any["mode"] if best_any else None,
+            "best_mode_vs_torch_compile": ratio(compiled and compiled["median_ms"], best_any and best_any["median_ms"]),
             "best_scheduler": unfused.pop("scheduler"), "best_ms": unfused.pop("ms"), **unfused,
             **{f"inductor_{k}": v for k, v in best_of(True).items()},
             "cuda_graph_ms": graph["median_ms"] if graph else None,
@@ -481,7 +535,8 @@ def summarize(rows: list[dict]) -> dict:
 
 def speedup_table(name: str, batch: int, dtype: str, rows: list[dict], common):
     graph_ms = next((r.get("median_ms") for r in rows if r["mode"] == "cuda-graph"), None)
-    compile_ms = next((r.get("median_ms") for r in rows if r["mode"] == "torch.compile"), None)
+    compile_ms = min((r["median_ms"] for r in rows if r["mode"].startswith("torch.compile") and r.get("ok")),
+                     default=None)
 
     def ratio(base, ms):
         return f"{base / ms:.2f}x" if base and ms else "-"

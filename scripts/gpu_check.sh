@@ -5,13 +5,19 @@
 #   OUT=/some/dir scripts/gpu_check.sh [lease | lease2 | env tests more trace profile bench]   # default: all six
 #
 # A lent GPU comes with 15 minutes of device time in all (the machine's start, a minute or two, included; no start
-# under 4 minutes left), so the check is two plans sized to it. First, here: scripts/gpu_wheels.sh (cachetools,
-# FastAPI, uvicorn: the machine's image lacks them and has no network). Then, each as one device call with
-# carry [".whl"]:
-#   OUT=$OUT scripts/gpu_check.sh lease     env, tests, trace, bench on the issue's four models at batch 1: stage
-#                                           limits 500 s, about 8.5 min with the install (timeout_s 560)
-#   OUT=$OUT scripts/gpu_check.sh lease2    right after, on the still-warm machine, if 4 minutes are left: more,
-#                                           profile googlenet: stage limits 180 s, about 3.5 min (timeout_s 230)
+# under 4 minutes left), so the check is a sequence of plans, each one device call sized to fit; run them in this
+# order, across sessions (docs/gpu.md says what each measures and which ran). First, here: scripts/gpu_wheels.sh
+# (cachetools, FastAPI, uvicorn: the machine's image lacks them and has no network). Then, each as one device call
+# with carry [".whl"]:
+#   lease    env, tests (every CUDA test), bench at batch 8 fp16 on the four acceptance models (torch.compile,
+#            the CUDA Graph, opweave's default and max-autotune, lios, heft, lios over Inductor's kernels): about
+#            9 minutes with the install (timeout_s 560)
+#   lease2   right after, on the still-warm machine, if 4 minutes are left: bench at batch 1 fp32, opweave's
+#            default and max-autotune against the same peers (about 3.5 min, timeout_s 230)
+#   lease3   (a later lease) bench at batch 8 fp32 and batch 1 fp16 on the four models (timeout_s 560)
+#   lease4   (a later lease) per-op profiles of every zoo model at batch 1 fp32 and batch 8 fp16, the serving run
+#            on the GPU (TOP's heuristic against static and batch, two patterns), torch.compile max-autotune as a
+#            second peer on two models (timeout_s 560)
 # A plan's stages run with shorter limits than alone (below); a limit set in the environment wins. With more time,
 # the stages one by one (each set meant to fit one 10-minute call):
 #   env tests (~6 min) | more (~8 min) | trace profile (~4 min) | bench (--quick: ~8 min; BENCH_ARGS="..." for more)
@@ -27,6 +33,10 @@
 # profile  opweave profile for $PROFILE_MODELS (default googlenet and inception_v3; per-op GPU time and kernels)
 #                                                                          -> $OUT/<model>.profile.json
 # bench    benchmarks/gpu_latency.py $BENCH_ARGS (default --quick)          -> $OUT/<device>-<date>.json
+# profiles per-op profiles of $PROFILE_MODELS (default: the zoo) at batch 1 fp32 and batch 8 fp16, one file
+#                                                                          -> $OUT/profiles.json
+# serve    benchmarks/serving.py --mode gpu on $SERVE_PATTERNS, TOP's heuristic against static and batch
+#                                                                          -> $OUT/serving_gpu.json
 #
 # Wheels in .whl/ (carried) are installed into /tmp/site first and put on PYTHONPATH. Everything a stage prints goes
 # to one log, $OUT/gpu_check.log (with a header per stage); at most 7 files come back, each well under 16 MiB, none
@@ -44,18 +54,29 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env tests more trace profile bench)
 # The two plans of a 15-minute lease: their stages, and limits that add up to what the header says (the install
 # and the stages' start-up fit in the margin). Limits already in the environment are kept.
+FOUR=googlenet,inception_v3,nasnet_a_mobile,randwire
+MODES="--schedulers lios,heft --fuse-schedulers none --opweave-modes default,max-autotune"
 if [ "${stages[*]}" = lease ]; then
-    stages=(env tests trace bench)
-    : "${ENV_TIMEOUT_S:=40}" "${TESTS_TIMEOUT_S:=170}" "${TEST_TIMEOUT_S:=60}" "${TRACE_TIMEOUT_S:=60}"
-    : "${BENCH_TIMEOUT_S:=230}"
-    : "${BENCH_ARGS:=--models googlenet,inception_v3,nasnet_a_mobile,randwire --batch-sizes 1 --dtypes fp32 --fuse-schedulers none}"
+    stages=(env tests bench)
+    : "${ENV_TIMEOUT_S:=40}" "${TESTS_TIMEOUT_S:=150}" "${TEST_TIMEOUT_S:=60}" "${BENCH_TIMEOUT_S:=320}"
+    : "${BENCH_ARGS:=--models $FOUR --batch-sizes 8 --dtypes fp16 $MODES}"
 elif [ "${stages[*]}" = lease2 ]; then
-    stages=(more profile)
-    : "${MORE_TIMEOUT_S:=130}" "${TEST_TIMEOUT_S:=60}" "${PROFILE_TIMEOUT_S:=50}" "${PROFILE_MODELS:=googlenet}"
+    stages=(bench)
+    : "${BENCH_TIMEOUT_S:=200}"
+    : "${BENCH_ARGS:=--models $FOUR --batch-sizes 1 --dtypes fp32 --schedulers lios --fuse-schedulers none}"
+elif [ "${stages[*]}" = lease3 ]; then
+    stages=(env bench)
+    : "${ENV_TIMEOUT_S:=40}" "${BENCH_TIMEOUT_S:=470}"
+    : "${BENCH_ARGS:=--models $FOUR --batch-sizes 8,1 --dtypes fp32,fp16 $MODES}"
+elif [ "${stages[*]}" = lease4 ]; then
+    stages=(env profiles serve bench)
+    : "${ENV_TIMEOUT_S:=40}" "${PROFILES_TIMEOUT_S:=170}" "${SERVE_TIMEOUT_S:=180}" "${BENCH_TIMEOUT_S:=110}"
+    : "${BENCH_ARGS:=--models googlenet,nasnet_a_mobile --batch-sizes 1 --dtypes fp32 --schedulers lios --fuse-schedulers none --opweave-modes none --torch-compile-modes reduce-overhead,max-autotune}"
 fi
 for stage in "${stages[@]}"; do
-    case $stage in env|tests|more|trace|profile|bench) ;;
-    *) echo "unknown stage $stage (env tests more trace profile bench, or one plan alone: lease, lease2)"; exit 2 ;;
+    case $stage in env|tests|more|trace|profile|profiles|serve|bench) ;;
+    *) echo "unknown stage $stage (env tests more trace profile profiles serve bench, or one plan alone: lease," \
+            "lease2, lease3, lease4)"; exit 2 ;;
     esac
 done
 status=0
@@ -138,7 +159,8 @@ PY'
         summary env $rc $((SECONDS - start)) "$(grep -m1 '^device ' "$LOG" | cut -c1-100)"
         [ $rc -ne 0 ] && break ;;  # no GPU, or opweave does not import: every later stage would fail the same way
     tests)
-        run "${TESTS_TIMEOUT_S:-480}" python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --noconftest \
+        run "${TESTS_TIMEOUT_S:-480}" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_serve_cuda.py \
+            tests/test_fuse.py -p no:cacheprovider --noconftest \
             --timeout "${TEST_TIMEOUT_S:-240}" --junitxml "$OUT/junit.xml" -rfEs ${TESTS_ARGS:-}
         summary tests $rc $((SECONDS - start)) "$(junit_counts "$OUT/junit.xml")" ;;
     more)
@@ -173,6 +195,34 @@ print("; ".join(parts))
 PY
 )
         summary profile $worst $((SECONDS - start)) "$facts" ;;
+    profiles)
+        run "${PROFILES_TIMEOUT_S:-300}" python3 - "$OUT/profiles.json" ${PROFILE_MODELS:-} <<'PY'
+import json, sys, time
+import torch
+from opweave import zoo
+from opweave.capture import load
+from opweave.costs.profile import profile_model
+out, models = sys.argv[1], sys.argv[2:] or zoo.names()
+found = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "profiles": []}
+for model in models:
+    for batch, dtype in ((1, torch.float32), (8, torch.float16)):
+        start = time.time()
+        try:
+            _, inputs, captured = load(model, batch_size=batch, device="cuda", dtype=dtype, coarsen=False)
+            prof = profile_model(captured, inputs, device="cuda", repeats=10, warmup=3)
+            found["profiles"].append({"model": model, "batch_size": batch, "dtype": str(dtype), **prof.to_dict()})
+            print(f"{model} b{batch} {dtype}: {len(prof.latency_ms)} ops in {time.time() - start:.0f}s", flush=True)
+        except Exception as exc:  # noqa: BLE001 - the others still run
+            print(f"{model} b{batch} {dtype}: {type(exc).__name__}: {exc}", flush=True)
+        json.dump(found, open(out, "w"))
+PY
+        summary profiles $rc $((SECONDS - start)) "$(grep -c ' ops in ' "$LOG") profiles" ;;
+    serve)
+        # shellcheck disable=SC2086 - SERVE_ARGS is a list of arguments
+        run "${SERVE_TIMEOUT_S:-240}" python3 benchmarks/serving.py --mode gpu --policies heuristic,static,batch \
+            --patterns "${SERVE_PATTERNS:-multi,squeezenet}" --no-search --duration 5 --repeats 1 --out "$OUT" \
+            ${SERVE_ARGS:-}
+        summary serve $rc $((SECONDS - start)) "$(ls "$OUT"/serving_gpu*.json 2>/dev/null | head -1)" ;;
     bench)
         # shellcheck disable=SC2086 - BENCH_ARGS is a list of arguments
         run "${BENCH_TIMEOUT_S:-540}" python3 benchmarks/gpu_latency.py ${BENCH_ARGS:---quick} --out "$OUT"

@@ -6,20 +6,19 @@
 #
 #   scripts/gpu_wheels.sh            # then: run(command="OUT=$OUT scripts/gpu_check.sh lease", carry=[".whl"])
 #
-# Versions are those of this checkout's .venv (what the tests ran against), or the newest where it lacks one; built
-# for that machine's CPython 3.12 on x86-64. scripts/gpu_check.sh installs whatever .whl/ holds before its stages.
+# Versions are pinned to those that worked there (2026-11-27; newer FastAPI needs OpenTelemetry, which the image lacks
+# too), cachetools to this checkout's .venv; built for that machine's CPython 3.12 on x86-64. scripts/gpu_check.sh
+# installs whatever .whl/ holds before its stages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Not in the GPU machine's image (the device README's package list, 2026-11-17): opweave's dependency cachetools;
 # the serve extra's FastAPI, uvicorn and what they need beyond the image (starlette, pydantic and its parts).
-NEEDED=(cachetools fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn)
+PINNED=(fastapi==0.115.12 starlette==0.46.2 pydantic==2.11.7 pydantic-core==2.33.2 annotated-types==0.7.0
+        typing-inspection==0.4.1 uvicorn==0.34.3)
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p .whl
-specs=()
-for name in "${NEEDED[@]}"; do
-    version=$("$PY" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p' || true)
-    specs+=("$name${version:+==$version}")
-done
+version=$("$PY" -m pip show cachetools 2>/dev/null | sed -n 's/^Version: //p' || true)
+specs=("cachetools${version:+==$version}" "${PINNED[@]}")
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
     platforms+=(--platform "$p")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import fx, nn
@@ -94,6 +96,22 @@ def test_inductor_segments_on_the_cpu_are_frozen_and_eager_segments_are_not():
             model.a.weight.zero_()  # the graphs share the model's parameters
         assert compare(before, frozen(x)).ok  # constants folded in at compile time (torch.compile's freezing)
         assert compare(model(x), live(x)).ok and not compare(before, live(x)).ok
+
+
+def test_a_convolution_and_its_batchnorm_compile_as_one_frozen_segment():
+    """Inductor's freezing folds the BatchNorm into the convolution itself; inside the segment's tracing context it
+    made a real bias among fake parameters and the segment ran op by op. The segment compiler folds it first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = opweave.compile(model, (x,), device="cpu", scheduler="sequential", coarsen=False, compiler="inductor")
+    assert not [w for w in caught if "could not be compiled" in str(w.message)]
+    assert fast.fused.stats["fallbacks"] == 0 and fast.fused.stats["compiles"] == 1
+    with torch.inference_mode():
+        assert compare(model(x), fast(x)).ok
+    assert isinstance(model[1], nn.BatchNorm2d) and model[0].bias is None  # the model is left as it was
 
 
 def test_an_unknown_compiler_is_refused_with_the_choices():

@@ -339,7 +339,8 @@ def test_cli_serves_every_grpc_call_beside_http_and_drains_on_sigterm(references
     (repo / "other" / "config.pbtxt").write_text("max_batch_size: 2\n")
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-repository", str(repo),
                              "--port", "0", "--grpc-port", "0", "--policy", "static", "--compiler", "none",
-                             "--max-batch", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--max-batch", "4", "--model-control-mode", "explicit"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line and "gRPC on 127.0.0.1:" in line, proc.stderr.read()

@@ -9,12 +9,15 @@ Two steps, each on its own data:
    dtype and scheduler, the median of whole calls in CUDA-graph mode): every row's graph is captured as the
    benchmark captured it (one op per fx node), scheduled on the fitted op times as the benchmark scheduled on its
    profile (``ideal`` costs, its stream cap), lowered, validated, and replayed by the simulator under the fitted
-   ``gpu`` model; the kernel gap, event wait, call cost and concurrency minimize the mean of
-   ``|log(predicted / measured)|`` (Nelder-Mead from the shipped values, each parameter kept within its bounds).
+   ``gpu`` model; the kernel gap, dispatch interval, event wait, call cost and concurrency minimize the mean of
+   ``|log(predicted / measured)|`` plus a term for the measured orderings the predictions invert (within a
+   configuration, two plans whose measured spreads do not overlap: :func:`ordered_pairs`, :func:`rank_loss`), so
+   that the fit is also held to what a choice between plans needs (Nelder-Mead from the shipped values, each
+   parameter kept within its bounds).
 
-:func:`report` gives the error fitted on every row and with each model left out (its rows predicted by a device fitted
-on the other models' rows, the trace's classes included only when the trace is not of that model), which is what
-``opweave calibrate`` prints.
+:func:`calibrate` gives the error fitted on every row and with each model left out (its rows predicted by a device
+fitted on the other models' rows), and per configuration whether the plan predicted fastest measured fastest; it is
+what ``opweave calibrate`` prints.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from opweave.ir.graph import OpGraph
 CALL_PARAMS = ("kernel_gap_us", "dispatch_us", "event_wait_us", "call_us", "concurrency")
 BOUNDS = {"kernel_gap_us": (0.0, 5.0), "dispatch_us": (0.0, 3.0), "event_wait_us": (0.0, 10.0),
           "call_us": (0.0, 200.0), "concurrency": (0.05, 10.0)}
+RANK_WEIGHT = 1.0  # the weight of the ordering term against the mean log error in the call's fit
 
 
 # ---- the rows -----------------------------------------------------------------------------------------------------
@@ -50,6 +54,7 @@ class Row:
     streams: int | None
     measured_ms: float
     source: str = ""
+    spread_ms: tuple[float, float] | None = None  # the benchmark's p10 and p90 of the call, where it wrote them
 
     @property
     def config(self) -> tuple[str, int, str]:
@@ -75,8 +80,9 @@ def read_rows(paths: Sequence[str | Path]) -> list[Row]:
             if (not str(r.get("mode", "")).startswith("opweave ") or "fuse" in r or "median_ms" not in r
                     or not r.get("ok", True) or "scheduler" not in r):
                 continue
+            spread = (float(r["p10_ms"]), float(r["p90_ms"])) if "p10_ms" in r and "p90_ms" in r else None
             rows.append(Row(r["model"], int(r["batch_size"]), r["dtype"], r["scheduler"], cap,
-                            float(r["median_ms"]), str(path)))
+                            float(r["median_ms"]), str(path), spread))
     if not rows:
         raise UsageError(f"no measured opweave rows in {', '.join(map(str, paths))}")
     return rows
@@ -235,11 +241,37 @@ def errors(rows: Sequence[Row], predicted: Sequence[float]) -> list[float]:
     return [p / r.measured_ms - 1 for r, p in zip(rows, predicted, strict=True)]
 
 
-def fit_call(rows: Sequence[Row], configs: dict[tuple, Config], dev: Device, iterations: int = 60) -> Device:
+def ordered_pairs(rows: Sequence[Row]) -> list[tuple[int, int]]:
+    """``(faster, slower)``: the indices of every two rows of one configuration that the GPU told apart, the
+    slower one's p10 above the faster one's p90 (their medians where a row has no spread)."""
+    def low(r: Row) -> float:
+        return r.spread_ms[0] if r.spread_ms else r.measured_ms
+
+    def high(r: Row) -> float:
+        return r.spread_ms[1] if r.spread_ms else r.measured_ms
+
+    return [(i, j) for i, a in enumerate(rows) for j, b in enumerate(rows)
+            if a.config == b.config and high(a) < low(b)]
+
+
+def rank_loss(rows: Sequence[Row], pairs: Sequence[tuple[int, int]], predicted: Sequence[float]) -> float:
+    """How far the predictions invert the measured orderings: ``max(0, log(predicted faster / predicted
+    slower))`` summed over ``pairs``, per configuration of ``rows`` (0 when every pair is predicted in its
+    measured order)."""
+    inverted = sum(max(0.0, math.log(predicted[i] / predicted[j])) for i, j in pairs)
+    return inverted / len({r.config for r in rows})
+
+
+def fit_call(rows: Sequence[Row], configs: dict[tuple, Config], dev: Device, iterations: int = 60,
+             rank_weight: float = RANK_WEIGHT, restarts: int = 0) -> Device:
     """``dev`` with the call's parameters (:data:`CALL_PARAMS`) fitted on ``rows`` (Nelder-Mead in the
-    parameters scaled to their bounds)."""
+    parameters scaled to their bounds, ``restarts`` more times from the best point; the replay's orderings make the
+    loss rugged): the mean ``|log(predicted / measured)|`` plus ``rank_weight`` times
+    :func:`rank_loss` over the rows' :func:`ordered_pairs`, so that among fits of equal error the one that orders
+    the plans of a configuration as the GPU did wins (a fit to the rows' decisions, with no parameter per row)."""
     lo = np.array([BOUNDS[p][0] for p in CALL_PARAMS])
     hi = np.array([BOUNDS[p][1] for p in CALL_PARAMS])
+    pairs = ordered_pairs(rows)
 
     def device_at(x: np.ndarray) -> Device:
         values = lo + np.clip(x, 0.0, 1.0) * (hi - lo)
@@ -247,10 +279,13 @@ def fit_call(rows: Sequence[Row], configs: dict[tuple, Config], dev: Device, ite
 
     def loss(x: np.ndarray) -> float:
         pred = predict(rows, configs, device_at(x))
-        return float(np.mean([abs(math.log(p / r.measured_ms)) for r, p in zip(rows, pred, strict=True)]))
+        error = float(np.mean([abs(math.log(p / r.measured_ms)) for r, p in zip(rows, pred, strict=True)]))
+        return error + rank_weight * rank_loss(rows, pairs, pred)
 
-    start = (np.array([getattr(dev, p) for p in CALL_PARAMS]) - lo) / (hi - lo)
-    return device_at(nelder_mead(loss, np.clip(start, 0.02, 0.98), iterations))
+    x = np.clip((np.array([getattr(dev, p) for p in CALL_PARAMS]) - lo) / (hi - lo), 0.02, 0.98)
+    for _ in range(restarts + 1):  # each from the best so far, with a fresh simplex
+        x = nelder_mead(loss, x, iterations)
+    return device_at(x)
 
 
 def nelder_mead(f, x0: np.ndarray, iterations: int, step: float = 0.1) -> np.ndarray:
@@ -284,9 +319,11 @@ def nelder_mead(f, x0: np.ndarray, iterations: int, step: float = 0.1) -> np.nda
 
 # ---- the whole refit, and its report ------------------------------------------------------------------------------
 def summary(rows: Sequence[Row], predicted: Sequence[float]) -> dict:
-    """Mean and worst |predicted / measured - 1|, and per configuration whether the scheduler predicted fastest is
-    the one measured fastest (and how much slower it measured if not)."""
+    """Mean and worst |predicted / measured - 1|, the measured orderings (:func:`ordered_pairs`) predicted the
+    other way round, and per configuration whether the scheduler predicted fastest is the one measured fastest
+    (and how much slower it measured if not)."""
     errs = errors(rows, predicted)
+    pairs = ordered_pairs(rows)
     picks = {}
     for config in dict.fromkeys(r.config for r in rows):
         members = [(r, p) for r, p in zip(rows, predicted, strict=True) if r.config == config]
@@ -296,19 +333,22 @@ def summary(rows: Sequence[Row], predicted: Sequence[float]) -> dict:
                                              "measured_fastest": fastest.scheduler,
                                              "loss": chosen.measured_ms / fastest.measured_ms - 1}
     return {"rows": len(errs), "mean_error": float(np.mean(np.abs(errs))), "max_error": float(np.max(np.abs(errs))),
+            "ordered_pairs": len(pairs), "inverted_pairs": sum(predicted[i] > predicted[j] for i, j in pairs),
             "picks": picks}
 
 
 def calibrate(rows: Sequence[Row], base: Device, trace: tuple[OpGraph, dict, str] | None = None,
-              iterations: int = 60, leave_one_out: bool = True, log=lambda text: None) -> tuple[Device, dict]:
+              iterations: int = 60, leave_one_out: bool = True, log=lambda text: None,
+              rank_weight: float = RANK_WEIGHT) -> tuple[Device, dict]:
     """Refit ``base``: its op classes on ``trace`` (graph, trace, model name; kept as they are without one), its
-    call on ``rows``. Returns the fitted device and a report: every row's prediction, the error fitted on all rows,
-    and with each model left out (its rows predicted by a device whose call was fitted on the other models' rows;
-    the op classes, fitted on the trace of ops alone and on no row, are the same in every fold)."""
+    call on ``rows`` (:func:`fit_call`, ``rank_weight`` its ordering term). Returns the fitted device and a report:
+    every row's prediction, the error fitted on all rows, and with each model left out (its rows predicted by a
+    device whose call was fitted on the other models' rows; the op classes, fitted on the trace of ops alone and on
+    no row, are the same in every fold)."""
     dev = fit_classes(trace[0], trace[1], base) if trace else base
     log(f"op classes from {'the trace of ' + trace[2] if trace else 'the base device'}; scheduling {len(rows)} rows")
     configs = prepare(rows, dev)
-    dev = fit_call(rows, configs, dev, iterations)
+    dev = fit_call(rows, configs, dev, iterations, rank_weight)
     predicted = predict(rows, configs, dev)
     report = {"fitted": summary(rows, predicted),
               "rows": [{"model": r.model, "batch": r.batch, "dtype": r.dtype, "scheduler": r.scheduler,
@@ -321,7 +361,7 @@ def calibrate(rows: Sequence[Row], base: Device, trace: tuple[OpGraph, dict, str
         for model in models:
             train = [r for r in rows if r.model != model]
             test = [r for r in rows if r.model == model]
-            pred = predict(test, configs, fit_call(train, configs, dev, iterations))
+            pred = predict(test, configs, fit_call(train, configs, dev, iterations, rank_weight))
             held_rows += test
             held_pred += pred
             log(f"left out {model}: mean error {np.mean(np.abs(errors(test, pred))):.1%}")
@@ -329,7 +369,7 @@ def calibrate(rows: Sequence[Row], base: Device, trace: tuple[OpGraph, dict, str
         held = {id(r): p for r, p in zip(held_rows, held_pred, strict=True)}
         for entry, r in zip(report["rows"], rows, strict=True):
             entry["left_out_ms"] = held[id(r)]
-    fit = {"rows": sorted({r.source for r in rows}), "trace": trace[2] if trace else None,
+    fit = {"rows": sorted({r.source for r in rows}), "trace": trace[2] if trace else None, "rank_weight": rank_weight,
            "mean_error": report["fitted"]["mean_error"], "max_error": report["fitted"]["max_error"]}
     if "leave_one_model_out" in report:
         fit["leave_one_model_out_mean_error"] = report["leave_one_model_out"]["mean_error"]

@@ -6,8 +6,8 @@ prediction, so that a caller can say what it picked and why. It is a pure functi
 device: no torch, no GPU.
 
 The schedulers see ``costs`` as given (a profile's latencies, or the fitted op times, under the ``ideal`` model: what
-they were measured on); HEFT's cross-stream cost is the device's event wait (:func:`sync_options`), the cost the
-replay charges for every wait.
+they were measured on); HEFT's cross-stream cost is what the device's cross-stream edge costs beyond a same-stream
+one (:func:`sync_options`), as the replay charges them.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ SYNC_SCHEDULERS = ("heft",)  # the schedulers with a sync_ms option
 
 
 def sync_options(name: str, dev: Device) -> dict:
-    """The options that give scheduler ``name`` the device's fitted cost of a cross-stream edge (ms)."""
-    return {"sync_ms": dev.event_wait_us / 1e3} if name in SYNC_SCHEDULERS else {}
+    """The options that give scheduler ``name`` the device's fitted cost of a cross-stream edge (ms): what it costs
+    beyond a same-stream edge (the kernel gap every edge pays), none when it costs less."""
+    extra_us = max(0.0, dev.event_wait_us - dev.kernel_gap_us)
+    return {"sync_ms": extra_us / 1e3} if name in SYNC_SCHEDULERS else {}
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,12 @@ by op, with a warning.
 * ``inductor`` — TorchInductor (C++ on the CPU, Triton on CUDA), as ``torch.compile`` compiles a graph. On the CPU
   it **freezes** the segment as ``torch.compile`` does with ``torch._inductor.config.freezing``: parameters become
   constants, so Inductor folds them and prepacks convolution and linear weights for oneDNN instead of reading them
-  on every call. The generated C++ kernels open OpenMP regions of a fixed width: they are compiled for the lane's
+  on every call. Frozen, each BatchNorm module after a convolution module is folded into it before Inductor sees
+  the segment (:func:`opweave.capture.coarsen.fold_batchnorm`, which is what Inductor's freezing does itself): Inductor
+  folds it while the segment's parameters are already fake tensors of the tracing context the segment is compiled
+  in, and the folded bias, a real tensor among fake ones, made the segment fail to compile (a convolution and its
+  BatchNorm in one segment of an uncoarsened graph ran op by op). The generated C++ kernels open OpenMP regions of a
+  fixed width: they are compiled for the lane's
   ``threads`` (``cpp.threads``, which is also part of Inductor's cache key, so a cached kernel is never reused at
   another width). Inductor's on-disk FX graph cache serves identical segments (``TORCHINDUCTOR_CACHE_DIR``).
 * ``onnxruntime`` — each segment exported with ``torch.onnx`` and run by one ONNX Runtime ``InferenceSession`` whose
@@ -65,13 +70,18 @@ class Eager:
 
 
 class Inductor:
-    """TorchInductor; ``freeze`` (default: on the CPU) folds the parameters in as constants."""
+    """TorchInductor; ``freeze`` (default: on the CPU) folds the parameters in as constants; ``eager_strides=False``
+    lets each output keep the layout Inductor chose for it (``keep_output_stride`` off) instead of eager's."""
 
     name = "inductor"
     per_op_threads = False  # its OpenMP teams spin between kernels (opweave.backends.threads)
 
-    def __init__(self, freeze: bool | None = None):
-        self.freeze = freeze
+    def __init__(self, freeze: bool | None = None, eager_strides: bool = True):
+        self.freeze, self.eager_strides = freeze, eager_strides
+
+    def freezes(self, inputs: list[torch.Tensor]) -> bool:
+        """Whether a graph over ``inputs`` is compiled frozen."""
+        return all(x.device.type == "cpu" for x in inputs) if self.freeze is None else self.freeze
 
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
                  alone: bool = False) -> Callable[..., tuple]:
@@ -81,10 +91,15 @@ class Inductor:
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         on_cpu = all(x.device.type == "cpu" for x in inputs)
-        freeze = on_cpu if self.freeze is None else self.freeze
-        patches: dict[str, Any] = {"triton.cudagraphs": False, "freezing": freeze}
+        freeze = self.freezes(inputs)
+        patches: dict[str, Any] = {"triton.cudagraphs": False, "freezing": freeze,
+                                   "keep_output_stride": self.eager_strides}
         if on_cpu:
             patches["cpp.threads"] = threads
+        if freeze:  # as Inductor's freezing would, but outside its fake mode (module docstring)
+            from opweave.capture.coarsen import fold_batchnorm
+
+            gm = fold_batchnorm(gm)
         static = {"ignore_shape_env": True} if "ignore_shape_env" in inspect.signature(compile_fx).parameters else {}
         # Inside a tracing context whose fake mode has a ShapeEnv: without one Inductor bypasses its FX graph cache
         # ("No shape env") and identical segments would each compile again.
@@ -183,8 +198,9 @@ def available() -> list[str]:
     return ["onnxruntime", "inductor"]
 
 
-def get(name: str) -> SegmentCompiler:
-    """The compiler called ``name``; :class:`~opweave.errors.UsageError` naming the choices otherwise."""
+def get(name: str, **options) -> SegmentCompiler:
+    """The compiler called ``name``, made with ``options`` (its constructor's keywords);
+    :class:`~opweave.errors.UsageError` naming the choices otherwise."""
     if name not in COMPILERS:
         raise UsageError(f"compiler must be one of {', '.join(COMPILERS)} (or None), got {name!r}")
-    return COMPILERS[name]()
+    return COMPILERS[name](**options)

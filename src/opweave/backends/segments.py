@@ -32,7 +32,10 @@ ops' budgets): ``inductor`` compiles it as ``torch._inductor.compile`` does, und
 ``triton.cudagraphs`` off (opweave records the whole plan into its own CUDA Graph; Inductor's graphs would nest and
 pin memory per segment) and, on the CPU, frozen (parameters folded in as constants, as ``torch.compile``'s freezing
 does: a parameter changed after compiling is not seen); ``onnxruntime`` exports it and runs it in one ONNX Runtime
-session. On the CPU Inductor emits C++; on CUDA, Triton. One compiled function is
+session. On the CPU Inductor emits C++; on CUDA, Triton. ``compiler_options`` are keywords the compiler is made with:
+``graph="inductor"`` makes Inductor's with ``eager_strides=False`` where the model reads no layout
+(:func:`opweave.backends.inductorgraph.free_layouts`), so segments hand each other values in Inductor's layouts, and
+:meth:`Segmented.output` makes a returned tensor contiguous where eager returns it so. One compiled function is
 kept per segment and *input signature* (each input's shape, strides, dtype and device, the values of non-tensor
 inputs; :func:`opweave.backends.cache.signature` with strides): Inductor checks sizes and strides, and constants were
 baked for those values. The compiled functions sit in a :class:`~opweave.backends.cache.BoundedCache` of
@@ -77,6 +80,7 @@ from torch.utils import _pytree as pytree
 
 from opweave.backends.cache import BoundedCache, signature
 from opweave.backends.compilers import get as get_compiler
+from opweave.capture import opinfo
 from opweave.capture.coarsen import merge_ops
 from opweave.capture.runtime import Captured
 from opweave.errors import CaptureError, first_line
@@ -115,18 +119,21 @@ def segment_plan(plan: LaunchPlan, groups: list[list[str]]) -> LaunchPlan:
 
 
 def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inductor",
-                  threads: dict[str, int] | None = None) -> tuple[Segmented, LaunchPlan]:
+                  threads: dict[str, int] | None = None,
+                  compiler_options: dict | None = None) -> tuple[Segmented, LaunchPlan]:
     """The :class:`Segmented` model of ``plan``'s segments and the plan that launches them (see the module
     docstring). ``plan`` must have passed the validator for ``captured.graph``. ``compiler`` names a
     :mod:`~opweave.backends.compilers` compiler; ``threads`` (op -> intra-op threads, :func:`opweave.backends.threads.
     op_threads`) gives each segment the smallest budget of its ops (the compiler's thread count; default 1 per op
-    when some are given, the compiler's own default otherwise)."""
-    get_compiler(compiler)  # refuses an unknown name before anything is built
+    when some are given, the compiler's own default otherwise); ``compiler_options``: keywords the compiler is made
+    with (:func:`opweave.backends.compilers.get`)."""
+    get_compiler(compiler, **(compiler_options or {}))  # refuses an unknown name before anything is built
     groups = segment_groups(plan)
     merged = merge_ops(captured, groups)
     budget = {group[0]: min(threads.get(op, 1) for op in group) for group in groups} if threads else {}
     segmented = Segmented(merged.graph, merged.gm, merged.nodes, signature=merged.signature,
-                          example_inputs=merged.example_inputs, compiler=compiler, threads=budget)
+                          example_inputs=merged.example_inputs, compiler=compiler, threads=budget,
+                          compiler_options=dict(compiler_options or {}))
     return segmented, segment_plan(plan, groups)
 
 
@@ -141,8 +148,10 @@ class Segmented(Captured):
 
     compiler: str = "inductor"
     threads: dict[str, int] = field(default_factory=dict)  # segment -> the intra-op threads it is compiled for
+    compiler_options: dict = field(default_factory=dict)  # keywords the compiler is made with
     stats: dict = field(default_factory=dict)
     _segments: dict[str, _Segment] = field(init=False, repr=False)
+    _contiguous_outputs: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -151,10 +160,20 @@ class Segmented(Captured):
         self.stats.setdefault("compile_s", 0.0)
         self.stats["segments"] = len(self.nodes)
         self._segments = {seg: _Segment(self, seg) for seg in self.nodes}
+        returned = next(n for n in reversed(self.gm.graph.nodes) if n.op == "output").all_input_nodes
+        self._contiguous_outputs = [] if self.compiler_options.get("eager_strides", True) else [
+            n.name for n in returned if [m.memory_format for m in opinfo.node_metas(n)] == [torch.contiguous_format]]
 
     def run_op(self, op_id: str, env: dict[str, Any]) -> None:
         """Run segment ``op_id``: its compiled graph for the current input signature (compiled on first sight)."""
         self._segments[op_id](env)
+
+    def output(self, env: dict[str, Any]) -> Any:
+        """The model's output; where segments keep Inductor's layouts (``eager_strides=False``), a returned tensor that
+        eager returns contiguous is made contiguous."""
+        fixed = {name: value.contiguous() for name in self._contiguous_outputs
+                 if isinstance(value := env.get(name), torch.Tensor) and not value.is_contiguous()}
+        return super().output({**env, **fixed} if fixed else env)
 
     def emit(self, op_id: str, graph: fx.Graph, load) -> dict[fx.Node, fx.Node]:
         """Generated lane code (:mod:`opweave.backends.lanecode`): one call of segment ``op_id`` on its inputs,
@@ -256,7 +275,7 @@ class _Segment:
             inputs = [leaf for v in values for leaf in pytree.tree_leaves(v) if isinstance(leaf, torch.Tensor)]
             alone = not self.owner.threads  # no budgets: a one-lane plan, run on the caller's threads
             threads = self.owner.threads.get(self.seg) or torch.get_num_threads()
-            fn = get_compiler(self.owner.compiler)(gm, inputs, threads, alone=alone)
+            fn = get_compiler(self.owner.compiler, **self.owner.compiler_options)(gm, inputs, threads, alone=alone)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run this segment op by op
             self.owner.stats["fallbacks"] += 1
             warnings.warn(f"{self.owner.graph.name}: segment {self.seg!r} could not be compiled with "

@@ -8,18 +8,22 @@ instruction of its (device, stream) (FIFO) and, for a wait or recv, the record o
   share it by processor sharing (:mod:`opweave.costs.contention`), so an op takes longer when others crowd it.
 * ``record`` and ``send`` complete as soon as their stream reaches them (the send does not hold the sending
   stream: the copy engine moves the tensor).
-* ``wait`` completes once its record has completed; under ``gpu`` it also costs ``event_overhead_ms`` on the
-  waiting stream.
+* ``wait`` completes once its record has completed; under ``gpu`` the edge costs ``event_overhead_ms``: what waits
+  on it starts no earlier than the record's completion plus that. The edge, not the waiting stream, pays it: a
+  stream whose own earlier work ends later is not delayed.
 * ``recv`` of ``u`` completes at ``send completion + transfer`` where transfer is the largest
   ``costs.transfer_ms(u, v)`` over the consumers ``v`` of ``u`` on the receiving device (the tensor crosses once
   for all of them, so it is there when the slowest edge says it is).
 
 Overheads (``gpu`` only; ``ideal`` has none, so a list scheduler's own prediction equals the replay):
-with a CUDA Graph the whole plan is one graph launch, so nothing starts before ``graph_launch_overhead_ms``, and
-each op's kernels wait ``kernel_gap_ms`` each on its stream before it runs (``Costs.kernels`` per op), and the
-device's front end starts one kernel every ``dispatch_ms`` whatever its stream (in the order ops become ready);
-without one a single CPU thread per device issues the launches one after another, so the k-th launch of a device
-(1-based, issue order) cannot start before ``k × launch_overhead_ms``. Waits cost ``event_overhead_ms`` either way.
+with a CUDA Graph the whole plan is one graph launch, so nothing starts before ``graph_launch_overhead_ms``. A
+graph has kernels and edges only: a stream's order is a chain of edges, each wait an edge. An op's first kernel
+starts ``kernel_gap_ms`` after its stream's previous kernel ends (its same-stream edge) and ``event_overhead_ms``
+after the record of each of its waits completes (its cross-stream edges), whichever is later, and each further
+kernel of the op (``Costs.kernels`` per op) ``kernel_gap_ms`` after the one before; the device's front end starts
+one kernel every ``dispatch_ms`` whatever its stream, in the order the kernels become ready. Without a graph a
+single CPU thread per device issues the launches one after another, so the k-th launch of a device (1-based, issue
+order) cannot start before ``k × launch_overhead_ms``, and a wait's edge costs ``event_overhead_ms``.
 
 ``sequential_ms`` replays every op on one stream of one device in topological (capture-tie-broken) order under the
 same model, so speed-ups compare like with like.
@@ -123,27 +127,39 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
                     if device_of_op.get(v) == recv.device), default=0.0)
 
     devices = {d: FluidDevice(sharing=gpu) for d in {i.device for i in instrs}}
+    graphed = gpu and cuda_graph
     done_ms: list[float | None] = [None] * len(instrs)
+    lane_ms = [0.0] * len(instrs)  # when the lane's own work up to each instruction is done
+    edge_ms = [-math.inf] * len(instrs)  # in a graph: when the edges waited for since the lane's last launch arrive
     waiting = [len(d) for d in deps]
     start: dict[str, float] = {}
     finish: dict[str, float] = {}
     launch_index = {ins.op: i for i, ins in enumerate(instrs) if ins.kind == "launch"}
-    events: list[tuple[float, int, str]] = []  # (time, instruction, "start" | "done")
+    events: list[tuple[float, int, str]] = []  # (time, instruction, "ready" | "start" | "done")
     front_end = dict.fromkeys(devices, 0.0)  # when each device's front end can start the next kernel (CUDA graph)
 
     def ready(i: int) -> None:
         ins = instrs[i]
-        t = max([not_before_ms[i]] + [done_ms[j] for j in deps[i]])
+        prev = order.previous[i]
+        lane = max(not_before_ms[i], lane_ms[prev] if prev is not None else 0.0)
+        edge = edge_ms[prev] if prev is not None else -math.inf
+        if ins.kind == "wait":
+            source = order.source[i]
+            arrival = done_ms[source] + (costs.gpu.event_overhead_ms if gpu else 0.0)
+            if graphed:  # an edge of the graph: it holds the lane's next launch, not the lane
+                lane_ms[i], edge_ms[i] = lane, max(edge, arrival)
+                heapq.heappush(events, (max(lane, done_ms[source]), i, "done"))
+                return
+            heapq.heappush(events, (max(lane, arrival), i, "done"))
+            return
+        if ins.kind == "launch" and graphed:  # the first kernel after its lane's gap or its last edge
+            gap = costs.gpu.kernel_gap_ms
+            t = max(lane + gap, edge) + (costs.kernel_count(ins.op) - 1) * gap
+            heapq.heappush(events, (t, i, "ready" if costs.gpu.dispatch_ms else "start"))
+            return
+        t = max(lane, edge)
         if ins.kind == "recv":
             t = max(t, done_ms[deps[i][-1]] + transfer_ms(ins))
-        elif ins.kind == "wait" and gpu:
-            t += costs.gpu.event_overhead_ms
-        if ins.kind == "launch" and gpu and cuda_graph:
-            kernels = costs.kernel_count(ins.op)
-            t += kernels * costs.gpu.kernel_gap_ms
-            if costs.gpu.dispatch_ms:
-                t = max(t, front_end[ins.device])
-                front_end[ins.device] = t + kernels * costs.gpu.dispatch_ms
         if ins.kind == "launch" and gpu:
             heapq.heappush(events, (t, i, "start"))
         elif ins.kind == "launch":
@@ -154,6 +170,8 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
 
     def complete(i: int, t: float) -> None:
         done_ms[i] = t
+        if not (graphed and instrs[i].kind == "wait"):
+            lane_ms[i] = t
         if instrs[i].kind == "launch":
             finish[instrs[i].op] = t
         for j in dependents[i]:
@@ -173,6 +191,11 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
             t, i, what = heapq.heappop(events)
             if what == "done":
                 complete(i, t)
+            elif what == "ready":  # the front end starts the kernels in the order they became ready
+                d = instrs[i].device
+                begin = max(t, front_end[d])
+                front_end[d] = begin + costs.kernel_count(instrs[i].op) * costs.gpu.dispatch_ms
+                heapq.heappush(events, (begin, i, "start"))
             else:
                 op = instrs[i].op
                 start[op] = t

@@ -10,7 +10,8 @@ and keep the fastest; ``Compiled.choice`` says which and what each measured.
 * :func:`search` — ``mode="max-autotune"``: on the CPU, one lane or one lane per core (HEFT at several weights of a
   cross-lane edge), unfused, with every segment compiler present, and lanes over ONNX Runtime's optimized graph; on
   CUDA, ``torch.compile`` of the whole model (Inductor and CUDA Graphs), the multi-stream CUDA Graph of the plans
-  the calibrated simulator ranks first, and the same plans with their segments compiled by Inductor. The choice,
+  the calibrated simulator ranks first, and the same plans over Inductor's own fused kernels
+  (``graph="inductor"``), every segment compiled by Inductor. The choice,
   with the costs it was planned on, is cached per model, input shapes, machine and versions (:mod:`opweave.choices`),
   so the next compile builds that plan alone (and searches again if it no longer equals the model).
 
@@ -135,9 +136,9 @@ def cuda_candidates(graph, costs, streams: int, *, device=None, dtype: str = "fl
     for p in firsts:  # the best stream cap of each of the schedulers predicted fastest
         out.append(Candidate(f"{p.scheduler} x{p.streams}", {"scheduler": p.scheduler, "streams": p.streams},
                              "fitted"))
-    for p in firsts[:fused]:
+    for p in firsts[:fused]:  # over Inductor's own kernels, so each segment re-fuses what the whole model fuses
         out.append(Candidate(f"{p.scheduler} x{p.streams}+inductor", {"scheduler": p.scheduler, "streams": p.streams,
-                                                                      "compiler": "inductor"}, "fitted"))
+                                                                      "graph": "inductor"}, "fitted"))
     return out
 
 

@@ -32,7 +32,7 @@ from opweave.errors import UsageError
 DEVICES = ("cpu", "cuda")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILERS = ("inductor", "onnxruntime", "eager")
-GRAPHS = ("fx", "onnxruntime")
+GRAPHS = ("fx", "onnxruntime", "inductor")
 FALLBACKS = ("error", "eager")
 RENAMED = {"fuse": "compiler", "fallback": "capture_fallback"}  # old keyword -> its name now
 RENAMED_MODES = {"max-speed": "max-autotune", "graph": "options cudagraphs=True",
@@ -62,8 +62,9 @@ OPTIONS: dict[str, Spec] = {
     "coarsen": Spec("schedule the papers' operators (each op merged with its epilogues) instead of fx nodes",
                     "cpu, cuda", "true"),
     "fold_bn": Spec("fold eval-mode BatchNorm into the convolution before capture", "cpu, cuda", "false"),
-    "graph": Spec("the graph that is scheduled: fx (opweave's capture) or onnxruntime (ONNX Runtime's optimized "
-                  "graph of the whole model, each segment one session)", "cpu", "fx"),
+    "graph": Spec("the graph that is scheduled: fx (opweave's capture), onnxruntime (CPU: ONNX Runtime's optimized "
+                  "graph of the whole model, each segment one session) or inductor (one op per kernel Inductor fuses "
+                  "in the whole model, each segment compiled by Inductor)", "cpu, cuda", "fx"),
     "compiler": Spec("the segment compiler: every stream segment of the plan compiled by inductor, onnxruntime "
                      "(CPU) or eager (the segments as they are)", "cpu, cuda", "none"),
     "scheduler_options": Spec("keyword options of the scheduler (e.g. heft's sync_ms)", "cpu, cuda", "none"),
@@ -202,10 +203,22 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
                 raise UsageError(f"option {key!r} applies when CUDA Graphs are recorded (cudagraphs=True)")
     graph = values.get("graph", "fx")
     if graph == "onnxruntime":
+        if cuda:
+            raise UsageError("option 'graph'='onnxruntime' runs ONNX Runtime sessions on the CPU; on CUDA use "
+                             "graph='inductor'")
         for key in ("compiler", "profile", "cost_model", "costs"):
             if key in set_keys:
                 raise UsageError(f"option {key!r} does not apply with graph='onnxruntime' (ONNX Runtime's graph is "
                                  "costed by its own profiler and run as sessions)")
+    if graph == "inductor":
+        for key, why in (("compiler", "every segment is compiled by Inductor"),
+                         ("coarsen", "its ops are Inductor's kernels"),
+                         ("costs", "its ops are known only once Inductor has fused the model"),
+                         ("profile", "its ops are known only once Inductor has fused the model")):
+            if key in set_keys and not (key == "compiler" and values[key] == "inductor"
+                                        or key == "coarsen" and values[key] is False):
+                raise UsageError(f"option {key!r} does not apply with graph='inductor' ({why})")
+        values = {**values, "compiler": "inductor", "coarsen": False}
     if values.get("compiler") == "onnxruntime" and cuda:
         raise UsageError("compiler='onnxruntime' runs segments on the CPU; on CUDA use compiler='inductor'")
     if "costs" in set_keys and "profile" in set_keys:

@@ -167,6 +167,9 @@ def calibrate(results: Annotated[list[Path], typer.Argument(help="result JSON fi
               iterations: Annotated[int, typer.Option(min=1, help="Nelder-Mead steps per fit")] = 60,
               leave_one_out: Annotated[bool, typer.Option("--leave-one-out/--no-leave-one-out",
                                                           help="also fit with each model left out")] = True,
+              rank_weight: Annotated[float | None, typer.Option(
+                  min=0.0, help="weight of the term that keeps the measured orderings of each configuration's "
+                                "plans (0: fit the errors alone; default 1)")] = None,
               report: Annotated[Path | None, typer.Option(help="write every row's prediction here (JSON)")] = None,
               as_json: JsonOpt = False):
     """Refit the GPU device model on measured results (and a trace): the op classes on the trace, the call on the
@@ -191,7 +194,8 @@ def calibrate(results: Annotated[list[Path], typer.Argument(help="result JSON fi
             raise UsageError(f"{trace}: no 'opweave' entry naming the model (write it with scripts/dump_trace.py)")
         traced = (fit.graph_for(name, 1), data, name)
     log = (lambda text: None) if as_json else (lambda text: err.print(text, markup=False, highlight=False))
-    dev, rep = fit.calibrate(rows, start, traced, iterations, leave_one_out, log)
+    weight = fit.RANK_WEIGHT if rank_weight is None else rank_weight
+    dev, rep = fit.calibrate(rows, start, traced, iterations, leave_one_out, log, weight)
     target = output or calibrated.shipped_path("h200")
     dev.save(target)
     if report is not None:

@@ -55,8 +55,17 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
                                                         help="serve KServe v2 gRPC here too (0: any free port)")
                                ] = None,
           model_repository: Annotated[Path | None, typer.Option(
-              "--model-repository", help="DIR/<name>/<version>/model.pt2 (+ DIR/<name>/config.pbtxt): loaded at "
-              "start, then loaded and unloaded through the repository API")] = None,
+              "--model-repository", help="DIR/<name>/<version>/model.pt2 (+ DIR/<name>/config.pbtxt): every model "
+              "loaded at start (one that does not load is UNAVAILABLE, the others served). Trusted: a .pt2 is "
+              "code; nothing outside DIR is loaded")] = None,
+          model_control_mode: Annotated[str, typer.Option(
+              "--model-control-mode", help="none: the repository API neither loads nor unloads (Triton's "
+              "default); explicit: clients may load and unload models of --model-repository")] = "none",
+          allow_symlinks_outside_root: Annotated[bool, typer.Option(
+              "--allow-symlinks-outside-root", help="follow symbolic links in --model-repository that lead "
+              "outside it (refused by default)")] = False,
+          strict: Annotated[bool, typer.Option("--strict", help="exit if a model of --model-repository does not "
+                                               "load at start (Triton's --exit-on-error)")] = False,
           ray: Annotated[bool, typer.Option("--ray", help="deploy on Ray Serve: --replicas engines behind its HTTP "
                                                           "proxy (needs opweave[ray])")] = False,
           replicas: Annotated[int, typer.Option("--replicas", min=1, help="Ray Serve replicas (with --ray)")] = 2,
@@ -72,7 +81,16 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           timeout_ms: Annotated[float | None, typer.Option("--timeout-ms", help="default request deadline")] = None,
           scheduler: SchedulerOpt = "lios", streams: StreamsOpt = None, image_size: ImageSizeOpt = None,
           cuts: CutsOpt = None,
-          max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="larger request bodies get 400")] = 64.0,
+          max_body_mb: Annotated[float | None, typer.Option(
+              "--max-body-mb", min=0, help="raise every model's request size limit to this many MiB (default: "
+              "each model's own, from its inputs at its max batch; larger requests get 400 / INVALID_ARGUMENT)")
+                                 ] = None,
+          header_timeout_s: Annotated[float, typer.Option(
+              "--header-timeout-s", min=0.1, help="a request's headers (gRPC: the HTTP/2 handshake) must arrive "
+              "within this")] = 10.0,
+          idle_timeout_s: Annotated[float, typer.Option(
+              "--idle-timeout-s", min=0.1, help="close a connection idle this long (HTTP: kept alive, or a body "
+              "that stopped arriving; gRPC: no call)")] = 60.0,
           threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch intra-op threads (cpu; "
                                                       "default: the cores, split among the lanes)")] = None,
           compiler: Annotated[str, typer.Option("--compiler", help="cpu: each block compiled whole by onnxruntime or "
@@ -83,6 +101,11 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     SIGTERM, which drains. ``--model-repository`` serves Triton's repository layout (docs/serving.md). ``--ray``
     runs ``--replicas`` engines as a Ray Serve deployment instead (opweave.serve.ray).
 
+    What the server trusts: the repository's contents and these flags; never a client (docs/serving.md,
+    "Security"). Model names are plain names, nothing outside the repository is loaded, requests larger than a
+    model's inputs need are refused before they are read, and the repository API is read-only unless
+    ``--model-control-mode explicit``.
+
     On the CPU a combined block runs on one lane per core and each of its ops (or blocks, with ``--compiler``) on the
     cores its lane may use while it runs (opweave.backends.threads), so lanes x intra-op threads never exceed the
     cores. With ``--compiler`` (the default when ONNX Runtime is installed) every block is compiled at every padded
@@ -91,7 +114,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     from opweave.serve.build import load_models, make_engine, parse_cuts, parse_image_size
     from opweave.serve.models import parse_model_files
-    from opweave.serve.repository import Repository
+    from opweave.serve.repository import CONTROL_MODES, Repository
     from opweave.serve.server import serve as run_server
 
     if device not in ("cpu", "cuda"):
@@ -102,6 +125,10 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     settings = serving_options(device, dict(parse_option(text) for text in options or []))
     scheduler, streams = settings.get("scheduler", scheduler), settings.get("streams", streams)
     compiler = settings.get("compiler", compiler)
+    if model_control_mode not in CONTROL_MODES:
+        raise UsageError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got "
+                         f"{model_control_mode!r}")
+    max_body_bytes = 0 if max_body_mb is None else int(max_body_mb * (1 << 20))
     if threads is not None:
         torch.set_num_threads(threads)
     options = _policy_options(policy, policy_options, policy_file)
@@ -109,6 +136,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     if ray:
         if grpc_port is not None:
             raise UsageError("--grpc-port does not go with --ray: Ray Serve's proxy speaks HTTP here")
+        if model_control_mode != "none":
+            raise UsageError("--model-control-mode explicit does not go with --ray: a load through the proxy would "
+                             "reach one replica")
         from opweave.serve.ray import ReplicaOptions
 
         _serve_ray(ReplicaOptions(
@@ -118,8 +148,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
             max_sub_blocks=max_sub_blocks, timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
             scheduler=scheduler, streams=streams, image_size=parse_image_size(image_size), cuts=parse_cuts(cuts),
             compiler=None if compiler == "none" else compiler, threads=threads or 1,
-            max_body_bytes=int(max_body_mb * (1 << 20)),
-            pin_cores=pin_cores),
+            max_body_bytes=max_body_bytes,
+            pin_cores=pin_cores, allow_symlinks_outside_root=allow_symlinks_outside_root, strict=strict),
             replicas, max_replicas, host, port, ray_address)
         return
     if model_repository is not None and not model_repository.is_dir():
@@ -132,16 +162,21 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
                          max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
                          timeout_s=None if timeout_ms is None else timeout_ms / 1e3, scheduler=scheduler,
                          streams=streams, compiler=None if compiler == "none" else compiler)
-    repository = Repository(engine, served, model_repository, device=device, max_batch=max_batch)
-    repository.load_all()
+    repository = Repository(engine, served, model_repository, device=device, max_batch=max_batch,
+                            control=model_control_mode, allow_symlinks_outside_root=allow_symlinks_outside_root)
+    repository.load_all(strict=strict)
     blocks = ", ".join(f"{n} ({len(m.blocked.blocks)} blocks)" for n, m in served.items()) or "no model"
+
+    unavailable = [m["name"] for m in repository.index() if m["state"] != "READY"]
+    down = f"; UNAVAILABLE: {', '.join(unavailable)} (see the repository index)" if unavailable else ""
 
     def listening(h: str, p: int, g: int | None = None) -> None:
         rpc = f"gRPC on {h}:{g}; " if g is not None else ""
-        print(f"opweave serve: {blocks}; policy {policy}; {rpc}listening on http://{h}:{p}", flush=True)
+        print(f"opweave serve: {blocks}{down}; policy {policy}; {rpc}listening on http://{h}:{p}", flush=True)
 
-    run_server(engine, served, host=host, port=port, max_body_bytes=int(max_body_mb * (1 << 20)),
-               log_level=log_level, on_listen=listening, grpc_port=grpc_port, repository=repository)
+    run_server(engine, served, host=host, port=port, max_body_bytes=max_body_bytes, log_level=log_level,
+               on_listen=listening, grpc_port=grpc_port, repository=repository, header_timeout_s=header_timeout_s,
+               idle_timeout_s=idle_timeout_s)
 
 
 def _serve_ray(options, replicas: int, max_replicas: int | None, host: str, port: int,

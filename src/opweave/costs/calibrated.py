@@ -30,11 +30,16 @@ an implicit GEMM in NHWC with its layout transforms (input and filter in, someti
 
 **A call** (``opweave.backends.simulate`` under the ``gpu`` model, one CUDA Graph replay):
 
-* ``kernel_gap_us``: between the end of a kernel and the start of the next on the same stream inside a graph;
-  each op waits ``k x kernel_gap_us`` before its kernels run;
-* ``dispatch_us``: the device's front end starts one kernel at a time, this long apart, whatever the stream: the
-  most kernels per µs a graph can start however many streams it uses;
-* ``event_wait_us``: a cross-stream edge (an event wait) adds this on the waiting stream;
+A graph holds kernels and the edges between them; a plan's streams and waits become edges only (a stream's order
+is a chain of edges, each wait one edge), and each kind of edge has its latency:
+
+* ``kernel_gap_us``: a same-stream edge: between the end of a kernel and the start of the next on its stream;
+  an op of ``k`` kernels takes ``k - 1`` gaps between its own kernels and one after its stream's previous kernel;
+* ``event_wait_us``: a cross-stream edge (an event wait): between the end of the recorded kernel and the start of
+  the kernel waiting for it; it holds that kernel, not the waiting stream, and the kernel starts when the later of
+  its two edges allows;
+* ``dispatch_us``: the device's front end starts one kernel at a time, this long apart, whatever the stream, in the
+  order the kernels become ready: the most kernels per µs a graph can start however many streams it uses;
 * ``call_us`` + (input + output bytes) / bandwidth: copying the inputs into the graph's buffers, launching it,
   cloning the outputs;
 * concurrent ops share the device by processor sharing: an op fills ``share = min(1, concurrency x fill_mem)`` of

@@ -28,11 +28,13 @@ class GpuModel:
     Each op alone fills ``utilization`` (0–1) of the device. While the running ops' shares sum to more than 1,
     every running op progresses at rate ``1 / sum`` (proportional slow-down, processor sharing). Without a CUDA
     Graph every launch costs the CPU ``launch_overhead_ms`` (ops on all streams of a device are issued by one CPU
-    thread, so launches serialize); with one, a launch costs ``graph_launch_overhead_ms`` and each cross-stream
-    ``wait`` costs ``event_overhead_ms`` on the waiting stream. Inside a graph, each of an op's kernels
-    (``Costs.kernels``, 1 unless given) waits ``kernel_gap_ms`` on its stream before it runs: the gap between
-    back-to-back kernels of a graph, and the device starts at most one kernel every ``dispatch_ms`` across all its
-    streams (a fitted device, :mod:`opweave.costs.calibrated`, sets both; 0 by default).
+    thread, so launches serialize); with one, a launch costs ``graph_launch_overhead_ms``. Either way a
+    cross-stream ``wait`` is an edge that costs ``event_overhead_ms``: what waits starts that long after the
+    record completes. Inside a graph, each of an op's kernels (``Costs.kernels``, 1 unless given) starts
+    ``kernel_gap_ms`` after the kernel before it on its stream (the gap between back-to-back kernels of a graph),
+    the first no earlier than its cross-stream edges allow, and the device starts at most one kernel every
+    ``dispatch_ms`` across all its streams (a fitted device, :mod:`opweave.costs.calibrated`, sets both; 0 by
+    default).
     """
 
     launch_overhead_ms: float = 0.005

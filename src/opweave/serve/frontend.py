@@ -11,16 +11,29 @@ kind           HTTP  gRPC                   when
 ``timeout``    504   ``DEADLINE_EXCEEDED``  the request passed its deadline
 ``error``      500   ``INTERNAL``           the model failed
 =============  ====  =====================  ================================================
+
+A refusal says one line (:func:`one_line`) that names the culprit and no directory of the server, and keeps
+nothing of the request: :func:`offload` raises its :class:`Refused` outside the handler of the
+:class:`~opweave.serve.protocol.ProtocolError` it replaces, so neither the exception's context nor its traceback
+(whose frames hold the request's bytes) outlives the answer. What the C heap keeps after a large request
+(gRPC reads a message it refuses on its own threads, each with a glibc arena of its own, and the freed memory stays
+with the arenas) goes back to the operating system through :class:`HeapTrimmer`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
+import os
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from opweave.errors import OpweaveError, UsageError
 from opweave.serve.engine import Engine, QueueFull, Request, Unavailable
-from opweave.serve.protocol import InferRequest
+from opweave.serve.protocol import InferRequest, ProtocolError
 
 HTTP_STATUS = {"invalid": 400, "not_found": 404, "full": 429, "draining": 503, "timeout": 504, "error": 500}
 
@@ -31,6 +44,100 @@ class Refused(OpweaveError):
     def __init__(self, kind: str, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.kind, self.retry_after_s = kind, retry_after_s
+
+
+def one_line(text: str, limit: int = 1000) -> str:
+    """What a refusal tells the client: ``text`` on one line, at most ``limit`` characters."""
+    text = " ".join(text.splitlines())
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+_decoder: ThreadPoolExecutor | None = None
+_decoder_lock = threading.Lock()
+
+
+def _decoding_thread() -> ThreadPoolExecutor:
+    global _decoder
+    with _decoder_lock:
+        if _decoder is None:
+            _decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opweave-decode")
+        return _decoder
+
+
+async def offload(decode: Callable[..., Any], *args: Any, size: int, threshold: int) -> Any:
+    """``decode(*args)`` (a request's decoding, or a response's encoding), on the process's one decoding thread when
+    the request's ``size`` in bytes passes ``threshold`` (a large JSON body takes seconds to parse: the event loops
+    go on answering meanwhile), else here. One thread: decoding holds the GIL, so more threads would decode no
+    faster and would each take the GIL from the event loops in turn. Its
+    :class:`~opweave.serve.protocol.ProtocolError` comes out as :class:`Refused` ``invalid``, raised after the
+    handler so that the refusal does not hold the decoding's frames."""
+    try:
+        if size > threshold:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(_decoding_thread(), functools.partial(decode, *args))
+        return decode(*args)
+    except ProtocolError as exc:
+        message = str(exc)
+    raise Refused("invalid", message)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(field, ctypes.c_size_t) for field in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+class HeapTrimmer:
+    """Gives memory the C heap has freed back to the operating system (glibc's ``malloc_trim``) once the process's
+    *slack* (resident bytes that no live allocation holds: its resident size less what glibc's ``mallinfo2`` counts
+    in use) has grown by ``threshold_bytes`` since it last did; it looks every ``period_s`` on a thread of its own.
+    Memory in use (a request being decoded, a model loaded) is not slack, so it neither triggers a trim nor hides
+    what is freed after it. Without ``mallinfo2`` the slack is the resident size; without glibc or ``/proc``
+    nothing is done."""
+
+    def __init__(self, period_s: float = 1.0, threshold_bytes: int = 16 << 20):
+        self.period_s, self.threshold_bytes = period_s, threshold_bytes
+        self.trims = 0
+        libc = ctypes.CDLL(None) if os.name == "posix" else None
+        self._trim = getattr(libc, "malloc_trim", None)
+        self._info = getattr(libc, "mallinfo2", None)
+        if self._info is not None:
+            self._info.restype = _MallInfo2
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def slack(self) -> int | None:
+        """Resident bytes not held by a live allocation of the C heap (the process's code and stacks among them)."""
+        try:
+            with open("/proc/self/statm") as f:
+                resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return None
+        if self._info is None:
+            return resident
+        info = self._info()
+        return resident - info.uordblks - info.hblkhd
+
+    def start(self) -> None:
+        if self._trim is None or self.slack() is None:
+            return
+        self._thread = threading.Thread(target=self._run, name="opweave-heap-trim", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = self.slack() or 0
+        while not self._stop.wait(self.period_s):
+            now = self.slack() or 0
+            if now > last + self.threshold_bytes:
+                self._trim(0)
+                self.trims += 1
+                last = self.slack() or 0
+            else:
+                last = min(last, now)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
 
 class State:
@@ -85,4 +192,4 @@ async def infer(engine: Engine, state: State, name: str, request: InferRequest,
     return result
 
 
-__all__ = ["HTTP_STATUS", "Refused", "State", "infer"]
+__all__ = ["HTTP_STATUS", "HeapTrimmer", "Refused", "State", "infer", "offload", "one_line"]

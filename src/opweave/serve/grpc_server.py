@@ -18,7 +18,16 @@ as :mod:`opweave.serve.frontend`'s table says (``INVALID_ARGUMENT``, ``NOT_FOUND
 deadline (``client_timeout``) is the request's deadline too, as is ``parameters.timeout`` (µs).
 
 The server (``grpc.aio``) runs its own event loop on a thread of its own (:class:`GrpcServer`), beside uvicorn's:
-an ``infer`` waits on an asyncio future the engine's thread resolves, loads and unloads run on worker threads.
+an ``infer`` waits on an asyncio future the engine's thread resolves, loads and unloads run on worker threads, and
+so does the decoding of a request over :data:`OFFLOAD_BYTES`.
+
+Limits (docs/serving.md, "Security"): gRPC refuses a message over ``max_message_bytes`` before parsing it
+(``RESOURCE_EXHAUSTED``); a ``ModelInfer`` over its model's :func:`~opweave.serve.protocol.request_limit` is refused
+``INVALID_ARGUMENT`` before its inputs are decoded. A refusal sets the call's code and details and returns: no
+exception outlives the call (an aborted call's exception kept the request's frames, and the request, in a
+reference cycle until the cycle collector ran). Connections: the HTTP/2 handshake must finish within
+``header_timeout_s``, a connection with no call for ``idle_timeout_s`` is closed, and keepalive pings find dead
+peers.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from torch.utils import _pytree as pytree
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
@@ -40,6 +50,7 @@ from opweave.serve.frontend import Refused, State
 from opweave.serve.models import ServedModel
 from opweave.serve.repository import Repository
 
+OFFLOAD_BYTES = 256 << 10  # a ModelInfer this large is decoded on a worker thread, off the event loop
 CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
          "full": grpc.StatusCode.RESOURCE_EXHAUSTED, "draining": grpc.StatusCode.UNAVAILABLE,
          "timeout": grpc.StatusCode.DEADLINE_EXCEEDED, "error": grpc.StatusCode.INTERNAL}
@@ -62,7 +73,7 @@ def parameters(params) -> dict[str, Any]:
 def decode(model: ServedModel, request: service_pb2.ModelInferRequest) -> protocol.InferRequest:
     """A ``ModelInferRequest`` checked for ``model`` by the protocol's checks (module docstring);
     :class:`~opweave.serve.protocol.ProtocolError` says what is wrong."""
-    raw = list(request.raw_input_contents)
+    raw = request.raw_input_contents  # not copied: an entry is read once, by take()
     if raw and len(raw) != len(request.inputs):
         raise protocol.ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs "
                                      f"(one per input, or none)")
@@ -113,25 +124,32 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """The calls of the module docstring over ``engine`` and ``repository`` (whose ``served`` is the live model
     dict), sharing ``state`` (in flight, draining) with the HTTP server."""
 
-    def __init__(self, engine: Engine, repository: Repository, state: State):
+    def __init__(self, engine: Engine, repository: Repository, state: State, max_body_bytes: int = 0):
         self.engine, self.repository, self.state = engine, repository, state
+        self.max_body_bytes = max_body_bytes  # --max-body-mb: raises every model's request limit
 
     def _served(self, name: str, version: str) -> ServedModel:
         model = self.repository.served.get(name)
         if model is None:
-            raise Refused("not_found", f"unknown model {name!r}; serving {', '.join(self.repository.served)}")
+            raise Refused("not_found", f"unknown model {protocol.shown(name)}")
         if version not in ("", model.version):
-            raise Refused("not_found", f"model {name!r} has no version {version!r} (only {model.version})")
+            raise Refused("not_found", f"model {name!r} has no version {protocol.shown(version)} (only "
+                                       f"{model.version})")
         return model
 
     async def _call(self, context, work):
-        """Run ``work()`` (a coroutine function); a :class:`Refused` aborts the call with its status code."""
+        """Run ``work()`` (a coroutine function); a :class:`Refused` ends the call with its status code and one line
+        (set, not raised: module docstring)."""
         try:
             return await work()
         except Refused as exc:
-            if exc.kind == "full" and exc.retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after", str(math.ceil(exc.retry_after_s))),))
-            await context.abort(CODES[exc.kind], str(exc))
+            code, details = CODES[exc.kind], frontend.one_line(str(exc))
+            retry = exc.retry_after_s if exc.kind == "full" else None
+        if retry is not None:
+            context.set_trailing_metadata((("retry-after", str(math.ceil(retry))),))
+        context.set_code(code)
+        context.set_details(details)
+        return None
 
     async def ServerLive(self, request, context):
         return service_pb2.ServerLiveResponse(live=True)
@@ -173,10 +191,12 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if self.state.draining:
                 raise Refused("draining", "the server is shutting down")
             model = self._served(request.model_name, request.model_version)
-            try:
-                decoded = decode(model, request)
-            except protocol.ProtocolError as exc:
-                raise Refused("invalid", str(exc)) from None
+            size = request.ByteSize()
+            limit = protocol.request_limit(model, protocol.RAW_BYTES_PER_VALUE, self.max_body_bytes)
+            if size > limit:
+                raise Refused("invalid", f"request of {size} bytes exceeds the limit of {limit} bytes for model "
+                                         f"{model.name!r}")
+            decoded = await frontend.offload(decode, model, request, size=size, threshold=OFFLOAD_BYTES)
             result = await frontend.infer(self.engine, self.state, model.name, decoded,
                                           timeout_s=context.time_remaining())
             return encode(model, decoded, pytree.tree_leaves(result.output))
@@ -192,8 +212,11 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             params = parameters(request.parameters)
             extra = sorted(k for k in params if k != "config")
             if extra:
-                raise Refused("invalid", f"load parameters {extra} are not supported (only config)")
-            await asyncio.to_thread(self.repository.load, request.model_name, params.get("config"))
+                raise Refused("invalid", f"load parameters {protocol.shown(extra)} are not supported (only config)")
+            config = params.get("config")
+            if config is not None and not isinstance(config, str):
+                raise Refused("invalid", "parameters.config must be the model config as a JSON string")
+            await asyncio.to_thread(self.repository.load, request.model_name, config)
             return service_pb2.RepositoryModelLoadResponse()
         return await self._call(context, work)
 
@@ -204,28 +227,111 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._call(context, work)
 
 
+SERVICE = "inference.GRPCInferenceService"
+
+
+class _Unparsable:
+    """What a request deserializer answers for bytes that are no message of its type (raising, the call would end
+    ``UNKNOWN`` with the parser's exception): the servicer's method then ends the call ``INVALID_ARGUMENT``."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _parser(message_class):
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return _Unparsable(f"the request is no {message_class.DESCRIPTOR.full_name} message")
+    return parse
+
+
+def _refusing_unparsable(behaviour):
+    async def call(request, context):
+        if isinstance(request, _Unparsable):
+            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_details(request.reason)
+            return None
+        return await behaviour(request, context)
+    return call
+
+
+def add_service(servicer: Servicer, server) -> None:
+    """Register ``servicer`` on ``server`` as tritonclient's generated code does, but with the request deserializers
+    of :func:`_parser` on the calls the servicer implements (coroutines): a message that does not parse is
+    ``INVALID_ARGUMENT``."""
+    class Table:  # what the generated registration hands a server
+        def __init__(self) -> None:
+            self.handlers: dict = {}
+
+        def add_generic_rpc_handlers(self, _handlers) -> None:
+            pass
+
+        def add_registered_method_handlers(self, _service, handlers) -> None:
+            self.handlers = handlers
+
+    table = Table()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
+    handlers = dict(table.handlers)
+    for name, handler in handlers.items():
+        if handler.unary_unary is not None and asyncio.iscoroutinefunction(handler.unary_unary):
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                _refusing_unparsable(handler.unary_unary),
+                request_deserializer=_parser(handler.request_deserializer.__self__),
+                response_serializer=handler.response_serializer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):
+        server.add_registered_method_handlers(SERVICE, handlers)
+
+
+MAX_MESSAGE_BYTES = 64 << 20  # room for the models a repository API load may bring (gRPC's own default is 4 MiB)
+
+
+def message_limit(repository: Repository, max_body_bytes: int = 0) -> int:
+    """The largest message gRPC takes (larger ones are refused before they are parsed): the largest request limit
+    of the models served (:func:`~opweave.serve.protocol.request_limit` for gRPC's contents), at least
+    ``max_body_bytes``, and while the repository API may load models, at least :data:`MAX_MESSAGE_BYTES`."""
+    limits = [protocol.request_limit(m, protocol.RAW_BYTES_PER_VALUE) for m in repository.served.values()]
+    loads = MAX_MESSAGE_BYTES if repository.changes is None else 0
+    return min(max([protocol.HEADER_BYTES, max_body_bytes, loads, *limits]), (1 << 31) - 1)
+
+
 class GrpcServer:
     """The gRPC service on ``host:port`` (0: any free port) on a thread with its own event loop: :meth:`start`
     returns the bound port; :meth:`stop` lets calls in flight finish (at most ``grace_s``) and ends the thread.
-    ``max_message_bytes`` bounds a request (a larger one: ``RESOURCE_EXHAUSTED``, from gRPC itself)."""
+    ``max_body_bytes`` raises every model's request limit (``--max-body-mb``); ``max_message_bytes`` bounds a
+    message (default :func:`message_limit`; a larger one: ``RESOURCE_EXHAUSTED``, from gRPC itself).
+    ``header_timeout_s``: for the HTTP/2 handshake; ``idle_timeout_s``: a connection without calls is closed."""
 
     def __init__(self, engine: Engine, repository: Repository, state: State, *, host: str = "127.0.0.1",
-                 port: int = 0, max_message_bytes: int = 64 << 20):
-        self.servicer = Servicer(engine, repository, state)
-        self.host, self.port, self.max_message_bytes = host, port, max_message_bytes
+                 port: int = 0, max_message_bytes: int | None = None, max_body_bytes: int = 0,
+                 header_timeout_s: float = 10.0, idle_timeout_s: float = 60.0):
+        self.servicer = Servicer(engine, repository, state, max_body_bytes)
+        self.host, self.port = host, port
+        self.max_message_bytes = max_message_bytes or message_limit(repository, max_body_bytes)
+        self.header_timeout_s, self.idle_timeout_s = header_timeout_s, idle_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._grace_s = 5.0
+
+    def options(self) -> list[tuple[str, int]]:
+        """The channel arguments the server runs with (module docstring)."""
+        return [("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", max(self.max_message_bytes, MAX_MESSAGE_BYTES)),
+                ("grpc.max_metadata_size", 16 << 10),
+                ("grpc.server_handshake_timeout_ms", int(self.header_timeout_s * 1000)),
+                ("grpc.max_connection_idle_ms", int(self.idle_timeout_s * 1000)),
+                ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
+                ("grpc.so_reuseport", 0)]
 
     def start(self, timeout_s: float = 30.0) -> int:
         bound = threading.Event()
         failure: list[BaseException] = []
 
         async def main() -> None:
-            server = grpc.aio.server(options=[("grpc.max_receive_message_length", self.max_message_bytes),
-                                              ("grpc.max_send_message_length", self.max_message_bytes),
-                                              ("grpc.so_reuseport", 0)])
-            service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
+            server = grpc.aio.server(options=self.options())
+            add_service(self.servicer, server)
             try:
                 self.port = server.add_insecure_port(f"{self.host}:{self.port}")
                 await server.start()
@@ -263,4 +369,5 @@ class GrpcServer:
         self.thread.join(timeout=grace_s + 10)
 
 
-__all__ = ["CODES", "CONTENTS", "GrpcServer", "Servicer", "decode", "encode", "parameters"]
+__all__ = ["CODES", "CONTENTS", "MAX_MESSAGE_BYTES", "OFFLOAD_BYTES", "SERVICE", "GrpcServer", "Servicer",
+           "add_service", "decode", "encode", "message_limit", "parameters"]

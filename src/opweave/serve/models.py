@@ -44,7 +44,7 @@ class ServedModel:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     max_batch: int
-    source: str
+    source: str  # where it came from, as metadata shows it: a zoo name, a file's name, a path under the repository
     version: str = "1"  # the version directory it came from (a model repository), else 1
 
 
@@ -73,7 +73,7 @@ def load(name: str, *, path: Path | None = None, device: str = "cpu", max_batch:
     if path is not None:
         if module.keywords:
             raise UsageError(f"--model-file {name}: keyword inputs are not supported")
-        source = str(path)
+        source = Path(path).name  # what metadata shows: never a directory of the server
     else:
         sized = image_size is not None and zoo.takes_image_size(name)
         source = f"zoo:{name}" + (f",image_size={image_size}" if sized else "")

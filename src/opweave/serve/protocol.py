@@ -10,6 +10,14 @@ then the response carries the same header and appends the bytes.
 
 Request ``parameters.timeout`` is Triton's per-request timeout in microseconds.
 
+JSON is RFC 8259's, both ways: a request's ``NaN`` / ``Infinity`` tokens are refused, as are values a datatype cannot
+hold (``1e39`` for FP32, ``300`` for UINT8: never a silent ``inf`` or wrap-around), and a response never carries
+them: an output holding NaN or an infinity is answered only as binary data (asked for in JSON, the request is
+refused, naming the output). Non-finite values travel as binary data, both ways.
+
+Sizes: :func:`request_limit` is the most bytes a valid request for a model can take (its inputs at its max batch,
+:data:`JSON_BYTES_PER_VALUE` a value); the front ends refuse a larger body before reading or decoding it.
+
 The checks live in :func:`decode_request`, which the gRPC front end (:mod:`opweave.serve.grpc_server`) calls too: it
 turns a ``ModelInferRequest`` into the same request object, its ``raw_input_contents`` standing for binary data.
 """
@@ -31,6 +39,27 @@ from opweave.errors import UsageError
 from opweave.serve.models import DTYPES, ServedModel, TensorSpec
 
 HEADER = "Inference-Header-Content-Length"
+HEADER_BYTES = 64 << 10  # what a request carries besides its values: names, shapes, datatypes, parameters, outputs
+JSON_BYTES_PER_VALUE = 48  # one value written in JSON, its separator and indentation included (floats take <= 26)
+RAW_BYTES_PER_VALUE = 10  # one value in gRPC's typed contents (a varint: at most 10 bytes) or raw bytes (at most 8)
+SHOWN_CHARS = 64  # of a value a client sent, what an error message quotes
+YIELD_BYTES = 256 << 10  # JSON this large is parsed so as to let other threads run (loads)
+CHUNK_VALUES = 1 << 16  # a tensor from JSON values is built this many at a time (each step lets other threads run)
+
+
+def shown(value: Any) -> str:
+    """``value`` (something a client sent) as an error message quotes it: its ``repr``, cut to :data:`SHOWN_CHARS`
+    characters, so a message stays one short line whatever was sent."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 3]}..."
+
+
+def request_limit(model: ServedModel, per_value: int = JSON_BYTES_PER_VALUE, floor: int = 0) -> int:
+    """The most bytes a valid request for ``model`` can take: :data:`HEADER_BYTES` and ``per_value`` bytes for each
+    value of its inputs at its max batch (:data:`JSON_BYTES_PER_VALUE` covers JSON and binary data alike,
+    :data:`RAW_BYTES_PER_VALUE` gRPC's contents); at least ``floor`` (the operator's ``--max-body-mb``)."""
+    values = sum(math.prod(model.max_batch if d == -1 else d for d in s.shape) for s in model.inputs)
+    return max(floor, HEADER_BYTES + per_value * values)
 
 
 class ProtocolError(UsageError):
@@ -81,10 +110,7 @@ def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferR
         head, blob = body[:size], memoryview(body)[size:]
     else:
         head, blob = body, memoryview(b"")
-    try:
-        request = json.loads(head)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"malformed JSON: {exc}") from None
+    request = loads(head)
     offset = 0
 
     def binary(index: int, entry: dict, spec: TensorSpec, shape: list[int]) -> bytes | None:
@@ -97,7 +123,7 @@ def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferR
             raise ProtocolError(f"input {name!r} has both 'data' and binary_data_size")
         need = math.prod(shape) * spec.dtype.itemsize
         if not isinstance(size, int) or size != need:
-            raise ProtocolError(f"input {name!r}: binary_data_size {size!r}, expected {need} bytes for shape "
+            raise ProtocolError(f"input {name!r}: binary_data_size {shown(size)}, expected {need} bytes for shape "
                                 f"{shape} of {spec.datatype}")
         if offset + size > len(blob):
             raise ProtocolError(f"input {name!r}: the body holds {len(blob) - offset} bytes of binary data, "
@@ -110,6 +136,34 @@ def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferR
             raise ProtocolError(f"the body has {len(blob) - offset} bytes of binary data that no input claims")
 
     return decode_request(model, request, binary, leftover)
+
+
+def loads(text: bytes | bytearray | str) -> Any:
+    """RFC 8259 JSON (no ``NaN`` / ``Infinity``); anything else, however nested, refused with
+    :class:`ProtocolError`. A text over :data:`YIELD_BYTES` is parsed with a Python function per number, so that the
+    parser (C code that otherwise holds the GIL to the end) lets the event loop's thread run every few
+    milliseconds while a worker thread decodes it (about a third slower)."""
+    hooks = {"parse_float": _float, "parse_int": _int} if len(text) > YIELD_BYTES else {}
+    try:
+        return json.loads(text, parse_constant=_not_json, **hooks)
+    except RecursionError:
+        error = "malformed JSON: nested too deep"
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
+        error = f"malformed JSON: {exc}"
+    raise ProtocolError(error)
+
+
+def _float(text: str) -> float:
+    return float(text)
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _not_json(token: str):
+    raise ProtocolError(f"malformed JSON: {token} is not a JSON number (RFC 8259); non-finite values travel as "
+                        f"binary data")
 
 
 RawData = Callable[[int, dict, TensorSpec, list[int]], "bytes | None"]
@@ -133,15 +187,15 @@ def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
     for index, entry in enumerate(entries):
         entry = _object(entry, "an input")
         name = entry.get("name")
-        if name not in specs:
-            raise ProtocolError(f"unknown input {name!r} for model {model.name!r} (inputs: "
+        if not isinstance(name, str) or name not in specs:
+            raise ProtocolError(f"unknown input {shown(name)} for model {model.name!r} (inputs: "
                                 f"{', '.join(specs)})")
         if name in given:
             raise ProtocolError(f"input {name!r} is given twice")
         spec = specs[name]
         shape = _shape(entry.get("shape"), name)
         if entry.get("datatype") != spec.datatype:
-            raise ProtocolError(f"input {name!r}: datatype {entry.get('datatype')!r}, expected {spec.datatype}")
+            raise ProtocolError(f"input {name!r}: datatype {shown(entry.get('datatype'))}, expected {spec.datatype}")
         batch = _check_shape(model, spec, shape, batch)
         data = raw(index, entry, spec, shape) if raw is not None else None
         if data is not None:
@@ -154,8 +208,9 @@ def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
     if missing:
         raise ProtocolError(f"missing input {missing[0]!r} for model {model.name!r}")
     timeout = params.get("timeout")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
-        raise ProtocolError(f"parameters.timeout must be a positive number of microseconds, got {timeout!r}")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or
+                                not 0 < timeout < 1e18):
+        raise ProtocolError(f"parameters.timeout must be a positive number of microseconds, got {shown(timeout)}")
     return InferRequest(tuple(given[s.name] for s in model.inputs), batch or 1,
                         _outputs(model, request, bool(params.get("binary_data_output", False))),
                         None if request.get("id") is None else str(request["id"]),
@@ -171,7 +226,7 @@ def _object(value: Any, what: str) -> dict:
 def _shape(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                for d in value):
-        raise ProtocolError(f"input {name!r}: shape must be a list of non-negative integers, got {value!r}")
+        raise ProtocolError(f"input {name!r}: shape must be a list of non-negative integers, got {shown(value)}")
     return value
 
 
@@ -213,10 +268,29 @@ def _json_tensor(data: Any, spec: TensorSpec, shape: list[int]) -> torch.Tensor:
     if not all(isinstance(v, kind) or (kind is float and isinstance(v, int)) for v in flat) or (
             kind is not bool and any(isinstance(v, bool) for v in flat)):
         raise ProtocolError(f"input {spec.name!r}: data must be {kind.__name__} values for {spec.datatype}")
+    if kind is int and flat:
+        info = torch.iinfo(spec.dtype)
+        if min(flat) < info.min or max(flat) > info.max:
+            raise ProtocolError(f"input {spec.name!r}: a value lies outside {info.min}..{info.max}, the range of "
+                                f"{spec.datatype}")
     try:
-        return torch.tensor(flat, dtype=spec.dtype).reshape(shape)
-    except (RuntimeError, OverflowError) as exc:
-        raise ProtocolError(f"input {spec.name!r}: {exc}") from None
+        t = torch.cat([torch.tensor(flat[i:i + CHUNK_VALUES], dtype=spec.dtype)
+                       for i in range(0, len(flat), CHUNK_VALUES)]).reshape(shape) if flat else \
+            torch.empty(shape, dtype=spec.dtype)
+    except (RuntimeError, OverflowError, ValueError):  # an integer beyond float64 written for a float input
+        t = None
+    if t is None or (kind is float and _overflowed(flat, t)):
+        largest = f" (largest {torch.finfo(spec.dtype).max:.8g})" if kind is float else ""
+        raise ProtocolError(f"input {spec.name!r}: a value lies beyond the range of {spec.datatype}{largest}: it "
+                            f"would become infinite")
+    return t
+
+
+def _overflowed(values: list, t: torch.Tensor) -> bool:
+    """Whether a finite value of ``values`` became infinite in ``t`` (typed gRPC contents may hold infinities
+    of their own; JSON never does)."""
+    inf = torch.isinf(t).reshape(-1)
+    return bool(inf.any()) and any(math.isfinite(v) for v, i in zip(values, inf.tolist(), strict=True) if i)
 
 
 def _flatten(data: Any, name: str) -> list:
@@ -245,8 +319,8 @@ def _outputs(model: ServedModel, request: dict, binary_default: bool) -> list[tu
     out = []
     for entry in asked:
         entry = _object(entry, "an output")
-        if entry.get("name") not in names:
-            raise ProtocolError(f"unknown output {entry.get('name')!r} for model {model.name!r} (outputs: "
+        if not isinstance(entry.get("name"), str) or entry.get("name") not in names:
+            raise ProtocolError(f"unknown output {shown(entry.get('name'))} for model {model.name!r} (outputs: "
                                 f"{', '.join(names)})")
         binary = _object(entry.get("parameters", {}), "output parameters").get("binary_data", binary_default)
         out.append((entry["name"], bool(binary)))
@@ -272,19 +346,24 @@ def encode(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor]
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = t.detach().cpu().reshape(-1).tolist()
+            t = t.detach().cpu()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ProtocolError(f"output {name!r} holds NaN or infinite values, which JSON cannot carry: ask "
+                                    f"for it as binary data (parameters.binary_data: true)")
+            entry["data"] = t.reshape(-1).tolist()
         outputs.append(entry)
     response = {"model_name": model.name, "model_version": model.version, "outputs": outputs}
     if request.id is not None:
         response["id"] = request.id
-    head = json.dumps(response).encode()
+    head = json.dumps(response, allow_nan=False).encode()
     if not blobs:
         return head, {"Content-Type": "application/json"}
     return head + b"".join(blobs), {HEADER: str(len(head)), "Content-Type": "application/octet-stream"}
 
 
 def metadata(model: ServedModel) -> dict:
-    """``GET /v2/models/{name}``: name, versions, platform, inputs and outputs."""
+    """``GET /v2/models/{name}``: name, versions, platform, inputs and outputs; ``source``, where it came from, names
+    no directory of the server (a file's name, a repository model's path under the repository, a zoo name)."""
     return {"name": model.name, "versions": [model.version], "platform": "opweave", "source": model.source,
             "max_batch_size": model.max_batch, "blocks": len(model.blocked.blocks),
             "inputs": [s.to_json() for s in model.inputs], "outputs": [s.to_json() for s in model.outputs]}
@@ -303,5 +382,6 @@ def config(model: ServedModel, policy: dict, max_queue: int) -> dict:
             "blocks": len(model.blocked.blocks)}
 
 
-__all__ = ["DTYPES", "HEADER", "InferRequest", "ProtocolError", "answers", "config", "decode", "decode_request",
-           "decode_tensor", "decompress", "encode", "encode_tensor", "metadata"]
+__all__ = ["DTYPES", "HEADER", "HEADER_BYTES", "JSON_BYTES_PER_VALUE", "RAW_BYTES_PER_VALUE", "InferRequest",
+           "ProtocolError", "answers", "config", "decode", "decode_request", "decode_tensor", "decompress", "encode",
+           "encode_tensor", "loads", "metadata", "request_limit", "shown"]

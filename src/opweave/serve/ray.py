@@ -58,7 +58,9 @@ class ReplicaOptions:
     compiler: str | None = "default"
     threads: int | None = 1  # torch intra-op threads per replica (its CPU share)
     pin_cores: bool = False  # each replica on its own `threads` cores, chosen by its local rank (see pin)
-    max_body_bytes: int = 64 << 20
+    max_body_bytes: int = 0  # raises every model's request limit (server.create_app)
+    allow_symlinks_outside_root: bool = False  # the model repository's links (repository.Repository)
+    strict: bool = False  # a model of the repository that does not load stops the replica
 
 
 class Replica:
@@ -84,8 +86,8 @@ class Replica:
                                   max_queue=o.max_queue, max_batch=o.max_batch, max_sub_blocks=o.max_sub_blocks,
                                   timeout_s=o.timeout_s, scheduler=o.scheduler, streams=o.streams, compiler=o.compiler)
         self.repository = Repository(self.engine, served, o.model_repository, device=o.device,
-                                     max_batch=o.max_batch)
-        self.repository.load_all()
+                                     max_batch=o.max_batch, allow_symlinks_outside_root=o.allow_symlinks_outside_root)
+        self.repository.load_all(strict=o.strict)
         # a load or unload through the proxy would reach one replica: the replicas' models change by redeploying
         self.repository.changes = ("on Ray Serve a repository load or unload would reach one replica only: change "
                                    "the models by deploying again (serve.run / opweave serve --ray)")

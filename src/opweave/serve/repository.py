@@ -21,44 +21,95 @@ model out of :attr:`Repository.served` (new requests: 404), stops its queue (a r
 answers every request it had accepted, then the engine drops it between two steps (:meth:`Engine.remove_model`).
 Loading a model that is served reloads it only if its version changed (the old one is unloaded as above first, so
 for that moment requests to it are refused 404/503). One load or unload runs at a time.
+
+What it trusts and what it refuses (docs/serving.md, "Security"): the repository's contents are the operator's and
+are trusted (a ``.pt2`` is deserialized, which is as good as running it), so nothing outside the root is ever
+loaded. A model name is a plain name (:data:`NAME`: letters, digits, ``_``, ``-``, ``.``, not starting with ``.``,
+at most 128 characters) before it comes near a path; the program and config a name leads to must resolve to files
+under the resolved root (a symbolic link leaving the root is refused unless ``allow_symlinks_outside_root``). With
+``control="none"`` (Triton's ``--model-control-mode none``) the repository API neither loads nor unloads:
+every model is loaded at start (:meth:`Repository.load_all`) and stays. A load's config from a client
+(``parameters.config``) may not raise ``max_batch_size`` above the server's ``max_batch``. Every refusal is one line
+that names the model, never a path outside the repository; a directory that is no plain name (or no UTF-8) is left
+out of the index, with a warning in the server's log.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import threading
 from pathlib import Path
 
-from opweave.errors import OpweaveError, UsageError
+from opweave.errors import OpweaveError, UsageError, first_line
 from opweave.serve.engine import Engine
 from opweave.serve.frontend import Refused
 from opweave.serve.models import ServedModel
+from opweave.serve.protocol import shown
 
 CONFIG = "config.pbtxt"
 MODEL_FILE = "model.pt2"
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")  # a model name of the repository (fullmatch)
+CONTROL_MODES = ("none", "explicit")
+MAX_BATCH_SIZE = 1024  # the largest max_batch_size a config.pbtxt may set
+MAX_CONFIG_CHARS = 1 << 20  # a load request's parameters.config
+
+log = logging.getLogger(__name__)
 
 
 class Repository:
     """The served models (:attr:`served`, the dict both front ends look names up in) and the directory more come from
-    (``root``; None: only the models given at start, which can be unloaded but not loaded again)."""
+    (``root``; None: only the models given at start). ``control``: ``"none"`` (the repository API neither loads nor
+    unloads) or ``"explicit"`` (it does); ``allow_symlinks_outside_root``: follow links that leave the root."""
 
     def __init__(self, engine: Engine, served: dict[str, ServedModel], root: str | Path | None = None, *,
                  device: str = "cpu", max_batch: int = 8, unload_timeout_s: float = 120.0,
-                 changes: str | None = None):
+                 control: str = "none", allow_symlinks_outside_root: bool = False):
+        if control not in CONTROL_MODES:
+            raise UsageError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got {control!r}")
         self.engine, self.served = engine, served
-        self.root = None if root is None else Path(root)
+        self.root = None if root is None else Path(root).resolve()
         if self.root is not None and not self.root.is_dir():
             raise UsageError(f"--model-repository {root}: no such directory")
         self.device, self.max_batch, self.unload_timeout_s = device, max_batch, unload_timeout_s
+        self.allow_outside = allow_symlinks_outside_root
         self.status: dict[str, tuple[str, str]] = {name: ("READY", "") for name in served}
-        self.changes = changes  # None: load and unload allowed; else why they are refused
+        # None: load and unload allowed; else why they are refused
+        self.changes = None if control == "explicit" else (
+            "the model repository is read-only: models are loaded at start (opweave serve --model-control-mode "
+            "explicit lets the repository API load and unload)")
         self._changing = threading.Lock()
+        self._skipped: set[str] = set()
 
     # ---- what is there ----------------------------------------------------------------------------------------
     def names(self) -> list[str]:
-        """Model directories of the repository (those with at least one version holding a program)."""
+        """Model directories of the repository (those with at least one version holding a program); an entry whose
+        name is no plain name, or that cannot be read, is left out (with a warning in the log, once)."""
         if self.root is None:
             return []
-        return sorted(d.name for d in self.root.iterdir() if d.is_dir() and _versions(d))
+        out = []
+        try:
+            entries = list(self.root.iterdir())
+        except OSError as exc:
+            self._skip(".", f"the repository cannot be read ({exc.strerror})")
+            return []
+        for d in entries:
+            if not NAME.fullmatch(d.name):
+                self._skip(d.name, "not a plain model name (letters, digits, '_', '-', '.', not starting with '.', "
+                                   "at most 128 characters)")
+                continue
+            try:
+                if d.is_dir() and _versions(d):
+                    out.append(d.name)
+            except OSError as exc:
+                self._skip(d.name, f"it cannot be read ({exc.strerror})")
+        return sorted(out)
+
+    def _skip(self, name: str, why: str) -> None:
+        if name not in self._skipped:
+            self._skipped.add(name)
+            log.warning("model repository: skipping entry %s: %s", ascii(name), why)
 
     def index(self, ready: bool = False) -> list[dict]:
         """Triton's repository index: every model of the repository or served, its version, state (READY,
@@ -73,8 +124,29 @@ class Repository:
         return out
 
     def _latest(self, name: str) -> str:
-        versions = _versions(self.root / name) if self.root is not None and (self.root / name).is_dir() else []
+        try:
+            versions = _versions(self.root / name) if self.root is not None and NAME.fullmatch(name) and \
+                (self.root / name).is_dir() else []
+        except OSError:
+            versions = []
         return str(max(versions)) if versions else ""
+
+    def folder(self, name: str) -> Path:
+        """``name``'s directory under the root; :class:`Refused` for a name that is no plain name."""
+        if self.root is None:
+            raise Refused("invalid", f"cannot load {shown(name)}: the server has no model repository (opweave serve "
+                                     f"--model-repository DIR)")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise Refused("invalid", f"model name {shown(name)} is not a plain name (letters, digits, '_', '-', "
+                                     f"'.', not starting with '.', at most 128 characters)")
+        return self.root / name
+
+    def _confined(self, path: Path, name: str) -> Path:
+        """``path`` (under ``name``'s directory) if it resolves under the root; else :class:`Refused`."""
+        if not self.allow_outside and not path.resolve().is_relative_to(self.root):
+            raise Refused("invalid", f"model {name!r}: {path.relative_to(self.root)} is a link leading outside the "
+                                     f"model repository (opweave serve --allow-symlinks-outside-root follows it)")
+        return path
 
     def read_config(self, name: str, text: str | None = None, json_text: str | None = None):
         """``name``'s ModelConfig: from ``json_text`` (a load request's), ``text`` (protobuf text), or its
@@ -85,82 +157,128 @@ class Repository:
         config = model_config_pb2.ModelConfig()
         try:
             if json_text is not None:
+                if len(json_text) > MAX_CONFIG_CHARS:
+                    raise Refused("invalid", f"model {name!r}: parameters.config of {len(json_text)} characters "
+                                             f"exceeds the limit of {MAX_CONFIG_CHARS}")
                 json_format.Parse(json_text, config)
             else:
-                path = self.root / name / CONFIG if self.root is not None else None
+                path = self.folder(name) / CONFIG if self.root is not None else None
                 if text is None and path is not None and path.is_file():
-                    text = path.read_text()
+                    text = self._confined(path, name).read_bytes().decode("utf-8")
                 if text is not None:
                     text_format.Parse(text, config)
-        except (json_format.ParseError, text_format.ParseError) as exc:
+        except UnicodeDecodeError as exc:
+            raise Refused("invalid", f"model {name!r}: its {CONFIG} is not UTF-8 text (byte {exc.start})") from None
+        except OSError as exc:
+            raise Refused("invalid", f"model {name!r}: its {CONFIG} cannot be read ({exc.strerror})") from None
+        except (json_format.ParseError, text_format.ParseError, RecursionError) as exc:
             raise Refused("invalid", f"model {name!r}: its config does not parse: {exc}") from None
         if config.name and config.name != name:
-            raise Refused("invalid", f"model {name!r}: its config names it {config.name!r}")
+            raise Refused("invalid", f"model {name!r}: its config names it {shown(config.name)}")
         return config
 
     def locate(self, name: str, config) -> tuple[str, Path]:
         """The version to serve and its program."""
-        if self.root is None:
-            raise Refused("invalid", f"cannot load {name!r}: the server has no model repository (opweave serve "
-                                     f"--model-repository DIR)")
-        folder = self.root / name
-        versions = _versions(folder) if folder.is_dir() else []
+        folder = self.folder(name)
+        try:
+            versions = _versions(folder) if folder.is_dir() else []
+        except OSError as exc:
+            raise Refused("invalid", f"model {name!r}: its directory cannot be read ({exc.strerror})") from None
         if not versions:
-            raise Refused("not_found", f"model {name!r} is not in the repository {self.root} (expected "
+            raise Refused("not_found", f"model {name!r} is not in the repository (expected "
                                        f"{name}/<version>/{MODEL_FILE})")
         policy = config.version_policy.WhichOneof("policy_choice")
         if policy == "specific":
             listed = [v for v in versions if v in set(config.version_policy.specific.versions)]
             if not listed:
                 raise Refused("not_found", f"model {name!r}: none of the versions "
-                                           f"{list(config.version_policy.specific.versions)} is in {folder}")
+                                           f"{list(config.version_policy.specific.versions)[:16]} is in the "
+                                           f"repository")
             version = max(listed)
         elif policy == "all":
             raise Refused("invalid", f"model {name!r}: opweave serves one version of a model (version_policy all)")
         else:
             version = max(versions)
-        return str(version), folder / str(version) / MODEL_FILE
+        return str(version), self._confined(folder / str(version) / MODEL_FILE, name)
 
     # ---- changes ----------------------------------------------------------------------------------------------
     def load(self, name: str, config_json: str | None = None) -> ServedModel:
-        """Load (or reload, if its version changed) ``name`` from the repository; blocking (module docstring).
-        :class:`Refused` says why not."""
-        self._check_changes()
+        """Load (or reload, if its version changed) ``name`` from the repository, for the repository API (refused
+        with ``control="none"``); blocking (module docstring). :class:`Refused` says why not."""
+        if self.root is not None:
+            self._check_changes()
+        return self._load(name, config_json)
+
+    def _load(self, name: str, config_json: str | None = None) -> ServedModel:
         with self._changing:
-            config = self.read_config(name, json_text=config_json)
-            version, path = self.locate(name, config)
-            old = self.served.get(name)
-            if old is not None and old.version == version and old.source == str(path) and config_json is None:
-                return old
             previous = self.status.get(name)
-            self.status[name] = ("LOADING", "")
             try:
-                model = self._build(name, path, version, config)
-                if old is not None:
-                    self._unload(name)
-                self.engine.add_model(name, model.blocked, model.max_batch)
+                return self._link(name, config_json)
             except Refused as exc:
-                self.status[name] = previous if name in self.served else ("UNAVAILABLE", str(exc))
+                if name in self.served:
+                    self.status[name] = previous
+                elif previous is not None or self._entry(name):  # a model of the repository: the index says why
+                    self.status[name] = ("UNAVAILABLE", str(exc))
                 raise
-            except OpweaveError as exc:
-                self.status[name] = previous if name in self.served else ("UNAVAILABLE", str(exc))
-                raise Refused("invalid", f"model {name!r} did not load: {exc}") from None
+
+    def _entry(self, name: str) -> bool:
+        try:
+            return self.root is not None and bool(NAME.fullmatch(name)) and (self.root / name).is_dir()
+        except OSError:
+            return False
+
+    def _link(self, name: str, config_json: str | None) -> ServedModel:
+        config = self.read_config(name, json_text=config_json)
+        max_batch = self._max_batch(name, config, config_json is not None)
+        version, path = self.locate(name, config)
+        source = f"{name}/{version}/{MODEL_FILE}"
+        old = self.served.get(name)
+        if old is not None and old.version == version and old.source == source and config_json is None:
+            return old
+        self.status[name] = ("LOADING", "")
+        try:
+            model = self._build(name, path, version, config, max_batch)
+            model.source = source
+            if old is not None:
+                self._unload(name)
+            self.engine.add_model(name, model.blocked, model.max_batch)
+        except Refused:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a file that does not load is refused, whatever it raised
+            if not isinstance(exc, OpweaveError):
+                log.warning("model repository: model %r did not load", name, exc_info=True)
+            why = str(exc) if isinstance(exc, OpweaveError) else first_line(exc)
+            reason = self._hide(f"model {name!r} did not load: {why}")
+        else:
             self.served[name] = model
             self.status[name] = ("READY", "")
             return model
+        raise Refused("invalid", reason)
 
-    def _build(self, name: str, path: Path, version: str, config) -> ServedModel:
+    def _max_batch(self, name: str, config, from_client: bool) -> int:
+        """The samples per instance ``config`` asks for (module docstring), within bounds."""
+        asked = config.max_batch_size
+        bound = self.max_batch if from_client else MAX_BATCH_SIZE
+        if not 0 <= asked <= bound:
+            where = "parameters.config" if from_client else CONFIG
+            raise Refused("invalid", f"model {name!r}: {where} max_batch_size {asked} is outside 0..{bound}"
+                                     + (" (the server's --max-batch)" if from_client else ""))
+        if asked > 0:
+            return asked
+        return 1 if _declares_no_batching(config) else self.max_batch
+
+    def _hide(self, text: str) -> str:
+        """``text`` with the repository's own path left out (paths show relative to the root)."""
+        return text if self.root is None else text.replace(str(self.root) + os.sep, "").replace(str(self.root), ".")
+
+    def _build(self, name: str, path: Path, version: str, config, max_batch: int) -> ServedModel:
         """Capture, split and compile ``path`` (off every lock the engine holds)."""
         from opweave.serve.models import load
 
-        if config.max_batch_size > 0:
-            max_batch = config.max_batch_size
-        else:
-            max_batch = 1 if _declares_no_batching(config) else self.max_batch
         model = load(name, path=path, device=self.device, max_batch=max_batch)
         named = [i.name for i in config.input]
         if named and sorted(named) != sorted(s.name for s in model.inputs):
-            raise Refused("invalid", f"model {name!r}: its config lists inputs {named}, the program takes "
+            raise Refused("invalid", f"model {name!r}: its config lists inputs {shown(named)}, the program takes "
                                      f"{[s.name for s in model.inputs]} (opweave does not rename inputs)")
         model.version = version
         self.engine.executor.warm_model(name, model.blocked, model.max_batch)
@@ -171,7 +289,7 @@ class Repository:
         self._check_changes()
         with self._changing:
             if name not in self.served:
-                raise Refused("not_found", f"model {name!r} is not loaded")
+                raise Refused("not_found", f"model {shown(name)} is not loaded")
             self._unload(name)
             self.status[name] = ("UNAVAILABLE", "unloaded")
 
@@ -188,14 +306,29 @@ class Repository:
         if self.changes is not None:
             raise Refused("invalid", self.changes)
 
-    def load_all(self) -> list[str]:
-        """Load every model of the repository (at start: Triton's default model control)."""
-        return [self.load(name).name for name in self.names() if name not in self.served]
+    def load_all(self, strict: bool = False) -> list[str]:
+        """Load every model of the repository (at start, whatever ``control`` says). A model that does not load is
+        UNAVAILABLE with its reason in the index (and the log) while the others are served; ``strict``: raise
+        :class:`~opweave.errors.UsageError` naming it instead (Triton's ``--exit-on-error``)."""
+        loaded = []
+        for name in self.names():
+            if name in self.served:
+                continue
+            try:
+                loaded.append(self._load(name).name)
+            except Refused as exc:
+                if strict:
+                    raise UsageError(f"{exc} (without --strict the other models are served)") from None
+                log.warning("model repository: %s", exc)
+        return loaded
 
 
 def _versions(folder: Path) -> list[int]:
+    """The versions under ``folder``: directories named by a positive integer as written (``1``, not ``01``)
+    holding a program."""
     return sorted(int(d.name) for d in folder.iterdir()
-                  if d.is_dir() and d.name.isdigit() and int(d.name) > 0 and (d / MODEL_FILE).is_file())
+                  if d.name.isascii() and d.name.isdigit() and d.name == str(int(d.name)) and int(d.name) > 0
+                  and d.is_dir() and (d / MODEL_FILE).is_file())
 
 
 def _declares_no_batching(config) -> bool:
@@ -204,4 +337,4 @@ def _declares_no_batching(config) -> bool:
     return config.ByteSize() > 0 and config.max_batch_size == 0
 
 
-__all__ = ["CONFIG", "MODEL_FILE", "Repository"]
+__all__ = ["CONFIG", "CONTROL_MODES", "MAX_BATCH_SIZE", "MODEL_FILE", "NAME", "Repository"]

@@ -9,10 +9,20 @@ and outputs: names, shapes, datatypes), ``/v2/models/{name}/ready``, ``/v2/model
 (:mod:`opweave.serve.grpc_server`) runs beside it on the same engine, models and draining state (``grpc_port``).
 
 Status codes: 200; 400 with ``{"error": message}`` for malformed JSON, a wrong input name, shape, datatype or data
-length, and a body over ``max_body_bytes`` (the issue asks 400 where HTTP would say 413); 404 for an unknown model;
-429 with ``Retry-After`` (seconds) when the model's queue is full; 503 once draining; 504 for a request past its
-deadline (Triton's ``parameters.timeout`` in microseconds, or the server's ``timeout_s``); 500 if the model fails
-(:mod:`opweave.serve.frontend` holds the table both front ends share).
+length, and a body over its model's limit (400 as Triton answers it, where HTTP would say 413); 404 for an unknown
+model; 429 with ``Retry-After`` (seconds) when the model's queue is full; 503 once draining; 504 for a request past
+its deadline (Triton's ``parameters.timeout`` in microseconds, or the server's ``timeout_s``); 500 if the model fails
+(:mod:`opweave.serve.frontend` holds the table both front ends share). Every error, the framework's own (an unknown
+route: 404, a wrong method: 405) included, is ``{"error": one line}``.
+
+Limits (docs/serving.md, "Security"): an infer body may take its model's
+:func:`~opweave.serve.protocol.request_limit` bytes (raised to ``max_body_bytes`` if that is larger, the CLI's
+``--max-body-mb``), checked against ``Content-Length`` before reading and again while the body streams in (and once
+decompressed); the repository calls' bodies :data:`CONTROL_BODY_BYTES`. A body over :data:`OFFLOAD_BYTES` is decoded,
+and a response that large encoded, on a worker thread, never on the event loop, so ``/v2/health/live`` answers while
+large requests are read. Connections (:func:`_http_protocol`): a request's headers must arrive within
+``header_timeout_s`` and fit :data:`MAX_HEADER_BYTES`; a body that stops arriving for ``idle_timeout_s`` closes
+the connection, as does a kept-alive connection idle that long.
 
 Draining (:class:`DrainingServer`): the first SIGTERM stops admission (new requests get 503, readiness goes 503)
 while every accepted request is still answered; once none is left uvicorn shuts down and the process exits 0. A
@@ -22,7 +32,6 @@ second SIGTERM or a SIGINT stops at once (uvicorn's own behaviour).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import signal
 import sys
@@ -30,8 +39,11 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from torch.utils import _pytree as pytree
 
 import opweave
@@ -42,7 +54,11 @@ from opweave.serve.frontend import Refused, State
 from opweave.serve.models import ServedModel
 from opweave.serve.repository import Repository
 
-MAX_BODY_BYTES = 64 << 20
+CONTROL_BODY_BYTES = 2 << 20  # a repository call's body (a load's parameters.config, at most 1 MiB of it)
+OFFLOAD_BYTES = 256 << 10  # a body (or a response) this large is decoded (encoded) on a worker thread
+MAX_HEADER_BYTES = 64 << 10  # a request's line and headers
+HEADER_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 60.0
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository"]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
@@ -145,14 +161,25 @@ def _nvml_handle():
         return None
 
 
-class _NotServed(Exception):
-    """A path names a model (or version) the server does not serve; the app answers 404 with the message."""
+async def _read_body(http: HttpRequest, limit: int) -> bytearray:
+    """The request's body, refused (:class:`Refused` ``invalid``) once it passes ``limit`` bytes: by its
+    ``Content-Length`` before a byte is read, else while it streams in."""
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise Refused("invalid", f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in http.stream():
+        body += chunk
+        if len(body) > limit:
+            raise Refused("invalid", f"request body exceeds the limit of {limit} bytes")
+    return body
 
 
-def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes: int = MAX_BODY_BYTES,
+def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes: int = 0,
                state: State | None = None, repository: Repository | None = None):
     """The FastAPI app over ``engine`` (whose loop must be running: :meth:`Engine.start`). ``repository`` (one
-    over ``models`` and no directory by default) answers the repository extension; ``models`` is its live dict."""
+    over ``models`` and no directory by default) answers the repository extension; ``models`` is its live dict.
+    ``max_body_bytes`` raises every model's request limit to at least that many bytes (module docstring)."""
     state = state or State()
     repository = repository or Repository(engine, models)
     models = repository.served
@@ -165,19 +192,32 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
     app.state.repository = repository
 
     def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status, headers=headers)
+        return JSONResponse({"error": frontend.one_line(message)}, status_code=status, headers=headers)
 
-    @app.exception_handler(_NotServed)
-    def not_served(_request, exc: _NotServed) -> JSONResponse:
-        return error(404, str(exc))
+    def refusal(exc: Refused) -> JSONResponse:
+        headers = {"Retry-After": str(math.ceil(exc.retry_after_s))} if exc.kind == "full" else None
+        return error(frontend.HTTP_STATUS[exc.kind], str(exc), headers)
+
+    @app.exception_handler(Refused)
+    async def refused(_request, exc: Refused) -> JSONResponse:
+        return refusal(exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, exc: HTTPException) -> JSONResponse:  # unknown routes, wrong methods
+        return error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, exc: RequestValidationError) -> JSONResponse:
+        return error(400, "the request does not fit the route")
 
     def served(name: str, version: str | None) -> ServedModel:
-        """The model a path names; :class:`_NotServed` (answered 404) for an unknown name or version."""
+        """The model a path names; :class:`Refused` ``not_found`` (404) for an unknown name or version."""
         if name not in models:
-            raise _NotServed(f"unknown model {name!r}; serving {', '.join(models)}")
+            raise Refused("not_found", f"unknown model {protocol.shown(name)}")
         model = models[name]
         if version not in (None, "", model.version):
-            raise _NotServed(f"model {name!r} has no version {version!r} (only {model.version})")
+            raise Refused("not_found", f"model {name!r} has no version {protocol.shown(version)} (only "
+                                       f"{model.version})")
         return model
 
     @app.get("/v2")
@@ -185,11 +225,11 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
         return {"name": "opweave", "version": getattr(opweave, "__version__", "0"), "extensions": EXTENSIONS}
 
     @app.get("/v2/health/live")
-    def live():
+    async def live():  # on the event loop, no worker thread: it answers as long as the loop turns
         return Response(status_code=200)
 
     @app.get("/v2/health/ready")
-    def ready():
+    async def ready():
         return Response(status_code=503 if state.draining else 200)
 
     @app.get("/v2/models/{name}")
@@ -210,20 +250,13 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
 
     async def body_object(http: HttpRequest) -> dict:
         """A repository request's optional JSON object body (:class:`Refused` if it is not one)."""
-        raw = await http.body()
+        raw = await _read_body(http, CONTROL_BODY_BYTES)
         if not raw.strip():
             return {}
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise Refused("invalid", f"malformed JSON: {exc}") from None
+        body = await frontend.offload(protocol.loads, raw, size=len(raw), threshold=OFFLOAD_BYTES)
         if not isinstance(body, dict) or not isinstance(body.get("parameters", {}), dict):
             raise Refused("invalid", "the body must be a JSON object (with an object 'parameters')")
         return body
-
-    @app.exception_handler(Refused)
-    def refused(_request, exc: Refused) -> JSONResponse:
-        return error(frontend.HTTP_STATUS[exc.kind], str(exc))
 
     @app.post("/v2/repository/index")
     async def repository_index(http: HttpRequest):
@@ -238,7 +271,7 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
             raise Refused("invalid", "parameters.config must be the model config as a JSON string")
         extra = sorted(k for k in body.get("parameters", {}) if k != "config")
         if extra:
-            raise Refused("invalid", f"load parameters {extra} are not supported (only config)")
+            raise Refused("invalid", f"load parameters {protocol.shown(extra)} are not supported (only config)")
         await asyncio.to_thread(repository.load, name, config)  # off the event loop: other requests go on
         return Response(status_code=200)
 
@@ -252,34 +285,112 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
     def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def decode(model: ServedModel, body: bytearray, encoding: str | None, header: str | None, limit: int):
+        return protocol.decode(model, protocol.decompress(body, encoding, limit), header)
+
     @app.post("/v2/models/{name}/infer")
     @app.post("/v2/models/{name}/versions/{version}/infer")
     async def infer(name: str, http: HttpRequest, version: str | None = None):
+        try:
+            return await answer(name, http, version)
+        except Refused as exc:  # answered here: the refusal's traceback (frames holding the body) ends with it
+            return refusal(exc)
+
+    async def answer(name: str, http: HttpRequest, version: str | None) -> Response:
         if state.draining:
             return error(503, "the server is shutting down")
         model = served(name, version)
-        declared = http.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            return error(400, f"request body of {declared} bytes exceeds the limit of {max_body_bytes} bytes")
-        body = bytearray()
-        async for chunk in http.stream():
-            body += chunk
-            if len(body) > max_body_bytes:
-                return error(400, f"request body exceeds the limit of {max_body_bytes} bytes")
+        limit = protocol.request_limit(model, floor=max_body_bytes)
         try:
-            raw = protocol.decompress(bytes(body), http.headers.get("content-encoding"), max_body_bytes)
-            request = protocol.decode(model, raw, http.headers.get(protocol.HEADER))
-        except protocol.ProtocolError as exc:
-            return error(400, str(exc))
-        try:
-            result = await frontend.infer(engine, state, name, request)
-        except Refused as exc:
-            headers = {"Retry-After": str(math.ceil(exc.retry_after_s))} if exc.kind == "full" else None
-            return error(frontend.HTTP_STATUS[exc.kind], str(exc), headers)
-        body_out, headers = protocol.encode(model, request, pytree.tree_leaves(result.output))
+            body = await _read_body(http, limit)
+        except ClientDisconnect:  # gone (or timed out) mid-body: nobody to answer
+            return Response(status_code=400)
+        request = await frontend.offload(decode, model, body, http.headers.get("content-encoding"),
+                                         http.headers.get(protocol.HEADER), limit, size=len(body),
+                                         threshold=OFFLOAD_BYTES)
+        del body
+        result = await frontend.infer(engine, state, name, request)
+        leaves = pytree.tree_leaves(result.output)
+        size = sum(t.numel() * t.element_size() for t in leaves)
+        body_out, headers = await frontend.offload(protocol.encode, model, request, leaves, size=size,
+                                                   threshold=OFFLOAD_BYTES)
         return Response(body_out, headers=headers, media_type=headers["Content-Type"])
 
     return app
+
+
+def _http_protocol(header_timeout_s: float, idle_timeout_s: float):
+    """uvicorn's HTTP protocol (httptools or h11, as uvicorn picks) with the limits it lacks: a request's line and
+    headers must arrive within ``header_timeout_s`` of the connection (or of its first byte, on a kept-alive one)
+    and fit :data:`MAX_HEADER_BYTES`; a body that stops arriving for ``idle_timeout_s`` closes the connection. A
+    request being computed has no timer (its deadline is the engine's), nor one the server is slow to read."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class LimitedProtocol(AutoHTTPProtocol):
+        _timer: asyncio.TimerHandle | None = None
+        _head = 0  # bytes received while waiting for a request's headers
+
+        def _awaiting_headers(self) -> bool:
+            return self.cycle is None or (self.cycle.response_complete and not self.cycle.more_body)
+
+        def _arm(self, seconds: float) -> None:
+            self._disarm()
+            self._timer = self.loop.call_later(seconds, self._expired, seconds)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _expired(self, seconds: float) -> None:
+            self._timer = None
+            if self.flow is not None and self.flow.read_paused:  # the server, not the client, is behind
+                self._arm(seconds)
+            elif not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm(header_timeout_s)
+
+        def data_received(self, data: bytes) -> None:
+            waiting = self._awaiting_headers()
+            super().data_received(data)
+            if self.transport.is_closing():
+                self._disarm()
+            elif self._awaiting_headers():
+                self._head = self._head + len(data) if waiting else len(data)
+                if self._head > MAX_HEADER_BYTES:
+                    self._disarm()
+                    self.transport.close()
+                elif self._timer is None:  # the first byte of a kept-alive connection's next request
+                    self._arm(header_timeout_s)
+            else:
+                self._head = 0
+                if self.cycle.more_body:
+                    self._arm(idle_timeout_s)
+                else:
+                    self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # uvicorn's keep-alive timer waits for the next request's first byte
+            if self._awaiting_headers():
+                self._disarm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return LimitedProtocol
+
+
+def _uvicorn_config(app, host: str, port: int, log_level: str, header_timeout_s: float, idle_timeout_s: float,
+                    **options: Any):
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                          http=_http_protocol(header_timeout_s, idle_timeout_s), timeout_keep_alive=idle_timeout_s,
+                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options)
 
 
 def _server_class():
@@ -314,29 +425,34 @@ def _server_class():
 
 
 def serve(engine: Engine, models: dict[str, ServedModel], *, host: str = "127.0.0.1", port: int = 8000,
-          max_body_bytes: int = MAX_BODY_BYTES, log_level: str = "warning", on_listen=None,
-          grpc_port: int | None = None, repository: Repository | None = None) -> None:
+          max_body_bytes: int = 0, log_level: str = "warning", on_listen=None, grpc_port: int | None = None,
+          repository: Repository | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
+          idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
     """Run the server until it is stopped (SIGTERM drains; see the module docstring), then stop the engine.
-    ``grpc_port``: the gRPC service beside it (0: any free port; ``on_listen(host, port, grpc_port)`` then)."""
-    import uvicorn
-
+    ``grpc_port``: the gRPC service beside it (0: any free port; ``on_listen(host, port, grpc_port)`` then).
+    ``max_body_bytes``, ``header_timeout_s``, ``idle_timeout_s``: the limits of the module docstring, on both front
+    ends."""
     state = State()
     repository = repository or Repository(engine, models)
     app = create_app(engine, repository.served, max_body_bytes=max_body_bytes, state=state, repository=repository)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                            timeout_graceful_shutdown=30)
+    config = _uvicorn_config(app, host, port, log_level, header_timeout_s, idle_timeout_s,
+                             timeout_graceful_shutdown=30)
     engine.start()
     rpc = None
     if grpc_port is not None:
         from opweave.serve.grpc_server import GrpcServer
 
-        rpc = GrpcServer(engine, repository, state, host=host, port=grpc_port, max_message_bytes=max_body_bytes)
+        rpc = GrpcServer(engine, repository, state, host=host, port=grpc_port, max_body_bytes=max_body_bytes,
+                         header_timeout_s=header_timeout_s, idle_timeout_s=idle_timeout_s)
         grpc_port = rpc.start()
     listening = on_listen if on_listen is None or rpc is None else (lambda h, p: on_listen(h, p, grpc_port))
     server = _server_class()(config, state, engine, listening)
+    trimmer = frontend.HeapTrimmer()
+    trimmer.start()
     try:
         server.run()
     finally:
+        trimmer.stop()
         if rpc is not None:
             rpc.stop(grace_s=5)
         engine.stop(timeout_s=30)
@@ -347,23 +463,24 @@ class BackgroundServer:
     """A server on a thread of this process (tests, benchmarks): ``with BackgroundServer(engine, models) as url``.
     Listens on 127.0.0.1 and an ephemeral port; leaving the block drains and stops it. ``grpc=True``: the gRPC
     service too, at :attr:`grpc_address` (``127.0.0.1:port``); ``repository``: a :class:`Repository` over
-    ``models`` (one without a directory by default), at :attr:`repository`."""
+    ``models`` (one without a directory by default), at :attr:`repository`. ``header_timeout_s`` and
+    ``idle_timeout_s`` as :func:`serve`'s; the other options go to :func:`create_app`."""
 
     def __init__(self, engine: Engine, models: dict[str, ServedModel], *, grpc: bool = False,
-                 repository: Repository | None = None, **options: Any):
+                 repository: Repository | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, **options: Any):
         self.engine, self.models, self.options = engine, models, options
         self.repository = repository or Repository(engine, models)
         self.grpc, self.rpc, self.grpc_address = grpc, None, None
+        self.timeouts = {"header_timeout_s": header_timeout_s, "idle_timeout_s": idle_timeout_s}
 
     def __enter__(self) -> str:
         import threading
 
-        import uvicorn
-
         self.state = State()
         self.app = create_app(self.engine, self.repository.served, state=self.state, repository=self.repository,
                               **self.options)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        config = _uvicorn_config(self.app, "127.0.0.1", 0, "warning", **self.timeouts)
         bound = threading.Event()
         address: list = []
         self.server = _server_class()(config, self.state, self.engine,
@@ -378,7 +495,7 @@ class BackgroundServer:
             from opweave.serve.grpc_server import GrpcServer
 
             self.rpc = GrpcServer(self.engine, self.repository, self.state,
-                                  max_message_bytes=self.options.get("max_body_bytes", MAX_BODY_BYTES))
+                                  max_body_bytes=self.options.get("max_body_bytes", 0), **self.timeouts)
             self.grpc_address = f"127.0.0.1:{self.rpc.start()}"
         return f"http://{host}:{port}"
 
@@ -397,4 +514,5 @@ class BackgroundServer:
         self.engine.stop(timeout_s=10)
 
 
-__all__ = ["BackgroundServer", "EXTENSIONS", "MAX_BODY_BYTES", "Metrics", "State", "create_app", "serve"]
+__all__ = ["BackgroundServer", "CONTROL_BODY_BYTES", "EXTENSIONS", "MAX_HEADER_BYTES", "Metrics",
+           "OFFLOAD_BYTES", "State", "create_app", "serve"]

@@ -1,0 +1,592 @@
+"""A hostile client against the server on 127.0.0.1 (HTTP and gRPC): every way out of the model repository refused
+and never served, names that are no plain names, bad configs and deep nesting answered 4xx / INVALID_ARGUMENT in one
+line that names no directory, JSON that stays RFC 8259's both ways, requests over their model's limit refused before
+they are read, nothing of a refused request kept, the event loop answering while large bodies are decoded, slow
+connections closed, and a model that does not load at start leaving the others served (docs/serving.md, "Security")."""
+
+import asyncio
+import gc
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from urllib.parse import quote
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opweave.serve import frontend, protocol
+from opweave.serve.build import make_engine
+from opweave.serve.models import ServedModel, TensorSpec
+from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
+from opweave.serve.repository import Repository
+from opweave.serve.server import BackgroundServer
+from serve_models import tiny
+
+triton_grpc = pytest.importorskip("tritonclient.grpc")
+from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+BIDI = "evil\u202etxt"  # a right-to-left override inside a name
+NON_UTF8 = b"caf\xe9"  # latin-1, not UTF-8
+
+
+def strict_json(text: bytes | str):
+    """RFC 8259 JSON only: a bare NaN or Infinity fails, as it does in JavaScript, Go or serde."""
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """``parent/repo`` the repository: tiny/1 (served), badcfg/1 (a config.pbtxt that is not UTF-8), linked (a link
+    to ``parent/outside/evil``), a model under a name with a bidi override and one under a name that is not UTF-8.
+    Outside it: ``parent/1/model.pt2`` (what ``..`` would load) and ``parent/outside/evil/1/model.pt2``."""
+    parent = tmp_path_factory.mktemp("hostile")
+    program = parent / "tiny.pt2"
+    model, x = tiny()
+    torch.export.save(torch.export.export(model, x), str(program))
+    root = parent / "repo"
+    for folder in (root / "tiny" / "1", root / "badcfg" / "1", root / BIDI / "1", parent / "1",
+                   parent / "outside" / "evil" / "1"):
+        folder.mkdir(parents=True)
+        shutil.copy(program, folder / "model.pt2")
+    (root / "badcfg" / "config.pbtxt").write_bytes(b"max_batch_size: 2\n# caf\xe9\n")
+    (root / "linked").symlink_to(parent / "outside" / "evil", target_is_directory=True)
+    odd = os.path.join(os.fsencode(root), NON_UTF8, b"1")
+    os.makedirs(odd)
+    shutil.copy(program, os.path.join(odd, b"model.pt2"))
+    return parent, root, model
+
+
+@pytest.fixture(scope="module")
+def server(site):
+    """The repository under the repository API (``control="explicit"``), every model loaded at start, request limits
+    raised to 16 MiB; HTTP and gRPC."""
+    parent, root, _ = site
+    served: dict = {}
+    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    repository = Repository(engine, served, root, max_batch=4, control="explicit")
+    repository.load_all()
+    background = BackgroundServer(engine, served, grpc=True, repository=repository, max_body_bytes=16 << 20)
+    with background as url:
+        background.url = url
+        yield background
+
+
+@pytest.fixture(scope="module")
+def limited(site):
+    """tiny alone under the defaults (read-only repository API, request limits from the model's inputs) with
+    half-second header and idle timeouts; HTTP and gRPC."""
+    parent, root, _ = site
+    served: dict = {}
+    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    repository = Repository(engine, served, root, max_batch=4)
+    repository.load_all()
+    background = BackgroundServer(engine, served, grpc=True, repository=repository, header_timeout_s=0.5,
+                                  idle_timeout_s=0.5)
+    with background as url:
+        background.url = url
+        yield background
+
+
+def raw(server, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, dict]:
+    """One request with ``path`` sent as written (no client normalizes it); the status and the strict-JSON body."""
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        text = response.read()
+        return response.status, strict_json(text) if text else {}
+    finally:
+        conn.close()
+
+
+def grpc_stub(server):
+    channel = grpc.insecure_channel(server.grpc_address, options=[("grpc.max_send_message_length", 1 << 30)])
+    return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def tiny_request(x: torch.Tensor, raw_bytes: bytes | None = None, model: str = "tiny"):
+    request = service_pb2.ModelInferRequest(model_name=model)
+    request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(encode_tensor(x) if raw_bytes is None else raw_bytes)
+    return request
+
+
+def clean(message: str, parent, echo: str = "") -> None:
+    """A refusal's message: one line, short, naming no directory of the server (but the name it was sent, ``echo``,
+    which it may quote)."""
+    rest = message.replace(protocol.shown(echo), "") if echo else message
+    assert "\n" not in message and len(message) < 400 and str(parent) not in rest, message
+
+
+def assert_serves(server, model) -> None:
+    x = torch.randn(1, 3, 8, 8)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        assert c.get("/v2/health/ready").status_code == 200
+        r = c.post("/v2/models/tiny/infer", json={"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
+                                                              "data": x.reshape(-1).tolist()}]})
+    assert r.status_code == 200, r.text
+    with torch.no_grad():
+        assert torch.allclose(torch.tensor(r.json()["outputs"][0]["data"]).reshape(1, 10), model(x), atol=1e-5)
+
+
+# ---- the repository's root ---------------------------------------------------------------------------------------
+def test_loads_that_leave_the_repository_are_refused_over_http_and_grpc_and_never_served(server, site):
+    parent, root, model = site
+    names = ["..", "../outside/evil", str(parent / "outside" / "evil"), "tiny/../../outside/evil", "linked"]
+    for name in names:
+        status, body = raw(server, "POST", f"/v2/repository/models/{quote(name, safe='')}/load")
+        assert status in (400, 404), (name, status, body)  # a '/' in the name: no route matches it
+        clean(body["error"], parent, name)
+    status, body = raw(server, "POST", "/v2/repository/models/%2e%2e/load")
+    assert status == 400 and "not a plain name" in body["error"], body
+    status, body = raw(server, "POST", "/v2/repository/models/linked/load")
+    assert status == 400 and "outside the model repository" in body["error"] and "--allow-symlinks-outside-root" in \
+        body["error"], body
+    client = triton_grpc.InferenceServerClient(server.grpc_address)
+    channel, stub = grpc_stub(server)
+    try:
+        for name in names:
+            with pytest.raises(InferenceServerException) as info:
+                client.load_model(name)
+            assert info.value.status() == "StatusCode.INVALID_ARGUMENT", (name, info.value.message())
+            clean(info.value.message(), parent, name)
+        served = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
+        for name in names:  # none of them answers an inference
+            assert not client.is_model_ready(name)
+            with pytest.raises(grpc.RpcError) as rpc:
+                stub.ModelInfer(tiny_request(torch.randn(1, 3, 8, 8), model=name), timeout=60)
+            assert rpc.value.code() == grpc.StatusCode.NOT_FOUND
+            status, _ = raw(server, "POST", f"/v2/models/{quote(name, safe='')}/infer", b"{}")
+            assert status == 404
+    finally:
+        client.close()
+        channel.close()
+    assert set(served) == {"tiny", "badcfg", "linked"}
+    assert served["linked"]["state"] == "UNAVAILABLE" and "outside the model repository" in served["linked"]["reason"]
+    assert_serves(server, model)
+
+
+def test_a_link_leaving_the_root_loads_only_with_the_operators_flag(site):
+    parent, root, _ = site
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    allowed = Repository(engine, {}, root, max_batch=4, control="explicit", allow_symlinks_outside_root=True)
+    assert allowed.load("linked").source == "linked/1/model.pt2" and "linked" in engine.models
+
+
+def test_a_bad_config_at_run_time_is_a_clean_refusal_and_the_server_stays_ready(server, site):
+    parent, root, model = site
+    status, body = raw(server, "POST", "/v2/repository/models/badcfg/load")
+    assert status == 400 and "config.pbtxt is not UTF-8" in body["error"], body
+    clean(body["error"], parent)
+    client = triton_grpc.InferenceServerClient(server.grpc_address)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("badcfg")
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "not UTF-8" in info.value.message()
+        state = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}["badcfg"]
+        assert state["state"] == "UNAVAILABLE" and "not UTF-8" in state["reason"]
+        assert client.is_server_ready()
+    finally:
+        client.close()
+    assert_serves(server, model)
+
+
+@pytest.mark.parametrize("name", ["a" * 300, "tiny\x07", "tiny\u202e", "\u202etiny", BIDI, ".tiny", "tiny name",
+                                  "tiny\x00"])
+def test_names_that_are_not_plain_are_refused_in_one_short_line(server, site, name):
+    parent, _, _ = site
+    status, body = raw(server, "POST", f"/v2/repository/models/{quote(name, safe='')}/load")
+    assert status == 400 and "not a plain name" in body["error"], body
+    clean(body["error"], parent)
+    client = triton_grpc.InferenceServerClient(server.grpc_address)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model(name)
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "not a plain name" in info.value.message()
+        clean(info.value.message(), parent)
+    finally:
+        client.close()
+
+
+def test_the_index_lists_plain_names_only_and_survives_a_name_that_is_not_utf8(server):
+    status, index = raw(server, "POST", "/v2/repository/index", b"{}")
+    assert status == 200 and {m["name"] for m in index} == {"tiny", "badcfg", "linked"}
+    client = triton_grpc.InferenceServerClient(server.grpc_address)
+    try:
+        names = {m["name"] for m in client.get_model_repository_index(as_json=True)["models"]}
+    finally:
+        client.close()
+    assert names == {"tiny", "badcfg", "linked"}
+
+
+def test_a_client_config_cannot_raise_the_batch_past_the_servers(server, site):
+    parent, _, model = site
+    body = json.dumps({"parameters": {"config": json.dumps({"max_batch_size": 1000000})}}).encode()
+    status, answer = raw(server, "POST", "/v2/repository/models/tiny/load", body)
+    assert status == 400 and "max_batch_size 1000000 is outside 0..4" in answer["error"], answer
+    assert server.repository.served["tiny"].max_batch == 4
+    assert_serves(server, model)
+
+
+# ---- every error a clean 4xx -------------------------------------------------------------------------------------
+def test_deep_nesting_and_huge_numbers_are_400_not_500(server, site):
+    parent, _, model = site
+    deep = b"[" * 100_000
+    for path, body in (("/v2/models/tiny/infer", deep), ("/v2/repository/models/tiny/load",
+                                                         b'{"parameters": {"config": ' + deep),
+                       ("/v2/repository/index", deep),
+                       ("/v2/models/tiny/infer", b'{"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": '
+                                                 b'"FP32", "data": [1' + b"0" * 5000 + b"]}]}")):
+        status, answer = raw(server, "POST", path, body)
+        assert status == 400 and answer["error"].startswith("malformed JSON"), (path, status, answer)
+        clean(answer["error"], parent)
+    client = triton_grpc.InferenceServerClient(server.grpc_address)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("tiny", config="[" * 100_000)
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    finally:
+        client.close()
+    assert_serves(server, model)
+
+
+def test_not_found_names_no_other_model_and_metadata_names_no_directory(server, site):
+    parent, _, _ = site
+    status, body = raw(server, "GET", "/v2/models/nope")
+    assert status == 404 and body == {"error": "unknown model 'nope'"}
+    status, body = raw(server, "GET", "/v2/no/such/route")
+    assert status == 404 and "error" in body
+    channel, stub = grpc_stub(server)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(tiny_request(torch.randn(1, 3, 8, 8), model="nope"), timeout=60)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and info.value.details() == "unknown model 'nope'"
+    finally:
+        channel.close()
+    status, meta = raw(server, "GET", "/v2/models/tiny")
+    assert status == 200 and meta["source"] == "tiny/1/model.pt2"
+
+
+def test_a_grpc_message_that_does_not_parse_is_invalid_argument(server):
+    channel = grpc.insecure_channel(server.grpc_address)
+    try:
+        for method, payload in (("ModelInfer", b"\x0a\x02\xff\xfe"), ("RepositoryModelLoad", b"\xff\xff\xff")):
+            call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")  # bytes as they are
+            with pytest.raises(grpc.RpcError) as info:
+                call(payload, timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            assert info.value.details().startswith("the request is no inference.")
+    finally:
+        channel.close()
+
+
+# ---- JSON, RFC 8259 both ways ------------------------------------------------------------------------------------
+def test_json_stays_rfc8259_and_non_finite_values_travel_as_binary_data(server, site):
+    parent, _, model = site
+    x = torch.randn(1, 3, 8, 8)
+    values = x.reshape(-1).tolist()
+    head = '{"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [%s]}]}'
+    for written, needle in (("NaN", "NaN is not a JSON number"), ("-Infinity", "-Infinity is not a JSON number"),
+                            ("1e39", "beyond the range of FP32")):
+        body = (head % ", ".join([written] + [repr(v) for v in values[1:]])).encode()
+        status, answer = raw(server, "POST", "/v2/models/tiny/infer", body)
+        assert status == 400 and needle in answer["error"], (written, answer)
+    # a NaN in, asked out in JSON: refused (in strict JSON) naming the output; asked in binary: answered exactly
+    x[0, 0, 0, 0] = float("nan")
+    for binary in (False, True):
+        header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
+                                         "parameters": {"binary_data_size": 768}}],
+                             "outputs": [{"name": "output__0", "parameters": {"binary_data": binary}}]}).encode()
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v2/models/tiny/infer", body=header + encode_tensor(x),
+                     headers={HEADER: str(len(header))})
+        response = conn.getresponse()
+        content = response.read()
+        conn.close()
+        if not binary:
+            assert response.status == 400
+            assert "output 'output__0' holds NaN or infinite values" in strict_json(content)["error"]
+        else:
+            size = int(response.getheader(HEADER))
+            strict_json(content[:size])
+            got = torch.frombuffer(bytearray(content[size:]), dtype=torch.float32)
+            with torch.no_grad():
+                want = model(x).reshape(-1)
+            assert response.status == 200 and torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+
+
+def spec_model(datatype: str) -> ServedModel:
+    spec = TensorSpec("x", datatype, (-1, 3))
+    return ServedModel("m", None, (spec,), (TensorSpec("output__0", "FP32", (-1, 1)),), 4, "m")
+
+
+@given(st.sampled_from(["INT8", "INT16", "INT32", "INT64", "UINT8"]), st.lists(st.integers(-2 ** 70, 2 ** 70),
+                                                                               min_size=3, max_size=3))
+def test_integers_decode_exactly_or_are_refused_never_wrapped(datatype, values):
+    info = torch.iinfo(protocol.DTYPES[datatype])
+    request = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": datatype, "data": values}]}
+    if all(info.min <= v <= info.max for v in values):
+        assert protocol.decode_request(spec_model(datatype), request).inputs[0].reshape(-1).tolist() == values
+    else:
+        with pytest.raises(ProtocolError, match=f"outside {info.min}..{info.max}, the range of {datatype}"):
+            protocol.decode_request(spec_model(datatype), request)
+
+
+@given(st.sampled_from(["FP16", "BF16", "FP32"]), st.floats(allow_nan=False, allow_infinity=False))
+def test_floats_decode_or_are_refused_never_silently_infinite(datatype, value):
+    request = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": datatype, "data": [value, 0.0, 1.0]}]}
+    dtype = protocol.DTYPES[datatype]
+    if torch.isinf(torch.tensor(value, dtype=torch.float64).to(dtype)):
+        with pytest.raises(ProtocolError, match=f"beyond the range of {datatype}"):
+            protocol.decode_request(spec_model(datatype), request)
+    else:
+        t = protocol.decode_request(spec_model(datatype), request).inputs[0]
+        assert torch.isfinite(t).all()
+
+
+# ---- sizes, memory, the event loop -------------------------------------------------------------------------------
+def test_a_body_over_the_models_limit_is_refused_before_it_is_read(limited, server):
+    host, port = limited.url.removeprefix("http://").split(":")
+    limit = protocol.request_limit(limited.repository.served["tiny"])
+    assert limit < 1 << 20
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:  # the headers only, announcing 60 MB: the 400 comes before a byte of the body is sent
+        conn.putrequest("POST", "/v2/models/tiny/infer")
+        conn.putheader("Content-Length", str(60 << 20))
+        conn.endheaders()
+        response = conn.getresponse()
+        assert response.status == 400
+        assert f"exceeds the limit of {limit} bytes" in strict_json(response.read())["error"]
+    finally:
+        conn.close()
+
+    def chunks():  # no Content-Length: refused as it streams in
+        for _ in range(64):
+            yield b" " * (64 << 10)
+    with httpx.Client(base_url=limited.url, timeout=60) as c:
+        r = c.post("/v2/models/tiny/infer", content=chunks())
+    assert r.status_code == 400 and f"exceeds the limit of {limit} bytes" in r.json()["error"]
+    # gRPC: over the largest model's limit, gRPC refuses the message before parsing it; under that cap (the
+    # repository API may load larger models) the model's own limit refuses it before its inputs are decoded
+    for background, mb, code, needle in ((limited, 1, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+                                         (server, 17, grpc.StatusCode.INVALID_ARGUMENT, "exceeds the limit of")):
+        channel, stub = grpc_stub(background)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(tiny_request(torch.randn(1, 3, 8, 8), raw_bytes=b"\0" * (mb << 20)), timeout=60)
+        finally:
+            channel.close()
+        assert info.value.code() == code and needle in info.value.details(), info.value.details()
+
+
+def test_refused_requests_leave_nothing_in_reference_cycles(server):
+    """Refused 8 MB requests (under the raised limit: decoded on a worker thread, then refused) with the cycle
+    collector off: once answered, nothing of them is left for it to find."""
+    channel, stub = grpc_stub(server)
+    x = torch.randn(1, 3, 8, 8)
+    big_grpc = tiny_request(x, raw_bytes=b"\1" * (8 << 20))
+    big_http = b'{"inputs": [' + b" " * (8 << 20)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(big_grpc, timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            status, _ = raw(server, "POST", "/v2/models/tiny/infer", big_http)
+            assert status == 400
+        assert stub.ModelInfer(tiny_request(x), timeout=60).outputs  # one answered after them
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        kept = [type(o).__name__ for o in gc.garbage
+                if sys.getsizeof(o) > 1 << 20 or isinstance(o, service_pb2.ModelInferRequest)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        channel.close()
+    assert kept == []
+
+
+def test_the_heap_trimmer_gives_freed_memory_back():
+    """100 MB freed below a block still in use (so glibc cannot give it back by itself): the trimmer does."""
+    trimmer = frontend.HeapTrimmer(period_s=0.05, threshold_bytes=16 << 20)
+    if trimmer.slack() is None or trimmer._trim is None:
+        pytest.skip("needs glibc and /proc")
+    trimmer.start()
+    try:
+        blocks = [b"\1" * 100_000 for _ in range(1000)]
+        keep = b"\2" * 100_000
+        del blocks
+        for _ in range(600):  # bounded: it looks every 50 ms
+            if trimmer.trims:
+                break
+            threading.Event().wait(0.05)
+    finally:
+        trimmer.stop()
+    assert trimmer.trims >= 1 and keep
+
+
+def test_the_event_loop_answers_liveness_while_eight_large_bodies_are_decoded(server, monkeypatch):
+    """Eight 1 MB bodies whose decoding is held until liveness has answered: held on worker threads it lets the
+    event loop answer; held on the event loop it would not answer at all."""
+    decoding = threading.Semaphore(0)
+    release = threading.Event()
+    decode = protocol.decode
+
+    def held(*args, **kwargs):
+        decoding.release()
+        release.wait(120)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(protocol, "decode", held)
+    body = b'{"inputs": [' + b" " * (1 << 20)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            posts = [asyncio.create_task(c.post("/v2/models/tiny/infer", content=body)) for _ in range(8)]
+            try:
+                assert await asyncio.to_thread(decoding.acquire, True, 60), "no body reached its decoding"
+                async with httpx.AsyncClient(base_url=server.url, timeout=30) as probe:
+                    live = await probe.get("/v2/health/live")
+            finally:
+                release.set()
+            return live, await asyncio.gather(*posts)
+
+    live, answers = asyncio.run(scenario())
+    assert live.status_code == 200
+    assert [r.status_code for r in answers] == [400] * 8 and all("malformed JSON" in r.json()["error"]
+                                                                    for r in answers)
+
+
+def closed_by_server(address, send: bytes = b"") -> bytes:
+    """What the server sends before it closes the connection (a slow client's fate); fails if it is still open
+    after 30 s."""
+    received = b""
+    with socket.create_connection(address, timeout=30) as s:
+        try:
+            s.sendall(send)
+            while chunk := s.recv(65536):
+                received += chunk
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    return received
+
+
+def test_slow_and_idle_connections_are_closed(limited):
+    host, port = limited.url.removeprefix("http://").split(":")
+    address = (host, int(port))
+    assert closed_by_server(address) == b""  # connected, said nothing
+    assert closed_by_server(address, b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\n") == b""  # headers trickle
+    assert closed_by_server(address, b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 768\r\n"
+                                     b"\r\n0123456789") == b""  # the body stops
+    assert closed_by_server(address, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
+        b"HTTP/1.1 200")  # kept alive, then idle
+    assert not closed_by_server(address, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * (1 << 20)
+                                ).startswith(b"HTTP/1.1 200")  # headers past the limit
+    grpc_host, grpc_port = limited.grpc_address.rsplit(":", 1)
+    closed_by_server((grpc_host, int(grpc_port)))  # gRPC: no handshake, no call
+
+
+# ---- the command line --------------------------------------------------------------------------------------------
+def test_a_model_that_does_not_load_at_start_is_unavailable_and_the_others_serve(site):
+    """`opweave serve --model-repository` over the repository: tiny serves, badcfg and linked are UNAVAILABLE with
+    their reasons, the other two names are left out, and the repository API is read-only (the default)."""
+    parent, root, model = site
+    proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-repository", str(root), "--port", "0",
+                             "--grpc-port", "0", "--compiler", "none", "--max-batch", "4"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, proc.stderr.read()  # (read only once it has exited)
+        assert "UNAVAILABLE: badcfg, linked" in line, line
+        url = line.strip().rsplit(" ", 1)[1]
+        address = line.split("gRPC on ", 1)[1].split(";", 1)[0]
+        with httpx.Client(base_url=url, timeout=60) as c:
+            index = {m["name"]: m for m in c.post("/v2/repository/index").json()}
+            r = c.post("/v2/repository/models/tiny/unload")
+            assert r.status_code == 400 and "--model-control-mode explicit" in r.json()["error"]
+        assert {n: m["state"] for n, m in index.items()} == {"tiny": "READY", "badcfg": "UNAVAILABLE",
+                                                             "linked": "UNAVAILABLE"}
+        assert "not UTF-8" in index["badcfg"]["reason"] and "outside" in index["linked"]["reason"]
+        for m in index.values():
+            clean(m["reason"], parent)
+        client = triton_grpc.InferenceServerClient(address)
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("tiny", config=json.dumps({"max_batch_size": 2}))
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "read-only" in info.value.message()
+        item = triton_grpc.InferInput("x", [2, 3, 8, 8], "FP32")
+        x = torch.randn(2, 3, 8, 8)
+        item.set_data_from_numpy(x.numpy())
+        got = torch.from_numpy(np.array(client.infer("tiny", [item]).as_numpy("output__0")))
+        with torch.no_grad():
+            assert torch.allclose(got, model(x), atol=1e-5)
+        client.close()
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+        assert "skipping entry" in proc.stderr.read()  # the two names left out, said in the server's log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def resident_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's RSS from /proc")
+def test_fifty_refused_60mb_grpc_requests_leave_the_servers_memory_where_it_was(site):
+    """`opweave serve --max-body-mb 64`: 25 requests of 60 MB (under gRPC's cap: parsed, then refused by the model's
+    limit) and 25 of 66 MB (refused by gRPC itself); the server's RSS comes back within 100 MB of where it was."""
+    parent, _, _ = site
+    proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-file", f"tiny={parent / 'tiny.pt2'}",
+                             "--port", "0", "--grpc-port", "0", "--compiler", "none", "--max-batch", "4",
+                             "--max-body-mb", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "gRPC on" in line, proc.stderr.read()
+        channel = grpc.insecure_channel(line.split("gRPC on ", 1)[1].split(";", 1)[0],
+                                        options=[("grpc.max_send_message_length", 1 << 30)])
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        x = torch.randn(1, 3, 8, 8)
+        assert stub.ModelInfer(tiny_request(x), timeout=60).outputs
+        before = resident_mb(proc.pid)
+        codes = []
+        requests = [tiny_request(x, raw_bytes=b"\0" * (size << 20)) for size in (60, 66)]
+        for i in range(50):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(requests[i % 2], timeout=120)
+            codes.append(info.value.code())
+        assert stub.ModelInfer(tiny_request(x), timeout=60).outputs  # still answers
+        after = [resident_mb(proc.pid)]
+        for _ in range(60):  # freed C heap goes back within a second or two (HeapTrimmer): bounded wait
+            if after[-1] <= before + 100:
+                break
+            threading.Event().wait(0.5)
+            after.append(resident_mb(proc.pid))
+        print(f"server RSS before {before:.0f} MB, after 50 refused requests {after[0]:.0f} MB, settled "
+              f"{after[-1]:.0f} MB")
+        channel.close()
+        assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED] * 25
+        assert after[-1] <= before + 100, (before, after)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
