@@ -36,6 +36,7 @@ from benchmark_module import gpu_latency
 from cuda_precision import fp32_math  # noqa: F401 - autouse: no TF32 in the CUDA tests
 from cuda_runtime import DEVICE, ON_GPU, needs_gpu, rt  # noqa: F401 - rt: the runtime fixture
 from opweave import schedulers, zoo
+from opweave.backends import cuda as cuda_backend
 from opweave.backends.cuda import CudaBackend, GraphCaptureError, default_streams
 from opweave.backends.streams import stream_pool
 from opweave.build import Compiled, plan_for
@@ -419,6 +420,52 @@ def test_threads_calling_one_compiled_model(rt, cudagraphs):  # noqa: F811
     assert not any(t.is_alive() for t in threads) and not errors, errors
 
 
+# ---- memory ----------------------------------------------------------------------------------------------------------
+
+
+class Ladder(nn.Module):
+    """Three branches of four convolutions, summed: twelve intermediates, few of them needed at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Sequential(*[nn.Conv2d(8, 8, 3, padding=1) for _ in range(4)])
+                                      for _ in range(3))
+
+    def forward(self, x):
+        a, b, c = (branch(x) for branch in self.branches)
+        return a + b + c
+
+
+@GRAPHS
+def test_the_first_run_of_a_signature_already_frees_its_buffers(rt, monkeypatch, cudagraphs):  # noqa: F811
+    """Buffers are planned before the first run (on fake tensors): building and the first call allocate far less
+    than when a first run keeps every intermediate to learn them (the fallback, forced here)."""
+    torch.manual_seed(0)
+    model, x = Ladder().to(DEVICE).eval(), torch.randn(1, 8, 64, 64, device=DEVICE)
+    with torch.no_grad():
+        reference = model(x)
+
+    def peak() -> tuple[int, dict]:
+        rt.synchronize()
+        gc.collect()
+        baseline = rt.memory_allocated()
+        rt.reset_peak_memory_stats()
+        fast = compile_cuda(model, (x,), scheduler="lios", streams=3, cudagraphs=cudagraphs, runtime=rt)
+        with torch.no_grad():
+            out = fast(x)
+        check(reference, out, "first call")
+        return rt.max_memory_allocated() - baseline, dict(fast.backend.stats)
+
+    planned, stats = peak()
+    assert stats["keep_all_runs"] == 0
+    monkeypatch.setattr(cuda_backend, "static_buffers", lambda *args: 1 / 0)  # cannot run on fake tensors
+    kept, stats = peak()
+    assert stats["keep_all_runs"] == 1
+    activation = x.numel() * x.element_size()
+    assert kept >= 12 * activation  # every conv's output at once
+    assert planned <= kept - 8 * activation, (planned / activation, kept / activation)  # 5 and 15 on the fake
+
+
 # ---- what cannot be recorded -----------------------------------------------------------------------------------------
 
 
@@ -431,7 +478,8 @@ def test_a_sync_is_found_before_capture_and_named_or_run_without_a_graph(rt, war
     assert rt.get_sync_debug_mode() == 0  # restored
     with pytest.warns(UserWarning, match="without a CUDA graph"):
         fast = compile_cuda(model, (x,), scheduler="lios", capture_fallback="eager", warmup=warmup, runtime=rt)
-    assert fast.backend.stats == {"captures": 0, "evictions": 0, "eager_fallbacks": 1}  # found before capture
+    # found before capture; .item() cannot run on fake tensors, so a first run kept every buffer to find them
+    assert fast.backend.stats == {"captures": 0, "evictions": 0, "eager_fallbacks": 1, "keep_all_runs": 1}
     with torch.no_grad():
         check(model(x), fast(x), "fallback")
     streams = compile_cuda(model, (x,), scheduler="lios", cudagraphs=False, runtime=rt)

@@ -36,6 +36,7 @@ from opweave.backends.liveness import (
     launch_positions,
     release_keys,
     release_points,
+    static_buffers,
     steps_with_releases,
     storage_buffers,
 )
@@ -43,6 +44,7 @@ from opweave.backends.program import Program, Step, Walker
 from opweave.backends.streams import check_distinct_streams, default_streams
 from opweave.build import plan_for
 from opweave.capture import capture
+from opweave.capture.runtime import module_tensors
 from opweave.costs.profile import Profile, ProfileKeyError, profile_key, profile_model
 from opweave.costs.profile.kineto import kernels_by_op, range_runs, trace_ops
 from opweave.costs.profile.measure import full_env, latencies_from_runs
@@ -245,7 +247,7 @@ def run_with_releases(cap, plan, inputs):
     with torch.no_grad():
         env = keep_all_run(cap, program, inputs)
         groups = storage_buffers(cap, env, program)
-        releases = release_keys(cap, env, program)
+        releases = release_keys(program, groups)
         walker = Dropping(cap, cap.bind(inputs))
         walker.run(steps_with_releases(program, releases))
         return cap.output(walker.env), groups, walker.dropped
@@ -267,6 +269,53 @@ def test_storage_groups_join_views_and_in_place_results():
     output = next(n for n in reversed(cap.gm.graph.nodes) if n.op == "output")
     returned = {n.name for n in output.all_input_nodes}
     assert not returned & set(storage), "a returned value must never be released"
+
+
+def same_buffers(found: list[Buffer]) -> list[tuple]:
+    return sorted((b.name, b.alloc_lane, sorted(b.users), b.keys, b.nbytes) for b in found)
+
+
+@pytest.mark.parametrize("scheduler", ["sequential", "lios", "wavefront"])
+@pytest.mark.parametrize("name", ["branchy", "squeezenet"])
+def test_buffers_found_on_fake_tensors_are_those_of_a_real_run(name, scheduler):
+    """Views, an in-place add kept in place, outputs and parameters: the run on fake tensors groups, places and
+    sizes every buffer as a real run that kept every intermediate does."""
+    if name == "branchy":
+        _, x, cap = branchy()
+    else:
+        from opweave import zoo
+
+        model, x = zoo.create(name)
+        cap = capture(model, x, name=name)
+    _, plan = plan_for(cap.graph, estimate(cap.graph, "cpu"), scheduler, streams=3)
+    program = Program.from_plan(plan)
+    with torch.no_grad():
+        env = keep_all_run(cap, program, x)
+    real = storage_buffers(cap, env, program, module_tensors(cap.gm))
+    assert len(real) > 3 and all(b.nbytes > 0 for b in real)
+    assert same_buffers(static_buffers(cap, x, program)) == same_buffers(real)
+
+
+def test_buffers_of_a_segmented_model_on_fake_tensors_are_those_of_its_segments():
+    """A segmented model's run writes only its segments' outputs; the run on fake tensors (node by node) finds the
+    same buffers, plus those of values inside a segment, which no environment entry of a real run holds."""
+    from opweave.backends.segments import fuse_segments
+
+    _, x, cap = branchy()
+    _, plan = plan_for(cap.graph, estimate(cap.graph, "cpu"), "lios", streams=3)
+    segmented, segment_plan = fuse_segments(cap, plan, "eager")
+    program = Program.from_plan(segment_plan)
+    with torch.no_grad():
+        env = keep_all_run(segmented, program, x)
+    real = storage_buffers(segmented, env, program, module_tensors(segmented.gm))
+    found = {b.keys[0]: b for b in static_buffers(segmented, x, program)}
+    by_key = {k: b for b in found.values() for k in b.keys}
+    for buffer in real:
+        twin = by_key[buffer.keys[0]]
+        assert (twin.alloc_lane, twin.users, twin.nbytes) == (buffer.alloc_lane, buffer.users, buffer.nbytes)
+        assert set(buffer.keys) <= set(twin.keys)
+    inside = [b for b in found.values() if not set(b.keys) & set(env)]
+    assert inside and all(len(b.users) == 1 for b in inside)  # values inside one segment
 
 
 @pytest.mark.parametrize("scheduler", ["sequential", "lios", "opara", "nimble", "wavefront", "ios", "hios-mr"])

@@ -15,8 +15,8 @@ host thread; its module says how lanes map to streams and where their streams co
   overwritten by the next call).
 
 **Capture** (once per input signature; :mod:`opweave.backends.cudagraph`): on the backend's capture stream,
-``warmup`` plain runs (the first keeps every intermediate to find the release plan), one sync-checked run, then the
-capture. An op that synchronizes the CPU with the GPU is found by the checked run and named in a
+``warmup`` plain runs, one sync-checked run, then the capture, every run freeing buffers where the release plan says
+(below). An op that synchronizes the CPU with the GPU is found by the checked run and named in a
 :class:`GraphCaptureError`; with ``capture_fallback="eager"`` that signature then runs on the streams without a
 graph instead, with a warning. A failure during the capture itself is always raised, and leaves the process usable.
 
@@ -29,13 +29,18 @@ A plan for several devices runs all its devices on the current GPU (their lanes 
 ``send``/``recv`` pair becomes an event), which keeps every schedule runnable and checkable on one GPU; the
 distributed backend places devices on real GPUs.
 
-**Buffers**. The first run of an input signature keeps every intermediate alive until the final join. From it,
-:func:`opweave.backends.liveness.release_keys` says after which step of which lane each group of entries sharing a
-storage may be dropped (the liveness analysis knows the joins): later runs (the other warm-ups, the capture, later
-calls without graphs) drop the group there. Groups that are model inputs, parameters, outputs, or allocated on
-several lanes, and groups whose lane never joins a consumer, stay alive until the end of the run; with graphs the
-capture pool keeps their memory for the graph's lifetime, and without them the caller's stream has joined every
-lane before they are dropped.
+**Buffers** are planned before the first run of an input signature: the model runs once on fake tensors
+(:func:`opweave.backends.liveness.static_buffers`: storage identity, shapes and sizes, no memory and no kernels) to
+find which environment entries share a storage, the memory pass (:func:`opweave.plan.memory.release_points`) says
+after which step of which lane each group may be dropped (the earliest point of its allocating lane that the plan's
+joins order after every use), and the memory validator proves each release (:func:`opweave.plan.memory.
+validate_releases`, a :class:`~opweave.errors.PlanError` naming the buffer otherwise). Every run drops the group
+there, the first one included: the warm-ups, the capture, every call without graphs. Groups that are model inputs,
+parameters, outputs, or allocated on several lanes, and groups whose lane never joins a consumer, stay alive until
+the end of the run; with graphs the capture pool keeps the memory of the graph's buffers for the graph's lifetime
+(freed blocks are reused inside the capture by their own stream), and without them the caller's stream has joined
+every lane before they are dropped. A model that cannot run on fake tensors (an op without a fake implementation)
+learns its buffers from a first run that keeps every intermediate instead (``stats["keep_all_runs"]`` counts them).
 
 **Input signatures.** One entry (a captured graph, or a release plan to run without one) per input signature —
 pytree structure and every leaf's shape, dtype and device (plus strides without graphs, where inputs are used in
@@ -74,7 +79,7 @@ from torch.utils import _pytree as pytree
 
 from opweave.backends.cache import BoundedCache, signature
 from opweave.backends.cudagraph import GraphCaptureError, checked_run, record
-from opweave.backends.liveness import release_keys, steps_with_releases
+from opweave.backends.liveness import release_keys, static_buffers, steps_with_releases, storage_buffers
 from opweave.backends.program import Lane, Program, Step
 from opweave.backends.runtime import CUDA, Runtime
 from opweave.backends.streams import CudaLanes, default_streams, stream_pool
@@ -149,8 +154,8 @@ class InputCopies:
 class CudaBackend:
     """A plan on CUDA streams, recorded into a CUDA graph per input signature unless ``cudagraphs=False`` (module
     docstring), through ``runtime`` (default: ``torch.cuda``). ``stats``: ``captures``, ``evictions``,
-    ``eager_fallbacks``. ``close()`` drops the cached graphs and gives the streams back to the pool (also done when
-    the backend is collected); a closed backend refuses calls."""
+    ``eager_fallbacks``, ``keep_all_runs``. ``close()`` drops the cached graphs and gives the streams back to the
+    pool (also done when the backend is collected); a closed backend refuses calls."""
 
     def __init__(self, captured: Captured, plan: LaunchPlan, example_inputs, *, cudagraphs: bool = True,
                  static_outputs: bool = False, capture_fallback: str = "error", cache_size: int = 8, warmup: int = 2,
@@ -170,7 +175,7 @@ class CudaBackend:
         self.captured = on_device(captured, self.device)
         self.program = Program.from_plan(plan)
         self.lanes: list[Lane] = sorted(self.program.lanes)
-        self.stats = {"captures": 0, "evictions": 0, "eager_fallbacks": 0}
+        self.stats = {"captures": 0, "evictions": 0, "eager_fallbacks": 0, "keep_all_runs": 0}
         example_inputs = as_tuple(example_inputs)
         self.arity = len(example_inputs)
         self._example_shapes = _shapes(example_inputs)
@@ -269,7 +274,7 @@ class CudaBackend:
             if self.cudagraphs:
                 entry = self._record(captured, args_on_device, leaves)
             else:
-                entry = self._keep_all_run(captured, args_on_device, self.runtime.current_stream(self.device))
+                entry = self._planned(captured, args_on_device, self.runtime.current_stream(self.device))
         self._entries[key] = entry
         return entry
 
@@ -294,14 +299,23 @@ class CudaBackend:
                              f"graph captured for {self._example_shapes}: {type(exc).__name__}: {exc}") from exc
         return dataclasses.replace(self.captured, gm=gm)  # keeps a subclass (backends/segments.py: Segmented)
 
-    def _keep_all_run(self, captured: Captured, args: tuple, origin) -> _Entry:
-        """Run once keeping every intermediate; return the entry with its release plan."""
-        entry = _Entry(captured, {}, steps_with_releases(self.program, {}))
+    def _planned(self, captured: Captured, args: tuple, origin) -> _Entry:
+        """The entry of a new signature with its release plan, proven safe (module docstring: Buffers)."""
+        try:
+            buffers = static_buffers(captured, args, self.program)
+        except Exception as exc:  # noqa: BLE001 - any failure on fake tensors: learn the buffers from a real run
+            log.debug("%s: no buffers from fake tensors (%s: %s); a first run keeps every intermediate",
+                      captured.graph.name, type(exc).__name__, exc)
+            buffers = self._keep_all_run(captured, args, origin)
+        releases = release_keys(self.program, buffers)
+        return _Entry(captured, releases, steps_with_releases(self.program, releases))
+
+    def _keep_all_run(self, captured: Captured, args: tuple, origin) -> list:
+        """Run once keeping every intermediate; the buffers of that run."""
+        self.stats["keep_all_runs"] += 1
         env = self.runtime.launch(origin, captured.bind, args)
-        self._lanes.issue(entry.steps, origin, captured, env)
-        entry.releases = release_keys(captured, env, self.program)
-        entry.steps = steps_with_releases(self.program, entry.releases)
-        return entry
+        self._lanes.issue(steps_with_releases(self.program, {}), origin, captured, env)
+        return storage_buffers(captured, env, self.program, module_tensors(captured.gm))
 
     # ---- CUDA graphs --------------------------------------------------------------------------------------------
     def _record(self, captured: Captured, args: tuple, leaves) -> _Entry:
@@ -314,8 +328,8 @@ class CudaBackend:
         side.wait_stream(caller)
         try:
             with runtime.stream(side):
-                entry = self._keep_all_run(captured, static_inputs, side)
-                for _ in range(1, self.warmup):
+                entry = self._planned(captured, static_inputs, side)
+                for _ in range(self.warmup):
                     env = runtime.launch(side, captured.bind, static_inputs)
                     self._lanes.issue(entry.steps, side, captured, env)
                 env = runtime.launch(side, captured.bind, static_inputs)

@@ -28,7 +28,12 @@ picked at random each time). The seed is ``seed=`` or else ``$OPWEAVE_FAKECUDA_S
 caching allocator behaves: the block goes back to the pool of the stream that allocated it, whose *later* work may
 reuse it at once without waiting for other streams. The fake queues a kernel that fills the block with garbage on
 its allocating stream at that point, so a reader on another stream that is not ordered before the release may
-read garbage. Memory statistics count the bytes of live blocks the fake allocated (a dropped block counts as free).
+read garbage. Memory statistics count the bytes of the live blocks the fake allocated, as CUDA's allocator counts
+its allocated blocks: a block is live from the op that allocated it until it is dropped or the host holds no tensor
+on it any more (queued kernels and captured graphs keep only aliases of their tensors, which do not count, as
+CUDA's queues hold no references). ``compute=False`` runs no kernel at all (every output stays garbage, and no block
+is filled): the host's side and the memory statistics are the same, for measuring memory where the CPU's kernels
+would take too long (half precision, large batches).
 
 **CUDA graphs.** Between ``capture_begin`` and ``capture_end`` the capturing stream, and every stream that waits
 on an event recorded in the capture, queue into the graph instead of running; ``capture_end`` refuses a capture
@@ -47,11 +52,11 @@ as PyTorch's pool is, so two users may get the same stream. The current stream i
 moving a tensor there or back, ``.cpu()`` included, is no copy and no sync, pinned memory means nothing, and host
 code that reads device tensors *outside* a launch reads them as they are now, with no implicit synchronization: call
 ``synchronize`` first); blocks freed other than through :meth:`FakeCuda.dropped` (a tensor the host simply lets go
-of, such as an op's temporary, is not reused early); ops without a meta kernel (taken for synchronizing ops) and
-ops whose output the meta kernel gets wrong; in-place ops that change a tensor's metadata (``resize_``, ``t_``,
-``as_strided_``), whose new shape is only seen when their kernel runs; where a failing kernel's error surfaces (at
-the drain that runs it, as an asynchronous CUDA error does, but not as a device-side assert); several devices (one
-fake device).
+of, such as an op's temporary, is counted as free but not reused early); ops without a meta kernel (taken for
+synchronizing ops) and ops whose output the meta kernel gets wrong; in-place ops that change a tensor's metadata
+(``resize_``, ``t_``, ``as_strided_``), whose new shape the host's tensor never sees (the kernel changes its
+alias); where a failing kernel's error surfaces (at the drain that runs it, as an asynchronous CUDA error does, but
+not as a device-side assert); several devices (one fake device).
 """
 
 from __future__ import annotations
@@ -166,6 +171,8 @@ class _Block:
     nbytes: int
     ptr: int
     dropped: bool = False
+    holders: int = 0  # host tensors on the block (queued work holds aliases only)
+    free: bool = False  # counted as freed: dropped, or no host tensor left
 
 
 # ---- the user-facing objects -----------------------------------------------------------------------------------------
@@ -288,13 +295,15 @@ class _HostReads(TorchFunctionMode):
 
 
 class FakeCuda:
-    """A fake CUDA runtime (see the module docstring); ``seed`` fixes the interleavings."""
+    """A fake CUDA runtime (see the module docstring); ``seed`` fixes the interleavings; ``compute=False`` runs no
+    kernel (memory statistics only)."""
 
     name = "fake"
     device = torch.device("cpu")  # device memory is CPU tensors
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, *, compute: bool = True):
         self.seed = default_seed() if seed is None else seed
+        self.compute = compute
         self._rng = random.Random(self.seed)
         self.pools: dict[int, Any] = {}
         self.pools_lock = threading.Lock()
@@ -311,7 +320,7 @@ class FakeCuda:
         self._allocated = self._peak = 0
 
     def __repr__(self) -> str:
-        return f"FakeCuda(seed={self.seed})"
+        return f"FakeCuda(seed={self.seed})" if self.compute else f"FakeCuda(seed={self.seed}, compute=False)"
 
     # ---- devices, streams, events, graphs ----
     def is_available(self) -> bool:
@@ -385,7 +394,7 @@ class FakeCuda:
                 if block is None or block.dropped:
                     continue
                 block.dropped = True
-                self._allocated -= block.nbytes
+                self._free(block)
                 self._enqueue(block.lane, _Kernel(functools.partial(storage.fill_, POISON), "reuse of a freed block"))
 
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
@@ -463,8 +472,14 @@ class FakeCuda:
 
     # ---- internals: issuing ATen ops ----
     def _issue(self, lane: _Lane, func, args: tuple, kwargs: dict):
-        if self._executing or func.is_view or func in _VIEWS:
-            return func(*args, **kwargs)  # a kernel running, or an op that moves no data
+        if self._executing:
+            return func(*args, **kwargs)  # a kernel running
+        if func.is_view or func in _VIEWS:  # an op that moves no data: the host holds one more tensor on a block
+            out = func(*args, **kwargs)
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._hold(t, self._blocks.get(t.untyped_storage().data_ptr()))
+            return out
         try:
             meta = func(*_to_meta(args), **_to_meta(kwargs))
         except Exception:  # noqa: BLE001 - no meta kernel, or a data-dependent output: a synchronizing op
@@ -489,19 +504,23 @@ class FakeCuda:
                     outs.append(self._allocate(lane, m))
                     fresh.append(len(outs) - 1)
             out = None if not schema.returns else outs[0] if len(schema.returns) == 1 else tuple(outs)
+            targets = {i: _handles(outs[i]) for i in fresh}
+            args, kwargs = _aliases((args, kwargs))
 
             def kernel():
                 result = func(*args, **kwargs)
                 results = result if len(schema.returns) > 1 else (result,)
-                for i in fresh:
-                    _copy_into(outs[i], results[i], func)
+                for i, handles in targets.items():
+                    _copy_into(handles, results[i], func)
         else:
             out = pytree.tree_map_only(torch.Tensor, lambda m: self._allocate(lane, m), meta)
             if func in _UNINITIALIZED:
                 return out
+            handles = _handles(out)
+            args, kwargs = _aliases((args, kwargs))
 
             def kernel():
-                _copy_into(out, func(*args, **kwargs), func)
+                _copy_into(handles, func(*args, **kwargs), func)
 
         self._enqueue(lane, _Kernel(kernel, str(func)))
         return out
@@ -513,20 +532,38 @@ class FakeCuda:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes:
-            storage.fill_(POISON)
+            if self.compute:
+                storage.fill_(POISON)
             block = _Block(lane, nbytes, storage.data_ptr())
             self._blocks[block.ptr] = block
             self._allocated += nbytes
             self._peak = max(self._peak, self._allocated)
             weakref.finalize(storage, self._freed, block)
+            self._hold(t, block)
         return t
+
+    def _hold(self, t: torch.Tensor, block: _Block | None) -> None:
+        """The host holds ``t``, a tensor on ``block``: the block stays live (unless dropped) while it does."""
+        if block is not None and not block.free:
+            block.holders += 1
+            weakref.finalize(t, self._let_go, block)
+
+    def _let_go(self, block: _Block) -> None:
+        with self._lock:
+            block.holders -= 1
+            if not block.holders:
+                self._free(block)
+
+    def _free(self, block: _Block) -> None:
+        if not block.free:
+            block.free = True
+            self._allocated -= block.nbytes
 
     def _freed(self, block: _Block) -> None:
         with self._lock:
             if self._blocks.get(block.ptr) is block:
                 del self._blocks[block.ptr]
-            if not block.dropped:
-                self._allocated -= block.nbytes
+            self._free(block)
 
     def _synchronizing(self, lane: _Lane, func, args: tuple, kwargs: dict):
         """An op whose result the host needs now: its stream's queue runs first (module docstring)."""
@@ -639,6 +676,8 @@ class FakeCuda:
             (item.event.done if done is None else done.setdefault(item.event, _Done())).add(item.seq)
         elif isinstance(item, _Kernel):
             self.stats["kernels"] += 1
+            if not self.compute:
+                return
             executing, self._executing = self._executing, True
             try:
                 with torch.inference_mode():
@@ -670,16 +709,32 @@ def _named_arguments(schema, args: tuple, kwargs: dict) -> dict[str, Any]:
     return named
 
 
-def _copy_into(out, result, func) -> None:
-    """Write a kernel's ``result`` into the outputs allocated when it was issued. A CPU kernel may return an empty
-    auxiliary output where the meta kernel sizes it (BatchNorm's saved statistics in inference, which CUDA's kernel
-    fills): that output is resized to what the kernel computed."""
-    outs, results = pytree.tree_leaves(out), pytree.tree_leaves(result)
-    for o, r in zip(outs, results, strict=True):
-        if isinstance(o, torch.Tensor):
-            if o.shape != r.shape and r.numel() == 0:
-                o.resize_(r.shape)
-            elif o.shape != r.shape:
-                raise RuntimeError(f"{func} computed shape {tuple(r.shape)} where its meta kernel said "
-                                   f"{tuple(o.shape)}")
-            o.copy_(r)
+def _aliases(value):
+    """``value`` with each tensor replaced by an alias of it (same storage, sizes and strides) that a queued kernel
+    holds instead of the host's tensor, so that the host letting go of a tensor is seen (memory statistics)."""
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, value)
+
+
+def _handles(out) -> list:
+    """Per leaf of an op's ``out``: what its kernel writes through, an alias and a weak reference to the host's
+    tensor (None for a leaf that is no tensor)."""
+    return [(o.detach(), weakref.ref(o)) if isinstance(o, torch.Tensor) else None for o in pytree.tree_leaves(out)]
+
+
+def _copy_into(handles: list, result, func) -> None:
+    """Write a kernel's ``result`` into the outputs allocated when it was issued (``handles``, :func:`_handles`). A
+    CPU kernel may return an empty auxiliary output where the meta kernel sizes it (BatchNorm's saved statistics in
+    inference, which CUDA's kernel fills): that output is resized to what the kernel computed, the host's tensor
+    too while the host holds it."""
+    for handle, r in zip(handles, pytree.tree_leaves(result), strict=True):
+        if handle is None:
+            continue
+        o, host = handle
+        if o.shape != r.shape and r.numel() == 0:
+            o.resize_(r.shape)
+            if (held := host()) is not None:
+                held.resize_(r.shape)
+        elif o.shape != r.shape:
+            raise RuntimeError(f"{func} computed shape {tuple(r.shape)} where its meta kernel said "
+                               f"{tuple(o.shape)}")
+        o.copy_(r)

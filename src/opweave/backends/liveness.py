@@ -1,5 +1,5 @@
-"""When may a backend free a buffer that several streams read? A liveness analysis that knows about joins, and
-the buffers it is run on.
+"""When may a backend free a buffer that several streams read? The buffers of a run, found before it runs, and
+where the plan's memory pass (:mod:`opweave.plan.memory`) frees them, as the steps a backend walks.
 
 The CUDA caching allocator hands a freed block back to the pool of the stream that *allocated* it, and gives it to
 the next allocation on that same stream at once, without waiting for other streams. So freeing a
@@ -8,70 +8,42 @@ point is ordered — through the lane's own FIFO order and the plan's record/wai
 that uses the buffer (reads it, writes it in place, or holds a view of it). Anything issued later to the allocating
 stream then starts after those uses have finished, and it is the only work that can reuse the block.
 
-:func:`release_points` finds, for every buffer, the earliest such point on its allocating lane; a buffer with no
-such point is kept until the final join (the caller's environment is dropped after the call, or the capture ends).
+:func:`release_points` finds, for every buffer, the earliest such point on its allocating lane
+(:func:`opweave.plan.memory.release_points`, as step indices of a :class:`~opweave.backends.program.Program`: a
+program's step ``i`` is the semantics' position ``i + 1``); a buffer with no such point is kept until the final join
+(the caller's environment is dropped after the call, or the capture ends). Because a wait is always issued after the
+record it refers to, every use ordered before a release point was also issued (on the host) before it, so a
+host-side interpreter can apply the releases in issue order.
 
-Happens-before is that of :mod:`opweave.plan.semantics`, run on the program's plan: ``clock[lane][i][m]`` is how
-many steps of lane ``m`` are ordered at or before step ``i`` of ``lane`` (its own entry counts step ``i`` itself; a
-program's step ``i`` is the semantics' position ``i + 1``). Because a wait is always issued after the record it
-refers to, every use ordered before a release point was also issued (on the host) before it, so a host-side
-interpreter can apply the releases in issue order.
+**Which buffers.** :func:`static_buffers` finds them before anything runs on the device: the model runs once, op
+by op in the plan's issue order, on PyTorch's fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``:
+shapes, dtypes, strides and storage identity, no memory and no kernels), which is exact for views and in-place ops
+kept in place, as the real run would make them. :func:`storage_buffers` groups the environment of such a run (or of
+a real run that kept every intermediate) by the storage its entries share (views and in-place results included);
+each group's allocating lane is the lane of the first op that held it, its size the storage's bytes. Groups that are
+model inputs, parameters or anything computed in ``bind``, groups the output returns, and groups allocated on several
+lanes are left out (kept to the end). :func:`release_keys` turns validated release points
+(:func:`opweave.plan.memory.validate_releases`) into environment keys, and :func:`steps_with_releases` puts them on
+the steps a :class:`~opweave.backends.program.Walker` runs (the CUDA backend does; see its docstring).
 
-**Which buffers.** :func:`storage_buffers` finds them in the environment of a finished run that kept every
-intermediate: entries are grouped by the storage they share (views and in-place results included), and each group's
-allocating lane is the lane of the first op that held it. Groups that are model inputs, parameters or anything
-computed in ``bind``, groups the output returns, and groups allocated on several lanes are left out (kept to the
-end). :func:`release_keys` turns the release points into environment keys, and :func:`steps_with_releases` puts
-them on the steps a :class:`~opweave.backends.program.Walker` runs (the CUDA backend does; see its docstring).
-
-Complexity: O(S·L) for the clocks (S steps, L lanes), then O(U·log S) per buffer with U users.
+Complexity: that of :mod:`opweave.plan.memory`; :func:`static_buffers` one run of the model on fake tensors.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch.utils import _pytree as pytree
 
 from opweave.backends.program import Lane, Program, Step
-from opweave.capture.runtime import Captured
-from opweave.plan.launchplan import Instr
-from opweave.plan.semantics import Clock, PlanInterpreter, Point
+from opweave.capture.runtime import Captured, module_tensors
+from opweave.plan import memory
+from opweave.plan.memory import Buffer
 
-
-@dataclass(frozen=True)
-class Buffer:
-    """One allocation seen by the interpreter: where it was allocated and which ops touch it.
-
-    ``keys`` are the environment entries (fx node names) that hold references to it; they are dropped together.
-    """
-
-    name: str
-    alloc_lane: Lane
-    users: frozenset[str]
-    keys: tuple[str, ...] = ()
-
-
-def vector_clocks(program: Program) -> dict[Lane, list[Clock]]:
-    """``clocks[lane][i]``: for every lane, how many of its steps are ordered at or before step ``i`` of ``lane``."""
-    return _StepClocks().run(program.plan)
-
-
-class _StepClocks(PlanInterpreter):
-    """The plan's interpreter, keeping a copy of the clock at every instruction, by lane."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.clocks: dict[Lane, list[Clock]] = {}
-
-    def run_instr(self, i: int, ins: Instr, at: Point) -> None:
-        self.clocks.setdefault(at[0], []).append(dict(self.clock[at[0]]))
-
-    def output(self) -> dict[Lane, list[Clock]]:
-        return self.clocks
+__all__ = ["Buffer", "launch_positions", "release_keys", "release_points", "static_buffers", "steps_with_releases",
+           "storage_buffers"]
 
 
 def launch_positions(program: Program) -> dict[str, tuple[Lane, int]]:
@@ -96,56 +68,73 @@ def steps_with_releases(program: Program, releases: dict[tuple[Lane, int], list[
 
 def release_points(program: Program, buffers: Iterable[Buffer]) -> dict[tuple[Lane, int], list[str]]:
     """Earliest safe release of every buffer: ``{(lane, step index): [buffer names]}``, to apply right after that
-    step of that lane. Buffers that appear in no entry must be kept until the final join.
+    step of that lane (:func:`opweave.plan.memory.release_points`). Buffers that appear in no entry must be kept
+    until the final join.
 
     Tiny example: lane A launches ``x`` then records signal 0; lane B waits on it and launches ``y``; lane A then
     waits for signal 1 raised by B after ``y``. A buffer allocated on A and read by ``y`` is released right after
     A's wait for signal 1 (not after ``x``, and not at all if A never waits for B).
     """
-    clocks = vector_clocks(program)
-    where = launch_positions(program)
-    out: dict[tuple[Lane, int], list[str]] = {}
-    for buf in buffers:
-        if not buf.users:
-            raise ValueError(f"buffer {buf.name!r} has no users (its allocating op at least must be one)")
-        missing = [u for u in buf.users if u not in where]
-        if missing:
-            raise ValueError(f"buffer {buf.name!r}: user op {missing[0]!r} is not launched by the plan")
-        if buf.alloc_lane not in clocks:
-            raise ValueError(f"buffer {buf.name!r}: allocating lane {buf.alloc_lane} has no steps")
-        lane_clocks = clocks[buf.alloc_lane]
-        # Clocks only grow along a lane, so the first covering step of each use can be found by bisection.
-        earliest = 0
-        for use_lane, use_index in (where[u] for u in buf.users):
-            first = bisect_left(lane_clocks, use_index + 1, key=lambda c, m=use_lane: c.get(m, 0))
-            earliest = max(earliest, first)
-        if earliest < len(lane_clocks):
-            out.setdefault((buf.alloc_lane, earliest), []).append(buf.name)
-    return out
+    return _steps(memory.release_points(program.plan, buffers))
 
 
-def release_keys(captured: Captured, env: dict, program: Program) -> dict[tuple[Lane, int], list[str]]:
-    """From the environment of a finished keep-all run: after which step of which lane each env key may be dropped."""
-    buffers = storage_buffers(captured, env, program)
+def release_keys(program: Program, buffers: list[Buffer],
+                 releases: dict | None = None) -> dict[tuple[Lane, int], list[str]]:
+    """After which step of which lane each environment key may be dropped: ``releases`` (the plan's points, by
+    default :func:`opweave.plan.memory.release_points`), proven safe first by
+    :func:`opweave.plan.memory.validate_releases` (a :class:`~opweave.errors.PlanError` names the buffer
+    otherwise), each buffer's name replaced by its keys."""
+    if releases is None:
+        releases = memory.release_points(program.plan, buffers)
+    memory.validate_releases(program.plan, buffers, releases)
     keys = {b.name: b.keys for b in buffers}
-    return {at: [k for name in group for k in keys[name]] for at, group in release_points(program, buffers).items()}
+    return {at: [k for name in names for k in keys[name]] for at, names in _steps(releases).items()}
 
 
-def storage_buffers(captured: Captured, env: dict, program: Program) -> list[Buffer]:
-    """Group the environment of a finished keep-all run by shared storage (a view, an in-place result and its base
-    are one group) into :class:`Buffer` s for the liveness analysis.
+def _steps(releases: dict) -> dict[tuple[Lane, int], list[str]]:
+    """Plan points (1-based positions) as program steps (0-based)."""
+    return {(lane, position - 1): names for (lane, position), names in releases.items()}
+
+
+def static_buffers(captured: Captured, args: tuple, program: Program) -> list[Buffer]:
+    """The buffers a run of ``program`` on ``args`` allocates (:func:`storage_buffers`), found by running it on fake
+    tensors (module docstring). Raises what the model raises when it cannot run on fake tensors (an op without a
+    fake implementation, Python control flow on a tensor's value): the caller then learns them from a real run."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        return t if isinstance(t, FakeTensor) else mode.from_tensor(t)
+
+    with torch.no_grad(), mode:
+        env = captured.bind(pytree.tree_map_only(torch.Tensor, fake, args))
+        env = {k: pytree.tree_map_only(torch.Tensor, fake, v) for k, v in env.items()}
+        external = [fake(t) for t in module_tensors(captured.gm)]
+        for _, step in program.issue_order:
+            if step.kind == "launch":
+                Captured.run_op(captured, step.op, env)  # a segmented model's ops node by node, as compiled
+    return storage_buffers(captured, env, program, external)
+
+
+def storage_buffers(captured: Captured, env: dict, program: Program,
+                    external: Iterable[torch.Tensor] = ()) -> list[Buffer]:
+    """Group the environment of a run that kept every intermediate (on fake tensors, :func:`static_buffers`, or
+    real ones) by shared storage (a view, an in-place result and its base are one group) into :class:`Buffer` s for
+    the memory pass, each with the bytes of its storages.
 
     Only groups computed by ops are returned: a group that holds a model input, a parameter or anything computed
-    in ``bind``, a group the output returns, and a group allocated by ops on several lanes are left out (kept).
+    in ``bind``, a group that shares storage with one of ``external`` (the module's parameters and buffers, which an
+    op may return a view of), a group the output returns, and a group allocated by ops on several lanes are left out
+    (kept).
     """
     launches = [(lane, step.op) for lane, step in program.issue_order if step.kind == "launch"]
     lane_of = {op: lane for lane, op in launches}
-    issue_order = [op for _, op in launches]
     owner = {n.name: op for op, group in captured.nodes.items() for n in group}
     readers = captured.readers()
     output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
     returned = {n.name for n in output.all_input_nodes}
-    rank = {op: i for i, op in enumerate(issue_order)}
+    rank = {op: i for i, (_, op) in enumerate(launches)}
 
     parent: dict[object, object] = {}
 
@@ -155,6 +144,7 @@ def storage_buffers(captured: Captured, env: dict, program: Program) -> list[Buf
             x = parent[x]
         return x
 
+    outside = {s for s in map(_storage, external) if s is not None}
     storages_of: dict[str, list[tuple]] = {}
     for key, value in env.items():
         found = [_storage(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
@@ -167,7 +157,8 @@ def storage_buffers(captured: Captured, env: dict, program: Program) -> list[Buf
             groups.setdefault(find(("key", key)), []).append(key)
     buffers = []
     for keys in groups.values():
-        if any(k not in owner or k in returned for k in keys):
+        if any(k not in owner or k in returned for k in keys) or any(s in outside for k in keys
+                                                                      for s in storages_of[k]):
             continue
         first_holder: dict[tuple, str] = {}
         for k in sorted(keys, key=lambda k: rank[owner[k]]):
@@ -177,13 +168,17 @@ def storage_buffers(captured: Captured, env: dict, program: Program) -> list[Buf
         if len(alloc_lanes) != 1:
             continue
         users = {owner[k] for k in keys} | {op for k in keys for op in readers.get(k, ())}
-        buffers.append(Buffer(keys[0], alloc_lanes.pop(), frozenset(users), tuple(keys)))
+        buffers.append(Buffer(keys[0], alloc_lanes.pop(), frozenset(users), tuple(keys),
+                              sum(s[1] for s in first_holder)))
     return buffers
 
 
 def _storage(t: torch.Tensor) -> tuple | None:
+    """A tensor's storage, as ``(identity, bytes)``: the same for every view of it; None for a tensor without a
+    storage (sparse, functional wrappers) or an empty one."""
     try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, functional wrappers)
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
         return None
-    return (str(t.device), ptr) if ptr else None
+    nbytes = storage.nbytes()
+    return (storage._cdata, nbytes) if nbytes else None

@@ -79,6 +79,41 @@ def build(captured, example_inputs, options: Options, *, eager=None) -> Compiled
     return target.build(captured, inputs, options, eager=eager)
 
 
+def with_free_joins(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, cuda_graph: bool = True,
+                    max_waits: int = 16) -> LaunchPlan:
+    """``plan`` with the waits the memory pass adds so that buffers read on other streams are freed before the
+    planned peak (:func:`opweave.plan.memory.free_joins`): each placed where the plan's replay under ``costs``
+    (:func:`opweave.backends.simulate.simulate`) has its event done, and kept only if the replay's makespan does not
+    grow; the result has passed the validator. ``plan`` itself for one stream, when no wait lowers the peak, or when
+    the model cannot run on fake tensors (:func:`opweave.backends.liveness.static_buffers`)."""
+    import logging
+
+    from opweave.backends.liveness import static_buffers
+    from opweave.backends.program import Program
+    from opweave.backends.simulate import makespan_ms, simulate
+    from opweave.plan import memory
+    from opweave.plan.validate import validate
+
+    program = Program.from_plan(plan)
+    if len(program.lanes) < 2:
+        return plan
+    try:
+        buffers = static_buffers(captured, inputs, program)
+    except Exception as exc:  # noqa: BLE001 - the backend learns its buffers from a real run then; no joins
+        logging.getLogger(__name__).debug("%s: no added waits: %s", captured.graph.name, exc)
+        return plan
+    graph = captured.graph
+    replay = simulate(graph, plan, costs, cuda_graph=cuda_graph)
+    limit = replay.makespan_ms * (1 + 1e-9)
+    slack_ms = costs.gpu.event_overhead_ms if costs.model == "gpu" else 0.0
+    joined, added = memory.free_joins(plan, buffers, replay.start_ms, replay.finish_ms, slack_ms=slack_ms,
+                                      max_waits=max_waits,
+                                      accept=lambda p: makespan_ms(graph, p, costs, cuda_graph=cuda_graph) <= limit)
+    if added:
+        validate(graph, joined)
+    return joined
+
+
 def costs_for(captured, inputs: tuple, options: Options, preset: str) -> Costs:
     """What the scheduler plans on: ``options.costs``, else the measured ``options.profile`` (refused when it was
     measured for other shapes, dtype, device, torch or granularity), else the roofline estimate for ``preset``."""
@@ -94,4 +129,4 @@ def costs_for(captured, inputs: tuple, options: Options, preset: str) -> Costs:
     return estimate(captured.graph, device=preset, model=options.cost_model)
 
 
-__all__ = ["Compiled", "as_tuple", "build", "costs_for", "plan_for", "validated_plan"]
+__all__ = ["Compiled", "as_tuple", "build", "costs_for", "plan_for", "validated_plan", "with_free_joins"]

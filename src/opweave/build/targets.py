@@ -26,7 +26,7 @@ import logging
 from dataclasses import replace
 
 from opweave.build.options import Options
-from opweave.build.pipeline import Compiled, costs_for, plan_for
+from opweave.build.pipeline import Compiled, costs_for, plan_for, with_free_joins
 from opweave.costs import Costs
 from opweave.errors import UsageError
 from opweave.plan import LaunchPlan
@@ -171,6 +171,8 @@ class CudaTarget:
         ``options.compiler`` in the backend's warm-up)."""
         from opweave.backends.cuda import CudaBackend
 
+        if options.compiler is None:  # waits that free buffers read on other streams early (segments: none)
+            plan = with_free_joins(captured, plan, inputs, costs, cuda_graph=options.cudagraphs)
         runner, run_plan, fused = captured, plan, None
         if options.compiler is not None:
             from opweave.backends.segments import fuse_segments
