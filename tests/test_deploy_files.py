@@ -83,3 +83,15 @@ def test_dump_trace_without_cuda_says_so_in_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "needs a GPU" in out.stderr
     assert not (tmp_path / "t.gz").exists()
+
+
+def test_makefile_picks_torchvision_without_importing_torch():
+    """`make setup` picks the torchvision made for the installed torch before anything has installed numpy (torch
+    does not require it): a line that imported torch there printed "Failed to initialize NumPy" on a fresh set-up."""
+    code = re.search(r"^TORCHVISION_FOR_TORCH := (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    no_numpy = "import sys; sys.modules['numpy'] = None\n"  # as in a fresh .venv: `import numpy` fails
+    out = subprocess.run([sys.executable, "-c", no_numpy + code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    import torch
+    minor = int(torch.__version__.split(".")[1])
+    assert out.stdout.strip() == f"torchvision==0.{minor + 15}.*"
