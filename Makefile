@@ -4,9 +4,11 @@
 # (ONNX Runtime) and `ray` (Ray Serve: tests/test_serve_ray.py, marked `ray`, about 30 s, runs in `make test`;
 # `make test-ray` runs it alone) among them.
 # Elsewhere: make test TORCH_SPEC='torch>=2.4'
+# The torchvision pick reads torch's installed version without importing torch: torch does not require numpy, so
+# nothing has installed it yet, and importing torch then prints "Failed to initialize NumPy".
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
-TORCHVISION_FOR_TORCH := import torch; v = torch.__version__.split("+")[0].split("."); print(f"torchvision==0.{int(v[1]) + 15}.*")
+TORCHVISION_FOR_TORCH := from importlib.metadata import version; v = version("torch").split("+")[0].split("."); print(f"torchvision==0.{int(v[1]) + 15}.*")
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.opweave-installed

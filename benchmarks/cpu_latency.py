@@ -1,6 +1,6 @@
 """Latency on the CPU: opweave's modes beside what a CPU user already runs, every zoo model, batch 1 and 8.
 
-    .venv/bin/python benchmarks/cpu_latency.py [--quick] [--models a,b|all|acceptance] [--batch-sizes 1,8]
+    .venv/bin/python benchmarks/cpu_latency.py [--quick] [--models a,b|all|multi-branch] [--batch-sizes 1,8]
                                                [--modes m1;m2] [--runs 40] [--rounds 8] [--check-only] [--out DIR]
 
 Modes (``--modes``, separated by ``;``; default :data:`DEFAULT_MODES`):
@@ -55,7 +55,7 @@ import _common as common
 
 from opweave.errors import first_line
 
-ACCEPTANCE_MODELS = ("inception_v3", "googlenet", "nasnet_a_mobile", "randwire")
+MULTI_BRANCH_MODELS = ("inception_v3", "googlenet", "nasnet_a_mobile", "randwire")
 PEERS = ("eager", "torch.compile", "torch.compile freezing", "onnxruntime", "onnxruntime parallel")
 OPWEAVE = ("opweave sequential", "opweave heft", "opweave sequential+onnxruntime", "opweave heft+onnxruntime",
            "opweave sequential+onnxruntime-graph", "opweave heft+onnxruntime-graph",
@@ -70,7 +70,8 @@ INDUCTOR_MODES = ("torch.compile", "torch.compile freezing")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="deepfm and squeezenet at batch 1, a few modes, few runs")
-    p.add_argument("--models", help="comma list of zoo models, 'all' or 'acceptance' (default all)")
+    p.add_argument("--models", help="comma list of zoo models, 'all' or 'multi-branch' (Inception-v3, GoogLeNet, "
+                                    "NASNet and RandWire; default all)")
     p.add_argument("--batch-sizes", default="1,8", help="comma list (default %(default)s)")
     p.add_argument("--modes", help="modes separated by ';' (default: every mode in the module docstring)")
     p.add_argument("--bert-layers", type=int, default=2, help="layers of bert_base (default %(default)s)")
@@ -100,8 +101,8 @@ def model_names(args: argparse.Namespace) -> list[str]:
 
     if args.models in (None, "all"):
         return zoo.names()
-    if args.models == "acceptance":
-        return list(ACCEPTANCE_MODELS)
+    if args.models == "multi-branch":
+        return list(MULTI_BRANCH_MODELS)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in zoo.names()]
     if unknown:
@@ -370,8 +371,8 @@ def compiler_of(mode: str) -> str:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Per model and batch: opweave's best mode against torch.compile (freezing) and ORT sequential, and the best
-    multi-lane plan against the best single-lane one with the same compiler (the issue's acceptance); max-autotune
-    counts as the plan it chose, timed in this process."""
+    multi-lane plan against the best single-lane one with the same compiler; max-autotune counts as the plan it
+    chose, timed in this process."""
     out = []
     for key in dict.fromkeys((r["model"], r["batch"]) for r in rows):
         timed = {r["mode"]: r["median_ms"] for r in rows if (r["model"], r["batch"]) == key and "median_ms" in r}

@@ -589,5 +589,23 @@ def markdown(data: dict) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def summary_markdown(data: dict) -> str:
+    """The summaries of one run as one Markdown table: per configuration the best unfused plan, its median and its
+    speed-ups over the sequential CUDA Graph and torch.compile, and its peak memory over the CUDA Graph's: what the
+    README and docs/gpu.md show, kept equal to the committed JSON by a test."""
+    def times(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}x"
+
+    out = ["| model | batch, dtype | best plan | median ms | vs CUDA Graph | vs torch.compile | "
+           "peak memory vs CUDA Graph |", "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for s in data["summaries"]:
+        if s.get("best_ms") is None:
+            continue
+        out.append(f"| {s['model']} | {s['batch_size']}, {s['dtype']} | {s['best_scheduler']} | {s['best_ms']:.3f} | "
+                   f"{times(s['speedup_vs_cuda_graph'])} | {times(s['speedup_vs_torch_compile'])} | "
+                   f"{times(s['peak_memory_vs_cuda_graph'])} |")
+    return "\n".join(out) + "\n"
+
+
 if __name__ == "__main__":
     sys.exit(main())

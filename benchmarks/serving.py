@@ -370,7 +370,7 @@ def spread(rows: list[dict]) -> dict:
 
 def verdicts(results: list[dict], names, mode: str, min_requests: int) -> dict:
     """Per pattern: heuristic's sustainable rate over the better of static and batch, over batch, and (cpu) over
-    the Ray Serve peer (its best batch wait); the issue's bars: >= 1.2x and >= 1.3x on the CPU, >= 1.3x over batch
+    the Ray Serve peer (its best batch wait); the goals: >= 1.2x and >= 1.3x on the CPU, >= 1.3x over batch
     in simulation; and whether every run at each reported rate answered ``min_requests``."""
     out = {}
     for name in names:

@@ -4,20 +4,20 @@
 #
 #   OUT=/some/dir scripts/gpu_check.sh [lease | lease2 | env tests more trace profile bench]   # default: all six
 #
-# A lent GPU comes with 15 minutes of device time in all (the machine's start, a minute or two, included; no start
-# under 4 minutes left), so the check is a sequence of plans, each one device call sized to fit; run them in this
-# order, across sessions (docs/gpu.md says what each measures and which ran). First, here: scripts/gpu_wheels.sh
-# (cachetools, FastAPI, uvicorn: the machine's image lacks them and has no network). Then, each as one device call
-# with carry [".whl"]:
-#   lease    env, tests (every CUDA test), bench at batch 8 fp16 on the four acceptance models (torch.compile,
+# Where GPU time comes in short leases (say 15 minutes of device time, the machine's start included, each command
+# at most 10 minutes), the check is a sequence of plans, each one command sized to fit; run them in this order
+# (docs/gpu.md says what each measures). First, on a machine with network: scripts/gpu_wheels.sh (cachetools,
+# FastAPI, uvicorn, for a GPU image that lacks them and has no network). Then each plan as one command on the GPU
+# machine, with .whl/ copied beside the checkout:
+#   lease    env, tests (every CUDA test), bench at batch 8 fp16 on the four multi-branch models (torch.compile,
 #            the CUDA Graph, opweave's default and max-autotune, lios, heft, lios over Inductor's kernels): about
-#            9 minutes with the install (timeout_s 560)
-#   lease2   right after, on the still-warm machine, if 4 minutes are left: bench at batch 1 fp32, opweave's
-#            default and max-autotune against the same peers (about 3.5 min, timeout_s 230)
-#   lease3   (a later lease) bench at batch 8 fp32 and batch 1 fp16 on the four models (timeout_s 560)
+#            9 minutes with the install (a 560 s limit)
+#   lease2   right after, on the same machine, if 4 minutes are left: bench at batch 1 fp32, opweave's
+#            default and max-autotune against the same peers (about 3.5 min, a 230 s limit)
+#   lease3   (a later lease) bench at batch 8 fp32 and batch 1 fp16 on the four models (a 560 s limit)
 #   lease4   (a later lease) per-op profiles of every zoo model at batch 1 fp32 and batch 8 fp16, the serving run
 #            on the GPU (TOP's heuristic against static and batch, two patterns), torch.compile max-autotune as a
-#            second peer on two models (timeout_s 560)
+#            second peer on two models (a 560 s limit)
 # A plan's stages run with shorter limits than alone (below); a limit set in the environment wins. With more time,
 # the stages one by one (each set meant to fit one 10-minute call):
 #   env tests (~6 min) | more (~8 min) | trace profile (~4 min) | bench (--quick: ~8 min; BENCH_ARGS="..." for more)

@@ -831,8 +831,15 @@ def test_benchmark_summary_table_and_json(tmp_path):
 
 
 def test_docs_gpu_shows_the_committed_results_as_they_are():
-    """docs/gpu.md carries the committed GPU results' tables as gpu_latency.markdown renders them."""
+    """docs/gpu.md carries the committed GPU results' tables as gpu_latency.markdown renders them, and it and the
+    README the batch 1 fp32 run's summary as gpu_latency.summary_markdown renders it."""
     doc = (BENCHMARKS.parent / "docs" / "gpu.md").read_text()
     for name in ("gpu_latency_h200_b1_fp32.json", "gpu_latency_h200_googlenet_fused.json"):
         data = json.loads((BENCHMARKS / "results" / name).read_text())
         assert gpu_latency().markdown(data) in doc, f"docs/gpu.md: the tables of {name} are out of date"
+    data = json.loads((BENCHMARKS / "results" / "gpu_latency_h200_b1_fp32.json").read_text())
+    summary = gpu_latency().summary_markdown(data)
+    assert summary.count("\n") == 2 + len(data["summaries"]) == 6
+    for doc_name in ("docs/gpu.md", "README.md"):
+        text = (BENCHMARKS.parent / doc_name).read_text()
+        assert summary in text, f"{doc_name}: the summary of the H200 run is out of date"

@@ -1,8 +1,8 @@
 """The container and KServe files say what the CLI takes: every flag the Dockerfile's entrypoint and the
 InferenceService's args pass is an option of ``opweave serve``, the CPU torch is installed before opweave (so the
 CUDA build is never pulled), and the manifest's probes are the server's health routes. (Docker cannot run here;
-this keeps the files from drifting from the code.) The GPU check's scripts likewise: the wheels carried to the lent
-GPU machine cover what its image lacks, and its scripts refuse clearly where they cannot run."""
+this keeps the files from drifting from the code.) The GPU check's scripts likewise: the wheels carried to a
+GPU machine without network cover what its image lacks, and its scripts refuse clearly where they cannot run."""
 
 import json
 import os
@@ -51,7 +51,7 @@ def test_inferenceservice_runs_the_image_with_known_flags_and_the_v2_health_rout
     assert container["ports"][0]["containerPort"] == 8080  # the Dockerfile's --port
 
 
-# The lent GPU machine's image, as the device README listed it (2026-11-17): the packages opweave and its serve extra
+# The GPU machine's image, as its package list read (2026-11-17): the packages opweave and its serve extra
 # need that it has. It has no network; what it lacks travels as wheels that scripts/gpu_wheels.sh downloads.
 GPU_IMAGE_HAS = {"torch", "numpy", "networkx", "rich", "typer", "matplotlib", "prometheus-client"}
 
@@ -83,3 +83,15 @@ def test_dump_trace_without_cuda_says_so_in_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "needs a GPU" in out.stderr
     assert not (tmp_path / "t.gz").exists()
+
+
+def test_makefile_picks_torchvision_without_importing_torch():
+    """`make setup` picks the torchvision made for the installed torch before anything has installed numpy (torch
+    does not require it): a line that imported torch there printed "Failed to initialize NumPy" on a fresh set-up."""
+    code = re.search(r"^TORCHVISION_FOR_TORCH := (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    no_numpy = "import sys; sys.modules['numpy'] = None\n"  # as in a fresh .venv: `import numpy` fails
+    out = subprocess.run([sys.executable, "-c", no_numpy + code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    import torch
+    minor = int(torch.__version__.split(".")[1])
+    assert out.stdout.strip() == f"torchvision==0.{minor + 15}.*"

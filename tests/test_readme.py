@@ -299,13 +299,19 @@ def check_simulate_profile(line: str, tmp_path: Path) -> None:
     else:  # what that line writes, measured on the CPU (one timed run per op: only the file's contents matter here)
         _, inputs, captured = load("googlenet")  # coarsened, as `opweave profile` measures it by default
         profile_model(captured, inputs, device="cpu", repeats=1, warmup=0).save(tmp_path / "googlenet.profile.json")
-    measured = json.loads((tmp_path / "googlenet.profile.json").read_text())["latency_ms"]
+    profile = json.loads((tmp_path / "googlenet.profile.json").read_text())
+    measured = profile["latency_ms"]
     out = succeeds(opweave_cli(line))
     assert "googlenet:" in out and "cost model gpu" in out
     rows = table_rows(out)
     assert list(rows) == opweave.schedulers.names()
-    # the graph carries the measured latencies: one stream replays their sum (no overheads on one stream)
-    assert float(rows["sequential"][0]) == pytest.approx(sum(measured.values()), abs=1e-3)
+    # the graph carries the measured latencies: doubling every one adds their sum to one stream's replay (which
+    # also holds the graph's per-kernel gaps, the same in both runs)
+    (tmp_path / "double.profile.json").write_text(json.dumps(
+        {**profile, "latency_ms": {op: 2 * ms for op, ms in measured.items()}}))
+    doubled = table_rows(succeeds(opweave_cli(line.replace("googlenet.profile.json", "double.profile.json"))))
+    added = float(doubled["sequential"][0]) - float(rows["sequential"][0])
+    assert added == pytest.approx(sum(measured.values()), abs=2e-3)  # each figure rounded to 3 decimals
 
 
 def exported_model(path: Path) -> None:

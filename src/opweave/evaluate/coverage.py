@@ -74,7 +74,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "timm:poolformer_s12": {"image_size": 64},
     "timm:deit_tiny_patch16_224": {"img_size": 32, "depth": 2},
     # transformers: encoders, decoders, an encoder-decoder, vision and audio models; the attention each class
-    # uses by default (sdpa for most). T5 is the configuration: the default sizes, 2 layers, 32 tokens.
+    # uses by default (sdpa for most). T5 at its default sizes, 2 layers, 32 tokens.
     "hf:T5EncoderModel": {"num_layers": 2, "seq_len": 32},
     "hf:BertModel": _TINY_TEXT,
     "hf:DistilBertModel": {"n_layers": 2, "dim": 64, "n_heads": 4, "hidden_dim": 128, "vocab_size": 1000,
