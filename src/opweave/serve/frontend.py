@@ -118,8 +118,11 @@ class HeapTrimmer:
         return resident - info.uordblks - info.hblkhd
 
     def start(self) -> None:
+        """Trim once (so that slack freed before the start is not counted as the baseline, where a later allocation
+        could reuse it unseen between two looks), then look every ``period_s``."""
         if self._trim is None or self.slack() is None:
             return
+        self._trim(0)
         self._thread = threading.Thread(target=self._run, name="opweave-heap-trim", daemon=True)
         self._thread.start()
 
