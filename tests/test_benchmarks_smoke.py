@@ -254,3 +254,14 @@ def test_top_serving_quick(tmp_path):
     assert top_row["sent"] == top_row["answered"] + top_row["rejected"] + top_row["timeouts"] + top_row["errors"]
     assert "decisions" in top_row and set(data["verdicts"]["squeezenet"]) >= {"top", "heuristic"}
     assert (tmp_path / "top_learning.png").stat().st_size > 1000 and "heuristic (p99 at scale 2" in result.stdout
+
+
+def test_sim_gpu_predict_quick(tmp_path):
+    """googlenet at batch 1 fp32 on the fitted H200: the best plan's predicted speed-up over the sequential CUDA
+    Graph, beside what the H200 measured (lios, 1.70x); the simulator was fitted on that run, so they are close."""
+    run_script("sim_gpu_predict.py", tmp_path)
+    (row,) = json.loads((tmp_path / "sim_gpu_predict.json").read_text())["summary"]
+    assert (row["model"], row["batch_size"], row["dtype"]) == ("googlenet", 1, "fp32")
+    assert row["best_ms"] < row["sequential_ms"] and row["measured"]["best_scheduler"] == "lios"
+    assert abs(row["speedup_vs_sequential"] / row["measured"]["speedup_vs_cuda_graph"] - 1) < 0.25
+    assert "| googlenet | 1 | fp32 |" in (tmp_path / "sim_gpu_predict.md").read_text()
