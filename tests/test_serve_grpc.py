@@ -17,7 +17,7 @@ from opweave import zoo
 from opweave.serve.build import load_models, make_engine
 from opweave.serve.protocol import encode_tensor
 from opweave.serve.server import BackgroundServer
-from serve_models import WAIT_S, Gate, tiny
+from serve_models import WAIT_S, Gate
 
 triton = pytest.importorskip("tritonclient.grpc")
 import tritonclient.grpc.aio as triton_aio  # noqa: E402
@@ -26,14 +26,6 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 NAMES = {"deepfm": (["sparse", "dense"], ["INT64", "FP32"]), "tiny": (["x"], ["FP32"]),
          "squeezenet": (["x"], ["FP32"])}
-
-
-@pytest.fixture(scope="module")
-def tiny_file(tmp_path_factory):
-    model, x = tiny()
-    path = tmp_path_factory.mktemp("pt2") / "tiny.pt2"
-    torch.export.save(torch.export.export(model, x), str(path))
-    return model, path
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,9 @@ from opweave.serve import loadgen
 from opweave.serve.build import load_models, make_engine
 from opweave.serve.protocol import HEADER, encode_tensor
 from opweave.serve.server import BackgroundServer
-from serve_models import WAIT_S, Gate, tiny
+from serve_models import WAIT_S, Gate
 
 SQUEEZE = {"image_size": 64}
-
-
-@pytest.fixture(scope="module")
-def tiny_file(tmp_path_factory):
-    model, x = tiny()
-    path = tmp_path_factory.mktemp("pt2") / "tiny.pt2"
-    torch.export.save(torch.export.export(model, x), str(path))
-    return model, path
 
 
 @pytest.fixture(scope="module")

@@ -20,15 +20,6 @@ import torch
 from opweave import zoo
 from opweave.serve.protocol import HEADER, encode_tensor
 from opweave.serve.ray import Replica, ReplicaOptions, retrying_post
-from serve_models import tiny
-
-
-@pytest.fixture(scope="module")
-def tiny_file(tmp_path_factory):
-    model, x = tiny()
-    path = tmp_path_factory.mktemp("pt2") / "tiny.pt2"
-    torch.export.save(torch.export.export(model, x), str(path))
-    return model, path
 
 
 def eager(model, inputs):

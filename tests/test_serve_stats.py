@@ -9,21 +9,12 @@ import torch
 
 from opweave.serve.build import load_models, make_engine
 from opweave.serve.server import BackgroundServer
-from serve_models import tiny
 
 triton_http = pytest.importorskip("tritonclient.http")
 import tritonclient.grpc as triton_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 PARTS = ("queue", "compute_input", "compute_infer", "compute_output")
-
-
-@pytest.fixture(scope="module")
-def tiny_file(tmp_path_factory):
-    model, x = tiny()
-    path = tmp_path_factory.mktemp("pt2") / "tiny.pt2"
-    torch.export.save(torch.export.export(model, x), str(path))
-    return model, path
 
 
 def infer(client, module, batch: int, seed: int, model) -> None:
