@@ -88,6 +88,14 @@ CAP_BUDGET = 0.01  # the share of the simulated makespan the waits that bring a 
 
 def with_free_joins(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, cuda_graph: bool = True,
                     max_waits: int = 16, cap: float = PEAK_CAP, budget: float = CAP_BUDGET) -> LaunchPlan:
+    """The plan of :func:`memory_pass`."""
+    return memory_pass(captured, plan, inputs, costs, cuda_graph=cuda_graph, max_waits=max_waits, cap=cap,
+                       budget=budget)[0]
+
+
+def memory_pass(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, cuda_graph: bool = True,
+                max_waits: int = 16, cap: float = PEAK_CAP,
+                budget: float = CAP_BUDGET) -> tuple[LaunchPlan, float | None]:
     """``plan`` with the waits the memory pass adds so that buffers read on other streams are freed before the
     planned peak, the result validated:
 
@@ -99,7 +107,8 @@ def with_free_joins(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, 
       the one that lowers the peak most first, kept only while the replay's makespan stays within ``budget`` (a
       share) of ``plan``'s.
 
-    ``plan`` itself for one stream, when no wait lowers the peak, or when the model cannot run on fake tensors
+    Returns the plan and its planned peak over the one-stream plan's: ``plan`` itself and 1.0 for one stream,
+    ``plan`` when no wait lowers the peak, ``plan`` and None when the model cannot run on fake tensors
     (:func:`opweave.backends.liveness.static_buffers`)."""
     from opweave.backends.liveness import static_buffers
     from opweave.backends.program import Program
@@ -109,12 +118,12 @@ def with_free_joins(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, 
 
     program = Program.from_plan(plan)
     if len(program.lanes) < 2:
-        return plan
+        return plan, 1.0
     try:
         buffers = static_buffers(captured, inputs, program)
     except Exception as exc:  # noqa: BLE001 - the backend learns its buffers from a real run then; no joins
         log.debug("%s: no added waits: %s", captured.graph.name, exc)
-        return plan
+        return plan, None
     graph = captured.graph
     replay = simulate(graph, plan, costs, cuda_graph=cuda_graph)
     limit = replay.makespan_ms * (1 + 1e-9)
@@ -127,15 +136,16 @@ def with_free_joins(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, 
                                       max_waits=max_waits, accept=within(limit))
     _, one_stream = plan_for(graph, costs, "sequential", streams=1)
     one_lane = one_stream.instrs[0].device, one_stream.instrs[0].stream
-    cap_bytes = int(cap * memory.planned_peak(one_stream, [replace(b, alloc_lane=one_lane) for b in buffers]))
-    joined, over = memory.capped_joins(joined, buffers, cap_bytes, accept=within(limit * (1 + budget)))
+    one_peak = memory.planned_peak(one_stream, [replace(b, alloc_lane=one_lane) for b in buffers])
+    joined, over = memory.capped_joins(joined, buffers, int(cap * one_peak), accept=within(limit * (1 + budget)))
+    peak = memory.planned_peak(joined, buffers)
     if added or over:
         validate(graph, joined)
         log.info("%s: %d waits free buffers early (%d over the cap of %.2fx the one-stream peak): planned peak "
                  "%.2f MB, was %.2f; predicted %.3f ms, was %.3f", graph.name, added + over, over, cap,
-                 memory.planned_peak(joined, buffers) / 2**20, memory.planned_peak(plan, buffers) / 2**20,
+                 peak / 2**20, memory.planned_peak(plan, buffers) / 2**20,
                  makespan_ms(graph, joined, costs, cuda_graph=cuda_graph), replay.makespan_ms)
-    return joined
+    return joined, peak / one_peak if one_peak else 1.0
 
 
 def costs_for(captured, inputs: tuple, options: Options, preset: str) -> Costs:
@@ -153,4 +163,5 @@ def costs_for(captured, inputs: tuple, options: Options, preset: str) -> Costs:
     return estimate(captured.graph, device=preset, model=options.cost_model)
 
 
-__all__ = ["Compiled", "as_tuple", "build", "costs_for", "plan_for", "validated_plan", "with_free_joins"]
+__all__ = ["Compiled", "as_tuple", "build", "costs_for", "plan_for", "memory_pass", "validated_plan",
+           "with_free_joins"]
