@@ -30,9 +30,15 @@ its previous value happens before it. That is all a reuse needs; blocks are neve
   ``max_waits`` waits or when no free join lowers the peak. An added wait only orders more (the plan stays valid:
   every dependency the plan ordered is still ordered), so lowering's rule that every wait is needed holds for the
   plan a scheduler gets lowered to, not for the plan with added waits.
+* :func:`capped_joins` — waits that may **cost time**, for a plan whose planned peak is still over a cap (the CUDA
+  target's is 1.25x the one-stream plan's, :func:`opweave.build.pipeline.memory_pass`): the same joins, placed
+  right before the peak's instruction (the latest place that frees the buffer before it), the one that lowers the
+  peak most first, each kept only if the caller's ``accept`` takes the plan (a budget on the simulated makespan).
+  A peak made of buffers that are all still to be read is beyond any wait: the issue order itself holds them.
 
 Complexity: :func:`release_points` O(I·L) for the clocks (I instructions, L lanes) and O(U·log I) per buffer with U
-users; :func:`free_joins` that, times the waits it adds, plus a scan of the buffers live at the peak each time.
+users; :func:`free_joins` and :func:`capped_joins` that, times the joins they try (at most ``tries`` per wait
+added), plus a scan of the buffers live at the peak each time.
 """
 
 from __future__ import annotations
