@@ -82,3 +82,34 @@ def test_max_autotune_on_cuda_keeps_the_fastest_candidate_that_equals_the_model_
     assert again.choice["cached"] and again.choice["label"] == choice["label"]
     assert compare(model(*inputs), run(again, runtime, inputs)).ok
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("over", [1, 99])
+def test_the_cuda_default_passes_over_a_plan_whose_planned_peak_is_over_the_cap(monkeypatch, over):
+    """The memory pass says the first ``over`` plans it sees are at 1.5x the one-stream plan's peak: the default
+    picks the next plan within the tolerance, and names the one it passed over; when every plan is over, it keeps
+    the fastest and says so."""
+    from opweave.build import targets
+
+    seen = []
+
+    def memory_pass(*args, **kwargs):
+        plan, ratio = real(*args, **kwargs)
+        seen.append(ratio)
+        return plan, 1.5 if len(seen) <= over else ratio
+
+    real = targets.memory_pass
+    monkeypatch.setattr(targets, "memory_pass", memory_pass)
+    monkeypatch.setattr(targets, "PICK_TOLERANCE", 100.0)  # every plan is within it
+    model, inputs = wide()
+    runtime = FakeCuda(seed=5)
+    fast = opweave.compile(model, inputs, device="cuda", runtime=runtime)
+    ranked = list(fast.choice["candidates"])
+    if over == 1:
+        assert len(seen) == 2 and fast.choice["label"] == ranked[1]
+        assert f"picked over {ranked[0].replace(' x', '/')} (1.50x): planned peak over 1.25x" in fast.choice["reason"]
+    else:
+        assert len(seen) == len(ranked) and fast.choice["label"] == ranked[0]
+        assert "planned peak 1.50x the one-stream plan's, over the 1.25x cap, as is every plan" in \
+            fast.choice["reason"]
+    assert compare(model(*inputs), run(fast, runtime, inputs)).ok

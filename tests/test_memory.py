@@ -192,3 +192,54 @@ def test_added_waits_keep_the_plan_valid_lower_the_peak_and_cost_nothing(case, s
     assert max(memory.live_bytes(joined, buffers, releases)) <= max(old)
     assert makespan_ms(graph, joined, costs) <= replay.makespan_ms + 1e-9  # free in the ideal replay
     assert [i for i in joined.instrs if i.kind == "launch"] == [i for i in plan.instrs if i.kind == "launch"]
+
+
+def test_a_wait_over_the_cap_frees_a_buffer_within_the_budget_only():
+    """As above (``b`` long, no free join): a wait before ``d`` frees ``a``'s output before ``d`` allocates but
+    delays ``d`` until ``b`` ends (makespan 10 -> 13 ms). Over a cap of 300 bytes it is added within a 30% budget,
+    not within 1%, and never when the peak is already under the cap."""
+    graph, sched = fork_and_join()
+    graph.op["b"].latency_ms = 7
+    plan = validated_plan(graph, sched)
+    buffers = [memory.Buffer(f"{o}_out", (0, sched.stream_of[o]), frozenset({o, *graph.succs[o]}), (o,), 100)
+               for o in graph.ids]
+    costs = from_graph(graph)
+    base = makespan_ms(graph, plan, costs)
+    assert base == 10 and memory.planned_peak(plan, buffers) == 400
+
+    def within(share):
+        return lambda p: makespan_ms(graph, p, costs) <= base * (1 + share)
+
+    assert memory.capped_joins(plan, buffers, 300, accept=within(0.01)) == (plan, 0)
+    assert memory.capped_joins(plan, buffers, 400, accept=within(1.0)) == (plan, 0)
+    joined, added = memory.capped_joins(plan, buffers, 300, accept=within(0.3))
+    assert added == 1 and memory.planned_peak(joined, buffers) == 300
+    assert makespan_ms(graph, joined, costs) == 13
+    validate(graph, joined, sched)
+    memory.validate_releases(joined, buffers, memory.release_points(joined, buffers))
+    d = next(i for i, ins in enumerate(joined.instrs) if ins.op == "d")
+    assert joined.instrs[d - 1].kind == "wait" and joined.instrs[d - 1].stream == 0  # right before d
+
+
+@settings(max_examples=150, deadline=None)
+@given(planned(), st.sampled_from([0.0, 0.05, 0.5]), st.floats(0.3, 1.2))
+def test_waits_over_the_cap_keep_the_plan_valid_lower_the_peak_and_stay_in_the_budget(case, budget, share):
+    graph, sched, plan, buffers = case
+    costs = from_graph(graph)
+    base = makespan_ms(graph, plan, costs)
+    peak = memory.planned_peak(plan, buffers)
+    cap = int(share * peak)
+    joined, added = memory.capped_joins(plan, buffers, cap, max_waits=4,
+                                        accept=lambda p: makespan_ms(graph, p, costs) <= base * (1 + budget))
+    if not added:
+        assert joined is plan
+        return
+    assert peak > cap  # nothing is added under the cap
+    assert joined.syncs == plan.syncs + added
+    validate(graph, joined, sched)  # every dependency still ordered, stages included
+    Program.from_plan(joined)  # every wait pairs with a record issued before it
+    releases = memory.release_points(joined, buffers)
+    memory.validate_releases(joined, buffers, releases)
+    assert max(memory.live_bytes(joined, buffers, releases)) <= peak
+    assert makespan_ms(graph, joined, costs) <= base * (1 + budget)  # the budget, in the replay
+    assert [i for i in joined.instrs if i.kind == "launch"] == [i for i in plan.instrs if i.kind == "launch"]

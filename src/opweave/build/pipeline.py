@@ -12,7 +12,8 @@ CUDA backend's options) and builds its backend; a measured choice (the CPU's gua
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from typing import Any
 
 from opweave.backends.program import Backend
@@ -23,6 +24,8 @@ from opweave.ir import OpGraph
 from opweave.plan import LaunchPlan
 from opweave.plan.make import plan_for, validated_plan
 from opweave.schedulers.schedule import Schedule
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,15 +82,34 @@ def build(captured, example_inputs, options: Options, *, eager=None) -> Compiled
     return target.build(captured, inputs, options, eager=eager)
 
 
-def with_free_joins(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, cuda_graph: bool = True,
-                    max_waits: int = 16) -> LaunchPlan:
-    """``plan`` with the waits the memory pass adds so that buffers read on other streams are freed before the
-    planned peak (:func:`opweave.plan.memory.free_joins`): each placed where the plan's replay under ``costs``
-    (:func:`opweave.backends.simulate.simulate`) has its event done, and kept only if the replay's makespan does not
-    grow; the result has passed the validator. ``plan`` itself for one stream, when no wait lowers the peak, or when
-    the model cannot run on fake tensors (:func:`opweave.backends.liveness.static_buffers`)."""
-    import logging
+PEAK_CAP = 1.25  # the planned peak a multi-stream plan may reach, over the one-stream plan's on the same buffers
+CAP_BUDGET = 0.01  # the share of the simulated makespan the waits that bring a plan under PEAK_CAP may add
 
+
+def with_free_joins(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, cuda_graph: bool = True,
+                    max_waits: int = 16, cap: float = PEAK_CAP, budget: float = CAP_BUDGET) -> LaunchPlan:
+    """The plan of :func:`memory_pass`."""
+    return memory_pass(captured, plan, inputs, costs, cuda_graph=cuda_graph, max_waits=max_waits, cap=cap,
+                       budget=budget)[0]
+
+
+def memory_pass(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, cuda_graph: bool = True,
+                max_waits: int = 16, cap: float = PEAK_CAP,
+                budget: float = CAP_BUDGET) -> tuple[LaunchPlan, float | None]:
+    """``plan`` with the waits the memory pass adds so that buffers read on other streams are freed before the
+    planned peak, the result validated:
+
+    * free ones (:func:`opweave.plan.memory.free_joins`): each placed where the plan's replay under ``costs``
+      (:func:`opweave.backends.simulate.simulate`) has its event done, kept only if the replay's makespan does not
+      grow;
+    * then, while the planned peak is over ``cap`` times the one-stream plan's (the ``sequential`` scheduler's
+      plan, every buffer on its one stream), waits that may cost time (:func:`opweave.plan.memory.capped_joins`),
+      the one that lowers the peak most first, kept only while the replay's makespan stays within ``budget`` (a
+      share) of ``plan``'s.
+
+    Returns the plan and its planned peak over the one-stream plan's: ``plan`` itself and 1.0 for one stream,
+    ``plan`` when no wait lowers the peak, ``plan`` and None when the model cannot run on fake tensors
+    (:func:`opweave.backends.liveness.static_buffers`)."""
     from opweave.backends.liveness import static_buffers
     from opweave.backends.program import Program
     from opweave.backends.simulate import makespan_ms, simulate
@@ -96,22 +118,34 @@ def with_free_joins(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, 
 
     program = Program.from_plan(plan)
     if len(program.lanes) < 2:
-        return plan
+        return plan, 1.0
     try:
         buffers = static_buffers(captured, inputs, program)
     except Exception as exc:  # noqa: BLE001 - the backend learns its buffers from a real run then; no joins
-        logging.getLogger(__name__).debug("%s: no added waits: %s", captured.graph.name, exc)
-        return plan
+        log.debug("%s: no added waits: %s", captured.graph.name, exc)
+        return plan, None
     graph = captured.graph
     replay = simulate(graph, plan, costs, cuda_graph=cuda_graph)
     limit = replay.makespan_ms * (1 + 1e-9)
     slack_ms = costs.gpu.event_overhead_ms if costs.model == "gpu" else 0.0
+
+    def within(limit_ms: float):
+        return lambda p: makespan_ms(graph, p, costs, cuda_graph=cuda_graph) <= limit_ms
+
     joined, added = memory.free_joins(plan, buffers, replay.start_ms, replay.finish_ms, slack_ms=slack_ms,
-                                      max_waits=max_waits,
-                                      accept=lambda p: makespan_ms(graph, p, costs, cuda_graph=cuda_graph) <= limit)
-    if added:
+                                      max_waits=max_waits, accept=within(limit))
+    _, one_stream = plan_for(graph, costs, "sequential", streams=1)
+    one_lane = one_stream.instrs[0].device, one_stream.instrs[0].stream
+    one_peak = memory.planned_peak(one_stream, [replace(b, alloc_lane=one_lane) for b in buffers])
+    joined, over = memory.capped_joins(joined, buffers, int(cap * one_peak), accept=within(limit * (1 + budget)))
+    peak = memory.planned_peak(joined, buffers)
+    if added or over:
         validate(graph, joined)
-    return joined
+        log.info("%s: %d waits free buffers early (%d over the cap of %.2fx the one-stream peak): planned peak "
+                 "%.2f MB, was %.2f; predicted %.3f ms, was %.3f", graph.name, added + over, over, cap,
+                 peak / 2**20, memory.planned_peak(plan, buffers) / 2**20,
+                 makespan_ms(graph, joined, costs, cuda_graph=cuda_graph), replay.makespan_ms)
+    return joined, peak / one_peak if one_peak else 1.0
 
 
 def costs_for(captured, inputs: tuple, options: Options, preset: str) -> Costs:
@@ -129,4 +163,5 @@ def costs_for(captured, inputs: tuple, options: Options, preset: str) -> Costs:
     return estimate(captured.graph, device=preset, model=options.cost_model)
 
 
-__all__ = ["Compiled", "as_tuple", "build", "costs_for", "plan_for", "validated_plan", "with_free_joins"]
+__all__ = ["Compiled", "as_tuple", "build", "costs_for", "plan_for", "memory_pass", "validated_plan",
+           "with_free_joins"]

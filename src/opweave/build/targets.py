@@ -26,12 +26,14 @@ import logging
 from dataclasses import replace
 
 from opweave.build.options import Options
-from opweave.build.pipeline import Compiled, costs_for, plan_for, with_free_joins
+from opweave.build.pipeline import PEAK_CAP, Compiled, costs_for, memory_pass, plan_for, with_free_joins
 from opweave.costs import Costs
 from opweave.errors import UsageError
 from opweave.plan import LaunchPlan
 
 log = logging.getLogger(__name__)
+
+PICK_TOLERANCE = 0.01  # how much slower (predicted) than the fastest a plan under the memory cap may be to be picked
 
 
 class CpuTarget:
@@ -128,15 +130,21 @@ class CudaTarget:
             costs = replace(costs, kernels=kernels)
         streams = options.streams or default_streams()  # more lanes than hardware queues add false dependencies
         scheduler, choice = options.scheduler, None
-        if scheduler is None:  # the plan the calibrated simulator predicts fastest
-            picked = self.ranking(captured.graph, costs, streams, device, dtype, set(options.scheduler_options or {}))
-            scheduler, streams = picked.scheduler, picked.streams
-            choice = {"label": f"{scheduler} x{streams}", "predicted_ms": picked.makespan_ms,
-                      "reason": picked.reason(), "candidates": {
-                          f"{p.scheduler} x{p.streams}": {"predicted_ms": p.makespan_ms} for p in picked.predictions}}
-        sched_options = {**sync_options(scheduler, device), **(options.scheduler_options or {})}
-        sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams, **sched_options)
-        compiled = self.runnable(captured, plan, inputs, options, costs)
+
+        def planned(name: str, cap: int):
+            return plan_for(captured.graph, costs, name, streams=cap,
+                            **{**sync_options(name, device), **(options.scheduler_options or {})})
+
+        if scheduler is None:  # the plan the calibrated simulator predicts fastest (under the memory cap)
+            ranked = self.ranking(captured.graph, costs, streams, device, dtype, set(options.scheduler_options or {}))
+            picked, sched, plan, reason = self.under_cap(ranked, planned, captured, inputs, options, costs)
+            choice = {"label": f"{picked.scheduler} x{picked.streams}", "predicted_ms": picked.makespan_ms,
+                      "reason": reason, "candidates": {
+                          f"{p.scheduler} x{p.streams}": {"predicted_ms": p.makespan_ms} for p in ranked.predictions}}
+            compiled = self.runnable(captured, plan, inputs, options, costs, joined=True)
+        else:
+            sched, plan = planned(scheduler, streams)
+            compiled = self.runnable(captured, plan, inputs, options, costs)
         compiled.schedule, compiled.choice = sched, choice
         if choice is not None:
             log.info("%s: %s", captured.graph.name, choice["reason"])
@@ -166,12 +174,43 @@ class CudaTarget:
             raise UsageError(f"no scheduler takes the options {', '.join(sorted(taking))}")
         return choose(graph, costs, device or fitted_device(), dtype=dtype, names=names, stream_caps=caps)
 
-    def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs) -> Compiled:
+    def under_cap(self, ranked, planned, captured, inputs: tuple, options: Options, costs: Costs):
+        """The first plan of ``ranked`` (a :class:`~opweave.backends.choose.Choice`) predicted within
+        ``PICK_TOLERANCE`` of the fastest whose planned peak after the memory pass
+        (:func:`opweave.build.pipeline.memory_pass`) is within its cap; the fastest when none is. ``planned(name,
+        cap)`` makes a (schedule, plan). Returns the prediction, the schedule, the plan after the memory pass and
+        the reason to give."""
+        tried = []
+        for p in ranked.predictions:
+            if p.makespan_ms > ranked.makespan_ms * (1 + PICK_TOLERANCE) and tried:
+                break
+            sched, plan = planned(p.scheduler, p.streams)
+            if options.compiler is None:
+                plan, ratio = memory_pass(captured, plan, inputs, costs, cuda_graph=options.cudagraphs)
+            else:  # segments: the pass does not run
+                ratio = None
+            tried.append((p, sched, plan, ratio))
+            if ratio is None or ratio <= PEAK_CAP:
+                break
+        p, sched, plan, ratio = next((t for t in tried if t[3] is None or t[3] <= PEAK_CAP), tried[0])
+        reason = replace(ranked, scheduler=p.scheduler, streams=p.streams, makespan_ms=p.makespan_ms).reason()
+        over = [f"{q.scheduler}/{q.streams} ({r:.2f}x)" for q, _, _, r in tried if r is not None and r > PEAK_CAP]
+        if over and p is tried[0][0]:
+            reason += (f"; planned peak {ratio:.2f}x the one-stream plan's, over the {PEAK_CAP:.2f}x cap, as is "
+                       f"every plan predicted within {PICK_TOLERANCE:.0%}")
+        elif over:
+            reason += (f"; picked over {', '.join(over)}: planned peak over {PEAK_CAP:.2f}x the one-stream plan's "
+                       f"({ratio:.2f}x here)" if ratio is not None else "")
+        return p, sched, plan, reason
+
+    def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs, *,
+                 joined: bool = False) -> Compiled:
         """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
-        ``options.compiler`` in the backend's warm-up)."""
+        ``options.compiler`` in the backend's warm-up); the memory pass runs first unless the plan is ``joined``
+        already."""
         from opweave.backends.cuda import CudaBackend
 
-        if options.compiler is None:  # waits that free buffers read on other streams early (segments: none)
+        if options.compiler is None and not joined:  # waits that free buffers read on other streams early
             plan = with_free_joins(captured, plan, inputs, costs, cuda_graph=options.cudagraphs)
         runner, run_plan, fused = captured, plan, None
         if options.compiler is not None:

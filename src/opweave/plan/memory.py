@@ -30,9 +30,15 @@ its previous value happens before it. That is all a reuse needs; blocks are neve
   ``max_waits`` waits or when no free join lowers the peak. An added wait only orders more (the plan stays valid:
   every dependency the plan ordered is still ordered), so lowering's rule that every wait is needed holds for the
   plan a scheduler gets lowered to, not for the plan with added waits.
+* :func:`capped_joins` — waits that may **cost time**, for a plan whose planned peak is still over a cap (the CUDA
+  target's is 1.25x the one-stream plan's, :func:`opweave.build.pipeline.memory_pass`): the same joins, placed
+  right before the peak's instruction (the latest place that frees the buffer before it), the one that lowers the
+  peak most first, each kept only if the caller's ``accept`` takes the plan (a budget on the simulated makespan).
+  A peak made of buffers that are all still to be read is beyond any wait: the issue order itself holds them.
 
 Complexity: :func:`release_points` O(I·L) for the clocks (I instructions, L lanes) and O(U·log I) per buffer with U
-users; :func:`free_joins` that, times the waits it adds, plus a scan of the buffers live at the peak each time.
+users; :func:`free_joins` and :func:`capped_joins` that, times the joins they try (at most ``tries`` per wait
+added), plus a scan of the buffers live at the peak each time.
 """
 
 from __future__ import annotations
@@ -225,6 +231,55 @@ def free_joins(plan: LaunchPlan, buffers: list[Buffer], start_ms: dict[str, floa
     return plan, added
 
 
+def capped_joins(plan: LaunchPlan, buffers: list[Buffer], cap_bytes: int, *, accept: Callable[[LaunchPlan], bool],
+                 max_waits: int = 32, tries: int = 8) -> tuple[LaunchPlan, int]:
+    """``plan`` with waits added until its planned peak (:func:`live_bytes`) is at most ``cap_bytes``: waits that
+    may cost time, where :func:`free_joins` adds only free ones (see the module docstring). At each peak, each of the
+    ``tries`` largest buffers kept past it gets, on its allocating lane, the waits that order its uses on other lanes
+    right before the peak's instruction (the latest place that frees it before the peak: the lane's next launch is
+    the only one it may delay); the join that lowers the peak most and that ``accept`` takes (e.g. a budget on the
+    simulated makespan, checked on the whole plan each time) is kept. Stops at the cap, after ``max_waits`` waits,
+    or when no accepted join lowers the peak; a plan over the cap is then as low as the budget let it go.
+
+    Returns the plan and the number of waits added (the plan is ``plan`` itself when there are none).
+    """
+    added = 0
+    while added < max_waits:
+        line = timeline(plan)
+        releases = release_points(plan, buffers, line=line)
+        curve = live_bytes(plan, buffers, releases, line=line)
+        if not curve or max(curve) <= cap_bytes:
+            break
+        peak = max(curve)
+        at_peak = curve.index(peak)
+        ranked = []
+        for buf in _kept_past(line, buffers, releases, at_peak)[:tries]:
+            candidate = _free_join(plan, line, buf, at_peak, latest=True)
+            if candidate is None:
+                continue
+            new_curve = planned_curve(candidate, buffers)
+            key = (max(new_curve), new_curve.count(max(new_curve)))
+            if key < (peak, curve.count(peak)):
+                ranked.append((key, len(ranked), candidate))
+        better = next((c for _, _, c in sorted(ranked, key=lambda r: r[:2]) if accept(c)), None)
+        if better is None:
+            break
+        added += better.syncs - plan.syncs
+        plan = better
+    return plan, added
+
+
+def planned_curve(plan: LaunchPlan, buffers: Iterable[Buffer]) -> list[int]:
+    """:func:`live_bytes` of ``plan`` with its earliest releases (:func:`release_points`)."""
+    line = timeline(plan)
+    return live_bytes(plan, buffers, release_points(plan, buffers, line=line), line=line)
+
+
+def planned_peak(plan: LaunchPlan, buffers: Iterable[Buffer]) -> int:
+    """The largest of :func:`planned_curve` (0 for an empty plan)."""
+    return max(planned_curve(plan, buffers), default=0)
+
+
 def _kept_past(line: Timeline, buffers: list[Buffer], releases: dict[Point, list[str]], at: int) -> list[Buffer]:
     """The buffers live after instruction ``at`` whose every use was issued before it: an added wait could free them
     before it. Largest first."""
@@ -240,11 +295,13 @@ def _kept_past(line: Timeline, buffers: list[Buffer], releases: dict[Point, list
     return sorted(out, key=lambda b: -b.nbytes)
 
 
-def _free_join(plan: LaunchPlan, line: Timeline, buf: Buffer, before: int, start_ms: dict[str, float],
-               finish_ms: dict[str, float], slack_ms: float) -> LaunchPlan | None:
+def _free_join(plan: LaunchPlan, line: Timeline, buf: Buffer, before: int, start_ms: dict[str, float] | None = None,
+               finish_ms: dict[str, float] | None = None, slack_ms: float = 0.0, *,
+               latest: bool = False) -> LaunchPlan | None:
     """``plan`` with the waits (and records) on ``buf``'s allocating lane that order its uses on other lanes before
     a point of that lane issued before instruction ``before``, placed where the timing makes them free (module
-    docstring); None when there is no such place, or a use is on another device."""
+    docstring), or, when ``latest``, right before instruction ``before``; None when there is no such place, or a use
+    is on another device."""
     lane, instrs = buf.alloc_lane, plan.instrs
     device = lane[0]
     index = line.index[lane]
@@ -269,24 +326,18 @@ def _free_join(plan: LaunchPlan, line: Timeline, buf: Buffer, before: int, start
         next_on_lane = lane_index[at[1]] if at[1] < len(lane_index) else None
         if next_on_lane is not None and next_on_lane < before and instrs[next_on_lane].kind == "record":
             events.append(instrs[next_on_lane].event)  # the record right after the use: done when the use is
-            after, ready = max(after, next_on_lane), max(ready, finish_ms[instrs[use].op])
+            after = max(after, next_on_lane)
         else:  # a new record right after the use
             records[use + 1] = Instr(device, "record", other[1], event=next_event)
             events.append(next_event)
             next_event += 1
-            after, ready = max(after, use), max(ready, finish_ms[instrs[use].op])
+            after = max(after, use)
+        if not latest:
+            ready = max(ready, finish_ms[instrs[use].op])
     # Right before the first launch of the lane issued after the records that starts once they are done (after the
     # lane's other instructions before it: a record there must not be delayed), or after the lane's last one.
-    place, previous = None, -1
-    for i in index:
-        if i > after and instrs[i].kind == "launch":
-            if start_ms[instrs[i].op] >= ready + slack_ms:
-                place = max(after, previous) + 1
-                break
-        previous = i
-    else:
-        place = max(after, previous) + 1
-    if place is None or place > before:
+    place = before if latest else _free_place(plan, index, after, ready, start_ms, slack_ms)
+    if place > before:
         return None
     inserts = {i: [ins] for i, ins in records.items()}
     inserts.setdefault(place, []).extend(Instr(device, "wait", lane[1], event=e) for e in events)
@@ -296,3 +347,16 @@ def _free_join(plan: LaunchPlan, line: Timeline, buf: Buffer, before: int, start
         out.append(ins)
     out.extend(inserts.get(len(instrs), ()))
     return LaunchPlan(out)
+
+
+def _free_place(plan: LaunchPlan, index: list[int], after: int, ready: float, start_ms: dict[str, float],
+                slack_ms: float) -> int | None:
+    """Where :func:`_free_join` puts its waits: the plan index right before the first launch of the lane (``index``)
+    issued after ``after`` that the timing starts ``slack_ms`` after ``ready``, past the lane's instructions before
+    it; after the lane's last instruction when there is none."""
+    previous = -1
+    for i in index:
+        if i > after and plan.instrs[i].kind == "launch" and start_ms[plan.instrs[i].op] >= ready + slack_ms:
+            break
+        previous = i
+    return max(after, previous) + 1
