@@ -79,6 +79,22 @@ def test_pin_puts_a_replica_on_its_own_cores():
     assert result.stdout.split() == ["True", "True"], result.stderr
 
 
+def test_a_local_cluster_gives_serves_proxy_a_minute_to_start(monkeypatch):
+    """Ray Serve killed its HTTP proxy when it was not ready 5 s after its start, which a busy machine missed (the
+    deployment then failed); the local cluster's processes inherit a minute, unless the environment says otherwise."""
+    ray = pytest.importorskip("ray")
+    from opweave.serve import ray as opweave_ray
+
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.update(os.environ))
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)
+    monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "7")
+    opweave_ray.start_local()
+    assert seen["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "60"
+    assert seen["RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"] == "7"
+
+
 def test_retrying_post_waits_out_a_429_and_gives_up_on_other_refusals():
     """The CI run of 2026-11-25 lost two requests of the kill test to 429s: the surviving replica's queue filled
     with the dead one's share, and the client gave up on a refusal that said when to come back."""

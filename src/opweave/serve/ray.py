@@ -257,11 +257,19 @@ def pin(rank: int, count: int) -> list[int]:
     return chosen
 
 
+# Ray Serve's controller kills a proxy that is not ready within 5 s of its start (10 s per health check): on a busy
+# machine its HTTP proxy was killed before it ever ran, and the deployment failed. A local cluster gives it a minute.
+LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+                 "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+
+
 def start_local(num_cpus: int | None = None, **init: Any) -> None:
-    """A local Ray cluster on 127.0.0.1 (no dashboard), unless Ray is already initialized."""
+    """A local Ray cluster on 127.0.0.1 (no dashboard), unless Ray is already initialized; its processes inherit
+    :data:`LOCAL_RAY_ENV` where the environment does not set them."""
     import ray
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", num_cpus=num_cpus,
                  log_to_driver=False, configure_logging=False, **init)
