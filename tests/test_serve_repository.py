@@ -25,6 +25,15 @@ from serve_models import WAIT_S, tiny
 SQUEEZE = {"image_size": 64}
 
 
+
+def http_infer(client, model: str, input_name: str, output_name: str, x: torch.Tensor) -> torch.Tensor:
+    """One FP32 inference through tritonclient's HTTP client: ``model``'s output ``output_name`` for ``x``."""
+    import tritonclient.http as triton_http
+
+    item = triton_http.InferInput(input_name, list(x.shape), "FP32")
+    item.set_data_from_numpy(x.numpy())
+    return torch.from_numpy(np.array(client.infer(model, [item]).as_numpy(output_name)))
+
 def export(model, inputs, path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(torch.export.export(model, inputs), str(path))
@@ -320,13 +329,11 @@ def test_cli_serves_a_model_repository_and_refuses_one_that_does_not_load(repo, 
         assert client.get_model_repository_index() == [{"name": "tiny", "version": "2", "state": "READY",
                                                          "reason": ""}]
         x = torch.randn(3, 3, 8, 8)
-        item = triton_http.InferInput("x", [3, 3, 8, 8], "FP32")
-        item.set_data_from_numpy(x.numpy())
-        got = torch.from_numpy(np.array(client.infer("tiny", [item]).as_numpy("output__0")))
+        got = http_infer(client, "tiny", "x", "output__0", x)
         assert torch.allclose(got, eager(models["tiny/2"], [x]), atol=1e-5)
         client.close()
         proc.terminate()
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=600) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -443,13 +450,11 @@ def test_cli_serves_torchscript_to_tritonclient_and_warns_at_start_of_what_it_ca
         client = triton_http.InferenceServerClient(line.strip().rsplit(" ", 1)[1].removeprefix("http://"))
         assert client.is_model_ready("scripted") and not client.is_model_ready("onnx")
         x = torch.randn(2, 3, 8, 8)
-        item = triton_http.InferInput("INPUT__0", [2, 3, 8, 8], "FP32")
-        item.set_data_from_numpy(x.numpy())
-        got = torch.from_numpy(np.array(client.infer("scripted", [item]).as_numpy("OUTPUT__0")))
+        got = http_infer(client, "scripted", "INPUT__0", "OUTPUT__0", x)
         assert torch.allclose(got, eager(models["scripted"], [x]), atol=1e-5)
         client.close()
         proc.terminate()
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=600) == 0
         warnings = [w for w in proc.stderr.read().splitlines() if w.startswith("model repository: model ")]
         assert [w.split("'")[1] for w in warnings] == ["looped", "noconfig", "onnx"], warnings
     finally:
