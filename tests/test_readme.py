@@ -360,8 +360,8 @@ def readme_server():
 
 def check_serve(line: str, tmp_path: Path) -> None:
     with readme_server() as url:
-        assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
-        meta = httpx.get(f"{url}/v2/models/squeezenet", timeout=10).json()
+        assert httpx.get(f"{url}/v2/health/ready", timeout=60).status_code == 200
+        meta = httpx.get(f"{url}/v2/models/squeezenet", timeout=60).json()
         assert meta["name"] == "squeezenet" and meta["inputs"][0]["shape"][-2:] == [64, 64]
 
 
