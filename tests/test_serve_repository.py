@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -461,3 +462,38 @@ def test_cli_serves_torchscript_to_tritonclient_and_warns_at_start_of_what_it_ca
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_a_torchscript_config_whose_example_is_huge_is_refused_before_anything_is_allocated():
+    """A load request may carry the config (explicit model control): dims of 300000 x 300000 asked for 360 GB of
+    example input, which the server allocated (a RuntimeError, or the OOM killer) before refusing anything."""
+    from google.protobuf import json_format
+    from tritonclient.grpc import model_config_pb2
+
+    from opweave.serve.repository import torchscript_inputs
+
+    config = json_format.Parse('{"max_batch_size": 1, "input": [{"name": "INPUT__0", "data_type": "TYPE_FP32", '
+                               '"dims": [300000, 300000]}]}', model_config_pb2.ModelConfig())
+    with pytest.raises(Refused, match=r"model 'm': the inputs of its config take over 256 MiB at batch 1"):
+        torchscript_inputs("m", config)
+    small = json_format.Parse('{"input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [2, 3]}]}',
+                              model_config_pb2.ModelConfig())
+    assert torchscript_inputs("m", small)["x"].shape == (2, 3)
+
+
+def test_a_version_directory_that_cannot_be_listed_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A version directory without a program whose listing fails (a directory the server may enter but not read):
+    the PermissionError escaped the load as a 500 with a traceback; it is a refusal naming the model."""
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    engine = make_engine({}, device="cpu", policy="static", max_batch=4, compiler=None)
+    repository = Repository(engine, {}, tmp_path, max_batch=4)
+    listing = Path.iterdir
+
+    def unreadable(self):
+        if self.name == "1":
+            raise PermissionError(13, "Permission denied", str(self))
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", unreadable)
+    with pytest.raises(Refused, match=r"model 'm' is not in the repository"):
+        repository.locate("m", repository.read_config("m"))

@@ -47,6 +47,7 @@ name (or no UTF-8) is left out of the index, with a warning in the server's log.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import threading
@@ -62,6 +63,7 @@ from opweave.serve.protocol import shown
 
 CONFIG = "config.pbtxt"
 MODEL_FILES = ("model.pt2", "model.pt")  # what a version directory serves: a torch.export program, else TorchScript
+MAX_EXAMPLE_BYTES = 256 << 20  # the most a TorchScript model's example inputs (batch 1, from its config) may take
 MODEL_FILE = MODEL_FILES[0]
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")  # a model name of the repository (fullmatch)
 CONTROL_MODES = ("none", "explicit")
@@ -199,8 +201,11 @@ class Repository:
         except OSError as exc:
             raise Refused("invalid", f"model {name!r}: its directory cannot be read ({exc.strerror})") from None
         if not versions:
-            held = sorted(f"{v.name}/{f.name}" for v in _version_dirs(folder) for f in v.iterdir()) \
-                if folder.is_dir() else []
+            try:
+                held = sorted(f"{v.name}/{f.name}" for v in _version_dirs(folder) for f in v.iterdir()) \
+                    if folder.is_dir() else []
+            except OSError:  # a version directory that cannot be listed holds nothing opweave can serve
+                held = []
             if held:
                 raise Refused("invalid", f"model {name!r}: no {' or '.join(MODEL_FILES)} in its version directories "
                                          f"(they hold {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
@@ -374,7 +379,7 @@ def torchscript_inputs(name: str, config) -> dict:
         raise Refused("invalid", f"model {name!r}: a TorchScript model.pt records no input shapes: list its inputs "
                                  f"(name, data_type, dims) in {CONFIG}, as Triton's PyTorch backend requires")
     generator = torch.Generator().manual_seed(0)
-    out = {}
+    out, total = {}, 0
     for tensor in config.input:
         datatype = model_config_pb2.DataType.Name(tensor.data_type).removeprefix("TYPE_")
         if datatype not in DTYPES:
@@ -386,6 +391,11 @@ def torchscript_inputs(name: str, config) -> dict:
                                      f"{dims[:8]}: opweave captures fixed shapes, give every dimension")
         shape = ([1] if config.max_batch_size > 0 else []) + dims
         dtype = DTYPES[datatype]
+        total += math.prod(shape) * dtype.itemsize
+        if total > MAX_EXAMPLE_BYTES:  # checked before allocating: a load request may carry this config
+            raise Refused("invalid", f"model {name!r}: the inputs of its config take over "
+                                     f"{MAX_EXAMPLE_BYTES >> 20} MiB at batch 1 (input {shown(tensor.name)}, dims "
+                                     f"{dims[:8]}): opweave serves no model whose one example is that large")
         out[tensor.name] = torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point else \
             torch.zeros(shape, dtype=dtype)
     return out
