@@ -309,3 +309,7 @@ def test_the_default_policy_follows_the_device():
     assert make_engine({}, device="cpu", compiler=None).policy.name == "static"
     assert make_engine({}, device="sim").policy.name == "heuristic"
     assert make_engine({}, device="cpu", policy="batch", compiler=None).policy.name == "batch"
+    from opweave.cli.serve import ON_DEVICE  # what `opweave serve` prints after the default it chose
+    from opweave.serve.build import DEVICES
+
+    assert set(ON_DEVICE) == set(DEVICES) and ON_DEVICE["sim"] == "the simulator"  # it printed "a CPU" for sim

@@ -19,6 +19,7 @@ PolicyOpt = Annotated[str, typer.Option("--policy", help="static | batch | heuri
 ServePolicyOpt = Annotated[str | None, typer.Option("--policy", help="static | batch | heuristic | top (or a "
                                                     "registered policy); default: static on a CPU, heuristic on a "
                                                     "GPU (docs/serving.md)")]
+ON_DEVICE = {"cpu": "a CPU", "cuda": "a GPU", "sim": "the simulator"}  # where a default policy applies, in words
 PolicyOptionsOpt = Annotated[str | None, typer.Option("--policy-options", help="KEY=VALUE,... for the policy")]
 PolicyFileOpt = Annotated[Path | None, typer.Option("--policy-file", help="trained policy (top: opweave "
                                                     "train-policy; default: the one shipped for the models)")]
@@ -138,7 +139,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     max_body_bytes = 0 if max_body_mb is None else int(max_body_mb * (1 << 20))
     if threads is not None:
         torch.set_num_threads(threads)
-    chosen = "" if policy else f" (the default on {'a GPU' if device == 'cuda' else 'a CPU'})"
+    chosen = "" if policy else f" (the default on {ON_DEVICE.get(device, device)})"
     policy = policy or default_policy(device)
     options = _policy_options(policy, policy_options, policy_file)
     files = parse_model_files(model_file)
