@@ -114,3 +114,16 @@ def test_export_squeezenet_then_serve_the_repository_to_tritonclient_equal_to_ea
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_a_model_torch_export_refuses_writes_nothing(tmp_path):
+    """The repository's directory was created before torch.export ran, so a model it refuses left one behind."""
+    from opweave.serve.export import export
+
+    class Branching(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if x.sum() > 0 else x - 1  # a branch on the data: torch.export refuses it
+
+    with pytest.raises(UsageError, match="torch.export cannot export it"):
+        export(Branching(), (torch.randn(2, 3),), tmp_path / "repo", "branching")
+    assert not (tmp_path / "repo").exists()

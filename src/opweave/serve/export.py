@@ -9,8 +9,8 @@ download) or the user's own (:func:`from_factory`: ``pkg.module:function`` retur
 The config says what the server will serve, because it is read off the program loaded as the server loads it
 (:func:`opweave.serve.models.load`): the inputs' names (the program's arguments), datatypes and shapes, and
 ``max_batch_size`` (``max_batch`` where requests may stack along the first dimension, without it in ``dims``; else 0,
-Triton's "does not batch", with the whole shape). Nothing is written unless that load succeeds, and an existing entry
-is replaced only when asked (``force``).
+Triton's "does not batch", with the whole shape). Nothing of the entry is written unless that load succeeds (the
+repository's directory is created for the staging), and an existing entry is replaced only when asked (``force``).
 """
 
 from __future__ import annotations
@@ -84,21 +84,20 @@ def export(model: nn.Module, example_inputs: tuple, root: str | Path, name: str,
     if not force and (program_path.exists() or config_path.exists()):
         raise UsageError(f"{entry} already holds {program_path.name if program_path.exists() else CONFIG} "
                          f"(--force replaces it)")
-    root.mkdir(parents=True, exist_ok=True)
     try:
         with torch.no_grad():
             program = torch.export.export(model.eval(), tuple(example_inputs), strict=False)
     except Exception as exc:  # noqa: BLE001 - whatever torch.export raised, said in one line
         raise UsageError(f"{name}: torch.export cannot export it ({first_line(exc)})") from None
-    with tempfile.TemporaryDirectory(prefix=".export-", dir=root) as staging:
-        staged = Path(staging) / MODEL_FILE
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=root) as staging:  # beside the entry: replaces are atomic
+        staged, staged_config = Path(staging) / MODEL_FILE, Path(staging) / CONFIG
         torch.export.save(program, str(staged))
         served = load(name, path=staged, max_batch=max_batch)
-        text = config_text(served, max_batch)
+        staged_config.write_text(config_text(served, max_batch))
         program_path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged_config, config_path)  # both written before either replaces; the program last
         os.replace(staged, program_path)
-        (Path(staging) / CONFIG).write_text(text)
-        os.replace(Path(staging) / CONFIG, config_path)
     return served
 
 
