@@ -159,6 +159,47 @@ def test_the_front_hands_a_dead_replicas_request_to_another_and_answers_its_own_
     assert len(calls) == 2  # the body over the limit never reached a replica
 
 
+def test_the_fronts_body_limit_is_the_replicas_asked_once():
+    """The front took up to 64 MiB per body (192 at once) and shipped it to a replica that refused anything over the
+    model's limit; it now asks the replicas for their limit (a dead one's question handed on) and refuses a larger
+    body itself, before reading it whole."""
+    from ray.exceptions import ActorDiedError
+
+    from opweave.serve.ray import front_app
+
+    asked, forwarded = [], []
+
+    async def limit():
+        asked.append(1)
+        if len(asked) == 1:
+            raise ActorDiedError()
+        return 1000
+
+    async def forward(request):
+        forwarded.append(request)
+        return 200, [], b"{}"
+
+    async def go():
+        app = front_app(forward, limit, attempts=3, backoff_s=0.0)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://front") as c:
+            return [await c.post("/v2/models/tiny/infer", content=b"x" * n) for n in (1000, 1001, 10)]
+
+    fits, large, small = asyncio.run(go())
+    assert (fits.status_code, large.status_code, small.status_code) == (200, 400, 200)
+    assert large.json()["error"] == "request body of 1001 bytes exceeds the limit of 1000 bytes"
+    assert len(asked) == 2 and len(forwarded) == 2  # asked once (after the dead replica), the large body kept back
+
+
+def test_a_replicas_body_limit_is_its_largest_models(tiny_file):
+    from opweave.serve.protocol import request_limit
+
+    replica = Replica(ReplicaOptions(model_files={"tiny": str(tiny_file[1])}, compiler=None, max_batch=4))
+    try:
+        assert replica.body_limit() == request_limit(replica.repository.served["tiny"]) < 1 << 20
+    finally:
+        replica.stop()
+
+
 def _replicas(pid: int) -> list[int]:
     """The Ray Serve replica processes under the server process ``pid`` (Ray's workers are its descendants)."""
     import psutil

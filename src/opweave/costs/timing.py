@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,16 +49,22 @@ def median_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str =
     return statistics.median(times_ms(fn, runs=runs, warmup=warmup, device=device))
 
 
-def interleaved_ms(fns: dict[str, Callable[[], object]], *, rounds: int = 5, runs: int = 3, warmup: int = 2,
-                   device: str = "cpu", sync: Callable[[], object] | None = None) -> dict[str, list[float]]:
+def interleaved_ms(fns: dict[str, Callable[[], object]], *, rounds: int = 5, runs: int | Sequence[int] = 3,
+                   warmup: int = 2, device: str = "cpu",
+                   sync: Callable[[], object] | None = None) -> dict[str, list[float]]:
     """Milliseconds of every call of each of ``fns``, timed interleaved so that all see the same load (as
     ``torch.utils.benchmark``'s comparisons are): ``warmup`` untimed calls each, then ``rounds`` rounds in which
-    each runs ``runs`` timed calls (:func:`times_ms`)."""
+    each runs ``runs`` timed calls in a row (:func:`times_ms`; or one count per round, ``runs`` a sequence, whose
+    length is then the rounds), the first function of a round one further than the last round's (none always goes
+    first)."""
+    per_round = [runs] * rounds if isinstance(runs, int) else list(runs)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    times: dict[str, list[float]] = {label: [] for label in fns}
-    for _ in range(rounds):
-        for label, fn in fns.items():
-            times[label] += times_ms(fn, runs=runs, warmup=0, device=device, sync=sync)
+    names = list(fns)
+    times: dict[str, list[float]] = {label: [] for label in names}
+    for k, calls in enumerate(per_round if names else []):
+        start = k % len(names)
+        for label in names[start:] + names[:start]:
+            times[label] += times_ms(fns[label], runs=calls, warmup=0, device=device, sync=sync)
     return times

@@ -44,16 +44,7 @@ def interleaved_times_ms(fns: dict[str, Callable[[], object]], *, runs: int, war
         raise UsageError(f"runs must be at least 1 and warmup at least 0, got {runs} and {warmup}")
     rounds = max(1, min(rounds, runs))
     per_round = [runs // rounds + (i < runs % rounds) for i in range(rounds)]
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    names = list(fns)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for k, calls in enumerate(per_round):
-        start = k % len(names)
-        for name in names[start:] + names[:start]:
-            times[name] += timing.times_ms(fns[name], runs=calls, warmup=0, device=device)
-    return times
+    return timing.interleaved_ms(fns, runs=per_round, warmup=warmup, device=device)
 
 
 def summarize(times_ms: Sequence[float]) -> dict:

@@ -41,7 +41,6 @@ APP_NAME = "opweave"
 DEPLOYMENT = "OpweaveReplica"
 FRONT = "OpweaveFront"
 FRONT_ATTEMPTS = 5  # tries of a request whose replica died (module docstring)
-FRONT_BODY_BYTES = 64 << 20  # the most a request's body may hold at the front (raised by max_body_bytes)
 HOP_HEADERS = {b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
 
 
@@ -127,6 +126,15 @@ class Replica:
         return response.status_code, [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_HEADERS], \
             response.content
 
+    def body_limit(self) -> int:
+        """The most bytes a request's body may take here: the largest of the served models' request limits
+        (:func:`opweave.serve.protocol.request_limit`, raised to ``max_body_bytes``), as the app enforces them."""
+        from opweave.serve.protocol import HEADER_BYTES, request_limit
+
+        floor = self.options.max_body_bytes
+        return max((request_limit(m, floor=floor) for m in self.repository.served.values()),
+                   default=max(floor, HEADER_BYTES))
+
     def healthy(self) -> bool:
         thread = getattr(self.engine, "thread", None)
         return thread is not None and thread.is_alive()
@@ -158,6 +166,9 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
         async def forward(self, request: tuple) -> tuple[int, list, bytes]:
             return await self.replica.forward(*request)
 
+        async def body_limit(self) -> int:
+            return self.replica.body_limit()
+
         def check_health(self) -> None:
             if not self.replica.healthy():
                 raise RuntimeError("the engine's thread has stopped")
@@ -170,11 +181,12 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
     @serve.deployment(name=FRONT, graceful_shutdown_timeout_s=30)
     @serve.ingress()
     class OpweaveFront:
-        def __init__(self, replicas, limit: int):
-            self.replicas, self.limit = replicas, limit
+        def __init__(self, replicas):
+            self.replicas = replicas
 
         def __serve_build_asgi_app__(self):
-            return front_app(lambda request: self.replicas.forward.remote(request), self.limit)
+            return front_app(lambda request: self.replicas.forward.remote(request),
+                             lambda: self.replicas.body_limit.remote())
 
     per_replica = max_ongoing_requests or options.max_queue + 4 * options.max_batch
     settings: dict[str, Any] = {
@@ -189,15 +201,16 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
     most = (autoscaling or {}).get("max_replicas", replicas)
     front = OpweaveFront.options(num_replicas=1, ray_actor_options={"num_cpus": 0},
                                  max_ongoing_requests=per_replica * most)
-    return front.bind(OpweaveReplica.options(**settings).bind(options),
-                      max(FRONT_BODY_BYTES, options.max_body_bytes))
+    return front.bind(OpweaveReplica.options(**settings).bind(options))
 
 
-def front_app(forward, limit: int = FRONT_BODY_BYTES, attempts: int = FRONT_ATTEMPTS, backoff_s: float = 0.2):
-    """The front's ASGI app (module docstring): each HTTP request (its body at most ``limit`` bytes) handed as
-    ``(method, raw_path, query, headers, body)`` to ``forward`` (awaitable: a replica's answer ``(status, headers,
-    body)``); a request whose replica died (Ray's ``RayActorError``) is handed on again, up to ``attempts`` tries
-    ``backoff_s`` x try apart. Every error it answers itself is the protocol's ``{"error": one line}``."""
+def front_app(forward, limit, attempts: int = FRONT_ATTEMPTS, backoff_s: float = 0.2):
+    """The front's ASGI app (module docstring): each HTTP request (its body at most ``limit`` bytes: an int, or an
+    awaitable function asked once, at the first request, for the replicas' :meth:`Replica.body_limit`, so that a body
+    no model accepts is refused before it is read whole or shipped to a replica) handed as ``(method, raw_path,
+    query, headers, body)`` to ``forward`` (awaitable: a replica's answer ``(status, headers, body)``); a request
+    whose replica died (Ray's ``RayActorError``) is handed on again, up to ``attempts`` tries ``backoff_s`` x try
+    apart. Every error it answers itself is the protocol's ``{"error": one line}``."""
     import json
 
     from ray.exceptions import RayActorError
@@ -208,32 +221,47 @@ def front_app(forward, limit: int = FRONT_BODY_BYTES, attempts: int = FRONT_ATTE
     def error(status: int, message: str) -> tuple[int, list, bytes]:
         return status, [(b"content-type", b"application/json")], json.dumps({"error": one_line(message)}).encode()
 
-    async def answer(scope, receive) -> tuple[int, list, bytes]:
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > limit:
-            return error(400, f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return error(400, "the client went away")
-            body += message.get("body", b"")
-            if len(body) > limit:
-                return error(400, f"request body exceeds the limit of {limit} bytes")
-            if not message.get("more_body"):
-                break
-        request = (scope["method"], scope.get("raw_path") or scope["path"].encode(), scope["query_string"],
-                   scope["headers"], bytes(body))
+    known = [limit] if isinstance(limit, int) else []
+
+    class Unanswered(Exception):
+        pass
+
+    async def handed(call, *args):
+        """``call(*args)`` on a replica, again while the replica it reached died (Ray picks a live one)."""
         for attempt in range(1, attempts + 1):
             try:
-                return await forward(request)
+                return await call(*args)
             except RayActorError as exc:  # the replica died (or cannot be reached): another one takes the request
                 if attempt == attempts:
-                    return error(503, f"no replica answered in {attempts} tries (the last: {first_line(exc)})")
-            except Exception as exc:  # noqa: BLE001 - answered in the protocol's form, never as Ray's plain text
-                return error(500, first_line(exc))
+                    raise Unanswered(f"no replica answered in {attempts} tries (the last: {first_line(exc)})") \
+                        from None
             await asyncio.sleep(backoff_s * attempt)
         raise AssertionError("unreachable")
+
+    async def answer(scope, receive) -> tuple[int, list, bytes]:
+        try:
+            if not known:
+                known.append(int(await handed(limit)))
+            most = known[0]
+            declared = dict(scope["headers"]).get(b"content-length", b"")
+            if declared.isdigit() and int(declared) > most:
+                return error(400, f"request body of {int(declared)} bytes exceeds the limit of {most} bytes")
+            body = bytearray()
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return error(400, "the client went away")
+                body += message.get("body", b"")
+                if len(body) > most:
+                    return error(400, f"request body exceeds the limit of {most} bytes")
+                if not message.get("more_body"):
+                    break
+            return await handed(forward, (scope["method"], scope.get("raw_path") or scope["path"].encode(),
+                                          scope["query_string"], scope["headers"], bytes(body)))
+        except Unanswered as exc:
+            return error(503, str(exc))
+        except Exception as exc:  # noqa: BLE001 - answered in the protocol's form, never as Ray's plain text
+            return error(500, first_line(exc))
 
     async def app(scope, receive, send) -> None:
         if scope["type"] != "http":
