@@ -26,10 +26,10 @@ its previous value happens before it. That is all a reuse needs; blocks are neve
   reads (an existing ``record`` of the reading lane, or a new one right after the last read), placed before a
   launch that the plan's simulated timing starts after the event has happened (plus ``slack_ms``, the cost model's
   price of a wait): a *free join*, which delays nothing in the simulation. It adds one only where it lowers the
-  planned peak (:func:`live_bytes`): at the peak, a buffer kept past it becomes free before it, and stops after
-  ``max_waits`` waits or when no free join lowers the peak. An added wait only orders more (the plan stays valid:
-  every dependency the plan ordered is still ordered), so lowering's rule that every wait is needed holds for the
-  plan a scheduler gets lowered to, not for the plan with added waits.
+  planned peak (:func:`live_bytes`): at the peak, a buffer kept past it becomes free before it, and stops once
+  ``max_waits`` waits are reached or when no free join lowers the peak. An added wait only orders more (the plan
+  stays valid: every dependency the plan ordered is still ordered), so lowering's rule that every wait is needed
+  holds for the plan a scheduler gets lowered to, not for the plan with added waits.
 * :func:`capped_joins` — waits that may **cost time**, for a plan whose planned peak is still over a cap (the CUDA
   target's is 1.25x the one-stream plan's, :func:`opweave.build.pipeline.memory_pass`): the same joins, placed
   right before the peak's instruction (the latest place that frees the buffer before it), the one that lowers the
@@ -196,11 +196,13 @@ def _issued(line: Timeline, at: Point) -> int:
 def free_joins(plan: LaunchPlan, buffers: list[Buffer], start_ms: dict[str, float], finish_ms: dict[str, float], *,
                slack_ms: float = 0.0, max_waits: int = 16, tries: int = 4,
                accept: Callable[[LaunchPlan], bool] | None = None) -> tuple[LaunchPlan, int]:
-    """``plan`` with at most ``max_waits`` added waits that lower the planned peak (:func:`live_bytes`), each placed
+    """``plan`` with added waits that lower the planned peak (:func:`live_bytes`), each placed
     where the plan's simulated timing (``start_ms``/``finish_ms`` per op, from a replay of ``plan`` under the cost
     model it was made with) says its event has already happened, ``slack_ms`` before the launch it precedes (see
     the module docstring). At each peak the ``tries`` largest buffers kept past it are tried, and the first join
     that lowers the peak is kept; ``accept``, when given, may refuse a plan (e.g. one whose simulated makespan grew).
+    Stops once ``max_waits`` waits are reached (a join adds one wait per other lane that reads the buffer, so the
+    last may pass it) or when no free join lowers the peak.
 
     Returns the plan and the number of waits added (the plan is ``plan`` itself when there are none).
     """
@@ -238,7 +240,8 @@ def capped_joins(plan: LaunchPlan, buffers: list[Buffer], cap_bytes: int, *, acc
     ``tries`` largest buffers kept past it gets, on its allocating lane, the waits that order its uses on other lanes
     right before the peak's instruction (the latest place that frees it before the peak: the lane's next launch is
     the only one it may delay); the join that lowers the peak most and that ``accept`` takes (e.g. a budget on the
-    simulated makespan, checked on the whole plan each time) is kept. Stops at the cap, after ``max_waits`` waits,
+    simulated makespan, checked on the whole plan each time) is kept. Stops at the cap, once ``max_waits`` waits are
+    reached (a join adds one wait per lane that reads the buffer, so the last may pass it),
     or when no accepted join lowers the peak; a plan over the cap is then as low as the budget let it go.
 
     Returns the plan and the number of waits added (the plan is ``plan`` itself when there are none).
