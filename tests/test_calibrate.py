@@ -205,6 +205,23 @@ def test_a_wait_holds_its_edge_not_the_waiting_stream(h200):
     assert simulate(graph, plan, later).start_ms["c"] == pytest.approx(0.0065, abs=1e-9)
 
 
+def test_kernels_a_compiler_decided_replace_the_class_count_in_floors_and_gaps(h200):
+    graph = OpGraph([Op("c", target="conv2d", shape=(1, 64, 56, 56), flops=1e8, bytes=1e6)])
+    eager, fused = calibrated.costs(graph, h200), calibrated.costs(graph, h200, launches={"c": 1})
+    conv = h200.op_class("conv")
+    assert eager.kernels == {"c": conv.kernels} and fused.kernels == {"c": 1}
+    assert (eager.latency_ms["c"] - fused.latency_ms["c"]) * 1e3 == pytest.approx((conv.kernels - 1) * conv.floor_us)
+
+
+def test_the_choice_replays_the_kernels_its_costs_carry(h200):
+    graph = OpGraph([Op("a", target="relu", shape=(1, 64), latency_ms=0.01),
+                     Op("b", target="relu", shape=(1, 64), latency_ms=0.01)], [Edge("a", "b")])
+    dev = replace(h200, dispatch_us=0.0)  # the gaps alone
+    one = choose(graph, replace(from_graph(graph), kernels={"a": 1, "b": 1}), dev, names=["sequential"])
+    many = choose(graph, replace(from_graph(graph), kernels={"a": 11, "b": 1}), dev, names=["sequential"])
+    assert (many.makespan_ms - one.makespan_ms) * 1e3 == pytest.approx(10 * dev.kernel_gap_us)
+
+
 # ---- the CUDA default's choice ------------------------------------------------------------------------------------
 def test_the_choice_is_the_fastest_of_its_predictions_and_heft_pays_the_fitted_wait(h200):
     graph = OpGraph([replace(o, latency_ms=o.latency_ms / 100) for o in random_dag(30, 6, seed=3).ops],
@@ -246,6 +263,24 @@ def test_simulate_takes_a_dtype_and_the_fitted_preset():
     fp32 = json.loads(cli("simulate", "--model", "squeezenet", "--preset", "h200", "--cost-model", "gpu",
                           "--scheduler", "lios", "--json"))
     assert fp32["results"][0]["makespan_ms"] > data["results"][0]["makespan_ms"]
+
+
+def test_simulate_plans_over_inductors_kernels_lowered_as_for_cuda():
+    fine = json.loads(cli("simulate", "--model", "squeezenet", "--no-coarsen", "--preset", "h200", "--cost-model",
+                          "gpu", "--scheduler", "sequential", "--json"))
+    fused = json.loads(cli("simulate", "--model", "squeezenet", "--inductor", "--preset", "h200", "--cost-model",
+                           "gpu", "--scheduler", "sequential", "--json"))
+    grouping = fused["inductor"]
+    assert fused["ops"] == grouping["ops"] < fine["ops"] == grouping["ops_before"]
+    # every launch of an op counted once; convolutions one extern call each, against their class's count in eager
+    assert fused["kernels_per_call"] == grouping["launches"] - grouping["unowned"] < fine["kernels_per_call"]
+    assert fused["results"][0]["makespan_ms"] < fine["results"][0]["makespan_ms"]
+
+
+def test_inductors_kernels_are_priced_on_a_fitted_gpu_only():
+    assert "--inductor needs --cost-model gpu" in cli_fails("simulate", "--model", "squeezenet", "--inductor")
+    assert "--inductor goes with --model" in cli_fails("simulate", "lios-fig3", "--inductor", "--cost-model", "gpu",
+                                                      "--preset", "h200")
 
 
 def test_an_unknown_dtype_is_refused():

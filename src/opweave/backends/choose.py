@@ -67,12 +67,12 @@ def choose(graph: OpGraph, costs: Costs, dev: Device, *, dtype: str = "float32",
     """The (scheduler, stream cap) whose plan ``dev`` predicts fastest for ``graph``; ties go to the earlier
     scheduler of ``names`` (default every single-device scheduler, in :func:`opweave.schedulers.names` order) and
     the smaller cap. ``costs`` are what the schedulers see; the replay prices each op at its latency in ``costs``
-    on the fitted device (kernels, gaps, waits, sharing, the call)."""
+    on the fitted device (its kernels in ``costs`` where given, gaps, waits, sharing, the call)."""
     from opweave.backends.simulate import makespan_ms
     from opweave.costs import calibrated
 
     names = [n for n in (names or schedulers.names()) if n not in schedulers.MULTI_DEVICE]
-    replay = calibrated.costs(graph, dev, dtype, latency_ms=costs.latency_ms)
+    replay = calibrated.costs(graph, dev, dtype, latency_ms=costs.latency_ms, launches=costs.kernels)
     ideal = replace(costs, model="ideal")
     predictions = []
     for name in names:

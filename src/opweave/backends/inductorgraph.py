@@ -103,12 +103,16 @@ class InductorGraph:
         return self.captured.graph
 
 
-def inductor_graph(captured: Captured, inputs: tuple, threads: int | None = None) -> InductorGraph:
+def inductor_graph(captured: Captured, inputs: tuple, threads: int | None = None,
+                   freeze: bool | None = None) -> InductorGraph:
     """``captured``'s ops grouped by the kernels Inductor fuses when it compiles the whole model for ``inputs``
-    (compiled for ``threads`` intra-op threads on the CPU; default: the caller's)."""
+    (compiled for ``threads`` intra-op threads on the CPU; default: the caller's). ``freeze``: as the segment
+    compiler's (default: frozen on the CPU only); ``False`` lowers CPU inputs the way CUDA's are lowered
+    (convolutions as ATen's extern calls, BatchNorm and activations in Inductor's epilogue kernels), which is how
+    ``opweave simulate --inductor`` predicts a GPU without one."""
     start = time.perf_counter()
     try:
-        kernels, unowned = fused_kernels(captured, inputs, threads)
+        kernels, unowned = fused_kernels(captured, inputs, threads, freeze)
     except CaptureError as exc:
         warnings.warn(f"{exc}; its captured graph is scheduled as it is", stacklevel=2)
         return InductorGraph(captured, {}, {"ops_before": len(captured.graph), "ops": len(captured.graph),
@@ -225,10 +229,10 @@ def kernel_groups(graph: OpGraph, kernels: list[Kernel]) -> tuple[list[list[str]
     return list(groups.values()), split
 
 
-def fused_kernels(captured: Captured, inputs: tuple, threads: int | None = None) -> tuple[list[Kernel],
-                                                                                           list[Kernel]]:
+def fused_kernels(captured: Captured, inputs: tuple, threads: int | None = None,
+                  freeze: bool | None = None) -> tuple[list[Kernel], list[Kernel]]:
     """Inductor's kernels for the whole of ``captured`` on ``inputs``, in Inductor's order: those that compute some
-    captured op, and those that compute none (module docstring)."""
+    captured op, and those that compute none (module docstring); ``freeze`` as :func:`inductor_graph`'s."""
     from torch._inductor import config
     from torch._inductor.graph import GraphLowering
     from torch._inductor.scheduler import Scheduler
@@ -249,7 +253,7 @@ def fused_kernels(captured: Captured, inputs: tuple, threads: int | None = None)
         seen.append((scheduler, V.graph))
         raise _Fused
 
-    compiler = Inductor()
+    compiler = Inductor(freeze=freeze)
     patches = {"fx_graph_cache": False}  # a cache hit would skip the scheduler
     with mock.patch.object(Scheduler, "codegen", stop), mock.patch.object(GraphLowering, "run_node", record), \
             config.patch(patches), \

@@ -125,9 +125,7 @@ class CudaTarget:
 
         device, dtype = fitted_device(options.runtime), _dtype(captured)
         captured, kernels = inductor_ops(captured, inputs, options)
-        costs = self.costs(captured, inputs, options, device, dtype)
-        if kernels is not None:  # the fitted model's launch gaps are per kernel: Inductor's own count
-            costs = replace(costs, kernels=kernels)
+        costs = self.costs(captured, inputs, options, device, dtype, launches=kernels)
         streams = options.streams or default_streams()  # more lanes than hardware queues add false dependencies
         scheduler, choice = options.scheduler, None
 
@@ -150,14 +148,17 @@ class CudaTarget:
             log.info("%s: %s", captured.graph.name, choice["reason"])
         return compiled
 
-    def costs(self, captured, inputs: tuple, options: Options, device, dtype: str) -> Costs:
+    def costs(self, captured, inputs: tuple, options: Options, device, dtype: str, launches=None) -> Costs:
         """``options``' costs or profile, else each op's time on the fitted device (:mod:`opweave.costs.calibrated`:
-        the roofline calibrated per op class on real traces), as the schedulers see a profile."""
+        the roofline calibrated per op class on real traces), as the schedulers see a profile. ``launches``: the
+        kernels each op launches where Inductor decided them (``graph="inductor"``); the fitted model's floors and
+        launch gaps are per kernel."""
         if options.costs is not None or options.profile is not None:
-            return costs_for(captured, inputs, options, visible_gpu_preset(options.runtime))
+            costs = costs_for(captured, inputs, options, visible_gpu_preset(options.runtime))
+            return costs if launches is None else replace(costs, kernels=launches)
         from opweave.costs import calibrated
 
-        return replace(calibrated.costs(captured.graph, device, dtype), model=options.cost_model)
+        return replace(calibrated.costs(captured.graph, device, dtype, launches=launches), model=options.cost_model)
 
     def ranking(self, graph, costs: Costs, streams: int, device=None, dtype: str = "float32",
                 taking: set[str] = frozenset()):

@@ -134,6 +134,23 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
     return OpGraph.load(graph)
 
 
+def inductor_kernels(model: str | None, model_file: str | Path | None, batch_size: int = 1
+                     ) -> tuple[OpGraph, dict[str, int], dict]:
+    """A model's ops as Inductor's kernels when it compiles the whole model for CUDA (``graph="inductor"``,
+    :mod:`opweave.backends.inductorgraph`), lowered here, on the CPU, without freezing, as CUDA's lowering is:
+    convolutions as extern calls, BatchNorm and activations in Inductor's epilogue kernels. Returns the graph, the
+    kernels each op launches, and the grouping's figures (kernels that compute no op: ``stats["unowned"]``)."""
+    from opweave.backends.inductorgraph import inductor_graph
+    from opweave.capture import load
+
+    if model is None and model_file is None:
+        raise UsageError("--inductor needs --model or --model-file: Inductor lowers the model itself")
+    _, inputs, captured = load(Path(model_file) if model_file is not None else model, batch_size=batch_size,
+                               coarsen=False)
+    regrouped = inductor_graph(captured, inputs, freeze=False)
+    return regrouped.graph, regrouped.kernels, regrouped.stats
+
+
 def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, devices: int,
             replay: Costs | None = None):
     """Schedule, lower, validate and replay one scheduler: (schedule, plan, simulation result). The scheduler sees
@@ -146,15 +163,16 @@ def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, device
     return sched, plan, simulate(graph, plan, replay or costs)
 
 
-def device_costs(graph: OpGraph, cost_model: str, preset: str, dtype: str, measured: bool) -> tuple[OpGraph, Costs,
-                                                                                                      Costs]:
+def device_costs(graph: OpGraph, cost_model: str, preset: str, dtype: str, measured: bool,
+                 launches: dict[str, int] | None = None) -> tuple[OpGraph, Costs, Costs]:
     """(graph, the costs a scheduler sees, the costs the replay runs under) for ``simulate`` and ``schedule``.
 
     Under ``--cost-model gpu`` with a fitted preset (h200, h100: :mod:`opweave.costs.calibrated`) the ops get the
     fitted device's times, except where ``measured`` (a profile gave the graph its latencies), the schedulers see
     them as ideal costs (as the GPU benchmark's schedulers saw its profile) and the replay is the fitted model of one
-    CUDA Graph call. Otherwise the graph's own latencies (roofline estimates for ``dtype``, or the profile's) under
-    ``cost_model``, for the scheduler and the replay alike."""
+    CUDA Graph call; ``launches``, the kernels Inductor launches per op (:func:`inductor_kernels`), replace the op
+    classes' counts there. Otherwise the graph's own latencies (roofline estimates for ``dtype``, or the profile's)
+    under ``cost_model``, for the scheduler and the replay alike."""
     from dataclasses import replace
 
     from opweave.costs import calibrated, roofline
@@ -162,9 +180,13 @@ def device_costs(graph: OpGraph, cost_model: str, preset: str, dtype: str, measu
     dtype = calibrated.DTYPES.get(dtype)
     if dtype is None:
         raise UsageError(f"unknown dtype; choose one of {', '.join(calibrated.DTYPES)}")
-    if cost_model == "gpu" and preset.lower() in calibrated.FITTED:
+    fitted_gpu = cost_model == "gpu" and preset.lower() in calibrated.FITTED
+    if launches is not None and not fitted_gpu:
+        raise UsageError(f"--inductor needs --cost-model gpu and a fitted preset ({', '.join(calibrated.FITTED)}): "
+                         "Inductor's kernels are priced on a fitted GPU")
+    if fitted_gpu:
         fitted = calibrated.costs(graph, calibrated.device(preset), dtype,
-                                  latency_ms=graph.latencies() if measured else None)
+                                  latency_ms=graph.latencies() if measured else None, launches=launches)
         graph = OpGraph([replace(o, latency_ms=fitted.latency_ms[o.id], utilization=fitted.utilization[o.id])
                          for o in graph.ops], graph.edges, graph.name)
         return graph, replace(fitted, model="ideal"), fitted

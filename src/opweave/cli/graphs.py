@@ -27,6 +27,7 @@ from opweave.cli.app import (
     device_costs,
     err,
     guard,
+    inductor_kernels,
     linked,
     load_graph,
     out,
@@ -74,6 +75,10 @@ def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
              preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = True,
              link: LinkOpt = None, dtype: DtypeOpt = "fp32",
+             inductor: Annotated[bool, typer.Option(
+                 "--inductor", help="plan over Inductor's kernels, as opweave.compile(graph=\"inductor\") does on "
+                                    "CUDA (the model lowered here as CUDA lowers it; not coarsened); needs "
+                                    "--cost-model gpu and a fitted preset")] = False,
              gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart PNG (one scheduler)")] = None,
              trace: Annotated[Path | None, typer.Option(help="write a Chrome trace JSON (one scheduler)")] = None,
              as_json: JsonOpt = False):
@@ -82,12 +87,21 @@ def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
     makespan is one CUDA Graph call on the fitted device, what benchmarks/gpu_latency.py measures."""
     from opweave.backends import render
 
-    g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
-                          model_file=model_file), link)
+    launches, grouping = None, None
+    if inductor:
+        if profile is not None or graph is not None:
+            raise UsageError("--inductor goes with --model or --model-file, without --profile: Inductor lowers the "
+                             "model itself and its kernels are priced on the fitted device")
+        g, launches, grouping = inductor_kernels(model, model_file, batch_size)
+        g = linked(g, link)
+    else:
+        g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
+                              model_file=model_file), link)
     names = scheduler_names(scheduler)
     if (gantt or trace) and len(names) != 1:
         raise UsageError("--gantt and --trace need a single --scheduler")
-    g, costs, replay = device_costs(g, cost_model, preset, dtype, measured=graph is not None or profile is not None)
+    g, costs, replay = device_costs(g, cost_model, preset, dtype, measured=graph is not None or profile is not None,
+                                    launches=launches)
     rows = []
     for name in names:
         sched, plan, sim = run_one(g, costs, name, streams, devices, replay)
@@ -102,7 +116,8 @@ def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
     if as_json:
         print(json.dumps({"graph": g.name, "ops": len(g), "edges": len(g.edges), "cost_model": cost_model,
                           "costs": replay.source, "dtype": dtype, "critical_path_ms": g.critical_path_ms(),
-                          "results": rows}))
+                          "kernels_per_call": round(sum(replay.kernel_count(o) for o in g.ids), 1),
+                          "inductor": grouping, "results": rows}))
         return
     table = Table(title=f"{g.name}: {len(g)} ops, {len(g.edges)} edges, cost model {cost_model}, "
                         f"critical path {g.critical_path_ms():.3f} ms")

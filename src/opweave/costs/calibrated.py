@@ -258,13 +258,15 @@ def peak_tflops(sheet: Datasheet, cls: str, dtype: str) -> float:
     return sheet.fp32_tflops
 
 
-def op_time_us(device: Device, graph: OpGraph, op: Op, dtype: str = "float32") -> float:
-    """The time of ``op`` alone on ``device`` computing in ``dtype``, kernels' floors included (module doc)."""
+def op_time_us(device: Device, graph: OpGraph, op: Op, dtype: str = "float32", launches: float | None = None) -> float:
+    """The time of ``op`` alone on ``device`` computing in ``dtype``, kernels' floors included (module doc): one
+    floor per kernel of its class, or per kernel of ``launches`` where a compiler decided its kernels."""
     cls = op_class(graph, op)
     c = device.op_class(cls)
     sheet = device.datasheet
     work = terms_us(sheet, cls, op, dtype)
-    return kernels(device, graph, op, cls) * c.floor_us + max(work[0] / c.efficiency, work[1] / device.mem_efficiency)
+    count = kernels(device, graph, op, cls) if launches is None else launches
+    return count * c.floor_us + max(work[0] / c.efficiency, work[1] / device.mem_efficiency)
 
 
 def terms_us(sheet: Datasheet, cls: str, op: Op, dtype: str) -> tuple[float, float]:
@@ -299,21 +301,24 @@ def io_bytes(graph: OpGraph, dtype: str = "float32") -> float:
     return total
 
 
-def costs(graph: OpGraph, dev: Device, dtype: str = "float32", latency_ms: dict[str, float] | None = None) -> Costs:
+def costs(graph: OpGraph, dev: Device, dtype: str = "float32", latency_ms: dict[str, float] | None = None,
+          launches: dict[str, float] | None = None) -> Costs:
     """Costs of ``graph`` on the fitted ``dev`` under the ``gpu`` model: each op's time alone (from ``latency_ms``
     where a profile measured it, else :func:`op_time_us`), its kernels and its share, and the call's overheads
-    (:meth:`Device.gpu_model`). Schedulers see it as they would a profile: use ``dataclasses.replace(costs,
+    (:meth:`Device.gpu_model`). ``launches``: the kernels each op launches where a compiler decided them (Inductor's
+    count of a ``graph="inductor"`` op, :mod:`opweave.backends.inductorgraph`), counted for its floors and gaps
+    instead of its class's. Schedulers see it as they would a profile: use ``dataclasses.replace(costs,
     model="ideal")``, which is what the GPU benchmark scheduled on."""
     dtype = DTYPES.get(dtype, dtype)
     if dtype not in ITEMSIZE:
         raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    measured = latency_ms or {}
+    measured, launches = latency_ms or {}, launches or {}
     return Costs(
-        latency_ms={o.id: measured[o.id] if o.id in measured else op_time_us(dev, graph, o, dtype) / 1e3
-                    for o in graph.ops},
+        latency_ms={o.id: measured[o.id] if o.id in measured
+                    else op_time_us(dev, graph, o, dtype, launches.get(o.id)) / 1e3 for o in graph.ops},
         utilization={o.id: share(dev, o) for o in graph.ops},
         category={o.id: o.category for o in graph.ops},
-        kernels={o.id: kernels(dev, graph, o) for o in graph.ops},
+        kernels={o.id: launches[o.id] if o.id in launches else kernels(dev, graph, o) for o in graph.ops},
         model="gpu",
         gpu=dev.gpu_model(graph, dtype),
         source=f"fitted:{dev.name}:{dtype}",
