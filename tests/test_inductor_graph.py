@@ -14,7 +14,7 @@ import opweave
 from dags import dags
 from opweave import zoo
 from opweave.backends import compilers
-from opweave.backends.inductorgraph import Kernel, free_layouts, inductor_graph, kernel_groups
+from opweave.backends.inductorgraph import Kernel, free_layouts, inductor_graph, kernel_groups, launch_counts
 from opweave.build import resolve
 from opweave.build.targets import segment_options
 from opweave.capture import capture
@@ -176,6 +176,22 @@ def test_a_merge_that_would_close_a_cycle_is_refused_and_counted():
 def test_independent_ops_of_one_kernel_are_merged():
     groups, split = kernel_groups(_chain(), [Kernel(frozenset("cd"), 1, "k"), Kernel(frozenset("ab"), 1, "k")])
     assert split == 0 and sorted(map(tuple, groups)) == [("a", "b"), ("c", "d")]
+
+
+def test_a_kernel_split_across_groups_launches_once_per_part():
+    groups, split = kernel_groups(_chain(), [Kernel(frozenset("ac"), 1, "k")])
+    assert split == 1 and launch_counts(groups, [Kernel(frozenset("ac"), 1, "k")]) == {"a": 1, "b": 1}  # d joins a
+
+
+def test_a_concatenation_in_place_counts_each_writer_where_its_own_ops_are():
+    # a concatenation written in place, united with the two kernels writing its inputs (a's and c's), which cannot
+    # share a group: each writer launches once, in its own group, not both launches in both groups
+    concat = Kernel(frozenset("ac"), 2, "k", parts=((frozenset("c"), 0), (frozenset("a"), 1), (frozenset("c"), 1)))
+    groups, split = kernel_groups(_chain(), [concat])
+    assert split == 1 and launch_counts(groups, [concat]) == {"a": 1, "b": 1}
+    # a writer whose own ops are not known launches once, where the concatenation is
+    unknown = Kernel(frozenset("ac"), 3, "k", parts=((frozenset("c"), 0), (frozenset("a"), 1), (frozenset(), 2)))
+    assert launch_counts(groups, [unknown]) == {"a": 1, "b": 2}
 
 
 @st.composite

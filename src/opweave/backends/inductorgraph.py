@@ -83,11 +83,14 @@ from opweave.ir.graph import OpGraph
 
 @dataclass(frozen=True)
 class Kernel:
-    """One node of Inductor's scheduler after fusion: the captured ops it computes and the launches it makes."""
+    """One node of Inductor's scheduler after fusion: the captured ops it computes and the launches it makes. A
+    concatenation written in place is one such kernel with the kernels that write its inputs (``parts``: each of
+    those nodes' own ops and launches, where they differ from the whole)."""
 
     ops: frozenset[str]
     launches: int  # 1 for a kernel or an extern call; 0 for what launches nothing (a concatenation in place)
     kind: str  # the scheduler node's class, e.g. "FusedSchedulerNode", "ExternKernelSchedulerNode"
+    parts: tuple[tuple[frozenset[str], int], ...] = ()
 
 
 @dataclass
@@ -127,12 +130,24 @@ def inductor_graph(captured: Captured, inputs: tuple, threads: int | None = None
         return InductorGraph(captured, {}, {**stats, "split": 0, "ops": len(captured.graph)})
     groups, split = kernel_groups(captured.graph, kernels)
     merged = merge_ops(captured, groups)
+    return InductorGraph(merged, launch_counts(groups, kernels), {**stats, "split": split, "ops": len(merged.graph)})
+
+
+def launch_counts(groups: list[list[str]], kernels: list[Kernel]) -> dict[str, int]:
+    """The kernels each group (named by its first op) launches per call: each scheduler node's launches in every
+    group that holds some of its ops (a node split across groups is compiled, and launched, once per part); a
+    kernel's parts (a concatenation in place, first, and the kernels writing its inputs) each where their own ops
+    are, a part whose ops are not known once, in the last group of the concatenation's. Pure: no torch."""
     group_of = {op: group[0] for group in groups for op in group}
-    counts = dict.fromkeys(merged.graph.ids, 0)
+    order = {group[0]: i for i, group in enumerate(groups)}
+    counts = {group[0]: 0 for group in groups}
     for k in kernels:
-        for head in {group_of[op] for op in k.ops}:
-            counts[head] += k.launches
-    return InductorGraph(merged, counts, {**stats, "split": split, "ops": len(merged.graph)})
+        parts = k.parts or ((k.ops, k.launches),)
+        home = max({group_of[op] for op in parts[0][0] or k.ops}, key=order.__getitem__)
+        for ops, launched in parts:
+            for head in {group_of[op] for op in ops} or {home}:
+                counts[head] += launched
+    return counts
 
 
 # torch.nn modules that read no layout of their input (a module called in the graph is run as it is, not traced)
@@ -315,7 +330,8 @@ def _attribute(scheduler, values: dict, owner: dict[str, str]) -> tuple[list[Ker
             for origin in getattr(getattr(part, "node", None), "origins", None) or ():
                 inlined.setdefault(origin, i)
 
-    ops: list[set[str]] = [set() for _ in nodes]
+    ops: list[set[str]] = [set() for _ in nodes]  # by the kernel (root) a node is united in
+    own: list[set[str]] = [set() for _ in nodes]  # by the node itself
     found = {fx_node: _sources(fx_node) for fx_node in values}
     given = _given_graph(list(found.values()), set(owner))
     for fx_node, value in values.items():
@@ -326,12 +342,16 @@ def _attribute(scheduler, values: dict, owner: dict[str, str]) -> tuple[list[Ker
         where = {writer[n] for n in names} if names else {inlined[fx_node]} if fx_node in inlined else set()
         for i in where:
             ops[root(i)] |= sources
+            own[i] |= sources
     groups: dict[int, list[int]] = {}
     for i in range(len(nodes)):
         groups.setdefault(root(i), []).append(i)
     owned, unowned = [], []
     for head, members in groups.items():
-        kernel = Kernel(frozenset(ops[head]), sum(launches(nodes[i]) for i in members), type(nodes[head]).__name__)
+        parts = tuple((frozenset(own[i]), launches(nodes[i])) for i in sorted(members, key=lambda i: i != head)
+                      ) if len(members) > 1 else ()
+        kernel = Kernel(frozenset(ops[head]), sum(launches(nodes[i]) for i in members), type(nodes[head]).__name__,
+                        parts)
         (owned if kernel.ops else unowned).append(kernel)
     return owned, unowned
 
