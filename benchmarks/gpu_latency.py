@@ -315,13 +315,17 @@ def _inductor_graph(captured, inputs, scheduler: str, args, extra: dict):
 def _chosen(model, inputs, mode: str, extra: dict):
     """``opweave.compile(model, inputs, device="cuda", mode=mode)``: what a user gets with no option (``default``:
     the coarsened graph, the plan the calibrated simulator picks, recorded into a CUDA Graph) or with
-    ``max-autotune`` (candidates timed on this GPU); ``extra`` gets what it picked and why."""
+    ``max-autotune`` (candidates timed on this GPU); ``extra`` gets what it picked and why, and for
+    ``max-autotune`` every candidate's median as it timed them (torch.compile, the plans, their versions over
+    Inductor's kernels: what the simulator's predictions over Inductor's kernels are checked against)."""
     import opweave
 
     fast = opweave.compile(model, inputs, device="cuda", mode=mode)
+    choice = fast.choice or {}
     extra.update(scheduler=fast.schedule.scheduler, streams=fast.schedule.streams_used, syncs=fast.plan.syncs,
-                 ops=len(fast.graph), choice=(fast.choice or {}).get("label"),
-                 predicted_ms=(fast.choice or {}).get("predicted_ms"))
+                 ops=len(fast.graph), choice=choice.get("label"), predicted_ms=choice.get("predicted_ms"),
+                 candidates_ms={k: c["median_ms"] for k, c in choice.get("candidates", {}).items()
+                                if "median_ms" in c} or None)
     return fast
 
 
