@@ -258,10 +258,15 @@ def test_top_serving_quick(tmp_path):
 
 def test_sim_gpu_predict_quick(tmp_path):
     """googlenet at batch 1 fp32 on the fitted H200: the best plan's predicted speed-up over the sequential CUDA
-    Graph, beside what the H200 measured (lios, 1.70x); the simulator was fitted on that run, so they are close."""
+    Graph, beside what the H200 measured (lios, 1.70x); the simulator was fitted on that run, so they are close. And
+    the best plan over Inductor's kernels, with its kernels per call beside torch.compile's measured 147."""
     run_script("sim_gpu_predict.py", tmp_path)
     (row,) = json.loads((tmp_path / "sim_gpu_predict.json").read_text())["summary"]
     assert (row["model"], row["batch_size"], row["dtype"]) == ("googlenet", 1, "fp32")
     assert row["best_ms"] < row["sequential_ms"] and row["measured"]["best_scheduler"] == "lios"
     assert abs(row["speedup_vs_sequential"] / row["measured"]["speedup_vs_cuda_graph"] - 1) < 0.25
+    # over Inductor's kernels: fewer kernels than eager's, about as many as torch.compile launched on the H200
+    fused = row["inductor"]
+    assert fused["best_ms"] < row["best_ms"] and abs(fused["kernels_per_call"] / 147 - 1) < 0.2
+    assert row["measured"]["torch_compile_kernels"] == 147
     assert "| googlenet | 1 | fp32 |" in (tmp_path / "sim_gpu_predict.md").read_text()
