@@ -33,6 +33,7 @@ from opweave.backends.cuda import CudaBackend, InputCopies, _static_copy, input_
 from opweave.backends.cudagraph import capture_error
 from opweave.backends.liveness import (
     Buffer,
+    FakeRun,
     launch_positions,
     release_keys,
     release_points,
@@ -294,6 +295,26 @@ def test_buffers_found_on_fake_tensors_are_those_of_a_real_run(name, scheduler):
     real = storage_buffers(cap, env, program, module_tensors(cap.gm))
     assert len(real) > 3 and all(b.nbytes > 0 for b in real)
     assert same_buffers(static_buffers(cap, x, program)) == same_buffers(real)
+
+
+@pytest.mark.parametrize("name", ["branchy", "squeezenet"])
+def test_one_run_on_fake_tensors_gives_each_program_the_buffers_of_its_own_real_run(name):
+    """One run on fake tensors serves the plans of several schedulers (as a build's memory pass and its backend share
+    one): each program gets the buffers, in order and by name, that a real run of it in its issue order gives."""
+    if name == "branchy":
+        _, x, cap = branchy()
+    else:
+        from opweave import zoo
+
+        model, x = zoo.create(name)
+        cap = capture(model, x, name=name)
+    run = FakeRun(cap, x)
+    for scheduler in ("lios", "sequential", "wavefront", "opara", "heft"):
+        _, plan = plan_for(cap.graph, estimate(cap.graph, "cpu"), scheduler, streams=3)
+        program = Program.from_plan(plan)
+        with torch.no_grad():
+            env = keep_all_run(cap, program, x)
+        assert static_buffers(cap, x, program, run) == storage_buffers(cap, env, program, module_tensors(cap.gm))
 
 
 def test_buffers_of_a_segmented_model_on_fake_tensors_are_those_of_its_segments():

@@ -113,3 +113,75 @@ def test_the_cuda_default_passes_over_a_plan_whose_planned_peak_is_over_the_cap(
         assert "planned peak 1.50x the one-stream plan's, over the 1.25x cap, as is every plan" in \
             fast.choice["reason"]
     assert compare(model(*inputs), run(fast, runtime, inputs)).ok
+
+
+
+def fake_runs(monkeypatch) -> list:
+    """Every FakeTensorMode made from now on (one per run of the model on fake tensors)."""
+    from torch._subclasses import fake_tensor
+
+    made = []
+
+    class Counted(fake_tensor.FakeTensorMode):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(fake_tensor, "FakeTensorMode", Counted)
+    return made
+
+
+def test_one_cuda_build_runs_the_model_on_fake_tensors_once(monkeypatch):
+    """The memory pass of every candidate plan and the backend's release plan for the example inputs share one run
+    on fake tensors, and one one-stream plan: the first two candidates are said to be over the cap here, so three
+    plans go through the memory pass before the backend plans its releases."""
+    from opweave.build import pipeline, targets
+
+    sequential, seen = [], []
+
+    def memory_pass(*args, **kwargs):
+        plan, ratio = real(*args, **kwargs)
+        seen.append(ratio)
+        return plan, 1.5 if len(seen) <= 2 else ratio
+
+    def plan_for(graph, costs, scheduler, **kwargs):
+        if scheduler == "sequential":
+            sequential.append(kwargs)
+        return real_plan_for(graph, costs, scheduler, **kwargs)
+
+    real, real_plan_for = targets.memory_pass, pipeline.plan_for
+    modes = fake_runs(monkeypatch)
+    monkeypatch.setattr(targets, "memory_pass", memory_pass)
+    monkeypatch.setattr(pipeline, "plan_for", plan_for)
+    monkeypatch.setattr(targets, "PICK_TOLERANCE", 100.0)  # every plan is within it
+    model, inputs = wide()
+    runtime = FakeCuda(seed=5)
+    fast = opweave.compile(model, inputs, device="cuda", runtime=runtime)
+    assert len(seen) == 3 and None not in seen
+    assert len(modes) == 1 and len(sequential) == 1
+    assert fast.backend.stats["keep_all_runs"] == 0
+    assert compare(model(*inputs), run(fast, runtime, inputs)).ok
+
+
+class Masked(nn.Module):
+    """A boolean mask: its output's shape depends on values, which fake tensors do not have."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y, z = self.a(x).relu(), self.b(x).relu()
+        return (y + z)[x > 0].sum() + y.sum()
+
+
+def test_a_model_that_cannot_run_on_fake_tensors_is_tried_once_per_cuda_build(monkeypatch):
+    """The memory pass finds no buffers (no waits added) and the backend learns them from a first real run, without
+    trying the fake tensors again."""
+    torch.manual_seed(0)
+    model, x = Masked().eval(), torch.randn(4, 8)
+    modes = fake_runs(monkeypatch)
+    runtime = FakeCuda(seed=1)
+    fast = opweave.compile(model, (x,), device="cuda", runtime=runtime, cudagraphs=False)
+    assert len(modes) == 1 and fast.backend.stats["keep_all_runs"] == 1
+    assert compare(model(x), run(fast, runtime, (x,))).ok

@@ -30,17 +30,18 @@ A plan for several devices runs all its devices on the current GPU (their lanes 
 distributed backend places devices on real GPUs.
 
 **Buffers** are planned before the first run of an input signature: the model runs once on fake tensors
-(:func:`opweave.backends.liveness.static_buffers`: storage identity, shapes and sizes, no memory and no kernels) to
-find which environment entries share a storage, the memory pass (:func:`opweave.plan.memory.release_points`) says
-after which step of which lane each group may be dropped (the earliest point of its allocating lane that the plan's
-joins order after every use), and the memory validator proves each release (:func:`opweave.plan.memory.
-validate_releases`, a :class:`~opweave.errors.PlanError` naming the buffer otherwise). Every run drops the group
-there, the first one included: the warm-ups, the capture, every call without graphs. Groups that are model inputs,
-parameters, outputs, or allocated on several lanes, and groups whose lane never joins a consumer, stay alive until
-the end of the run; with graphs the capture pool keeps the memory of the graph's buffers for the graph's lifetime
-(freed blocks are reused inside the capture by their own stream), and without them the caller's stream has joined
-every lane before they are dropped. A model that cannot run on fake tensors (an op without a fake implementation)
-learns its buffers from a first run that keeps every intermediate instead (``stats["keep_all_runs"]`` counts them).
+(:func:`opweave.backends.liveness.static_buffers`: storage identity, shapes and sizes, no memory and no kernels; for
+the example inputs, the run the build's memory pass made, passed as ``fake_run``) to find which environment entries
+share a storage, the memory pass (:func:`opweave.plan.memory.release_points`) says after which step of which lane
+each group may be dropped (the earliest point of its allocating lane that the plan's joins order after every use),
+and the memory validator proves each release (:func:`opweave.plan.memory.validate_releases`, a
+:class:`~opweave.errors.PlanError` naming the buffer otherwise). Every run drops the group there, the first one
+included: the warm-ups, the capture, every call without graphs. Groups that are model inputs, parameters, outputs,
+or allocated on several lanes, and groups whose lane never joins a consumer, stay alive until the end of the run;
+with graphs the capture pool keeps the memory of the graph's buffers for the graph's lifetime (freed blocks are
+reused inside the capture by their own stream), and without them the caller's stream has joined every lane before
+they are dropped. A model that cannot run on fake tensors (an op without a fake implementation) learns its buffers
+from a first run that keeps every intermediate instead (``stats["keep_all_runs"]`` counts them).
 
 **Input signatures.** One entry (a captured graph, or a release plan to run without one) per input signature —
 pytree structure and every leaf's shape, dtype and device (plus strides without graphs, where inputs are used in
@@ -79,7 +80,7 @@ from torch.utils import _pytree as pytree
 
 from opweave.backends.cache import BoundedCache, signature
 from opweave.backends.cudagraph import GraphCaptureError, checked_run, record
-from opweave.backends.liveness import release_keys, static_buffers, steps_with_releases, storage_buffers
+from opweave.backends.liveness import FakeRun, release_keys, static_buffers, steps_with_releases, storage_buffers
 from opweave.backends.program import Lane, Program, Step
 from opweave.backends.runtime import CUDA, Runtime
 from opweave.backends.streams import CudaLanes, default_streams, stream_pool
@@ -153,13 +154,15 @@ class InputCopies:
 
 class CudaBackend:
     """A plan on CUDA streams, recorded into a CUDA graph per input signature unless ``cudagraphs=False`` (module
-    docstring), through ``runtime`` (default: ``torch.cuda``). ``stats``: ``captures``, ``evictions``,
-    ``eager_fallbacks``, ``keep_all_runs``. ``close()`` drops the cached graphs and gives the streams back to the
-    pool (also done when the backend is collected); a closed backend refuses calls."""
+    docstring), through ``runtime`` (default: ``torch.cuda``). ``fake_run``: the model's run on fake tensors for
+    ``example_inputs``, when one was made already (the build's memory pass): the example's buffers are grouped from
+    it rather than from a run of its own. ``stats``: ``captures``, ``evictions``, ``eager_fallbacks``,
+    ``keep_all_runs``. ``close()`` drops the cached graphs and gives the streams back to the pool (also done when the
+    backend is collected); a closed backend refuses calls."""
 
     def __init__(self, captured: Captured, plan: LaunchPlan, example_inputs, *, cudagraphs: bool = True,
                  static_outputs: bool = False, capture_fallback: str = "error", cache_size: int = 8, warmup: int = 2,
-                 runtime: Runtime | None = None):
+                 runtime: Runtime | None = None, fake_run: FakeRun | None = None):
         runtime = runtime or CUDA
         require_cuda(runtime)
         if not isinstance(cudagraphs, bool):
@@ -190,7 +193,7 @@ class CudaBackend:
         self._lock = threading.Lock()
         with torch.no_grad():  # ahead of time: the example's signature is ready before the first call
             key, leaves = input_signature(example_inputs, self.cudagraphs, self.device)
-            self._entry(key, example_inputs, leaves)
+            self._entry(key, example_inputs, leaves, fake_run)
 
     # ---- calls --------------------------------------------------------------------------------------------------
     def __call__(self, *args) -> Any:
@@ -263,7 +266,7 @@ class CudaBackend:
             return pytree.tree_map(move, args)
         return tuple(map(move, args))
 
-    def _entry(self, key: tuple, args: tuple, leaves) -> _Entry:
+    def _entry(self, key: tuple, args: tuple, leaves, fake_run: FakeRun | None = None) -> _Entry:
         if key in self._entries:
             return self._entries[key]
         # Static buffers made under a caller's inference_mode would refuse the next call's copy_ outside it.
@@ -272,9 +275,9 @@ class CudaBackend:
             args_on_device = self._to_device(args)
             captured = self._captured_for(args_on_device)
             if self.cudagraphs:
-                entry = self._record(captured, args_on_device, leaves)
+                entry = self._record(captured, args_on_device, leaves, fake_run)
             else:
-                entry = self._planned(captured, args_on_device, self.runtime.current_stream(self.device))
+                entry = self._planned(captured, args_on_device, self.runtime.current_stream(self.device), fake_run)
         self._entries[key] = entry
         return entry
 
@@ -299,10 +302,11 @@ class CudaBackend:
                              f"graph captured for {self._example_shapes}: {type(exc).__name__}: {exc}") from exc
         return dataclasses.replace(self.captured, gm=gm)  # keeps a subclass (backends/segments.py: Segmented)
 
-    def _planned(self, captured: Captured, args: tuple, origin) -> _Entry:
-        """The entry of a new signature with its release plan, proven safe (module docstring: Buffers)."""
+    def _planned(self, captured: Captured, args: tuple, origin, fake_run: FakeRun | None = None) -> _Entry:
+        """The entry of a new signature with its release plan, proven safe (module docstring: Buffers); its buffers
+        grouped from ``fake_run`` when given (a run on fake tensors for inputs of this signature)."""
         try:
-            buffers = static_buffers(captured, args, self.program)
+            buffers = static_buffers(captured, args, self.program, fake_run)
         except Exception as exc:  # noqa: BLE001 - any failure on fake tensors: learn the buffers from a real run
             log.debug("%s: no buffers from fake tensors (%s: %s); a first run keeps every intermediate",
                       captured.graph.name, type(exc).__name__, exc)
@@ -318,7 +322,7 @@ class CudaBackend:
         return storage_buffers(captured, env, self.program, module_tensors(captured.gm))
 
     # ---- CUDA graphs --------------------------------------------------------------------------------------------
-    def _record(self, captured: Captured, args: tuple, leaves) -> _Entry:
+    def _record(self, captured: Captured, args: tuple, leaves, fake_run: FakeRun | None = None) -> _Entry:
         """Warm up and check on the capture stream, then capture one run into a CUDA graph
         (:mod:`opweave.backends.cudagraph`)."""
         runtime = self.runtime
@@ -328,7 +332,7 @@ class CudaBackend:
         side.wait_stream(caller)
         try:
             with runtime.stream(side):
-                entry = self._planned(captured, static_inputs, side)
+                entry = self._planned(captured, static_inputs, side, fake_run)
                 for _ in range(self.warmup):
                     env = runtime.launch(side, captured.bind, static_inputs)
                     self._lanes.issue(entry.steps, side, captured, env)

@@ -16,17 +16,21 @@ record it refers to, every use ordered before a release point was also issued (o
 host-side interpreter can apply the releases in issue order.
 
 **Which buffers.** :func:`static_buffers` finds them before anything runs on the device: the model runs once, op
-by op in the plan's issue order, on PyTorch's fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``:
+by op in its graph's topological order, on PyTorch's fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``:
 shapes, dtypes, strides and storage identity, no memory and no kernels), which is exact for views and in-place ops
-kept in place, as the real run would make them. :func:`storage_buffers` groups the environment of such a run (or of
-a real run that kept every intermediate) by the storage its entries share (views and in-place results included);
-each group's allocating lane is the lane of the first op that held it, its size the storage's bytes. Groups that are
-model inputs, parameters or anything computed in ``bind``, groups the output returns, and groups allocated on several
-lanes are left out (kept to the end). :func:`release_keys` turns validated release points
-(:func:`opweave.plan.memory.validate_releases`) into environment keys, and :func:`steps_with_releases` puts them on
-the steps a :class:`~opweave.backends.program.Walker` runs (the CUDA backend does; see its docstring).
+kept in place, as the real run would make them in any order the edges allow. :func:`storage_buffers` groups the
+environment of such a run (or of a real run that kept every intermediate) by the storage its entries share (views
+and in-place results included); each group's allocating lane is the lane of the first op that held it, its size the
+storage's bytes. Groups that are model inputs, parameters or anything computed in ``bind``, groups the output
+returns, and groups allocated on several lanes are left out (kept to the end). Only the grouping depends on the
+program: a :class:`FakeRun` keeps the run, and a CUDA build makes one for all its plans (the memory pass of each,
+:func:`opweave.build.pipeline.memory_pass`, then the backend's release plan for the example inputs).
+:func:`release_keys` turns validated release points (:func:`opweave.plan.memory.validate_releases`) into
+environment keys, and :func:`steps_with_releases` puts them on the steps a
+:class:`~opweave.backends.program.Walker` runs (the CUDA backend does; see its docstring).
 
-Complexity: that of :mod:`opweave.plan.memory`; :func:`static_buffers` one run of the model on fake tensors.
+Complexity: that of :mod:`opweave.plan.memory`; :func:`static_buffers` one run of the model on fake tensors
+(none when given a :class:`FakeRun` that has run) and one pass over its environment.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ from opweave.capture.runtime import Captured, module_tensors
 from opweave.plan import memory
 from opweave.plan.memory import Buffer
 
-__all__ = ["Buffer", "launch_positions", "release_keys", "release_points", "static_buffers", "steps_with_releases",
-           "storage_buffers"]
+__all__ = ["Buffer", "FakeRun", "launch_positions", "release_keys", "release_points", "static_buffers",
+           "steps_with_releases", "storage_buffers"]
 
 
 def launch_positions(program: Program) -> dict[str, tuple[Lane, int]]:
@@ -96,10 +100,31 @@ def _steps(releases: dict) -> dict[tuple[Lane, int], list[str]]:
     return {(lane, position - 1): names for (lane, position), names in releases.items()}
 
 
-def static_buffers(captured: Captured, args: tuple, program: Program) -> list[Buffer]:
-    """The buffers a run of ``program`` on ``args`` allocates (:func:`storage_buffers`), found by running it on fake
-    tensors (module docstring). Raises what the model raises when it cannot run on fake tensors (an op without a
-    fake implementation, Python control flow on a tensor's value): the caller then learns them from a real run."""
+class FakeRun:
+    """``captured`` run once on fake tensors for ``args`` (module docstring), when first asked for, and kept: what
+    :func:`static_buffers` groups for any program of it. The storages, their sizes and users do not depend on the
+    program; only what :func:`storage_buffers` derives from it (each group's allocating lane, which groups several
+    lanes allocate) does, so one run serves every plan of one build and the backend's first input signature. A run
+    that failed raises its error again when asked again, without running again."""
+
+    def __init__(self, captured: Captured, args: tuple):
+        self.captured, self.args = captured, args
+        self._result: tuple[dict, list] | Exception | None = None
+
+    def result(self) -> tuple[dict, list]:
+        """The environment of the run (every value it computed, as fake tensors) and the module's parameters and
+        buffers as fake tensors of the same run (:func:`storage_buffers`' ``external``)."""
+        if self._result is None:
+            try:
+                self._result = _fake_run(self.captured, self.args)
+            except Exception as exc:  # noqa: BLE001 - kept, and raised to every caller
+                self._result = exc
+        if isinstance(self._result, Exception):
+            raise self._result
+        return self._result
+
+
+def _fake_run(captured: Captured, args: tuple) -> tuple[dict, list]:
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -111,9 +136,18 @@ def static_buffers(captured: Captured, args: tuple, program: Program) -> list[Bu
         env = captured.bind(pytree.tree_map_only(torch.Tensor, fake, args))
         env = {k: pytree.tree_map_only(torch.Tensor, fake, v) for k, v in env.items()}
         external = [fake(t) for t in module_tensors(captured.gm)]
-        for _, step in program.issue_order:
-            if step.kind == "launch":
-                Captured.run_op(captured, step.op, env)  # a segmented model's ops node by node, as compiled
+        for op in captured.graph.topo_order:
+            Captured.run_op(captured, op, env)  # a segmented model's ops node by node, as compiled
+    return env, external
+
+
+def static_buffers(captured: Captured, args: tuple, program: Program, run: FakeRun | None = None) -> list[Buffer]:
+    """The buffers a run of ``program`` on ``args`` allocates (:func:`storage_buffers`), found by running the model
+    on fake tensors (module docstring): ``run``, when given, is that run, made before for this model and inputs of
+    ``args``' signature (a build's memory pass and its backend share one); else one is made here. Raises what the
+    model raises when it cannot run on fake tensors (an op without a fake implementation, Python control flow on a
+    tensor's value): the caller then learns them from a real run."""
+    env, external = (run or FakeRun(captured, args)).result()
     return storage_buffers(captured, env, program, external)
 
 
@@ -121,7 +155,8 @@ def storage_buffers(captured: Captured, env: dict, program: Program,
                     external: Iterable[torch.Tensor] = ()) -> list[Buffer]:
     """Group the environment of a run that kept every intermediate (on fake tensors, :func:`static_buffers`, or
     real ones) by shared storage (a view, an in-place result and its base are one group) into :class:`Buffer` s for
-    the memory pass, each with the bytes of its storages.
+    the memory pass, each with the bytes of its storages, in the order of the program's launches (each group named
+    by its first entry in that order), however the run was ordered.
 
     Only groups computed by ops are returned: a group that holds a model input, a parameter or anything computed
     in ``bind``, a group that shares storage with one of ``external`` (the module's parameters and buffers, which an
@@ -146,8 +181,9 @@ def storage_buffers(captured: Captured, env: dict, program: Program,
 
     outside = {s for s in map(_storage, external) if s is not None}
     storages_of: dict[str, list[tuple]] = {}
-    for key, value in env.items():
-        found = [_storage(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    # the ops' entries in the program's issue order, whatever order the run went in: it orders (and names) the groups
+    for key in sorted(env, key=lambda k: rank.get(owner.get(k), -1)):
+        found = [_storage(t) for t in pytree.tree_leaves(env[key]) if isinstance(t, torch.Tensor)]
         storages_of[key] = [s for s in found if s is not None]
         for s in storages_of[key]:
             parent[find(s)] = find(("key", key))

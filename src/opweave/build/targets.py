@@ -26,7 +26,7 @@ import logging
 from dataclasses import replace
 
 from opweave.build.options import Options
-from opweave.build.pipeline import PEAK_CAP, Compiled, costs_for, memory_pass, plan_for, with_free_joins
+from opweave.build.pipeline import PEAK_CAP, BuildBuffers, Compiled, costs_for, memory_pass, plan_for, with_free_joins
 from opweave.costs import Costs
 from opweave.errors import UsageError
 from opweave.plan import LaunchPlan
@@ -128,6 +128,8 @@ class CudaTarget:
         costs = self.costs(captured, inputs, options, device, dtype, launches=kernels)
         streams = options.streams or default_streams()  # more lanes than hardware queues add false dependencies
         scheduler, choice = options.scheduler, None
+        # every plan's memory pass and the backend find the buffers from one run on fake tensors (segments: no pass)
+        shared = BuildBuffers(captured, inputs, costs) if options.compiler is None else None
 
         def planned(name: str, cap: int):
             return plan_for(captured.graph, costs, name, streams=cap,
@@ -135,14 +137,15 @@ class CudaTarget:
 
         if scheduler is None:  # the plan the calibrated simulator predicts fastest (under the memory cap)
             ranked = self.ranking(captured.graph, costs, streams, device, dtype, set(options.scheduler_options or {}))
-            picked, sched, plan, reason = self.under_cap(ranked, planned, captured, inputs, options, costs)
+            picked, sched, plan, reason = self.under_cap(ranked, planned, captured, inputs, options, costs,
+                                                         shared=shared)
             choice = {"label": f"{picked.scheduler} x{picked.streams}", "predicted_ms": picked.makespan_ms,
                       "reason": reason, "candidates": {
                           f"{p.scheduler} x{p.streams}": {"predicted_ms": p.makespan_ms} for p in ranked.predictions}}
-            compiled = self.runnable(captured, plan, inputs, options, costs, joined=True)
+            compiled = self.runnable(captured, plan, inputs, options, costs, joined=True, shared=shared)
         else:
             sched, plan = planned(scheduler, streams)
-            compiled = self.runnable(captured, plan, inputs, options, costs)
+            compiled = self.runnable(captured, plan, inputs, options, costs, shared=shared)
         compiled.schedule, compiled.choice = sched, choice
         if choice is not None:
             log.info("%s: %s", captured.graph.name, choice["reason"])
@@ -175,19 +178,21 @@ class CudaTarget:
             raise UsageError(f"no scheduler takes the options {', '.join(sorted(taking))}")
         return choose(graph, costs, device or fitted_device(), dtype=dtype, names=names, stream_caps=caps)
 
-    def under_cap(self, ranked, planned, captured, inputs: tuple, options: Options, costs: Costs):
+    def under_cap(self, ranked, planned, captured, inputs: tuple, options: Options, costs: Costs, *,
+                  shared: BuildBuffers | None = None):
         """The first plan of ``ranked`` (a :class:`~opweave.backends.choose.Choice`) predicted within
         ``PICK_TOLERANCE`` of the fastest whose planned peak after the memory pass
-        (:func:`opweave.build.pipeline.memory_pass`) is within its cap; the fastest when none is. ``planned(name,
-        cap)`` makes a (schedule, plan). Returns the prediction, the schedule, the plan after the memory pass and
-        the reason to give."""
+        (:func:`opweave.build.pipeline.memory_pass`, every plan's with the buffers and one-stream peak of
+        ``shared``) is within its cap; the fastest when none is. ``planned(name, cap)`` makes a (schedule, plan).
+        Returns the prediction, the schedule, the plan after the memory pass and the reason to give."""
         tried = []
         for p in ranked.predictions:
             if p.makespan_ms > ranked.makespan_ms * (1 + PICK_TOLERANCE) and tried:
                 break
             sched, plan = planned(p.scheduler, p.streams)
             if options.compiler is None:
-                plan, ratio = memory_pass(captured, plan, inputs, costs, cuda_graph=options.cudagraphs)
+                plan, ratio = memory_pass(captured, plan, inputs, costs, cuda_graph=options.cudagraphs,
+                                          shared=shared)
             else:  # segments: the pass does not run
                 ratio = None
             tried.append((p, sched, plan, ratio))
@@ -205,14 +210,15 @@ class CudaTarget:
         return p, sched, plan, reason
 
     def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs, *,
-                 joined: bool = False) -> Compiled:
+                 joined: bool = False, shared: BuildBuffers | None = None) -> Compiled:
         """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
         ``options.compiler`` in the backend's warm-up); the memory pass runs first unless the plan is ``joined``
-        already."""
+        already. ``shared``: the build's buffers (:class:`~opweave.build.pipeline.BuildBuffers`), whose run on fake
+        tensors the memory pass and the backend's release plan for ``inputs`` then use instead of their own."""
         from opweave.backends.cuda import CudaBackend
 
         if options.compiler is None and not joined:  # waits that free buffers read on other streams early
-            plan = with_free_joins(captured, plan, inputs, costs, cuda_graph=options.cudagraphs)
+            plan = with_free_joins(captured, plan, inputs, costs, cuda_graph=options.cudagraphs, shared=shared)
         runner, run_plan, fused = captured, plan, None
         if options.compiler is not None:
             from opweave.backends.segments import fuse_segments
@@ -222,7 +228,8 @@ class CudaTarget:
             fused = runner
         backend = CudaBackend(runner, run_plan, inputs, cudagraphs=options.cudagraphs,
                               capture_fallback=options.capture_fallback, static_outputs=options.static_outputs,
-                              cache_size=options.cache_size, warmup=options.warmup, runtime=options.runtime)
+                              cache_size=options.cache_size, warmup=options.warmup, runtime=options.runtime,
+                              fake_run=shared.fake if shared is not None and options.compiler is None else None)
         return Compiled(captured.graph, costs, None, plan, backend, "cuda", captured, fused=fused, options=options)
 
 
