@@ -14,10 +14,12 @@ import opweave
 from dags import dags
 from opweave import zoo
 from opweave.backends import compilers
-from opweave.backends.inductorgraph import Kernel, free_layouts, inductor_graph, kernel_groups, launch_counts
+from opweave.backends.inductorgraph import (Kernel, free_layouts, heaviest_targets, inductor_graph, kernel_groups,
+                                            launch_counts)
 from opweave.build import resolve
 from opweave.build.targets import segment_options
 from opweave.capture import capture
+from opweave.capture.coarsen import merge_ops
 from opweave.errors import CaptureError, UsageError
 from opweave.ir import Edge, Op, OpGraph
 from opweave.outputs import compare
@@ -176,6 +178,23 @@ def test_a_merge_that_would_close_a_cycle_is_refused_and_counted():
 def test_independent_ops_of_one_kernel_are_merged():
     groups, split = kernel_groups(_chain(), [Kernel(frozenset("cd"), 1, "k"), Kernel(frozenset("ab"), 1, "k")])
     assert split == 0 and sorted(map(tuple, groups)) == [("a", "b"), ("c", "d")]
+
+
+def test_a_group_takes_the_target_of_its_heaviest_member():
+    class Prologue(nn.Module):  # an elementwise op first, as a group of Inductor's kernels may begin
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.linear(x + 1).relu()
+
+    captured = capture(Prologue(), (torch.randn(8, 64),))
+    groups = [list(captured.graph.topo_order)]
+    merged = merge_ops(captured, groups)
+    assert merged.graph.ops[0].target == "operator.add"  # the head's, as a coarse op keeps it
+    (op,) = heaviest_targets(merged, captured.graph, groups).graph.ops
+    assert op.id == groups[0][0] and op.target == "torch.nn.Linear"
 
 
 def test_a_kernel_split_across_groups_launches_once_per_part():

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from unittest import mock
 
@@ -129,8 +129,18 @@ def inductor_graph(captured: Captured, inputs: tuple, threads: int | None = None
                       "scheduled as it is", stacklevel=2)
         return InductorGraph(captured, {}, {**stats, "split": 0, "ops": len(captured.graph)})
     groups, split = kernel_groups(captured.graph, kernels)
-    merged = merge_ops(captured, groups)
+    merged = heaviest_targets(merge_ops(captured, groups), captured.graph, groups)
     return InductorGraph(merged, launch_counts(groups, kernels), {**stats, "split": split, "ops": len(merged.graph)})
+
+
+def heaviest_targets(merged: Captured, fine: OpGraph, groups: list[list[str]]) -> Captured:
+    """``merged`` with each op's target that of its member with the most FLOPs (the first of equals): a group whose
+    kernels begin with an elementwise prologue (an add before a matrix product) is priced as the product it mostly
+    computes by a cost model that prices ops by their kind (:mod:`opweave.costs.calibrated`), not as an add."""
+    target = {group[0]: max((fine.op[op] for op in group), key=lambda o: o.flops or 0.0).target for group in groups}
+    graph = merged.graph
+    ops = [replace(o, target=target.get(o.id, o.target)) for o in graph.ops]
+    return replace(merged, graph=OpGraph(ops, graph.edges, graph.name))
 
 
 def launch_counts(groups: list[list[str]], kernels: list[Kernel]) -> dict[str, int]:
