@@ -14,8 +14,14 @@ import opweave
 from dags import dags
 from opweave import zoo
 from opweave.backends import compilers
-from opweave.backends.inductorgraph import (Kernel, free_layouts, heaviest_targets, inductor_graph, kernel_groups,
-                                            launch_counts)
+from opweave.backends.inductorgraph import (
+    Kernel,
+    free_layouts,
+    heaviest_targets,
+    inductor_graph,
+    kernel_groups,
+    launch_counts,
+)
 from opweave.build import resolve
 from opweave.build.targets import segment_options
 from opweave.capture import capture
