@@ -317,7 +317,8 @@ def _chosen(model, inputs, mode: str, extra: dict):
     the coarsened graph, the plan the calibrated simulator picks, recorded into a CUDA Graph) or with
     ``max-autotune`` (candidates timed on this GPU); ``extra`` gets what it picked and why, and for
     ``max-autotune`` every candidate's median as it timed them (torch.compile, the plans, their versions over
-    Inductor's kernels: what the simulator's predictions over Inductor's kernels are checked against)."""
+    Inductor's kernels: what the simulator's predictions over Inductor's kernels are checked against), and whether
+    the choice came from its cache (``autotune_cached``: then the medians are those of the run that made it)."""
     import opweave
 
     fast = opweave.compile(model, inputs, device="cuda", mode=mode)
@@ -325,7 +326,7 @@ def _chosen(model, inputs, mode: str, extra: dict):
     extra.update(scheduler=fast.schedule.scheduler, streams=fast.schedule.streams_used, syncs=fast.plan.syncs,
                  ops=len(fast.graph), choice=choice.get("label"), predicted_ms=choice.get("predicted_ms"),
                  candidates_ms={k: c["median_ms"] for k, c in choice.get("candidates", {}).items()
-                                if "median_ms" in c} or None)
+                                if "median_ms" in c} or None, autotune_cached=choice.get("cached"))
     return fast
 
 

@@ -222,6 +222,15 @@ def test_the_choice_replays_the_kernels_its_costs_carry(h200):
     assert (many.makespan_ms - one.makespan_ms) * 1e3 == pytest.approx(10 * dev.kernel_gap_us)
 
 
+def test_an_op_that_launches_no_kernel_waits_for_its_inputs_all_the_same(h200):
+    graph = OpGraph([Op("a", latency_ms=0.01), Op("c", latency_ms=0.0)], [Edge("a", "c")])
+    plan = validated_plan(graph, Schedule("t", ["a", "c"], {"a": 0, "c": 1}))
+    dev = replace(h200, kernel_gap_us=1.0, event_wait_us=2.0, dispatch_us=0.0, call_us=0.0)
+    costs = replace(calibrated.costs(graph, dev, latency_ms=graph.latencies()), kernels={"a": 1, "c": 0})
+    sim = simulate(graph, plan, costs)
+    assert sim.start_ms["c"] >= sim.finish_ms["a"] + 0.002 - 1e-12  # its edge: a's end and the event's wait
+
+
 # ---- the CUDA default's choice ------------------------------------------------------------------------------------
 def test_the_choice_is_the_fastest_of_its_predictions_and_heft_pays_the_fitted_wait(h200):
     graph = OpGraph([replace(o, latency_ms=o.latency_ms / 100) for o in random_dag(30, 6, seed=3).ops],
@@ -281,6 +290,17 @@ def test_inductors_kernels_are_priced_on_a_fitted_gpu_only():
     assert "--inductor needs --cost-model gpu" in cli_fails("simulate", "--model", "squeezenet", "--inductor")
     assert "--inductor goes with --model" in cli_fails("simulate", "lios-fig3", "--inductor", "--cost-model", "gpu",
                                                       "--preset", "h200")
+
+
+def test_a_model_inductor_cannot_lower_whole_is_refused_not_simulated_as_it_is(monkeypatch):
+    from opweave.backends import inductorgraph
+
+    def fallback(captured, inputs, threads=None, freeze=None):  # what inductor_graph returns when Inductor fails
+        return inductorgraph.InductorGraph(captured, {}, {"error": "Inductor cannot compile the whole model"})
+
+    monkeypatch.setattr(inductorgraph, "inductor_graph", fallback)
+    assert "no plan over Inductor's kernels: Inductor cannot compile" in cli_fails(
+        "simulate", "--model", "squeezenet", "--inductor", "--cost-model", "gpu", "--preset", "h200")
 
 
 def test_an_unknown_dtype_is_refused():

@@ -172,4 +172,3 @@ def test_a_profile_belongs_to_its_granularity(tmp_path):
     profile_model(coarse, inputs, device="cpu", repeats=1, warmup=0).save(path)
     fast = compile_captured(fine, inputs, scheduler="lios", profile=path)
     assert fast.costs.latency_ms.keys() == set(coarse.graph.ids)
-

@@ -7,6 +7,8 @@ summary, table and JSON (its output check, :func:`opweave.outputs.compare`, is t
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import datetime
 import functools
 import gzip
@@ -315,6 +317,29 @@ def test_one_run_on_fake_tensors_gives_each_program_the_buffers_of_its_own_real_
         with torch.no_grad():
             env = keep_all_run(cap, program, x)
         assert static_buffers(cap, x, program, run) == storage_buffers(cap, env, program, module_tensors(cap.gm))
+
+
+def test_a_run_on_fake_tensors_serves_only_its_module_and_inputs_of_its_layout(monkeypatch):
+    """A view or a copy, and a convolution's output layout, depend on the inputs' strides and devices: a build's run
+    is not used for inputs laid out otherwise, nor for another module (a model moved to the device)."""
+    _, x, cap = branchy()
+    run = FakeRun(cap, x)
+    (t,) = x
+    wide = t.contiguous(memory_format=torch.channels_last)  # the same shape, other strides
+    assert run.serves(cap, x) and run.serves(cap, (t.clone(),))
+    assert not run.serves(cap, (wide,)) and not run.serves(dataclasses.replace(cap, gm=copy.deepcopy(cap.gm)), x)
+    made, original = [], FakeRun.__init__
+
+    def counting(self, *args):
+        made.append(args)
+        original(self, *args)
+
+    monkeypatch.setattr(FakeRun, "__init__", counting)
+    program = Program.from_plan(plan_for(cap.graph, estimate(cap.graph, "cpu"), "lios", streams=3)[1])
+    static_buffers(cap, x, program, run)
+    assert made == []  # served: no run of its own
+    static_buffers(cap, (wide,), program, run)
+    assert len(made) == 1  # laid out otherwise: a run of its own
 
 
 def test_buffers_of_a_segmented_model_on_fake_tensors_are_those_of_its_segments():

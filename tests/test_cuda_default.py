@@ -115,7 +115,6 @@ def test_the_cuda_default_passes_over_a_plan_whose_planned_peak_is_over_the_cap(
     assert compare(model(*inputs), run(fast, runtime, inputs)).ok
 
 
-
 def fake_runs(monkeypatch) -> list:
     """Every FakeTensorMode made from now on (one per run of the model on fake tensors)."""
     from torch._subclasses import fake_tensor

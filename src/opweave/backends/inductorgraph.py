@@ -83,9 +83,9 @@ from opweave.ir.graph import OpGraph
 
 @dataclass(frozen=True)
 class Kernel:
-    """One node of Inductor's scheduler after fusion: the captured ops it computes and the launches it makes. A
-    concatenation written in place is one such kernel with the kernels that write its inputs (``parts``: each of
-    those nodes' own ops and launches, where they differ from the whole)."""
+    """One node of Inductor's scheduler after fusion: the captured ops it computes and the launches it makes. Nodes
+    counted as one kernel (a concatenation written in place and the kernels that write its inputs, an extern call
+    and its further outputs) keep, in ``parts``, each node's own ops and launches, the first node's first."""
 
     ops: frozenset[str]
     launches: int  # 1 for a kernel or an extern call; 0 for what launches nothing (a concatenation in place)
@@ -146,8 +146,9 @@ def heaviest_targets(merged: Captured, fine: OpGraph, groups: list[list[str]]) -
 def launch_counts(groups: list[list[str]], kernels: list[Kernel]) -> dict[str, int]:
     """The kernels each group (named by its first op) launches per call: each scheduler node's launches in every
     group that holds some of its ops (a node split across groups is compiled, and launched, once per part); a
-    kernel's parts (a concatenation in place, first, and the kernels writing its inputs) each where their own ops
-    are, a part whose ops are not known once, in the last group of the concatenation's. Pure: no torch."""
+    kernel's parts each where their own ops are, and a part whose own ops are not known (a further output of an
+    extern call, a writer whose values were attributed elsewhere) once, in the last group of the first part's ops.
+    Pure: no torch."""
     group_of = {op: group[0] for group in groups for op in group}
     order = {group[0]: i for i, group in enumerate(groups)}
     counts = {group[0]: 0 for group in groups}

@@ -111,6 +111,12 @@ class FakeRun:
         self.captured, self.args = captured, args
         self._result: tuple[dict, list] | Exception | None = None
 
+    def serves(self, captured: Captured, args: tuple) -> bool:
+        """Whether this run stands for one of ``captured`` on ``args``: the same module, and inputs of the same
+        structure, shapes, dtypes, devices and strides (whether an op returns a view or a copy, and the layout of a
+        convolution's output, can depend on them; a model moved to another device is another module)."""
+        return captured.gm is self.captured.gm and _layouts(args) == _layouts(self.args)
+
     def result(self) -> tuple[dict, list]:
         """The environment of the run (every value it computed, as fake tensors) and the module's parameters and
         buffers as fake tensors of the same run (:func:`storage_buffers`' ``external``)."""
@@ -122,6 +128,11 @@ class FakeRun:
         if isinstance(self._result, Exception):
             raise self._result
         return self._result
+
+
+def _layouts(args: tuple) -> tuple:
+    leaves, spec = pytree.tree_flatten(args)
+    return spec, [(t.shape, t.dtype, t.device, t.stride()) if isinstance(t, torch.Tensor) else None for t in leaves]
 
 
 def _fake_run(captured: Captured, args: tuple) -> tuple[dict, list]:
@@ -146,8 +157,11 @@ def static_buffers(captured: Captured, args: tuple, program: Program, run: FakeR
     on fake tensors (module docstring): ``run``, when given, is that run, made before for this model and inputs of
     ``args``' signature (a build's memory pass and its backend share one); else one is made here. Raises what the
     model raises when it cannot run on fake tensors (an op without a fake implementation, Python control flow on a
-    tensor's value): the caller then learns them from a real run."""
-    env, external = (run or FakeRun(captured, args)).result()
+    tensor's value): the caller then learns them from a real run. A ``run`` that does not serve ``captured`` on
+    ``args`` (:meth:`FakeRun.serves`) is not used."""
+    if run is None or not run.serves(captured, args):
+        run = FakeRun(captured, args)
+    env, external = run.result()
     return storage_buffers(captured, env, program, external)
 
 

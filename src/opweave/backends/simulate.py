@@ -154,7 +154,7 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
             return
         if ins.kind == "launch" and graphed:  # the first kernel after its lane's gap or its last edge
             gap = costs.gpu.kernel_gap_ms
-            t = max(lane + gap, edge) + (costs.kernel_count(ins.op) - 1) * gap
+            t = max(lane + gap, edge) + max(costs.kernel_count(ins.op) - 1, 0) * gap  # 0 kernels: as 1
             heapq.heappush(events, (t, i, "ready" if costs.gpu.dispatch_ms else "start"))
             return
         t = max(lane, edge)

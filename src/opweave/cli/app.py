@@ -7,6 +7,7 @@ line on stderr; anything else escaping a command is a bug and keeps its tracebac
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -147,8 +148,27 @@ def inductor_kernels(model: str | None, model_file: str | Path | None, batch_siz
         raise UsageError("--inductor needs --model or --model-file: Inductor lowers the model itself")
     _, inputs, captured = load(Path(model_file) if model_file is not None else model, batch_size=batch_size,
                                coarsen=False)
-    regrouped = inductor_graph(captured, inputs, freeze=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its fallback warning: refused below instead
+        regrouped = inductor_graph(captured, inputs, freeze=False)
+    if not regrouped.kernels:
+        raise UsageError(f"{captured.graph.name}: no plan over Inductor's kernels: "
+                         f"{regrouped.stats.get('error', 'its lowering names no captured op')}")
     return regrouped.graph, regrouped.kernels, regrouped.stats
+
+
+def fitted_gpu(cost_model: str, preset: str, dtype: str, *, inductor: bool = False) -> bool:
+    """Whether ops are priced on a fitted GPU (``--cost-model gpu`` with a fitted preset); an unknown ``dtype`` is
+    refused, and so is anything else with ``inductor`` (Inductor's kernels are priced on a fitted GPU only)."""
+    from opweave.costs import calibrated
+
+    if calibrated.DTYPES.get(dtype) is None:
+        raise UsageError(f"unknown dtype; choose one of {', '.join(calibrated.DTYPES)}")
+    fitted = cost_model == "gpu" and preset.lower() in calibrated.FITTED
+    if inductor and not fitted:
+        raise UsageError(f"--inductor needs --cost-model gpu and a fitted preset ({', '.join(calibrated.FITTED)}): "
+                         "Inductor's kernels are priced on a fitted GPU")
+    return fitted
 
 
 def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, devices: int,
@@ -177,14 +197,9 @@ def device_costs(graph: OpGraph, cost_model: str, preset: str, dtype: str, measu
 
     from opweave.costs import calibrated, roofline
 
-    dtype = calibrated.DTYPES.get(dtype)
-    if dtype is None:
-        raise UsageError(f"unknown dtype; choose one of {', '.join(calibrated.DTYPES)}")
-    fitted_gpu = cost_model == "gpu" and preset.lower() in calibrated.FITTED
-    if launches is not None and not fitted_gpu:
-        raise UsageError(f"--inductor needs --cost-model gpu and a fitted preset ({', '.join(calibrated.FITTED)}): "
-                         "Inductor's kernels are priced on a fitted GPU")
-    if fitted_gpu:
+    on_fitted_gpu = fitted_gpu(cost_model, preset, dtype, inductor=launches is not None)
+    dtype = calibrated.DTYPES[dtype]
+    if on_fitted_gpu:
         fitted = calibrated.costs(graph, calibrated.device(preset), dtype,
                                   latency_ms=graph.latencies() if measured else None, launches=launches)
         graph = OpGraph([replace(o, latency_ms=fitted.latency_ms[o.id], utilization=fitted.utilization[o.id])

@@ -26,6 +26,7 @@ from opweave.cli.app import (
     app,
     device_costs,
     err,
+    fitted_gpu,
     guard,
     inductor_kernels,
     linked,
@@ -92,6 +93,7 @@ def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
         if profile is not None or graph is not None:
             raise UsageError("--inductor goes with --model or --model-file, without --profile: Inductor lowers the "
                              "model itself and its kernels are priced on the fitted device")
+        fitted_gpu(cost_model, preset, dtype, inductor=True)  # refused before the lowering, not after
         g, launches, grouping = inductor_kernels(model, model_file, batch_size)
         g = linked(g, link)
     else:
