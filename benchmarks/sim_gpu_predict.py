@@ -17,7 +17,7 @@ the same sequential CUDA Graph (eager's kernels). That prediction carries assump
 yet: a convolution in Inductor's layout launches one kernel (against 1-3.45 in eager's), an Inductor kernel costs
 the floor of its op's class, and the kernels that compute no op (BatchNorm's per-channel factors from its buffers,
 ``inductor.unowned``) are left out. Its kernels per call stand beside torch.compile's measured ones at batch 1 fp32
-(the same lowering on the device). torch.compile itself is not predicted: on the H200 it measured 0.11-0.72 ms over
+(the same lowering on the device). torch.compile itself is not predicted: on the H200 it measured 0.08-0.71 ms over
 the sequential prediction over its own kernels (per-call work of its CUDA Graph trees that the fitted device does
 not model); ``opweave.compile(mode="max-autotune")`` times it against the plans on the device and keeps the fastest.
 
