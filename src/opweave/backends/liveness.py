@@ -41,6 +41,7 @@ from dataclasses import replace
 import torch
 from torch.utils import _pytree as pytree
 
+from opweave.backends.cache import signature
 from opweave.backends.program import Lane, Program, Step
 from opweave.capture.runtime import Captured, module_tensors
 from opweave.plan import memory
@@ -113,9 +114,11 @@ class FakeRun:
 
     def serves(self, captured: Captured, args: tuple) -> bool:
         """Whether this run stands for one of ``captured`` on ``args``: the same module, and inputs of the same
-        structure, shapes, dtypes, devices and strides (whether an op returns a view or a copy, and the layout of a
+        structure, shapes, dtypes, devices and strides, and equal other values (their cache key with strides,
+        :func:`opweave.backends.cache.signature`: whether an op returns a view or a copy, and the layout of a
         convolution's output, can depend on them; a model moved to another device is another module)."""
-        return captured.gm is self.captured.gm and _layouts(args) == _layouts(self.args)
+        same_inputs = signature(args, strides=True)[0] == signature(self.args, strides=True)[0]
+        return captured.gm is self.captured.gm and same_inputs
 
     def result(self) -> tuple[dict, list]:
         """The environment of the run (every value it computed, as fake tensors) and the module's parameters and
@@ -128,11 +131,6 @@ class FakeRun:
         if isinstance(self._result, Exception):
             raise self._result
         return self._result
-
-
-def _layouts(args: tuple) -> tuple:
-    leaves, spec = pytree.tree_flatten(args)
-    return spec, [(t.shape, t.dtype, t.device, t.stride()) if isinstance(t, torch.Tensor) else None for t in leaves]
 
 
 def _fake_run(captured: Captured, args: tuple) -> tuple[dict, list]:
