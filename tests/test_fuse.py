@@ -289,6 +289,25 @@ def test_torch_compile_backend_takes_a_segment_compiler():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("cudagraphs", [True, False], ids=["cudagraphs", "streams"])
+def test_the_cuda_backend_compiles_every_segment_before_the_first_call(cudagraphs):
+    """On the fake CUDA runtime: building compiles every segment, with graphs (the capture's warm-ups) and without
+    (a run of the example when the backend is made), so no first call pays for a compile. (Without graphs no
+    segment was compiled before a call: found on an H200.)"""
+    from opweave.backends.fakecuda import FakeCuda
+
+    model, x = TwoBranches(), (torch.randn(4, 8), torch.eye(3) * 2)
+    runtime = FakeCuda(seed=0)
+    fast = compile_captured(capture(model, x), x, scheduler="lios", device="cuda", streams=3, compiler="eager",
+                            cudagraphs=cudagraphs, runtime=runtime)
+    stats = dict(fast.fused.stats)
+    assert stats["segments"] == stats["compiles"] == 2 and stats["fallbacks"] == 0
+    out = fast(*x)
+    runtime.synchronize()
+    assert fast.fused.stats["compiles"] == 2  # the call compiled nothing
+    assert_allclose(out, model(*x))
+
+
 # ---- CUDA (skipped without a GPU) ----------------------------------------------------------------
 
 @pytest.mark.parametrize("cudagraphs", [True, False], ids=["cudagraphs", "streams"])

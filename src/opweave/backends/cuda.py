@@ -6,7 +6,8 @@ host thread; its module says how lanes map to streams and where their streams co
 * ``cudagraphs=False`` — every call runs the plan live on the streams: each (device, stream) lane is a CUDA stream,
   a ``record`` is ``Event.record(stream)``, a ``wait`` is ``stream.wait_event(event)``. The first lane runs on the
   caller's current stream; the other lanes are forked from and joined into it, so the caller sees an ordinary
-  stream-ordered result.
+  stream-ordered result. The example's signature runs once when the backend is made (compiled segments compile
+  there, as the capture's warm-ups compile them with graphs), so no first call pays for it.
 * ``cudagraphs=True`` (default; Nimble's ahead-of-time scheduling, NeurIPS'20 Sec. 4) — the same run is captured once
   into a ``torch.cuda.CUDAGraph`` and every call is a copy into static input buffers (one ``torch._foreach_copy_``
   for the inputs already on the GPU; pinned host inputs copied with ``non_blocking=True``, so the caller must not
@@ -193,7 +194,19 @@ class CudaBackend:
         self._lock = threading.Lock()
         with torch.no_grad():  # ahead of time: the example's signature is ready before the first call
             key, leaves = input_signature(example_inputs, self.cudagraphs, self.device)
-            self._entry(key, example_inputs, leaves, fake_run)
+            entry = self._entry(key, example_inputs, leaves, fake_run)
+            if not self.cudagraphs:
+                self._warm_up(entry, example_inputs)
+
+    def _warm_up(self, entry: _Entry, args: tuple) -> None:
+        """One run of ``entry`` on ``args``, its output dropped: without graphs, what the capture's warm-ups do
+        for a graph (compiled segments compiled, the libraries' kernels chosen) happens here, ahead of the first
+        call."""
+        origin = self.runtime.current_stream(self.device)
+        env = self.runtime.launch(origin, entry.captured.bind, self._to_device(args))
+        self._lanes.issue(entry.steps, origin, entry.captured, env)
+        del env
+        self._last_origin = origin
 
     # ---- calls --------------------------------------------------------------------------------------------------
     def __call__(self, *args) -> Any:
