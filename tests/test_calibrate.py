@@ -171,6 +171,18 @@ def test_rows_are_the_unfused_opweave_modes_with_a_median():
     assert all(r.streams == 8 and r.batch == 1 and r.dtype == "fp32" for r in rows)
 
 
+def test_the_modes_opweave_chose_are_not_rows(tmp_path):
+    """``opweave default`` and ``opweave max-autotune`` ran a coarsened graph with the plan they chose (a scheduler at
+    its own stream cap): not the uncoarsened plan of a scheduler at the file's cap, which is what a row predicts."""
+    base = {"model": "googlenet", "batch_size": 1, "dtype": "fp32", "median_ms": 1.0, "ok": True}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"settings": {"streams": 8}, "results": [
+        {**base, "mode": "opweave default", "scheduler": "heft", "choice": "heft x4"},
+        {**base, "mode": "opweave max-autotune", "scheduler": "nimble", "choice": "nimble x8"},
+        {**base, "mode": "opweave lios", "scheduler": "lios"}]}))
+    assert [r.scheduler for r in fit.read_rows([path])] == ["lios"]
+
+
 def test_a_file_without_rows_is_refused(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"results": [{"mode": "eager", "median_ms": 1.0}]}))

@@ -63,7 +63,8 @@ class Row:
 
 def read_rows(paths: Sequence[str | Path]) -> list[Row]:
     """The unfused ``opweave <scheduler>`` rows with a median of the benchmark's result files, whose output was
-    right; the rest (eager, CUDA graph, torch.compile, ``+inductor``, failed modes) are not what the model
+    right; the rest (eager, CUDA graph, torch.compile, ``+inductor``, failed modes, and the modes where opweave
+    chose the plan, ``opweave default`` and ``max-autotune``, which ran a coarsened graph) are not what the model
     predicts."""
     rows = []
     for path in paths:
@@ -77,8 +78,8 @@ def read_rows(paths: Sequence[str | Path]) -> list[Row]:
             raise UsageError(f"{path}: not a GPU benchmark result file (no 'results' list)")
         cap = (data.get("settings") or {}).get("streams", 8)
         for r in data["results"]:
-            if (not str(r.get("mode", "")).startswith("opweave ") or "fuse" in r or "median_ms" not in r
-                    or not r.get("ok", True) or "scheduler" not in r):
+            if (not str(r.get("mode", "")).startswith("opweave ") or "fuse" in r or "choice" in r
+                    or "median_ms" not in r or not r.get("ok", True) or "scheduler" not in r):
                 continue
             spread = (float(r["p10_ms"]), float(r["p90_ms"])) if "p10_ms" in r and "p90_ms" in r else None
             rows.append(Row(r["model"], int(r["batch_size"]), r["dtype"], r["scheduler"], cap,
