@@ -322,12 +322,21 @@ def _chosen(model, inputs, mode: str, extra: dict):
     import opweave
 
     fast = opweave.compile(model, inputs, device="cuda", mode=mode)
-    choice = fast.choice or {}
-    extra.update(scheduler=fast.schedule.scheduler, streams=fast.schedule.streams_used, syncs=fast.plan.syncs,
-                 ops=len(fast.graph), choice=choice.get("label"), predicted_ms=choice.get("predicted_ms"),
-                 candidates_ms={k: c["median_ms"] for k, c in choice.get("candidates", {}).items()
-                                if "median_ms" in c} or None, autotune_cached=choice.get("cached"))
+    extra.update(chosen_figures(fast))
     return fast
+
+
+def chosen_figures(fast) -> dict:
+    """What a mode that chose its own plan decided: scheduler, streams, syncs, ops, the choice's label and
+    prediction, every candidate's median (``candidates_ms``) and its whole record (``candidates``: build seconds,
+    median, and why a candidate was left out: the error that stopped its build or how its output differed), and
+    whether the choice came from the cache."""
+    choice = fast.choice or {}
+    found = choice.get("candidates", {})
+    return {"scheduler": fast.schedule.scheduler, "streams": fast.schedule.streams_used, "syncs": fast.plan.syncs,
+            "ops": len(fast.graph), "choice": choice.get("label"), "predicted_ms": choice.get("predicted_ms"),
+            "candidates_ms": {k: c["median_ms"] for k, c in found.items() if "median_ms" in c} or None,
+            "candidates": found or None, "autotune_cached": choice.get("cached")}
 
 
 def _schedule(name, graph, costs, streams):

@@ -821,6 +821,23 @@ def test_fresh_benchmark_inputs_differ_and_stay_valid(name):
                                                                                                   strict=True))
 
 
+def test_benchmark_keeps_why_a_max_autotune_candidate_was_left_out():
+    """A candidate that failed to build or differed from the model has no median; its row keeps the reason (an
+    H200 run timed no torch.compile candidate and the figures said nothing of why)."""
+    from types import SimpleNamespace
+
+    choice = {"label": "heft x4", "cached": False, "candidates": {
+        "torch.compile": {"error": "RuntimeError: boom"},
+        "opara x8": {"build_s": 0.3, "ok": False, "wrong": "output 0 differs by up to 1"},
+        "heft x4": {"build_s": 0.2, "ok": True, "median_ms": 1.0}}}
+    fast = SimpleNamespace(choice=choice, schedule=SimpleNamespace(scheduler="heft", streams_used=4),
+                           plan=SimpleNamespace(syncs=3), graph=[1, 2])
+    figures = gpu_latency().chosen_figures(fast)
+    assert figures["candidates_ms"] == {"heft x4": 1.0} and figures["choice"] == "heft x4"
+    assert figures["candidates"]["torch.compile"] == {"error": "RuntimeError: boom"}
+    assert figures["candidates"]["opara x8"]["wrong"] == "output 0 differs by up to 1"
+
+
 def test_benchmark_fuses_two_schedulers_when_quick_and_those_named_otherwise():
     gl = gpu_latency()
     scheds = ["sequential", "lios", "opara", "nimble"]
