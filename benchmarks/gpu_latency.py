@@ -37,7 +37,10 @@ differently from eager).
 **Timing** (the device METHOD): CUDA events around the whole call — input copy and output clone included — on the
 current stream, a synchronize after each call, ``--warmup`` calls first, the median (and 10th/90th percentiles) of
 ``--replays`` calls. Peak memory: ``torch.cuda.max_memory_allocated`` from building the mode to the end of its
-timing, minus what was allocated before (weights and inputs). Each mode is freed before the next. Beside the
+timing, minus what was allocated before (weights and inputs); beside it ``held_memory_mb`` (allocated once built),
+``run_peak_memory_mb`` (the peak of the checks and timed calls alone, what serving holds) and ``left_memory_mb``
+(still allocated once the mode was dropped and collected: a mode that leaks makes the next one's figures wrong).
+Each mode is freed before the next. Beside the
 latency, ``kernels/call``: the CUDA kernels one call runs (a CUDA graph replay's included), counted in a
 ``torch.profiler`` trace of a few calls after the timing.
 
@@ -417,11 +420,14 @@ def time_mode(build, inputs, checks, args) -> dict:
     fn = None
     try:
         fn = build()
+        torch.cuda.synchronize()
+        held, build_peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         with torch.no_grad():
             results = [compare(reference, fn(*check_inputs), exact=exact) for check_inputs, reference, exact in checks]
             times = timing.times_ms(functools.partial(fn, *inputs), runs=args.replays, warmup=args.warmup,
                                     device="cuda")
-        peak = torch.cuda.max_memory_allocated()
+        run_peak = torch.cuda.max_memory_allocated()
         try:
             kernels = kernels_per_call(fn, inputs)
         except Exception:  # noqa: BLE001 - the count is extra information; the latency stands without it
@@ -430,12 +436,17 @@ def time_mode(build, inputs, checks, args) -> dict:
         return {"error": first_line(exc)}
     finally:
         del fn
+    gc.collect()
+    torch.cuda.synchronize()
+    left = torch.cuda.memory_allocated()
     quantiles = statistics.quantiles(times, n=10)
     return {"median_ms": statistics.median(times), "p10_ms": quantiles[0], "p90_ms": quantiles[-1],
             "kernels_per_call": kernels,
             "replays": len(times), "max_abs_diff": max(r.max_diff for r in results),
             "fresh_input_max_abs_diff": results[-1].max_diff, "ok": all(r.ok for r in results),
-            "peak_memory_mb": (peak - baseline) / 2**20, "baseline_memory_mb": baseline / 2**20}
+            "peak_memory_mb": (max(build_peak, run_peak) - baseline) / 2**20,
+            "held_memory_mb": (held - baseline) / 2**20, "run_peak_memory_mb": (run_peak - baseline) / 2**20,
+            "left_memory_mb": (left - baseline) / 2**20, "baseline_memory_mb": baseline / 2**20}
 
 
 def kernels_per_call(fn, inputs, calls: int = 5) -> float:
@@ -618,6 +629,36 @@ def summary_markdown(data: dict) -> str:
         out.append(f"| {s['model']} | {s['batch_size']}, {s['dtype']} | {s['best_scheduler']} | {s['best_ms']:.3f} | "
                    f"{times(s['speedup_vs_cuda_graph'])} | {times(s['speedup_vs_torch_compile'])} | "
                    f"{times(s['peak_memory_vs_cuda_graph'])} |")
+    return "\n".join(out) + "\n"
+
+
+def chosen_markdown(datas: list[dict]) -> str:
+    """What a user gets, as one Markdown table over the runs ``datas``: per configuration and mode where opweave chose
+    its own plan (``opweave default``, ``opweave max-autotune``), the plan, its median and its speed-ups over the
+    sequential CUDA Graph and torch.compile of the same run, and its peak memory over the CUDA Graph's (from the
+    start of its build: a build that times candidates holds them while it does). Rows come from the results, so a
+    configuration a time limit cut short still shows the modes it measured."""
+    def times(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}x"
+
+    out = ["| model | batch, dtype | mode | plan | median ms (p10-p90) | vs CUDA Graph | vs torch.compile | "
+           "peak memory vs CUDA Graph |", "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for data in datas:
+        configs = list(dict.fromkeys((r["model"], r["batch_size"], r["dtype"]) for r in data["results"]))
+        for model, batch, dtype in configs:
+            rows = {r["mode"]: r for r in data["results"] if (r["model"], r["batch_size"], r["dtype"]) == (
+                model, batch, dtype) and r.get("median_ms") is not None}
+            graph, compiled = rows.get("cuda-graph"), rows.get("torch.compile")
+            for mode in ("opweave default", "opweave max-autotune"):
+                r = rows.get(mode)
+                if r is None:
+                    continue
+                ms, memory = r["median_ms"], graph and graph["peak_memory_mb"]
+                out.append(f"| {model} | {batch}, {dtype} | {mode.removeprefix('opweave ')} | "
+                           f"{r.get('choice') or '-'} | {ms:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f}) | "
+                           f"{times(graph and graph['median_ms'] / ms)} | "
+                           f"{times(compiled and compiled['median_ms'] / ms)} | "
+                           f"{times(memory and r['peak_memory_mb'] / memory)} |")
     return "\n".join(out) + "\n"
 
 

@@ -1,6 +1,7 @@
 """The fitted GPU model against what the GPU measured: predicted against measured, per model and scheduler.
 
     .venv/bin/python benchmarks/sim_gpu_fit.py [--quick] [--results F.json,...] [--report R.json] [--out DIR]
+                                               [--name NAME]
 
 Every unfused ``opweave <scheduler>`` row of the GPU benchmark's result files (default
 ``results/gpu_latency_h200_b1_fp32.json``) is predicted by the shipped device (:mod:`opweave.costs.calibrated`,
@@ -9,10 +10,14 @@ on the fitted op times, replayed as one CUDA Graph call (:func:`opweave.backends
 ``--report`` (the file ``opweave calibrate --report`` writes) the leave-one-model-out predictions are plotted too.
 ``--quick``: googlenet's rows only.
 
-Writes ``DIR/sim_gpu_fit.json`` (every row: measured, predicted, left out; per panel the mean and worst
-``|predicted / measured - 1|`` and per model whether the scheduler predicted fastest measured within 5% of the
-fastest) and ``DIR/sim_gpu_fit.png`` (one panel per fit, log axes, the line y = x, a color per model and a marker
-per scheduler).
+The modes where opweave chose its plan (``opweave default``: the CUDA default, which ranks plans by this same
+device) carry the prediction their build made; ``chosen`` lists them against what they measured (run with the
+device file as it was when they ran, these are predictions made without them).
+
+Writes ``DIR/NAME.json`` (default name ``sim_gpu_fit``; every row: measured, predicted, left out; per panel the mean
+and worst ``|predicted / measured - 1|`` and per model whether the scheduler predicted fastest measured within 5%
+of the fastest; the chosen modes) and ``DIR/NAME.png`` (one panel per fit, log axes, the line y = x, a color per
+model and a marker per scheduler).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--results", help=f"comma list of result files (default {DEFAULT_RESULTS.name})")
     p.add_argument("--report", type=Path, help="opweave calibrate --report file: plot its leave-one-model-out rows")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory (default %(default)s)")
+    p.add_argument("--name", default="sim_gpu_fit", help="file name without suffix (default %(default)s)")
     return p.parse_args(argv)
 
 
@@ -52,6 +58,19 @@ def panel(rows: list[dict], key: str) -> dict:
         picks[config] = {"predicted_fastest": chosen["scheduler"], "measured_fastest": fastest["scheduler"],
                          "loss": loss, "within_5_percent": loss <= 0.05}
     return {"rows": len(errs), "mean_error": sum(errs) / len(errs), "max_error": max(errs), "picks": picks}
+
+
+def chosen_rows(paths: list[Path]) -> list[dict]:
+    """The rows of modes that chose their own plan with the prediction their build made (``predicted_ms``), against
+    what they measured."""
+    out = []
+    for path in paths:
+        for r in json.loads(path.read_text())["results"]:
+            if "choice" in r and r.get("predicted_ms") and r.get("median_ms") and r.get("ok", True):
+                out.append({"model": r["model"], "batch": r["batch_size"], "dtype": r["dtype"], "mode": r["mode"],
+                            "choice": r["choice"], "measured_ms": r["median_ms"], "predicted_ms": r["predicted_ms"],
+                            "error": r["predicted_ms"] / r["median_ms"] - 1})
+    return out
 
 
 def plot(rows: list[dict], panels: dict[str, str], summaries: dict, path: Path) -> None:
@@ -109,21 +128,28 @@ def main(argv: list[str] | None = None) -> int:
     if out_rows and all("left_out_ms" in r for r in out_rows):
         panels["left_out_ms"] = "each model left out"
     summaries = {key: panel(out_rows, key) for key in panels}
+    chosen = chosen_rows(paths)
     args.out.mkdir(parents=True, exist_ok=True)
-    common.write_json(args.out / "sim_gpu_fit.json", {
+    common.write_json(args.out / f"{args.name}.json", {
         "machine": common.machine_info(), "device": dev.name, "device_fit": dev.fit,
         "settings": {"results": [str(p) for p in paths], "report": str(args.report) if args.report else None,
                      "quick": args.quick},
         "definitions": {"error": "predicted / measured - 1 of one row (median of whole calls, CUDA-graph mode)",
                         "loss": "how much slower the scheduler predicted fastest measured than the fastest"},
-        "summary": {key: summaries[key] for key in panels}, "rows": out_rows})
-    plot(out_rows, panels, summaries, args.out / "sim_gpu_fit.png")
+        "summary": {key: summaries[key] for key in panels}, "rows": out_rows, "chosen": chosen,
+        "chosen_summary": {"rows": len(chosen), "mean_error": sum(abs(c["error"]) for c in chosen) / len(chosen),
+                           "max_error": max(abs(c["error"]) for c in chosen)} if chosen else None})
+    plot(out_rows, panels, summaries, args.out / f"{args.name}.png")
     cells = [[r["model"], r["scheduler"], f"{r['measured_ms']:.3f}", f"{r['predicted_ms']:.3f}", f"{r['error']:+.1%}",
               f"{r['left_out_ms']:.3f}" if "left_out_ms" in r else ""] for r in out_rows]
     common.console.print(common.table("fitted device against the GPU", ["model", "scheduler", "measured ms",
                                                                         "predicted ms", "error", "left out ms"], cells))
     for key, s in summaries.items():
         common.console.print(f"{panels[key]}: mean {s['mean_error']:.1%}, worst {s['max_error']:.1%}")
+    for c in chosen:
+        common.console.print(f"{c['model']} b{c['batch']} {c['dtype']} {c['mode']} ({c['choice']}): measured "
+                             f"{c['measured_ms']:.3f} ms, its build predicted {c['predicted_ms']:.3f} "
+                             f"({c['error']:+.1%})")
     return 0
 
 

@@ -183,6 +183,25 @@ def test_the_modes_opweave_chose_are_not_rows(tmp_path):
     assert [r.scheduler for r in fit.read_rows([path])] == ["lios"]
 
 
+def test_the_fit_benchmark_holds_each_chosen_mode_to_the_prediction_its_build_made():
+    import importlib.util
+    import sys
+
+    from benchmark_module import BENCHMARKS
+
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))  # for its ``import _common``
+    spec = importlib.util.spec_from_file_location("sim_gpu_fit", BENCHMARKS / "sim_gpu_fit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = RESULTS.parent / "gpu_latency_h200_2026-11-28_b8_fp16.json"
+    chosen = module.chosen_rows([path])
+    assert {c["model"] for c in chosen} == {"googlenet", "inception_v3", "nasnet_a_mobile", "randwire"}
+    assert all(c["mode"] == "opweave default" for c in chosen)  # max-autotune predicts nothing: it measures
+    first = chosen[0]
+    assert first["error"] == pytest.approx(first["predicted_ms"] / first["measured_ms"] - 1)
+
+
 def test_a_file_without_rows_is_refused(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"results": [{"mode": "eager", "median_ms": 1.0}]}))
