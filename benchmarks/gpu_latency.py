@@ -62,6 +62,7 @@ import gc
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from opweave.errors import first_line
@@ -80,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedulers", help="comma list of schedulers (default: all)")
     p.add_argument("--batch-sizes", default=None, help="comma list (default 1,8; --quick: 1)")
     p.add_argument("--dtypes", default=None, help="comma list of fp32, fp16 (default both; --quick: fp32)")
+    p.add_argument("--configs", help="comma list of model:batch:dtype to measure instead of every model at every "
+                                      "batch size and dtype")
     p.add_argument("--replays", type=int, default=200, help="timed calls per mode (default %(default)s)")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls before timing (default %(default)s)")
     p.add_argument("--streams", type=int, default=8, help="stream cap for every scheduler; 0 = none "
@@ -136,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_latency: dtypes must be among {', '.join(DTYPES)}", file=sys.stderr)
         return 2
 
+    configs = configurations(args, models, batches, dtypes)
     device = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.timezone.utc)
-    settings = {"models": models, "schedulers": scheds, "fuse_schedulers": fuse_scheds, "batch_sizes": batches,
+    settings = {"models": list(dict.fromkeys(c[0] for c in configs)), "configs": [list(c) for c in configs],
+                "schedulers": scheds, "fuse_schedulers": fuse_scheds, "batch_sizes": batches,
                 "dtypes": dtypes,
                 "replays": args.replays, "warmup": args.warmup, "streams": args.streams or None,
                 "profile_repeats": args.profile_repeats,
@@ -151,18 +156,30 @@ def main(argv: list[str] | None = None) -> int:
                 "exact_multiplier": EXACT_FACTOR}
     data = results_document(device, torch.__version__, torch.version.cuda, date, common.machine_info(), settings)
     path = result_path(args.out, device, date)
-    for name in models:
-        for batch in batches:
-            for dtype in dtypes:
-                def partial(rows: list[dict]) -> None:  # after every mode: a time limit keeps what was measured
-                    common.write_json(path, {**data, "results": data["results"] + rows}, quiet=True)
+    for name, batch, dtype in configs:
+        def partial(rows: list[dict]) -> None:  # after every mode: a time limit keeps what was measured
+            common.write_json(path, {**data, "results": data["results"] + rows}, quiet=True)
 
-                rows = bench_config(name, batch, dtype, scheds, fuse_scheds, args, common, partial,
-                                    data["profiles"])
-                add_configuration(data, rows)
-                common.console.print(speedup_table(name, batch, dtype, rows, common))
-                common.write_json(path, data)
+        rows = bench_config(name, batch, dtype, scheds, fuse_scheds, args, common, partial, data["profiles"])
+        add_configuration(data, rows)
+        common.console.print(speedup_table(name, batch, dtype, rows, common))
+        common.write_json(path, data)
     return 0
+
+
+def configurations(args, models: list[str], batches: list[int], dtypes: list[str]) -> list[tuple[str, int, str]]:
+    """The (model, batch, dtype) to measure, in order: ``--configs`` when given (``model:batch:dtype``, comma
+    separated: the configurations a shorter run left out), else every model at every batch size and dtype."""
+    if not args.configs:
+        return [(m, b, d) for m in models for b in batches for d in dtypes]
+    out = []
+    for item in _split(args.configs):
+        parts = item.split(":")
+        if len(parts) != 3 or not parts[1].isdigit() or parts[2] not in DTYPES:
+            raise SystemExit(f"gpu_latency: --configs takes model:batch:dtype (dtype one of {', '.join(DTYPES)}), "
+                             f"got {item!r}")
+        out.append((parts[0], int(parts[1]), parts[2]))
+    return out
 
 
 def fuse_schedulers(args, scheds: list[str]) -> list[str]:
@@ -222,8 +239,9 @@ def bench_config(name: str, batch: int, dtype: str, scheds: list[str], fuse_sche
     def measure(mode: str, build, extra: dict | None = None) -> None:
         """``build`` may add to ``extra`` (e.g. the plan's syncs) while it runs."""
         extra = {} if extra is None else extra
+        start = time.perf_counter()
         timing = time_mode(build, inputs, checks, args)
-        rows.append({**base, "mode": mode, **extra, **timing})
+        rows.append({**base, "mode": mode, **extra, **timing, "mode_s": round(time.perf_counter() - start, 1)})
         partial(rows)
 
     measure("eager", lambda: model)
@@ -302,8 +320,6 @@ def _inductor_graph(captured, inputs, scheduler: str, args, extra: dict):
     """``graph="inductor"``: ``captured`` regrouped into Inductor's kernels of the whole model, planned by
     ``scheduler`` on the fitted device's costs, every segment compiled by Inductor; ``extra`` gets what was
     decided."""
-    import time
-
     from opweave.build import build, resolve
 
     options = resolve("cuda", scheduler=scheduler, streams=args.streams or None, graph="inductor")
@@ -351,8 +367,6 @@ def _schedule(name, graph, costs, streams):
 def _opweave(captured, inputs, costs, scheduler: str, args, extra: dict, compiler: str | None = None):
     """``captured`` built by opweave's pipeline (:func:`opweave.build.build`, what ``opweave.compile`` runs) with
     ``scheduler`` on ``costs``, at the granularity it was captured at; ``extra`` gets what was decided."""
-    import time
-
     from opweave.build import build, resolve
 
     options = resolve("cuda", scheduler=scheduler, streams=args.streams or None, costs=costs, coarsen=False,

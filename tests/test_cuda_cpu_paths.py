@@ -838,6 +838,16 @@ def test_benchmark_keeps_why_a_max_autotune_candidate_was_left_out():
     assert figures["candidates"]["opara x8"]["wrong"] == "output 0 differs by up to 1"
 
 
+def test_benchmark_measures_the_configurations_named_or_every_combination():
+    gl = gpu_latency()
+    every = gl.configurations(gl.parse_args([]), ["a", "b"], [1, 8], ["fp32"])
+    assert every == [("a", 1, "fp32"), ("a", 8, "fp32"), ("b", 1, "fp32"), ("b", 8, "fp32")]
+    named = gl.parse_args(["--configs", "randwire:8:fp16, nasnet_a_mobile:1:fp32"])
+    assert gl.configurations(named, ["a"], [1], ["fp32"]) == [("randwire", 8, "fp16"), ("nasnet_a_mobile", 1, "fp32")]
+    with pytest.raises(SystemExit, match="model:batch:dtype"):
+        gl.configurations(gl.parse_args(["--configs", "randwire:8:bf16"]), [], [], [])
+
+
 def test_benchmark_fuses_two_schedulers_when_quick_and_those_named_otherwise():
     gl = gpu_latency()
     scheds = ["sequential", "lios", "opara", "nimble"]
