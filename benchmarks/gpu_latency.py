@@ -113,6 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    configurations(args, [], [], [])  # a malformed --configs is refused here too, before any GPU is needed
     import torch
 
     if not torch.cuda.is_available():

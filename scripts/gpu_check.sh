@@ -2,22 +2,25 @@
 # The whole GPU check, on a GPU machine with no network whose python3 already has torch, torchvision, timm,
 # transformers, pytest and pytest-timeout (no venv: the project is installed into that python3, without its deps).
 #
-#   OUT=/some/dir scripts/gpu_check.sh [lease | lease2 | env tests more trace profile bench]   # default: all six
+#   OUT=/some/dir scripts/gpu_check.sh [lease3 | lease4 | ... | env tests more trace profile bench]   # default: all six
 #
 # Where GPU time comes in short leases (say 15 minutes of device time, the machine's start included, each command
 # at most 10 minutes), the check is a sequence of plans, each one command sized to fit; run them in this order
-# (docs/gpu.md says what each measures). First, on a machine with network: scripts/gpu_wheels.sh (cachetools,
-# FastAPI, uvicorn, for a GPU image that lacks them and has no network). Then each plan as one command on the GPU
-# machine, with .whl/ copied beside the checkout:
-#   lease    env, tests (every CUDA test), bench at batch 8 fp16 on the four multi-branch models (torch.compile,
-#            the CUDA Graph, opweave's default and max-autotune, lios, heft, lios over Inductor's kernels): about
-#            9 minutes with the install (a 560 s limit)
-#   lease2   right after, on the same machine, if 4 minutes are left: bench at batch 1 fp32, opweave's
-#            default and max-autotune against the same peers (about 3.5 min, a 230 s limit)
-#   lease3   (a later lease) bench at batch 8 fp32 and batch 1 fp16 on the four models (a 560 s limit)
-#   lease4   (a later lease) per-op profiles of every zoo model at batch 1 fp32 and batch 8 fp16, the serving run
-#            on the GPU (TOP's heuristic against static and batch, two patterns), torch.compile max-autotune as a
-#            second peer on two models (a 560 s limit)
+# (docs/gpu.md says what each measures and which have run). First, on a machine with network: scripts/gpu_wheels.sh
+# (cachetools, FastAPI, uvicorn, for a GPU image that lacks them and has no network). Then each plan as one command on
+# the GPU machine, with .whl/ copied beside the checkout; a lease runs an odd plan first, then at once, while the
+# machine is warm, the even one after it. A configuration (model, batch, dtype) takes 70-110 s with the modes below
+# (an H200, 2026-11-28):
+#   lease, lease2  (ran 2026-11-28) batch 8 fp16 and batch 1 fp32; what their limits cut off is in lease3
+#   lease3   env, tests (every CUDA test), the configurations lease and lease2 left out: randwire at batch 8 fp16,
+#            nasnet_a_mobile and randwire at batch 1 fp32 (a 560 s limit)
+#   lease4   right after: googlenet and inception_v3 at batch 8 fp32 (a 230 s limit)
+#   lease5   env, nasnet_a_mobile and randwire at batch 8 fp32, googlenet and inception_v3 at batch 1 fp16 (560 s)
+#   lease6   right after: nasnet_a_mobile and randwire at batch 1 fp16 (230 s)
+#   lease7   per-op profiles of every zoo model at batch 1 fp32 and batch 8 fp16, the serving run on the GPU (TOP's
+#            heuristic against static and batch, two patterns), torch.compile max-autotune as a second peer on two
+#            models (560 s)
+# Every bench plan measures eager, the CUDA Graph, torch.compile, opweave's default and max-autotune, lios and heft.
 # A plan's stages run with shorter limits than alone (below); a limit set in the environment wins. With more time,
 # the stages one by one (each set meant to fit one 10-minute call):
 #   env tests (~6 min) | more (~8 min) | trace profile (~4 min) | bench (--quick: ~8 min; BENCH_ARGS="..." for more)
@@ -56,27 +59,40 @@ stages=("$@")
 # and the stages' start-up fit in the margin). Limits already in the environment are kept.
 FOUR=googlenet,inception_v3,nasnet_a_mobile,randwire
 MODES="--schedulers lios,heft --fuse-schedulers none --opweave-modes default,max-autotune"
-if [ "${stages[*]}" = lease ]; then
+case "${stages[*]}" in
+lease)  # ran 2026-11-28
     stages=(env tests bench)
     : "${ENV_TIMEOUT_S:=40}" "${TESTS_TIMEOUT_S:=150}" "${TEST_TIMEOUT_S:=60}" "${BENCH_TIMEOUT_S:=320}"
-    : "${BENCH_ARGS:=--models $FOUR --batch-sizes 8 --dtypes fp16 $MODES}"
-elif [ "${stages[*]}" = lease2 ]; then
+    : "${BENCH_ARGS:=--models $FOUR --batch-sizes 8 --dtypes fp16 $MODES}" ;;
+lease2)  # ran 2026-11-28
     stages=(bench)
     : "${BENCH_TIMEOUT_S:=200}"
-    : "${BENCH_ARGS:=--models $FOUR --batch-sizes 1 --dtypes fp32 --schedulers lios --fuse-schedulers none}"
-elif [ "${stages[*]}" = lease3 ]; then
+    : "${BENCH_ARGS:=--models $FOUR --batch-sizes 1 --dtypes fp32 --schedulers lios --fuse-schedulers none}" ;;
+lease3)
+    stages=(env tests bench)
+    : "${ENV_TIMEOUT_S:=40}" "${TESTS_TIMEOUT_S:=150}" "${TEST_TIMEOUT_S:=60}" "${BENCH_TIMEOUT_S:=340}"
+    : "${BENCH_ARGS:=--configs randwire:8:fp16,nasnet_a_mobile:1:fp32,randwire:1:fp32 $MODES}" ;;
+lease4)
+    stages=(bench)
+    : "${BENCH_TIMEOUT_S:=215}"
+    : "${BENCH_ARGS:=--configs googlenet:8:fp32,inception_v3:8:fp32 $MODES}" ;;
+lease5)
     stages=(env bench)
-    : "${ENV_TIMEOUT_S:=40}" "${BENCH_TIMEOUT_S:=470}"
-    : "${BENCH_ARGS:=--models $FOUR --batch-sizes 8,1 --dtypes fp32,fp16 $MODES}"
-elif [ "${stages[*]}" = lease4 ]; then
+    : "${ENV_TIMEOUT_S:=40}" "${BENCH_TIMEOUT_S:=490}"
+    : "${BENCH_ARGS:=--configs nasnet_a_mobile:8:fp32,randwire:8:fp32,googlenet:1:fp16,inception_v3:1:fp16 $MODES}" ;;
+lease6)
+    stages=(bench)
+    : "${BENCH_TIMEOUT_S:=215}"
+    : "${BENCH_ARGS:=--configs nasnet_a_mobile:1:fp16,randwire:1:fp16 $MODES}" ;;
+lease7)
     stages=(env profiles serve bench)
     : "${ENV_TIMEOUT_S:=40}" "${PROFILES_TIMEOUT_S:=170}" "${SERVE_TIMEOUT_S:=180}" "${BENCH_TIMEOUT_S:=110}"
-    : "${BENCH_ARGS:=--models googlenet,nasnet_a_mobile --batch-sizes 1 --dtypes fp32 --schedulers lios --fuse-schedulers none --opweave-modes none --torch-compile-modes reduce-overhead,max-autotune}"
-fi
+    : "${BENCH_ARGS:=--models googlenet,nasnet_a_mobile --batch-sizes 1 --dtypes fp32 --schedulers lios --fuse-schedulers none --opweave-modes none --torch-compile-modes reduce-overhead,max-autotune}" ;;
+esac
 for stage in "${stages[@]}"; do
     case $stage in env|tests|more|trace|profile|profiles|serve|bench) ;;
     *) echo "unknown stage $stage (env tests more trace profile profiles serve bench, or one plan alone: lease," \
-            "lease2, lease3, lease4)"; exit 2 ;;
+            "lease2 ... lease7)"; exit 2 ;;
     esac
 done
 status=0
