@@ -84,6 +84,48 @@ def test_max_autotune_on_cuda_keeps_the_fastest_candidate_that_equals_the_model_
     torch._dynamo.reset()
 
 
+class WideBN(nn.Module):
+    """Four branches of a convolution and a BatchNorm: the captured graph folds each BatchNorm into its convolution,
+    torch.compile of the model does not, so the two round differently."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+                                      for _ in range(4))
+
+    def forward(self, x):
+        return sum(b(x) for b in self.branches)
+
+
+def test_max_autotune_keeps_a_candidate_that_rounds_otherwise_but_is_as_close_to_float64(tmp_path, monkeypatch):
+    """A candidate whose output differs from the captured graph's by rounding alone is checked against the model run
+    in float64 as the benchmark checks every mode, not left out: here the fp32 tolerance is made so small that any
+    difference breaks it, as TF32 convolutions and folded BatchNorm broke it for torch.compile on an H200, where
+    max-autotune then timed no torch.compile candidate."""
+    from opweave import outputs
+    from opweave.build.autotune import Candidate, search
+    from opweave.build.options import resolve
+    from opweave.build.targets import CudaTarget
+
+    monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(outputs.TOLERANCE, torch.float32, 1e-12)
+    torch.manual_seed(0)
+    model = WideBN().eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+    inputs = (torch.randn(1, 3, 16, 16),)
+    runtime = FakeCuda(seed=6)
+    torch._dynamo.reset()
+    captured = coarsen(capture(model, inputs))
+    options = resolve("cuda", "max-autotune", runtime=runtime)
+    fast = search(CudaTarget(), captured, inputs, options, eager=model,
+                  candidates=[Candidate("torch.compile", whole=True)])
+    assert fast.choice["label"] == "torch.compile" and "median_ms" in fast.choice["candidates"]["torch.compile"]
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("over", [1, 99])
 def test_the_cuda_default_passes_over_a_plan_whose_planned_peak_is_over_the_cap(monkeypatch, over):
     """The memory pass says the first ``over`` plans it sees are at 1.5x the one-stream plan's peak: the default
