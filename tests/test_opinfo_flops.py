@@ -94,8 +94,12 @@ CASES = {
     "ConvTranspose2d": lambda: (nn.ConvTranspose2d(8, 4, 3, stride=2, groups=2), (t(1, 8, 5, 5),)),
     "ConvTranspose1d": lambda: (nn.ConvTranspose1d(4, 6, 4, stride=3), (t(2, 4, 9),)),
     "F.conv2d": lambda: (Call(F.conv2d, p(6, 3, 3, 3), p(6)), (t(2, 3, 8, 8),)),
+    "F.conv2d-keywords": lambda: (Call(lambda x, w, b: F.conv2d(x, weight=w, bias=b, padding=1), p(6, 3, 3, 3), p(6)),
+                                  (t(2, 3, 8, 8),)),
     "Linear-3d": lambda: (nn.Linear(16, 32), (t(2, 5, 16),)),
     "F.linear": lambda: (Call(F.linear, p(12, 16)), (t(3, 16),)),
+    "F.linear-keywords": lambda: (Call(lambda x, w, b: F.linear(input=x, weight=w, bias=b), p(12, 16), p(12)),
+                                  (t(3, 16),)),  # as timm's EVA attention writes it
     "torch.matmul-2d": lambda: (Call(torch.matmul), (t(5, 7), t(7, 3))),
     "torch.matmul-4d": lambda: (Call(torch.matmul), (t(2, 3, 5, 7), t(2, 3, 7, 4))),
     "torch.matmul-broadcast": lambda: (Call(torch.matmul), (t(4, 5, 7), t(7, 3))),

@@ -154,6 +154,14 @@ def _shape(arg) -> tuple[int, ...] | None:
     return tuple(metas[0].shape) if metas else None
 
 
+def _arg(node: fx.Node, index: int, name: str):
+    """Argument ``index`` of ``node``'s call, given by position or as the keyword ``name`` (``F.linear(x,
+    weight=w)``); None when absent."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name)
+
+
 def _numel(arg) -> int:
     shape = _shape(arg)
     return math.prod(shape) if shape is not None else 0
@@ -290,11 +298,11 @@ def flops(node: fx.Node, gm: fx.GraphModule) -> float:
     args = node.args
     out = _numel(node)
     if op_kind == "conv":
-        weight = tuple(module.weight.shape) if module is not None else _shape(args[1])
-        transposed = "transpose" in short or (short == "convolution" and len(args) > 6 and bool(args[6]))
-        return 2.0 * (_numel(args[0]) if transposed else out) * math.prod(weight[1:])
+        weight = tuple(module.weight.shape) if module is not None else _shape(_arg(node, 1, "weight"))
+        transposed = "transpose" in short or (short == "convolution" and bool(_arg(node, 6, "transposed")))
+        return 2.0 * (_numel(_arg(node, 0, "input")) if transposed else out) * math.prod((weight or (1,))[1:])
     if op_kind == "linear":
-        k = module.in_features if module is not None else _shape(args[1])[-1]
+        k = module.in_features if module is not None else (_shape(_arg(node, 1, "weight")) or (1,))[-1]
         return 2.0 * out * k
     if op_kind == "matmul":
         a = args[1] if short in ("addmm", "baddbmm", "addbmm", "addmv") else args[0]
