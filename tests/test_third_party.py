@@ -43,6 +43,14 @@ def test_the_issue_t5_encoder_equals_eager_under_every_scheduler():
     assert row["error"] is None and all(r["error"] is None for r in row["schedulers"].values()), row
 
 
+def test_eva02_whose_attention_passes_its_weight_by_keyword_equals_eager():
+    # timm's EVA attention calls F.linear(input=..., weight=..., bias=...): capture's FLOPs read the weight by
+    # position only and raised IndexError (small image and depth; the same blocks as the 224 model)
+    row = coverage.check("timm:eva02_tiny_patch14_224", img_size=56, depth=2)
+    assert row["error"] is None, row["error"]
+    assert all(r["error"] is None and r["difference"] <= coverage.TOLERANCE for r in row["schedulers"].values()), row
+
+
 def test_second_inputs_keep_token_ids_in_range():
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 7, (4, 50))
