@@ -9,8 +9,8 @@
 # (docs/gpu.md says what each measures and which have run). First, on a machine with network: scripts/gpu_wheels.sh
 # (cachetools, FastAPI, uvicorn, for a GPU image that lacks them and has no network). Then each plan as one command on
 # the GPU machine, with .whl/ copied beside the checkout; a lease runs an odd plan first, then at once, while the
-# machine is warm, the even one after it. A configuration (model, batch, dtype) takes 70-110 s with the modes below
-# (an H200, 2026-11-28):
+# machine is warm, the even one after it. A configuration (model, batch, dtype) took about 85-100 s with the modes
+# below (an H200, 2026-11-28):
 #   lease, lease2  (ran 2026-11-28) batch 8 fp16 and batch 1 fp32; what their limits cut off is in lease3
 #   lease3   env, tests (every CUDA test), the configurations lease and lease2 left out: randwire at batch 8 fp16,
 #            nasnet_a_mobile and randwire at batch 1 fp32 (a 560 s limit)
