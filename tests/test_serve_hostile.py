@@ -24,9 +24,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from opweave.errors import UsageError
 from opweave.serve import frontend, protocol
 from opweave.serve.build import make_engine
-from opweave.serve.models import ServedModel, TensorSpec
+from opweave.serve.models import ServedModel, TensorSpec, parse_model_files
 from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
 from opweave.serve.repository import Repository
 from opweave.serve.server import BackgroundServer
@@ -243,6 +244,26 @@ def test_a_client_config_cannot_raise_the_batch_past_the_servers(server, site):
     assert_serves(server, model)
 
 
+def test_a_loads_config_holds_for_that_load_only_and_an_equal_one_changes_nothing(server, site):
+    """A client's ``parameters.config`` outlived its load (a plain load kept max batch 2), and every load carrying a
+    config reloaded the model (a moment of 404/503 for its users) even when nothing changed."""
+    _, _, model = site
+    first = server.repository.served["tiny"]
+    assert load(server, "tiny") == (200, {}) and server.repository.served["tiny"] is first  # nothing changed
+    two = json.dumps({"max_batch_size": 2})
+    try:
+        assert load(server, "tiny", two) == (200, {})
+        loaded = server.repository.served["tiny"]
+        assert loaded is not first and loaded.max_batch == 2 and raw(server, "GET", "/v2/models/tiny")[1][
+            "max_batch_size"] == 2
+        assert load(server, "tiny", two) == (200, {}) and server.repository.served["tiny"] is loaded  # the same
+    finally:
+        assert load(server, "tiny") == (200, {})  # the repository's config again
+    assert server.repository.served["tiny"].max_batch == 4 and server.engine.models["tiny"].max_batch == 4
+    assert raw(server, "GET", "/v2/models/tiny")[1]["max_batch_size"] == 4
+    assert_serves(server, model)
+
+
 # ---- every error a clean 4xx -------------------------------------------------------------------------------------
 def test_deep_nesting_and_huge_numbers_are_400_not_500(server, site):
     parent, _, model = site
@@ -263,6 +284,52 @@ def test_deep_nesting_and_huge_numbers_are_400_not_500(server, site):
     finally:
         client.close()
     assert_serves(server, model)
+
+
+def test_a_model_cannot_take_a_name_a_route_takes(server, site, tmp_path):
+    """``/v2/models/stats`` is the statistics of every model: a model named ``stats`` loaded, and its metadata was
+    unreachable."""
+    parent, root, _ = site
+    status, answer = raw(server, "POST", "/v2/repository/models/stats/load")
+    assert status == 400 and answer["error"] == ("model name 'stats' is taken by the route /v2/models/stats: serve the "
+                                                 "model under another name"), answer
+    (tmp_path / "stats" / "1").mkdir(parents=True)
+    shutil.copy(root / "tiny" / "1" / "model.pt2", tmp_path / "stats" / "1" / "model.pt2")
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
+    assert repository.load_all() == [] and "stats" not in engine.models
+    index = {m["name"]: m for m in repository.index()}
+    assert index["stats"]["state"] == "UNAVAILABLE" and "taken by the route" in index["stats"]["reason"]
+    with pytest.raises(UsageError, match="--model-file 'stats' is taken by the route"):
+        parse_model_files([f"stats={parent / 'tiny.pt2'}"])
+
+
+def test_a_program_that_does_not_load_says_why_in_one_line_and_one_log_line(tmp_path, caplog):
+    """A .pt2 that is a zip but no exported program was refused with "check the warnings above" (which only the
+    server's log held), and torch logged a traceback per attempt."""
+    import logging
+    import zipfile
+
+    for name in ("zipped", "garbage"):
+        (tmp_path / name / "1").mkdir(parents=True)
+    with zipfile.ZipFile(tmp_path / "zipped" / "1" / "model.pt2", "w") as z:
+        z.writestr("archive/data.txt", "not a program")
+    (tmp_path / "garbage" / "1" / "model.pt2").write_bytes(b"garbage")
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
+    for name, why in (("zipped", 'Expected hasRecord("version") to be true'), ("garbage", "not a ZIP archive")):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="torch.export"), caplog.at_level(logging.WARNING):
+            with pytest.raises(frontend.Refused) as info:
+                repository.load(name)
+        message = str(info.value)
+        assert message.startswith(f"model {name!r} did not load: '{name}/1/model.pt2' is not a program saved by "
+                                  f"torch.export.save") and why in message and "warnings above" not in message
+        clean(message, tmp_path)
+        logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(logged) == 1 and logged[0].getMessage() == f"model repository: {message}", \
+            [r.getMessage() for r in logged]
+        assert not any(r.exc_info for r in caplog.records)
 
 
 def test_not_found_names_no_other_model_and_metadata_names_no_directory(server, site):
@@ -296,6 +363,11 @@ def test_a_grpc_message_that_does_not_parse_is_invalid_argument(server):
 
 
 # ---- JSON, RFC 8259 both ways ------------------------------------------------------------------------------------
+def load(server, name: str, config: str | None = None) -> tuple[int, dict]:
+    body = json.dumps({"parameters": {"config": config}} if config is not None else {}).encode()
+    return raw(server, "POST", f"/v2/repository/models/{name}/load", body, {"Content-Type": "application/json"})
+
+
 def test_json_stays_rfc8259_and_non_finite_values_travel_as_binary_data(server, site):
     parent, _, model = site
     x = torch.randn(1, 3, 8, 8)
