@@ -363,9 +363,30 @@ def test_a_grpc_message_that_does_not_parse_is_invalid_argument(server):
 
 
 # ---- JSON, RFC 8259 both ways ------------------------------------------------------------------------------------
+NON_FINITE = json.dumps({"parameters": {"allow_non_finite_inputs": {"string_value": "true"}}})
+
+
 def load(server, name: str, config: str | None = None) -> tuple[int, dict]:
     body = json.dumps({"parameters": {"config": config}} if config is not None else {}).encode()
     return raw(server, "POST", f"/v2/repository/models/{name}/load", body, {"Content-Type": "application/json"})
+
+
+def binary_nan(server, binary: bool) -> tuple[int, bytes, http.client.HTTPResponse, torch.Tensor]:
+    """A request whose input holds a NaN, in binary data, its output asked for in binary or JSON."""
+    x = torch.randn(1, 3, 8, 8)
+    x[0, 0, 0, 0] = float("nan")
+    header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 768}}],
+                         "outputs": [{"name": "output__0", "parameters": {"binary_data": binary}}]}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/v2/models/tiny/infer", body=header + encode_tensor(x),
+                     headers={HEADER: str(len(header))})
+        response = conn.getresponse()
+        return response.status, response.read(), response, x
+    finally:
+        conn.close()
 
 
 def test_json_stays_rfc8259_and_non_finite_values_travel_as_binary_data(server, site):
@@ -378,29 +399,98 @@ def test_json_stays_rfc8259_and_non_finite_values_travel_as_binary_data(server, 
         body = (head % ", ".join([written] + [repr(v) for v in values[1:]])).encode()
         status, answer = raw(server, "POST", "/v2/models/tiny/infer", body)
         assert status == 400 and needle in answer["error"], (written, answer)
-    # a NaN in, asked out in JSON: refused (in strict JSON) naming the output; asked in binary: answered exactly
-    x[0, 0, 0, 0] = float("nan")
-    for binary in (False, True):
-        header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
-                                         "parameters": {"binary_data_size": 768}}],
-                             "outputs": [{"name": "output__0", "parameters": {"binary_data": binary}}]}).encode()
-        host, port = server.url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        conn.request("POST", "/v2/models/tiny/infer", body=header + encode_tensor(x),
-                     headers={HEADER: str(len(header))})
-        response = conn.getresponse()
-        content = response.read()
-        conn.close()
-        if not binary:
-            assert response.status == 400
-            assert "output 'output__0' holds NaN or infinite values" in strict_json(content)["error"]
-        else:
-            size = int(response.getheader(HEADER))
-            strict_json(content[:size])
-            got = torch.frombuffer(bytearray(content[size:]), dtype=torch.float32)
-            with torch.no_grad():
-                want = model(x).reshape(-1)
-            assert response.status == 200 and torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+        assert "malformed JSON: malformed JSON" not in answer["error"], answer
+    # a NaN in binary data: refused, naming the input, unless the model's config lets non-finite inputs in
+    status, content, _, _ = binary_nan(server, True)
+    assert status == 400 and strict_json(content)["error"].startswith("input 'x' holds NaN or infinite values")
+    assert load(server, "tiny", NON_FINITE) == (200, {})
+    try:  # a NaN in, asked out in JSON: refused (in strict JSON) naming the output; asked in binary: answered exactly
+        for binary in (False, True):
+            status, content, response, x = binary_nan(server, binary)
+            if not binary:
+                assert status == 400
+                assert "output 'output__0' holds NaN or infinite values" in strict_json(content)["error"]
+            else:
+                size = int(response.getheader(HEADER))
+                strict_json(content[:size])
+                got = torch.frombuffer(bytearray(content[size:]), dtype=torch.float32)
+                with torch.no_grad():
+                    want = model(x).reshape(-1)
+                assert status == 200 and torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    finally:
+        assert load(server, "tiny") == (200, {})  # the repository's config again: finite inputs only
+    status, content, _, _ = binary_nan(server, True)
+    assert status == 400 and "input 'x' holds NaN" in strict_json(content)["error"]
+
+
+@pytest.mark.parametrize("written", ["1e400", "-1e400", "1e309", "1.8e308", "1e39", "-3.5e38"])
+def test_numbers_beyond_float64_or_fp32_are_refused_naming_the_input(server, written):
+    """1e400 is no float64: Python's parser makes it infinity, which became a tensor of infinities (answered 200
+    with NaN outputs)."""
+    data = ", ".join([written] + ["0.5"] * 191)
+    body = b'{"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [' + data.encode() + b"]}]}"
+    status, answer = raw(server, "POST", "/v2/models/tiny/infer", body)
+    assert status == 400 and answer["error"].startswith("input 'x': a value lies beyond the range of FP32"), answer
+    request = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP64", "data": [json.loads(written), 0.0, 1.0]}]}
+    if abs(float(written)) == float("inf"):  # beyond float64 too
+        with pytest.raises(ProtocolError, match="input 'x': a value lies beyond the range of FP64"):
+            protocol.decode_request(spec_model("FP64"), request)
+    else:
+        assert protocol.decode_request(spec_model("FP64"), request).inputs[0][0, 0].item() == float(written)
+
+
+def test_infinities_in_binary_data_and_typed_grpc_contents_are_refused_naming_the_input(server):
+    x = torch.randn(1, 3, 8, 8)
+    x[0, 1, 2, 3] = float("inf")
+    header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 768}}]}).encode()
+    status, answer = raw(server, "POST", "/v2/models/tiny/infer", header + encode_tensor(x),
+                         {HEADER: str(len(header))})
+    assert status == 400 and answer["error"].startswith("input 'x' holds NaN or infinite values"), answer
+    channel, stub = grpc_stub(server)
+    try:
+        for given in (x, torch.where(x.isinf(), float("nan"), x)):
+            request = service_pb2.ModelInferRequest(model_name="tiny")
+            request.inputs.add(name="x", datatype="FP32", shape=[1, 3, 8, 8])
+            request.inputs[0].contents.fp32_contents.extend(given.reshape(-1).tolist())
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(request, timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith("input 'x' holds NaN or infinite values"), info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(tiny_request(x), timeout=60)
+        assert info.value.details().startswith("input 'x' holds NaN or infinite values"), info.value.details()
+    finally:
+        channel.close()
+
+
+def test_json_is_utf8_with_each_key_once_booleans_are_booleans_and_an_id_a_string(server):
+    x = torch.randn(1, 3, 8, 8)
+    good = {"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": x.reshape(-1).tolist()}]}
+    text = json.dumps(good)
+    cases = [  # (body, what the refusal says)
+        (text.encode("utf-16"), "malformed JSON: the body is not UTF-8 text"),
+        (text.encode("utf-32"), "malformed JSON: the body is not UTF-8 text"),
+        (text.replace('"inputs": [', '"inputs": [{"name": "y"}], "inputs": [', 1).encode(),
+         "malformed JSON: key 'inputs' appears twice in an object"),
+        (text.replace('"name": "x"', '"name": "x", "name": "y"').encode(),
+         "malformed JSON: key 'name' appears twice"),
+        (json.dumps({**good, "parameters": {"binary_data_output": "false"}}).encode(),
+         "parameters.binary_data_output must be true or false, got 'false'"),
+        (json.dumps({**good, "outputs": [{"name": "output__0", "parameters": {"binary_data": 1}}]}).encode(),
+         "output 'output__0' parameters.binary_data must be true or false, got 1"),
+        (json.dumps({**good, "id": {"a": 1}}).encode(), "'id' must be a string, got {'a': 1}"),
+        (json.dumps({**good, "id": 7}).encode(), "'id' must be a string, got 7"),
+    ]
+    for body, needle in cases:
+        status, answer = raw(server, "POST", "/v2/models/tiny/infer", body)
+        assert status == 400 and answer["error"].startswith(needle), (needle, answer)
+    status, answer = raw(server, "POST", "/v2/models/tiny/infer", json.dumps({**good, "id": "r1"}).encode())
+    assert status == 200 and answer["id"] == "r1"
+    status, answer = raw(server, "POST", "/v2/repository/index", b'{"ready": true, "ready": false}')
+    assert status == 400 and "appears twice" in answer["error"]
+    status, answer = raw(server, "POST", "/v2/repository/index", b'{"ready": "false"}')
+    assert status == 400 and "'ready' must be true or false" in answer["error"], answer
 
 
 def spec_model(datatype: str) -> ServedModel:

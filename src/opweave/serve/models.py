@@ -63,6 +63,7 @@ class ServedModel:
     max_batch: int
     source: str  # where it came from, as metadata shows it: a zoo name, a file's name, a path under the repository
     version: str = "1"  # the version directory it came from (a model repository), else 1
+    allow_non_finite: bool = False  # inputs may hold NaN and infinities (its config says so; protocol.decode_request)
 
 
 def parse_model_files(items: list[str] | None) -> dict[str, Path]:

@@ -20,8 +20,10 @@ The version served is the highest present (Triton's default ``latest`` policy) o
 directory's), ``max_batch_size`` (samples per instance; 0 is Triton's "does not batch": 1; unset: the server's
 ``--max-batch``) and ``input`` (if listed, their names must be the program's inputs: opweave names inputs after the
 program's arguments and does not rename them; for TorchScript, above); the rest (platform, backend, instance groups,
-...) is not opweave's to follow and is ignored. A load request may carry the config instead (``parameters.config``:
-its JSON form, as ``tritonclient``'s ``load_model(name, config=...)`` sends it); it holds for that load only.
+...) is not opweave's to follow and is ignored, but for one parameter: ``parameters { key: "allow_non_finite_inputs"
+value { string_value: "true" } }`` lets the model's inputs hold NaN and infinities (refused otherwise). A load
+request may carry the config instead (``parameters.config``: its JSON form, as ``tritonclient``'s ``load_model(name,
+config=...)`` sends it); it holds for that load only.
 
 :meth:`Repository.load` and :meth:`Repository.unload` are slow (seconds) and blocking: the front ends call them on a
 worker thread, never on their event loop, and they never hold the engine's lock while they capture or compile. A
@@ -63,7 +65,7 @@ from opweave.errors import OpweaveError, UsageError, first_line
 from opweave.serve.engine import Engine
 from opweave.serve.frontend import Refused
 from opweave.serve.models import DTYPES, ServedModel, TensorSpec, reserved
-from opweave.serve.protocol import shown
+from opweave.serve.protocol import NON_FINITE_PARAMETER, shown
 
 CONFIG = "config.pbtxt"
 MODEL_FILES = ("model.pt2", "model.pt")  # what a version directory serves: a torch.export program, else TorchScript
@@ -265,6 +267,7 @@ class Repository:
     def _link(self, name: str, config_json: str | None) -> ServedModel:
         config = self.read_config(name, json_text=config_json)
         max_batch = self._max_batch(name, config, config_json is not None)
+        allow_non_finite = _allows_non_finite(name, config)
         version, path = self.locate(name, config)
         source = f"{name}/{version}/{path.name}"
         settings = _settings(name, config)
@@ -275,7 +278,7 @@ class Repository:
         self.status[name] = ("LOADING", "")
         try:
             model = self._build(name, path, version, config, max_batch)
-            model.source = source
+            model.source, model.allow_non_finite = source, allow_non_finite
             if old is not None:
                 self._unload(name)
             self.engine.add_model(name, model.blocked, model.max_batch)
@@ -443,6 +446,18 @@ def _settings(name: str, config) -> bytes:
     config = type(config).FromString(config.SerializeToString())
     config.name = name
     return config.SerializeToString(deterministic=True)
+
+
+def _allows_non_finite(name: str, config) -> bool:
+    """Whether ``config`` lets the model's inputs hold NaN and infinities (its parameter
+    :data:`~opweave.serve.protocol.NON_FINITE_PARAMETER`, ``"true"`` or ``"false"``)."""
+    if NON_FINITE_PARAMETER not in config.parameters:
+        return False
+    value = config.parameters[NON_FINITE_PARAMETER].string_value
+    if value not in ("true", "false"):
+        raise Refused("invalid", f"model {name!r}: its config's parameter {NON_FINITE_PARAMETER} is "
+                                 f"{shown(value)}, not \"true\" or \"false\"")
+    return value == "true"
 
 
 def _declares_no_batching(config) -> bool:

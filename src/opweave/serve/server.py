@@ -271,7 +271,10 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
     @app.post("/v2/repository/index")
     async def repository_index(http: HttpRequest):
         body = await body_object(http)
-        return repository.index(ready=bool(body.get("ready", False)))
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise Refused("invalid", f"'ready' must be true or false, got {protocol.shown(ready)}")
+        return repository.index(ready=ready)
 
     @app.post("/v2/repository/models/{name}/load")
     async def repository_load(name: str, http: HttpRequest):
