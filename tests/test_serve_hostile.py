@@ -30,7 +30,7 @@ from opweave.serve.build import make_engine
 from opweave.serve.models import ServedModel, TensorSpec, parse_model_files
 from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
 from opweave.serve.repository import Repository
-from opweave.serve.server import BackgroundServer
+from opweave.serve.server import BackgroundServer, default_hosts
 from serve_models import tiny
 
 triton_grpc = pytest.importorskip("tritonclient.grpc")
@@ -244,6 +244,61 @@ def test_a_client_config_cannot_raise_the_batch_past_the_servers(server, site):
     assert_serves(server, model)
 
 
+# ---- a web page ---------------------------------------------------------------------------------------------------
+def test_a_web_page_cannot_drive_the_server(server, site):
+    """What a page open in a browser can send without asking (a cross-origin "simple" request: text/plain or a form,
+    any Origin), a DNS name rebound to 127.0.0.1 (any Host) and a redirect built from the Host header: all refused,
+    and the model stays loaded."""
+    parent, _, model = site
+    port = server.url.rsplit(":", 1)[1]
+    evil = {"Origin": "http://evil.example", "Content-Type": "text/plain"}
+    for path in ("/v2/repository/models/tiny/unload", "/v2/repository/models/tiny/load", "/v2/repository/index",
+                 "/v2/models/tiny/infer"):
+        status, answer = raw(server, "POST", path, b"{}", evil)
+        assert status == 403 and "origin 'http://evil.example' is refused" in answer["error"], (path, answer)
+    status, answer = raw(server, "POST", "/v2/models/tiny/infer", b"{}",
+                         {"Origin": "null", "Content-Type": "application/json"})
+    assert status == 403, answer
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        status, answer = raw(server, "POST", "/v2/repository/models/tiny/unload", b"{}", {"Content-Type": kind})
+        assert status == 415 and "is not accepted: send application/json" in answer["error"], (kind, answer)
+    assert server.repository.served.get("tiny") is not None and server.engine.models.get("tiny") is not None
+    for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.evil.example:{port}"):
+        for method, path in (("GET", "/v2/health/live"), ("POST", "/v2/repository/models/tiny/unload")):
+            status, answer = raw(server, method, path, headers={"Host": host})
+            assert status == 400 and "Host header names no host" in answer["error"], (host, answer)
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "localhost"):
+        assert raw(server, "GET", "/v2/health/live", headers={"Host": host})[0] == 200, host
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:  # a trailing slash: no redirect to http://<Host>/...
+        conn.request("GET", "/v2/health/live/", headers={"Host": "localhost"})
+        response = conn.getresponse()
+        assert response.status == 404 and response.getheader("location") is None and strict_json(response.read())
+        conn.request("GET", "/v2/models/tiny", headers={"Origin": "http://evil.example"})  # a read: no CORS answer
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("access-control-allow-origin") is None
+        response.read()
+        conn.request("OPTIONS", "/v2/models/tiny/infer", headers={"Origin": "http://evil.example",
+                                                                   "Access-Control-Request-Method": "POST"})
+        response = conn.getresponse()
+        assert response.status == 403 and "error" in strict_json(response.read())
+    finally:
+        conn.close()
+    assert_serves(server, model)
+
+
+def test_the_default_hosts_are_the_names_of_the_address_bound():
+    assert default_hosts("127.0.0.1") == ("localhost", "127.0.0.1", "[::1]")
+    assert default_hosts("localhost") == ("localhost", "127.0.0.1", "[::1]")
+    assert default_hosts("::1") == ("localhost", "127.0.0.1", "[::1]")
+    assert default_hosts("127.0.0.2") == ("localhost", "127.0.0.1", "[::1]", "127.0.0.2")
+    assert default_hosts("10.1.2.3") == ("10.1.2.3",)
+    assert default_hosts("fd00::1") == ("[fd00::1]",)
+    assert default_hosts("Box.example") == ("box.example",)
+    assert default_hosts("0.0.0.0") == default_hosts("::") == ("*",)
+
+
 def test_a_loads_config_holds_for_that_load_only_and_an_equal_one_changes_nothing(server, site):
     """A client's ``parameters.config`` outlived its load (a plain load kept max batch 2), and every load carrying a
     config reloaded the model (a moment of 404/503 for its users) even when nothing changed."""
@@ -284,6 +339,48 @@ def test_deep_nesting_and_huge_numbers_are_400_not_500(server, site):
     finally:
         client.close()
     assert_serves(server, model)
+
+
+def test_headers_over_64_kib_are_refused_however_they_arrive(limited):
+    """A request's line and headers must fit 64 KiB: 100 KiB arriving at once was answered 200."""
+    host = limited.url.removeprefix("http://")
+    address = (host.split(":")[0], int(host.split(":")[1]))
+
+    def ask(extra: int) -> bytes:
+        request = f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\nX-A: {'a' * extra}\r\nConnection: close\r\n\r\n"
+        with socket.create_connection(address, timeout=60) as s:
+            s.sendall(request.encode())
+            answer = b""
+            try:
+                while part := s.recv(65536):
+                    answer += part
+            except ConnectionResetError:
+                pass
+        return answer
+
+    assert ask(60 << 10).startswith(b"HTTP/1.1 200 ")
+    answer = ask(100 << 10)
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer[:100]  # closed unanswered, or told
+    if answer:
+        assert "over the limit of 65536" in strict_json(answer.partition(b"\r\n\r\n")[2])["error"]
+
+
+def test_errors_of_the_http_layer_are_json_too(server):
+    """What the HTTP parser cannot read was answered in plain text."""
+    host, port = server.url.removeprefix("http://").split(":")
+    for request in (b"GARBAGE\r\n\r\n",
+                    b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: x\r\n\r\n"):
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(request)
+            answer = b""
+            while part := s.recv(65536):
+                answer += part
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head, answer
+        assert strict_json(body)["error"]
+    for method, path in (("PUT", "/v2/health/live"), ("GET", "/v2/nowhere"), ("DELETE", "/v2/models/tiny")):
+        status, answer = raw(server, method, path)
+        assert status in (404, 405) and answer["error"], (method, path, answer)
 
 
 def test_a_model_cannot_take_a_name_a_route_takes(server, site, tmp_path):
@@ -586,6 +683,79 @@ def test_refused_requests_leave_nothing_in_reference_cycles(server):
     assert kept == []
 
 
+def pushed(server, head: bytes, cap: int = 64 << 20) -> tuple[int, bytes]:
+    """``head`` (a request's line and headers), then a body sent 1 MiB at a time until the server closes the
+    connection or ``cap`` bytes are sent: the bytes the connection took (its send buffer held to 64 KiB, so that
+    what the kernels buffer stays small beside what the server read), and the server's answer."""
+    host, port = server.url.removeprefix("http://").split(":")
+    chunk = b"\0" * (1 << 20)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        s.settimeout(60)  # never reached while the server reads or answers; a timeout fails the test
+        s.connect((host, int(port)))
+        s.sendall(head)
+        sent = 0
+        try:
+            while sent < cap:
+                sent += s.send(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        if sent >= cap:
+            return sent, b""
+        answer = b""
+        try:
+            while part := s.recv(65536):
+                answer += part
+        except ConnectionResetError:
+            pass
+    return sent, answer
+
+
+@pytest.mark.parametrize("line, status", [
+    ("POST /v2/models/tiny/infer", 400),  # a declared length over the model's limit
+    ("POST /v2/models/nope/infer", 404),  # an unknown model
+    ("POST /v2/no/such/route", 404),
+    ("PUT /v2/models/tiny/infer", 405),
+])
+def test_a_request_refused_before_its_body_is_read_closes_the_connection(limited, line, status):
+    """A client declares 100 GiB and keeps sending: the server answers, says Connection: close and reads no more
+    than a little (it had read and discarded whatever followed its answer, GiBs at a core per connection, while
+    bytes kept coming); the client reads the answer (the server closes in stages: the answer, the end of its
+    stream, then, two seconds later, the connection)."""
+    host = limited.url.removeprefix("http://")
+    sent, answer = pushed(limited, f"{line} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                                   f"Content-Length: {100 << 30}\r\n\r\n".encode())
+    assert sent < 2 << 20, f"the server read on: {sent >> 20} MiB taken"
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} ".encode()), answer[:200]
+    assert b"connection: close" in head.lower() and "error" in strict_json(body)
+
+
+def test_a_body_refused_while_it_streams_in_closes_the_connection(limited):
+    host = limited.url.removeprefix("http://")
+    sent, answer = pushed(limited, f"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: {host}\r\n"
+                                   f"Transfer-Encoding: chunked\r\n\r\n{(100 << 30):x}\r\n".encode())
+    assert sent < 2 << 20, f"the server read on: {sent >> 20} MiB taken"
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower()
+    assert "exceeds the limit of" in strict_json(body)["error"]
+
+
+def test_a_request_read_whole_keeps_its_connection(limited):
+    """Refusals after the body was read (a malformed request) keep the connection alive: the next request on it
+    is answered."""
+    host, port = limited.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/v2/models/tiny/infer", body=b'{"inputs": 3}')
+        first = conn.getresponse()
+        assert first.status == 400 and first.getheader("connection") is None and strict_json(first.read())
+        conn.request("GET", "/v2/health/live")
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+
+
 def test_the_heap_trimmer_gives_freed_memory_back():
     """100 MB freed below a block still in use (so glibc cannot give it back by itself): the trimmer does, also in
     a process whose heap already held 200 MB of freed memory when it started (the allocation reuses it; without the
@@ -660,13 +830,14 @@ def test_slow_and_idle_connections_are_closed(limited):
     host, port = limited.url.removeprefix("http://").split(":")
     address = (host, int(port))
     assert closed_by_server(address) == b""  # connected, said nothing
-    assert closed_by_server(address, b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\n") == b""  # headers trickle
-    assert closed_by_server(address, b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 768\r\n"
-                                     b"\r\n0123456789") == b""  # the body stops
-    assert closed_by_server(address, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
+    host_line = f"Host: {host}\r\n".encode()
+    assert closed_by_server(address, b"POST /v2/models/tiny/infer HTTP/1.1\r\n" + host_line) == b""  # headers trickle
+    assert closed_by_server(address, b"POST /v2/models/tiny/infer HTTP/1.1\r\n" + host_line +
+                            b"Content-Length: 768\r\n\r\n0123456789") == b""  # the body stops
+    assert closed_by_server(address, b"GET /v2/health/live HTTP/1.1\r\n" + host_line + b"\r\n").startswith(
         b"HTTP/1.1 200")  # kept alive, then idle
-    assert not closed_by_server(address, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * (1 << 20)
-                                ).startswith(b"HTTP/1.1 200")  # headers past the limit
+    assert not closed_by_server(address, b"GET /v2/health/live HTTP/1.1\r\n" + host_line + b"X-A: " +
+                                b"a" * (1 << 20)).startswith(b"HTTP/1.1 200")  # headers past the limit, trickling
     grpc_host, grpc_port = limited.grpc_address.rsplit(":", 1)
     closed_by_server((grpc_host, int(grpc_port)))  # gRPC: no handshake, no call
 
@@ -677,8 +848,9 @@ def test_a_model_that_does_not_load_at_start_is_unavailable_and_the_others_serve
     their reasons, the other two names are left out, and the repository API is read-only (the default)."""
     parent, root, model = site
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-repository", str(root), "--port", "0",
-                             "--grpc-port", "0", "--compiler", "none", "--max-batch", "4"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--grpc-port", "0", "--compiler", "none", "--max-batch", "4", "--allowed-hosts",
+                             "127.0.0.1,opweave.example", "--cors-allow-origin", "http://app.example"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line, proc.stderr.read()  # (read only once it has exited)
@@ -689,6 +861,20 @@ def test_a_model_that_does_not_load_at_start_is_unavailable_and_the_others_serve
             index = {m["name"]: m for m in c.post("/v2/repository/index").json()}
             r = c.post("/v2/repository/models/tiny/unload")
             assert r.status_code == 400 and "--model-control-mode explicit" in r.json()["error"]
+            # --allowed-hosts: the names listed, no other; --cors-allow-origin: that page's requests, with CORS
+            assert c.get("/v2/health/live", headers={"Host": "opweave.example"}).status_code == 200
+            assert c.get("/v2/health/live", headers={"Host": "localhost"}).status_code == 400
+            page = {"Origin": "http://app.example"}
+            r = c.options("/v2/models/tiny/infer", headers={**page, "Access-Control-Request-Method": "POST",
+                                                            "Access-Control-Request-Headers": "content-type"})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+            x = torch.randn(1, 3, 8, 8)
+            request = {"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
+                                   "data": x.reshape(-1).tolist()}]}
+            r = c.post("/v2/models/tiny/infer", json=request, headers=page)
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+            r = c.post("/v2/models/tiny/infer", json=request, headers={"Origin": "http://evil.example"})
+            assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
         assert {n: m["state"] for n, m in index.items()} == {"tiny": "READY", "badcfg": "UNAVAILABLE",
                                                              "linked": "UNAVAILABLE"}
         assert "not UTF-8" in index["badcfg"]["reason"] and "outside" in index["linked"]["reason"]
