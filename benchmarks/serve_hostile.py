@@ -4,19 +4,32 @@ process on 127.0.0.1 serving SqueezeNet at 64 px (max batch 8, ``--compiler none
 
     .venv/bin/python benchmarks/serve_hostile.py                 # writes results/serve_hostile.json
     .venv/bin/python benchmarks/serve_hostile.py --quick --out /tmp
+    .venv/bin/python benchmarks/serve_hostile.py --only refused_body   # one scenario (the others' results kept)
 
 Scenarios (each against a fresh server):
 
 * ``grpc_rss`` (``--max-body-mb 64``): ``--requests`` ModelInfer calls alternating 60 MB (under gRPC's 64 MiB cap:
   parsed, then refused ``INVALID_ARGUMENT``) and 66 MB (refused ``RESOURCE_EXHAUSTED`` by gRPC itself). The server's
   RSS (``/proc/PID/status``) after one answered request, right after the last refusal, and settled (the lowest seen
-  over the next ``--settle-s`` seconds). Pass: settled within 100 MB of before.
+  over the next ``--settle-s`` seconds), and the server's CPU time per refused request. Pass: settled within 100 MB
+  of before.
 * ``grpc_rss_default`` (the default limits, derived from the model's inputs): the same requests, all refused by
   gRPC before they are parsed.
 * ``live_oversized`` (the default limits): eight 63 MB bodies, over the model's limit, sent at once, while a
   client asks ``/v2/health/live`` every 50 ms; every answer's latency. Pass: the slowest under 1 s.
 * ``live_decoded`` (``--max-body-mb 64``): eight JSON bodies of ``--json-mb`` MB within the limit whose values do not
   fit the input's shape: each is parsed in full (on a worker thread), then refused 400.
+* ``refused_body`` (the default limits): a client that declares a 100 GiB body and keeps sending it, 1 MiB at a time
+  (``--attackers`` of them at once; one cut off connects again ``--reconnect-ms`` later), while one client sends
+  normal inferences one after another. Windows of ``--window-s`` seconds without and with the attackers alternate
+  (``--rounds`` of each, which goes first rotating), so that both see the same machine. Per attacking connection
+  what the server read of it (its socket's bytes received less those queued unread, from ``ss``, looked at once the
+  attacker's sends stall) and the bytes the attacker pushed before the server closed the connection (its send
+  buffer held to 64 KiB; the kernels' buffers hold the rest), the server's CPU seconds per second of each kind of
+  window, and the normal inferences' median latency in each. Pass: the server read at most 1 MiB of any connection,
+  and the median under attack is within 10 % of the median without.
+* ``refused_body_flood``: the same, the attackers connecting again at once (``--reconnect-ms 0``). No pass line: on
+  a machine whose cores the attackers share with the server, their own sending takes the server's CPU.
 
 The numbers depend on the machine and on what else runs on it (``machine.load_average_1_5_15m``).
 """
@@ -25,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -75,14 +90,14 @@ def grpc_rss(args, extra: list[str]) -> dict:
         before = resident_mb(proc.pid)
         big = [request(60 << 20), request(66 << 20)]
         codes: dict[str, int] = {}
-        start_s = time.perf_counter()
+        start_s, cpu0 = time.perf_counter(), cpu_s(proc.pid)
         for i in range(args.requests):
             try:
                 stub.ModelInfer(big[i % 2], timeout=120)
                 codes["OK"] = codes.get("OK", 0) + 1
             except grpc.RpcError as exc:
                 codes[exc.code().name] = codes.get(exc.code().name, 0) + 1
-        elapsed = time.perf_counter() - start_s
+        elapsed, cpu = time.perf_counter() - start_s, cpu_s(proc.pid) - cpu0
         after = resident_mb(proc.pid)
         seen = [after]
         deadline = time.monotonic() + args.settle_s
@@ -96,6 +111,7 @@ def grpc_rss(args, extra: list[str]) -> dict:
         proc.wait(timeout=30)
     settled = min(seen)
     return {"flags": extra, "requests": args.requests, "codes": codes, "seconds": round(elapsed, 1),
+            "server_cpu_ms_per_request": round(cpu / args.requests * 1e3, 1),
             "rss_before_mb": round(before), "rss_after_mb": round(after), "rss_settled_mb": round(settled),
             "answers_after": answered, "pass": settled - before <= 100 and answered and "OK" not in codes}
 
@@ -143,6 +159,128 @@ def liveness(args, extra: list[str], body: bytes, headers: dict) -> dict:
             "pass": max(latencies) < 1.0 and all(s in (400, -1) for s in statuses)}
 
 
+def cpu_s(pid: int) -> float:
+    """The process's user and system CPU seconds so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_read(server_port: int, client_port: int) -> int | None:
+    """What the server has read of a connection: the bytes its kernel received (``ss``'s ``bytes_received``, TCP's
+    ``tcpi_bytes_received``) less those still queued unread (``Recv-Q``); None without ``ss``."""
+    try:
+        out = subprocess.run(["ss", "-tinH", "state", "all", f"( sport = :{server_port} and dport = :{client_port} )"],
+                             capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    received = next((int(w.split(":", 1)[1]) for w in out if w.startswith("bytes_received:")), None)
+    return None if received is None or len(out) < 2 else received - int(out[1])
+
+
+def push(address: tuple[str, int], host: str, cap: int) -> tuple[int, int | None]:
+    """One attacking connection: a request declaring 100 GiB, then 1 MiB chunks until the server closes it (or
+    ``cap`` bytes were sent, or 30 s passed); the bytes sent, and what the server had read of them when it stopped
+    reading (:func:`server_read`, looked at once a send waits half a second: the server reads no more)."""
+    chunk = b"\0" * (1 << 20)
+    read = None
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        s.settimeout(60)
+        s.connect(address)
+        s.sendall(f"POST /v2/models/squeezenet/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {100 << 30}\r\n\r\n".encode())
+        s.settimeout(0.5)
+        sent, deadline = 0, time.monotonic() + 30
+        try:
+            while sent < cap and time.monotonic() < deadline:
+                try:
+                    sent += s.send(chunk)
+                except TimeoutError:  # the server reads no more (or is behind): what has it read?
+                    if read is None:
+                        read = server_read(address[1], s.getsockname()[1])
+        except OSError:  # reset or broken pipe: the server closed it
+            pass
+        else:
+            read = server_read(address[1], s.getsockname()[1])
+    return sent, read
+
+
+def refused_body(args, reconnect_s: float) -> dict:
+    import httpx
+
+    proc, url, _ = start()
+    host = url.removeprefix("http://")
+    address = (host.split(":")[0], int(host.split(":")[1]))
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32",
+                                   "data": [0.5] * (3 * 64 * 64)}]}).encode()
+    attacking = threading.Event()
+    stop = threading.Event()
+    pushes: list[int] = []
+    reads: list[int] = []
+
+    def attacker() -> None:
+        while not stop.is_set():
+            if not attacking.wait(0.05):
+                continue
+            sent, read = push(address, host, args.cap_mb << 20)
+            pushes.append(sent)
+            if read is not None:
+                reads.append(read)
+            stop.wait(reconnect_s)
+
+    latencies: dict[str, list[float]] = {"idle": [], "attacked": []}
+    cpu: dict[str, list[float]] = {"idle": [], "attacked": []}
+    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(args.attackers)]
+    try:
+        for t in threads:
+            t.start()
+        with httpx.Client(base_url=url, timeout=120) as c:
+            for _ in range(20):  # warm-up
+                assert c.post("/v2/models/squeezenet/infer", content=body,
+                              headers={"Content-Type": "application/json"}).status_code == 200
+            order = ["idle", "attacked"]
+            for k in range(2 * args.rounds):
+                phase = order[(k + k // 2) % 2]  # idle, attacked, attacked, idle, idle, attacked, ...
+                if phase == "attacked":
+                    attacking.set()
+                time.sleep(0.2)  # the attackers connected (or gone)
+                seen, cpu0, t0 = [], cpu_s(proc.pid), time.perf_counter()
+                while time.perf_counter() - t0 < args.window_s:
+                    sent = time.perf_counter()
+                    status = c.post("/v2/models/squeezenet/infer", content=body,
+                                    headers={"Content-Type": "application/json"}).status_code
+                    seen.append(time.perf_counter() - sent if status == 200 else float("inf"))
+                cpu[phase].append((cpu_s(proc.pid) - cpu0) / (time.perf_counter() - t0))
+                latencies[phase] += seen
+                attacking.clear()
+                time.sleep(0.2)
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        stop.set()
+        proc.kill()
+        proc.wait(timeout=30)
+    idle, attacked = (statistics.median(latencies[p]) * 1e3 for p in ("idle", "attacked"))
+    most = max(pushes, default=0)
+    return {"attackers": args.attackers, "reconnect_ms": reconnect_s * 1e3, "rounds": args.rounds,
+            "window_s": args.window_s, "connections": len(pushes),
+            "server_read_max_kib": round(max(reads) / 1024, 1) if reads else None,
+            "server_read_median_kib": round(statistics.median(reads) / 1024, 1) if reads else None,
+            "server_reads_seen": len(reads),
+            "pushed_max_kib": round(most / 1024, 1),
+            "pushed_median_kib": round(statistics.median(pushes) / 1024, 1) if pushes else None,
+            "pushed_total_mib": round(sum(pushes) / (1 << 20), 1), "capped_connections":
+            sum(1 for n in pushes if n >= args.cap_mb << 20),
+            "inferences": {p: len(v) for p, v in latencies.items()},
+            "infer_median_ms": {"idle": round(idle, 2), "attacked": round(attacked, 2)},
+            "infer_p90_ms": {p: round(sorted(v)[int(0.9 * (len(v) - 1))] * 1e3, 2) for p, v in latencies.items()},
+            "attacked_over_idle": round(attacked / idle, 3),
+            "server_cpu_s_per_s": {p: round(statistics.mean(v), 3) for p, v in cpu.items()},
+            "pass": bool(reads) and max(reads) <= 1 << 20 and attacked <= 1.10 * idle if reconnect_s > 0 else None}
+
+
 def main() -> None:
     import argparse
 
@@ -153,29 +291,60 @@ def main() -> None:
     p.add_argument("--bodies", type=int, default=8, help="large HTTP bodies at once (default %(default)s)")
     p.add_argument("--json-mb", type=float, default=24.0, help="size of each decoded JSON body (default %(default)s)")
     p.add_argument("--settle-s", type=float, default=5.0, help="how long RSS is watched after the last request")
+    p.add_argument("--attackers", type=int, default=2, help="refused_body: attacking clients (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=6, help="refused_body: windows of each kind (default %(default)s)")
+    p.add_argument("--window-s", type=float, default=4.0, help="refused_body: seconds a window (default %(default)s)")
+    p.add_argument("--reconnect-ms", type=float, default=100.0, help="refused_body: an attacker cut off connects "
+                                                                    "again this long after (default %(default)s)")
+    p.add_argument("--cap-mb", type=int, default=1024, help="refused_body: an attacking connection stops after "
+                                                           "this many MiB (default %(default)s)")
+    p.add_argument("--only", help="comma list of scenarios to run (default: all)")
     args = p.parse_args()
     if args.quick:
         args.requests, args.bodies, args.json_mb, args.settle_s = 4, 2, 2.0, 2.0
+        args.rounds, args.window_s = 2, 2.0
     oversized = b"{" + b" " * ((63 << 20) - 1)
     values = int(args.json_mb * (1 << 20) / 21)
     decoded = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32",
                                       "data": [0.123456789012345] * values}]}).encode()
-    results = {
-        "machine": machine_info(),
-        "grpc_rss": grpc_rss(args, ["--max-body-mb", "64"]),
-        "grpc_rss_default": grpc_rss(args, []),
-        "live_oversized": liveness(args, [], oversized, {"Content-Type": "application/json"}),
-        "live_decoded": liveness(args, ["--max-body-mb", "64"], decoded, {"Content-Type": "application/json"}),
+    scenarios = {
+        "grpc_rss": lambda: grpc_rss(args, ["--max-body-mb", "64"]),
+        "grpc_rss_default": lambda: grpc_rss(args, []),
+        "live_oversized": lambda: liveness(args, [], oversized, {"Content-Type": "application/json"}),
+        "live_decoded": lambda: liveness(args, ["--max-body-mb", "64"], decoded, {"Content-Type": "application/json"}),
+        "refused_body": lambda: refused_body(args, args.reconnect_ms / 1e3),
+        "refused_body_flood": lambda: refused_body(args, 0.0),
     }
+    chosen = [n.strip() for n in (args.only or ",".join(scenarios)).split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in scenarios]
+    if unknown:
+        raise SystemExit(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(scenarios)}")
+    results = {"machine": machine_info(), **{name: scenarios[name]() for name in chosen}}
     rows = [[name, " ".join(r["flags"]) or "(defaults)", str(r.get("codes", r.get("statuses"))), str(r["seconds"]),
              f"{r['rss_before_mb']} -> {r['rss_after_mb']} -> {r['rss_settled_mb']}" if "rss_before_mb" in r else "",
              f"{r['live_median_ms']} / {r['live_max_ms']}" if "live_max_ms" in r else "", str(r["pass"])]
-            for name, r in results.items() if name != "machine"]
-    console.print(table("refused requests (squeezenet 64 px)", ["scenario", "flags", "answers", "s",
-                                                               "RSS MB before -> after -> settled",
-                                                               "live median / max ms", "pass"], rows))
+            for name, r in results.items() if name not in ("machine", "refused_body", "refused_body_flood")]
+    if rows:
+        console.print(table("refused requests (squeezenet 64 px)", ["scenario", "flags", "answers", "s",
+                                                                   "RSS MB before -> after -> settled",
+                                                                   "live median / max ms", "pass"], rows))
+    attacks = [[name, str(r["attackers"]), f"{r['reconnect_ms']:g}", str(r["connections"]),
+                f"{r['server_read_max_kib']} / {r['server_read_median_kib']}",
+                f"{r['pushed_max_kib']} / {r['pushed_median_kib']}",
+                f"{r['infer_median_ms']['idle']} / {r['infer_median_ms']['attacked']}", str(r["attacked_over_idle"]),
+                f"{r['server_cpu_s_per_s']['idle']} / {r['server_cpu_s_per_s']['attacked']}", str(r["pass"])]
+               for name, r in results.items() if name.startswith("refused_body")]
+    if attacks:
+        console.print(table("clients declaring 100 GiB and sending on (squeezenet 64 px)",
+                            ["scenario", "attackers", "reconnect ms", "connections", "server read max / median KiB",
+                             "pushed max / median KiB",
+                             "infer median ms idle / attacked", "x", "server CPU s/s idle / attacked", "pass"],
+                            attacks))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "serve_hostile.json"
+    if args.only and path.exists():  # the other scenarios' results stay as (and where) they were measured
+        machine = results.pop("machine")
+        results = {**json.loads(path.read_text()), **{n: {**r, "machine": machine} for n, r in results.items()}}
     path.write_text(json.dumps(results, indent=1) + "\n")
     console.print(f"wrote {path}")
 

@@ -24,12 +24,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from opweave.errors import UsageError
 from opweave.serve import frontend, protocol
 from opweave.serve.build import make_engine
-from opweave.serve.models import ServedModel, TensorSpec
+from opweave.serve.models import ServedModel, TensorSpec, parse_model_files
 from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
 from opweave.serve.repository import Repository
-from opweave.serve.server import BackgroundServer
+from opweave.serve.server import BackgroundServer, default_hosts
 from serve_models import tiny
 
 triton_grpc = pytest.importorskip("tritonclient.grpc")
@@ -243,6 +244,81 @@ def test_a_client_config_cannot_raise_the_batch_past_the_servers(server, site):
     assert_serves(server, model)
 
 
+# ---- a web page ---------------------------------------------------------------------------------------------------
+def test_a_web_page_cannot_drive_the_server(server, site):
+    """What a page open in a browser can send without asking (a cross-origin "simple" request: text/plain or a form,
+    any Origin), a DNS name rebound to 127.0.0.1 (any Host) and a redirect built from the Host header: all refused,
+    and the model stays loaded."""
+    parent, _, model = site
+    port = server.url.rsplit(":", 1)[1]
+    evil = {"Origin": "http://evil.example", "Content-Type": "text/plain"}
+    for path in ("/v2/repository/models/tiny/unload", "/v2/repository/models/tiny/load", "/v2/repository/index",
+                 "/v2/models/tiny/infer"):
+        status, answer = raw(server, "POST", path, b"{}", evil)
+        assert status == 403 and "origin 'http://evil.example' is refused" in answer["error"], (path, answer)
+    status, answer = raw(server, "POST", "/v2/models/tiny/infer", b"{}",
+                         {"Origin": "null", "Content-Type": "application/json"})
+    assert status == 403, answer
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        status, answer = raw(server, "POST", "/v2/repository/models/tiny/unload", b"{}", {"Content-Type": kind})
+        assert status == 415 and "is not accepted: send application/json" in answer["error"], (kind, answer)
+    assert server.repository.served.get("tiny") is not None and server.engine.models.get("tiny") is not None
+    for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.evil.example:{port}"):
+        for method, path in (("GET", "/v2/health/live"), ("POST", "/v2/repository/models/tiny/unload")):
+            status, answer = raw(server, method, path, headers={"Host": host})
+            assert status == 400 and "Host header names no host" in answer["error"], (host, answer)
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "localhost"):
+        assert raw(server, "GET", "/v2/health/live", headers={"Host": host})[0] == 200, host
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:  # a trailing slash: no redirect to http://<Host>/...
+        conn.request("GET", "/v2/health/live/", headers={"Host": "localhost"})
+        response = conn.getresponse()
+        assert response.status == 404 and response.getheader("location") is None and strict_json(response.read())
+        conn.request("GET", "/v2/models/tiny", headers={"Origin": "http://evil.example"})  # a read: no CORS answer
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("access-control-allow-origin") is None
+        response.read()
+        conn.request("OPTIONS", "/v2/models/tiny/infer", headers={"Origin": "http://evil.example",
+                                                                   "Access-Control-Request-Method": "POST"})
+        response = conn.getresponse()
+        assert response.status == 403 and "error" in strict_json(response.read())
+    finally:
+        conn.close()
+    assert_serves(server, model)
+
+
+def test_the_default_hosts_are_the_names_of_the_address_bound():
+    assert default_hosts("127.0.0.1") == ("localhost", "127.0.0.1", "[::1]")
+    assert default_hosts("localhost") == ("localhost", "127.0.0.1", "[::1]")
+    assert default_hosts("::1") == ("localhost", "127.0.0.1", "[::1]")
+    assert default_hosts("127.0.0.2") == ("localhost", "127.0.0.1", "[::1]", "127.0.0.2")
+    assert default_hosts("10.1.2.3") == ("10.1.2.3",)
+    assert default_hosts("fd00::1") == ("[fd00::1]",)
+    assert default_hosts("Box.example") == ("box.example",)
+    assert default_hosts("0.0.0.0") == default_hosts("::") == ("*",)
+
+
+def test_a_loads_config_holds_for_that_load_only_and_an_equal_one_changes_nothing(server, site):
+    """A client's ``parameters.config`` outlived its load (a plain load kept max batch 2), and every load carrying a
+    config reloaded the model (a moment of 404/503 for its users) even when nothing changed."""
+    _, _, model = site
+    first = server.repository.served["tiny"]
+    assert load(server, "tiny") == (200, {}) and server.repository.served["tiny"] is first  # nothing changed
+    two = json.dumps({"max_batch_size": 2})
+    try:
+        assert load(server, "tiny", two) == (200, {})
+        loaded = server.repository.served["tiny"]
+        assert loaded is not first and loaded.max_batch == 2 and raw(server, "GET", "/v2/models/tiny")[1][
+            "max_batch_size"] == 2
+        assert load(server, "tiny", two) == (200, {}) and server.repository.served["tiny"] is loaded  # the same
+    finally:
+        assert load(server, "tiny") == (200, {})  # the repository's config again
+    assert server.repository.served["tiny"].max_batch == 4 and server.engine.models["tiny"].max_batch == 4
+    assert raw(server, "GET", "/v2/models/tiny")[1]["max_batch_size"] == 4
+    assert_serves(server, model)
+
+
 # ---- every error a clean 4xx -------------------------------------------------------------------------------------
 def test_deep_nesting_and_huge_numbers_are_400_not_500(server, site):
     parent, _, model = site
@@ -263,6 +339,94 @@ def test_deep_nesting_and_huge_numbers_are_400_not_500(server, site):
     finally:
         client.close()
     assert_serves(server, model)
+
+
+def test_headers_over_64_kib_are_refused_however_they_arrive(limited):
+    """A request's line and headers must fit 64 KiB: 100 KiB arriving at once was answered 200."""
+    host = limited.url.removeprefix("http://")
+    address = (host.split(":")[0], int(host.split(":")[1]))
+
+    def ask(extra: int) -> bytes:
+        request = f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\nX-A: {'a' * extra}\r\nConnection: close\r\n\r\n"
+        with socket.create_connection(address, timeout=60) as s:
+            s.sendall(request.encode())
+            answer = b""
+            try:
+                while part := s.recv(65536):
+                    answer += part
+            except ConnectionResetError:
+                pass
+        return answer
+
+    assert ask(60 << 10).startswith(b"HTTP/1.1 200 ")
+    answer = ask(100 << 10)
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer[:100]  # closed unanswered, or told
+    if answer:
+        assert "over the limit of 65536" in strict_json(answer.partition(b"\r\n\r\n")[2])["error"]
+
+
+def test_errors_of_the_http_layer_are_json_too(server):
+    """What the HTTP parser cannot read was answered in plain text."""
+    host, port = server.url.removeprefix("http://").split(":")
+    for request in (b"GARBAGE\r\n\r\n",
+                    b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: x\r\n\r\n"):
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(request)
+            answer = b""
+            while part := s.recv(65536):
+                answer += part
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head, answer
+        assert strict_json(body)["error"]
+    for method, path in (("PUT", "/v2/health/live"), ("GET", "/v2/nowhere"), ("DELETE", "/v2/models/tiny")):
+        status, answer = raw(server, method, path)
+        assert status in (404, 405) and answer["error"], (method, path, answer)
+
+
+def test_a_model_cannot_take_a_name_a_route_takes(server, site, tmp_path):
+    """``/v2/models/stats`` is the statistics of every model: a model named ``stats`` loaded, and its metadata was
+    unreachable."""
+    parent, root, _ = site
+    status, answer = raw(server, "POST", "/v2/repository/models/stats/load")
+    assert status == 400 and answer["error"] == ("model name 'stats' is taken by the route /v2/models/stats: serve the "
+                                                 "model under another name"), answer
+    (tmp_path / "stats" / "1").mkdir(parents=True)
+    shutil.copy(root / "tiny" / "1" / "model.pt2", tmp_path / "stats" / "1" / "model.pt2")
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
+    assert repository.load_all() == [] and "stats" not in engine.models
+    index = {m["name"]: m for m in repository.index()}
+    assert index["stats"]["state"] == "UNAVAILABLE" and "taken by the route" in index["stats"]["reason"]
+    with pytest.raises(UsageError, match="--model-file 'stats' is taken by the route"):
+        parse_model_files([f"stats={parent / 'tiny.pt2'}"])
+
+
+def test_a_program_that_does_not_load_says_why_in_one_line_and_one_log_line(tmp_path, caplog):
+    """A .pt2 that is a zip but no exported program was refused with "check the warnings above" (which only the
+    server's log held), and torch logged a traceback per attempt."""
+    import logging
+    import zipfile
+
+    for name in ("zipped", "garbage"):
+        (tmp_path / name / "1").mkdir(parents=True)
+    with zipfile.ZipFile(tmp_path / "zipped" / "1" / "model.pt2", "w") as z:
+        z.writestr("archive/data.txt", "not a program")
+    (tmp_path / "garbage" / "1" / "model.pt2").write_bytes(b"garbage")
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
+    for name, why in (("zipped", 'Expected hasRecord("version") to be true'), ("garbage", "not a ZIP archive")):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="torch.export"), caplog.at_level(logging.WARNING):
+            with pytest.raises(frontend.Refused) as info:
+                repository.load(name)
+        message = str(info.value)
+        assert message.startswith(f"model {name!r} did not load: '{name}/1/model.pt2' is not a program saved by "
+                                  f"torch.export.save") and why in message and "warnings above" not in message
+        clean(message, tmp_path)
+        logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(logged) == 1 and logged[0].getMessage() == f"model repository: {message}", \
+            [r.getMessage() for r in logged]
+        assert not any(r.exc_info for r in caplog.records)
 
 
 def test_not_found_names_no_other_model_and_metadata_names_no_directory(server, site):
@@ -296,6 +460,32 @@ def test_a_grpc_message_that_does_not_parse_is_invalid_argument(server):
 
 
 # ---- JSON, RFC 8259 both ways ------------------------------------------------------------------------------------
+NON_FINITE = json.dumps({"parameters": {"allow_non_finite_inputs": {"string_value": "true"}}})
+
+
+def load(server, name: str, config: str | None = None) -> tuple[int, dict]:
+    body = json.dumps({"parameters": {"config": config}} if config is not None else {}).encode()
+    return raw(server, "POST", f"/v2/repository/models/{name}/load", body, {"Content-Type": "application/json"})
+
+
+def binary_nan(server, binary: bool) -> tuple[int, bytes, http.client.HTTPResponse, torch.Tensor]:
+    """A request whose input holds a NaN, in binary data, its output asked for in binary or JSON."""
+    x = torch.randn(1, 3, 8, 8)
+    x[0, 0, 0, 0] = float("nan")
+    header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 768}}],
+                         "outputs": [{"name": "output__0", "parameters": {"binary_data": binary}}]}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/v2/models/tiny/infer", body=header + encode_tensor(x),
+                     headers={HEADER: str(len(header))})
+        response = conn.getresponse()
+        return response.status, response.read(), response, x
+    finally:
+        conn.close()
+
+
 def test_json_stays_rfc8259_and_non_finite_values_travel_as_binary_data(server, site):
     parent, _, model = site
     x = torch.randn(1, 3, 8, 8)
@@ -306,29 +496,98 @@ def test_json_stays_rfc8259_and_non_finite_values_travel_as_binary_data(server, 
         body = (head % ", ".join([written] + [repr(v) for v in values[1:]])).encode()
         status, answer = raw(server, "POST", "/v2/models/tiny/infer", body)
         assert status == 400 and needle in answer["error"], (written, answer)
-    # a NaN in, asked out in JSON: refused (in strict JSON) naming the output; asked in binary: answered exactly
-    x[0, 0, 0, 0] = float("nan")
-    for binary in (False, True):
-        header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
-                                         "parameters": {"binary_data_size": 768}}],
-                             "outputs": [{"name": "output__0", "parameters": {"binary_data": binary}}]}).encode()
-        host, port = server.url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        conn.request("POST", "/v2/models/tiny/infer", body=header + encode_tensor(x),
-                     headers={HEADER: str(len(header))})
-        response = conn.getresponse()
-        content = response.read()
-        conn.close()
-        if not binary:
-            assert response.status == 400
-            assert "output 'output__0' holds NaN or infinite values" in strict_json(content)["error"]
-        else:
-            size = int(response.getheader(HEADER))
-            strict_json(content[:size])
-            got = torch.frombuffer(bytearray(content[size:]), dtype=torch.float32)
-            with torch.no_grad():
-                want = model(x).reshape(-1)
-            assert response.status == 200 and torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+        assert "malformed JSON: malformed JSON" not in answer["error"], answer
+    # a NaN in binary data: refused, naming the input, unless the model's config lets non-finite inputs in
+    status, content, _, _ = binary_nan(server, True)
+    assert status == 400 and strict_json(content)["error"].startswith("input 'x' holds NaN or infinite values")
+    assert load(server, "tiny", NON_FINITE) == (200, {})
+    try:  # a NaN in, asked out in JSON: refused (in strict JSON) naming the output; asked in binary: answered exactly
+        for binary in (False, True):
+            status, content, response, x = binary_nan(server, binary)
+            if not binary:
+                assert status == 400
+                assert "output 'output__0' holds NaN or infinite values" in strict_json(content)["error"]
+            else:
+                size = int(response.getheader(HEADER))
+                strict_json(content[:size])
+                got = torch.frombuffer(bytearray(content[size:]), dtype=torch.float32)
+                with torch.no_grad():
+                    want = model(x).reshape(-1)
+                assert status == 200 and torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    finally:
+        assert load(server, "tiny") == (200, {})  # the repository's config again: finite inputs only
+    status, content, _, _ = binary_nan(server, True)
+    assert status == 400 and "input 'x' holds NaN" in strict_json(content)["error"]
+
+
+@pytest.mark.parametrize("written", ["1e400", "-1e400", "1e309", "1.8e308", "1e39", "-3.5e38"])
+def test_numbers_beyond_float64_or_fp32_are_refused_naming_the_input(server, written):
+    """1e400 is no float64: Python's parser makes it infinity, which became a tensor of infinities (answered 200
+    with NaN outputs)."""
+    data = ", ".join([written] + ["0.5"] * 191)
+    body = b'{"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [' + data.encode() + b"]}]}"
+    status, answer = raw(server, "POST", "/v2/models/tiny/infer", body)
+    assert status == 400 and answer["error"].startswith("input 'x': a value lies beyond the range of FP32"), answer
+    request = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP64", "data": [json.loads(written), 0.0, 1.0]}]}
+    if abs(float(written)) == float("inf"):  # beyond float64 too
+        with pytest.raises(ProtocolError, match="input 'x': a value lies beyond the range of FP64"):
+            protocol.decode_request(spec_model("FP64"), request)
+    else:
+        assert protocol.decode_request(spec_model("FP64"), request).inputs[0][0, 0].item() == float(written)
+
+
+def test_infinities_in_binary_data_and_typed_grpc_contents_are_refused_naming_the_input(server):
+    x = torch.randn(1, 3, 8, 8)
+    x[0, 1, 2, 3] = float("inf")
+    header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 768}}]}).encode()
+    status, answer = raw(server, "POST", "/v2/models/tiny/infer", header + encode_tensor(x),
+                         {HEADER: str(len(header))})
+    assert status == 400 and answer["error"].startswith("input 'x' holds NaN or infinite values"), answer
+    channel, stub = grpc_stub(server)
+    try:
+        for given in (x, torch.where(x.isinf(), float("nan"), x)):
+            request = service_pb2.ModelInferRequest(model_name="tiny")
+            request.inputs.add(name="x", datatype="FP32", shape=[1, 3, 8, 8])
+            request.inputs[0].contents.fp32_contents.extend(given.reshape(-1).tolist())
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(request, timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith("input 'x' holds NaN or infinite values"), info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(tiny_request(x), timeout=60)
+        assert info.value.details().startswith("input 'x' holds NaN or infinite values"), info.value.details()
+    finally:
+        channel.close()
+
+
+def test_json_is_utf8_with_each_key_once_booleans_are_booleans_and_an_id_a_string(server):
+    x = torch.randn(1, 3, 8, 8)
+    good = {"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": x.reshape(-1).tolist()}]}
+    text = json.dumps(good)
+    cases = [  # (body, what the refusal says)
+        (text.encode("utf-16"), "malformed JSON: the body is not UTF-8 text"),
+        (text.encode("utf-32"), "malformed JSON: the body is not UTF-8 text"),
+        (text.replace('"inputs": [', '"inputs": [{"name": "y"}], "inputs": [', 1).encode(),
+         "malformed JSON: key 'inputs' appears twice in an object"),
+        (text.replace('"name": "x"', '"name": "x", "name": "y"').encode(),
+         "malformed JSON: key 'name' appears twice"),
+        (json.dumps({**good, "parameters": {"binary_data_output": "false"}}).encode(),
+         "parameters.binary_data_output must be true or false, got 'false'"),
+        (json.dumps({**good, "outputs": [{"name": "output__0", "parameters": {"binary_data": 1}}]}).encode(),
+         "output 'output__0' parameters.binary_data must be true or false, got 1"),
+        (json.dumps({**good, "id": {"a": 1}}).encode(), "'id' must be a string, got {'a': 1}"),
+        (json.dumps({**good, "id": 7}).encode(), "'id' must be a string, got 7"),
+    ]
+    for body, needle in cases:
+        status, answer = raw(server, "POST", "/v2/models/tiny/infer", body)
+        assert status == 400 and answer["error"].startswith(needle), (needle, answer)
+    status, answer = raw(server, "POST", "/v2/models/tiny/infer", json.dumps({**good, "id": "r1"}).encode())
+    assert status == 200 and answer["id"] == "r1"
+    status, answer = raw(server, "POST", "/v2/repository/index", b'{"ready": true, "ready": false}')
+    assert status == 400 and "appears twice" in answer["error"]
+    status, answer = raw(server, "POST", "/v2/repository/index", b'{"ready": "false"}')
+    assert status == 400 and "'ready' must be true or false" in answer["error"], answer
 
 
 def spec_model(datatype: str) -> ServedModel:
@@ -424,6 +683,79 @@ def test_refused_requests_leave_nothing_in_reference_cycles(server):
     assert kept == []
 
 
+def pushed(server, head: bytes, cap: int = 64 << 20) -> tuple[int, bytes]:
+    """``head`` (a request's line and headers), then a body sent 1 MiB at a time until the server closes the
+    connection or ``cap`` bytes are sent: the bytes the connection took (its send buffer held to 64 KiB, so that
+    what the kernels buffer stays small beside what the server read), and the server's answer."""
+    host, port = server.url.removeprefix("http://").split(":")
+    chunk = b"\0" * (1 << 20)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        s.settimeout(60)  # never reached while the server reads or answers; a timeout fails the test
+        s.connect((host, int(port)))
+        s.sendall(head)
+        sent = 0
+        try:
+            while sent < cap:
+                sent += s.send(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        if sent >= cap:
+            return sent, b""
+        answer = b""
+        try:
+            while part := s.recv(65536):
+                answer += part
+        except ConnectionResetError:
+            pass
+    return sent, answer
+
+
+@pytest.mark.parametrize("line, status", [
+    ("POST /v2/models/tiny/infer", 400),  # a declared length over the model's limit
+    ("POST /v2/models/nope/infer", 404),  # an unknown model
+    ("POST /v2/no/such/route", 404),
+    ("PUT /v2/models/tiny/infer", 405),
+])
+def test_a_request_refused_before_its_body_is_read_closes_the_connection(limited, line, status):
+    """A client declares 100 GiB and keeps sending: the server answers, says Connection: close and reads no more
+    than a little (it had read and discarded whatever followed its answer, GiBs at a core per connection, while
+    bytes kept coming); the client reads the answer (the server closes in stages: the answer, the end of its
+    stream, then, two seconds later, the connection)."""
+    host = limited.url.removeprefix("http://")
+    sent, answer = pushed(limited, f"{line} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                                   f"Content-Length: {100 << 30}\r\n\r\n".encode())
+    assert sent < 2 << 20, f"the server read on: {sent >> 20} MiB taken"
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} ".encode()), answer[:200]
+    assert b"connection: close" in head.lower() and "error" in strict_json(body)
+
+
+def test_a_body_refused_while_it_streams_in_closes_the_connection(limited):
+    host = limited.url.removeprefix("http://")
+    sent, answer = pushed(limited, f"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: {host}\r\n"
+                                   f"Transfer-Encoding: chunked\r\n\r\n{(100 << 30):x}\r\n".encode())
+    assert sent < 2 << 20, f"the server read on: {sent >> 20} MiB taken"
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower()
+    assert "exceeds the limit of" in strict_json(body)["error"]
+
+
+def test_a_request_read_whole_keeps_its_connection(limited):
+    """Refusals after the body was read (a malformed request) keep the connection alive: the next request on it
+    is answered."""
+    host, port = limited.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", "/v2/models/tiny/infer", body=b'{"inputs": 3}')
+        first = conn.getresponse()
+        assert first.status == 400 and first.getheader("connection") is None and strict_json(first.read())
+        conn.request("GET", "/v2/health/live")
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+
+
 def test_the_heap_trimmer_gives_freed_memory_back():
     """100 MB freed below a block still in use (so glibc cannot give it back by itself): the trimmer does, also in
     a process whose heap already held 200 MB of freed memory when it started (the allocation reuses it; without the
@@ -498,13 +830,14 @@ def test_slow_and_idle_connections_are_closed(limited):
     host, port = limited.url.removeprefix("http://").split(":")
     address = (host, int(port))
     assert closed_by_server(address) == b""  # connected, said nothing
-    assert closed_by_server(address, b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\n") == b""  # headers trickle
-    assert closed_by_server(address, b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 768\r\n"
-                                     b"\r\n0123456789") == b""  # the body stops
-    assert closed_by_server(address, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
+    host_line = f"Host: {host}\r\n".encode()
+    assert closed_by_server(address, b"POST /v2/models/tiny/infer HTTP/1.1\r\n" + host_line) == b""  # headers trickle
+    assert closed_by_server(address, b"POST /v2/models/tiny/infer HTTP/1.1\r\n" + host_line +
+                            b"Content-Length: 768\r\n\r\n0123456789") == b""  # the body stops
+    assert closed_by_server(address, b"GET /v2/health/live HTTP/1.1\r\n" + host_line + b"\r\n").startswith(
         b"HTTP/1.1 200")  # kept alive, then idle
-    assert not closed_by_server(address, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * (1 << 20)
-                                ).startswith(b"HTTP/1.1 200")  # headers past the limit
+    assert not closed_by_server(address, b"GET /v2/health/live HTTP/1.1\r\n" + host_line + b"X-A: " +
+                                b"a" * (1 << 20)).startswith(b"HTTP/1.1 200")  # headers past the limit, trickling
     grpc_host, grpc_port = limited.grpc_address.rsplit(":", 1)
     closed_by_server((grpc_host, int(grpc_port)))  # gRPC: no handshake, no call
 
@@ -515,8 +848,9 @@ def test_a_model_that_does_not_load_at_start_is_unavailable_and_the_others_serve
     their reasons, the other two names are left out, and the repository API is read-only (the default)."""
     parent, root, model = site
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-repository", str(root), "--port", "0",
-                             "--grpc-port", "0", "--compiler", "none", "--max-batch", "4"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--grpc-port", "0", "--compiler", "none", "--max-batch", "4", "--allowed-hosts",
+                             "127.0.0.1,opweave.example", "--cors-allow-origin", "http://app.example"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line, proc.stderr.read()  # (read only once it has exited)
@@ -527,6 +861,20 @@ def test_a_model_that_does_not_load_at_start_is_unavailable_and_the_others_serve
             index = {m["name"]: m for m in c.post("/v2/repository/index").json()}
             r = c.post("/v2/repository/models/tiny/unload")
             assert r.status_code == 400 and "--model-control-mode explicit" in r.json()["error"]
+            # --allowed-hosts: the names listed, no other; --cors-allow-origin: that page's requests, with CORS
+            assert c.get("/v2/health/live", headers={"Host": "opweave.example"}).status_code == 200
+            assert c.get("/v2/health/live", headers={"Host": "localhost"}).status_code == 400
+            page = {"Origin": "http://app.example"}
+            r = c.options("/v2/models/tiny/infer", headers={**page, "Access-Control-Request-Method": "POST",
+                                                            "Access-Control-Request-Headers": "content-type"})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+            x = torch.randn(1, 3, 8, 8)
+            request = {"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
+                                   "data": x.reshape(-1).tolist()}]}
+            r = c.post("/v2/models/tiny/infer", json=request, headers=page)
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+            r = c.post("/v2/models/tiny/infer", json=request, headers={"Origin": "http://evil.example"})
+            assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
         assert {n: m["state"] for n, m in index.items()} == {"tiny": "READY", "badcfg": "UNAVAILABLE",
                                                              "linked": "UNAVAILABLE"}
         assert "not UTF-8" in index["badcfg"]["reason"] and "outside" in index["linked"]["reason"]

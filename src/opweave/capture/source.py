@@ -71,6 +71,20 @@ def load(source: str | Path, *, batch_size: int = 1, image_size: int | None = No
     return Loaded(module, inputs, coarsen_ops(captured) if coarsen else captured)
 
 
+class _Told(logging.Filter):
+    """Keeps what ``torch.export.load`` logs with a traceback about a file it cannot read (it then raises an error
+    that says "check the warnings above", which only a server's log would hold) and drops it from the log: the
+    error's reason is told instead, once, in the exception."""
+
+    reason: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.reason = self.reason or first_line(record.exc_info[1]).split(". ", 1)[0]
+            return False
+        return True
+
+
 def load_program(path: str | Path, device: str = "cpu") -> ExportedModule:
     """The ``ExportedProgram`` saved at ``path`` by ``torch.export.save`` (a ``.pt2`` file), on ``device``, as an
     :class:`ExportedModule` whose ``.example_inputs`` are the program's own (keyword arguments bound by position),
@@ -78,10 +92,16 @@ def load_program(path: str | Path, device: str = "cpu") -> ExportedModule:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"no model file {str(path)!r}")
+    told = _Told()
+    export_log = logging.getLogger("torch.export")
+    export_log.addFilter(told)
     try:
         program = torch.export.load(path)
     except Exception as exc:  # noqa: BLE001 - any failure to read means "not an exported program"
-        raise UsageError(f"{str(path)!r} is not a program saved by torch.export.save ({first_line(exc)})") from exc
+        why = told.reason or first_line(exc)
+        raise UsageError(f"{str(path)!r} is not a program saved by torch.export.save ({why})") from exc
+    finally:
+        export_log.removeFilter(told)
     if device != "cpu":
         from torch.export.passes import move_to_device_pass
 

@@ -96,6 +96,13 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           idle_timeout_s: Annotated[float, typer.Option(
               "--idle-timeout-s", min=0.1, help="close a connection idle this long (HTTP: kept alive, or a body "
               "that stopped arriving; gRPC: no call)")] = 60.0,
+          allowed_hosts: Annotated[str | None, typer.Option(
+              "--allowed-hosts", help="comma list of the Host names clients reach the server by (a proxy's public "
+              "name; *.example.com a domain's; * any); others are refused (DNS rebinding). Default: localhost, "
+              "127.0.0.1 and [::1] on a loopback --host, the --host itself otherwise, any on 0.0.0.0")] = None,
+          cors_allow_origin: Annotated[list[str] | None, typer.Option(
+              "--cors-allow-origin", help="a web page's origin (https://app.example.com) that may call the server "
+              "(CORS); repeat for more. Default: none: a request from a web page is refused")] = None,
           threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch intra-op threads (cpu; "
                                                       "default: the cores, split among the lanes)")] = None,
           compiler: Annotated[str, typer.Option("--compiler", help="cpu: each block compiled whole by onnxruntime or "
@@ -109,7 +116,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     What the server trusts: the repository's contents and these flags; never a client (docs/serving.md,
     "Security"). Model names are plain names, nothing outside the repository is loaded, requests larger than a
     model's inputs need are refused before they are read, and the repository API is read-only unless
-    ``--model-control-mode explicit``.
+    ``--model-control-mode explicit``. A web page may not call the server (``--cors-allow-origin`` lets one), nor
+    reach it under a name not in ``--allowed-hosts``.
 
     On the CPU a combined block runs on one lane per core and each of its ops (or blocks, with ``--compiler``) on the
     cores its lane may use while it runs (opweave.backends.threads), so lanes x intra-op threads never exceed the
@@ -137,6 +145,10 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         raise UsageError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got "
                          f"{model_control_mode!r}")
     max_body_bytes = 0 if max_body_mb is None else int(max_body_mb * (1 << 20))
+    hosts = None if allowed_hosts is None else tuple(h.strip().lower() for h in allowed_hosts.split(",") if h.strip())
+    if hosts == ():
+        raise UsageError("--allowed-hosts names no host (give * to answer any)")
+    origins = tuple(_origins(cors_allow_origin))
     if threads is not None:
         torch.set_num_threads(threads)
     chosen = "" if policy else f" (the default on {ON_DEVICE.get(device, device)})"
@@ -158,7 +170,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
             max_sub_blocks=max_sub_blocks, timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
             scheduler=scheduler, streams=streams, image_size=parse_image_size(image_size), cuts=parse_cuts(cuts),
             compiler=None if compiler == "none" else compiler, threads=threads or 1,
-            max_body_bytes=max_body_bytes,
+            max_body_bytes=max_body_bytes, allowed_hosts=hosts, allow_origins=origins,
             pin_cores=pin_cores, allow_symlinks_outside_root=allow_symlinks_outside_root, strict=strict),
             replicas, max_replicas, host, port, ray_address, chosen)
         return
@@ -190,7 +202,23 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     run_server(engine, served, host=host, port=port, max_body_bytes=max_body_bytes, log_level=log_level,
                on_listen=listening, grpc_port=grpc_port, repository=repository, header_timeout_s=header_timeout_s,
-               idle_timeout_s=idle_timeout_s)
+               idle_timeout_s=idle_timeout_s, allowed_hosts=hosts, allow_origins=origins)
+
+
+def _origins(items: list[str] | None) -> list[str]:
+    """``--cors-allow-origin`` values (each may be a comma list) as origins: ``scheme://host[:port]``, or ``*``."""
+    from urllib.parse import urlsplit
+
+    out = []
+    for item in items or []:
+        for origin in filter(None, (o.strip().rstrip("/") for o in item.split(","))):
+            parts = urlsplit(origin)
+            if origin != "*" and (parts.scheme not in ("http", "https") or not parts.netloc or parts.path or
+                                  parts.query or parts.fragment):
+                raise UsageError(f"--cors-allow-origin {origin!r} is no origin: give scheme://host[:port], as a "
+                                 f"browser sends it (https://app.example.com)")
+            out.append(origin)
+    return out
 
 
 def _serve_ray(options, replicas: int, max_replicas: int | None, host: str, port: int,

@@ -9,7 +9,7 @@ from opweave.errors import UsageError
 from opweave.serve import policies, top  # noqa: F401 - importing top registers the learned policy "top"
 from opweave.serve.engine import Engine
 from opweave.serve.executors import CpuExecutor, CudaExecutor, Part, RealClock, SimClock, SimExecutor
-from opweave.serve.models import ServedModel, load
+from opweave.serve.models import ServedModel, check_name, load
 
 DEVICES = ("cpu", "cuda", "sim")
 # The policy a server runs unless told (docs/serving.md, "Results"): on a CPU `static` sustained the highest rates
@@ -41,6 +41,7 @@ def load_models(names: list[str], files: dict[str, Path] | None = None, *, devic
     where = "cpu" if device == "sim" else device
     out = {}
     for name in [*names, *files]:
+        check_name(name)
         out[name] = load(name, path=files.get(name), device=where, max_batch=max_batch,
                          image_size=sizes.get(name, sizes.get("*")), cuts=(cuts or {}).get(name))
     return out

@@ -39,6 +39,7 @@ import threading
 from typing import Any
 
 import grpc
+import torch
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from torch.utils import _pytree as pytree
@@ -61,6 +62,7 @@ EXTENSIONS = ["model_configuration", "model_repository", "statistics"]
 # the typed contents field of each datatype (FP16 and BF16 travel only as raw bytes)
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
             "INT64": "int64_contents", "UINT8": "uint_contents", "FP32": "fp32_contents", "FP64": "fp64_contents"}
+FLOAT_CONTENTS = ("FP32", "FP64")  # typed contents that hold IEEE values of the datatype itself
 
 
 def parameters(params) -> dict[str, Any]:
@@ -80,6 +82,7 @@ def decode(model: ServedModel, request: service_pb2.ModelInferRequest) -> protoc
         raise protocol.ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs "
                                      f"(one per input, or none)")
     entries = []
+    floats: dict[int, Any] = {}  # typed floating-point contents (IEEE values: checked as binary data is)
     for tensor in request.inputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
                                  "parameters": parameters(tensor.parameters)}
@@ -89,7 +92,10 @@ def decode(model: ServedModel, request: service_pb2.ModelInferRequest) -> protoc
             if given != [want]:
                 raise protocol.ProtocolError(f"input {tensor.name!r}: contents in {', '.join(given)}; datatype "
                                              f"{tensor.datatype} takes {want or 'raw_input_contents only'}")
-            entry["data"] = list(getattr(tensor.contents, want))
+            if tensor.datatype in FLOAT_CONTENTS:
+                floats[len(entries)] = getattr(tensor.contents, want)
+            else:
+                entry["data"] = list(getattr(tensor.contents, want))
         elif not raw:
             entry["data"] = []  # no values at all: the count check names the input
         entries.append(entry)
@@ -100,6 +106,14 @@ def decode(model: ServedModel, request: service_pb2.ModelInferRequest) -> protoc
         body["outputs"] = [{"name": o.name, "parameters": parameters(o.parameters)} for o in request.outputs]
 
     def take(index: int, entry: dict, spec, shape: list[int]) -> bytes | None:
+        if index in floats:
+            values = floats[index]
+            if raw:
+                raise protocol.ProtocolError(f"input {spec.name!r} has both contents and raw_input_contents")
+            if len(values) != math.prod(shape):
+                raise protocol.ProtocolError(f"input {spec.name!r}: {len(values)} values for shape {shape} "
+                                             f"({math.prod(shape)} needed)")
+            return protocol.encode_tensor(torch.tensor(list(values), dtype=spec.dtype)) if values else b""
         if not raw:
             return None
         if "data" in entry:

@@ -19,6 +19,23 @@ DATATYPES = {torch.bool: "BOOL", torch.uint8: "UINT8", torch.int8: "INT8", torch
              torch.int64: "INT64", torch.float16: "FP16", torch.bfloat16: "BF16", torch.float32: "FP32",
              torch.float64: "FP64"}
 DTYPES = {v: k for k, v in DATATYPES.items()}
+# Names the protocol's routes take where a model's name would go: ``GET /v2/models/stats`` is the statistics of every
+# model (the statistics extension), so a model named ``stats`` could never be asked for its metadata.
+RESERVED_NAMES = frozenset({"stats"})
+
+
+def reserved(name: str, what: str = "model name") -> str | None:
+    """Why ``name`` cannot name a model (one of :data:`RESERVED_NAMES`), or None."""
+    if name in RESERVED_NAMES:
+        return f"{what} {name!r} is taken by the route /v2/models/{name}: serve the model under another name"
+    return None
+
+
+def check_name(name: str, what: str = "model name") -> None:
+    """:class:`~opweave.errors.UsageError` if ``name`` is one of :data:`RESERVED_NAMES`."""
+    why = reserved(name, what)
+    if why is not None:
+        raise UsageError(why)
 
 
 @dataclass(frozen=True)
@@ -46,6 +63,7 @@ class ServedModel:
     max_batch: int
     source: str  # where it came from, as metadata shows it: a zoo name, a file's name, a path under the repository
     version: str = "1"  # the version directory it came from (a model repository), else 1
+    allow_non_finite: bool = False  # inputs may hold NaN and infinities (its config says so; protocol.decode_request)
 
 
 def parse_model_files(items: list[str] | None) -> dict[str, Path]:
@@ -55,6 +73,7 @@ def parse_model_files(items: list[str] | None) -> dict[str, Path]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise UsageError(f"--model-file {item!r} must be NAME=PATH.pt2")
+        check_name(name, "--model-file")
         if not Path(path).is_file():
             raise UsageError(f"--model-file {name}: no file {path!r}")
         out[name] = Path(path)
@@ -102,4 +121,5 @@ def _spec(name: str, value, stackable: bool) -> TensorSpec:
     return TensorSpec(name, DATATYPES[value.dtype], ((-1,) + shape[1:]) if stackable else shape)
 
 
-__all__ = ["DATATYPES", "DTYPES", "ServedModel", "TensorSpec", "load", "parse_model_files"]
+__all__ = ["DATATYPES", "DTYPES", "RESERVED_NAMES", "ServedModel", "TensorSpec", "check_name", "load",
+           "parse_model_files", "reserved"]

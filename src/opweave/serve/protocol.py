@@ -10,10 +10,13 @@ then the response carries the same header and appends the bytes.
 
 Request ``parameters.timeout`` is Triton's per-request timeout in microseconds.
 
-JSON is RFC 8259's, both ways: a request's ``NaN`` / ``Infinity`` tokens are refused, as are values a datatype cannot
-hold (``1e39`` for FP32, ``300`` for UINT8: never a silent ``inf`` or wrap-around), and a response never carries
-them: an output holding NaN or an infinity is answered only as binary data (asked for in JSON, the request is
-refused, naming the output). Non-finite values travel as binary data, both ways.
+JSON is RFC 8259's, both ways: UTF-8 only, an object's keys once each; a request's ``NaN`` / ``Infinity`` tokens are
+refused, as are values a datatype cannot hold (``1e39`` or ``1e400`` for FP32, ``300`` for UINT8: never a silent
+``inf`` or wrap-around), and a response never carries them: an output holding NaN or an infinity is answered only as
+binary data (asked for in JSON, the request is refused, naming the output). An input holding NaN or an infinity (in
+binary data, or gRPC's typed contents) is refused, naming it, unless the model's config allows them
+(``ServedModel.allow_non_finite``). Booleans (``binary_data``, ``binary_data_output``) are JSON's ``true`` and
+``false``, and ``id`` a string.
 
 Sizes: :func:`request_limit` is the most bytes a valid request for a model can take (its inputs at its max batch,
 :data:`JSON_BYTES_PER_VALUE` a value); the front ends refuse a larger body before reading or decoding it.
@@ -43,6 +46,7 @@ HEADER_BYTES = 64 << 10  # what a request carries besides its values: names, sha
 JSON_BYTES_PER_VALUE = 48  # one value written in JSON, its separator and indentation included (floats take <= 26)
 RAW_BYTES_PER_VALUE = 10  # one value in gRPC's typed contents (a varint: at most 10 bytes) or raw bytes (at most 8)
 SHOWN_CHARS = 64  # of a value a client sent, what an error message quotes
+NON_FINITE_PARAMETER = "allow_non_finite_inputs"  # a model config's parameter (ServedModel.allow_non_finite)
 YIELD_BYTES = 256 << 10  # JSON this large is parsed so as to let other threads run (loads)
 CHUNK_VALUES = 1 << 16  # a tensor from JSON values is built this many at a time (each step lets other threads run)
 
@@ -139,18 +143,36 @@ def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferR
 
 
 def loads(text: bytes | bytearray | str) -> Any:
-    """RFC 8259 JSON (no ``NaN`` / ``Infinity``); anything else, however nested, refused with
-    :class:`ProtocolError`. A text over :data:`YIELD_BYTES` is parsed with a Python function per number, so that the
-    parser (C code that otherwise holds the GIL to the end) lets the event loop's thread run every few
-    milliseconds while a worker thread decodes it (about a third slower)."""
+    """RFC 8259 JSON: UTF-8 text (bytes in any other encoding, which Python's ``json`` would guess and take, are
+    refused), no ``NaN`` / ``Infinity``, no key twice in an object (the last would silently win); anything else,
+    however nested, refused with :class:`ProtocolError`. A text over :data:`YIELD_BYTES` is parsed with a Python
+    function per number, so that the parser (C code that otherwise holds the GIL to the end) lets the event loop's
+    thread run every few milliseconds while a worker thread decodes it (about a third slower)."""
     hooks = {"parse_float": _float, "parse_int": _int} if len(text) > YIELD_BYTES else {}
     try:
-        return json.loads(text, parse_constant=_not_json, **hooks)
+        if not isinstance(text, str):
+            text = text.decode("utf-8")
+        return json.loads(text, parse_constant=_not_json, object_pairs_hook=_unique, **hooks)
+    except ProtocolError:
+        raise
+    except UnicodeDecodeError as exc:
+        error = f"malformed JSON: the body is not UTF-8 text (byte {exc.start})"
     except RecursionError:
         error = "malformed JSON: nested too deep"
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
+    except ValueError as exc:  # JSONDecodeError, an integer of more than 4300 digits
         error = f"malformed JSON: {exc}"
     raise ProtocolError(error)
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object whose keys appear once each (RFC 8259 leaves a repeated key's meaning open; Python keeps the
+    last, so a second ``inputs`` could hide the first from a proxy that checked it)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ProtocolError(f"malformed JSON: key {shown(twice)} appears twice in an object")
+    return out
 
 
 def _float(text: str) -> float:
@@ -200,6 +222,10 @@ def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
         data = raw(index, entry, spec, shape) if raw is not None else None
         if data is not None:
             given[name] = decode_tensor(data, spec, shape)
+            if not model.allow_non_finite and given[name].is_floating_point() and \
+                    not bool(torch.isfinite(given[name]).all()):
+                raise ProtocolError(f"input {name!r} holds NaN or infinite values, which model {model.name!r} does "
+                                    f"not take (its config's parameter {NON_FINITE_PARAMETER!r} lets them in)")
         else:
             given[name] = _json_tensor(entry.get("data"), spec, shape)
     if after is not None:
@@ -211,10 +237,20 @@ def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
     if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or
                                 not 0 < timeout < 1e18):
         raise ProtocolError(f"parameters.timeout must be a positive number of microseconds, got {shown(timeout)}")
+    request_id = request.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ProtocolError(f"'id' must be a string, got {shown(request_id)}")
     return InferRequest(tuple(given[s.name] for s in model.inputs), batch or 1,
-                        _outputs(model, request, bool(params.get("binary_data_output", False))),
-                        None if request.get("id") is None else str(request["id"]),
-                        None if timeout is None else timeout / 1e6)
+                        _outputs(model, request, boolean(params.get("binary_data_output", False),
+                                                          "parameters.binary_data_output")),
+                        request_id, None if timeout is None else timeout / 1e6)
+
+
+def boolean(value: Any, what: str) -> bool:
+    """``value`` of a parameter that must be a boolean (``"false"`` is no false: it would be read as true)."""
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{what} must be true or false, got {shown(value)}")
+    return value
 
 
 def _object(value: Any, what: str) -> dict:
@@ -279,18 +315,12 @@ def _json_tensor(data: Any, spec: TensorSpec, shape: list[int]) -> torch.Tensor:
             torch.empty(shape, dtype=spec.dtype)
     except (RuntimeError, OverflowError, ValueError):  # an integer beyond float64 written for a float input
         t = None
-    if t is None or (kind is float and _overflowed(flat, t)):
+    if t is None or (kind is float and not bool(torch.isfinite(t).all())):  # JSON has no NaN nor infinity: a
+        # value became infinite here (1e39 for FP32) or in the parser (1e400, beyond float64)
         largest = f" (largest {torch.finfo(spec.dtype).max:.8g})" if kind is float else ""
         raise ProtocolError(f"input {spec.name!r}: a value lies beyond the range of {spec.datatype}{largest}: it "
                             f"would become infinite")
     return t
-
-
-def _overflowed(values: list, t: torch.Tensor) -> bool:
-    """Whether a finite value of ``values`` became infinite in ``t`` (typed gRPC contents may hold infinities
-    of their own; JSON never does)."""
-    inf = torch.isinf(t).reshape(-1)
-    return bool(inf.any()) and any(math.isfinite(v) for v, i in zip(values, inf.tolist(), strict=True) if i)
 
 
 def _flatten(data: Any, name: str) -> list:
@@ -323,7 +353,7 @@ def _outputs(model: ServedModel, request: dict, binary_default: bool) -> list[tu
             raise ProtocolError(f"unknown output {shown(entry.get('name'))} for model {model.name!r} (outputs: "
                                 f"{', '.join(names)})")
         binary = _object(entry.get("parameters", {}), "output parameters").get("binary_data", binary_default)
-        out.append((entry["name"], bool(binary)))
+        out.append((entry["name"], boolean(binary, f"output {entry['name']!r} parameters.binary_data")))
     return out
 
 
@@ -382,6 +412,6 @@ def config(model: ServedModel, policy: dict, max_queue: int) -> dict:
             "blocks": len(model.blocked.blocks)}
 
 
-__all__ = ["DTYPES", "HEADER", "HEADER_BYTES", "JSON_BYTES_PER_VALUE", "RAW_BYTES_PER_VALUE", "InferRequest",
-           "ProtocolError", "answers", "config", "decode", "decode_request", "decode_tensor", "decompress", "encode",
-           "encode_tensor", "loads", "metadata", "request_limit", "shown"]
+__all__ = ["DTYPES", "HEADER", "HEADER_BYTES", "JSON_BYTES_PER_VALUE", "NON_FINITE_PARAMETER", "RAW_BYTES_PER_VALUE",
+           "InferRequest", "ProtocolError", "answers", "boolean", "config", "decode", "decode_request", "decode_tensor",
+           "decompress", "encode", "encode_tensor", "loads", "metadata", "request_limit", "shown"]

@@ -26,6 +26,11 @@ eager's outputs (``tests/test_serve_ray.py`` kills a replica process mid-load an
 If the front itself died, Ray's proxy would answer its requests in flight with its plain-text 500 (the front runs no
 model and holds nothing but requests in flight).
 
+The front also checks what ``opweave serve`` checks of a request before any route (:func:`opweave.serve.server.guard`:
+the ``Host`` among ``allowed_hosts``, by default the proxy's bind address's names; a web page's ``Origin`` among
+``allow_origins``, with CORS for those; the content type; the header size), and answers every refusal as
+``{"error": ...}``; the replicas, which only the front reaches, do not check them again.
+
 Ray runs on 127.0.0.1 when this module starts it (:func:`start_local`: no dashboard, ``_node_ip_address``), or joins
 the cluster at ``address``.
 """
@@ -68,6 +73,8 @@ class ReplicaOptions:
     max_body_bytes: int = 0  # raises every model's request limit (server.create_app)
     allow_symlinks_outside_root: bool = False  # the model repository's links (repository.Repository)
     strict: bool = False  # a model of the repository that does not load stops the replica
+    allowed_hosts: tuple[str, ...] | None = None  # the front's Host names (None: the proxy's, server.default_hosts)
+    allow_origins: tuple[str, ...] = ()  # web pages' origins the front lets in, with CORS (server.guard)
 
 
 class Replica:
@@ -109,7 +116,7 @@ class Replica:
 
         if self._app is None:
             self._app = create_app(self.engine, self.repository.served, max_body_bytes=self.options.max_body_bytes,
-                                   state=self.state, repository=self.repository)
+                                   state=self.state, repository=self.repository, guarded=False)  # the front checks
         return self._app
 
     async def forward(self, method: str, raw_path: bytes, query: bytes, headers: list, body: bytes
@@ -181,12 +188,14 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
     @serve.deployment(name=FRONT, graceful_shutdown_timeout_s=30)
     @serve.ingress()
     class OpweaveFront:
-        def __init__(self, replicas):
-            self.replicas = replicas
+        def __init__(self, replicas, allowed_hosts: tuple[str, ...], allow_origins: tuple[str, ...]):
+            self.replicas, self.allowed_hosts, self.allow_origins = replicas, allowed_hosts, allow_origins
 
         def __serve_build_asgi_app__(self):
-            return front_app(lambda request: self.replicas.forward.remote(request),
-                             lambda: self.replicas.body_limit.remote())
+            from opweave.serve.server import guard
+
+            return guard(front_app(lambda request: self.replicas.forward.remote(request),
+                                   lambda: self.replicas.body_limit.remote()), self.allowed_hosts, self.allow_origins)
 
     per_replica = max_ongoing_requests or options.max_queue + 4 * options.max_batch
     settings: dict[str, Any] = {
@@ -201,7 +210,10 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
     most = (autoscaling or {}).get("max_replicas", replicas)
     front = OpweaveFront.options(num_replicas=1, ray_actor_options={"num_cpus": 0},
                                  max_ongoing_requests=per_replica * most)
-    return front.bind(OpweaveReplica.options(**settings).bind(options))
+    from opweave.serve.server import LOOPBACK_HOSTS
+
+    return front.bind(OpweaveReplica.options(**settings).bind(options), options.allowed_hosts or LOOPBACK_HOSTS,
+                      tuple(options.allow_origins))
 
 
 def front_app(forward, limit, attempts: int = FRONT_ATTEMPTS, backoff_s: float = 0.2):
@@ -326,6 +338,12 @@ def deploy(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict | No
                                  f"and RAY_AUTH_TOKEN or ~/.ray/auth_token (docs/serving.md, Ray Serve)") from None
     else:
         start_local(cluster_cpus)
+    if options.allowed_hosts is None:
+        from dataclasses import replace
+
+        from opweave.serve.server import default_hosts
+
+        options = replace(options, allowed_hosts=default_hosts(host))
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(options, replicas=replicas, autoscaling=autoscaling, num_cpus=num_cpus,
                           num_gpus=num_gpus), name=APP_NAME, route_prefix="/", blocking=False)

@@ -20,8 +20,10 @@ The version served is the highest present (Triton's default ``latest`` policy) o
 directory's), ``max_batch_size`` (samples per instance; 0 is Triton's "does not batch": 1; unset: the server's
 ``--max-batch``) and ``input`` (if listed, their names must be the program's inputs: opweave names inputs after the
 program's arguments and does not rename them; for TorchScript, above); the rest (platform, backend, instance groups,
-...) is not opweave's to follow and is ignored. A load request may carry the config instead (``parameters.config``:
-its JSON form, as ``tritonclient``'s ``load_model(name, config=...)`` sends it).
+...) is not opweave's to follow and is ignored, but for one parameter: ``parameters { key: "allow_non_finite_inputs"
+value { string_value: "true" } }`` lets the model's inputs hold NaN and infinities (refused otherwise). A load
+request may carry the config instead (``parameters.config``: its JSON form, as ``tritonclient``'s ``load_model(name,
+config=...)`` sends it); it holds for that load only.
 
 :meth:`Repository.load` and :meth:`Repository.unload` are slow (seconds) and blocking: the front ends call them on a
 worker thread, never on their event loop, and they never hold the engine's lock while they capture or compile. A
@@ -29,19 +31,23 @@ load captures, splits and checks the program, compiles its blocks (``executor.wa
 into the engine (:meth:`Engine.add_model`, atomic); the other models are served all the while. An unload takes the
 model out of :attr:`Repository.served` (new requests: 404), stops its queue (a request that raced the lookup: 503),
 answers every request it had accepted, then the engine drops it between two steps (:meth:`Engine.remove_model`).
-Loading a model that is served reloads it only if its version changed (the old one is unloaded as above first, so
-for that moment requests to it are refused 404/503). One load or unload runs at a time.
+Loading a model that is served reloads it only if its version or its config changed (a load without
+``parameters.config`` takes the repository's ``config.pbtxt``, so it undoes an earlier load's config; a load whose
+config equals the one the model runs with changes nothing). A reload builds the new model first, then unloads the old
+one as above, so for that moment requests to it are refused 404/503. One load or unload runs at a time.
 
 What it trusts and what it refuses (docs/serving.md, "Security"): the repository's contents are the operator's and
 are trusted (a ``.pt2`` is deserialized, which is as good as running it; a TorchScript file is code too), so nothing
 outside the root is ever loaded. A model name is a plain name (:data:`NAME`: letters, digits, ``_``, ``-``, ``.``,
-not starting with ``.``, at most 128 characters) before it comes near a path; the program and config a name leads to
+not starting with ``.``, at most 128 characters) and no name a route takes
+(:data:`~opweave.serve.models.RESERVED_NAMES`) before it comes near a path; the program and config a name leads to
 must resolve to files under the resolved root (a symbolic link leaving the root is refused unless
 ``allow_symlinks_outside_root``). With ``control="none"`` (Triton's ``--model-control-mode none``) the repository
 API neither loads nor unloads: every model is loaded at start (:meth:`Repository.load_all`) and stays. A load's
 config from a client (``parameters.config``) may not raise ``max_batch_size`` above the server's ``max_batch``.
-Every refusal is one line that names the model, never a path outside the repository; a directory that is no plain
-name (or no UTF-8) is left out of the index, with a warning in the server's log.
+Every refusal is one line that names the model, never a path outside the repository, and a load that fails
+puts one line in the server's log; a directory that is no plain name (or no UTF-8) is left out of the index, with a
+warning in the server's log.
 """
 
 from __future__ import annotations
@@ -58,8 +64,8 @@ import torch
 from opweave.errors import OpweaveError, UsageError, first_line
 from opweave.serve.engine import Engine
 from opweave.serve.frontend import Refused
-from opweave.serve.models import DTYPES, ServedModel, TensorSpec
-from opweave.serve.protocol import shown
+from opweave.serve.models import DTYPES, ServedModel, TensorSpec, reserved
+from opweave.serve.protocol import NON_FINITE_PARAMETER, shown
 
 CONFIG = "config.pbtxt"
 MODEL_FILES = ("model.pt2", "model.pt")  # what a version directory serves: a torch.export program, else TorchScript
@@ -96,6 +102,7 @@ class Repository:
             "explicit lets the repository API load and unload)")
         self._changing = threading.Lock()
         self._skipped: set[str] = set()
+        self._configs: dict[str, bytes] = {}  # the config each model of the repository was loaded with (_settings)
 
     # ---- what is there ----------------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -155,6 +162,9 @@ class Repository:
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise Refused("invalid", f"model name {shown(name)} is not a plain name (letters, digits, '_', '-', "
                                      f"'.', not starting with '.', at most 128 characters)")
+        why = reserved(name)
+        if why is not None:
+            raise Refused("invalid", why)
         return self.root / name
 
     def _confined(self, path: Path, name: str) -> Path:
@@ -244,6 +254,8 @@ class Repository:
                     self.status[name] = previous
                 elif previous is not None or self._entry(name):  # a model of the repository: the index says why
                     self.status[name] = ("UNAVAILABLE", str(exc))
+                if exc.kind != "not_found":
+                    log.warning("model repository: %s", exc)
                 raise
 
     def _entry(self, name: str) -> bool:
@@ -255,15 +267,18 @@ class Repository:
     def _link(self, name: str, config_json: str | None) -> ServedModel:
         config = self.read_config(name, json_text=config_json)
         max_batch = self._max_batch(name, config, config_json is not None)
+        allow_non_finite = _allows_non_finite(name, config)
         version, path = self.locate(name, config)
         source = f"{name}/{version}/{path.name}"
+        settings = _settings(name, config)
         old = self.served.get(name)
-        if old is not None and old.version == version and old.source == source and config_json is None:
-            return old
+        if old is not None and old.version == version and old.source == source and \
+                self._configs.get(name) == settings:
+            return old  # nothing changed: no reload, no moment without the model
         self.status[name] = ("LOADING", "")
         try:
             model = self._build(name, path, version, config, max_batch)
-            model.source = source
+            model.source, model.allow_non_finite = source, allow_non_finite
             if old is not None:
                 self._unload(name)
             self.engine.add_model(name, model.blocked, model.max_batch)
@@ -271,11 +286,12 @@ class Repository:
             raise
         except Exception as exc:  # noqa: BLE001 - a file that does not load is refused, whatever it raised
             if not isinstance(exc, OpweaveError):
-                log.warning("model repository: model %r did not load", name, exc_info=True)
+                log.debug("model repository: model %r did not load", name, exc_info=True)
             why = str(exc) if isinstance(exc, OpweaveError) else first_line(exc)
             reason = self._hide(f"model {name!r} did not load: {why}")
         else:
             self.served[name] = model
+            self._configs[name] = settings
             self.status[name] = ("READY", "")
             return model
         raise Refused("invalid", reason)
@@ -326,6 +342,7 @@ class Repository:
     def _unload(self, name: str) -> None:
         self.status[name] = ("UNLOADING", "")
         self.served.pop(name, None)
+        self._configs.pop(name, None)
         try:
             self.engine.remove_model(name, timeout_s=self.unload_timeout_s)
         except OpweaveError as exc:
@@ -346,10 +363,9 @@ class Repository:
                 continue
             try:
                 loaded.append(self._load(name).name)
-            except Refused as exc:
+            except Refused as exc:  # _load said it in the log
                 if strict:
                     raise UsageError(f"{exc} (without --strict the other models are served)") from None
-                log.warning("model repository: %s", exc)
         return loaded
 
 
@@ -422,6 +438,26 @@ def _named_outputs(name: str, config, outputs: tuple[TensorSpec, ...]) -> tuple[
             raise Refused("invalid", f"model {name!r}: its config gives output {shown(o.name)} data_type "
                                      f"TYPE_{datatype}, the module answers {spec.datatype}")
     return tuple(TensorSpec(o.name, spec.datatype, spec.shape) for o, spec in zip(listed, outputs, strict=True))
+
+
+def _settings(name: str, config) -> bytes:
+    """What a model's config says, as bytes that are equal for equal configs (whichever form carried it: a
+    ``config.pbtxt`` or a load's ``parameters.config``)."""
+    config = type(config).FromString(config.SerializeToString())
+    config.name = name
+    return config.SerializeToString(deterministic=True)
+
+
+def _allows_non_finite(name: str, config) -> bool:
+    """Whether ``config`` lets the model's inputs hold NaN and infinities (its parameter
+    :data:`~opweave.serve.protocol.NON_FINITE_PARAMETER`, ``"true"`` or ``"false"``)."""
+    if NON_FINITE_PARAMETER not in config.parameters:
+        return False
+    value = config.parameters[NON_FINITE_PARAMETER].string_value
+    if value not in ("true", "false"):
+        raise Refused("invalid", f"model {name!r}: its config's parameter {NON_FINITE_PARAMETER} is "
+                                 f"{shown(value)}, not \"true\" or \"false\"")
+    return value == "true"
 
 
 def _declares_no_batching(config) -> bool:

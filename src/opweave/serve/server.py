@@ -17,6 +17,15 @@ its deadline (Triton's ``parameters.timeout`` in microseconds, or the server's `
 (:mod:`opweave.serve.frontend` holds the table both front ends share). Every error, the framework's own (an unknown
 route: 404, a wrong method: 405) included, is ``{"error": one line}``.
 
+In front of every route (:func:`guard`, docs/serving.md, "Security"): a ``Host`` among ``allowed_hosts``
+(``--allowed-hosts``; by default the names of the address bound, :func:`default_hosts`), a request other than
+``GET`` or ``HEAD`` from a web page only from an origin of ``allow_origins`` (``--cors-allow-origin``, which CORS
+answers), a body of JSON or binary data, a request line and headers within :data:`MAX_HEADER_BYTES`; every error
+answered as ``{"error": one line}``, and a request answered before its body was read to its end answered with
+``Connection: close``, its connection closed in stages (:func:`_http_protocol`: the server reads at most
+:data:`LINGER_BYTES` more of it). No redirect (a trailing ``/`` is a 404, never a redirect to the ``Host`` the client
+named).
+
 Limits (docs/serving.md, "Security"): an infer body may take its model's
 :func:`~opweave.serve.protocol.request_limit` bytes (raised to ``max_body_bytes`` if that is larger, the CLI's
 ``--max-body-mb``), checked against ``Content-Length`` before reading and again while the body streams in (and once
@@ -24,7 +33,8 @@ decompressed); the repository calls' bodies :data:`CONTROL_BODY_BYTES`. A body o
 and a response that large encoded, on a worker thread, never on the event loop, so ``/v2/health/live`` answers while
 large requests are read. Connections (:func:`_http_protocol`): a request's headers must arrive within
 ``header_timeout_s`` and fit :data:`MAX_HEADER_BYTES`; a body that stops arriving for ``idle_timeout_s`` closes
-the connection, as does a kept-alive connection idle that long.
+the connection, as does a kept-alive connection idle that long; a request the parser cannot read is answered 400 in
+JSON too.
 
 Draining (:class:`DrainingServer`): the first SIGTERM stops admission (new requests get 503, readiness goes 503)
 while every accepted request is still answered; once none is left uvicorn shuts down and the process exits 0. A
@@ -34,9 +44,11 @@ second SIGTERM or a SIGINT stops at once (uvicorn's own behaviour).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import signal
 import sys
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI
@@ -58,8 +70,14 @@ from opweave.serve.repository import Repository
 from opweave.serve.stats import Statistics
 
 CONTROL_BODY_BYTES = 2 << 20  # a repository call's body (a load's parameters.config, at most 1 MiB of it)
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # what a client on this machine calls a server bound to loopback
+WILDCARD_BINDS = ("0.0.0.0", "::", "")  # a server bound to every address of the machine
+SAFE_METHODS = ("GET", "HEAD")  # what a request of another origin may do (read, which its page cannot see: no CORS)
+BODY_TYPES = ("application/json", "application/octet-stream")  # a POST's Content-Type (JSON; binary tensor data)
 OFFLOAD_BYTES = 256 << 10  # a body (or a response) this large is decoded (encoded) on a worker thread
 MAX_HEADER_BYTES = 64 << 10  # a request's line and headers
+LINGER_BYTES = 64 << 10  # of a refused request's body, the most the server reads after its answer (then closes)
+LINGER_S = 2.0  # how long after the answer to a refused request its connection is closed (the client reads it)
 HEADER_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
@@ -178,18 +196,152 @@ async def _read_body(http: HttpRequest, limit: int) -> bytearray:
     return body
 
 
+def default_hosts(bind: str) -> tuple[str, ...]:
+    """The ``Host`` names a server bound to ``bind`` answers by default (``--allowed-hosts``): a loopback address's
+    or ``localhost``'s, the loopback names (:data:`LOOPBACK_HOSTS`); a wildcard's (``0.0.0.0``, ``::``), any (``*``:
+    the server takes every address of the machine, whose names it cannot know; a deployment names them); any other
+    address or name, itself."""
+    import ipaddress
+
+    if bind in WILDCARD_BINDS:
+        return ("*",)
+    try:
+        address = ipaddress.ip_address(bind)
+    except ValueError:
+        address = None
+    named = f"[{bind}]" if address is not None and address.version == 6 else bind.lower()
+    if bind.lower() == "localhost" or (address is not None and address.is_loopback):
+        return tuple(dict.fromkeys((*LOOPBACK_HOSTS, named)))
+    return (named,)
+
+
+def _media_type(headers: list[tuple[bytes, bytes]]) -> str | None:
+    value = next((v for k, v in headers if k == b"content-type"), None)
+    return None if value is None else value.decode("latin-1").split(";", 1)[0].strip().lower()
+
+
+class Guard:
+    """What the server checks of every HTTP request before a route sees it, and what it does to every answer (ASGI
+    middleware; docs/serving.md, "Security"). Refused, as ``{"error": one line}``: a request line and headers over
+    :data:`MAX_HEADER_BYTES` (431, whichever HTTP parser read them); a request that is not ``GET`` or ``HEAD`` from
+    a web page of an origin not in ``allow_origins`` (403: a browser sends ``Origin`` with every such request, and a
+    cross-origin "simple" request reaches the server whatever its CORS answer says); a body whose ``Content-Type``
+    is neither JSON nor binary data (415: a form or ``text/plain``, what a page can post without asking first).
+    Answered: every error as ``{"error": one line}`` (the plain-text ones of the layers inside, Starlette's
+    ``TrustedHostMiddleware`` and ``CORSMiddleware`` among them, turned into it), and with ``Connection: close``
+    when the request's body has not been read to its end (refused before it was read or while it streamed in):
+    uvicorn then closes the connection (:func:`_http_protocol`), reading at most :data:`LINGER_BYTES` more of it,
+    however much the client declared or keeps sending."""
+
+    HINTS = {"Invalid host header": "the Host header names no host this server answers to (opweave serve "
+                                    "--allowed-hosts)"}
+
+    def __init__(self, app, allow_origins: tuple[str, ...] | list[str] = ()):
+        self.app = app
+        self.origins = frozenset(o.rstrip("/") for o in allow_origins)
+
+    def refusal(self, scope) -> tuple[int, str] | None:
+        """The status and message that refuse the request, or None."""
+        headers = scope["headers"]
+        size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 16 + \
+            sum(len(k) + len(v) + 4 for k, v in headers)
+        if size > MAX_HEADER_BYTES:
+            return 431, f"the request's line and headers take {size} bytes, over the limit of {MAX_HEADER_BYTES}"
+        if scope["method"] in SAFE_METHODS:
+            return None
+        origin = next((v.decode("latin-1") for k, v in headers if k == b"origin"), None)
+        if origin is not None and "*" not in self.origins and origin.rstrip("/") not in self.origins:
+            return 403, (f"a request from the web page of origin {protocol.shown(origin)} is refused (opweave serve "
+                         f"--cors-allow-origin ORIGIN lets a page of ORIGIN call the server)")
+        media = _media_type(headers)
+        if media is not None and media not in BODY_TYPES and not media.endswith("+json"):
+            return 415, (f"Content-Type {protocol.shown(media)} is not accepted: send application/json (or, with "
+                         f"binary tensor data, application/octet-stream)")
+        return None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope["headers"]
+        length = next((v for k, v in headers if k == b"content-length"), None)
+        unread = any(k == b"transfer-encoding" for k, _ in headers) or length not in (None, b"0")
+        held: dict | None = None  # a plain-text error being turned into JSON
+
+        async def receiving():
+            nonlocal unread
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                unread = False
+            return message
+
+        async def sending(message) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start":
+                start = {**message, "headers": [*message.get("headers", []),
+                                                *([(b"connection", b"close")] if unread else [])]}
+                if message["status"] >= 400 and _media_type(start["headers"]) != "application/json":
+                    held = {**start, "body": bytearray()}
+                    return
+                await send(start)
+            elif held is not None:
+                held["body"] += message.get("body", b"")
+                if message.get("more_body", False):
+                    return
+                text = held.pop("body").decode("utf-8", "replace").strip()
+                body = json.dumps({"error": frontend.one_line(self.HINTS.get(text, text) or
+                                                              HTTPStatus(held["status"]).phrase)}).encode()
+                kept = [(k, v) for k, v in held["headers"] if k.lower() not in (b"content-type", b"content-length")]
+                await send({**held, "headers": [*kept, (b"content-type", b"application/json"),
+                                                (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+            else:
+                await send(message)
+
+        refused = self.refusal(scope)
+        if refused is not None:
+            status, message = refused
+            await JSONResponse({"error": message}, status_code=status)(scope, receiving, sending)
+            return
+        await self.app(scope, receiving, sending)
+
+
+CORS_HEADERS = ("Content-Type", "Content-Encoding", "Accept-Encoding", protocol.HEADER)  # a page may send these
+
+
+def guard(app, allowed_hosts: tuple[str, ...] | list[str] = LOOPBACK_HOSTS,
+          allow_origins: tuple[str, ...] | list[str] = ()):
+    """``app`` (an ASGI app) behind the server's checks: :class:`Guard`, then Starlette's ``TrustedHostMiddleware``
+    (a ``Host`` not in ``allowed_hosts`` is refused 400: DNS rebinding; ``*`` allows any, ``*.example.com`` a
+    domain's), then, when ``allow_origins`` names any, Starlette's ``CORSMiddleware`` for those origins."""
+    from starlette.middleware.cors import CORSMiddleware
+    from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+    if allow_origins:
+        app = CORSMiddleware(app, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
+                             allow_headers=list(CORS_HEADERS), expose_headers=[protocol.HEADER, "Retry-After"])
+    return Guard(TrustedHostMiddleware(app, allowed_hosts=list(allowed_hosts), www_redirect=False), allow_origins)
+
+
+
 def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes: int = 0,
-               state: State | None = None, repository: Repository | None = None):
+               state: State | None = None, repository: Repository | None = None,
+               allowed_hosts: tuple[str, ...] | list[str] = LOOPBACK_HOSTS,
+               allow_origins: tuple[str, ...] | list[str] = (), guarded: bool = True):
     """The FastAPI app over ``engine`` (whose loop must be running: :meth:`Engine.start`). ``repository`` (one
     over ``models`` and no directory by default) answers the repository extension; ``models`` is its live dict.
-    ``max_body_bytes`` raises every model's request limit to at least that many bytes (module docstring)."""
+    ``max_body_bytes`` raises every model's request limit to at least that many bytes (module docstring);
+    ``allowed_hosts`` and ``allow_origins``: what :func:`guard` lets in (``guarded=False``: no :func:`guard`, for
+    an app that only a guarded front reaches, a Ray replica's)."""
     state = state or State()
     repository = repository or Repository(engine, models)
     models = repository.served
     metrics = Metrics(engine)
     engine.observers.append(metrics)
     statistics = Statistics.of(engine)
-    app = FastAPI(title="opweave serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="opweave serve", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+    if guarded:
+        app.add_middleware(_Guarded, allowed_hosts=tuple(allowed_hosts), allow_origins=tuple(allow_origins))
     app.state.serving = state
     app.state.engine = engine
     app.state.metrics = metrics
@@ -213,6 +365,10 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, exc: RequestValidationError) -> JSONResponse:
         return error(400, "the request does not fit the route")
+
+    @app.exception_handler(Exception)
+    async def failed(_request, exc: Exception) -> JSONResponse:  # a bug: logged by the framework, told in one line
+        return error(500, f"the server failed to answer ({type(exc).__name__})")
 
     def served(name: str, version: str | None) -> ServedModel:
         """The model a path names; :class:`Refused` ``not_found`` (404) for an unknown name or version."""
@@ -271,7 +427,10 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
     @app.post("/v2/repository/index")
     async def repository_index(http: HttpRequest):
         body = await body_object(http)
-        return repository.index(ready=bool(body.get("ready", False)))
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise Refused("invalid", f"'ready' must be true or false, got {protocol.shown(ready)}")
+        return repository.index(ready=ready)
 
     @app.post("/v2/repository/models/{name}/load")
     async def repository_load(name: str, http: HttpRequest):
@@ -329,16 +488,31 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
     return app
 
 
+class _Guarded:
+    """:func:`guard` as a middleware class (what FastAPI's ``add_middleware`` takes)."""
+
+    def __init__(self, app, allowed_hosts: tuple[str, ...], allow_origins: tuple[str, ...]):
+        self.app = guard(app, allowed_hosts, allow_origins)
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)
+
+
 def _http_protocol(header_timeout_s: float, idle_timeout_s: float):
     """uvicorn's HTTP protocol (httptools or h11, as uvicorn picks) with the limits it lacks: a request's line and
     headers must arrive within ``header_timeout_s`` of the connection (or of its first byte, on a kept-alive one)
     and fit :data:`MAX_HEADER_BYTES`; a body that stops arriving for ``idle_timeout_s`` closes the connection. A
-    request being computed has no timer (its deadline is the engine's), nor one the server is slow to read."""
+    request being computed has no timer (its deadline is the engine's), nor one the server is slow to read. A
+    connection closed while its request's body still comes (an answer with ``Connection: close``, which
+    :class:`Guard` gives a refusal that left the body unread) is closed in stages and reads at most
+    :data:`LINGER_BYTES` more (``_lingering``); what the parser cannot read is answered 400 in JSON."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class LimitedProtocol(AutoHTTPProtocol):
         _timer: asyncio.TimerHandle | None = None
         _head = 0  # bytes received while waiting for a request's headers
+        _linger: int | None = None  # bytes of a refused body the server may still read before closing (lingering)
+        _socket = None  # the connection's own transport (self.transport: the _Closing in front of it)
 
         def _awaiting_headers(self) -> bool:
             return self.cycle is None or (self.cycle.response_complete and not self.cycle.more_body)
@@ -356,14 +530,36 @@ def _http_protocol(header_timeout_s: float, idle_timeout_s: float):
             self._timer = None
             if self.flow is not None and self.flow.read_paused:  # the server, not the client, is behind
                 self._arm(seconds)
-            elif not self.transport.is_closing():
-                self.transport.close()
+            elif not self._socket.is_closing():
+                self._socket.close()
 
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            self._socket = transport
+            super().connection_made(_Closing(transport, self._lingering))
             self._arm(header_timeout_s)
 
+        def _lingering(self) -> bool:
+            """Asked to close the connection (its answer written) while the request's body still comes (refused
+            before it was read to its end), close it in stages, as RFC 9112 (section 9.6) advises: shut the writing
+            side (the client reads the answer, then the end of the stream), read and drop at most
+            :data:`LINGER_BYTES` more, and close :data:`LINGER_S` later; closing at once, with the client's bytes
+            unread, sends a reset that may erase the answer before the client reads it. False: close now."""
+            if self._linger is not None or self.cycle is None or not self.cycle.more_body or \
+                    self._socket.is_closing():
+                return False
+            self._linger = LINGER_BYTES
+            self._disarm()
+            if self._socket.can_write_eof():
+                self._socket.write_eof()
+            self._timer = self.loop.call_later(LINGER_S, self._socket.close)
+            return True
+
         def data_received(self, data: bytes) -> None:
+            if self._linger is not None:  # the body of a refused request: dropped, and only so much of it
+                self._linger -= len(data)
+                if self._linger <= 0 and not self._socket.is_closing():
+                    self._socket.pause_reading()
+                return
             waiting = self._awaiting_headers()
             super().data_received(data)
             if self.transport.is_closing():
@@ -372,7 +568,7 @@ def _http_protocol(header_timeout_s: float, idle_timeout_s: float):
                 self._head = self._head + len(data) if waiting else len(data)
                 if self._head > MAX_HEADER_BYTES:
                     self._disarm()
-                    self.transport.close()
+                    self._socket.close()
                 elif self._timer is None:  # the first byte of a kept-alive connection's next request
                     self._arm(header_timeout_s)
             else:
@@ -391,7 +587,36 @@ def _http_protocol(header_timeout_s: float, idle_timeout_s: float):
             self._disarm()
             super().connection_lost(exc)
 
+        def send_400_response(self, msg: str) -> None:  # a request the parser cannot read: answered in JSON too
+            body = json.dumps({"error": msg.rstrip(".")}).encode()
+            head = [b"HTTP/1.1 400 Bad Request\r\n", *(k + b": " + v + b"\r\n" for k, v in
+                                                      self.server_state.default_headers),
+                    b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)]
+            self.transport.write(b"".join(head) + body)
+            self.transport.close()
+
     return LimitedProtocol
+
+
+class _Closing:
+    """A connection's transport as uvicorn's protocol sees it: the transport itself, but for :meth:`close`, which
+    asks ``lingering()`` first (True: it closes the connection later, itself) and is then closing."""
+
+    def __init__(self, transport, lingering):
+        self._transport, self._lingering, self._closing = transport, lingering, False
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        if self._closing or self._transport.is_closing():
+            return
+        self._closing = True
+        if not self._lingering():
+            self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._closing or self._transport.is_closing()
 
 
 def _uvicorn_config(app, host: str, port: int, log_level: str, header_timeout_s: float, idle_timeout_s: float,
@@ -437,14 +662,17 @@ def _server_class():
 def serve(engine: Engine, models: dict[str, ServedModel], *, host: str = "127.0.0.1", port: int = 8000,
           max_body_bytes: int = 0, log_level: str = "warning", on_listen=None, grpc_port: int | None = None,
           repository: Repository | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
-          idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+          idle_timeout_s: float = IDLE_TIMEOUT_S, allowed_hosts: tuple[str, ...] | list[str] | None = None,
+          allow_origins: tuple[str, ...] | list[str] = ()) -> None:
     """Run the server until it is stopped (SIGTERM drains; see the module docstring), then stop the engine.
     ``grpc_port``: the gRPC service beside it (0: any free port; ``on_listen(host, port, grpc_port)`` then).
     ``max_body_bytes``, ``header_timeout_s``, ``idle_timeout_s``: the limits of the module docstring, on both front
-    ends."""
+    ends. ``allowed_hosts`` (default :func:`default_hosts` of ``host``) and ``allow_origins``: :func:`guard`'s."""
     state = State()
     repository = repository or Repository(engine, models)
-    app = create_app(engine, repository.served, max_body_bytes=max_body_bytes, state=state, repository=repository)
+    app = create_app(engine, repository.served, max_body_bytes=max_body_bytes, state=state, repository=repository,
+                     allowed_hosts=default_hosts(host) if allowed_hosts is None else allowed_hosts,
+                     allow_origins=allow_origins)
     config = _uvicorn_config(app, host, port, log_level, header_timeout_s, idle_timeout_s,
                              timeout_graceful_shutdown=30)
     engine.start()
@@ -524,5 +752,6 @@ class BackgroundServer:
         self.engine.stop(timeout_s=10)
 
 
-__all__ = ["BackgroundServer", "CONTROL_BODY_BYTES", "EXTENSIONS", "MAX_HEADER_BYTES", "Metrics",
-           "OFFLOAD_BYTES", "State", "create_app", "serve"]
+__all__ = ["BackgroundServer", "CONTROL_BODY_BYTES", "EXTENSIONS", "Guard", "LINGER_BYTES", "LINGER_S",
+           "LOOPBACK_HOSTS", "MAX_HEADER_BYTES", "Metrics", "OFFLOAD_BYTES", "State", "create_app", "default_hosts",
+           "guard", "serve"]
