@@ -218,6 +218,12 @@ def test_the_design_lists_every_command():
 
 
 
+def test_version_and_short_help():
+    assert opweave("--version").stdout.strip() == f"opweave {ow.__version__}"
+    assert "[OPTIONS] COMMAND" in opweave("-h").stdout  # CliRunner names the program "root"
+    assert " simulate [OPTIONS]" in opweave("simulate", "-h").stdout
+
+
 def test_help_texts_keep_their_square_brackets():
     """Typer renders help as Rich markup, where ``[word]`` is a tag and vanishes: ``--ray``'s help said "(needs
     opweave)" for ``opweave[ray]``. Every bracketed word of every command's help must reach the screen."""

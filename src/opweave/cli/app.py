@@ -19,10 +19,24 @@ from opweave.costs import COST_MODELS, Costs, from_graph
 from opweave.errors import OpweaveError, UsageError
 from opweave.ir import OpGraph
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Inter-operator parallel DNN inference: schedule, simulate and run models on many streams.")
 out = Console()
 err = Console(stderr=True)
+
+
+def _version(shown: bool) -> None:
+    if shown:
+        from opweave import __version__
+
+        out.print(f"opweave {__version__}", markup=False, highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", help="print the version and exit", is_eager=True,
+                                                callback=_version)] = False) -> None:
+    """Inter-operator parallel DNN inference: schedule, simulate and run models on many streams."""
 
 
 def fail(message: str) -> None:
