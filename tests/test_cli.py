@@ -224,6 +224,15 @@ def test_version_and_short_help():
     assert " simulate [OPTIONS]" in opweave("simulate", "-h").stdout
 
 
+def test_short_o_means_output_on_every_command():
+    """``-o`` names a file to write wherever it exists; options are given as ``--option KEY=VALUE``."""
+    command = typer.main.get_command(app)
+    for name, sub in command.commands.items():
+        for param in sub.params:
+            if "-o" in getattr(param, "opts", ()):
+                assert param.name == "output", (name, param.opts)
+
+
 def test_help_texts_keep_their_square_brackets():
     """Typer renders help as Rich markup, where ``[word]`` is a tag and vanishes: ``--ray``'s help said "(needs
     opweave)" for ``opweave[ray]``. Every bracketed word of every command's help must reach the screen."""

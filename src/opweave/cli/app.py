@@ -76,7 +76,7 @@ CoarsenOpt = Annotated[bool, typer.Option("--coarsen/--no-coarsen",
                                            help="the papers' operators, each op merged with its epilogues, as "
                                                 "opweave.compile plans them (--no-coarsen: one op per fx node)")]
 OptionOpt = Annotated[list[str] | None, typer.Option(
-    "--option", "-o", help="KEY=VALUE: any option of opweave.compile (e.g. cudagraphs=false, compiler=inductor, "
+    "--option", help="KEY=VALUE: any option of opweave.compile (e.g. cudagraphs=false, compiler=inductor, "
                            "scheduler_options={\"sync_ms\": 0.1}), as in the options table; repeat for more")]
 LinkOpt = Annotated[str | None, typer.Option(
     "--link", help="link between devices: nvlink4, pcie4, pcie5, loopback or a file from opweave profile-links; "
