@@ -12,9 +12,9 @@ from torch import nn
 import opweave
 from opweave.backends.choose import choose
 from opweave.backends.fakecuda import FakeCuda
-from opweave.build.targets import fitted_device
 from opweave.capture import capture, coarsen
 from opweave.outputs import compare
+from opweave.pipeline.targets import fitted_device
 
 
 class Wide(nn.Module):
@@ -103,9 +103,9 @@ def test_max_autotune_keeps_a_candidate_that_rounds_otherwise_but_is_as_close_to
     difference breaks it, as TF32 convolutions and folded BatchNorm broke it for torch.compile on an H200, where
     max-autotune then timed no torch.compile candidate."""
     from opweave import outputs
-    from opweave.build.autotune import Candidate, search
-    from opweave.build.options import resolve
-    from opweave.build.targets import CudaTarget
+    from opweave.pipeline.autotune import Candidate, search
+    from opweave.pipeline.options import resolve
+    from opweave.pipeline.targets import CudaTarget
 
     monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(outputs.TOLERANCE, torch.float32, 1e-12)
@@ -131,7 +131,7 @@ def test_the_cuda_default_passes_over_a_plan_whose_planned_peak_is_over_the_cap(
     """The memory pass says the first ``over`` plans it sees are at 1.5x the one-stream plan's peak: the default
     picks the next plan within the tolerance, and names the one it passed over; when every plan is over, it keeps
     the fastest and says so."""
-    from opweave.build import targets
+    from opweave.pipeline import targets
 
     seen = []
 
@@ -176,7 +176,7 @@ def test_one_cuda_build_runs_the_model_on_fake_tensors_once(monkeypatch):
     """The memory pass of every candidate plan and the backend's release plan for the example inputs share one run
     on fake tensors, and one one-stream plan: the first two candidates are said to be over the cap here, so three
     plans go through the memory pass before the backend plans its releases."""
-    from opweave.build import pipeline, targets
+    from opweave.pipeline import flow, targets
 
     sequential, seen = [], []
 
@@ -190,10 +190,10 @@ def test_one_cuda_build_runs_the_model_on_fake_tensors_once(monkeypatch):
             sequential.append(kwargs)
         return real_plan_for(graph, costs, scheduler, **kwargs)
 
-    real, real_plan_for = targets.memory_pass, pipeline.plan_for
+    real, real_plan_for = targets.memory_pass, flow.plan_for
     modes = fake_runs(monkeypatch)
     monkeypatch.setattr(targets, "memory_pass", memory_pass)
-    monkeypatch.setattr(pipeline, "plan_for", plan_for)
+    monkeypatch.setattr(flow, "plan_for", plan_for)
     monkeypatch.setattr(targets, "PICK_TOLERANCE", 100.0)  # every plan is within it
     model, inputs = wide()
     runtime = FakeCuda(seed=5)

@@ -1,4 +1,4 @@
-"""One vocabulary: every option of :data:`opweave.build.OPTIONS`, on every device, through every door
+"""One vocabulary: every option of :data:`opweave.pipeline.OPTIONS`, on every device, through every door
 (``opweave.compile``, ``torch.compile(backend="opweave")``, the CLI's ``--option``, the server's executors), is either
 used or refused with a :class:`~opweave.errors.UsageError` before anything touches a device."""
 
@@ -15,10 +15,10 @@ import opweave
 import opweave.dynamo
 from opweave.backends.fakecuda import FakeCuda
 from opweave.backends.ortgraph import OrtLanes
-from opweave.build import OPTIONS, Options, mode_options, option_table, parse_option, resolve
 from opweave.costs.profile import profile_model
 from opweave.costs.roofline import estimate
 from opweave.errors import DeviceError, UsageError
+from opweave.pipeline import OPTIONS, Options, mode_options, option_table, parse_option, resolve
 
 
 class Tiny(nn.Module):
@@ -243,7 +243,7 @@ def test_the_cli_takes_every_option_with_the_same_outcome(made, tmp_path):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "sim"])
 def test_the_server_takes_the_options_its_executors_use_and_refuses_the_others(device, made):
-    from opweave.serve.build import SERVING_OPTIONS, serving_options
+    from opweave.serve.assemble import SERVING_OPTIONS, serving_options
 
     _, _, coarse, path = made
     for key, value in _samples(coarse.graph, path).items():
@@ -271,7 +271,7 @@ def test_an_option_the_scheduler_does_not_take_is_a_usage_error_naming_it():
 def test_the_docs_show_the_options_table_as_it_is():
     from pathlib import Path
 
-    from opweave.build.options import options_markdown
+    from opweave.pipeline.options import options_markdown
 
     root = Path(__file__).resolve().parent.parent
     for doc in ("README.md", "docs/design.md"):

@@ -151,8 +151,8 @@ def test_makespan_ms_is_what_simulate_reports(graph, model):
     from dataclasses import replace
 
     from opweave.backends.simulate import makespan_ms, simulate
-    from opweave.build import plan_for
     from opweave.costs import from_graph
+    from opweave.pipeline import plan_for
 
     costs = replace(from_graph(graph), model=model)
     _, plan = plan_for(graph, costs, "lios", streams=3)

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from opweave.serve import frontend, protocol
-from opweave.serve.build import make_engine
+from opweave.serve.assemble import make_engine
 from opweave.serve.models import ServedModel, TensorSpec
 from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
 from opweave.serve.repository import Repository

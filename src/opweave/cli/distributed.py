@@ -65,8 +65,8 @@ def _simulated_ms(compiled_graph, plan, costs) -> float:
 
 def _run_ranks(build, model, scheduler, devices, device, runs, warmup, streams, link, threads, timeout,
                check) -> dict:
-    from opweave.build.targets import RanksTarget
     from opweave.evaluate.bench import median_ms
+    from opweave.pipeline.targets import RanksTarget
 
     module, inputs, captured = build()
     with RanksTarget().build(captured, inputs, _options(device, scheduler, devices, streams, link, threads,
@@ -82,7 +82,7 @@ def _run_ranks(build, model, scheduler, devices, device, runs, warmup, streams, 
 def _run_torchrun(build, model, scheduler, devices, device, runs, warmup, streams, link, timeout,
                   check) -> dict | None:
     from opweave.backends.distributed import torchrun
-    from opweave.build.targets import RanksTarget
+    from opweave.pipeline.targets import RanksTarget
 
     rank, world = torchrun.rank_and_world()
     if devices is not None and devices != world:
@@ -109,7 +109,7 @@ def _run_torchrun(build, model, scheduler, devices, device, runs, warmup, stream
 def _options(device: str, scheduler: str, devices: int, streams, link, threads=None, timeout=None):
     """The rank processes' options, checked as opweave.compile checks them (the model was coarsened, or not, when it
     was loaded). One device runs the plan in one rank process: the baseline the others are held against."""
-    from opweave.build import resolve
+    from opweave.pipeline import resolve
 
     ranks = {"link": link, "timeout_s": timeout} if devices > 1 else {}
     return resolve(device, "default", {"scheduler": scheduler, "devices": devices, "streams": streams,

@@ -42,8 +42,8 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
     median) and the speed-up over eager, shown as ~ when it is within the spread (README, "How to read a
     benchmark"). A machine that other processes kept busy meanwhile gets a warning. ``--option KEY=VALUE`` sets any
     other option of opweave.compile for every scheduler (refused, before anything runs, where it does not apply)."""
-    from opweave.build import parse_option, resolve
     from opweave.evaluate.bench import bench_model, resolve_device
+    from opweave.pipeline import parse_option, resolve
 
     device = resolve_device(device)
     settings = dict(parse_option(text) for text in options or [])

@@ -120,15 +120,15 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     highest rates measured there), heuristic on a GPU; ``--compiler`` onnxruntime on a CPU where it is installed."""
     import torch
 
-    from opweave.serve.build import default_policy, load_models, make_engine, parse_cuts, parse_image_size
+    from opweave.serve.assemble import default_policy, load_models, make_engine, parse_cuts, parse_image_size
     from opweave.serve.models import parse_model_files
     from opweave.serve.repository import CONTROL_MODES, Repository
     from opweave.serve.server import serve as run_server
 
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
-    from opweave.build import parse_option
-    from opweave.serve.build import serving_options
+    from opweave.pipeline import parse_option
+    from opweave.serve.assemble import serving_options
 
     settings = serving_options(device, dict(parse_option(text) for text in options or []))
     scheduler, streams = settings.get("scheduler", scheduler), settings.get("streams", streams)
@@ -292,7 +292,7 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
     if profile and not simulate:
         raise UsageError("--profile goes with --simulate")
     if simulate:
-        from opweave.serve.build import load_models, load_profiles, make_engine, parse_image_size
+        from opweave.serve.assemble import load_models, load_profiles, make_engine, parse_image_size
 
         options = _policy_options(policy, policy_options, policy_file)
         served = load_models(list(rates), device="sim", max_batch=max_batch,
@@ -323,8 +323,8 @@ def blocks(models: Annotated[str, typer.Option("--models", help="comma list of z
            "resnet50,squeezenet", image_size: ImageSizeOpt = None, cuts: CutsOpt = None, as_json: JsonOpt = False):
     """Split models into blocks at single-tensor cut points; counts beside TOP Table II."""
     from opweave import zoo
+    from opweave.serve.assemble import load_models, parse_cuts, parse_image_size
     from opweave.serve.blocks import table_ii
-    from opweave.serve.build import load_models, parse_cuts, parse_image_size
 
     served = load_models(_names(models), device="cpu", image_size=parse_image_size(image_size), cuts=parse_cuts(cuts))
     rows = [{**table_ii(m.blocked), "top_blocks": zoo.PAPER_COUNTS.get(n, {}).get("blocks"),

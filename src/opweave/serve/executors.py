@@ -30,11 +30,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from opweave.backends.cache import BoundedCache
-from opweave.build import build, plan_for, resolve
 from opweave.capture.runtime import Captured
 from opweave.costs.model import Costs
 from opweave.errors import UsageError
 from opweave.ir.graph import Edge, OpGraph
+from opweave.pipeline import build, plan_for, resolve
 from opweave.serve.blocks import BlockedModel, combined_module
 
 Signature = tuple[tuple[str, int, int], ...]

@@ -52,7 +52,7 @@ class ReplicaOptions:
     model_files: dict[str, str] = field(default_factory=dict)
     model_repository: str | None = None
     device: str = "cpu"
-    policy: str | None = None  # None: the device's default (serve.build.default_policy)
+    policy: str | None = None  # None: the device's default (serve.assemble.default_policy)
     policy_options: dict = field(default_factory=dict)
     max_queue: int = 64
     max_batch: int = 8
@@ -78,7 +78,7 @@ class Replica:
 
         import torch
 
-        from opweave.serve.build import load_models, make_engine
+        from opweave.serve.assemble import load_models, make_engine
         from opweave.serve.frontend import State
         from opweave.serve.repository import Repository
 

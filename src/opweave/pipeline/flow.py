@@ -5,9 +5,9 @@ so what a benchmark measures is what users run::
 
     captured ─coarsen─▶ captured ─target─▶ costs ─scheduler─▶ schedule ─lower, validate─▶ plan ─target─▶ backend
 
-The device's :mod:`target <opweave.build.targets>` owns its defaults (scheduler, stream cap, thread budgets, the
+The device's :mod:`target <opweave.pipeline.targets>` owns its defaults (scheduler, stream cap, thread budgets, the
 CUDA backend's options) and builds its backend; a measured choice (the CPU's guard, ``mode="max-autotune"``) is
-:mod:`opweave.build.autotune`'s. :class:`Compiled` is what comes out.
+:mod:`opweave.pipeline.autotune`'s. :class:`Compiled` is what comes out.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from opweave.backends.program import Backend
-from opweave.build.options import Options
 from opweave.capture.runtime import as_tuple
 from opweave.costs import Costs
 from opweave.ir import OpGraph
+from opweave.pipeline.options import Options
 from opweave.plan import LaunchPlan
 from opweave.plan.make import plan_for, validated_plan
 from opweave.schedulers.schedule import Schedule
@@ -67,9 +67,9 @@ class Compiled:
 
 def build(captured, example_inputs, options: Options, *, eager=None) -> Compiled:
     """``captured`` (a :class:`~opweave.capture.Captured`) as a runnable for ``example_inputs``, as ``options``
-    (from :func:`~opweave.build.options.resolve`) say. ``eager``, the model itself when known, is one of the
+    (from :func:`~opweave.pipeline.options.resolve`) say. ``eager``, the model itself when known, is one of the
     candidates a measured choice may keep (the CPU's default is never slower than it)."""
-    from opweave.build import autotune, targets
+    from opweave.pipeline import autotune, targets
 
     inputs = as_tuple(example_inputs)
     if options.coarsen:

@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from opweave.build.options import Options
-from opweave.build.pipeline import Compiled
 from opweave.errors import UsageError, first_line
+from opweave.pipeline.flow import Compiled
+from opweave.pipeline.options import Options
 
 
 @dataclass
@@ -70,7 +70,7 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
     """The fastest of ``compiled`` (when it has more than one lane), one lane and ``eager`` (when given), measured;
     the others closed."""
     from opweave.backends.cpu import EagerBackend
-    from opweave.build.targets import CpuTarget
+    from opweave.pipeline.targets import CpuTarget
 
     built = {}
     if compiled.schedule.streams_used > 1:
@@ -128,7 +128,7 @@ def cuda_candidates(graph, costs, streams: int, *, device=None, dtype: str = "fl
                     fused: int = 2, torch_compile: bool = True) -> list[Candidate]:
     """``torch.compile`` of the whole model, the ``plans`` plans the calibrated simulator ranks first (scheduler
     and stream cap), and the first ``fused`` of them with Inductor's segments."""
-    from opweave.build.targets import CudaTarget
+    from opweave.pipeline.targets import CudaTarget
 
     ranked = CudaTarget().ranking(graph, costs, streams, device, dtype).predictions
     firsts = [p for i, p in enumerate(ranked) if p.scheduler not in {q.scheduler for q in ranked[:i]}][:plans]
@@ -150,7 +150,7 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from opweave.build import choices
+    from opweave.pipeline import choices
 
     graph, device = captured.graph, options.device
     agrees = _Check(captured, inputs, eager)
@@ -251,7 +251,7 @@ def _candidates(target, captured, options: Options) -> list[Candidate]:
 
         return cpu_candidates(sync_cost_ms())
     from opweave.backends.cuda import default_streams
-    from opweave.build.targets import CudaTarget, _dtype, fitted_device
+    from opweave.pipeline.targets import CudaTarget, _dtype, fitted_device
 
     device, dtype = fitted_device(options.runtime), _dtype(captured)
     costs = CudaTarget().costs(captured, (), options, device, dtype)
@@ -325,8 +325,8 @@ def _torch_compiled(captured, inputs: tuple, options: Options, eager) -> Compile
     import torch
 
     from opweave.backends.cpu import EagerBackend
-    from opweave.build.pipeline import validated_plan
     from opweave.costs.roofline import estimate
+    from opweave.pipeline.flow import validated_plan
     from opweave.schedulers import run
 
     model = eager if eager is not None else captured.gm

@@ -96,11 +96,11 @@ SERVING_OPTIONS = {"cpu": ("scheduler", "streams", "compiler"), "cuda": ("schedu
 
 
 def serving_options(device: str, settings: dict) -> dict:
-    """The options of ``opweave.compile`` (:data:`opweave.build.OPTIONS`) the serving executors take: the scheduler of
-    every combined block (lios, ios or heft), its stream cap and, on the CPU, the compiler of every block; checked
+    """The options of ``opweave.compile`` (:data:`opweave.pipeline.OPTIONS`) the serving executors take: the scheduler
+    of every combined block (lios, ios or heft), its stream cap and, on the CPU, the compiler of every block; checked
     as ``opweave.compile`` checks them. Any other is refused: the engine decides it per combined block itself (one
     CUDA Graph per combination, roofline costs, the blocks' own granularity)."""
-    from opweave.build import resolve
+    from opweave.pipeline import resolve
 
     resolve("cpu" if device == "sim" else device, "default", settings, check_device=False)
     for key in settings:

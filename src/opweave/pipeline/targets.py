@@ -3,7 +3,7 @@
 * :class:`CpuTarget` — lanes as threads (:class:`~opweave.backends.cpu.CpuBackend`), or lanes over ONNX Runtime's
   optimized graph (``graph="onnxruntime"``, :class:`~opweave.backends.ortgraph.OrtLanes`). Default plan: HEFT on one
   lane per core, the cross-lane edge weighed at the measured thread hand-off, kept only when it beats one lane and
-  eager (:func:`opweave.build.autotune.guarded`).
+  eager (:func:`opweave.pipeline.autotune.guarded`).
 * :class:`CudaTarget` — CUDA streams, recorded into a CUDA Graph (:class:`~opweave.backends.cuda.CudaBackend`).
   Default plan: the scheduler and stream cap the calibrated simulator predicts fastest.
 
@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from opweave.build.options import Options
-from opweave.build.pipeline import PEAK_CAP, BuildBuffers, Compiled, costs_for, memory_pass, plan_for, with_free_joins
 from opweave.costs import Costs
 from opweave.errors import UsageError
+from opweave.pipeline.flow import PEAK_CAP, BuildBuffers, Compiled, costs_for, memory_pass, plan_for, with_free_joins
+from opweave.pipeline.options import Options
 from opweave.plan import LaunchPlan
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class CpuTarget:
         compiled = self.runnable(captured, plan, inputs, options, costs)
         compiled.schedule = sched
         if options.default_plan:  # never slower than one lane in the model's order, nor than the model itself
-            from opweave.build.autotune import guarded
+            from opweave.pipeline.autotune import guarded
 
             compiled = guarded(compiled, captured, inputs, options, eager)
         return compiled
@@ -182,7 +182,7 @@ class CudaTarget:
                   shared: BuildBuffers | None = None):
         """The first plan of ``ranked`` (a :class:`~opweave.backends.choose.Choice`) predicted within
         ``PICK_TOLERANCE`` of the fastest whose planned peak after the memory pass
-        (:func:`opweave.build.pipeline.memory_pass`, every plan's with the buffers and one-stream peak of
+        (:func:`opweave.pipeline.flow.memory_pass`, every plan's with the buffers and one-stream peak of
         ``shared``) is within its cap; the fastest when none is. ``planned(name, cap)`` makes a (schedule, plan).
         Returns the prediction, the schedule, the plan after the memory pass and the reason to give."""
         tried = []
@@ -213,7 +213,7 @@ class CudaTarget:
                  joined: bool = False, shared: BuildBuffers | None = None) -> Compiled:
         """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
         ``options.compiler`` in the backend's warm-up); the memory pass runs first unless the plan is ``joined``
-        already. ``shared``: the build's buffers (:class:`~opweave.build.pipeline.BuildBuffers`), whose run on fake
+        already. ``shared``: the build's buffers (:class:`~opweave.pipeline.flow.BuildBuffers`), whose run on fake
         tensors the memory pass and the backend's release plan for ``inputs`` then use instead of their own."""
         from opweave.backends.cuda import CudaBackend
 

@@ -1,7 +1,7 @@
 """Where ``opweave.compile(..., mode="max-autotune")`` keeps what it chose, per model, device and machine.
 
 A JSON file, ``autotune.json`` in ``$OPWEAVE_CACHE_DIR`` (default ``~/.cache/opweave``), maps a key to the
-chosen candidate (:class:`opweave.build.autotune.Candidate`: scheduler, stream cap, segment compiler, graph,
+chosen candidate (:class:`opweave.pipeline.autotune.Candidate`: scheduler, stream cap, segment compiler, graph,
 scheduler options), the costs it was planned with (so that the same plan is rebuilt) and what every candidate
 measured. The key covers what the choice depends on: the captured graph (its name, ops and their targets, and the
 granularity), the input shapes and dtypes, the device (the GPU's name for CUDA), the machine (processor and the
