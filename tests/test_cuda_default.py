@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import opweave
-from opweave.backends.choose import choose
 from opweave.backends.fakecuda import FakeCuda
 from opweave.capture import capture, coarsen
 from opweave.outputs import compare
+from opweave.pipeline.choose import choose
 from opweave.pipeline.targets import fitted_device
 
 

@@ -120,8 +120,8 @@ class CudaTarget:
     device = "cuda"
 
     def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
-        from opweave.backends.choose import sync_options
         from opweave.backends.cuda import default_streams
+        from opweave.pipeline.choose import sync_options
 
         device, dtype = fitted_device(options.runtime), _dtype(captured)
         captured, kernels = inductor_ops(captured, inputs, options)
@@ -166,10 +166,10 @@ class CudaTarget:
     def ranking(self, graph, costs: Costs, streams: int, device=None, dtype: str = "float32",
                 taking: set[str] = frozenset()):
         """Every single-device scheduler (that takes the options ``taking``) at stream caps up to ``streams``,
-        ranked by the fitted device's prediction (:func:`opweave.backends.choose.choose`): its ``predictions``,
+        ranked by the fitted device's prediction (:func:`opweave.pipeline.choose.choose`): its ``predictions``,
         fastest first."""
         from opweave import schedulers
-        from opweave.backends.choose import STREAM_CAPS, choose
+        from opweave.pipeline.choose import STREAM_CAPS, choose
 
         caps = sorted({c for c in STREAM_CAPS if c < streams} | {streams})
         names = [n for n in schedulers.names() if (schedulers.options_of(n) is None
@@ -180,7 +180,7 @@ class CudaTarget:
 
     def under_cap(self, ranked, planned, captured, inputs: tuple, options: Options, costs: Costs, *,
                   shared: BuildBuffers | None = None):
-        """The first plan of ``ranked`` (a :class:`~opweave.backends.choose.Choice`) predicted within
+        """The first plan of ``ranked`` (a :class:`~opweave.pipeline.choose.Choice`) predicted within
         ``PICK_TOLERANCE`` of the fastest whose planned peak after the memory pass
         (:func:`opweave.pipeline.flow.memory_pass`, every plan's with the buffers and one-stream peak of
         ``shared``) is within its cap; the fastest when none is. ``planned(name, cap)`` makes a (schedule, plan).
