@@ -21,7 +21,7 @@ holds and has not dropped (its parameters are not the fake's, so they do not cou
   * ``before`` — the buffers learnt from a first run that keeps every intermediate, no added waits (the backend
     before buffers were planned ahead of the first run);
   * ``after`` — the buffers found on fake tensors and freed from the first run, with the memory pass's added waits
-    (:func:`opweave.pipeline.flow.with_free_joins`).
+    (:func:`opweave.pipeline.memory.with_free_joins`).
 
 The summary gives, per configuration and variant, each plan's peak over the one-stream plan's (the ratio the GPU
 target bounds by 1.25 against the sequential CUDA Graph) and the largest. Kernels take no time on the fake, workspace

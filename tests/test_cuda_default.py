@@ -176,7 +176,7 @@ def test_one_cuda_build_runs_the_model_on_fake_tensors_once(monkeypatch):
     """The memory pass of every candidate plan and the backend's release plan for the example inputs share one run
     on fake tensors, and one one-stream plan: the first two candidates are said to be over the cap here, so three
     plans go through the memory pass before the backend plans its releases."""
-    from opweave.pipeline import flow, targets
+    from opweave.pipeline import memory, targets
 
     sequential, seen = [], []
 
@@ -190,10 +190,10 @@ def test_one_cuda_build_runs_the_model_on_fake_tensors_once(monkeypatch):
             sequential.append(kwargs)
         return real_plan_for(graph, costs, scheduler, **kwargs)
 
-    real, real_plan_for = targets.memory_pass, flow.plan_for
+    real, real_plan_for = targets.memory_pass, memory.plan_for
     modes = fake_runs(monkeypatch)
     monkeypatch.setattr(targets, "memory_pass", memory_pass)
-    monkeypatch.setattr(flow, "plan_for", plan_for)
+    monkeypatch.setattr(memory, "plan_for", plan_for)
     monkeypatch.setattr(targets, "PICK_TOLERANCE", 100.0)  # every plan is within it
     model, inputs = wide()
     runtime = FakeCuda(seed=5)

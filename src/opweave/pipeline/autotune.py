@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opweave.errors import UsageError, first_line
-from opweave.pipeline.flow import Compiled
+from opweave.pipeline.compiled import Compiled
 from opweave.pipeline.options import Options
 
 
@@ -316,7 +316,7 @@ def _build(target, captured, inputs: tuple, options: Options, candidate: Candida
 
         costs = Costs(latency_ms) if latency_ms is not None else None
         return target.build_ort_graph(captured, inputs, changed, costs=costs)
-    return target.build(captured, inputs, changed, eager=eager)
+    return target.build(captured, inputs, changed)
 
 
 def _torch_compiled(captured, inputs: tuple, options: Options, eager) -> Compiled:
@@ -326,7 +326,7 @@ def _torch_compiled(captured, inputs: tuple, options: Options, eager) -> Compile
 
     from opweave.backends.cpu import EagerBackend
     from opweave.costs.roofline import estimate
-    from opweave.pipeline.flow import validated_plan
+    from opweave.plan.make import validated_plan
     from opweave.schedulers import run
 
     model = eager if eager is not None else captured.gm

@@ -2,8 +2,8 @@
 
 * :class:`CpuTarget` — lanes as threads (:class:`~opweave.backends.cpu.CpuBackend`), or lanes over ONNX Runtime's
   optimized graph (``graph="onnxruntime"``, :class:`~opweave.backends.ortgraph.OrtLanes`). Default plan: HEFT on one
-  lane per core, the cross-lane edge weighed at the measured thread hand-off, kept only when it beats one lane and
-  eager (:func:`opweave.pipeline.autotune.guarded`).
+  lane per core, the cross-lane edge weighed at the measured thread hand-off (kept only when it beats one lane and
+  eager: :func:`opweave.pipeline.autotune.guarded`, which :func:`opweave.pipeline.flow.build` asks).
 * :class:`CudaTarget` — CUDA streams, recorded into a CUDA Graph (:class:`~opweave.backends.cuda.CudaBackend`).
   Default plan: the scheduler and stream cap the calibrated simulator predicts fastest.
 
@@ -27,9 +27,11 @@ from dataclasses import replace
 
 from opweave.costs import Costs
 from opweave.errors import UsageError
-from opweave.pipeline.flow import PEAK_CAP, BuildBuffers, Compiled, costs_for, memory_pass, plan_for, with_free_joins
+from opweave.pipeline.compiled import Compiled
+from opweave.pipeline.memory import PEAK_CAP, BuildBuffers, memory_pass, with_free_joins
 from opweave.pipeline.options import Options
 from opweave.plan import LaunchPlan
+from opweave.plan.make import plan_for
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ PICK_TOLERANCE = 0.01  # how much slower (predicted) than the fastest a plan und
 class CpuTarget:
     device = "cpu"
 
-    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+    def build(self, captured, inputs: tuple, options: Options) -> Compiled:
         from opweave.backends import threads as cpu_threads
 
         if options.graph == "onnxruntime":
@@ -56,10 +58,6 @@ class CpuTarget:
         sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams, **sched_options)
         compiled = self.runnable(captured, plan, inputs, options, costs)
         compiled.schedule = sched
-        if options.default_plan:  # never slower than one lane in the model's order, nor than the model itself
-            from opweave.pipeline.autotune import guarded
-
-            compiled = guarded(compiled, captured, inputs, options, eager)
         return compiled
 
     def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs) -> Compiled:
@@ -119,7 +117,7 @@ class CpuTarget:
 class CudaTarget:
     device = "cuda"
 
-    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+    def build(self, captured, inputs: tuple, options: Options) -> Compiled:
         from opweave.backends.cuda import default_streams
         from opweave.pipeline.choose import sync_options
 
@@ -182,7 +180,7 @@ class CudaTarget:
                   shared: BuildBuffers | None = None):
         """The first plan of ``ranked`` (a :class:`~opweave.pipeline.choose.Choice`) predicted within
         ``PICK_TOLERANCE`` of the fastest whose planned peak after the memory pass
-        (:func:`opweave.pipeline.flow.memory_pass`, every plan's with the buffers and one-stream peak of
+        (:func:`opweave.pipeline.memory.memory_pass`, every plan's with the buffers and one-stream peak of
         ``shared``) is within its cap; the fastest when none is. ``planned(name, cap)`` makes a (schedule, plan).
         Returns the prediction, the schedule, the plan after the memory pass and the reason to give."""
         tried = []
@@ -213,7 +211,7 @@ class CudaTarget:
                  joined: bool = False, shared: BuildBuffers | None = None) -> Compiled:
         """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
         ``options.compiler`` in the backend's warm-up); the memory pass runs first unless the plan is ``joined``
-        already. ``shared``: the build's buffers (:class:`~opweave.pipeline.flow.BuildBuffers`), whose run on fake
+        already. ``shared``: the build's buffers (:class:`~opweave.pipeline.memory.BuildBuffers`), whose run on fake
         tensors the memory pass and the backend's release plan for ``inputs`` then use instead of their own."""
         from opweave.backends.cuda import CudaBackend
 
@@ -238,7 +236,7 @@ class RanksTarget:
 
     DEFAULT_LINK = {"cpu": "loopback", "cuda": "nvlink4"}
 
-    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+    def build(self, captured, inputs: tuple, options: Options) -> Compiled:
         from opweave.backends.distributed import DistributedBackend
 
         costs, sched, plan = self.plan(captured, inputs, options)
@@ -263,6 +261,21 @@ class RanksTarget:
         sched, plan = plan_for(captured.graph, costs, options.scheduler or "hios-lp", streams=options.streams,
                                devices=options.devices, **(options.scheduler_options or {}))
         return costs, sched, plan
+
+
+def costs_for(captured, inputs: tuple, options: Options, preset: str) -> Costs:
+    """What the scheduler plans on: ``options.costs``, else the measured ``options.profile`` (refused when it was
+    measured for other shapes, dtype, device, torch or granularity), else the roofline estimate for ``preset``."""
+    if options.costs is not None:
+        return options.costs
+    if options.profile is not None:
+        from opweave.costs.profile import load_for
+
+        return load_for(options.profile, captured, inputs, options.device).costs(captured.graph,
+                                                                                 model=options.cost_model)
+    from opweave.costs.roofline import estimate
+
+    return estimate(captured.graph, device=preset, model=options.cost_model)
 
 
 def inductor_ops(captured, inputs: tuple, options: Options):
@@ -336,5 +349,5 @@ def _per_op_threads(options: Options) -> bool:
     return get(options.compiler).per_op_threads
 
 
-__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "for_options", "inductor_ops", "segment_options",
+__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "costs_for", "for_options", "inductor_ops", "segment_options",
            "visible_gpu_preset"]

@@ -31,7 +31,7 @@ its previous value happens before it. That is all a reuse needs; blocks are neve
   stays valid: every dependency the plan ordered is still ordered), so lowering's rule that every wait is needed
   holds for the plan a scheduler gets lowered to, not for the plan with added waits.
 * :func:`capped_joins` — waits that may **cost time**, for a plan whose planned peak is still over a cap (the CUDA
-  target's is 1.25x the one-stream plan's, :func:`opweave.pipeline.flow.memory_pass`): the same joins, placed
+  target's is 1.25x the one-stream plan's, :func:`opweave.pipeline.memory.memory_pass`): the same joins, placed
   right before the peak's instruction (the latest place that frees the buffer before it), the one that lowers the
   peak most first, each kept only if the caller's ``accept`` takes the plan (a budget on the simulated makespan).
   A peak made of buffers that are all still to be read is beyond any wait: the issue order itself holds them.
