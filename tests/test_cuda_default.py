@@ -226,3 +226,60 @@ def test_a_model_that_cannot_run_on_fake_tensors_is_tried_once_per_cuda_build(mo
     fast = opweave.compile(model, (x,), device="cuda", runtime=runtime, cudagraphs=False)
     assert len(modes) == 1 and fast.backend.stats["keep_all_runs"] == 1
     assert compare(model(x), run(fast, runtime, (x,))).ok
+
+
+def test_max_autotune_no_cudagraphs_never_times_a_cuda_graph(tmp_path, monkeypatch):
+    """``mode="max-autotune-no-cudagraphs"`` timed ``torch.compile(mode="reduce-overhead")``, which records CUDA
+    Graphs; its torch.compile candidate is Inductor alone now, and every plan it builds runs its streams live."""
+    from opweave.pipeline.autotune import _build, _candidates, search
+    from opweave.pipeline.options import resolve
+    from opweave.pipeline.targets import CudaTarget
+
+    monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
+    modes = []
+
+    def recording(model, mode=None, **kwargs):
+        modes.append(mode)
+        return model  # the model itself stands for what Inductor would compile
+
+    monkeypatch.setattr(torch, "compile", recording)
+    model, inputs = wide()
+    captured = coarsen(capture(model, inputs))
+    for mode, graphs in (("max-autotune", True), ("max-autotune-no-cudagraphs", False)):
+        options = resolve("cuda", mode, runtime=FakeCuda(seed=7))
+        candidates = [c for c in _candidates(CudaTarget(), captured, options)
+                      if c.whole or "graph" not in c.changes][:3]
+        fast = search(CudaTarget(), captured, inputs, options, eager=model, candidates=candidates)
+        assert modes[-1] == ("reduce-overhead" if graphs else "default"), mode
+        plans = [c for c in candidates if not c.whole]
+        assert plans and fast.options.cudagraphs is graphs
+        built = _build(CudaTarget(), captured, inputs, options, plans[0], None, model)
+        assert built.backend.cudagraphs is graphs, mode
+        built.close()
+        fast.close()
+
+
+def test_a_cached_choice_is_keyed_by_every_setting_that_changes_it(tmp_path, monkeypatch):
+    """The key of a max-autotune choice left out the mode, CUDA Graphs and the threads: a choice made under one was
+    reused under another."""
+    from opweave.pipeline import choices
+    from opweave.pipeline.options import resolve
+
+    model, inputs = wide()
+    captured = coarsen(capture(model, inputs))
+    runtime = FakeCuda(seed=8)
+    cuda = {choices.key(captured, inputs, resolve("cuda", mode, runtime=runtime))
+            for mode in ("max-autotune", "max-autotune-no-cudagraphs")}
+    cpu = {choices.key(captured, inputs, resolve("cpu", "max-autotune", threads=t)) for t in (1, 2)}
+    assert len(cuda) == 2 and len(cpu) == 2
+    assert choices.key(captured, inputs, resolve("cpu", "max-autotune", threads=1)) in cpu  # the same settings
+
+
+def test_reduce_overhead_with_several_devices_is_refused_not_dropped():
+    """``mode="reduce-overhead"`` with ``devices > 1`` resolved to CUDA Graphs on, which the ranks then dropped."""
+    from opweave.errors import UsageError
+    from opweave.pipeline.options import resolve
+
+    with pytest.raises(UsageError, match="reduce-overhead.*devices=2"):
+        resolve("cuda", "reduce-overhead", devices=2, check_device=False)
+    assert resolve("cuda", devices=2, check_device=False).cudagraphs is False

@@ -59,6 +59,29 @@ def test_every_option_is_in_the_table_and_has_a_sample():
     assert set(OPTIONS) <= {f.name for f in __import__("dataclasses").fields(Options)}
 
 
+def test_every_default_is_the_one_the_table_says_and_the_code_uses():
+    """Defaults lived twice, as strings in the table and as values in the target code (the ranks' link, the
+    stream caps, the threads), free to drift: now each lives in its Spec, which fills the resolved options."""
+    from opweave.backends.streams import default_streams
+    from opweave.backends.threads import total_threads
+
+    for device in ("cpu", "cuda"):
+        options = resolve(device, check_device=False)
+        for key, spec in OPTIONS.items():
+            if not callable(spec.default):
+                assert getattr(options, key) == spec.default, (device, key)
+                assert option_table()[list(OPTIONS).index(key)]["default"] == spec.default_text()
+    cpu, cuda = resolve("cpu", threads=3), resolve("cuda", check_device=False)
+    assert (cpu.scheduler, cpu.streams, cpu.threads, cpu.cudagraphs) == ("heft", 3, 3, False)
+    assert resolve("cpu").threads == total_threads() == resolve("cpu").streams
+    assert (cuda.scheduler, cuda.streams, cuda.cudagraphs, cuda.threads) == (None, default_streams(), True, None)
+    ranks = resolve("cpu", devices=2)
+    assert (ranks.scheduler, ranks.link, ranks.streams, ranks.threads) == ("hios-lp", "loopback", None,
+                                                                         total_threads(ranks=2))
+    assert resolve("cuda", devices=2, check_device=False).link == "nvlink4"
+    assert Options(devices=2, link="pcie4").given == {"devices", "link"}  # made directly: what was passed
+
+
 def _samples(captured_graph, profile_path) -> dict:
     return {**SAMPLES, "costs": estimate(captured_graph, "cpu", model="ideal"), "profile": str(profile_path)}
 

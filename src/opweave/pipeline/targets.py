@@ -47,8 +47,7 @@ class CpuTarget:
         if options.graph == "onnxruntime":
             return self.build_ort_graph(captured, inputs, options)
         captured, kernels = inductor_ops(captured, inputs, options)
-        scheduler = options.scheduler or "heft"
-        streams = options.streams or options.threads or cpu_threads.cores()  # one lane per core it may use
+        scheduler, streams = options.scheduler, options.streams  # default: heft, one lane per thread it may use
         sched_options = dict(options.scheduler_options or {})
         if scheduler == "heft":  # a cross-lane edge costs a thread hand-off here: weigh it
             sched_options.setdefault("sync_ms", cpu_threads.sync_cost_ms())
@@ -103,12 +102,10 @@ class CpuTarget:
         planned = from_graph(graph)
         if costs is not None and set(costs.latency_ms) == set(graph.ids):
             planned = dataclasses.replace(planned, latency_ms=dict(costs.latency_ms))
-        scheduler = options.scheduler or "heft"
         sched_options = dict(options.scheduler_options or {})
-        if scheduler == "heft":
+        if options.scheduler == "heft":
             sched_options.setdefault("sync_ms", 10 * cpu_threads.sync_cost_ms())
-        streams = options.streams or options.threads or cpu_threads.cores()
-        sched, plan = plan_for(graph, planned, scheduler, streams=streams, **sched_options)
+        sched, plan = plan_for(graph, planned, options.scheduler, streams=options.streams, **sched_options)
         backend = OrtLanes(model, plan, cpu_threads.lane_threads(graph, plan, planned, per_op=True,
                                                                  total=options.threads))
         return Compiled(graph, planned, sched, plan, backend, "cpu", captured, options=options)
@@ -118,13 +115,12 @@ class CudaTarget:
     device = "cuda"
 
     def build(self, captured, inputs: tuple, options: Options) -> Compiled:
-        from opweave.backends.cuda import default_streams
         from opweave.pipeline.choose import sync_options
 
         device, dtype = fitted_device(options.runtime), _dtype(captured)
         captured, kernels = inductor_ops(captured, inputs, options)
         costs = self.costs(captured, inputs, options, device, dtype, launches=kernels)
-        streams = options.streams or default_streams()  # more lanes than hardware queues add false dependencies
+        streams = options.streams  # default: the hardware queues (more lanes add false dependencies)
         scheduler, choice = options.scheduler, None
         # every plan's memory pass and the backend find the buffers from one run on fake tensors (segments: no pass)
         shared = BuildBuffers(captured, inputs, costs) if options.compiler is None else None
@@ -234,8 +230,6 @@ class CudaTarget:
 class RanksTarget:
     """``devices > 1``: the plan spans several devices, one persistent rank process each."""
 
-    DEFAULT_LINK = {"cpu": "loopback", "cuda": "nvlink4"}
-
     def build(self, captured, inputs: tuple, options: Options) -> Compiled:
         from opweave.backends.distributed import DistributedBackend
 
@@ -247,18 +241,18 @@ class RanksTarget:
 
     def plan(self, captured, inputs: tuple, options: Options):
         """Costs, schedule and validated plan of ``captured`` on ``options.devices`` devices. Edge transfer times
-        come from ``options.link`` (a preset or a ``profile-links`` file); when none is given, from the costs' own,
-        else the default link of the device kind (loopback for CPU ranks, NVLink 4 for GPUs)."""
+        come from ``options.link`` (a preset or a ``profile-links`` file) when it is given, else from the costs' own,
+        else from the link's default (:data:`~opweave.pipeline.options.OPTIONS`: loopback for CPU ranks, NVLink 4
+        for GPUs)."""
         from opweave.backends.distributed import check_devices
         from opweave.costs.links import transfer_times
 
         check_devices(options.devices, options.device, ops=len(captured.graph))
         preset = "cpu" if options.device == "cpu" else visible_gpu_preset(options.runtime)
         costs = costs_for(captured, inputs, options, preset)
-        if options.link is not None or not costs.edge_transfer_ms:
-            link = options.link or self.DEFAULT_LINK[options.device]
-            costs = replace(costs, edge_transfer_ms=transfer_times(captured.graph, link))
-        sched, plan = plan_for(captured.graph, costs, options.scheduler or "hios-lp", streams=options.streams,
+        if "link" in options.given or not costs.edge_transfer_ms:
+            costs = replace(costs, edge_transfer_ms=transfer_times(captured.graph, options.link))
+        sched, plan = plan_for(captured.graph, costs, options.scheduler, streams=options.streams,
                                devices=options.devices, **(options.scheduler_options or {}))
         return costs, sched, plan
 
