@@ -165,8 +165,11 @@ def op_threads(sim, total: int | None = None, overlap: float = 0.1) -> dict[str,
     return out
 
 
-def op_budgets(lanes: int, total: int | None = None) -> list[int]:
-    """Every budget :func:`op_threads` may give an op of a plan with at most ``lanes`` lanes, out of ``total``
-    (default :func:`total_threads`): what to compile a call for ahead of time (the serving executor's blocks)."""
+def op_budgets(lanes: int, total: int | None = None, *, per_op: bool = True) -> list[int]:
+    """Every budget an op of a plan with at most ``lanes`` lanes may get out of ``total`` (default
+    :func:`total_threads`): :func:`op_threads`' with ``per_op``, else :func:`budgets`'. What to compile a call for
+    ahead of time (the serving executor's whole blocks)."""
     total = total_threads(total)
-    return sorted({1} | {max(1, total // k) for k in range(1, max(1, lanes) + 1)})
+    if per_op:
+        return sorted({1} | {max(1, total // k) for k in range(1, max(1, lanes) + 1)})
+    return sorted({1} | {budgets(range(k), total)[0] for k in range(1, max(1, lanes) + 1)})

@@ -144,37 +144,40 @@ class _Unset(frozenset):
     """``Options.given`` when the caller did not say: every option passed to the constructor."""
 
 
+UNFILLED: Any = None  # a field not given: filled from its Spec's default when the Options are made
+
+
 @dataclass(frozen=True)
 class Options:
     """Every option of :data:`OPTIONS`, checked (:func:`resolve`) and with each default filled in from its
-    :class:`Spec` for the device (a field left None is filled when the object is made: a default lives in
+    :class:`Spec` for the device (a field left unset is filled when the object is made: a default lives in
     :data:`OPTIONS` alone). ``given``: the options the caller set (not the mode's or the defaults); made directly,
     every option passed."""
 
     device: str = "cpu"
     mode: str = "default"
     autotune: bool = False  # the mode's measured search ("max-autotune*")
-    scheduler: str | None = None  # None after filling: the CUDA target chooses with the graph in hand
-    streams: int | None = None
-    devices: int | None = None
+    scheduler: str | None = None  # None once filled: the CUDA target chooses with the graph in hand
+    streams: int | None = None  # None once filled: as many as the scheduler makes (devices > 1)
+    devices: int = UNFILLED
     costs: Any = None
     profile: str | Path | None = None
-    cost_model: str | None = None
-    coarsen: bool | None = None
-    fold_bn: bool | None = None
-    graph: str | None = None
+    cost_model: str = UNFILLED
+    coarsen: bool = UNFILLED
+    fold_bn: bool = UNFILLED
+    graph: str = UNFILLED
     compiler: str | None = None
     scheduler_options: dict | None = None
-    threads: int | None = None
-    cudagraphs: bool | None = None
-    capture_fallback: str | None = None
-    static_outputs: bool | None = None
-    cache_size: int | None = None
+    threads: int | None = None  # None once filled: not on a CPU
+    cudagraphs: bool = UNFILLED
+    capture_fallback: str = UNFILLED
+    static_outputs: bool = UNFILLED
+    cache_size: int = UNFILLED
     runtime: Any = None
-    warmup: int | None = None
-    link: Any = None  # a preset name, a profile-links file or an opweave.costs.links.Link
-    timeout_s: float | None = None
-    start_method: str | None = None
+    warmup: int = UNFILLED
+    link: Any = None  # a preset name, a profile-links file or an opweave.costs.links.Link; None with one device
+    timeout_s: float = UNFILLED
+    start_method: str = UNFILLED
     per_op_threads: bool | None = None  # not an option: callers whose ops are compiled calls that sleep when idle
     given: frozenset[str] = _Unset()
 
@@ -251,6 +254,10 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
         if values.get("scheduler") is not None and values["scheduler"] not in schedulers.MULTI_DEVICE:
             raise UsageError(f"scheduler {values['scheduler']!r} places every op on one device; use one of "
                              f"{', '.join(schedulers.MULTI_DEVICE)} with devices > 1")
+    if "scheduler" in values and "scheduler_options" in values:
+        from opweave import schedulers
+
+        schedulers.check_options(values["scheduler"], values["scheduler_options"])
     autotune = bool(preset.get("autotune"))
     if autotune:
         chosen = [k for k in ("scheduler", "streams", "costs", "profile", "cost_model", "compiler", "graph",
@@ -267,7 +274,7 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
     if mode == "reduce-overhead" and ranks:
         raise UsageError(f"mode='reduce-overhead' records CUDA Graphs, which devices={devices} does not (each rank "
                          "runs its streams live); use mode='default'")
-    cudagraphs = values.get("cudagraphs", preset.get("cudagraphs")) if cuda else False  # None: the default
+    cudagraphs: Any = values.get("cudagraphs", preset.get("cudagraphs")) if cuda else False  # None: the default
     graph = values.get("graph", "fx")
     if graph == "onnxruntime":
         if cuda:
