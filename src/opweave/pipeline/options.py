@@ -11,13 +11,16 @@ touches a device, as PyTorch's ``torch.compile`` does with ``mode`` and ``option
   Graphs off). Unlike ``torch.compile``, opweave records CUDA Graphs in its default mode too: recording the launches
   ahead of time is half of what it is for (``cudagraphs=False`` turns it off).
 * every other knob is one field of :class:`Options`, with one meaning, the devices it applies to and its default
-  (:data:`OPTIONS`, the table docs/design.md and the README show). A knob given where it cannot be honoured (a CUDA
-  option on the CPU, a segment compiler with several devices, a cost source the chosen pipeline ignores) is a
+  (:data:`OPTIONS`, the table docs/design.md and the README show, generated from it). A default lives in its
+  :class:`Spec` alone (a value, or a rule of the device, devices and threads) and fills the resolved options the
+  targets read. A knob given where it cannot be honoured (a CUDA option on the CPU, a segment compiler with several
+  devices, a cost source the chosen pipeline ignores, a scheduler option the scheduler does not take) is a
   :class:`~opweave.errors.UsageError` naming it, never silently dropped.
 
-:func:`resolve` returns an :class:`Options` whose every field is set for the device (``None`` only where the
-target decides with the graph in hand: the CUDA default scheduler, chosen by the calibrated simulator); a device
-that is not there is a :class:`~opweave.errors.DeviceError`, raised after the options were found consistent.
+:func:`resolve` returns an :class:`Options` whose every field is set for the device (``None`` only where nothing is
+chosen: no cost source, compiler or scheduler options, no link with one device, no threads on CUDA, and the CUDA
+default scheduler, which the target picks with the graph in hand); a device that is not there is a
+:class:`~opweave.errors.DeviceError`, raised after the options were found consistent.
 """
 
 from __future__ import annotations
