@@ -2,7 +2,8 @@
 # multi-GB CUDA build from the registry), then the torchvision release made for that torch (0.(minor+15): 0.28 for
 # 2.13; any other would replace torch), then opweave with its extras, `models` (timm, transformers), `onnx`
 # (ONNX Runtime) and `ray` (Ray Serve: tests/test_serve_ray.py, marked `ray`, about 30 s, runs in `make test`;
-# `make test-ray` runs it alone) among them.
+# `make test-ray` runs it alone) among them. `make test` runs ruff, mypy on the public modules (pyproject's
+# [tool.mypy]) and the tests.
 # Elsewhere: make test TORCH_SPEC='torch>=2.4'
 # The torchvision pick reads torch's installed version without importing torch: torch does not require numpy, so
 # nothing has installed it yet, and importing torch then prints "Failed to initialize NumPy".
@@ -31,6 +32,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n 2
 
 test-ray: $(STAMP)
@@ -38,6 +40,7 @@ test-ray: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

@@ -321,7 +321,7 @@ def _inductor_graph(captured, inputs, scheduler: str, args, extra: dict):
     """``graph="inductor"``: ``captured`` regrouped into Inductor's kernels of the whole model, planned by
     ``scheduler`` on the fitted device's costs, every segment compiled by Inductor; ``extra`` gets what was
     decided."""
-    from opweave.build import build, resolve
+    from opweave.pipeline import build, resolve
 
     options = resolve("cuda", scheduler=scheduler, streams=args.streams or None, graph="inductor")
     start = time.perf_counter()
@@ -366,9 +366,9 @@ def _schedule(name, graph, costs, streams):
 
 
 def _opweave(captured, inputs, costs, scheduler: str, args, extra: dict, compiler: str | None = None):
-    """``captured`` built by opweave's pipeline (:func:`opweave.build.build`, what ``opweave.compile`` runs) with
+    """``captured`` built by opweave's pipeline (:func:`opweave.pipeline.build`, what ``opweave.compile`` runs) with
     ``scheduler`` on ``costs``, at the granularity it was captured at; ``extra`` gets what was decided."""
-    from opweave.build import build, resolve
+    from opweave.pipeline import build, resolve
 
     options = resolve("cuda", scheduler=scheduler, streams=args.streams or None, costs=costs, coarsen=False,
                       compiler=compiler)

@@ -21,7 +21,7 @@ holds and has not dropped (its parameters are not the fake's, so they do not cou
   * ``before`` — the buffers learnt from a first run that keeps every intermediate, no added waits (the backend
     before buffers were planned ahead of the first run);
   * ``after`` — the buffers found on fake tensors and freed from the first run, with the memory pass's added waits
-    (:func:`opweave.build.pipeline.with_free_joins`).
+    (:func:`opweave.pipeline.memory.with_free_joins`).
 
 The summary gives, per configuration and variant, each plan's peak over the one-stream plan's (the ratio the GPU
 target bounds by 1.25 against the sequential CUDA Graph) and the largest. Kernels take no time on the fake, workspace
@@ -140,7 +140,7 @@ def _eager(model, fake):
 
 
 def _opweave(captured, inputs: tuple, scheduler: str, fake, extra: dict):
-    from opweave.build import build, resolve
+    from opweave.pipeline import build, resolve
 
     fast = build(captured, inputs, resolve("cuda", scheduler=scheduler, coarsen=False, runtime=fake))
     extra.update(streams=fast.schedule.streams_used, syncs=fast.plan.syncs, ops=len(fast.graph))
@@ -159,7 +159,7 @@ def _variant(variant: str):
         raise RuntimeError("buffers from a first run (before)")
 
     with mock.patch("opweave.backends.cuda.static_buffers", no_static), \
-            mock.patch("opweave.build.targets.with_free_joins", lambda captured, plan, *a, **k: plan):
+            mock.patch("opweave.pipeline.targets.with_free_joins", lambda captured, plan, *a, **k: plan):
         yield
 
 

@@ -12,7 +12,7 @@ inputs are used) and each rank count M:
    ping-pong, fitted to latency + bytes / bandwidth);
 2. ``hios-lp`` schedules the graph on M devices with those costs; the simulator replays the plan (``ideal`` model:
    each device runs its ops at their measured latency, transfers cost the fitted link);
-3. the plan runs on M rank processes (``opweave.build.targets.RanksTarget``, what ``opweave.compile(...,
+3. the plan runs on M rank processes (``opweave.pipeline.targets.RanksTarget``, what ``opweave.compile(...,
    devices=M)`` builds; ``threads = cores // M``): median latency of ``--runs`` calls after a warm-up.
 
 Speedups are against 1 rank (measured/measured, simulated/simulated) and measured against single-process eager
@@ -41,14 +41,14 @@ import torch  # noqa: E402
 from opweave.backends.distributed import profile_link  # noqa: E402
 from opweave.backends.simulate import simulate  # noqa: E402
 from opweave.backends.threads import cores as usable_cores  # noqa: E402
-from opweave.build import Options  # noqa: E402
-from opweave.build.targets import RanksTarget  # noqa: E402
 from opweave.capture import load  # noqa: E402
 from opweave.costs.links import fit  # noqa: E402
 from opweave.costs.profile import profile_model  # noqa: E402
 from opweave.costs.roofline import estimate  # noqa: E402
 from opweave.evaluate.bench import median_ms  # noqa: E402
 from opweave.outputs import compare  # noqa: E402
+from opweave.pipeline import Options  # noqa: E402
+from opweave.pipeline.targets import RanksTarget  # noqa: E402
 
 DEFAULT_SIZES = "inception_v3=512,nasnet_a_mobile=448"
 QUICK_SIZES = "squeezenet=64"

@@ -33,7 +33,7 @@ def build_app(models: list[str], image_size: dict | None, max_batch: int, wait_m
     from fastapi import FastAPI, Request, Response
     from ray import serve
 
-    from opweave.serve.build import load_models
+    from opweave.serve.assemble import load_models
     from opweave.serve.protocol import HEADER, ProtocolError, decode, encode, metadata
 
     app = FastAPI()
@@ -142,7 +142,7 @@ def main() -> None:
     from ray import serve
 
     from opweave.backends.threads import cores
-    from opweave.serve.build import parse_image_size
+    from opweave.serve.assemble import parse_image_size
 
     models = args.models.split(",")
     threads = max(1, cores() // len(models))

@@ -128,7 +128,7 @@ def largest(ok, tolerance: float, max_scale: float, fails: float | None = None) 
 # ---- simulation -------------------------------------------------------------------------------------------------
 def sim_runner(args, models: list[str]):
     from opweave.serve import policies
-    from opweave.serve.build import load_models
+    from opweave.serve.assemble import load_models
     from opweave.serve.engine import Engine
     from opweave.serve.executors import SimClock, SimExecutor
 

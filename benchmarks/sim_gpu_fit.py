@@ -6,7 +6,7 @@
 Every unfused ``opweave <scheduler>`` row of the GPU benchmark's result files (default
 ``results/gpu_latency_h200_b1_fp32.json``) is predicted by the shipped device (:mod:`opweave.costs.calibrated`,
 what ``opweave simulate --preset h200 --cost-model gpu`` replays): the model captured one op per fx node, scheduled
-on the fitted op times, replayed as one CUDA Graph call (:func:`opweave.backends.calibrate.predict`). With
+on the fitted op times, replayed as one CUDA Graph call (:func:`opweave.pipeline.calibrate.predict`). With
 ``--report`` (the file ``opweave calibrate --report`` writes) the leave-one-model-out predictions are plotted too.
 ``--quick``: googlenet's rows only.
 
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import _common as common
 
-from opweave.backends import calibrate as fit
 from opweave.costs import calibrated
+from opweave.pipeline import calibrate as fit
 
 DEFAULT_RESULTS = common.RESULTS_DIR / "gpu_latency_h200_b1_fp32.json"
 MARKERS = "osD^v<>pXh*"

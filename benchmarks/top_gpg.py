@@ -36,8 +36,8 @@ from pathlib import Path
 import _common as common
 
 from opweave import schedulers
-from opweave.build import plan_for
 from opweave.learn.gpg import HELD_OUT_SEED, GpgGraphs
+from opweave.pipeline import plan_for
 from opweave.schedulers import top_gpg
 
 MODELS = ("inception_v3", "resnet50", "squeezenet")

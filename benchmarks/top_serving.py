@@ -35,7 +35,7 @@ from opweave.errors import UsageError
 from opweave.learn.policy import SCALES, STEPS, HeldOut, save_agents, train
 from opweave.schedulers.top_gpg import one_thread
 from opweave.serve import loadgen, policies, top
-from opweave.serve.build import load_models
+from opweave.serve.assemble import load_models
 from opweave.serve.engine import Engine
 from opweave.serve.executors import SimClock, SimExecutor
 

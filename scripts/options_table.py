@@ -1,4 +1,4 @@
-"""Rewrite the options table in README.md and docs/design.md from opweave.build.OPTIONS (a test keeps them equal).
+"""Rewrite the options table in README.md and docs/design.md from opweave.pipeline.OPTIONS (a test keeps them equal).
 
     .venv/bin/python scripts/options_table.py
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from opweave.build.options import options_markdown
+from opweave.pipeline.options import options_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = re.compile(r"\| option \| meaning \| devices \| default \|\n(?:\|.*\|\n)+")

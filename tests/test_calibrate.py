@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from opweave.backends import calibrate as fit
-from opweave.backends.choose import choose, sync_options
 from opweave.backends.simulate import simulate
 from opweave.cli import app
 from opweave.costs import calibrated, from_graph
@@ -20,6 +18,8 @@ from opweave.costs.calibrated import Device, OpClass
 from opweave.errors import UsageError
 from opweave.ir import Edge, Op, OpGraph
 from opweave.ir.synth import random_dag
+from opweave.pipeline import calibrate as fit
+from opweave.pipeline.choose import choose, sync_options
 from opweave.plan.make import plan_for, validated_plan
 from opweave.schedulers.schedule import Schedule
 

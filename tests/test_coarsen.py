@@ -13,11 +13,11 @@ from torch import nn
 from opweave import schedulers, zoo
 from opweave.api import compile_captured
 from opweave.backends.cpu import CpuBackend
-from opweave.build import plan_for
 from opweave.capture import capture, coarsen
 from opweave.capture.coarsen import epilogue_groups
 from opweave.costs.roofline import estimate
 from opweave.outputs import compare
+from opweave.pipeline import plan_for
 
 # Small inputs that keep every model's activations at a sane scale (see docs/zoo.md); BERT at 2 layers.
 SMALL = {"inception_v3": {"image_size": 139}, "googlenet": {"image_size": 96}, "squeezenet": {"image_size": 64},

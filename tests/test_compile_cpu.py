@@ -8,11 +8,11 @@ import torch
 import opweave
 from opweave import schedulers, zoo
 from opweave.backends.cpu import CpuBackend, EagerBackend
-from opweave.build import plan_for
 from opweave.capture import CaptureError, capture, load
 from opweave.costs.roofline import estimate
 from opweave.errors import UsageError
 from opweave.outputs import compare
+from opweave.pipeline import plan_for
 from rendezvous import TwoBranches, armed
 
 SMALL = {"bert_base": {"num_layers": 2}}  # the scheduler sweep runs 8 plans per model: a shorter BERT there
@@ -162,8 +162,8 @@ def test_the_cpu_target_runs_a_validated_plan_fused_or_not():
     """The one step from a validated plan to a backend, which every door's build takes; with a segment compiler on
     the CPU every segment is compiled before the first call."""
     from opweave.backends.segments import segment_groups
-    from opweave.build import resolve, validated_plan
-    from opweave.build.targets import CpuTarget
+    from opweave.pipeline import resolve, validated_plan
+    from opweave.pipeline.targets import CpuTarget
 
     model, inputs, captured = load("deepfm")
     costs = estimate(captured.graph, "cpu")

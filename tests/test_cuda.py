@@ -39,7 +39,6 @@ from opweave import schedulers, zoo
 from opweave.backends import cuda as cuda_backend
 from opweave.backends.cuda import CudaBackend, GraphCaptureError, default_streams
 from opweave.backends.streams import stream_pool
-from opweave.build import Compiled, plan_for
 from opweave.capture import Captured, capture
 from opweave.costs.profile import profile_model
 from opweave.costs.profile.kineto import range_runs, trace_ops
@@ -47,6 +46,7 @@ from opweave.costs.profile.measure import full_env
 from opweave.costs.roofline import estimate
 from opweave.errors import DeviceError
 from opweave.outputs import compare, exact_outputs
+from opweave.pipeline import Compiled, plan_for
 
 pytestmark = pytest.mark.cuda
 

@@ -45,7 +45,6 @@ from opweave.backends.liveness import (
 )
 from opweave.backends.program import Program, Step, Walker
 from opweave.backends.streams import check_distinct_streams, default_streams
-from opweave.build import plan_for
 from opweave.capture import capture
 from opweave.capture.runtime import module_tensors
 from opweave.costs.profile import Profile, ProfileKeyError, profile_key, profile_model
@@ -56,6 +55,7 @@ from opweave.costs.roofline import estimate
 from opweave.errors import CaptureError, DeviceError, ProfileError
 from opweave.ir import OpGraph
 from opweave.ir.graph import Op
+from opweave.pipeline import plan_for
 from opweave.plan import Instr, LaunchPlan
 from opweave.plan.lower import lower
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 import opweave
-from opweave.backends.choose import choose
 from opweave.backends.fakecuda import FakeCuda
-from opweave.build.targets import fitted_device
 from opweave.capture import capture, coarsen
 from opweave.outputs import compare
+from opweave.pipeline.choose import choose
+from opweave.pipeline.targets import fitted_device
 
 
 class Wide(nn.Module):
@@ -103,9 +103,9 @@ def test_max_autotune_keeps_a_candidate_that_rounds_otherwise_but_is_as_close_to
     difference breaks it, as TF32 convolutions and folded BatchNorm broke it for torch.compile on an H200, where
     max-autotune then timed no torch.compile candidate."""
     from opweave import outputs
-    from opweave.build.autotune import Candidate, search
-    from opweave.build.options import resolve
-    from opweave.build.targets import CudaTarget
+    from opweave.pipeline.autotune import Candidate, search
+    from opweave.pipeline.options import resolve
+    from opweave.pipeline.targets import CudaTarget
 
     monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(outputs.TOLERANCE, torch.float32, 1e-12)
@@ -131,7 +131,7 @@ def test_the_cuda_default_passes_over_a_plan_whose_planned_peak_is_over_the_cap(
     """The memory pass says the first ``over`` plans it sees are at 1.5x the one-stream plan's peak: the default
     picks the next plan within the tolerance, and names the one it passed over; when every plan is over, it keeps
     the fastest and says so."""
-    from opweave.build import targets
+    from opweave.pipeline import targets
 
     seen = []
 
@@ -176,7 +176,7 @@ def test_one_cuda_build_runs_the_model_on_fake_tensors_once(monkeypatch):
     """The memory pass of every candidate plan and the backend's release plan for the example inputs share one run
     on fake tensors, and one one-stream plan: the first two candidates are said to be over the cap here, so three
     plans go through the memory pass before the backend plans its releases."""
-    from opweave.build import pipeline, targets
+    from opweave.pipeline import memory, targets
 
     sequential, seen = [], []
 
@@ -190,10 +190,10 @@ def test_one_cuda_build_runs_the_model_on_fake_tensors_once(monkeypatch):
             sequential.append(kwargs)
         return real_plan_for(graph, costs, scheduler, **kwargs)
 
-    real, real_plan_for = targets.memory_pass, pipeline.plan_for
+    real, real_plan_for = targets.memory_pass, memory.plan_for
     modes = fake_runs(monkeypatch)
     monkeypatch.setattr(targets, "memory_pass", memory_pass)
-    monkeypatch.setattr(pipeline, "plan_for", plan_for)
+    monkeypatch.setattr(memory, "plan_for", plan_for)
     monkeypatch.setattr(targets, "PICK_TOLERANCE", 100.0)  # every plan is within it
     model, inputs = wide()
     runtime = FakeCuda(seed=5)
@@ -226,3 +226,60 @@ def test_a_model_that_cannot_run_on_fake_tensors_is_tried_once_per_cuda_build(mo
     fast = opweave.compile(model, (x,), device="cuda", runtime=runtime, cudagraphs=False)
     assert len(modes) == 1 and fast.backend.stats["keep_all_runs"] == 1
     assert compare(model(x), run(fast, runtime, (x,))).ok
+
+
+def test_max_autotune_no_cudagraphs_never_times_a_cuda_graph(tmp_path, monkeypatch):
+    """``mode="max-autotune-no-cudagraphs"`` timed ``torch.compile(mode="reduce-overhead")``, which records CUDA
+    Graphs; its torch.compile candidate is Inductor alone now, and every plan it builds runs its streams live."""
+    from opweave.pipeline.autotune import _build, _candidates, search
+    from opweave.pipeline.options import resolve
+    from opweave.pipeline.targets import CudaTarget
+
+    monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
+    modes = []
+
+    def recording(model, mode=None, **kwargs):
+        modes.append(mode)
+        return model  # the model itself stands for what Inductor would compile
+
+    monkeypatch.setattr(torch, "compile", recording)
+    model, inputs = wide()
+    captured = coarsen(capture(model, inputs))
+    for mode, graphs in (("max-autotune", True), ("max-autotune-no-cudagraphs", False)):
+        options = resolve("cuda", mode, runtime=FakeCuda(seed=7))
+        candidates = [c for c in _candidates(CudaTarget(), captured, options)
+                      if c.whole or "graph" not in c.changes][:3]
+        fast = search(CudaTarget(), captured, inputs, options, eager=model, candidates=candidates)
+        assert modes[-1] == ("reduce-overhead" if graphs else "default"), mode
+        plans = [c for c in candidates if not c.whole]
+        assert plans and fast.options.cudagraphs is graphs
+        built = _build(CudaTarget(), captured, inputs, options, plans[0], None, model)
+        assert built.backend.cudagraphs is graphs, mode
+        built.close()
+        fast.close()
+
+
+def test_a_cached_choice_is_keyed_by_every_setting_that_changes_it(tmp_path, monkeypatch):
+    """The key of a max-autotune choice left out the mode, CUDA Graphs and the threads: a choice made under one was
+    reused under another."""
+    from opweave.pipeline import choices
+    from opweave.pipeline.options import resolve
+
+    model, inputs = wide()
+    captured = coarsen(capture(model, inputs))
+    runtime = FakeCuda(seed=8)
+    cuda = {choices.key(captured, inputs, resolve("cuda", mode, runtime=runtime))
+            for mode in ("max-autotune", "max-autotune-no-cudagraphs")}
+    cpu = {choices.key(captured, inputs, resolve("cpu", "max-autotune", threads=t)) for t in (1, 2)}
+    assert len(cuda) == 2 and len(cpu) == 2
+    assert choices.key(captured, inputs, resolve("cpu", "max-autotune", threads=1)) in cpu  # the same settings
+
+
+def test_reduce_overhead_with_several_devices_is_refused_not_dropped():
+    """``mode="reduce-overhead"`` with ``devices > 1`` resolved to CUDA Graphs on, which the ranks then dropped."""
+    from opweave.errors import UsageError
+    from opweave.pipeline.options import resolve
+
+    with pytest.raises(UsageError, match="reduce-overhead.*devices=2"):
+        resolve("cuda", "reduce-overhead", devices=2, check_device=False)
+    assert resolve("cuda", devices=2, check_device=False).cudagraphs is False

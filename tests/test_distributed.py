@@ -24,14 +24,14 @@ from torch import fx, nn
 from dags import dags
 from opweave import zoo
 from opweave.backends.distributed import DistributedBackend, held_bytes, split, wire
-from opweave.build import Options, build, plan_for, resolve
-from opweave.build.targets import RanksTarget
 from opweave.capture import capture
 from opweave.costs.links import Link
 from opweave.costs.roofline import estimate
 from opweave.errors import PlanError, RankError, UsageError
 from opweave.ir.graph import OpGraph
 from opweave.outputs import compare
+from opweave.pipeline import Options, build, plan_for, resolve
+from opweave.pipeline.targets import RanksTarget
 from opweave.plan.lower import lower
 from opweave.plan.validate import validate
 from opweave.schedulers.schedule import Schedule

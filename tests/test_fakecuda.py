@@ -27,11 +27,11 @@ from opweave.backends.cuda import CudaBackend
 from opweave.backends.fakecuda import SEED_ENV, FakeCuda, default_seed
 from opweave.backends.program import Program
 from opweave.backends.streams import TORCH_POOL, CudaLanes
-from opweave.build import plan_for
 from opweave.capture import capture, coarsen
 from opweave.costs.roofline import estimate
 from opweave.errors import PlanError
 from opweave.outputs import compare
+from opweave.pipeline import plan_for
 from opweave.plan import memory
 
 SEEDS = range(32)  # where a bug may or may not show in one interleaving: the seeds tried, in order

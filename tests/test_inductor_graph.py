@@ -22,13 +22,13 @@ from opweave.backends.inductorgraph import (
     kernel_groups,
     launch_counts,
 )
-from opweave.build import resolve
-from opweave.build.targets import segment_options
 from opweave.capture import capture
 from opweave.capture.coarsen import merge_ops
 from opweave.errors import CaptureError, UsageError
 from opweave.ir import Edge, Op, OpGraph
 from opweave.outputs import compare
+from opweave.pipeline import resolve
+from opweave.pipeline.targets import segment_options
 from opweave.plan.validate import validate
 
 

@@ -15,10 +15,10 @@ from opweave.backends.cpu import CpuBackend
 from opweave.backends.lanecode import code_of
 from opweave.backends.simulate import simulate
 from opweave.backends.threads import budgets, enter_budget, op_threads, restore_default
-from opweave.build import plan_for
 from opweave.capture import capture
 from opweave.costs.roofline import estimate
 from opweave.outputs import compare
+from opweave.pipeline import plan_for
 
 _seen: dict[str, weakref.ref] = {}
 _alive_at_probe: list[bool] = []

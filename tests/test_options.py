@@ -1,4 +1,4 @@
-"""One vocabulary: every option of :data:`opweave.build.OPTIONS`, on every device, through every door
+"""One vocabulary: every option of :data:`opweave.pipeline.OPTIONS`, on every device, through every door
 (``opweave.compile``, ``torch.compile(backend="opweave")``, the CLI's ``--option``, the server's executors), is either
 used or refused with a :class:`~opweave.errors.UsageError` before anything touches a device."""
 
@@ -15,10 +15,10 @@ import opweave
 import opweave.dynamo
 from opweave.backends.fakecuda import FakeCuda
 from opweave.backends.ortgraph import OrtLanes
-from opweave.build import OPTIONS, Options, mode_options, option_table, parse_option, resolve
 from opweave.costs.profile import profile_model
 from opweave.costs.roofline import estimate
 from opweave.errors import DeviceError, UsageError
+from opweave.pipeline import OPTIONS, Options, mode_options, option_table, parse_option, resolve
 
 
 class Tiny(nn.Module):
@@ -57,6 +57,29 @@ def test_every_option_is_in_the_table_and_has_a_sample():
     assert [row["name"] for row in option_table()] == list(OPTIONS)
     assert all(row["meaning"] and row["devices"] and row["default"] for row in option_table())
     assert set(OPTIONS) <= {f.name for f in __import__("dataclasses").fields(Options)}
+
+
+def test_every_default_is_the_one_the_table_says_and_the_code_uses():
+    """Defaults lived twice, as strings in the table and as values in the target code (the ranks' link, the
+    stream caps, the threads), free to drift: now each lives in its Spec, which fills the resolved options."""
+    from opweave.backends.streams import default_streams
+    from opweave.backends.threads import total_threads
+
+    for device in ("cpu", "cuda"):
+        options = resolve(device, check_device=False)
+        for key, spec in OPTIONS.items():
+            if not callable(spec.default):
+                assert getattr(options, key) == spec.default, (device, key)
+                assert option_table()[list(OPTIONS).index(key)]["default"] == spec.default_text()
+    cpu, cuda = resolve("cpu", threads=3), resolve("cuda", check_device=False)
+    assert (cpu.scheduler, cpu.streams, cpu.threads, cpu.cudagraphs) == ("heft", 3, 3, False)
+    assert resolve("cpu").threads == total_threads() == resolve("cpu").streams
+    assert (cuda.scheduler, cuda.streams, cuda.cudagraphs, cuda.threads) == (None, default_streams(), True, None)
+    ranks = resolve("cpu", devices=2)
+    assert (ranks.scheduler, ranks.link, ranks.streams, ranks.threads) == ("hios-lp", "loopback", None,
+                                                                         total_threads(ranks=2))
+    assert resolve("cuda", devices=2, check_device=False).link == "nvlink4"
+    assert Options(devices=2, link="pcie4").given == {"devices", "link"}  # made directly: what was passed
 
 
 def _samples(captured_graph, profile_path) -> dict:
@@ -241,17 +264,39 @@ def test_the_cli_takes_every_option_with_the_same_outcome(made, tmp_path):
             assert all(row.get("ok", True) for row in json.loads(result.stdout)["rows"]), key
 
 
+SERVED = {"cpu": {"scheduler", "streams", "cost_model", "coarsen", "compiler", "scheduler_options", "threads"},
+          "cuda": {"scheduler", "streams", "cost_model", "coarsen", "compiler", "scheduler_options", "cudagraphs",
+                   "capture_fallback", "cache_size", "warmup", "runtime"},
+          "sim": {"scheduler", "streams", "cost_model", "coarsen", "scheduler_options"}}
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda", "sim"])
-def test_the_server_takes_the_options_its_executors_use_and_refuses_the_others(device, made):
-    from opweave.serve.build import SERVING_OPTIONS, serving_options
+def test_the_server_resolves_every_option_and_refuses_what_it_cannot_honour(device, made):
+    """One resolved Options for every combined block, checked as opweave.compile checks them; what a server cannot
+    honour (the cost sources, BatchNorm folding, several devices, another graph, ops in simulation) is refused
+    naming the option. Before, it took scheduler, streams and (CPU) compiler alone, and replaced the scheduler with
+    heft whenever blocks were compiled whole."""
+    from opweave.serve.assemble import serving_options
 
     _, _, coarse, path = made
     for key, value in _samples(coarse.graph, path).items():
-        if key in SERVING_OPTIONS[device]:
-            assert serving_options(device, {key: value}) == {key: value}
+        if key in SERVED[device]:
+            options = serving_options(device, {key: value})
+            assert getattr(options, key) == value and key in options.given, key
         else:
             with pytest.raises(UsageError, match=repr(key)):
                 serving_options(device, {key: value})
+
+
+def test_a_server_with_blocks_compiled_whole_keeps_the_scheduler_it_is_given(made):
+    from opweave.serve import blocks
+    from opweave.serve.assemble import serving_options
+    from opweave.serve.executors import CpuExecutor
+
+    model, inputs, _, _ = made
+    blocked = blocks.split(opweave.capture.capture(model, inputs), inputs, name="tiny")
+    assert CpuExecutor({"t": blocked}, serving_options("cpu", compiler="eager")).scheduler == "heft"  # its default
+    assert CpuExecutor({"t": blocked}, serving_options("cpu", compiler="eager", scheduler="lios")).scheduler == "lios"
 
 
 def _chain(exc):
@@ -271,8 +316,148 @@ def test_an_option_the_scheduler_does_not_take_is_a_usage_error_naming_it():
 def test_the_docs_show_the_options_table_as_it_is():
     from pathlib import Path
 
-    from opweave.build.options import options_markdown
+    from opweave.pipeline.options import options_markdown
 
     root = Path(__file__).resolve().parent.parent
     for doc in ("README.md", "docs/design.md"):
         assert options_markdown() in (root / doc).read_text(), f"{doc}: the options table is out of date"
+
+
+# ---- every way in takes one resolved Options, checked before any model loads --------------------------------------
+class Built(Exception):
+    """The pipeline (or the server's engine) was reached: what it was given is recorded."""
+
+
+def _text(value) -> str:
+    """An option's value as the command line gives it (objects without a text form go as a name)."""
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return type(value).__name__ if not isinstance(value, (str, int, float)) else str(value)
+
+
+@pytest.fixture
+def ways_in(monkeypatch, made, tmp_path):
+    """Counts model loads (``capture.load``, the one way from a name to a model, and ``capture``) and stops at the
+    pipeline's ``build`` or the server's ``make_engine``, recording the options they were given."""
+    import opweave.api
+    import opweave.capture
+    import opweave.pipeline
+    import opweave.pipeline.flow
+    import opweave.serve.assemble
+    import opweave.serve.executors
+
+    model, inputs, _, path = made
+    model.keywords = ()  # as a loaded program says it takes no keyword inputs
+    real_capture = opweave.capture.capture
+    seen = {"loads": 0, "options": []}
+
+    def capture(*args, **kwargs):
+        seen["loads"] += 1
+        return real_capture(*args, **kwargs)
+
+    def load(*args, **kwargs):
+        seen["loads"] += 1
+        return model, inputs, real_capture(model, inputs)
+
+    def build(captured, example_inputs, options, **kwargs):
+        seen["options"].append(options)
+        raise Built
+
+    def make_engine(models, *, options=None, **kwargs):
+        seen["options"].append(options)
+        raise Built
+
+    monkeypatch.setattr(opweave.capture, "capture", capture)
+    monkeypatch.setattr(opweave.capture, "load", load)
+    for module in (opweave.pipeline, opweave.pipeline.flow, opweave.api, opweave.serve.executors):
+        monkeypatch.setattr(module, "build", build)
+    monkeypatch.setattr(opweave.serve.assemble, "make_engine", make_engine)
+    program = tmp_path / "tiny.pt2"
+    program.write_bytes(b"loaded by the stand-in")
+    samples = {**_samples(made[2].graph, path), "runtime": FakeCuda(seed=2)}
+    return seen, samples, str(program)
+
+
+def _outcome(seen: dict, key: str, value, raised: BaseException | None, door: str) -> str:
+    """``"used"`` (the options the pipeline got hold ``key`` as given, with ``value``) or ``"refused"`` (a
+    UsageError, and no model was loaded); anything else fails."""
+    chain = list(_chain(raised))
+    if any(isinstance(e, Built) for e in chain):
+        options = seen["options"][-1]
+        expected = parse_option(f"{key}={_text(value)}")[1] if door in ("bench", "serve", "run") else value
+        assert key in options.given, (door, key)
+        assert getattr(options, key) == expected or str(getattr(options, key)) == str(expected), (door, key)
+        return "used"
+    assert any(isinstance(e, UsageError) for e in chain), (door, key, raised)
+    assert seen["loads"] == 0, (door, key, "a model was loaded before the refusal")
+    return "refused"
+
+
+def test_every_option_through_every_way_in_is_used_or_refused_before_a_model_loads(ways_in):
+    """``opweave.compile``, the ``torch.compile`` backend, ``opweave bench -o``, ``opweave serve -o``, ``opweave run
+    -o`` and the Ray deployment: each option either reaches the pipeline (or the server's engine) as given, or is a
+    UsageError before any model is loaded. Before, the server checked its own list after loading the models,
+    ``bench`` checked one dict and built with another (``-o scheduler=``, ``coarsen``, ``devices`` passed the check
+    and failed after the load), and ``run`` took no option but its flags (dropping ``--threads`` under torchrun and
+    ``--link``/``--timeout`` with one device)."""
+    from opweave.cli import app
+    from opweave.dynamo import opweave_backend
+    from opweave.serve.ray import Replica, ReplicaOptions
+
+    seen, samples, program = ways_in
+    model, inputs = tiny()
+    traced = torch.fx.symbolic_trace(model)
+    runner = CliRunner()
+    outcomes: dict[str, dict[str, str]] = {}
+
+    def attempt(door: str, key: str, value, call, *args, **kwargs) -> None:
+        seen["loads"], raised = 0, None
+        try:
+            result = call(*args, **kwargs)
+            raised = getattr(result, "exception", None)
+            if raised is not None and isinstance(raised, SystemExit) and result.exit_code == 2:
+                raised = UsageError(result.output)  # the command line's one-line refusal
+        except Exception as exc:  # noqa: BLE001 - judged by _outcome
+            raised = exc
+        outcomes.setdefault(door, {})[key] = _outcome(seen, key, value, raised, door)
+
+    ranks = {"devices", "link", "timeout_s", "start_method"}
+    for key, value in samples.items():
+        with_ranks = {"devices": 2} if key in ranks - {"devices"} else {}
+        option = ["--option", f"{key}={_text(value)}"]
+        attempt("compile", key, value, opweave.compile, model, inputs, **with_ranks, **{key: value})
+        with torch.no_grad():  # dynamo compiles an inference graph under no_grad
+            attempt("torch.compile", key, value, opweave_backend, traced, inputs, options={**with_ranks, key: value})
+        scheduler = "hios-lp" if key in ranks else "heft" if key == "scheduler_options" else "sequential"
+        attempt("bench", key, value, runner.invoke, app, [
+            "bench", "--model-file", program, "--device", "cpu", "--json", "--schedulers", scheduler,
+            *(["--option", "devices=2"] if with_ranks else []), *option])
+        attempt("serve", key, value, runner.invoke, app, [
+            "serve", "--model-file", f"tiny={program}", "--compiler", "none", "--port", "0", *option])
+        attempt("run", key, value, runner.invoke, app, [
+            "run", "--model", "tiny", "--devices", "2" if with_ranks else "1", "--json", *option])
+        attempt("ray", key, value, lambda options: Replica(ReplicaOptions(
+            model_files={"tiny": program}, compiler=None, options=options)), {key: value})
+    every = set(samples)
+    assert all(set(by_key) == every for by_key in outcomes.values())
+    used = {door: {k for k, v in by_key.items() if v == "used"} for door, by_key in outcomes.items()}
+    # on the CPU every way in uses what applies there, but: the torch.compile backend takes a runtime for CUDA and
+    # holds no BatchNorm module to fold; a command line writes no Costs object, and bench's and run's own flags
+    # (--schedulers, --devices) are the scheduler and the devices there; a server costs and captures its blocks itself
+    assert used["compile"] == every - CUDA_ONLY
+    assert used["torch.compile"] == every - CUDA_ONLY - {"fold_bn"} | {"runtime"}
+    assert used["bench"] == every - CUDA_ONLY - {"costs", "scheduler"}
+    assert used["run"] == every - CUDA_ONLY - {"costs", "devices"}
+    assert used["serve"] == used["ray"] == {"scheduler", "streams", "cost_model", "coarsen", "compiler",
+                                            "scheduler_options", "threads"}
+
+
+def test_the_ray_deployment_refuses_an_option_before_ray_starts():
+    ray = pytest.importorskip("ray")
+    from opweave.serve.ray import ReplicaOptions, deploy
+
+    with pytest.raises(UsageError, match="option 'devices' does not apply to serving"):
+        deploy(ReplicaOptions(models=["squeezenet"], options={"devices": 2}))
+    assert not ray.is_initialized()

@@ -234,9 +234,9 @@ def test_node_names_say_what_a_node_computes_not_what_onnx_runtime_called_it():
 def test_a_cached_choice_rebuilds_the_same_plan_without_profiling(monkeypatch):
     """max-autotune's cache holds the chosen plan's latencies, which name the optimized graph's nodes: building the
     choice again plans on them as given and does not profile again."""
-    from opweave.build import resolve
-    from opweave.build.autotune import Candidate, _build
-    from opweave.build.targets import CpuTarget
+    from opweave.pipeline import resolve
+    from opweave.pipeline.autotune import Candidate, _build
+    from opweave.pipeline.targets import CpuTarget
 
     model, inputs = _model()
     first = opweave.compile(model, inputs, device="cpu", scheduler="heft", streams=2, graph="onnxruntime")

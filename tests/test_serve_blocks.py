@@ -11,6 +11,7 @@ from opweave.capture import capture
 from opweave.errors import UsageError
 from opweave.ir import OpGraph
 from opweave.outputs import compare
+from opweave.pipeline import resolve
 from opweave.serve import blocks
 from opweave.serve.executors import CpuExecutor, Part, SimExecutor, union_graph
 from serve_models import Pooled, tiny
@@ -97,7 +98,7 @@ def test_union_graph_order_is_the_graphs_own_topological_order(graphs):
 
 def test_combined_block_on_the_cpu_backend_answers_each_part(tiny_blocked):
     model, _, bm = tiny_blocked
-    ex = CpuExecutor({"tiny": bm}, streams=2)
+    ex = CpuExecutor({"tiny": bm}, resolve("cpu", streams=2))
     x = torch.randn(3, 3, 8, 8)
     first = Part("tiny", 0, 3, (x,))
     ex.run([first])
@@ -151,8 +152,8 @@ def test_makespan_ms_is_what_simulate_reports(graph, model):
     from dataclasses import replace
 
     from opweave.backends.simulate import makespan_ms, simulate
-    from opweave.build import plan_for
     from opweave.costs import from_graph
+    from opweave.pipeline import plan_for
 
     costs = replace(from_graph(graph), model=model)
     _, plan = plan_for(graph, costs, "lios", streams=3)
@@ -188,7 +189,7 @@ def test_a_block_at_a_large_batch_is_captured_without_a_forward_pass_and_runs_at
 def test_blocks_compiled_whole_by_onnxruntime_run_side_by_side_and_equal_eager():
     model, inputs = zoo.create("squeezenet", batch_size=1, image_size=64)
     blocked = blocks.split(capture(model, inputs, name="sq"), inputs, name="sq")
-    ex = CpuExecutor({"sq": blocked}, compiler="onnxruntime")
+    ex = CpuExecutor({"sq": blocked}, resolve("cpu", compiler="onnxruntime"))
     assert not ex.pad and ex.scheduler == "heft"
     made = ex.compile_parts(max_batch=4)  # one function per block and thread count a part can get: any batch
     counts = {max(1, ex.streams // k) for k in range(1, ex.streams + 1)}

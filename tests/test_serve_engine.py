@@ -302,7 +302,7 @@ def test_a_measured_profile_sets_the_simulated_latencies(two_tiny):
 
 def test_the_default_policy_follows_the_device():
     """static on a CPU (the highest sustained rates measured there, docs/serving.md), heuristic on a GPU."""
-    from opweave.serve.build import default_policy, make_engine
+    from opweave.serve.assemble import default_policy, make_engine
 
     assert (default_policy("cpu"), default_policy("cuda"), default_policy("sim")) == ("static", "heuristic",
                                                                                       "heuristic")
@@ -310,6 +310,6 @@ def test_the_default_policy_follows_the_device():
     assert make_engine({}, device="sim").policy.name == "heuristic"
     assert make_engine({}, device="cpu", policy="batch", compiler=None).policy.name == "batch"
     from opweave.cli.serve import ON_DEVICE  # what `opweave serve` prints after the default it chose
-    from opweave.serve.build import DEVICES
+    from opweave.serve.assemble import DEVICES
 
     assert set(ON_DEVICE) == set(DEVICES) and ON_DEVICE["sim"] == "the simulator"  # it printed "a CPU" for sim

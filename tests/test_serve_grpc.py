@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from opweave import zoo
-from opweave.serve.build import load_models, make_engine
+from opweave.serve.assemble import load_models, make_engine
 from opweave.serve.protocol import encode_tensor
 from opweave.serve.server import BackgroundServer
 from serve_models import WAIT_S, Gate

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from opweave.errors import UsageError
 from opweave.serve import frontend, protocol
-from opweave.serve.build import make_engine
+from opweave.serve.assemble import make_engine
 from opweave.serve.models import ServedModel, TensorSpec, parse_model_files
 from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
 from opweave.serve.repository import Repository

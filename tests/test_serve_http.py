@@ -16,7 +16,7 @@ import torch
 
 from opweave import zoo
 from opweave.serve import loadgen
-from opweave.serve.build import load_models, make_engine
+from opweave.serve.assemble import load_models, make_engine
 from opweave.serve.protocol import HEADER, encode_tensor
 from opweave.serve.server import BackgroundServer
 from serve_models import WAIT_S, Gate

@@ -15,7 +15,7 @@ import torch
 
 from opweave import zoo
 from opweave.errors import UsageError
-from opweave.serve.build import load_models, make_engine
+from opweave.serve.assemble import load_models, make_engine
 from opweave.serve.engine import Unavailable
 from opweave.serve.frontend import Refused
 from opweave.serve.protocol import HEADER, encode_tensor

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from opweave.serve.build import load_models, make_engine
+from opweave.serve.assemble import load_models, make_engine
 from opweave.serve.server import BackgroundServer
 
 triton_http = pytest.importorskip("tritonclient.http")

@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 
 from dags import dags
 from opweave import schedulers, zoo
-from opweave.build import plan_for
 from opweave.costs.model import from_graph
 from opweave.errors import UsageError
 from opweave.ir.synth import random_dag
 from opweave.learn import gpg, maddpg, policy
+from opweave.pipeline import plan_for
 from opweave.schedulers import ios, top_gpg
 from opweave.serve import top
-from opweave.serve.build import load_models, make_engine
+from opweave.serve.assemble import load_models, make_engine
 from opweave.serve.server import BackgroundServer
 
 

@@ -27,14 +27,14 @@ __all__ = ["Compiled", "Edge", "GraphError", "Op", "OpGraph", "OpweaveError", "c
            "examples", "schedulers", "synth", "zoo"]
 
 _LAZY = {"compile": ("opweave.api", "compile"), "compile_captured": ("opweave.api", "compile_captured"),
-         "Compiled": ("opweave.build.pipeline", "Compiled"), "capture": ("opweave.capture", None),
+         "Compiled": ("opweave.pipeline.compiled", "Compiled"), "capture": ("opweave.capture", None),
          "zoo": ("opweave.zoo", None), "examples": ("opweave.ir.examples", None), "synth": ("opweave.ir.synth", None)}
 
 if TYPE_CHECKING:
     from opweave import capture, zoo
     from opweave.api import compile, compile_captured
-    from opweave.build.pipeline import Compiled
     from opweave.ir import examples, synth
+    from opweave.pipeline.compiled import Compiled
 
 
 def __getattr__(name: str):

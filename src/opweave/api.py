@@ -1,11 +1,11 @@
-"""``opweave.compile``: capture → costs → scheduler → plan → backend, in one call (:mod:`opweave.build`)."""
+"""``opweave.compile``: capture → costs → scheduler → plan → backend, in one call (:mod:`opweave.pipeline`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from opweave.build import Compiled, as_tuple, build, resolve
 from opweave.errors import UsageError
+from opweave.pipeline import Compiled, as_tuple, build, resolve
 
 
 def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, device: str = "cpu",
@@ -20,7 +20,7 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, dev
     ``device`` is ``"cpu"`` or ``"cuda"``; ``mode`` a preset that means the same on every device, as in
     ``torch.compile``: ``"default"``, ``"reduce-overhead"`` (CUDA Graphs; on CUDA opweave's default records them
     too), ``"max-autotune"`` (the fastest of a bounded set of candidates, timed on the device and cached) and
-    ``"max-autotune-no-cudagraphs"``. Every other knob is an option (:data:`opweave.build.OPTIONS`: its meaning,
+    ``"max-autotune-no-cudagraphs"``. Every other knob is an option (:data:`opweave.pipeline.OPTIONS`: its meaning,
     devices and default), given as a keyword or in ``options``, e.g. ``scheduler="lios"``, ``streams=4``,
     ``compiler="inductor"`` (every stream segment compiled by TorchInductor), ``graph="onnxruntime"`` (CPU: lanes
     over ONNX Runtime's optimized graph), ``cudagraphs=False`` (run the streams live), ``devices=2`` (one rank

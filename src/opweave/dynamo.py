@@ -25,9 +25,9 @@ carry no ``grad_fn``; dynamo guards on grad mode, so the same model under ``torc
 ``torch.inference_mode()`` compiles normally. (Dynamo reports the error as ``BackendCompilerFailed``.)
 
 ``mode`` and ``options`` (``torch.compile(..., mode=...)`` or ``options=...``, as for inductor and apex's
-``torchsched``) mean what they mean for ``opweave.compile`` (:mod:`opweave.build.options`): ``mode`` one of
+``torchsched``) mean what they mean for ``opweave.compile`` (:mod:`opweave.pipeline.options`): ``mode`` one of
 torch's presets (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``),
-``options`` any of :data:`opweave.build.OPTIONS` (``scheduler``, ``streams``, ``compiler``, ``cudagraphs``, ...),
+``options`` any of :data:`opweave.pipeline.OPTIONS` (``scheduler``, ``streams``, ``compiler``, ``cudagraphs``, ...),
 with the same defaults: no scheduler means the device's default plan. Each graph's device is its example inputs'
 (CUDA too when a ``runtime`` is given: the fake CUDA runtime runs it on the CPU).
 ``fold_bn`` is refused: dynamo's graphs hold no BatchNorm modules to fold.
@@ -85,7 +85,7 @@ class OpweaveGraph:
     passes in the baked positions are not the ones baked in (swapped weights, see the module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: tuple, mode: str | None, options: dict) -> None:
-        from opweave.build import resolve
+        from opweave.pipeline import resolve
 
         self.gm, self.mode, self.options = gm, mode, options
         cuda = options.get("runtime") is not None or any(isinstance(x, torch.Tensor) and x.is_cuda

@@ -16,5 +16,5 @@ plan's order: which record a wait pairs with and what happens before what come f
 * :mod:`.ortgraph` — lanes over ONNX Runtime's optimized graph of the whole model, each segment one session;
 * :mod:`.distributed` — one process per device.
 
-Which backend runs a model, with which options, is :mod:`opweave.build`'s decision, not theirs.
+Which backend runs a model, with which options, is :mod:`opweave.pipeline`'s decision, not theirs.
 """

@@ -6,8 +6,8 @@ first lane in the caller's thread and each other lane on a long-lived worker thr
 record becomes ``threading.Event.set`` and its wait ``Event.wait``. The first lane's ops run on the budgets they are
 given (per op, the caller's count restored after the call); a worker's on one intra-op thread
 (:mod:`opweave.backends.threads` says why: a worker holding a bigger OpenMP team slowed every kernel of the process). A
-plan with a single lane runs in the caller's thread, on the caller's threads. PyTorch (and ONNX Runtime) release the GIL
-inside their kernels, so independent ops overlap on a multi-core CPU.
+plan with a single lane runs in the caller's thread, on its budget (every thread it may use). PyTorch (and ONNX Runtime)
+release the GIL inside their kernels, so independent ops overlap on a multi-core CPU.
 
 A lane that raises records the error and releases every signal; the other lanes stop at their next wait, and the
 first error is re-raised in the caller, naming the op and its fx node.
@@ -49,19 +49,18 @@ class CpuBackend:
     the backend is collected or the interpreter exits); a closed backend refuses calls. ``threads`` (op -> intra-op
     threads, :func:`opweave.backends.threads.lane_threads`) sets the first lane's ops' budgets; every other lane's
     ops run on one thread whatever it says. Without it the first lane takes what the workers leave of ``total``
-    threads (default: every core; :func:`opweave.backends.threads.budgets`). A single lane runs with the caller's
-    own thread count."""
+    threads (default: every core; :func:`opweave.backends.threads.budgets`), all of them when it is the only lane.
+    The caller's own thread count is put back after every call."""
 
     def __init__(self, runner, plan: LaunchPlan, threads: dict[str, int] | None = None, total: int | None = None):
         self.captured = runner
         self.program = Program.from_plan(plan)
         self.stats = {"calls": 0}
         lanes = sorted(self.program.lanes)
-        if len(lanes) > 1:
-            share = budgets(lanes, total=total)
-            threads = {step.op: (threads or {}).get(step.op, share[lane]) if lane == lanes[0] else 1
-                       for lane, step in self.program.issue_order if step.kind == "launch"}
-        self.code = LaneCode(runner, self.program, threads if len(lanes) > 1 else None)
+        share = budgets(lanes, total=total)
+        threads = {step.op: (threads or {}).get(step.op, share[lane]) if lane == lanes[0] else 1
+                   for lane, step in self.program.issue_order if step.kind == "launch"}
+        self.code = LaneCode(runner, self.program, threads)
         self._lock = threading.Lock()  # one call at a time: the workers share one call's slots
         self._caller_lane = lanes[0] if lanes else None
         default = torch.get_num_threads()
@@ -76,16 +75,16 @@ class CpuBackend:
             self.stats["calls"] += 1
             slots = self.code.bind(args)
             lane, function = self._caller_lane, self.code.functions[self._caller_lane]
-            if not self._pool.workers:  # a single lane needs no threads
-                try:
-                    function(slots, Call(slots, self.program.num_signals, 0))
-                except Exception as exc:
-                    raise self.code.error(lane, exc) from exc
-                return self.code.output(slots)
             caller_threads = torch.get_num_threads()
             try:
-                self._pool.run(Call(slots, self.program.num_signals, len(self._pool.workers) + 1),
-                               _generated(self.code, lane))
+                if not self._pool.workers:  # a single lane needs no threads
+                    try:
+                        function(slots, Call(slots, self.program.num_signals, 0))
+                    except Exception as exc:
+                        raise self.code.error(lane, exc) from exc
+                else:
+                    self._pool.run(Call(slots, self.program.num_signals, len(self._pool.workers) + 1),
+                                   _generated(self.code, lane))
             finally:
                 torch.set_num_threads(caller_threads)  # the lane's budgets changed the caller's count
             return self.code.output(slots)
@@ -107,19 +106,27 @@ def _generated(code: LaneCode, lane: Lane):
 
 
 class EagerBackend:
-    """The model itself, run as the CPU lanes run a plan (under ``no_grad``, on the caller's threads): what
-    ``opweave.compile``'s default keeps when neither its lanes nor one lane beat the model
-    (:func:`opweave.build.autotune.guarded`, ``eager``). It calls the live model, so a later change to the model's
+    """The model itself, run as the CPU lanes run a plan (under ``no_grad``, on ``threads`` intra-op threads, else the
+    caller's): what ``opweave.compile``'s default keeps when neither its lanes nor one lane beat the model
+    (:func:`opweave.pipeline.autotune.guarded`, ``eager``). It calls the live model, so a later change to the model's
     weights shows in its outputs. ``stats``: ``calls``."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, threads: int | None = None):
+        self.model, self.threads = model, threads
         self.stats = {"calls": 0}
 
     def __call__(self, *args) -> Any:
         self.stats["calls"] += 1
-        with torch.no_grad():
-            return self.model(*args)
+        if self.threads is None:
+            with torch.no_grad():
+                return self.model(*args)
+        caller_threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            with torch.no_grad():
+                return self.model(*args)
+        finally:
+            torch.set_num_threads(caller_threads)
 
     def close(self) -> None:
         pass
@@ -127,15 +134,16 @@ class EagerBackend:
 
 class LanePool:
     """Long-lived worker threads, one per lane of ``lanes`` (lane -> ``run(call)``, which runs that lane's steps for
-    a :class:`Call`), the one fan-out and join that the CPU backend, the lanes over ONNX Runtime's graph and a CPU
-    rank share. Each worker runs under ``no_grad`` and, with ``budget``, sets its own intra-op thread count once it
-    starts (:func:`opweave.backends.threads.enter_budget`). :meth:`run` hands a call to every worker and runs the
-    caller's part in the calling thread; ``close()`` stops the workers (also when the pool is collected or the
-    interpreter exits: a thread that used torch's intra-op pool and is still alive at teardown aborts the process,
-    "terminate called without an active exception")."""
+    a :class:`Call`), the one fan-out and join that the CPU backend, the lanes over ONNX Runtime's graph and a CPU rank
+    share. Each worker runs under ``no_grad`` and, with ``budget`` (one count for every worker, or lane -> its count),
+    sets its own intra-op thread count once it starts (:func:`opweave.backends.threads.enter_budget`). :meth:`run` hands
+    a call to every worker and runs the caller's part in the calling thread; ``close()`` stops the workers (also when
+    the pool is collected or the interpreter exits: a thread that used torch's intra-op pool and is still alive at
+    teardown aborts the process, "terminate called without an active exception")."""
 
-    def __init__(self, lanes: dict, budget: int | None = None):
-        self.workers = [_Worker(lane, run, budget) for lane, run in lanes.items()]
+    def __init__(self, lanes: dict, budget: int | dict | None = None):
+        self.workers = [_Worker(lane, run, budget.get(lane) if isinstance(budget, dict) else budget)
+                        for lane, run in lanes.items()]
         for worker in self.workers:
             worker.ready.wait()
         self._stop = weakref.finalize(self, stop_workers, list(self.workers))

@@ -75,6 +75,7 @@ from torch import nn
 
 from opweave.backends.compilers import Inductor
 from opweave.backends.segments import whole_module
+from opweave.backends.threads import total_threads
 from opweave.capture.coarsen import merge_ops
 from opweave.capture.runtime import Captured
 from opweave.errors import CaptureError, first_line
@@ -109,10 +110,10 @@ class InductorGraph:
 def inductor_graph(captured: Captured, inputs: tuple, threads: int | None = None,
                    freeze: bool | None = None) -> InductorGraph:
     """``captured``'s ops grouped by the kernels Inductor fuses when it compiles the whole model for ``inputs``
-    (compiled for ``threads`` intra-op threads on the CPU; default: the caller's). ``freeze``: as the segment
-    compiler's (default: frozen on the CPU only); ``False`` lowers CPU inputs the way CUDA's are lowered
-    (convolutions as ATen's extern calls, BatchNorm and activations in Inductor's epilogue kernels), which is how
-    ``opweave simulate --inductor`` predicts a GPU without one."""
+    (compiled for ``threads`` intra-op threads on the CPU; default: :func:`opweave.backends.threads.total_threads`).
+    ``freeze``: as the segment compiler's (default: frozen on the CPU only); ``False`` lowers CPU inputs the way
+    CUDA's are lowered (convolutions as ATen's extern calls, BatchNorm and activations in Inductor's epilogue
+    kernels), which is how ``opweave simulate --inductor`` predicts a GPU without one."""
     start = time.perf_counter()
     try:
         kernels, unowned = fused_kernels(captured, inputs, threads, freeze)
@@ -286,7 +287,7 @@ def fused_kernels(captured: Captured, inputs: tuple, threads: int | None = None,
             torch._functorch.config.patch(enable_autograd_cache=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            compiler(whole.gm, whole.inputs, threads or torch.get_num_threads())
+            compiler(whole.gm, whole.inputs, total_threads(threads))
         except Exception as exc:  # noqa: BLE001 - _Fused, wrapped by Inductor; anything else: it cannot compile
             if not seen:
                 raise CaptureError(f"{captured.graph.name}: Inductor cannot compile the whole model: "

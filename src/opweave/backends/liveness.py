@@ -24,7 +24,7 @@ and in-place results included); each group's allocating lane is the lane of the 
 storage's bytes. Groups that are model inputs, parameters or anything computed in ``bind``, groups the output
 returns, and groups allocated on several lanes are left out (kept to the end). Only the grouping depends on the
 program: a :class:`FakeRun` keeps the run, and a CUDA build makes one for all its plans (the memory pass of each,
-:func:`opweave.build.pipeline.memory_pass`, then the backend's release plan for the example inputs).
+:func:`opweave.pipeline.memory.memory_pass`, then the backend's release plan for the example inputs).
 :func:`release_keys` turns validated release points (:func:`opweave.plan.memory.validate_releases`) into
 environment keys, and :func:`steps_with_releases` puts them on the steps a
 :class:`~opweave.backends.program.Walker` runs (the CUDA backend does; see its docstring).

@@ -80,6 +80,7 @@ from torch.utils import _pytree as pytree
 
 from opweave.backends.cache import BoundedCache, signature
 from opweave.backends.compilers import get as get_compiler
+from opweave.backends.threads import total_threads
 from opweave.capture import opinfo
 from opweave.capture.coarsen import merge_ops
 from opweave.capture.runtime import Captured
@@ -124,15 +125,16 @@ def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inducto
     """The :class:`Segmented` model of ``plan``'s segments and the plan that launches them (see the module
     docstring). ``plan`` must have passed the validator for ``captured.graph``. ``compiler`` names a
     :mod:`~opweave.backends.compilers` compiler; ``threads`` (op -> intra-op threads, :func:`opweave.backends.threads.
-    op_threads`) gives each segment the smallest budget of its ops (the compiler's thread count; default 1 per op
-    when some are given, the compiler's own default otherwise); ``compiler_options``: keywords the compiler is made
-    with (:func:`opweave.backends.compilers.get`)."""
+    op_threads`) gives each segment the smallest budget of its ops (the compiler's thread count; default 1 per op when
+    some are given, :func:`opweave.backends.threads.total_threads` otherwise); ``compiler_options``: keywords the
+    compiler is made with (:func:`opweave.backends.compilers.get`)."""
     get_compiler(compiler, **(compiler_options or {}))  # refuses an unknown name before anything is built
     groups = segment_groups(plan)
     merged = merge_ops(captured, groups)
     budget = {group[0]: min(threads.get(op, 1) for op in group) for group in groups} if threads else {}
+    alone = len({(i.device, i.stream) for i in plan.instrs if i.kind == "launch"}) == 1
     segmented = Segmented(merged.graph, merged.gm, merged.nodes, signature=merged.signature,
-                          example_inputs=merged.example_inputs, compiler=compiler, threads=budget,
+                          example_inputs=merged.example_inputs, compiler=compiler, threads=budget, alone=alone,
                           compiler_options=dict(compiler_options or {}))
     return segmented, segment_plan(plan, groups)
 
@@ -148,6 +150,7 @@ class Segmented(Captured):
 
     compiler: str = "inductor"
     threads: dict[str, int] = field(default_factory=dict)  # segment -> the intra-op threads it is compiled for
+    alone: bool = False  # one lane: nothing runs beside a segment (its compiler's pool may spin)
     compiler_options: dict = field(default_factory=dict)  # keywords the compiler is made with
     stats: dict = field(default_factory=dict)
     _segments: dict[str, _Segment] = field(init=False, repr=False)
@@ -273,9 +276,9 @@ class _Segment:
         try:
             gm, specs = self._graph_module(values, examples)
             inputs = [leaf for v in values for leaf in pytree.tree_leaves(v) if isinstance(leaf, torch.Tensor)]
-            alone = not self.owner.threads  # no budgets: a one-lane plan, run on the caller's threads
-            threads = self.owner.threads.get(self.seg) or torch.get_num_threads()
-            fn = get_compiler(self.owner.compiler, **self.owner.compiler_options)(gm, inputs, threads, alone=alone)
+            threads = self.owner.threads.get(self.seg) or total_threads()
+            fn = get_compiler(self.owner.compiler, **self.owner.compiler_options)(gm, inputs, threads,
+                                                                                 alone=self.owner.alone)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run this segment op by op
             self.owner.stats["fallbacks"] += 1
             warnings.warn(f"{self.owner.graph.name}: segment {self.seg!r} could not be compiled with "

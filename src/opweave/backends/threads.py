@@ -54,16 +54,26 @@ def cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def budgets(lanes: Sequence, total: int | None = None) -> dict:
-    """Intra-op threads per lane: one for every lane but the first, which runs in the caller's thread and gets the
-    rest of ``total`` (default: :func:`cores`; at least 1). Module docstring: why the workers get one.
+def budgets(lanes: Sequence, total: int | None = None, *, ranks: int = 1) -> dict:
+    """The one rule for CPU threads, which every path that runs ops on the CPU takes (one lane or several, segments
+    compiled by Inductor or ONNX Runtime, the lanes over ONNX Runtime's graph, a rank's lanes, the server's
+    executor): each of ``lanes``' intra-op threads out of ``total`` in all (default: every core this process may
+    use, :func:`cores`, split evenly among ``ranks`` rank processes; at least 1). One lane gets them all; with
+    several, every lane but the first gets one and the first, which runs in the caller's thread, the rest (at least
+    1). Module docstring: why the workers get one.
 
     >>> budgets(["a", "b"], total=2), budgets(["a", "b", "c"], total=8), budgets(["a"], total=4)
     ({'a': 1, 'b': 1}, {'a': 6, 'b': 1, 'c': 1}, {'a': 4})
     """
-    total = cores() if total is None else total
+    total = max(1, cores() // max(1, ranks)) if total is None else total
     lanes = list(lanes)
     return {lane: max(1, total - len(lanes) + 1) if i == 0 else 1 for i, lane in enumerate(lanes)}
+
+
+def total_threads(total: int | None = None, *, ranks: int = 1) -> int:
+    """The threads one device's lanes may use in all: ``total``, else :func:`budgets`' share of the cores for one
+    of ``ranks`` processes (the budget of a single lane)."""
+    return budgets([0], total, ranks=ranks)[0]
 
 
 @functools.cache
@@ -103,16 +113,14 @@ def restore_default(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def lane_threads(graph, plan, costs=None, *, per_op: bool = False, total: int | None = None) -> dict[str, int] | None:
-    """Each op's intra-op threads on a CPU plan's lanes, out of ``total`` (default :func:`cores`; None for a single
-    lane: the caller's own count). With ``per_op`` (what runs the ops sleeps when idle: ONNX Runtime sessions) and
-    ``costs``, :func:`op_threads`' per-op budgets; otherwise the lanes' :func:`budgets`, the same for every op of a
-    lane (module docstring says why)."""
+def lane_threads(graph, plan, costs=None, *, per_op: bool = False, total: int | None = None) -> dict[str, int]:
+    """Each op's intra-op threads on a CPU plan's lanes, out of ``total`` (default :func:`total_threads`). With
+    ``per_op`` (what runs the ops sleeps when idle: ONNX Runtime sessions), ``costs`` and several lanes,
+    :func:`op_threads`' per-op budgets; otherwise the lanes' :func:`budgets`, the same for every op of a lane (a
+    single lane's ops get every thread; module docstring says why workers get one)."""
     lane_of = {i.op: (i.device, i.stream) for i in plan.instrs if i.kind == "launch"}
     lanes = sorted(set(lane_of.values()))
-    if len(lanes) < 2:
-        return None
-    if per_op and costs is not None:
+    if per_op and costs is not None and len(lanes) > 1:
         from opweave.backends.simulate import simulate
 
         return op_threads(simulate(graph, plan, costs), total=total)
@@ -134,7 +142,7 @@ def op_threads(sim, total: int | None = None, overlap: float = 0.1) -> dict[str,
     >>> op_threads(sim, total=2)
     {'a': 1, 'b': 1, 'c': 2, 'd': 1}
     """
-    total = cores() if total is None else total
+    total = total_threads(total)
     busy: dict = {}
     for op, lane in sim.lane_of.items():
         busy.setdefault(lane, []).append((sim.start_ms[op], sim.finish_ms[op]))
@@ -155,3 +163,13 @@ def op_threads(sim, total: int | None = None, overlap: float = 0.1) -> dict[str,
                 sharing += 1
         out[op] = max(1, total // sharing)
     return out
+
+
+def op_budgets(lanes: int, total: int | None = None, *, per_op: bool = True) -> list[int]:
+    """Every budget an op of a plan with at most ``lanes`` lanes may get out of ``total`` (default
+    :func:`total_threads`): :func:`op_threads`' with ``per_op``, else :func:`budgets`'. What to compile a call for
+    ahead of time (the serving executor's whole blocks)."""
+    total = total_threads(total)
+    if per_op:
+        return sorted({1} | {max(1, total // k) for k in range(1, max(1, lanes) + 1)})
+    return sorted({1} | {budgets(range(k), total)[0] for k in range(1, max(1, lanes) + 1)})

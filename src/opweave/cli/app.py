@@ -190,7 +190,7 @@ def run_one(graph: OpGraph, costs: Costs, name: str, streams: int | None, device
     """Schedule, lower, validate and replay one scheduler: (schedule, plan, simulation result). The scheduler sees
     ``costs``; the replay runs under ``replay`` (default ``costs``)."""
     from opweave.backends.simulate import simulate
-    from opweave.build import plan_for
+    from opweave.pipeline import plan_for
 
     sched, plan = plan_for(graph, costs, name, streams=streams,
                            devices=devices if name in schedulers.MULTI_DEVICE else 1)

@@ -14,14 +14,15 @@ import torch
 import typer
 from rich.table import Table
 
-from opweave.cli.app import BatchOpt, CoarsenOpt, JsonOpt, LinkOpt, StreamsOpt, app, err, guard, out
+from opweave.cli.app import BatchOpt, JsonOpt, LinkOpt, OptionOpt, StreamsOpt, app, err, guard, out
 from opweave.errors import UsageError
 
 
 @app.command("run")
 @guard
 def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
-        scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "hios-lp",
+        scheduler: Annotated[str | None, typer.Option("--scheduler", "-s", help="default: hios-lp (one device: the "
+                                                                              "device's own default)")] = None,
         devices: Annotated[int | None, typer.Option("--devices", min=1,
                                                    help="ranks (default 2; under torchrun its world size)")] = None,
         device: Annotated[str, typer.Option(help="cpu (gloo) | cuda (NCCL)")] = "cpu",
@@ -31,24 +32,43 @@ def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
         batch_size: BatchOpt = 1,
         image_size: Annotated[int | None, typer.Option(help="input height and width of the CNN models")] = None,
         streams: StreamsOpt = None, link: LinkOpt = None,
-        threads: Annotated[int | None, typer.Option(min=1, help="intra-op threads per rank (default cores / "
-                                                               "ranks)")] = None,
-        timeout: Annotated[float, typer.Option(min=1, help="process-group timeout, seconds")] = 300.0,
-        coarsen: CoarsenOpt = True, as_json: JsonOpt = False):
-    """Run a model with a multi-device plan, one rank process per device; print the median latency. The plan is
-    made for the coarsened graph, as ``opweave.compile(..., devices=N)`` makes it, unless --no-coarsen."""
+        threads: Annotated[int | None, typer.Option(min=1, help="the threads each rank's lanes may use in all "
+                                                               "(default: the cores split among the ranks)")] = None,
+        timeout: Annotated[float | None, typer.Option(min=1, help="process-group timeout, seconds (default "
+                                                                 "300)")] = None,
+        coarsen: Annotated[bool | None, typer.Option("--coarsen/--no-coarsen",
+                                                    help="the papers' operators, as opweave.compile plans them "
+                                                         "(--no-coarsen: one op per fx node; default: coarsen)")
+                           ] = None,
+        options: OptionOpt = None, as_json: JsonOpt = False):
+    """Run a model with a multi-device plan, one rank process per device; print the median latency. The model is
+    built as ``opweave.compile(..., devices=N)`` builds it, by the pipeline, with these flags and ``--option
+    KEY=VALUE`` as its options, every one checked before the model loads (one device: the device's own plan, in
+    this process)."""
     from opweave.backends.distributed import check_devices, torchrun
     from opweave.capture import load
+    from opweave.pipeline import parse_option, resolve
 
-    check_devices(1 if torchrun.launched() else devices or 2, device)  # before building the model: one line
-    build = functools.partial(load, model, batch_size=batch_size, image_size=image_size, coarsen=coarsen)
+    world = torchrun.rank_and_world()[1] if torchrun.launched() else devices or 2
+    if torchrun.launched() and devices is not None and devices != world:
+        raise UsageError(f"--devices {devices}, but torchrun started {world} ranks (--nproc-per-node x nodes)")
+    settings = dict(parse_option(text) for text in options or [])
+    flags = {"scheduler": scheduler, "devices": world, "streams": streams, "link": link, "threads": threads,
+             "timeout_s": timeout, "coarsen": coarsen}
+    both = sorted(k for k, v in flags.items() if v is not None and k in settings)
+    if both:
+        raise UsageError(f"option {both[0]!r} given both as a flag and with --option")
+    resolved = resolve(device, "default", {**settings, **{k: v for k, v in flags.items() if v is not None}},
+                       check_device=False)
+    check_devices(1 if torchrun.launched() else world, device)  # before building the model: one line
+    loaded = functools.partial(load, model, batch_size=batch_size, image_size=image_size, coarsen=False,
+                               fold_bn=resolved.fold_bn)
     if torchrun.launched():
-        result = _run_torchrun(build, model, scheduler, devices, device, runs, warmup, streams, link, timeout, check)
+        result = _run_torchrun(loaded, model, resolved, runs, warmup, check)
         if result is None:
             return
     else:
-        result = _run_ranks(build, model, scheduler, devices or 2, device, runs, warmup, streams, link, threads,
-                            timeout, check)
+        result = _run_ranks(loaded, model, resolved, runs, warmup, check)
     _report(result, check, as_json)
 
 
@@ -63,58 +83,48 @@ def _simulated_ms(compiled_graph, plan, costs) -> float:
     return simulate(compiled_graph, plan, costs).makespan_ms
 
 
-def _run_ranks(build, model, scheduler, devices, device, runs, warmup, streams, link, threads, timeout,
-               check) -> dict:
-    from opweave.build.targets import RanksTarget
+def _run_ranks(loaded, model, options, runs, warmup, check) -> dict:
     from opweave.evaluate.bench import median_ms
+    from opweave.pipeline import build
 
-    module, inputs, captured = build()
-    with RanksTarget().build(captured, inputs, _options(device, scheduler, devices, streams, link, threads,
-                                                        timeout)) as fast:
+    module, inputs, captured = loaded()
+    with build(captured, inputs, options, eager=module) as fast:
         ms = median_ms(fast, inputs, runs=runs, warmup=warmup)
-        return {"model": model, "scheduler": scheduler, "devices": devices, "device": device, "launch": "processes",
+        return {"model": model, "scheduler": fast.schedule.scheduler, "devices": options.devices,
+                "device": options.device, "launch": "processes" if options.devices > 1 else "this process",
                 "median_ms": ms, "runs": runs, "ops": len(fast.graph),
                 "simulated_ms": _simulated_ms(fast.graph, fast.plan, fast.costs),
-                "devices_used": fast.schedule.devices_used, "ranks": fast.backend.info,
+                "devices_used": fast.schedule.devices_used, "ranks": getattr(fast.backend, "info", []),
                 **(_compare(module, inputs, fast(*inputs)) if check else {})}
 
 
-def _run_torchrun(build, model, scheduler, devices, device, runs, warmup, streams, link, timeout,
-                  check) -> dict | None:
+def _run_torchrun(loaded, model, options, runs, warmup, check) -> dict | None:
     from opweave.backends.distributed import torchrun
-    from opweave.build.targets import RanksTarget
+    from opweave.pipeline.targets import RanksTarget
 
     rank, world = torchrun.rank_and_world()
-    if devices is not None and devices != world:
-        raise UsageError(f"--devices {devices}, but torchrun started {world} ranks (--nproc-per-node x nodes)")
     built: dict = {}
 
     def prepare():
-        module, inputs, captured = build()
-        costs, sched, plan = RanksTarget().plan(captured, inputs, _options(device, scheduler, world, streams, link))
+        module, inputs, captured = loaded()
+        if options.coarsen:  # as the pipeline's build coarsens
+            from opweave.capture import coarsen
+
+            captured = coarsen(captured)
+        costs, sched, plan = RanksTarget().plan(captured, inputs, options)
         built.update(module=module, inputs=inputs, costs=costs, sched=sched, plan=plan, graph=captured.graph)
         return captured, plan, inputs
 
-    result = torchrun.run(prepare, device=device, runs=runs, warmup=warmup, timeout_s=timeout)
+    result = torchrun.run(prepare, device=options.device, runs=runs, warmup=warmup, timeout_s=options.timeout_s,
+                          threads=options.threads if "threads" in options.given else None)
     if rank != 0:
         return None
     module, inputs = built["module"], built["inputs"]
-    return {"model": model, "scheduler": scheduler, "devices": world, "device": device, "launch": "torchrun",
-            "median_ms": statistics.median(result["times_ms"]), "runs": runs, "ops": len(built["graph"]),
-            "simulated_ms": _simulated_ms(built["graph"], built["plan"], built["costs"]),
+    return {"model": model, "scheduler": options.scheduler, "devices": world, "device": options.device,
+            "launch": "torchrun", "median_ms": statistics.median(result["times_ms"]), "runs": runs,
+            "ops": len(built["graph"]), "simulated_ms": _simulated_ms(built["graph"], built["plan"], built["costs"]),
             "devices_used": built["sched"].devices_used, "ranks": result["ranks"],
             **(_compare(module, inputs, result["output"]) if check else {})}
-
-
-def _options(device: str, scheduler: str, devices: int, streams, link, threads=None, timeout=None):
-    """The rank processes' options, checked as opweave.compile checks them (the model was coarsened, or not, when it
-    was loaded). One device runs the plan in one rank process: the baseline the others are held against."""
-    from opweave.build import resolve
-
-    ranks = {"link": link, "timeout_s": timeout} if devices > 1 else {}
-    return resolve(device, "default", {"scheduler": scheduler, "devices": devices, "streams": streams,
-                                       "threads": threads if device == "cpu" else None, "coarsen": False, **ranks},
-                   check_device=False)
 
 
 def _compare(module, inputs, got) -> dict:

@@ -193,8 +193,8 @@ def calibrate(results: Annotated[list[Path], typer.Argument(help="result JSON fi
     rows; print the error fitted on all rows and with each model left out, and write the device file."""
     import gzip
 
-    from opweave.backends import calibrate as fit
     from opweave.costs import calibrated
+    from opweave.pipeline import calibrate as fit
 
     rows = fit.read_rows(results)
     start = calibrated.Device.load(base or calibrated.shipped_path("h200"))

@@ -133,7 +133,7 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
     --policy-file`` (or, written to ``src/opweave/serve/data/top_<models>.pt``, shipped as the default)."""
     from opweave.learn import policy
     from opweave.schedulers.top_gpg import one_thread
-    from opweave.serve.build import load_models, parse_image_size
+    from opweave.serve.assemble import load_models, parse_image_size
     from opweave.serve.executors import SimExecutor
     from opweave.serve.loadgen import parse_pattern
 

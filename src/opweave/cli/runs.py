@@ -36,28 +36,35 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
           streams: StreamsOpt = None, runs: Annotated[int, typer.Option(min=1)] = 20,
           warmup: Annotated[int, typer.Option(min=0)] = 3,
           profile: Annotated[Path | None, typer.Option(help="schedule on this measured profile")] = None,
-          coarsen: CoarsenOpt = True, options: OptionOpt = None, as_json: JsonOpt = False):
+          coarsen: Annotated[bool | None, typer.Option("--coarsen/--no-coarsen",
+                                                      help="the papers' operators, as opweave.compile plans them "
+                                                           "(--no-coarsen: one op per fx node; default: coarsen)")
+                             ] = None,
+          options: OptionOpt = None, as_json: JsonOpt = False):
     """Real runs: eager vs opweave with each scheduler. Every mode is built first, then all are timed interleaved
     (rounds of a few calls each, so that all see the same load): the median, the spread (p10 to p90, as % of the
     median) and the speed-up over eager, shown as ~ when it is within the spread (README, "How to read a
     benchmark"). A machine that other processes kept busy meanwhile gets a warning. ``--option KEY=VALUE`` sets any
-    other option of opweave.compile for every scheduler (refused, before anything runs, where it does not apply)."""
-    from opweave.build import parse_option, resolve
+    other option of opweave.compile for every scheduler (refused, before the model loads, where it does not apply
+    to one of them)."""
     from opweave.evaluate.bench import bench_model, resolve_device
+    from opweave.pipeline import parse_option
 
     device = resolve_device(device)
     settings = dict(parse_option(text) for text in options or [])
     mode = settings.pop("mode", "default")
-    resolve(device, mode, {"streams": streams, "profile": profile}, check_device=False,
-            **settings)  # checked here, once, before the model is built
+    flags = {"streams": streams, "profile": profile, "coarsen": coarsen}
+    both = sorted(k for k, v in flags.items() if v is not None and k in settings)
+    if both:
+        raise UsageError(f"option {both[0]!r} given both as --{both[0]} and with --option")
     names = schedulers.names() if schedulers_ == "all" else [s.strip() for s in schedulers_.split(",") if s.strip()]
     for name in names:
         scheduler_names(name)
     if model is not None and model_file is not None:
         raise UsageError("give --model NAME or --model-file PATH.pt2, not both")
     result = bench_model(model_file or model or "inception_v3", device=device, batch_size=batch_size,
-                         scheduler_names=names, streams=streams, runs=runs, warmup=warmup, progress=not as_json,
-                         profile=profile, coarsen=coarsen, mode=mode, options=settings)  # fold_bn: at capture
+                         scheduler_names=names, runs=runs, warmup=warmup, progress=not as_json, mode=mode,
+                         options={**settings, **{k: v for k, v in flags.items() if v is not None}})
     if as_json:
         print(json.dumps(result))
         return

@@ -26,7 +26,8 @@ PolicyFileOpt = Annotated[Path | None, typer.Option("--policy-file", help="train
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", min=1, help="requests waiting per model (then 429)")]
 MaxBatchOpt = Annotated[int, typer.Option("--max-batch", min=1, help="samples stacked in one instance")]
 HOpt = Annotated[int, typer.Option("--max-sub-blocks", min=1, help="H: sub-blocks per combined block")]
-SchedulerOpt = Annotated[str, typer.Option("--scheduler", help="lios | ios: schedules each combined block")]
+SchedulerOpt = Annotated[str | None, typer.Option("--scheduler", help="schedules each combined block (default: "
+                                                  "lios; heft over blocks compiled whole)")]
 StreamsOpt = Annotated[int | None, typer.Option("--streams", min=1, help="streams per combined block")]
 ImageSizeOpt = Annotated[str | None, typer.Option("--image-size", help="input size of zoo CNNs: N, or N,MODEL=N,...")]
 CutsOpt = Annotated[list[str] | None, typer.Option("--cuts", help="MODEL=OP+OP...: cut blocks exactly there")]
@@ -84,7 +85,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64, max_batch: MaxBatchOpt = 8,
           max_sub_blocks: HOpt = 4,
           timeout_ms: Annotated[float | None, typer.Option("--timeout-ms", help="default request deadline")] = None,
-          scheduler: SchedulerOpt = "lios", streams: StreamsOpt = None, image_size: ImageSizeOpt = None,
+          scheduler: SchedulerOpt = None, streams: StreamsOpt = None, image_size: ImageSizeOpt = None,
           cuts: CutsOpt = None,
           max_body_mb: Annotated[float | None, typer.Option(
               "--max-body-mb", min=0, help="raise every model's request size limit to this many MiB (default: "
@@ -103,8 +104,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           cors_allow_origin: Annotated[list[str] | None, typer.Option(
               "--cors-allow-origin", help="a web page's origin (https://app.example.com) that may call the server "
               "(CORS); repeat for more. Default: none: a request from a web page is refused")] = None,
-          threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch intra-op threads (cpu; "
-                                                      "default: the cores, split among the lanes)")] = None,
+          threads: Annotated[int | None, typer.Option("--threads", min=1, help="cpu: the threads each combined "
+                                                      "block's lanes may use in all, as opweave.compile's threads "
+                                                      "(default: every core; with --ray, 1 per replica)")] = None,
           compiler: Annotated[str, typer.Option("--compiler", help="cpu: each block compiled whole by onnxruntime or "
                                                            "inductor, or none (TOP's combined op graphs); default "
                                                            "onnxruntime when installed")] = "default",
@@ -126,21 +128,25 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     Defaults that follow the device, printed when the server listens: ``--policy`` static on a CPU (it sustained the
     highest rates measured there), heuristic on a GPU; ``--compiler`` onnxruntime on a CPU where it is installed."""
-    import torch
-
-    from opweave.serve.build import default_policy, load_models, make_engine, parse_cuts, parse_image_size
+    from opweave.pipeline import parse_option
+    from opweave.serve.assemble import (
+        default_policy,
+        load_models,
+        make_engine,
+        parse_cuts,
+        parse_image_size,
+        serving_options,
+    )
     from opweave.serve.models import parse_model_files
     from opweave.serve.repository import CONTROL_MODES, Repository
     from opweave.serve.server import serve as run_server
 
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
-    from opweave.build import parse_option
-    from opweave.serve.build import serving_options
-
-    settings = serving_options(device, dict(parse_option(text) for text in options or []))
-    scheduler, streams = settings.get("scheduler", scheduler), settings.get("streams", streams)
-    compiler = settings.get("compiler", compiler)
+    given = dict(parse_option(text) for text in options or [])
+    flags = {"scheduler": scheduler, "streams": streams, "compiler": None if compiler in ("default", "none") else
+             compiler, "threads": threads if threads is not None or not ray or device != "cpu" else 1}
+    settings = serving_options(device, given, **flags)  # every option checked, before any model loads
     if model_control_mode not in CONTROL_MODES:
         raise UsageError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got "
                          f"{model_control_mode!r}")
@@ -149,8 +155,6 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     if hosts == ():
         raise UsageError("--allowed-hosts names no host (give * to answer any)")
     origins = tuple(_origins(cors_allow_origin))
-    if threads is not None:
-        torch.set_num_threads(threads)
     chosen = "" if policy else f" (the default on {ON_DEVICE.get(device, device)})"
     policy = policy or default_policy(device)
     options = _policy_options(policy, policy_options, policy_file)
@@ -168,9 +172,10 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
             model_repository=None if model_repository is None else str(model_repository.resolve()), device=device,
             policy=policy, policy_options=options, max_queue=max_queue, max_batch=max_batch,
             max_sub_blocks=max_sub_blocks, timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
-            scheduler=scheduler, streams=streams, image_size=parse_image_size(image_size), cuts=parse_cuts(cuts),
-            compiler=None if compiler == "none" else compiler, threads=threads or 1,
-            max_body_bytes=max_body_bytes, allowed_hosts=hosts, allow_origins=origins,
+            options={**given, **{k: v for k, v in flags.items() if v is not None}},
+            image_size=parse_image_size(image_size), cuts=parse_cuts(cuts),
+            compiler=None if compiler == "none" else "default", max_body_bytes=max_body_bytes,
+            allowed_hosts=hosts, allow_origins=origins,
             pin_cores=pin_cores, allow_symlinks_outside_root=allow_symlinks_outside_root, strict=strict),
             replicas, max_replicas, host, port, ray_address, chosen)
         return
@@ -179,11 +184,10 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     served = load_models(_names(models), files, device=device, max_batch=max_batch,
                          image_size=parse_image_size(image_size), cuts=parse_cuts(cuts)) \
         if model_repository is None or models or files else {}
-    engine = make_engine(served, device=device, policy=policy,
-                         policy_options=options,
+    engine = make_engine(served, device=device, options=settings, policy=policy, policy_options=options,
                          max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
-                         timeout_s=None if timeout_ms is None else timeout_ms / 1e3, scheduler=scheduler,
-                         streams=streams, compiler=None if compiler == "none" else compiler)
+                         timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
+                         compiler=None if compiler == "none" else "default")
     repository = Repository(engine, served, model_repository, device=device, max_batch=max_batch,
                             control=model_control_mode, allow_symlinks_outside_root=allow_symlinks_outside_root)
     repository.load_all(strict=strict)
@@ -193,7 +197,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     down = f"; UNAVAILABLE: {', '.join(unavailable)} (see the repository index)" if unavailable else ""
 
     compiled = getattr(engine.executor, "compiler", None) or "none"
-    builds = "" if device != "cpu" else f"; compiler {compiled}{' (the default)' if compiler == 'default' else ''}"
+    builds = "" if device != "cpu" else (f"; compiler {compiled}{' (the default)' if compiler == 'default' else ''}"
+                                          f", {engine.executor.threads} threads")
 
     def listening(h: str, p: int, g: int | None = None) -> None:
         rpc = f"gRPC on {h}:{g}; " if g is not None else ""
@@ -320,15 +325,15 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
     if profile and not simulate:
         raise UsageError("--profile goes with --simulate")
     if simulate:
-        from opweave.serve.build import load_models, load_profiles, make_engine, parse_image_size
+        from opweave.serve.assemble import load_models, load_profiles, make_engine, parse_image_size, serving_options
 
+        settings = serving_options("sim", scheduler=scheduler, streams=streams)  # before any model loads
         options = _policy_options(policy, policy_options, policy_file)
         served = load_models(list(rates), device="sim", max_batch=max_batch,
                              image_size=parse_image_size(image_size))
-        engine = make_engine(served, device="sim", policy=policy,
-                             policy_options=options, max_queue=max_queue,
-                             max_batch=max_batch, max_sub_blocks=max_sub_blocks, scheduler=scheduler,
-                             streams=streams, preset=device_preset, profiles=load_profiles(profile, served))
+        engine = make_engine(served, device="sim", options=settings, policy=policy, policy_options=options,
+                             max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
+                             preset=device_preset, profiles=load_profiles(profile, served))
         rep, outcomes = lg.run_simulated(engine, rates, duration, arrivals, seed=seed, scale=scale)
         rep["device_preset"] = device_preset
     else:
@@ -351,8 +356,8 @@ def blocks(models: Annotated[str, typer.Option("--models", help="comma list of z
            "resnet50,squeezenet", image_size: ImageSizeOpt = None, cuts: CutsOpt = None, as_json: JsonOpt = False):
     """Split models into blocks at single-tensor cut points; counts beside TOP Table II."""
     from opweave import zoo
+    from opweave.serve.assemble import load_models, parse_cuts, parse_image_size
     from opweave.serve.blocks import table_ii
-    from opweave.serve.build import load_models, parse_cuts, parse_image_size
 
     served = load_models(_names(models), device="cpu", image_size=parse_image_size(image_size), cuts=parse_cuts(cuts))
     rows = [{**table_ii(m.blocked), "top_blocks": zoo.PAPER_COUNTS.get(n, {}).get("blocks"),

@@ -135,28 +135,26 @@ def device_name(device: str) -> str:
 
 
 def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
-                scheduler_names: Sequence[str] = (), streams: int | None = None, runs: int = 20, warmup: int = 3,
-                progress: bool = True, profile: str | None = None, coarsen: bool = True,
+                scheduler_names: Sequence[str] = (), runs: int = 20, warmup: int = 3, progress: bool = True,
                 mode: str = "default", options: dict | None = None) -> dict:
-    """Eager vs ``opweave.compile`` with each scheduler on one zoo model or ``.pt2`` file (``source``, as
-    :func:`opweave.capture.load` takes it), with ``options`` (any other option of ``opweave.compile``) for every
-    scheduler: every mode built and checked against eager, then all timed interleaved (module docstring); returns a
+    """Eager vs opweave with each scheduler on one zoo model or ``.pt2`` file (``source``, as
+    :func:`opweave.capture.load` takes it), with ``options`` (any option of ``opweave.compile``: ``streams``,
+    ``profile``, ``coarsen``, ...) for every scheduler: every mode's options resolved and checked first, before the
+    model loads (:func:`opweave.pipeline.resolve`, one :class:`~opweave.pipeline.Options` per scheduler), then every
+    mode built by the pipeline and checked against eager, then all timed interleaved (module docstring); returns a
     JSON-ready dict. Each row has its median, p10, p90 and spread; the others also their speed-up over eager and
     whether it is within the spread (:func:`versus`). ``machine`` says what else ran meanwhile, and ``warning`` is
     set when the machine was busy."""
     from rich.progress import Progress
 
-    from opweave.api import compile_captured
     from opweave.capture import load
+    from opweave.pipeline import build, resolve
 
-    if device == "cuda":
-        from opweave.backends.cuda import require_cuda
-
-        require_cuda()
-    # captured once: every scheduler plans the same graph
-    options = dict(options or {})
-    model, inputs, captured = load(source, batch_size=batch_size, device=device, coarsen=coarsen,
-                                   fold_bn=options.pop("fold_bn", False))
+    modes = {name: resolve(device, mode, options, scheduler=name) for name in scheduler_names}  # raises first
+    given = next(iter(modes.values())) if modes else resolve(device, mode, options)
+    # captured once, as it is: every scheduler plans the same graph, coarsened by the pipeline as its options say
+    model, inputs, captured = load(source, batch_size=batch_size, device=device, coarsen=False,
+                                   fold_bn=given.fold_bn)
     model_name = captured.graph.name
     with torch.inference_mode():
         reference = model(*inputs)
@@ -166,8 +164,7 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
         task = bar.add_task(f"{model_name}: building", total=len(scheduler_names) + 1)
         for name in scheduler_names:
             bar.update(task, description=f"{model_name}: building opweave {name}")
-            fast = compile_captured(captured, inputs, scheduler=name, device=device, streams=streams, profile=profile,
-                                    coarsen=False, mode=mode, options=options)
+            fast = build(captured, inputs, modes[name], eager=model)
             with torch.inference_mode():
                 check = compare(reference, fast(*inputs))
             calls[f"opweave {name}"] = lambda fast=fast: fast(*inputs)
@@ -188,7 +185,8 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
             row["within_spread"] = ratio["within_spread"]
     load = load_average()
     return {"model": model_name, "batch_size": batch_size, "device": device, "device_name": device_name(device),
-            "costs": "profile " + str(profile) if profile else "roofline estimate", "coarsen": coarsen,
+            "costs": "profile " + str(given.profile) if given.profile else "roofline estimate",
+            "coarsen": given.coarsen,
             "torch": torch.__version__, "runs": runs, "warmup": warmup, "rounds": max(1, min(ROUNDS, runs)),
             "machine": {"cpus": os.cpu_count(), "load_average_1_5_15m": load,
                         "others_cpu_share": None if other.share is None else round(other.share, 3), "busy": other.busy},

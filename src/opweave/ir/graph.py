@@ -10,6 +10,7 @@ every schedule the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import math
@@ -247,7 +248,7 @@ def _check_number(value: object, what: str) -> None:
 def _build(kind: type, raw: object, what: str):
     if not isinstance(raw, dict):
         raise GraphError(f"{what} entry {raw!r} must be an object")
-    known = kind.__dataclass_fields__
+    known = {f.name for f in dataclasses.fields(kind)}
     unknown = sorted(set(raw) - set(known))
     label = raw.get("id") or f"{raw.get('src')!r} -> {raw.get('dst')!r}"
     if unknown:

@@ -89,7 +89,7 @@ class GpgGraphs:
     @classmethod
     def from_zoo(cls, models: list[str], *, preset: str = "h100", seed: int = 0) -> GpgGraphs:
         """The training graphs of the zoo ``models`` (loaded and split into blocks as the server does)."""
-        from opweave.serve.build import load_models
+        from opweave.serve.assemble import load_models
 
         served = load_models(models, device="sim", max_batch=16)
         return cls({n: m.blocked for n, m in served.items()}, preset=preset, seed=seed)

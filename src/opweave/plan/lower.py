@@ -151,7 +151,7 @@ def _log_decisions(sched: Schedule, plan: LaunchPlan, avoided: Counter[int]) -> 
 
 def _keep_used_events(instrs: list[Instr], waited: set[int]) -> list[Instr]:
     """Drop records no wait uses; renumber the rest densely per device in issue order."""
-    number: dict[int, int] = {}
+    number: dict[int | None, int] = {}
     per_device: dict[int, int] = {}
     out: list[Instr] = []
     for ins in instrs:

@@ -31,7 +31,7 @@ its previous value happens before it. That is all a reuse needs; blocks are neve
   stays valid: every dependency the plan ordered is still ordered), so lowering's rule that every wait is needed
   holds for the plan a scheduler gets lowered to, not for the plan with added waits.
 * :func:`capped_joins` — waits that may **cost time**, for a plan whose planned peak is still over a cap (the CUDA
-  target's is 1.25x the one-stream plan's, :func:`opweave.build.pipeline.memory_pass`): the same joins, placed
+  target's is 1.25x the one-stream plan's, :func:`opweave.pipeline.memory.memory_pass`): the same joins, placed
   right before the peak's instruction (the latest place that frees the buffer before it), the one that lowers the
   peak most first, each kept only if the caller's ``accept`` takes the plan (a budget on the simulated makespan).
   A peak made of buffers that are all still to be read is beyond any wait: the issue order itself holds them.
@@ -43,9 +43,11 @@ added), plus a scan of the buffers live at the peak each time.
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 from opweave.errors import PlanError
 from opweave.plan.launchplan import Instr, LaunchPlan
@@ -78,13 +80,18 @@ class Timeline(PlanInterpreter):
         super().__init__()
         self.clocks: dict[Lane, list[Clock]] = {}
         self.index: dict[Lane, list[int]] = {}
-        self.launched: dict[str, Point] = {}
+        self.launched: dict[str | None, Point] = {}  # a launch's op -> where it was issued
 
     def run_instr(self, i: int, ins: Instr, at: Point) -> None:
         self.clocks.setdefault(at[0], []).append(dict(self.clock[at[0]]))
         self.index.setdefault(at[0], []).append(i)
         if ins.kind == "launch":
             self.launched[ins.op] = at
+
+
+def _on_lane(lane: Lane, clock: Clock) -> int:
+    """How far ``clock`` has seen ``lane`` (0: not at all)."""
+    return clock.get(lane, 0)
 
 
 def timeline(plan: LaunchPlan) -> Timeline:
@@ -126,7 +133,7 @@ def _earliest(line: Timeline, buf: Buffer) -> Point | None:
     # Clocks only grow along a lane, so the first covering point of each use is found by bisection.
     earliest = 0
     for lane, position in (line.launched[u] for u in buf.users):
-        earliest = max(earliest, bisect_left(clocks, position, key=lambda c, m=lane: c.get(m, 0)))
+        earliest = max(earliest, bisect_left(clocks, position, key=functools.partial(_on_lane, lane)))
     return (buf.alloc_lane, earliest + 1) if earliest < len(clocks) else None
 
 
@@ -255,7 +262,7 @@ def capped_joins(plan: LaunchPlan, buffers: list[Buffer], cap_bytes: int, *, acc
             break
         peak = max(curve)
         at_peak = curve.index(peak)
-        ranked = []
+        ranked: list[tuple[tuple[int, int], int, LaunchPlan]] = []
         for buf in _kept_past(line, buffers, releases, at_peak)[:tries]:
             candidate = _free_join(plan, line, buf, at_peak, latest=True)
             if candidate is None:
@@ -320,7 +327,7 @@ def _free_join(plan: LaunchPlan, line: Timeline, buf: Buffer, before: int, start
     if not last:
         return None
     records: dict[int, Instr] = {}  # plan index -> a new record to insert right before it
-    events: list[int] = []
+    events: list[int | None] = []
     after, ready = -1, 0.0
     next_event = 1 + max((ins.event for ins in instrs if ins.device == device and ins.event is not None), default=-1)
     for other, at in sorted(last.items()):
@@ -336,10 +343,11 @@ def _free_join(plan: LaunchPlan, line: Timeline, buf: Buffer, before: int, start
             next_event += 1
             after = max(after, use)
         if not latest:
-            ready = max(ready, finish_ms[instrs[use].op])
+            assert finish_ms is not None  # the timing the waits are placed by
+            ready = max(ready, finish_ms[cast(str, instrs[use].op)])
     # Right before the first launch of the lane issued after the records that starts once they are done (after the
     # lane's other instructions before it: a record there must not be delayed), or after the lane's last one.
-    place = before if latest else _free_place(plan, index, after, ready, start_ms, slack_ms)
+    place = before if latest else _free_place(plan, index, after, ready, start_ms or {}, slack_ms)
     if place > before:
         return None
     inserts = {i: [ins] for i, ins in records.items()}
@@ -353,13 +361,13 @@ def _free_join(plan: LaunchPlan, line: Timeline, buf: Buffer, before: int, start
 
 
 def _free_place(plan: LaunchPlan, index: list[int], after: int, ready: float, start_ms: dict[str, float],
-                slack_ms: float) -> int | None:
+                slack_ms: float) -> int:
     """Where :func:`_free_join` puts its waits: the plan index right before the first launch of the lane (``index``)
     issued after ``after`` that the timing starts ``slack_ms`` after ``ready``, past the lane's instructions before
     it; after the lane's last instruction when there is none."""
     previous = -1
     for i in index:
-        if i > after and plan.instrs[i].kind == "launch" and start_ms[plan.instrs[i].op] >= ready + slack_ms:
+        if i > after and plan.instrs[i].kind == "launch" and start_ms[cast(str, plan.instrs[i].op)] >= ready + slack_ms:
             break
         previous = i
     return max(after, previous) + 1

@@ -103,8 +103,8 @@ class PlanInterpreter:
         self.clock: dict[Lane, Clock] = {}
         self.snapshot: dict[int, Clock] = {}
         self._last_on_lane: dict[Lane, int] = {}
-        self._latest_record: dict[tuple[int, int], int] = {}  # (device, event) -> index
-        self._latest_send: dict[tuple[str, int, int], int] = {}  # (op, from device, to device) -> index
+        self._latest_record: dict[tuple[int, int | None], int] = {}  # (device, event) -> index
+        self._latest_send: dict[tuple[str | None, int | None, int | None], int] = {}  # (op, from, to) -> index
 
     def run(self, plan: LaunchPlan):
         """Issue every instruction of ``plan`` in order, then return :meth:`output`."""

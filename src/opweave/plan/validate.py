@@ -53,6 +53,7 @@ class _Validator(PlanInterpreter):
 
     def recv(self, i: int, ins: Instr, at: Point) -> None:
         u, source = ins.op, self.source[i]
+        assert u is not None and source is not None  # a recv names its op and pairs with a send (PlanInterpreter.pair)
         if u in self.launched_at and self.launched_at[u][0][0] == ins.peer \
                 and covers(self.snapshot[source], self.launched_at[u]):
             self.received.setdefault((u, ins.device), []).append(at)
@@ -98,7 +99,7 @@ class _Validator(PlanInterpreter):
         An op is ordered after all of a stage when its launch clock covers that stage's frontier: per lane, the
         latest launch of the stage there (earlier ones on the lane precede it in program order).
         """
-        stage_of = self.stage_of
+        stage_of = self.stage_of or {}
         by_stage: dict[int, dict[int, list[str]]] = {}  # device -> stage -> ops in issue order
         for op, ((device, _), _) in self.launched_at.items():
             if op not in stage_of:

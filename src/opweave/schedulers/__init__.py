@@ -13,6 +13,7 @@ import importlib
 import inspect
 import logging
 import time
+from collections.abc import Iterable
 
 from opweave.costs.model import Costs
 from opweave.errors import UsageError
@@ -51,6 +52,16 @@ def options_of(name: str) -> set[str] | None:
     return {k for k, p in takes.items() if p.kind is p.KEYWORD_ONLY} - {"streams", "devices"} - set(fixed)
 
 
+def check_options(name: str, options: Iterable[str]) -> None:
+    """A :class:`~opweave.errors.UsageError` naming the first of ``options`` that scheduler ``name`` does not take
+    (:func:`options_of`), before anything is scheduled."""
+    known = options_of(name)
+    unknown = sorted(set(options) - known) if known is not None else []
+    if unknown:
+        raise UsageError(f"scheduler {name!r} takes no option {unknown[0]!r} (its options: "
+                         f"{', '.join(sorted(known or ())) or 'none'})")
+
+
 def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, devices: int = 1,
         **options) -> Schedule:
     """Schedule ``graph`` with the scheduler called ``name``; fills in ``scheduling_time_s``.
@@ -80,11 +91,7 @@ def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, 
         raise UsageError(f"devices must be at least 1, got {devices}")
     module_name, fixed = _MODULES[name]
     module = importlib.import_module(f"opweave.schedulers.{module_name}")
-    known = options_of(name)
-    unknown = sorted(set(options) - known) if known is not None else []
-    if unknown:
-        raise UsageError(f"scheduler {name!r} takes no option {unknown[0]!r} (its options: "
-                         f"{', '.join(sorted(known)) or 'none'})")
+    check_options(name, options)
     collecting = gc.isenabled()
     gc.disable()
     try:

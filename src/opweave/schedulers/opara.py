@@ -68,9 +68,9 @@ def resource_demand(graph: OpGraph, costs: Costs) -> dict[str, float]:
             largest[kind] = max(largest.get(kind, 0.0), amount)
     demand = {}
     for op in graph.ids:
-        amounts = costs.resources.get(op)
-        if amounts:
-            demand[op] = max((amount / largest[kind] if largest[kind] else 0.0) for kind, amount in amounts.items())
+        needs = costs.resources.get(op)
+        if needs:
+            demand[op] = max((amount / largest[kind] if largest[kind] else 0.0) for kind, amount in needs.items())
         else:
             demand[op] = costs.util(op)
     return demand
@@ -80,7 +80,7 @@ def launch_order(graph: OpGraph, costs: Costs) -> list[str]:
     """Alg. 2: resource- and interference-aware launch order (a topological order)."""
     demand = resource_demand(graph, costs)
     indegree = {op: len(graph.preds[op]) for op in graph.ids}
-    ready = {"memory": [], "compute": []}
+    ready: dict[str, list] = {"memory": [], "compute": []}
 
     def release(ops):
         for op in sorted(ops, key=graph.index.__getitem__):

@@ -61,10 +61,11 @@ class Schedule:
         wait for an op issued later). With a topological order it implies that no edge within a device goes back to
         an earlier stage. Lowering and the ideal replay rely on it."""
         stage_now: dict[int, int] = {}
+        stage_of = self.stage_of or {}
         for o in self.order:
-            if o not in self.stage_of:
+            if o not in stage_of:
                 raise ScheduleError(f"{self.scheduler}: op {o!r} has no stage")
-            device, stage = self.device(o), self.stage_of[o]
+            device, stage = self.device(o), stage_of[o]
             if stage < stage_now.get(device, stage):
                 raise ScheduleError(f"{self.scheduler}: op {o!r} of stage {stage} is issued after stage "
                                     f"{stage_now[device]} on device {device}; order the ops of a device by stage")

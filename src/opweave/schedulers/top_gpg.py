@@ -167,12 +167,12 @@ def encode_inputs(graph: OpGraph, costs: Costs) -> tuple[torch.Tensor, list]:
                             1.0 if costs.category.get(op.id, op.category) == "memory" else 0.0,
                             math.log1p(max(op.flops, 0.0)) / 30, math.log1p(max(op.bytes, 0.0)) / 30,
                             len(graph.preds[op.id]) / 4, len(graph.succs[op.id]) / 4])
-    level = {}
-    for op in graph.topo_order:
-        level[op] = 1 + max((level[p] for p in graph.preds[op]), default=-1)
+    level: dict[str, int] = {}
+    for name in graph.topo_order:
+        level[name] = 1 + max((level[p] for p in graph.preds[name]), default=-1)
     by_level: dict[int, list[int]] = {}
-    for op, lv in level.items():
-        by_level.setdefault(lv, []).append(index[op])
+    for name, lv in level.items():
+        by_level.setdefault(lv, []).append(index[name])
     into: dict[int, list[int]] = {}
     for u, v in pairs:
         into.setdefault(v, []).append(u)
@@ -320,6 +320,7 @@ def walk(net: GPG | None, g2e: torch.Tensor | None, index: dict[str, int], graph
             else:
                 scored.append((w, cands, groups_ops, feats))
         if scored:
+            assert net is not None and g2e is not None  # no rule: the network scores the candidates
             logits = batch_logits(net, g2e, index, [(w.block, w.desc, w.state, g, f) for w, _, g, f in scored])
             values, dtype, start = logits.tolist(), logits.dtype, 0
             for w, cands, groups_ops, _ in scored:
@@ -405,8 +406,8 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
     if rule is not None and rule not in RULES:
         raise UsageError(f"top-gpg rule {rule!r}: choose one of {', '.join(RULES)}")
     group_cap = max_groups if streams is None else min(max_groups, streams)
-    options = {"max_group_ops": max_group_ops, "max_groups": group_cap, "max_block_ops": max_block_ops,
-               "max_states": max_states}
+    options: dict[str, int | str] = {"max_group_ops": max_group_ops, "max_groups": group_cap,
+                                     "max_block_ops": max_block_ops, "max_states": max_states}
     if rule is None:
         with one_thread():  # loading too: a forked child (benchmarks/_common.run_limited) hangs in a second thread
             net = load(weights)

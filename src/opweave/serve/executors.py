@@ -12,8 +12,9 @@ offline against a model of the device and then run online):
 
 A **combined block** is a list of :class:`Part` s (TOP's sub-blocks): one block of one model for a stack of
 ``batch`` samples. Its *signature* (the sorted ``(model, block, batch)`` triples) determines its graph, so every
-executor compiles a signature once — union graph, costs, scheduler (``lios`` by default, ``ios`` as an option),
-lowering, validation, backend — and keeps it in a bounded LRU cache (:class:`opweave.backends.cache.BoundedCache`).
+executor compiles a signature once — union graph, costs, scheduler (``lios`` by default, any other as an option),
+lowering, validation, backend, through the pipeline (:func:`opweave.pipeline.build`) with the executor's one resolved
+:class:`~opweave.pipeline.Options` — and keeps it in a bounded LRU cache (:class:`opweave.backends.cache.BoundedCache`).
 
 Every part's ops get the prefix ``p{k}_`` (k = the part's position in the signature), so the parts of one combined
 block are one graph with no edges between them: the scheduler puts them side by side on streams.
@@ -30,11 +31,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from opweave.backends.cache import BoundedCache
-from opweave.build import build, plan_for, resolve
 from opweave.capture.runtime import Captured
 from opweave.costs.model import Costs
 from opweave.errors import UsageError
 from opweave.ir.graph import Edge, OpGraph
+from opweave.pipeline import Options, build, plan_for, resolve
 from opweave.serve.blocks import BlockedModel, combined_module
 
 Signature = tuple[tuple[str, int, int], ...]
@@ -129,24 +130,39 @@ def union_costs(costs: list[Costs], model: str) -> Costs:
                  model=model, source=",".join(sorted({c.source for c in costs})))
 
 
+DEFAULT_SCHEDULER = "lios"  # TOP's: it schedules every combined block with LIOS
+
+
 class Executor:
-    """What every executor shares: the served models, the scheduler settings and the LRU cache of compiled
-    signatures (``stats``: hits, misses, evictions, compile seconds)."""
+    """What every executor shares: the served models, the resolved options every combined block is built with
+    (:func:`opweave.serve.assemble.serving_options`, checked before any model loaded; the scheduler, by default
+    :data:`DEFAULT_SCHEDULER`, and its stream cap among them) and the LRU cache of compiled signatures (``stats``:
+    hits, misses, evictions, compile seconds)."""
 
     device = "none"
+    resolves_as = "cpu"  # the device its options are resolved for
 
-    def __init__(self, models: dict[str, BlockedModel], *, scheduler: str = "lios", streams: int | None = None,
-                 cache_size: int = 32, pad: bool = False):
+    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *, cache_size: int = 32,
+                 pad: bool = False):
         if cache_size < 1:
             raise UsageError(f"cache_size must be at least 1, got {cache_size}")
-        if scheduler not in ("lios", "ios", "heft"):
-            raise UsageError(f"the serving engine schedules combined blocks with lios, ios or heft, not "
-                             f"{scheduler!r}")
-        self.models = models
-        self.scheduler, self.streams, self.cache_size = scheduler, streams, cache_size
+        options = options if options is not None else resolve(self.resolves_as, check_device=False)
+        self.models, self.options = models, options
+        self.scheduler = options.scheduler if "scheduler" in options.given else self.default_scheduler()
+        self.streams, self.cache_size = options.streams, cache_size
         self.pad = pad
         self._cache = BoundedCache(cache_size, self._dropped)
         self.stats = {"hits": 0, "misses": 0, "evictions": 0, "compile_s": 0.0}
+
+    def default_scheduler(self) -> str:
+        """The scheduler of every combined block unless the options name one."""
+        return DEFAULT_SCHEDULER
+
+    def build_options(self, costs: Costs) -> Options:
+        """The options a combined block is built with: the executor's, with its scheduler, on ``costs``, its graph
+        as it is (blocks are cut between fx nodes)."""
+        return self.options.replace(scheduler=self.scheduler, costs=costs, coarsen=False,
+                                    given=self.options.given | {"scheduler", "costs", "coarsen"})
 
     def bucket(self, batch: int) -> int:
         """The batch a part of ``batch`` samples runs at: itself, or with ``pad`` the next power of two (rows of
@@ -272,47 +288,47 @@ def _to_cpu(x):
 
 
 class CpuExecutor(TensorExecutor):
-    """Combined blocks on the CPU backend: generated lane code, one worker thread per lane, each op (or part) on the
-    intra-op threads its lane may use while it runs (:mod:`opweave.backends.threads`).
+    """Combined blocks on the CPU backend, built by the pipeline with the executor's options: generated lane code,
+    one worker thread per lane, each op (or part) on the intra-op threads its lane may use while it runs, out of the
+    options' ``threads`` in all (:func:`opweave.backends.threads.budgets`, as for ``opweave.compile``).
 
-    Two granularities:
+    Two granularities, as the options' ``compiler`` says:
 
-    * ``compiler=None`` (TOP's own): a signature compiles to the union of its parts' op graphs (each part's block
-      captured at its batch, cached), roofline costs for the CPU, the scheduler (``streams`` lanes, default one per
-      core), lowering, validation and a ``CpuBackend``: the parts' ops interleave on the lanes.
-    * ``compiler="onnxruntime"`` (or ``"inductor"``): each part (model, block, batch) is compiled once, whole, by that
-      segment compiler (:mod:`opweave.backends.compilers`; one compiled function per intra-op thread count it is
-      called with), and a signature compiles to a graph of its parts as single ops, scheduled with ``heft`` onto the
-      lanes: parts run side by side, one part alone gets every core. ONNX Runtime runs these blocks about three times
-      faster than eager PyTorch at serving batch sizes on a CPU, and a part compiled whole needs no compile per
-      combination (a combination is only its parts' placement: milliseconds). ONNX Runtime takes any batch (each
-      block exported once with a free batch dimension, checked at another batch), so batches are not padded (up to
-      a third of a padded batch's work was zeros).
+    * none (TOP's own): a signature compiles to the union of its parts' op graphs (each part's block captured at its
+      batch, cached), roofline costs for the CPU, the scheduler (``streams`` lanes, default one per thread),
+      lowering, validation and a ``CpuBackend``: the parts' ops interleave on the lanes.
+    * ``"onnxruntime"`` (or ``"inductor"``, ``"eager"``): each part (model, block, batch) is compiled once, whole, by
+      that segment compiler (:mod:`opweave.backends.compilers`; one compiled function per intra-op thread count it is
+      called with), and a signature compiles to a graph of its parts as single ops, scheduled (by default with ``heft``)
+      onto the lanes: parts run side by side, one part alone gets every thread. ONNX Runtime runs these blocks about
+      three times faster than eager PyTorch at serving batch sizes on a CPU, and a part compiled whole needs no compile
+      per combination (a combination is only its parts' placement: milliseconds). ONNX Runtime takes any batch (each
+      block exported once with a free batch dimension, checked at another batch), so batches are not padded (up to a
+      third of a padded batch's work was zeros).
     """
 
     device = "cpu"
 
-    def __init__(self, models: dict[str, BlockedModel], *, scheduler: str = "lios", streams: int | None = None,
-                 cache_size: int = 32, pad: bool | None = None, compiler: str | None = None):
-        from opweave.backends.threads import cores
+    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *, cache_size: int = 32,
+                 pad: bool | None = None):
+        from opweave.backends.compilers import get
 
-        super().__init__(models, scheduler=scheduler if compiler is None else "heft", streams=streams or cores(),
-                         cache_size=cache_size, pad=bool(pad))
-        self.per_op_threads = False
-        if compiler is not None:
-            from opweave.backends.compilers import get
-
-            self.per_op_threads = get(compiler).per_op_threads  # an unknown name is refused here, not at a request
-        self.compiler = compiler
+        options = options if options is not None else resolve("cpu")
+        self.compiler = options.compiler  # each block compiled whole by it (None: TOP's combined op graphs)
+        super().__init__(models, options, cache_size=cache_size, pad=bool(pad))
+        self.threads = options.threads  # what the lanes of a combined block may use in all
+        self.per_op_threads = get(self.compiler).per_op_threads if self.compiler is not None else False
         self._blocks: dict[tuple[str, int], _CompiledBlock] = {}
+
+    def default_scheduler(self) -> str:
+        return DEFAULT_SCHEDULER if self.compiler is None else "heft"  # parts side by side: one alone gets every core
 
     def _compile(self, sig: Signature) -> Any:
         from opweave.costs.roofline import estimate
 
         captured = self.combined(sig)[0] if self.compiler is None else self._parts_graph(sig)
-        options = resolve("cpu", options={"scheduler": self.scheduler, "streams": self.streams, "coarsen": False,
-                                          "costs": estimate(captured.graph, "cpu", model="ideal")})
-        return build(captured, (), options.replace(per_op_threads=self.per_op_threads)).backend
+        options = self.build_options(estimate(captured.graph, "cpu", model=self.options.cost_model))
+        return build(captured, (), options.replace(compiler=None, per_op_threads=self.per_op_threads)).backend
 
     def _parts_graph(self, sig: Signature) -> Captured:
         """``sig`` as a graph whose ops are its parts, each one call of its compiled block (class docstring); an
@@ -342,7 +358,9 @@ class CpuExecutor(TensorExecutor):
         """With ``compiler``: compile every block of every model for every thread count a part may be called with (all
         the cores alone, their share beside others) and, where a block cannot take any batch, every batch up to
         ``max_batch``, so that no request waits for a compile. Returns how many compiled functions there are."""
-        counts = sorted({max(1, self.streams // k) for k in range(1, self.streams + 1)})
+        from opweave.backends.threads import op_budgets
+
+        counts = op_budgets(self.streams, self.threads, per_op=self.per_op_threads)
         for model, blocked in self.models.items():
             for b in range(len(blocked.blocks)):
                 block = self.compiled_block(model, b)
@@ -361,7 +379,7 @@ class CpuExecutor(TensorExecutor):
         """With ``compiler``: every block of ``name`` compiled as :meth:`compile_parts` does, by a scratch executor of
         the same settings, its compiled blocks then handed over (their keys name only this model)."""
         if self.compiler is not None:
-            scratch = CpuExecutor({name: blocked}, streams=self.streams, pad=self.pad, compiler=self.compiler)
+            scratch = CpuExecutor({name: blocked}, self.options, pad=self.pad)
             scratch.compile_parts(max_batch)  # each compile under the lock a lane compiling on first use takes
             self._blocks.update(scratch._blocks)
 
@@ -454,20 +472,22 @@ class CudaExecutor(TensorExecutor):
     visible GPU's preset, the scheduler, lowering, validation and a :class:`opweave.backends.cuda.CudaBackend`
     recording CUDA graphs. ``cache_size`` bounds the recorded graphs (each holds its own memory pool).
 
-    The models must already be on the GPU (see :func:`opweave.serve.models.load`). ``runtime``: the CUDA runtime
-    (:mod:`opweave.backends.runtime`; default ``torch.cuda``; the fake one runs it on the CPU, with the models and
-    inputs there)."""
+    The models must already be on the GPU (see :func:`opweave.serve.models.load`). The options' ``runtime``: the
+    CUDA runtime (:mod:`opweave.backends.runtime`; default ``torch.cuda``; the fake one runs it on the CPU, with the
+    models and inputs there); their ``cache_size``, where given, bounds the recorded combinations."""
 
-    def __init__(self, models: dict[str, BlockedModel], *, scheduler: str = "lios", streams: int | None = None,
-                 cache_size: int = 64, pad: bool = True, runtime=None):
-        from opweave.backends.cuda import default_streams, require_cuda
-        from opweave.backends.runtime import CUDA
+    resolves_as = "cuda"
 
-        self.runtime = runtime or CUDA
+    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *, cache_size: int = 64,
+                 pad: bool = True):
+        from opweave.backends.cuda import require_cuda
+
+        options = options if options is not None else resolve("cuda", check_device=False)
+        self.runtime = options.runtime
         require_cuda(self.runtime)
-        # at most the GPU's hardware queues, as opweave.compile caps them: more lanes only add false dependencies
-        super().__init__(models, scheduler=scheduler, streams=streams or default_streams(), cache_size=cache_size,
-                         pad=pad)
+        # the option counts recorded signatures: here, combinations (each one CUDA Graph)
+        cache_size = options.cache_size if "cache_size" in options.given else cache_size
+        super().__init__(models, options, cache_size=cache_size, pad=pad)  # streams: the GPU's hardware queues
         self.device = self.runtime.device
 
     def _compile(self, sig: Signature) -> Any:
@@ -475,10 +495,8 @@ class CudaExecutor(TensorExecutor):
 
         captured, example = self.combined(sig)
         preset = preset_for_gpu(self.runtime.device_name()) or "h100"
-        costs = estimate(captured.graph, preset, model="ideal")
-        options = resolve("cuda", options={"scheduler": self.scheduler, "streams": self.streams, "costs": costs,
-                                           "coarsen": False, "cache_size": 1, "warmup": 2, "runtime": self.runtime})
-        return build(captured, example, options).backend
+        options = self.build_options(estimate(captured.graph, preset, model=self.options.cost_model))
+        return build(captured, example, options.replace(cache_size=1)).backend  # one input signature each
 
     def _evict(self, entry: Any) -> None:
         entry.close()  # frees its graph's memory and gives its streams back to the device's pool
@@ -517,15 +535,16 @@ class SimExecutor(Executor):
     """
 
     device = "sim"
+    resolves_as = "cuda"  # a GPU's plans, simulated: streams capped at its hardware queues
 
-    def __init__(self, models: dict[str, BlockedModel], *, preset: str = "h100", dtype: str = "float32",
-                 cost_model: str = "gpu", profiles: dict[str, dict[int, Any]] | None = None,
-                 scheduler: str = "lios", streams: int | None = 8, step_overhead_ms: float = 0.03,
-                 cache_size: int = 1 << 16, pad: bool = True):
-        super().__init__(models, scheduler=scheduler, streams=streams, cache_size=cache_size, pad=pad)
+    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *, preset: str = "h100",
+                 dtype: str = "float32", cost_model: str = "gpu", profiles: dict[str, dict[int, Any]] | None = None,
+                 step_overhead_ms: float = 0.03, cache_size: int = 1 << 16, pad: bool = True):
+        super().__init__(models, options, cache_size=cache_size, pad=pad)
         from opweave.costs.roofline import preset as find_preset
 
         find_preset(preset)
+        cost_model = self.options.cost_model if "cost_model" in self.options.given else cost_model
         self.preset, self.dtype, self.cost_model = preset, dtype, cost_model
         self.profiles = profiles or {}
         self.step_overhead_ms = step_overhead_ms
@@ -554,7 +573,8 @@ class SimExecutor(Executor):
 
         graph = union_graph([self.models[m].graph_at(b, n) for m, b, n in sig], _name(sig))
         costs = union_costs([self.part_costs(*key) for key in sig], self.cost_model)
-        sched, plan = plan_for(graph, costs, self.scheduler, streams=self.streams)
+        sched, plan = plan_for(graph, costs, self.scheduler, streams=self.streams,
+                               **(self.options.scheduler_options or {}))
         makespan = makespan_ms(graph, plan, costs)
         work = sum(costs.latency_ms[o] * costs.util(o) for o in graph.ids)
         return makespan, min(1.0, work / makespan) if makespan else 0.0

@@ -57,24 +57,36 @@ class ReplicaOptions:
     model_files: dict[str, str] = field(default_factory=dict)
     model_repository: str | None = None
     device: str = "cpu"
-    policy: str | None = None  # None: the device's default (serve.build.default_policy)
+    policy: str | None = None  # None: the device's default (serve.assemble.default_policy)
     policy_options: dict = field(default_factory=dict)
     max_queue: int = 64
     max_batch: int = 8
     max_sub_blocks: int = 4
     timeout_s: float | None = None
-    scheduler: str = "lios"
-    streams: int | None = None
+    options: dict = field(default_factory=dict)  # opweave.compile's options, as serve's --option and flags give them
     image_size: Any = None  # int or {"*": int, model: int}
     cuts: dict[str, list[str]] = field(default_factory=dict)
-    compiler: str | None = "default"
-    threads: int | None = 1  # torch intra-op threads per replica (its CPU share)
+    compiler: str | None = "default"  # the blocks' where options name none (serve.assemble.make_engine)
     pin_cores: bool = False  # each replica on its own `threads` cores, chosen by its local rank (see pin)
     max_body_bytes: int = 0  # raises every model's request limit (server.create_app)
     allow_symlinks_outside_root: bool = False  # the model repository's links (repository.Repository)
     strict: bool = False  # a model of the repository that does not load stops the replica
     allowed_hosts: tuple[str, ...] | None = None  # the front's Host names (None: the proxy's, server.default_hosts)
     allow_origins: tuple[str, ...] = ()  # web pages' origins the front lets in, with CORS (server.guard)
+
+    def resolved(self):
+        """The options every combined block of a replica is built with (:func:`opweave.serve.assemble.
+        serving_options`), checked before any model loads; on a CPU a replica's lanes use ``threads`` (default 1,
+        its CPU share) in all."""
+        from opweave.serve.assemble import serving_options
+
+        share = {"threads": 1} if self.device == "cpu" and "threads" not in self.options else {}
+        return serving_options(self.device, {**share, **self.options})
+
+    @property
+    def threads(self) -> int:
+        """The CPU threads one replica uses (what Ray reserves for it, and the cores it is pinned to)."""
+        return self.resolved().threads or 1
 
 
 class Replica:
@@ -83,22 +95,19 @@ class Replica:
     def __init__(self, options: ReplicaOptions):
         from pathlib import Path
 
-        import torch
-
-        from opweave.serve.build import load_models, make_engine
+        from opweave.serve.assemble import load_models, make_engine
         from opweave.serve.frontend import State
         from opweave.serve.repository import Repository
 
-        if options.threads:
-            torch.set_num_threads(options.threads)
         o = options
+        settings = o.resolved()  # checked before any model loads
         files = {k: Path(v) for k, v in o.model_files.items()}
         served = load_models(list(o.models), files, device=o.device, max_batch=o.max_batch,
                              image_size=o.image_size, cuts=o.cuts) if o.models or files or not o.model_repository \
             else {}
-        self.engine = make_engine(served, device=o.device, policy=o.policy, policy_options=o.policy_options,
-                                  max_queue=o.max_queue, max_batch=o.max_batch, max_sub_blocks=o.max_sub_blocks,
-                                  timeout_s=o.timeout_s, scheduler=o.scheduler, streams=o.streams, compiler=o.compiler)
+        self.engine = make_engine(served, device=o.device, options=settings, policy=o.policy,
+                                  policy_options=o.policy_options, max_queue=o.max_queue, max_batch=o.max_batch,
+                                  max_sub_blocks=o.max_sub_blocks, timeout_s=o.timeout_s, compiler=o.compiler)
         self.repository = Repository(self.engine, served, o.model_repository, device=o.device,
                                      max_batch=o.max_batch, allow_symlinks_outside_root=o.allow_symlinks_outside_root)
         self.repository.load_all(strict=o.strict)
@@ -161,12 +170,14 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
     instances hold, so that Ray's proxy queues the rest rather than the engine refusing it."""
     from ray import serve
 
+    threads = options.threads  # the options are checked here, before Ray starts a replica
+
     @serve.deployment(name=DEPLOYMENT, health_check_period_s=2, health_check_timeout_s=30,
                       graceful_shutdown_timeout_s=30)
     class OpweaveReplica:
         def __init__(self, options: ReplicaOptions):
             if options.pin_cores:
-                pin(serve.get_replica_context().rank.local_rank, options.threads or 1)
+                pin(serve.get_replica_context().rank.local_rank, options.threads)
             self.replica = Replica(options)
             self.replica.app()
 
@@ -199,7 +210,7 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
 
     per_replica = max_ongoing_requests or options.max_queue + 4 * options.max_batch
     settings: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": (options.threads or 1) if num_cpus is None else num_cpus,
+        "ray_actor_options": {"num_cpus": threads if num_cpus is None else num_cpus,
                               "num_gpus": (1 if options.device == "cuda" else 0) if num_gpus is None else num_gpus},
         "max_ongoing_requests": per_replica,
     }
@@ -321,6 +332,7 @@ def deploy(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict | No
     """Deploy the engine on Ray Serve and return the proxy's URL once every replica is up. ``address``: an existing
     cluster (``ray://...`` or ``auto``); otherwise a local one on 127.0.0.1 (:func:`start_local`, ``cluster_cpus``
     CPUs). The proxy listens on ``host:port``."""
+    options.resolved()  # a refusal is told here, before Ray starts or any model loads
     import ray
     from ray import serve
 

@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from opweave.backends.distributed import rank as rank_module
 from opweave.backends.distributed import wire
 from opweave.backends.distributed.split import split
-from opweave.backends.threads import cores
+from opweave.backends.threads import total_threads
 from opweave.capture.runtime import Captured
 from opweave.errors import DeviceError, RankError, UsageError
 from opweave.plan.launchplan import LaunchPlan
@@ -76,7 +76,7 @@ class Ranks:
         self.failure: str | None = None
         self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeout_s))
-        settings = rank_module.Settings(device, threads or max(1, cores() // world), timeout_s,
+        settings = rank_module.Settings(device, total_threads(threads, ranks=world), timeout_s,
                                         self.store.port)
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
@@ -218,10 +218,10 @@ def _shutdown(procs: list, controls: list, lifelines: list, store) -> None:
 class DistributedBackend:
     """A multi-device plan run by one persistent process per device (see :mod:`opweave.backends.distributed`).
 
-    ``threads`` intra-op threads per rank (default: usable cores // ranks, at least 1); ``timeout_s`` is the
-    process group's timeout (a transfer that waits longer fails) and the limit for starting the ranks. Call it like
-    the model; outputs come back on the CPU. ``close()`` (or leaving a ``with`` block) stops the ranks; a closed
-    backend refuses calls. ``stats``: ``calls``.
+    ``threads``: the threads each rank's lanes may use in all (default: the usable cores split among the ranks,
+    :func:`opweave.backends.threads.total_threads`); ``timeout_s`` is the process group's timeout (a transfer that waits
+    longer fails) and the limit for starting the ranks. Call it like the model; outputs come back on the CPU.
+    ``close()`` (or leaving a ``with`` block) stops the ranks; a closed backend refuses calls. ``stats``: ``calls``.
     """
 
     def __init__(self, captured: Captured, plan: LaunchPlan, *, world: int | None = None, device: str = "cpu",

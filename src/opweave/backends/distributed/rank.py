@@ -5,9 +5,10 @@ exchanged with ``torch.distributed`` point-to-point; and the entry points of ran
 parameters are real) and a :class:`~opweave.capture.runtime.Captured` on it, then runs one call at a time:
 
 * **CPU.** One worker thread per lane (:class:`~opweave.backends.cpu.LanePool`), as the single-process CPU backend
-  runs them; the signal of each incoming message is an :class:`Arrival` (a lane's ``recv`` step waits for the transfer
-  and finds the values in the environment). The calling thread posts the rank's messages in their global order
-  (:meth:`RankRuntime._post_cpu`): a receive at once, a send once its lane has raised the send's signal.
+  runs them, on the rank's threads as :func:`opweave.backends.threads.budgets` shares them; the signal of each incoming
+  message is an :class:`Arrival` (a lane's ``recv`` step waits for the transfer and finds the values in the
+  environment). The calling thread posts the rank's messages in their global order (:meth:`RankRuntime._post_cpu`): a
+  receive at once, a send once its lane has raised the send's signal.
 * **CUDA.** The lanes on streams as the single-process CUDA backend runs them
   (:class:`~opweave.backends.streams.CudaLanes`: the first lane on the current stream, the others on streams of the
   device's pool, forked from and joined into it), walked by one host thread over ``part.issue`` (the rank's steps
@@ -41,6 +42,7 @@ from opweave.backends.distributed import wire
 from opweave.backends.distributed.split import Message, RankPart
 from opweave.backends.program import Lane
 from opweave.backends.streams import CudaLanes, stream_pool
+from opweave.backends.threads import budgets
 from opweave.capture.runtime import Captured, module_tensors
 from opweave.errors import CaptureError
 
@@ -114,7 +116,7 @@ class Arrival:
 class RankRuntime:
     """Rank ``part.rank``'s share of the model and plan, ready to run calls (see the module docstring)."""
 
-    def __init__(self, part: RankPart, device: torch.device):
+    def __init__(self, part: RankPart, device: torch.device, threads: int | None = None):
         self.part, self.rank, self.device = part, part.rank, device
         gm = fx.GraphModule(part.root, part.fx_graph)
         for p in gm.parameters():
@@ -136,7 +138,8 @@ class RankRuntime:
             self.close = weakref.finalize(self, pool.give_back, side)
         else:
             self.pool = LanePool({lane: LaneWorker(lane, steps, self.captured).run_call
-                                  for lane, steps in part.lanes.items()})
+                                  for lane, steps in part.lanes.items()},
+                                 budget=budgets(sorted(part.lanes), total=threads))
             self.close = weakref.finalize(self, self.pool.close)
 
     def info(self) -> dict:
@@ -335,7 +338,7 @@ def serve(rank: int, world: int, control, lifeline, settings: Settings, payload:
     as ``("error", kind, text)``, after which the process exits: the caller stops every rank)."""
     device = _start(rank, control, lifeline, settings)
     try:
-        runtime = RankRuntime(wire.loads(payload), device)
+        runtime = RankRuntime(wire.loads(payload), device, settings.threads)
         del payload
         _join(rank, world, settings, device)
         _reply(control, ("ready", runtime.info()))

@@ -27,6 +27,7 @@ from opweave.backends.distributed import wire
 from opweave.backends.distributed.launch import DEFAULT_TIMEOUT_S, check_devices
 from opweave.backends.distributed.rank import RankRuntime, init_group
 from opweave.backends.distributed.split import RankPart, split
+from opweave.backends.threads import total_threads
 from opweave.errors import OpweaveError, RankError, first_line
 
 
@@ -40,14 +41,15 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def run(prepare: Callable[[], tuple[Any, Any, tuple]], *, device: str = "cpu", runs: int = 10, warmup: int = 2,
-        timeout_s: float = DEFAULT_TIMEOUT_S) -> dict | None:
+        timeout_s: float = DEFAULT_TIMEOUT_S, threads: int | None = None) -> dict | None:
     """Run ``warmup + runs`` calls as this rank. ``prepare()`` runs on rank 0 only and returns ``(captured, plan,
-    inputs)``. Rank 0 returns ``{"times_ms": [...], "output": ..., "ranks": [info per rank]}``; others None.
-    A failure other than an :class:`~opweave.errors.OpweaveError` (bad input, raised as is) is raised as
-    :class:`~opweave.errors.RankError` naming this rank."""
+    inputs)``. ``threads``: what this rank's lanes may use in all (default: the usable cores split among the ranks on
+    this node, :func:`opweave.backends.threads.total_threads`). Rank 0 returns ``{"times_ms": [...], "output": ...,
+    "ranks": [info per rank]}``; others None. A failure other than an :class:`~opweave.errors.OpweaveError` (bad input,
+    raised as is) is raised as :class:`~opweave.errors.RankError` naming this rank."""
     rank, _ = rank_and_world()
     try:
-        result = _run(prepare, device, runs, warmup, timeout_s)
+        result = _run(prepare, device, runs, warmup, timeout_s, threads)
     except OpweaveError:
         raise
     except Exception as exc:
@@ -56,9 +58,11 @@ def run(prepare: Callable[[], tuple[Any, Any, tuple]], *, device: str = "cpu", r
     return result
 
 
-def _run(prepare, device: str, runs: int, warmup: int, timeout_s: float) -> dict | None:
+def _run(prepare, device: str, runs: int, warmup: int, timeout_s: float, threads: int | None) -> dict | None:
     rank, world = rank_and_world()
     local = int(os.environ.get("LOCAL_RANK", rank))
+    threads = total_threads(threads, ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    torch.set_num_threads(threads)
     if device == "cuda":
         check_devices(local + 1, device)
         torch.cuda.set_device(local)
@@ -74,7 +78,7 @@ def _run(prepare, device: str, runs: int, warmup: int, timeout_s: float) -> dict
     dist.scatter_object_list(received, blobs, src=0)
     part, inputs_here = wire.loads(received[0])
     del received, blobs
-    runtime = RankRuntime(part, torch_device)
+    runtime = RankRuntime(part, torch_device, threads)
     infos: list[Any] = [None] * world if rank == 0 else None
     dist.gather_object(runtime.info(), infos, dst=0)
     times, values = [], {}

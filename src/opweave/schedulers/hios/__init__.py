@@ -82,7 +82,9 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
     plan: Plan = [[] for _ in range(max(device_of) + 1)]
     for v in order:
         plan[device_of[v]].append((v,))
-    inter_gpu_ms = evaluate(problem, device_of, plan).makespan_ms
+    timing = evaluate(problem, device_of, plan)
+    assert timing is not None  # single-op stages in priority order on every GPU: no cycle in the stage graph
+    inter_gpu_ms = timing.makespan_ms
     latency_ms, plan = parallelize(problem, device_of, plan, order, window) if window > 1 else (inter_gpu_ms, plan)
     return _to_schedule(name, problem, device_of, plan, latency_ms,
                         {"variant": variant, "window": window, "devices": devices, "inter_gpu_ms": inter_gpu_ms})

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -255,7 +255,7 @@ class ChainPlan(StagePlan):
 class Candidate(NamedTuple):
     """A window of Algorithm 2 that beats the plan, with its merged stage and its times."""
 
-    times: StageTimes | ChainTimes
+    times: Any  # what its plan's time_merge gives: StageTimes (WorkingPlan) or ChainTimes (ChainPlan)
     window: list[int]
     merged: tuple[int, ...]
 

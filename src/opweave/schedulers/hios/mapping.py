@@ -125,7 +125,7 @@ def map_mr(problem: Problem, order: list[int], devices: int) -> list[int]:
     lat = problem.latency_ms
     finish = [[math.inf] * devices for _ in range(n)]  # t_{i,j}
     back = [[-1] * devices for _ in range(n)]  # g_{i,j}: GPU of v_{i-1}
-    free = [[()] * devices for _ in range(n)]  # per recorded schedule: latest finish on every GPU
+    free: list[list[tuple[float, ...]]] = [[()] * devices for _ in range(n)]  # per schedule: latest finish per GPU
     finish[0][0] = lat[order[0]]
     free[0][0] = tuple(finish[0][0] if d == 0 else 0.0 for d in range(devices))
     for i in range(1, n):
@@ -141,7 +141,7 @@ def map_mr(problem: Problem, order: list[int], devices: int) -> list[int]:
                 pred_at[r] = (finish[r][m], m)
                 m = back[r][m]
             for j in range(min(devices, i + 1)):  # v_i on GPU j
-                start_ms = free[i - 1][k][j]
+                start_ms: float = free[i - 1][k][j]
                 for r, transfer_ms in preds:
                     done_ms, dev = pred_at[r]
                     start_ms = max(start_ms, done_ms + (transfer_ms if dev != j else 0.0))

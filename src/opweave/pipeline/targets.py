@@ -2,8 +2,8 @@
 
 * :class:`CpuTarget` — lanes as threads (:class:`~opweave.backends.cpu.CpuBackend`), or lanes over ONNX Runtime's
   optimized graph (``graph="onnxruntime"``, :class:`~opweave.backends.ortgraph.OrtLanes`). Default plan: HEFT on one
-  lane per core, the cross-lane edge weighed at the measured thread hand-off, kept only when it beats one lane and
-  eager (:func:`opweave.build.autotune.guarded`).
+  lane per core, the cross-lane edge weighed at the measured thread hand-off (kept only when it beats one lane and
+  eager: :func:`opweave.pipeline.autotune.guarded`, which :func:`opweave.pipeline.flow.build` asks).
 * :class:`CudaTarget` — CUDA streams, recorded into a CUDA Graph (:class:`~opweave.backends.cuda.CudaBackend`).
   Default plan: the scheduler and stream cap the calibrated simulator predicts fastest.
 
@@ -25,11 +25,13 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from opweave.build.options import Options
-from opweave.build.pipeline import PEAK_CAP, BuildBuffers, Compiled, costs_for, memory_pass, plan_for, with_free_joins
 from opweave.costs import Costs
 from opweave.errors import UsageError
+from opweave.pipeline.compiled import Compiled
+from opweave.pipeline.memory import PEAK_CAP, BuildBuffers, memory_pass, with_free_joins
+from opweave.pipeline.options import Options
 from opweave.plan import LaunchPlan
+from opweave.plan.make import plan_for
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +41,13 @@ PICK_TOLERANCE = 0.01  # how much slower (predicted) than the fastest a plan und
 class CpuTarget:
     device = "cpu"
 
-    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+    def build(self, captured, inputs: tuple, options: Options) -> Compiled:
         from opweave.backends import threads as cpu_threads
 
         if options.graph == "onnxruntime":
             return self.build_ort_graph(captured, inputs, options)
         captured, kernels = inductor_ops(captured, inputs, options)
-        scheduler = options.scheduler or "heft"
-        streams = options.streams or options.threads or cpu_threads.cores()  # one lane per core it may use
+        scheduler, streams = options.scheduler, options.streams  # default: heft, one lane per thread it may use
         sched_options = dict(options.scheduler_options or {})
         if scheduler == "heft":  # a cross-lane edge costs a thread hand-off here: weigh it
             sched_options.setdefault("sync_ms", cpu_threads.sync_cost_ms())
@@ -56,10 +57,6 @@ class CpuTarget:
         sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams, **sched_options)
         compiled = self.runnable(captured, plan, inputs, options, costs)
         compiled.schedule = sched
-        if options.default_plan:  # never slower than one lane in the model's order, nor than the model itself
-            from opweave.build.autotune import guarded
-
-            compiled = guarded(compiled, captured, inputs, options, eager)
         return compiled
 
     def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs) -> Compiled:
@@ -105,12 +102,10 @@ class CpuTarget:
         planned = from_graph(graph)
         if costs is not None and set(costs.latency_ms) == set(graph.ids):
             planned = dataclasses.replace(planned, latency_ms=dict(costs.latency_ms))
-        scheduler = options.scheduler or "heft"
         sched_options = dict(options.scheduler_options or {})
-        if scheduler == "heft":
+        if options.scheduler == "heft":
             sched_options.setdefault("sync_ms", 10 * cpu_threads.sync_cost_ms())
-        streams = options.streams or options.threads or cpu_threads.cores()
-        sched, plan = plan_for(graph, planned, scheduler, streams=streams, **sched_options)
+        sched, plan = plan_for(graph, planned, options.scheduler, streams=options.streams, **sched_options)
         backend = OrtLanes(model, plan, cpu_threads.lane_threads(graph, plan, planned, per_op=True,
                                                                  total=options.threads))
         return Compiled(graph, planned, sched, plan, backend, "cpu", captured, options=options)
@@ -119,14 +114,13 @@ class CpuTarget:
 class CudaTarget:
     device = "cuda"
 
-    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
-        from opweave.backends.choose import sync_options
-        from opweave.backends.cuda import default_streams
+    def build(self, captured, inputs: tuple, options: Options) -> Compiled:
+        from opweave.pipeline.choose import sync_options
 
         device, dtype = fitted_device(options.runtime), _dtype(captured)
         captured, kernels = inductor_ops(captured, inputs, options)
         costs = self.costs(captured, inputs, options, device, dtype, launches=kernels)
-        streams = options.streams or default_streams()  # more lanes than hardware queues add false dependencies
+        streams = options.streams  # default: the hardware queues (more lanes add false dependencies)
         scheduler, choice = options.scheduler, None
         # every plan's memory pass and the backend find the buffers from one run on fake tensors (segments: no pass)
         shared = BuildBuffers(captured, inputs, costs) if options.compiler is None else None
@@ -166,10 +160,10 @@ class CudaTarget:
     def ranking(self, graph, costs: Costs, streams: int, device=None, dtype: str = "float32",
                 taking: set[str] = frozenset()):
         """Every single-device scheduler (that takes the options ``taking``) at stream caps up to ``streams``,
-        ranked by the fitted device's prediction (:func:`opweave.backends.choose.choose`): its ``predictions``,
+        ranked by the fitted device's prediction (:func:`opweave.pipeline.choose.choose`): its ``predictions``,
         fastest first."""
         from opweave import schedulers
-        from opweave.backends.choose import STREAM_CAPS, choose
+        from opweave.pipeline.choose import STREAM_CAPS, choose
 
         caps = sorted({c for c in STREAM_CAPS if c < streams} | {streams})
         names = [n for n in schedulers.names() if (schedulers.options_of(n) is None
@@ -180,9 +174,9 @@ class CudaTarget:
 
     def under_cap(self, ranked, planned, captured, inputs: tuple, options: Options, costs: Costs, *,
                   shared: BuildBuffers | None = None):
-        """The first plan of ``ranked`` (a :class:`~opweave.backends.choose.Choice`) predicted within
+        """The first plan of ``ranked`` (a :class:`~opweave.pipeline.choose.Choice`) predicted within
         ``PICK_TOLERANCE`` of the fastest whose planned peak after the memory pass
-        (:func:`opweave.build.pipeline.memory_pass`, every plan's with the buffers and one-stream peak of
+        (:func:`opweave.pipeline.memory.memory_pass`, every plan's with the buffers and one-stream peak of
         ``shared``) is within its cap; the fastest when none is. ``planned(name, cap)`` makes a (schedule, plan).
         Returns the prediction, the schedule, the plan after the memory pass and the reason to give."""
         tried = []
@@ -213,7 +207,7 @@ class CudaTarget:
                  joined: bool = False, shared: BuildBuffers | None = None) -> Compiled:
         """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
         ``options.compiler`` in the backend's warm-up); the memory pass runs first unless the plan is ``joined``
-        already. ``shared``: the build's buffers (:class:`~opweave.build.pipeline.BuildBuffers`), whose run on fake
+        already. ``shared``: the build's buffers (:class:`~opweave.pipeline.memory.BuildBuffers`), whose run on fake
         tensors the memory pass and the backend's release plan for ``inputs`` then use instead of their own."""
         from opweave.backends.cuda import CudaBackend
 
@@ -236,9 +230,7 @@ class CudaTarget:
 class RanksTarget:
     """``devices > 1``: the plan spans several devices, one persistent rank process each."""
 
-    DEFAULT_LINK = {"cpu": "loopback", "cuda": "nvlink4"}
-
-    def build(self, captured, inputs: tuple, options: Options, *, eager=None) -> Compiled:
+    def build(self, captured, inputs: tuple, options: Options) -> Compiled:
         from opweave.backends.distributed import DistributedBackend
 
         costs, sched, plan = self.plan(captured, inputs, options)
@@ -249,20 +241,35 @@ class RanksTarget:
 
     def plan(self, captured, inputs: tuple, options: Options):
         """Costs, schedule and validated plan of ``captured`` on ``options.devices`` devices. Edge transfer times
-        come from ``options.link`` (a preset or a ``profile-links`` file); when none is given, from the costs' own,
-        else the default link of the device kind (loopback for CPU ranks, NVLink 4 for GPUs)."""
+        come from ``options.link`` (a preset or a ``profile-links`` file) when it is given, else from the costs' own,
+        else from the link's default (:data:`~opweave.pipeline.options.OPTIONS`: loopback for CPU ranks, NVLink 4
+        for GPUs)."""
         from opweave.backends.distributed import check_devices
         from opweave.costs.links import transfer_times
 
         check_devices(options.devices, options.device, ops=len(captured.graph))
         preset = "cpu" if options.device == "cpu" else visible_gpu_preset(options.runtime)
         costs = costs_for(captured, inputs, options, preset)
-        if options.link is not None or not costs.edge_transfer_ms:
-            link = options.link or self.DEFAULT_LINK[options.device]
-            costs = replace(costs, edge_transfer_ms=transfer_times(captured.graph, link))
-        sched, plan = plan_for(captured.graph, costs, options.scheduler or "hios-lp", streams=options.streams,
+        if "link" in options.given or not costs.edge_transfer_ms:
+            costs = replace(costs, edge_transfer_ms=transfer_times(captured.graph, options.link))
+        sched, plan = plan_for(captured.graph, costs, options.scheduler, streams=options.streams,
                                devices=options.devices, **(options.scheduler_options or {}))
         return costs, sched, plan
+
+
+def costs_for(captured, inputs: tuple, options: Options, preset: str) -> Costs:
+    """What the scheduler plans on: ``options.costs``, else the measured ``options.profile`` (refused when it was
+    measured for other shapes, dtype, device, torch or granularity), else the roofline estimate for ``preset``."""
+    if options.costs is not None:
+        return options.costs
+    if options.profile is not None:
+        from opweave.costs.profile import load_for
+
+        return load_for(options.profile, captured, inputs, options.device).costs(captured.graph,
+                                                                                 model=options.cost_model)
+    from opweave.costs.roofline import estimate
+
+    return estimate(captured.graph, device=preset, model=options.cost_model)
 
 
 def inductor_ops(captured, inputs: tuple, options: Options):
@@ -336,5 +343,5 @@ def _per_op_threads(options: Options) -> bool:
     return get(options.compiler).per_op_threads
 
 
-__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "for_options", "inductor_ops", "segment_options",
+__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "costs_for", "for_options", "inductor_ops", "segment_options",
            "visible_gpu_preset"]

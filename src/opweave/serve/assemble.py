@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from opweave.errors import UsageError
+from opweave.pipeline.options import Options
 from opweave.serve import policies, top  # noqa: F401 - importing top registers the learned policy "top"
 from opweave.serve.engine import Engine
-from opweave.serve.executors import CpuExecutor, CudaExecutor, Part, RealClock, SimClock, SimExecutor
+from opweave.serve.executors import CpuExecutor, CudaExecutor, Executor, Part, RealClock, SimClock, SimExecutor
 from opweave.serve.models import ServedModel, check_name, load
 
 DEVICES = ("cpu", "cuda", "sim")
@@ -92,52 +93,75 @@ def parse_cuts(items: list[str] | None) -> dict[str, list[str]]:
     return out
 
 
-SERVING_OPTIONS = {"cpu": ("scheduler", "streams", "compiler"), "cuda": ("scheduler", "streams"),
-                   "sim": ("scheduler", "streams")}
+# Options of opweave.compile a server cannot honour, and why (every other is used: serving_options).
+NOT_SERVED = {
+    "costs": "the engine costs every combined block, a new graph, itself",
+    "profile": "the engine costs every combined block, a new graph, itself",
+    "fold_bn": "the server captures each model as it is, its blocks cut between fx nodes",
+    "static_outputs": "an instance keeps a block's outputs until its next block runs",
+}
+SIMULATED = ("scheduler", "streams", "cost_model", "scheduler_options", "devices", "coarsen", "graph")
 
 
-def serving_options(device: str, settings: dict) -> dict:
-    """The options of ``opweave.compile`` (:data:`opweave.build.OPTIONS`) the serving executors take: the scheduler of
-    every combined block (lios, ios or heft), its stream cap and, on the CPU, the compiler of every block; checked
-    as ``opweave.compile`` checks them. Any other is refused: the engine decides it per combined block itself (one
-    CUDA Graph per combination, roofline costs, the blocks' own granularity)."""
-    from opweave.build import resolve
+def serving_options(device: str, options: dict | None = None, **flags) -> Options:
+    """The one resolved :class:`~opweave.pipeline.Options` a server on ``device`` (cpu, cuda, sim) builds every
+    combined block with, from ``options`` (``--option KEY=VALUE``) and ``flags`` (``--scheduler``, ``--streams``,
+    ``--threads``, ``--compiler``; one given both ways is refused): checked as ``opweave.compile`` checks them, then
+    against what serving can honour, before any model loads. An option that does not apply is a
+    :class:`~opweave.errors.UsageError` naming it, never dropped: the cost sources and ``fold_bn``
+    (:data:`NOT_SERVED`), a plan over several devices or over another graph than the blocks' fx nodes, and, in
+    simulation, anything but the plan's (:data:`SIMULATED`: the simulator runs no op)."""
+    from opweave.pipeline import resolve
 
-    resolve("cpu" if device == "sim" else device, "default", settings, check_device=False)
-    for key in settings:
-        if key not in SERVING_OPTIONS[device]:
-            raise UsageError(f"option {key!r} does not apply to serving on {device}: the engine builds every combined "
-                             f"block itself (options it takes: {', '.join(SERVING_OPTIONS[device])})")
-    return settings
-
-
-def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", policy: str | None = None,
-                policy_options: dict | None = None, max_queue: int = 64, max_batch: int = 8, max_sub_blocks: int = 4,
-                timeout_s: float | None = None, scheduler: str = "lios", streams: int | None = None,
-                preset: str = "h100", step_overhead_ms: float = 0.03, profiles: dict | None = None,
-                warm: bool = True, compiler: str | None = "default") -> Engine:
-    """An engine on the real executor of ``device`` (cpu, cuda) or on the simulator (``sim``, roofline ``preset``),
-    under ``policy`` (default: :func:`default_policy` of the device).
-    ``profiles`` (simulation, see :func:`load_profiles`) replace roofline latencies. ``warm`` compiles every block
-    alone at batch 1 first (and checks it runs). ``compiler`` (CPU): each block compiled whole by that segment compiler
-    (:class:`~opweave.serve.executors.CpuExecutor`); ``"default"``: ONNX Runtime when it is installed, else None
-    (TOP's combined op graphs); with ``warm`` every block is compiled at every padded batch up front."""
     if device not in DEVICES:
         raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    resolved = resolve("cpu" if device == "cpu" else "cuda", "default", options, check_device=False, **flags)
+    for key in sorted(resolved.given):
+        why = NOT_SERVED.get(key)
+        if key == "devices" and resolved.devices > 1:
+            why = "the engine runs every combined block on one device"
+        elif key == "coarsen" and resolved.coarsen or key == "graph" and resolved.graph != "fx":
+            why = "blocks are cut between the model's fx nodes, and their graphs scheduled as they are"
+        elif device == "sim" and key not in SIMULATED:
+            why = "the simulator times plans, it runs no op"
+        if why:
+            raise UsageError(f"option {key!r} does not apply to serving on {device}: {why}")
+    return resolved
+
+
+def default_compiler() -> str | None:
+    """What compiles each block on a CPU server unless told: ONNX Runtime where it is installed (it ran blocks about
+    three times faster than eager at serving batch sizes), else none (TOP's combined op graphs)."""
+    from opweave.backends.compilers import available
+
+    return "onnxruntime" if "onnxruntime" in available() else None
+
+
+def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options: Options | None = None,
+                policy: str | None = None, policy_options: dict | None = None, max_queue: int = 64,
+                max_batch: int = 8, max_sub_blocks: int = 4, timeout_s: float | None = None, preset: str = "h100",
+                step_overhead_ms: float = 0.03, profiles: dict | None = None, warm: bool = True,
+                compiler: str | None = "default") -> Engine:
+    """An engine on the real executor of ``device`` (cpu, cuda) or on the simulator (``sim``, roofline ``preset``),
+    its combined blocks built with ``options`` (:func:`serving_options`; default: the device's defaults), under
+    ``policy`` (default: :func:`default_policy` of the device). ``profiles`` (simulation, see
+    :func:`load_profiles`) replace roofline latencies. ``warm`` compiles every block alone at batch 1 first (and
+    checks it runs). ``compiler`` (CPU, where ``options`` name none): each block compiled whole by that segment
+    compiler (:class:`~opweave.serve.executors.CpuExecutor`); ``"default"``: :func:`default_compiler`; None: TOP's
+    combined op graphs. With ``warm`` every block is compiled at every padded batch up front."""
+    options = options if options is not None else serving_options(device)
     blocked = {name: m.blocked for name, m in models.items()}
+    executor: Executor
     if device == "sim":
-        executor = SimExecutor(blocked, preset=preset, scheduler=scheduler, streams=streams or 8,
-                               step_overhead_ms=step_overhead_ms, profiles=profiles)
-        clock = SimClock()
+        executor = SimExecutor(blocked, options, preset=preset, step_overhead_ms=step_overhead_ms, profiles=profiles)
+        clock: RealClock | SimClock = SimClock()
     elif device == "cuda":
-        executor = CudaExecutor(blocked, scheduler=scheduler, streams=streams)
+        executor = CudaExecutor(blocked, options)
         clock = RealClock()
     else:
-        if compiler == "default":
-            from opweave.backends.compilers import available
-
-            compiler = "onnxruntime" if "onnxruntime" in available() else None
-        executor = CpuExecutor(blocked, scheduler=scheduler, streams=streams, compiler=compiler)
+        if "compiler" not in options.given:
+            options = options.replace(compiler=default_compiler() if compiler == "default" else compiler)
+        executor = CpuExecutor(blocked, options)
         clock = RealClock()
     policy = policy or default_policy(device)
     engine = Engine(executor, policies.create(policy, **(policy_options or {})), clock, max_queue=max_queue,
@@ -164,5 +188,5 @@ def device_of(executor) -> str:
     return "sim" if isinstance(executor, SimExecutor) else "real"
 
 
-__all__ = ["DEFAULT_POLICIES", "DEVICES", "default_policy", "load_models", "load_profiles", "make_engine",
-           "parse_cuts", "parse_image_size", "warm_up"]
+__all__ = ["DEFAULT_POLICIES", "DEVICES", "NOT_SERVED", "default_compiler", "default_policy", "load_models",
+           "load_profiles", "make_engine", "parse_cuts", "parse_image_size", "serving_options", "warm_up"]

@@ -1,12 +1,13 @@
 """Where ``opweave.compile(..., mode="max-autotune")`` keeps what it chose, per model, device and machine.
 
-A JSON file, ``autotune.json`` in ``$OPWEAVE_CACHE_DIR`` (default ``~/.cache/opweave``), maps a key to the
-chosen candidate (:class:`opweave.build.autotune.Candidate`: scheduler, stream cap, segment compiler, graph,
-scheduler options), the costs it was planned with (so that the same plan is rebuilt) and what every candidate
-measured. The key covers what the choice depends on: the captured graph (its name, ops and their targets, and the
-granularity), the input shapes and dtypes, the device (the GPU's name for CUDA), the machine (processor and the
-cores this process may use) and the versions of torch, CUDA and ONNX Runtime. A file that cannot be read is ignored (and
-rewritten on the next choice); writes go through a temporary file, so a reader never sees half a file.
+A JSON file, ``autotune.json`` in ``$OPWEAVE_CACHE_DIR`` (default ``~/.cache/opweave``), maps a key to the chosen
+candidate (:class:`opweave.pipeline.autotune.Candidate`: scheduler, stream cap, segment compiler, graph, scheduler
+options), the costs it was planned with (so that the same plan is rebuilt) and what every candidate measured. The key
+covers what the choice depends on: the captured graph (its name, ops and their targets, and the granularity), the input
+shapes and dtypes, the device (the GPU's name for CUDA), the machine (processor and the cores this process may use), the
+mode and every option's value (CUDA Graphs on or off, the threads, ...) and the versions of torch, CUDA and ONNX
+Runtime. A file that cannot be read is ignored (and rewritten on the next choice); writes go through a temporary file,
+so a reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -40,20 +41,28 @@ def machine() -> str:
     return f"{name} x{cores()}"
 
 
-def key(captured, inputs: tuple, device: str = "cpu", runtime=None) -> str:
-    """What a choice is valid for (module docstring), as a short hash."""
+def key(captured, inputs: tuple, options) -> str:
+    """What a choice is valid for (module docstring), as a short hash: the graph, the inputs, the machine, the
+    versions and every setting of ``options`` (:class:`~opweave.pipeline.options.Options`: the mode, CUDA Graphs,
+    the threads, ...) but the objects that name no setting (costs, a profile's path: the search plans on its own)."""
+    from opweave.pipeline.options import OPTIONS
+
     try:
         import onnxruntime
 
         ort = onnxruntime.__version__
     except ImportError:
         ort = None
+    device = options.device
+    settings = {name: getattr(options, name) for name in OPTIONS if name not in ("costs", "profile", "runtime")}
     parts = {
         "graph": captured.graph.name,
         "ops": [(op.id, op.target) for op in captured.graph.ops],
         "inputs": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in inputs],
         "machine": machine(),
-        "device": device if device == "cpu" else _gpu_name(runtime),
+        "device": device if device == "cpu" else _gpu_name(options.runtime),
+        "mode": options.mode,
+        "settings": settings,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "onnxruntime": ort,

@@ -1,86 +1,16 @@
-"""The one way from a captured model to a runnable: :func:`build`.
-
-``opweave.compile``, ``torch.compile(backend="opweave")``, the serving executors and the GPU benchmark all call it,
-so what a benchmark measures is what users run::
-
-    captured ─coarsen─▶ captured ─target─▶ costs ─scheduler─▶ schedule ─lower, validate─▶ plan ─target─▶ backend
-
-The device's :mod:`target <opweave.build.targets>` owns its defaults (scheduler, stream cap, thread budgets, the
-CUDA backend's options) and builds its backend; a measured choice (the CPU's guard, ``mode="max-autotune"``) is
-:mod:`opweave.build.autotune`'s. :class:`Compiled` is what comes out.
-"""
+"""The memory pass a CUDA plan goes through before it runs (docs/design.md, section 4 rule 3): waits that free
+buffers read on other streams early, found on one run on fake tensors per build (:class:`BuildBuffers`)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
-from opweave.backends.program import Backend
-from opweave.build.options import Options
-from opweave.capture.runtime import as_tuple
 from opweave.costs import Costs
-from opweave.ir import OpGraph
 from opweave.plan import LaunchPlan
-from opweave.plan.make import plan_for, validated_plan
-from opweave.schedulers.schedule import Schedule
+from opweave.plan.make import plan_for
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Compiled:
-    """A model compiled by opweave: call it like the model. ``schedule`` and ``plan`` say what was decided;
-    ``fused`` is the segmented model when a segment compiler ran (its ``stats``: segments, compiles, fallbacks);
-    ``choice`` what a measured choice picked and timed (the CPU's guard, ``mode="max-autotune"``, the CUDA
-    default's prediction); ``options`` the resolved options it was built with."""
-
-    graph: OpGraph
-    costs: Costs
-    schedule: Schedule
-    plan: LaunchPlan
-    backend: Backend
-    device: str
-    captured: Any = None
-    fused: Any = None
-    choice: dict | None = None
-    options: Options | None = None
-
-    def __call__(self, *args, **kwargs) -> Any:
-        if kwargs:  # keyword arguments bound to the model's forward(), as at capture
-            from opweave.capture.runtime import positional
-
-            args = positional(self.captured.signature, args, kwargs, self.graph.name)
-        return self.backend(*args)
-
-    def close(self) -> None:
-        """Release what the backend holds (worker threads, rank processes, CUDA graphs and streams); also done when
-        it is collected."""
-        self.backend.close()
-
-    def __enter__(self) -> Compiled:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def build(captured, example_inputs, options: Options, *, eager=None) -> Compiled:
-    """``captured`` (a :class:`~opweave.capture.Captured`) as a runnable for ``example_inputs``, as ``options``
-    (from :func:`~opweave.build.options.resolve`) say. ``eager``, the model itself when known, is one of the
-    candidates a measured choice may keep (the CPU's default is never slower than it)."""
-    from opweave.build import autotune, targets
-
-    inputs = as_tuple(example_inputs)
-    if options.coarsen:
-        from opweave.capture import coarsen
-
-        captured = coarsen(captured)
-    target = targets.for_options(options)
-    if options.autotune:
-        return autotune.search(target, captured, inputs, options, eager=eager)
-    return target.build(captured, inputs, options, eager=eager)
-
 
 PEAK_CAP = 1.25  # the planned peak a multi-stream plan may reach, over the one-stream plan's on the same buffers
 CAP_BUDGET = 0.01  # the share of the simulated makespan the waits that bring a plan under PEAK_CAP may add
@@ -179,20 +109,5 @@ def memory_pass(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, cuda
     return joined, peak / one_peak if one_peak else 1.0
 
 
-def costs_for(captured, inputs: tuple, options: Options, preset: str) -> Costs:
-    """What the scheduler plans on: ``options.costs``, else the measured ``options.profile`` (refused when it was
-    measured for other shapes, dtype, device, torch or granularity), else the roofline estimate for ``preset``."""
-    if options.costs is not None:
-        return options.costs
-    if options.profile is not None:
-        from opweave.costs.profile import load_for
 
-        return load_for(options.profile, captured, inputs, options.device).costs(captured.graph,
-                                                                                 model=options.cost_model)
-    from opweave.costs.roofline import estimate
-
-    return estimate(captured.graph, device=preset, model=options.cost_model)
-
-
-__all__ = ["BuildBuffers", "Compiled", "as_tuple", "build", "costs_for", "plan_for", "memory_pass",
-           "validated_plan", "with_free_joins"]
+__all__ = ["CAP_BUDGET", "PEAK_CAP", "BuildBuffers", "memory_pass", "with_free_joins"]

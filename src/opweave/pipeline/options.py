@@ -11,13 +11,16 @@ touches a device, as PyTorch's ``torch.compile`` does with ``mode`` and ``option
   Graphs off). Unlike ``torch.compile``, opweave records CUDA Graphs in its default mode too: recording the launches
   ahead of time is half of what it is for (``cudagraphs=False`` turns it off).
 * every other knob is one field of :class:`Options`, with one meaning, the devices it applies to and its default
-  (:data:`OPTIONS`, the table docs/design.md and the README show). A knob given where it cannot be honoured (a CUDA
-  option on the CPU, a segment compiler with several devices, a cost source the chosen pipeline ignores) is a
+  (:data:`OPTIONS`, the table docs/design.md and the README show, generated from it). A default lives in its
+  :class:`Spec` alone (a value, or a rule of the device, devices and threads) and fills the resolved options the
+  targets read. A knob given where it cannot be honoured (a CUDA option on the CPU, a segment compiler with several
+  devices, a cost source the chosen pipeline ignores, a scheduler option the scheduler does not take) is a
   :class:`~opweave.errors.UsageError` naming it, never silently dropped.
 
-:func:`resolve` returns an :class:`Options` whose every field is set for the device (``None`` only where the
-target decides with the graph in hand: the CUDA default scheduler, chosen by the calibrated simulator); a device
-that is not there is a :class:`~opweave.errors.DeviceError`, raised after the options were found consistent.
+:func:`resolve` returns an :class:`Options` whose every field is set for the device (``None`` only where nothing is
+chosen: no cost source, compiler or scheduler options, no link with one device, no threads on CUDA, and the CUDA
+default scheduler, which the target picks with the graph in hand); a device that is not there is a
+:class:`~opweave.errors.DeviceError`, raised after the options were found consistent.
 """
 
 from __future__ import annotations
@@ -41,92 +44,163 @@ RENAMED_MODES = {"max-speed": "max-autotune", "graph": "options cudagraphs=True"
 
 @dataclass(frozen=True)
 class Spec:
-    """One option: what it means, where it applies, its default (as the table prints it)."""
+    """One option: what it means, where it applies and its default, the one the code uses: a value, or a rule (a
+    function of the request's :class:`Options`: its device, devices and threads) with ``text``, the rule as the table
+    says it. ``needs``: a condition besides the device, as the table prints it."""
 
     meaning: str
     devices: str  # "cpu", "cuda", "cpu, cuda"; "devices > 1" options say so in ``needs``
-    default: str
-    needs: str = ""  # a condition besides the device, as the table prints it
+    default: Any = None
+    text: str = ""
+    needs: str = ""
+
+    def default_for(self, options: Options) -> Any:
+        """The default of this option for ``options`` (the values its rule reads are filled in first)."""
+        return self.default(options) if callable(self.default) else self.default
+
+    def default_text(self) -> str:
+        """The default as the options table prints it."""
+        if self.text:
+            return self.text
+        value = self.default
+        if isinstance(value, bool) or value is None:
+            return {True: "true", False: "false", None: "none"}[value]
+        if isinstance(value, float) and value.is_integer():
+            return str(int(value))
+        return str(value)
+
+
+def _scheduler(o: Options) -> str | None:
+    if o.devices > 1:
+        return "hios-lp"
+    return "heft" if o.device == "cpu" else None  # CUDA: the target picks it with the graph in hand
+
+
+def _streams(o: Options) -> int | None:
+    if o.devices > 1:
+        return None  # every stream the scheduler wants on each device
+    if o.device == "cpu":
+        from opweave.backends.threads import total_threads
+
+        return total_threads(o.threads)
+    from opweave.backends.streams import default_streams
+
+    return default_streams()
+
+
+def _threads(o: Options) -> int | None:
+    from opweave.backends.threads import total_threads
+
+    return total_threads(ranks=o.devices) if o.device == "cpu" else None
+
+
+def _runtime(o: Options) -> Any:
+    from opweave.backends.runtime import CUDA
+
+    return CUDA if o.device == "cuda" else None
 
 
 OPTIONS: dict[str, Spec] = {
     "scheduler": Spec("the scheduler that places ops on streams (opweave.schedulers.names())", "cpu, cuda",
-                      "cpu: heft, kept only when it beats one lane and eager; cuda: the simulator's pick"),
-    "streams": Spec("at most this many streams (CPU: lanes) per device", "cpu, cuda",
-                    "cpu: one per core; cuda: 8 (CUDA_DEVICE_MAX_CONNECTIONS)"),
-    "devices": Spec("devices the plan spans (one rank process each; hios-lp or hios-mr)", "cpu, cuda", "1"),
-    "costs": Spec("a Costs object to schedule on", "cpu, cuda", "a profile, else the roofline estimate"),
-    "profile": Spec("a profile file written by `opweave profile` to schedule on", "cpu, cuda", "none"),
+                      _scheduler, "cpu: heft, kept only when it beats one lane and eager; cuda: the simulator's pick; "
+                      "hios-lp with devices > 1"),
+    "streams": Spec("at most this many streams (CPU: lanes) per device", "cpu, cuda", _streams,
+                    "cpu: one per thread of `threads`; cuda: 8 (CUDA_DEVICE_MAX_CONNECTIONS); with devices > 1, as "
+                    "many as the scheduler makes"),
+    "devices": Spec("devices the plan spans (one rank process each; hios-lp or hios-mr)", "cpu, cuda", 1),
+    "costs": Spec("a Costs object to schedule on", "cpu, cuda", None,
+                  "none: a profile if given, else the roofline estimate (cuda: the fitted GPU's op times)"),
+    "profile": Spec("a profile file written by `opweave profile` to schedule on", "cpu, cuda"),
     "cost_model": Spec("how costs turn a plan into time: ideal (the papers') or gpu (contention)", "cpu, cuda",
                        "ideal"),
     "coarsen": Spec("schedule the papers' operators (each op merged with its epilogues) instead of fx nodes",
-                    "cpu, cuda", "true"),
-    "fold_bn": Spec("fold eval-mode BatchNorm into the convolution before capture", "cpu, cuda", "false"),
+                    "cpu, cuda", True),
+    "fold_bn": Spec("fold eval-mode BatchNorm into the convolution before capture", "cpu, cuda", False),
     "graph": Spec("the graph that is scheduled: fx (opweave's capture), onnxruntime (CPU: ONNX Runtime's optimized "
                   "graph of the whole model, each segment one session) or inductor (one op per kernel Inductor fuses "
                   "in the whole model, each segment compiled by Inductor)", "cpu, cuda", "fx"),
     "compiler": Spec("the segment compiler: every stream segment of the plan compiled by inductor, onnxruntime "
-                     "(CPU) or eager (the segments as they are)", "cpu, cuda", "none"),
-    "scheduler_options": Spec("keyword options of the scheduler (e.g. heft's sync_ms)", "cpu, cuda", "none"),
-    "threads": Spec("CPU threads each device's lanes may use in all (lanes x intra-op threads)", "cpu",
-                    "every core (split among the ranks with devices > 1)"),
+                     "(CPU) or eager (the segments as they are)", "cpu, cuda"),
+    "scheduler_options": Spec("keyword options of the scheduler (e.g. heft's sync_ms)", "cpu, cuda"),
+    "threads": Spec("CPU threads each device's lanes may use in all (lanes x intra-op threads), on every CPU path",
+                    "cpu", _threads, "every core this process may use (split among the ranks with devices > 1)"),
     "cudagraphs": Spec("record the plan into a CUDA Graph per input signature (false: run the streams live)",
-                       "cuda", "true (false with devices > 1)"),
+                       "cuda", lambda o: o.device == "cuda" and o.devices == 1, "true (false with devices > 1)"),
     "capture_fallback": Spec("error: a plan that cannot be recorded is an error; eager: that signature runs on "
-                             "streams without a graph, with a warning", "cuda", "error", "cudagraphs"),
+                             "streams without a graph, with a warning", "cuda", "error", needs="cudagraphs"),
     "static_outputs": Spec("return the graph's own output tensors (overwritten by the next call) instead of "
-                           "clones", "cuda", "false", "cudagraphs"),
-    "cache_size": Spec("input signatures kept recorded (least recently used dropped)", "cuda", "8"),
+                           "clones", "cuda", False, needs="cudagraphs"),
+    "cache_size": Spec("input signatures kept recorded (least recently used dropped)", "cuda", 8),
     "runtime": Spec("what the CUDA backend reaches CUDA through: torch.cuda, or opweave.backends.fakecuda.FakeCuda() "
-                    "to run the whole CUDA path on the CPU (tests, no GPU)", "cuda", "torch.cuda"),
-    "warmup": Spec("plain runs before recording a signature", "cuda", "2", "cudagraphs"),
+                    "to run the whole CUDA path on the CPU (tests, no GPU)", "cuda", _runtime, "torch.cuda"),
+    "warmup": Spec("plain runs before recording a signature", "cuda", 2, needs="cudagraphs"),
     "link": Spec("the link between devices: a preset or a file written by `opweave profile-links`", "cpu, cuda",
-                 "cpu: loopback; cuda: nvlink4", "devices > 1"),
-    "timeout_s": Spec("how long a rank may take to start or answer", "cpu, cuda", "300", "devices > 1"),
+                 lambda o: {"cpu": "loopback", "cuda": "nvlink4"}[o.device] if o.devices > 1 else None,
+                 "cpu: loopback; cuda: nvlink4", needs="devices > 1"),
+    "timeout_s": Spec("how long a rank may take to start or answer", "cpu, cuda", 300.0, needs="devices > 1"),
     "start_method": Spec("how rank processes start (forkserver or spawn)", "cpu, cuda", "forkserver",
-                         "devices > 1"),
+                         needs="devices > 1"),
 }
+
+
+class _Unset(frozenset):
+    """``Options.given`` when the caller did not say: every option passed to the constructor."""
+
+
+UNFILLED: Any = None  # a field not given: filled from its Spec's default when the Options are made
 
 
 @dataclass(frozen=True)
 class Options:
-    """Every option of :data:`OPTIONS`, checked and with the device's defaults filled in (:func:`resolve`)."""
+    """Every option of :data:`OPTIONS`, checked (:func:`resolve`) and with each default filled in from its
+    :class:`Spec` for the device (a field left unset is filled when the object is made: a default lives in
+    :data:`OPTIONS` alone). ``given``: the options the caller set (not the mode's or the defaults); made directly,
+    every option passed."""
 
     device: str = "cpu"
     mode: str = "default"
     autotune: bool = False  # the mode's measured search ("max-autotune*")
-    scheduler: str | None = None  # None: the target chooses (CPU: heft + the guard; CUDA: the simulator's pick)
-    streams: int | None = None
-    devices: int = 1
+    scheduler: str | None = None  # None once filled: the CUDA target chooses with the graph in hand
+    streams: int | None = None  # None once filled: as many as the scheduler makes (devices > 1)
+    devices: int = UNFILLED
     costs: Any = None
     profile: str | Path | None = None
-    cost_model: str = "ideal"
-    coarsen: bool = True
-    fold_bn: bool = False
-    graph: str = "fx"
+    cost_model: str = UNFILLED
+    coarsen: bool = UNFILLED
+    fold_bn: bool = UNFILLED
+    graph: str = UNFILLED
     compiler: str | None = None
     scheduler_options: dict | None = None
-    threads: int | None = None
-    cudagraphs: bool = False
-    capture_fallback: str = "error"
-    static_outputs: bool = False
-    cache_size: int = 8
-    runtime: Any = None  # None: torch.cuda (opweave.backends.runtime.CUDA)
-    warmup: int = 2
-    link: str | Path | None = None
-    timeout_s: float = 300.0
-    start_method: str = "forkserver"
+    threads: int | None = None  # None once filled: not on a CPU
+    cudagraphs: bool = UNFILLED
+    capture_fallback: str = UNFILLED
+    static_outputs: bool = UNFILLED
+    cache_size: int = UNFILLED
+    runtime: Any = None
+    warmup: int = UNFILLED
+    link: Any = None  # a preset name, a profile-links file or an opweave.costs.links.Link; None with one device
+    timeout_s: float = UNFILLED
+    start_method: str = UNFILLED
     per_op_threads: bool | None = None  # not an option: callers whose ops are compiled calls that sleep when idle
-    given: frozenset[str] = frozenset()  # the options the caller set (not the mode's or the device's defaults)
+    given: frozenset[str] = _Unset()
 
-    def replace(self, **changes) -> Options:
+    def __post_init__(self) -> None:
+        passed = frozenset(key for key in OPTIONS if getattr(self, key) is not None)
+        rules = sorted(OPTIONS.items(), key=lambda item: callable(item[1].default))  # values first, rules read them
+        for key, spec in rules:
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, spec.default_for(self))
+        if isinstance(self.given, _Unset):
+            object.__setattr__(self, "given", passed)
+
+    def replace(self, **changes: Any) -> Options:
         """A copy with ``changes`` (not checked again: for the targets' own derived plans)."""
         return dataclasses.replace(self, **changes)
 
     @property
     def default_plan(self) -> bool:
         """Nothing about the plan was given: the target chooses it (the CPU's guard, the CUDA simulator's pick)."""
-        return self.scheduler is None and not {"streams", "compiler", "graph"} & self.given and self.devices == 1
+        return not {"scheduler", "streams", "compiler", "graph"} & self.given and self.devices == 1
 
 
 def mode_options(mode: str) -> dict[str, Any]:
@@ -183,6 +257,10 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
         if values.get("scheduler") is not None and values["scheduler"] not in schedulers.MULTI_DEVICE:
             raise UsageError(f"scheduler {values['scheduler']!r} places every op on one device; use one of "
                              f"{', '.join(schedulers.MULTI_DEVICE)} with devices > 1")
+    if "scheduler" in values and "scheduler_options" in values:
+        from opweave import schedulers
+
+        schedulers.check_options(values["scheduler"], values["scheduler_options"])
     autotune = bool(preset.get("autotune"))
     if autotune:
         chosen = [k for k in ("scheduler", "streams", "costs", "profile", "cost_model", "compiler", "graph",
@@ -196,11 +274,10 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
     if mode == "reduce-overhead" and not cuda:
         raise UsageError("mode='reduce-overhead' records CUDA Graphs, which the CPU does not have; use "
                          "mode='default' (the CPU's lanes are generated code already)")
-    cudagraphs = values.get("cudagraphs", preset.get("cudagraphs", cuda and not ranks)) if cuda else False
-    if cuda and not cudagraphs:
-        for key in ("capture_fallback", "static_outputs", "warmup"):
-            if key in set_keys:
-                raise UsageError(f"option {key!r} applies when CUDA Graphs are recorded (cudagraphs=True)")
+    if mode == "reduce-overhead" and ranks:
+        raise UsageError(f"mode='reduce-overhead' records CUDA Graphs, which devices={devices} does not (each rank "
+                         "runs its streams live); use mode='default'")
+    cudagraphs: Any = values.get("cudagraphs", preset.get("cudagraphs")) if cuda else False  # None: the default
     graph = values.get("graph", "fx")
     if graph == "onnxruntime":
         if cuda:
@@ -225,6 +302,10 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
         raise UsageError("give costs or profile, not both")
     opts = Options(device=device, mode=mode, autotune=autotune, cudagraphs=cudagraphs,
                    given=frozenset(set_keys), **{k: v for k, v in values.items() if k != "cudagraphs"})
+    if cuda and not opts.cudagraphs:
+        for key in ("capture_fallback", "static_outputs", "warmup"):
+            if key in set_keys:
+                raise UsageError(f"option {key!r} applies when CUDA Graphs are recorded (cudagraphs=True)")
     if check_device and cuda:
         from opweave.backends.cuda import require_cuda
         from opweave.backends.runtime import CUDA
@@ -316,8 +397,10 @@ def parse_option(text: str) -> tuple[str, Any]:
 
 
 def option_table() -> list[dict[str, str]]:
-    """Every option as a row (name, meaning, devices, default, needs): the table the docs show."""
-    return [{"name": name, **dataclasses.asdict(spec)} for name, spec in OPTIONS.items()]
+    """Every option as a row (name, meaning, devices, default, needs): the table the docs show, the defaults the
+    code fills in (:meth:`Spec.default_text`)."""
+    return [{"name": name, "meaning": spec.meaning, "devices": spec.devices, "default": spec.default_text(),
+             "needs": spec.needs} for name, spec in OPTIONS.items()]
 
 
 def options_markdown() -> str:

@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from opweave.build.options import Options
-from opweave.build.pipeline import Compiled
 from opweave.errors import UsageError, first_line
+from opweave.pipeline.compiled import Compiled
+from opweave.pipeline.options import Options
 
 
 @dataclass
@@ -70,7 +70,7 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
     """The fastest of ``compiled`` (when it has more than one lane), one lane and ``eager`` (when given), measured;
     the others closed."""
     from opweave.backends.cpu import EagerBackend
-    from opweave.build.targets import CpuTarget
+    from opweave.pipeline.targets import CpuTarget
 
     built = {}
     if compiled.schedule.streams_used > 1:
@@ -82,7 +82,7 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
         built["one lane"] = compiled
     if eager is not None:
         one = built["one lane"]
-        built["eager"] = dataclasses.replace(one, backend=EagerBackend(eager), fused=None)
+        built["eager"] = dataclasses.replace(one, backend=EagerBackend(eager, threads=options.threads), fused=None)
     if len(built) == 1:
         return compiled
     best, medians = fastest(built, inputs)
@@ -125,14 +125,16 @@ def cpu_candidates(sync_ms: float) -> list[Candidate]:
 
 
 def cuda_candidates(graph, costs, streams: int, *, device=None, dtype: str = "float32", plans: int = 3,
-                    fused: int = 2, torch_compile: bool = True) -> list[Candidate]:
-    """``torch.compile`` of the whole model, the ``plans`` plans the calibrated simulator ranks first (scheduler
-    and stream cap), and the first ``fused`` of them with Inductor's segments."""
-    from opweave.build.targets import CudaTarget
+                    fused: int = 2, torch_compile: bool = True, cudagraphs: bool = True) -> list[Candidate]:
+    """``torch.compile`` of the whole model (with CUDA Graphs, ``mode="reduce-overhead"``, only where the search
+    records them: ``cudagraphs``), the ``plans`` plans the calibrated simulator ranks first (scheduler and stream
+    cap), and the first ``fused`` of them with Inductor's segments."""
+    from opweave.pipeline.targets import CudaTarget
 
     ranked = CudaTarget().ranking(graph, costs, streams, device, dtype).predictions
     firsts = [p for i, p in enumerate(ranked) if p.scheduler not in {q.scheduler for q in ranked[:i]}][:plans]
-    out = [Candidate("torch.compile", whole=True)] if torch_compile else []
+    whole_mode = "reduce-overhead" if cudagraphs else "default"  # *-no-cudagraphs never times a CUDA Graph
+    out = [Candidate("torch.compile", {"mode": whole_mode}, whole=True)] if torch_compile else []
     for p in firsts:  # the best stream cap of each of the schedulers predicted fastest
         out.append(Candidate(f"{p.scheduler} x{p.streams}", {"scheduler": p.scheduler, "streams": p.streams},
                              "fitted"))
@@ -150,11 +152,11 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from opweave.build import choices
+    from opweave.pipeline import choices
 
     graph, device = captured.graph, options.device
     agrees = _Check(captured, inputs, eager)
-    key = choices.key(captured, inputs, device=device, runtime=options.runtime)
+    key = choices.key(captured, inputs, options)
     known = choices.load(key)
     if known is not None:
         chosen = _build(target, captured, inputs, options, Candidate(**known["candidate"]), known.get("latency_ms"),
@@ -250,12 +252,12 @@ def _candidates(target, captured, options: Options) -> list[Candidate]:
         from opweave.backends.threads import sync_cost_ms
 
         return cpu_candidates(sync_cost_ms())
-    from opweave.backends.cuda import default_streams
-    from opweave.build.targets import CudaTarget, _dtype, fitted_device
+    from opweave.pipeline.targets import CudaTarget, _dtype, fitted_device
 
     device, dtype = fitted_device(options.runtime), _dtype(captured)
     costs = CudaTarget().costs(captured, (), options, device, dtype)
-    return cuda_candidates(captured.graph, costs, default_streams(), device=device, dtype=dtype)
+    return cuda_candidates(captured.graph, costs, options.streams, device=device, dtype=dtype,
+                           cudagraphs=options.cudagraphs)
 
 
 class _Latencies:
@@ -303,7 +305,7 @@ def _build(target, captured, inputs: tuple, options: Options, candidate: Candida
            eager) -> Compiled:
     """``candidate`` built through ``target`` on ``latency_ms`` (None: the target's own costs)."""
     if candidate.whole:
-        return _torch_compiled(captured, inputs, options, eager)
+        return _torch_compiled(captured, inputs, options, eager, candidate.changes.get("mode", "reduce-overhead"))
     given = options.given | set(candidate.changes)
     changed = options.replace(autotune=False, coarsen=False, given=given, **candidate.changes)
     if latency_ms is not None and candidate.costs != "onnxruntime-graph":
@@ -316,21 +318,22 @@ def _build(target, captured, inputs: tuple, options: Options, candidate: Candida
 
         costs = Costs(latency_ms) if latency_ms is not None else None
         return target.build_ort_graph(captured, inputs, changed, costs=costs)
-    return target.build(captured, inputs, changed, eager=eager)
+    return target.build(captured, inputs, changed)
 
 
-def _torch_compiled(captured, inputs: tuple, options: Options, eager) -> Compiled:
-    """``torch.compile`` of the whole model (``mode="reduce-overhead"``: Inductor and CUDA Graphs), outputs cloned
-    as opweave's are: a peer every CUDA search holds its plans against, so the choice is never slower than it."""
+def _torch_compiled(captured, inputs: tuple, options: Options, eager, mode: str = "reduce-overhead") -> Compiled:
+    """``torch.compile`` of the whole model in ``mode`` (``"reduce-overhead"``: Inductor and CUDA Graphs;
+    ``"default"``: Inductor alone), outputs cloned as opweave's are: a peer every CUDA search holds its plans
+    against, so the choice is never slower than it."""
     import torch
 
     from opweave.backends.cpu import EagerBackend
-    from opweave.build.pipeline import validated_plan
     from opweave.costs.roofline import estimate
+    from opweave.plan.make import validated_plan
     from opweave.schedulers import run
 
     model = eager if eager is not None else captured.gm
-    compiled_model = torch.compile(model, mode="reduce-overhead")
+    compiled_model = torch.compile(model, mode=mode)
     costs = estimate(captured.graph, "h100", model="ideal")
     sched = run("sequential", captured.graph, costs)
     backend = EagerBackend(_Cloned(compiled_model))

@@ -1,0 +1,13 @@
+"""From a captured model to a runnable, one way for every door: options (:mod:`.options`), the flow (:mod:`.flow`:
+:func:`build`, which makes a :mod:`.compiled` model), one target per device (:mod:`.targets`, CUDA plans through the
+:mod:`.memory` pass), the measured choices (:mod:`.autotune`, cached by :mod:`.choices`) and the predicted ones
+(:mod:`.choose`: the CUDA default's plan on the fitted GPU, which :mod:`.calibrate` fits)."""
+
+from opweave.pipeline.compiled import Compiled
+from opweave.pipeline.flow import as_tuple, build
+from opweave.pipeline.options import MODES, OPTIONS, Options, mode_options, option_table, parse_option, resolve
+from opweave.pipeline.targets import costs_for
+from opweave.plan.make import plan_for, validated_plan
+
+__all__ = ["MODES", "OPTIONS", "Compiled", "Options", "as_tuple", "build", "costs_for", "mode_options",
+           "option_table", "parse_option", "plan_for", "resolve", "validated_plan"]

@@ -1,0 +1,54 @@
+"""What the pipeline makes: :class:`Compiled`, a model compiled by opweave, called like the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from opweave.backends.program import Backend
+from opweave.costs import Costs
+from opweave.ir import OpGraph
+from opweave.pipeline.options import Options
+from opweave.plan import LaunchPlan
+from opweave.schedulers.schedule import Schedule
+
+
+@dataclass
+class Compiled:
+    """A model compiled by opweave: call it like the model. ``schedule`` and ``plan`` say what was decided;
+    ``fused`` is the segmented model when a segment compiler ran (its ``stats``: segments, compiles, fallbacks);
+    ``choice`` what a measured choice picked and timed (the CPU's guard, ``mode="max-autotune"``, the CUDA
+    default's prediction); ``options`` the resolved options it was built with."""
+
+    graph: OpGraph
+    costs: Costs
+    schedule: Schedule
+    plan: LaunchPlan
+    backend: Backend
+    device: str
+    captured: Any = None
+    fused: Any = None
+    choice: dict | None = None
+    options: Options | None = None
+
+    def __call__(self, *args, **kwargs) -> Any:
+        if kwargs:  # keyword arguments bound to the model's forward(), as at capture
+            from opweave.capture.runtime import positional
+
+            args = positional(self.captured.signature, args, kwargs, self.graph.name)
+        return self.backend(*args)
+
+    def close(self) -> None:
+        """Release what the backend holds (worker threads, rank processes, CUDA graphs and streams); also done when
+        it is collected."""
+        self.backend.close()
+
+    def __enter__(self) -> Compiled:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+
+__all__ = ["Compiled"]
