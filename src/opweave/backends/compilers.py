@@ -31,7 +31,14 @@ by op, with a warning.
   second, which for a model's hundreds of segments is minutes; when it fails the ``torch.export``-based one is tried.
   ORT releases the GIL while it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy for contiguous
   tensors), outputs come back as tensors sharing ORT's arrays. A segment with a non-tensor output (a shape read by a
-  later segment) cannot be exported and runs op by op.
+  later segment) cannot be exported and runs op by op. Three choices serve many sessions in one process (the
+  server's blocks): ``shared_pool`` runs a session on ONNX Runtime's process-wide thread pool (:func:`shared_pool`)
+  instead of a pool of its own; ``arena=False`` gives it no memory arena (what a run allocates goes back to the C heap
+  when the run ends, where an arena keeps its largest run's memory for the session's lifetime); ``share_weights``
+  makes it read the graph's own parameters in place (ONNX Runtime's shared initializers, an ``OrtValue`` over each
+  tensor's storage), so that several sessions of one graph (one per batch size) hold no copy of the weights. ONNX
+  Runtime copies a weight it rewrites (the NCHWc layout of ``ORT_ENABLE_ALL``, a matrix product's prepacked operand),
+  so those rewrites are off in a session that shares its weights.
 * ``eager`` — the segment's ``GraphModule`` as it is (a check of the segment machinery).
 """
 
@@ -40,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -114,10 +122,13 @@ class OnnxRuntime:
     per_op_threads = True
 
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *, alone: bool = False,
-                 dynamic_batch: bool = False) -> Callable[..., tuple]:
+                 dynamic_batch: bool = False, shared_pool: bool = False, arena: bool = True,
+                 share_weights: bool = False) -> Callable[..., tuple]:
         """``alone``: nothing else runs while the session does (its pool may spin); ``dynamic_batch``: dimension
         0 of every input and output left free (one session for every batch size; the caller checks it at another
-        batch, since a graph may have baked its batch in)."""
+        batch, since a graph may have baked its batch in); ``shared_pool``: run on the process's thread pool, which
+        :func:`shared_pool` made, ``threads`` being its size; ``arena``: False: no memory arena of its own;
+        ``share_weights``: read ``gm``'s parameters and buffers in place (module docstring)."""
         ort = import_onnxruntime()
         if any(x.device.type != "cpu" for x in inputs):
             raise UsageError("compiler='onnxruntime' runs on the CPU")
@@ -127,21 +138,77 @@ class OnnxRuntime:
             raise UsageError("a segment output is not a tensor (ONNX exports tensors only)")
         model = export_onnx(gm, inputs, len(examples), dynamic_batch=dynamic_batch)
         options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
-        if threads > 1 and not alone:  # the pool sleeps when idle: another lane may need the core
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if shared_pool:
+            options.use_per_session_threads = False  # the pool's size is the process's (shared_pool)
+        else:
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            if threads > 1 and not alone:  # the pool sleeps when idle: another lane may need the core
+                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if not arena:
+            options.enable_cpu_mem_arena = False
+        shared = {}
+        if share_weights:
+            shared = shared_initializers(model, gm)
+            for name, value in shared.items():
+                options.add_initializer(name, value)
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # no NCHWc copies
+            options.add_session_config_entry("session.disable_prepacking", "1")
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-        return OrtSegment(session, ort.RunOptions())
+        return OrtSegment(session, ort.RunOptions(), shared)
+
+
+def shared_initializers(model: bytes, gm: fx.GraphModule) -> dict[str, Any]:
+    """The initializers of the ONNX ``model`` that are ``gm``'s own parameters or buffers (the same name, shape,
+    dtype and values: the exporter may have folded a constant into a tensor of the same name), each as an
+    ``OrtValue`` over the tensor's storage (no copy)."""
+    import onnx
+    from onnx import numpy_helper
+
+    ort = import_onnxruntime()
+    tensors = dict(gm.named_parameters())
+    tensors.update(gm.named_buffers())
+    out = {}
+    for init in onnx.load_from_string(model).graph.initializer:
+        tensor = tensors.get(init.name)
+        if tensor is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            continue
+        value = torch.from_numpy(numpy_helper.to_array(init).copy())
+        if value.dtype == tensor.dtype and value.shape == tensor.shape and torch.equal(value, tensor.detach()):
+            out[init.name] = ort.OrtValue.ortvalue_from_numpy(tensor.detach().numpy())
+    return out
+
+
+_POOL: dict[str, int] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def shared_pool(threads: int) -> bool:
+    """Make ONNX Runtime's process-wide thread pool (its global intra-op pool, ``threads`` threads with the caller's;
+    no inter-op pool: sessions run sequentially), unless made already; whether a session whose budget is ``threads``
+    may run on it (``shared_pool=True``). Its size is fixed once made, so a process gets one: a session of another
+    budget keeps a pool of its own. ONNX Runtime's global pool spins between parallel sections, as its own pools
+    do by default (its Python API sets only the sizes)."""
+    ort = import_onnxruntime()
+    with _POOL_LOCK:
+        if "threads" not in _POOL:
+            try:
+                ort.set_global_thread_pool_sizes(threads, 1)
+            except Exception:  # noqa: BLE001 - made before, by someone else: of a size we do not know
+                _POOL["threads"] = 0
+            else:
+                _POOL["threads"] = threads
+        return _POOL["threads"] == threads
 
 
 class OrtSegment:
     """One ONNX Runtime session called like the segment: tensors in, a tuple of tensors out."""
 
-    def __init__(self, session, options):
+    def __init__(self, session, options, shared: dict[str, Any] | None = None):
         self.session, self.options = session, options
+        self.shared = shared or {}  # initializer name -> the OrtValue over the tensor it reads (kept alive here)
         self.run = session._sess.run  # the binding itself: InferenceSession.run adds checks per call
         # the exporter drops inputs the graph does not read: keep each name's position ("in{i}", export_onnx)
         self.inputs = [(i.name, int(i.name.removeprefix("in"))) for i in session.get_inputs()]
