@@ -148,7 +148,9 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
     :func:`load_profiles`) replace roofline latencies. ``warm`` compiles every block alone at batch 1 first (and
     checks it runs). ``compiler`` (CPU, where ``options`` name none): each block compiled whole by that segment
     compiler (:class:`~opweave.serve.executors.CpuExecutor`); ``"default"``: :func:`default_compiler`; None: TOP's
-    combined op graphs. With ``warm`` every block is compiled at every padded batch up front."""
+    combined op graphs. With ``warm`` every block's first variants are compiled up front (its any-batch session, or
+    its batch-1 variant: :meth:`~opweave.serve.executors.CpuExecutor.warm_model`); other batches when first asked
+    for."""
     options = options if options is not None else serving_options(device)
     blocked = {name: m.blocked for name, m in models.items()}
     executor: Executor
@@ -168,7 +170,7 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
                     max_batch=max_batch, max_sub_blocks=max_sub_blocks, timeout_s=timeout_s)
     if warm:
         if getattr(executor, "compiler", None) is not None:
-            executor.compile_parts(max_batch)
+            executor.warm_models(max_batch)
         warm_up(engine)
     return engine
 

@@ -185,6 +185,24 @@ def _constants(gm: fx.GraphModule, owner: dict[str, str]) -> set[str]:
     return constant
 
 
+@dataclass(frozen=True)
+class Shaped:
+    """A block input kept as its batch-1 shape and dtype rather than a tensor: the intermediate values a CNN's blocks
+    read at 224 px are twice its weights, and every use of them (exports, shape propagation, the check of a compiled
+    block at another batch) needs only a value of that shape (:meth:`BlockedModel.example`)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def make(self, seed: int, batch: int = 1) -> torch.Tensor:
+        """A value of this shape with ``batch`` times its first dimension: seeded normal values (zeros for a dtype
+        that is not floating point)."""
+        shape = (self.shape[0] * batch, *self.shape[1:]) if batch > 1 else self.shape
+        if not self.dtype.is_floating_point:
+            return torch.zeros(shape, dtype=self.dtype)
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(self.dtype)
+
+
 @dataclass(eq=False)
 class BlockedModel:
     """A model served block by block: its blocks, one ``fx.GraphModule`` each, and per-batch captures of them.
@@ -201,7 +219,7 @@ class BlockedModel:
     modules: list[fx.GraphModule]
     stackable: bool = True
     _captures: dict[tuple[int, int], Captured] = field(default_factory=dict, repr=False)
-    _examples: list[tuple] = field(default_factory=list, repr=False)  # batch-1 inputs of each block
+    _examples: list[tuple] = field(default_factory=list, repr=False)  # batch-1 inputs of each block (later: Shaped)
     _graphs: dict[tuple[int, int], OpGraph] = field(default_factory=dict, repr=False)
 
     # ---- running ------------------------------------------------------------------------------------------------
@@ -227,11 +245,18 @@ class BlockedModel:
 
     # ---- per-batch captures -------------------------------------------------------------------------------------
     def example(self, index: int, batch: int = 1) -> tuple:
-        """Example inputs of block ``index`` for ``batch`` stacked samples: the batch-1 example repeated."""
+        """Example inputs of block ``index`` for ``batch`` stacked samples: block 0's, the model's example repeated;
+        a later block's, values of the shapes its batch-1 inputs had (:class:`Shaped`), made on each call."""
         base = self._examples[index]
+        if any(isinstance(x, Shaped) for x in base):
+            return tuple(x.make(index, batch) if isinstance(x, Shaped) else x for x in base)
         if batch == 1:
             return base
         return tuple(x.repeat(batch, *[1] * (x.dim() - 1)) if isinstance(x, torch.Tensor) else x for x in base)
+
+    def input_count(self, index: int) -> int:
+        """How many inputs block ``index`` takes."""
+        return len(self._examples[index])
 
     def captured_block(self, index: int, batch: int = 1) -> Captured:
         """Block ``index`` captured for ``batch`` stacked samples (cached; parameters shared with the model).
@@ -342,6 +367,8 @@ def _examples(model: BlockedModel) -> None:
                     model.stackable &= all(_batch_first(t, 2) for t in pytree.tree_leaves(values[0]))
         except Exception:  # noqa: BLE001 - a model that cannot take a batch of two is simply not stacked
             model.stackable = False
+    model._examples[1:] = [tuple(Shaped(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+                                 for x in inputs) for inputs in model._examples[1:]]
 
 
 def _batch_first(value: Any, batch: int) -> bool:
@@ -383,5 +410,5 @@ def table_ii(model: BlockedModel) -> dict:
             "ops_per_block": [len(b.ops) for b in model.blocks]}
 
 
-__all__ = ["Block", "BlockedModel", "blocks_from_cuts", "combined_module", "cut_points", "live_after", "split",
-           "table_ii"]
+__all__ = ["Block", "BlockedModel", "Shaped", "blocks_from_cuts", "combined_module", "cut_points", "live_after",
+           "split", "table_ii"]

@@ -22,7 +22,10 @@ block are one graph with no edges between them: the scheduler puts them side by 
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -192,9 +195,10 @@ class Executor:
     def _evict(self, entry: Any) -> None:
         pass
 
-    def warm_model(self, name: str, blocked: BlockedModel, max_batch: int) -> None:
+    def warm_model(self, name: str, blocked: BlockedModel, max_batch: int, batches: tuple[int, ...] = ()) -> None:
         """Compile ahead what serving a model about to be added needs (on any thread, while the engine runs: it
-        touches nothing the engine's thread reads). Nothing by default: signatures compile on first use."""
+        touches nothing the engine's thread reads); ``batches``: batch sizes its config asks to have ready (Triton's
+        ``model_warmup``). Nothing by default: signatures compile on first use."""
 
     def drop_model(self, name: str) -> None:
         """Forget a removed model's compiled signatures (on the engine's thread, between steps)."""
@@ -297,14 +301,24 @@ class CpuExecutor(TensorExecutor):
     * none (TOP's own): a signature compiles to the union of its parts' op graphs (each part's block captured at its
       batch, cached), roofline costs for the CPU, the scheduler (``streams`` lanes, default one per thread),
       lowering, validation and a ``CpuBackend``: the parts' ops interleave on the lanes.
-    * ``"onnxruntime"`` (or ``"inductor"``, ``"eager"``): each part (model, block, batch) is compiled once, whole, by
-      that segment compiler (:mod:`opweave.backends.compilers`; one compiled function per intra-op thread count it is
-      called with), and a signature compiles to a graph of its parts as single ops, scheduled (by default with ``heft``)
-      onto the lanes: parts run side by side, one part alone gets every thread. ONNX Runtime runs these blocks about
-      three times faster than eager PyTorch at serving batch sizes on a CPU, and a part compiled whole needs no compile
-      per combination (a combination is only its parts' placement: milliseconds). ONNX Runtime takes any batch (each
-      block exported once with a free batch dimension, checked at another batch), so batches are not padded (up to a
-      third of a padded batch's work was zeros).
+    * ``"onnxruntime"`` (or ``"inductor"``, ``"eager"``): each block of each model is compiled whole by that segment
+      compiler (:class:`CompiledBlock`), and a signature compiles to a graph of its parts as single ops, scheduled (by
+      default with ``heft``) onto the lanes: parts run side by side, one part alone gets every thread. ONNX Runtime
+      runs these blocks about three times faster than eager PyTorch at serving batch sizes on a CPU, and a part
+      compiled whole needs no compile per combination (a combination is only its parts' placement: milliseconds).
+      ONNX Runtime takes any batch (each block exported once with a free batch dimension, checked at another batch),
+      so batches are not padded (up to a third of a padded batch's work was zeros). A part alone runs its compiled
+      block directly, on every thread: its plan would be that one call, on one lane (and no signature of a single
+      part takes a place in the cache, which a server of many models cycling through their blocks would thrash).
+
+    **What grows with the models.** Every ONNX Runtime session of every block of every model runs on one thread pool
+    for the process, ``threads`` threads (:func:`opweave.backends.compilers.shared_pool`; a process whose pool another
+    budget made gives each session a sleeping pool of ``threads`` threads), with no memory arena of its own (what a
+    run allocates goes back to the C heap when it ends, and :class:`opweave.serve.frontend.HeapTrimmer` gives freed
+    memory back to the system), and a block that takes any batch is one session. So a model costs its weights, its
+    graphs and one compiled copy of each block, whatever batches and combinations it is served at. Variants of a
+    block that are compiled per batch read the model's own parameters (:class:`CompiledBlock`) and are built when a
+    batch first needs them, in the background (:attr:`builder`), while the request runs on the variants built.
     """
 
     device = "cpu"
@@ -312,13 +326,33 @@ class CpuExecutor(TensorExecutor):
     def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *, cache_size: int = 32,
                  pad: bool | None = None):
         from opweave.backends.compilers import get
+        from opweave.backends.threads import total_threads
 
         options = options if options is not None else resolve("cpu")
         self.compiler = options.compiler  # each block compiled whole by it (None: TOP's combined op graphs)
         super().__init__(models, options, cache_size=cache_size, pad=bool(pad))
         self.threads = options.threads  # what the lanes of a combined block may use in all
+        self.total_threads = total_threads(self.threads)
         self.per_op_threads = get(self.compiler).per_op_threads if self.compiler is not None else False
-        self._blocks: dict[tuple[str, int], _CompiledBlock] = {}
+        self._shared_pool: bool | None = None  # whether ONNX Runtime's sessions share the process's pool (asked once)
+        self._blocks: dict[tuple[str, int], CompiledBlock] = {}
+        self.builder = Builder()
+
+    @property
+    def shared_pool(self) -> bool:
+        """Whether this executor's ONNX Runtime sessions run on the process's one thread pool (made, at its
+        ``threads``, by the first executor that asks; :func:`opweave.backends.compilers.shared_pool`)."""
+        if self._shared_pool is None:
+            from opweave.backends.compilers import shared_pool
+
+            self._shared_pool = self.compiler == "onnxruntime" and shared_pool(self.total_threads)
+        return self._shared_pool
+
+    def threads_key(self, threads: int) -> int | None:
+        """The thread count a block's compiled variant is keyed by when a lane with ``threads`` intra-op threads calls
+        it: None for ONNX Runtime (one session whatever the count: the shared pool, or a sleeping pool of the whole
+        budget), the count itself for a compiler that bakes it in (Inductor's OpenMP teams)."""
+        return None if self.compiler == "onnxruntime" else threads
 
     def default_scheduler(self) -> str:
         return DEFAULT_SCHEDULER if self.compiler is None else "heft"  # parts side by side: one alone gets every core
@@ -340,7 +374,7 @@ class CpuExecutor(TensorExecutor):
         graph, calls, ops = fx.Graph(), [], []
         for k, key in enumerate(sig):
             block = self.compiled_block(key[0], key[1])
-            inputs = [graph.placeholder(f"p{k}_in{i}") for i in range(len(block.blocked.example(key[1])))]
+            inputs = [graph.placeholder(f"p{k}_in{i}") for i in range(block.blocked.input_count(key[1]))]
             calls.append(graph.create_node("call_function", block.at(key[2]), tuple(inputs), name=f"p{k}"))
             part_graph = self.models[key[0]].graph_at(key[1], key[2])
             ops.append(Op(f"p{k}", target=f"{key[0]}.block{key[1]}", flops=sum(o.flops for o in part_graph.ops),
@@ -350,46 +384,60 @@ class CpuExecutor(TensorExecutor):
         by_name = {n.name: n for n in module.graph.nodes}
         return Captured(OpGraph(ops, [], _name(sig)), module, {f"p{k}": [by_name[f"p{k}"]] for k in range(len(sig))})
 
-    def compiled_block(self, model: str, block: int) -> _CompiledBlock:
+    def compiled_block(self, model: str, block: int) -> CompiledBlock:
         key = (model, block)
-        return self._blocks.get(key) or self._blocks.setdefault(key, _CompiledBlock(self, model, block))
+        found = self._blocks.get(key)
+        if found is None:
+            found = self._blocks.setdefault(key, CompiledBlock(self, model, block, self.models[model]))
+        return found
 
-    def compile_parts(self, max_batch: int) -> int:
-        """With ``compiler``: compile every block of every model for every thread count a part may be called with (all
-        the cores alone, their share beside others) and, where a block cannot take any batch, every batch up to
-        ``max_batch``, so that no request waits for a compile. Returns how many compiled functions there are."""
+    def thread_counts(self) -> list[int]:
+        """Every intra-op thread count a part may be called with (all the cores alone, their share beside others)."""
         from opweave.backends.threads import op_budgets
 
-        counts = op_budgets(self.streams, self.threads, per_op=self.per_op_threads)
-        for model, blocked in self.models.items():
-            for b in range(len(blocked.blocks)):
-                block = self.compiled_block(model, b)
-                for threads in counts:
-                    block.function(1, threads)
-                    if not block.dynamic:
-                        batches = {self.bucket(n) for n in range(1, (max_batch if blocked.stackable else 1) + 1)}
-                        for batch in sorted(batches):
-                            block.function(batch, threads)
+        return op_budgets(self.streams, self.threads, per_op=self.per_op_threads)
+
+    def warm_model(self, name: str, blocked: BlockedModel, max_batch: int, batches: tuple[int, ...] = ()) -> None:
+        """With ``compiler``: build, before ``name`` serves, the variants of its blocks that its first requests need
+        (on the calling thread, off the engine's: the blocks go into the executor once built, and their keys name only
+        this model). A block that takes any batch: its one session (per thread count where the compiler bakes the
+        count in); otherwise its batch-1 variant and those of ``batches`` (a config's warm-up batch sizes, Triton's
+        ``model_warmup``). Every other batch is built when first asked for (:class:`CompiledBlock`)."""
+        if self.compiler is None:
+            return
+        sizes = tuple(n for n in batches if 1 <= n <= max_batch) if blocked.stackable else ()
+        made = {}
+        for b in range(len(blocked.blocks)):
+            block = self._blocks.get((name, b)) or CompiledBlock(self, name, b, blocked)
+            block.warm(self.thread_counts(), sizes)
+            made[(name, b)] = block
+        self._blocks.update(made)
+
+    def warm_models(self, max_batch: int, batches: dict[str, tuple[int, ...]] | None = None) -> int:
+        """:meth:`warm_model` for every served model; how many compiled variants there are."""
+        for name, blocked in self.models.items():
+            self.warm_model(name, blocked, max_batch, (batches or {}).get(name, ()))
         return sum(len(block.compiled) for block in self._blocks.values())
 
     def _evict(self, entry: Any) -> None:
         entry.close()  # stops its worker threads
 
-    def warm_model(self, name: str, blocked: BlockedModel, max_batch: int) -> None:
-        """With ``compiler``: every block of ``name`` compiled as :meth:`compile_parts` does, by a scratch executor of
-        the same settings, its compiled blocks then handed over (their keys name only this model)."""
-        if self.compiler is not None:
-            scratch = CpuExecutor({name: blocked}, self.options, pad=self.pad)
-            scratch.compile_parts(max_batch)  # each compile under the lock a lane compiling on first use takes
-            self._blocks.update(scratch._blocks)
-
     def drop_model(self, name: str) -> None:
         super().drop_model(name)
         for key in [k for k in self._blocks if k[0] == name]:
-            del self._blocks[key]
+            self._blocks.pop(key).closed = True  # a variant still queued for it is not built
 
     def run(self, parts: list[Part]) -> StepCost:
         ordered, sig, inputs = self._states(parts)
+        if self.compiler is not None and len(parts) == 1:  # one part alone: its plan would be this one call
+            (model, block, batch), = sig
+            call = self.compiled_block(model, block).function(batch, self.total_threads)
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = pytree.tree_unflatten(list(call(*inputs[0])), self.compiled_block(model, block).spec)
+            seconds = time.perf_counter() - start
+            self._store(ordered, [out])
+            return StepCost(seconds)
         backend = self.compiled(sig)
         start = time.perf_counter()
         with torch.no_grad():
@@ -399,22 +447,90 @@ class CpuExecutor(TensorExecutor):
         return StepCost(seconds)
 
 
-class _CompiledBlock:
+def bucket(batch: int) -> int:
+    """The batch a variant compiled per batch size is built for: the next power of two (a max batch of 16 needs at
+    most 5 variants)."""
+    return 1 << (batch - 1).bit_length()
+
+
+class Builder:
+    """Builds compiled variants off the engine's thread: one daemon thread, jobs in the order asked, each on one
+    intra-op thread (the cores stay with serving). A job asked for while it is queued or running is not queued again,
+    and :meth:`CompiledBlock.build` builds a variant once whoever asks, so a variant first needed by many requests
+    at once is built once."""
+
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._jobs: deque = deque()
+        self.pending: set = set()
+        self.failed: list[str] = []  # one line per job that raised (its requests ran on the variants built)
+        self._thread: threading.Thread | None = None
+
+    def submit(self, block: CompiledBlock, key: tuple) -> bool:
+        """Queue the build of ``block``'s variant ``key``; False if it is queued or running already."""
+        job = (block, key)
+        with self._lock:
+            if job in self.pending:
+                return False
+            self.pending.add(job)
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="opweave-builder", daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until no job is queued or running (False if ``timeout_s`` passed first)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self.pending, timeout_s)
+
+    def _work(self) -> None:
+        from opweave.errors import first_line
+
+        torch.set_num_threads(1)
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: bool(self._jobs))
+                block, key = job = self._jobs.popleft()
+            try:
+                if not block.closed:
+                    block.build(*key)
+            except Exception as exc:  # noqa: BLE001 - the requests keep running on the variants built
+                self.failed.append(f"{block.name} {key}: {first_line(exc)}")
+            finally:
+                with self._lock:
+                    self.pending.discard(job)
+                    self._lock.notify_all()
+
+
+class CompiledBlock:
     """One block of one model compiled whole by the executor's segment compiler, called like the block (its inputs
-    in, its output in the block's structure out) at a given batch: :meth:`at` gives the callable a parts graph
-    calls. The compiled function is chosen by the calling thread's intra-op thread count (the lane code sets it per
-    op), one per count, compiled on first use.
+    in, its output in the block's structure out) at any batch: :meth:`at` gives the callable a parts graph calls.
 
-    With ONNX Runtime the block is exported once with a free batch dimension and checked against the block at
-    another batch; where that check fails (a graph that baked its batch in) or with another compiler, one function
-    is compiled per batch size met."""
+    **Variants**, keyed ``(threads, batch)``. With ONNX Runtime the block is exported once with a free batch
+    dimension and checked against the block at another batch: one session then takes every batch and every thread
+    count (``(None, None)``). Where that check fails (a graph that baked its batch in), and with another compiler, a
+    variant is compiled per padded batch (:func:`bucket`; and per thread count where the compiler bakes it in:
+    Inductor), each reading the model's own parameters: ONNX Runtime's shared initializers (``share_weights``,
+    which forgoes the optimizations that copy weights: a model that cannot take any batch pays them for its memory),
+    Inductor unfrozen (its parameters the module's, not constants of its own). ``builds`` counts compiles per key.
 
-    def __init__(self, executor: CpuExecutor, model: str, block: int):
-        self.blocked, self.block, self.compiler = executor.models[model], block, executor.compiler
+    **Built when first needed.** A batch whose variant is not built is queued for the executor's :class:`Builder`
+    and runs meanwhile on the variants built: padded up to the smallest larger one, or in pieces of the largest
+    (outputs concatenated). :meth:`warm` builds what a model's first requests need before it serves."""
+
+    def __init__(self, executor: CpuExecutor, model: str, block: int, blocked: BlockedModel):
+        self.executor, self.blocked, self.block, self.compiler = executor, blocked, block, executor.compiler
         self.name = f"{model}.b{block}"
-        self.module, self.spec = _flat_outputs(self.blocked.modules[block])
-        self.dynamic: bool | None = None if self.compiler == "onnxruntime" and self.blocked.stackable else False
-        self.compiled: dict[tuple[int, int | None], Any] = {}  # (threads, batch or None when dynamic) -> function
+        self.module, self.spec = _flat_outputs(blocked.modules[block])
+        self.dynamic: bool | None = None if self.compiler == "onnxruntime" and blocked.stackable else False
+        self.compiled: dict[tuple[int | None, int | None], Any] = {}  # (threads, batch; None: any) -> function
+        self.builds: dict[tuple[int | None, int | None], int] = {}
+        self.closed = False  # its model was dropped: nothing more is built
+        self._lock = threading.Lock()
+        self._building: dict[tuple[int | None, int | None], threading.Event] = {}
+        self._errors: dict[tuple[int | None, int | None], BaseException] = {}
 
     def at(self, batch: int) -> Callable:
         def run(*inputs):
@@ -423,35 +539,113 @@ class _CompiledBlock:
         run.__name__ = f"{self.name}x{batch}".replace(".", "_")  # fx's code generator names the call after it
         return run
 
-    def function(self, batch: int, threads: int | None = None) -> Any:
-        threads = threads or torch.get_num_threads()
-        fn = self.compiled.get((threads, None)) or self.compiled.get((threads, batch))
-        if fn is None:
+    def function(self, batch: int, threads: int | None = None) -> Callable[..., tuple]:
+        """What runs ``batch`` samples now on a lane of ``threads`` intra-op threads (default: the calling thread's):
+        the variant for any batch or for this one, else the variants built (class docstring), the one wanted queued."""
+        t = self.executor.threads_key(threads or torch.get_num_threads())
+        fn = self.compiled.get((t, None)) or self.compiled.get((t, batch))
+        if fn is not None:
+            return fn
+        if self.dynamic is not False:
+            fn = self.build(t, None)  # warm built it for any thread count that matters; here only if it did not
+            if fn is not None:
+                return fn
+        want = bucket(batch) if self.blocked.stackable else batch
+        built = self._static(t)
+        if want not in built:
+            if not built:
+                built = {want: self.build(t, want)}  # nothing to run on: built now, on this thread
+            else:
+                self.executor.builder.submit(self, (t, want))
+        return functools.partial(_run_on, built, batch)
+
+    def _static(self, t: int | None) -> dict[int, Any]:
+        """The per-batch variants built for thread key ``t`` (any thread count's if none is), by batch."""
+        mine = {b: fn for (k, b), fn in list(self.compiled.items()) if b is not None and k == t}
+        return mine or {b: fn for (k, b), fn in list(self.compiled.items()) if b is not None}
+
+    def warm(self, thread_counts: list[int], batches: tuple[int, ...] = ()) -> None:
+        """Build what serving needs first: for each thread key of ``thread_counts``, the variant for any batch, or
+        the batch-1 variant and those of ``batches`` (padded)."""
+        for t in dict.fromkeys(self.executor.threads_key(n) for n in thread_counts):
+            if self.dynamic is not False and self.build(t, None) is not None:
+                continue
+            for n in sorted({1} | {bucket(n) for n in batches}):
+                self.build(t, n)
+
+    def build(self, threads: int | None, batch: int | None) -> Any:
+        """The variant ``(threads, batch)`` (None for a batch the block does not take as any batch), compiled once:
+        the first caller compiles it, callers meanwhile wait for that compile."""
+        key = (threads, batch)
+        with self._lock:
+            if key in self.compiled:
+                return self.compiled[key]
+            if batch is None and self.dynamic is False:
+                return None
+            event = self._building.get(key)
+            mine = event is None
+            if mine:
+                event = self._building[key] = threading.Event()
+                self._errors.pop(key, None)
+        if not mine:
+            event.wait()
+            if key in self._errors:
+                raise self._errors[key]
+            return self.compiled.get(key)
+        try:
             from opweave.backends.segments import COMPILE_LOCK
 
             with COMPILE_LOCK, torch.no_grad():
-                fn = self._compile(batch, threads)
-        return fn
+                fn = self._compile(threads, batch)
+            with self._lock:
+                self.builds[key] = self.builds.get(key, 0) + 1
+                if fn is not None:
+                    self.compiled[key] = fn
+            return fn
+        except BaseException as exc:
+            self._errors[key] = exc
+            raise
+        finally:
+            with self._lock:
+                del self._building[key]
+            event.set()
 
-    def _compile(self, batch: int, threads: int) -> Any:
+    def _compile(self, threads: int | None, batch: int | None) -> Any:
         from opweave.backends.compilers import get
         from opweave.outputs import compare
 
-        compiler = get(self.compiler)
-        if self.dynamic is not False:
-            if (threads, None) in self.compiled:
-                return self.compiled[(threads, None)]
-            fn = compiler(self.module, list(self.blocked.example(self.block, 2)), threads, dynamic_batch=True)
-            if self.dynamic is None:  # checked once, at a batch it was not exported at
-                probe = [torch.randn_like(x) if x.is_floating_point() else x
-                         for x in self.blocked.example(self.block, 3)]
-                self.dynamic = compare(tuple(self.module(*probe)), tuple(fn(*probe)), tolerance=1e-4).ok
-            if self.dynamic:
-                self.compiled[(threads, None)] = fn
-                return fn
-        fn = compiler(self.module, list(self.blocked.example(self.block, batch)), threads)
-        self.compiled[(threads, batch)] = fn
-        return fn
+        count = self.executor.total_threads if threads is None else threads
+        if self.compiler == "onnxruntime":
+            ort = get("onnxruntime")
+            session = {"shared_pool": self.executor.shared_pool, "arena": False}
+            if batch is None:
+                fn = ort(self.module, list(self.blocked.example(self.block, 2)), count, dynamic_batch=True, **session)
+                if self.dynamic is None:  # checked once, at a batch it was not exported at
+                    probe = [torch.randn_like(x) if x.is_floating_point() else x
+                             for x in self.blocked.example(self.block, 3)]
+                    self.dynamic = compare(tuple(self.module(*probe)), tuple(fn(*probe)), tolerance=1e-4).ok
+                return fn if self.dynamic else None
+            return ort(self.module, list(self.blocked.example(self.block, batch)), count,
+                       share_weights=self.blocked.stackable, **session)  # one variant per batch: the weights shared
+        compiler = get("inductor", freeze=False) if self.compiler == "inductor" else get(self.compiler)
+        return compiler(self.module, list(self.blocked.example(self.block, batch or 1)), count)
+
+
+def _run_on(built: dict[int, Any], batch: int, *inputs) -> tuple:
+    """``batch`` samples through per-batch variants (``built``: batch -> function): the smallest variant that takes
+    them all, padded with rows of zeros, else pieces of the largest; the padding's outputs dropped."""
+    larger = [b for b in built if b >= batch]
+    if larger:
+        size = min(larger)
+        out = built[size](*(_pad(inputs, size - batch) if size > batch else inputs))
+        return tuple(x[:batch] for x in out) if size > batch else tuple(out)
+    size, pieces = max(built), []
+    for first in range(0, batch, size):
+        chunk = tuple(x[first:first + size] for x in inputs)
+        rows = chunk[0].shape[0]
+        out = built[size](*(_pad(chunk, size - rows) if rows < size else chunk))
+        pieces.append(tuple(x[:rows] for x in out))
+    return tuple(torch.cat(column) for column in zip(*pieces, strict=True))
 
 
 def _flat_outputs(gm):
@@ -589,5 +783,5 @@ class SimExecutor(Executor):
         return sum(self.run([Part(model, b, batch)]).seconds for b in range(len(self.models[model].blocks))) * 1e3
 
 
-__all__ = ["CpuExecutor", "CudaExecutor", "Executor", "Part", "RealClock", "SimClock", "SimExecutor", "StepCost",
-           "UnionGraph", "signature", "union_costs", "union_graph"]
+__all__ = ["Builder", "CompiledBlock", "CpuExecutor", "CudaExecutor", "Executor", "Part", "RealClock", "SimClock",
+           "SimExecutor", "StepCost", "UnionGraph", "bucket", "signature", "union_costs", "union_graph"]

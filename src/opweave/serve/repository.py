@@ -18,9 +18,11 @@ UNAVAILABLE with that reason, never silently absent.
 The version served is the highest present (Triton's default ``latest`` policy) or, with ``version_policy { specific
 { versions: [...] } }``, the highest of those listed. Of ``config.pbtxt`` opweave reads ``name`` (if set, the
 directory's), ``max_batch_size`` (samples per instance; 0 is Triton's "does not batch": 1; unset: the server's
-``--max-batch``) and ``input`` (if listed, their names must be the program's inputs: opweave names inputs after the
-program's arguments and does not rename them; for TorchScript, above); the rest (platform, backend, instance groups,
-...) is not opweave's to follow and is ignored, but for one parameter: ``parameters { key: "allow_non_finite_inputs"
+``--max-batch``), ``input`` (if listed, their names must be the program's inputs: opweave names inputs after the
+program's arguments and does not rename them; for TorchScript, above) and ``model_warmup``'s batch sizes (the batches
+whose compiled variants are built before the model serves, where its blocks are compiled per batch; others are built
+when first asked for); the rest (platform, backend, instance groups, ...) is not opweave's to follow and is ignored,
+but for one parameter: ``parameters { key: "allow_non_finite_inputs"
 value { string_value: "true" } }`` lets the model's inputs hold NaN and infinities (refused otherwise). A load
 request may carry the config instead (``parameters.config``: its JSON form, as ``tritonclient``'s ``load_model(name,
 config=...)`` sends it); it holds for that load only.
@@ -30,7 +32,8 @@ worker thread, never on their event loop, and they never hold the engine's lock 
 load captures, splits and checks the program, compiles its blocks (``executor.warm_model``), and only then links it
 into the engine (:meth:`Engine.add_model`, atomic); the other models are served all the while. An unload takes the
 model out of :attr:`Repository.served` (new requests: 404), stops its queue (a request that raced the lookup: 503),
-answers every request it had accepted, then the engine drops it between two steps (:meth:`Engine.remove_model`).
+answers every request it had accepted, then the engine drops it between two steps (:meth:`Engine.remove_model`), and
+the memory it held is collected (its graphs hold reference cycles, which only Python's collector frees).
 Loading a model that is served reloads it only if its version or its config changed (a load without
 ``parameters.config`` takes the repository's ``config.pbtxt``, so it undoes an earlier load's config; a load whose
 config equals the one the model runs with changes nothing). A reload builds the new model first, then unloads the old
@@ -52,6 +55,7 @@ warning in the server's log.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -327,7 +331,7 @@ class Repository:
             raise Refused("invalid", f"model {name!r}: its config lists inputs {shown(named)}, the program takes "
                                      f"{[s.name for s in model.inputs]} (opweave does not rename inputs)")
         model.version = version
-        self.engine.executor.warm_model(name, model.blocked, model.max_batch)
+        self.engine.executor.warm_model(name, model.blocked, model.max_batch, warmup_batches(config))
         return model
 
     def unload(self, name: str) -> None:
@@ -348,6 +352,7 @@ class Repository:
         except OpweaveError as exc:
             self.status[name] = ("UNLOADING", str(exc))
             raise Refused("error", str(exc)) from None
+        gc.collect()  # the model's graphs and compiled blocks hold cycles: give their memory back now
 
     def _check_changes(self) -> None:
         if self.changes is not None:
@@ -367,6 +372,12 @@ class Repository:
                 if strict:
                     raise UsageError(f"{exc} (without --strict the other models are served)") from None
         return loaded
+
+
+def warmup_batches(config) -> tuple[int, ...]:
+    """The batch sizes of ``config``'s ``model_warmup`` entries (Triton's: samples the model is run on before it
+    serves), those above 0."""
+    return tuple(sorted({w.batch_size for w in config.model_warmup if w.batch_size > 0}))
 
 
 def _version_dirs(folder: Path) -> list[Path]:

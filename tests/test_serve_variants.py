@@ -1,0 +1,207 @@
+"""What a served model costs as the models grow: its blocks' compiled variants read one copy of its weights, share
+one thread pool, are built when a batch first needs them (once, however many requests ask), and go with the model
+when it is unloaded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from opweave.capture import capture
+from opweave.outputs import compare
+from opweave.pipeline import resolve
+from opweave.serve import blocks
+from opweave.serve.executors import CpuExecutor, Part, bucket
+from serve_models import WAIT_S, tiny
+
+
+def tiny_executor(compiler: str, **options) -> tuple[CpuExecutor, blocks.BlockedModel]:
+    model, x = tiny()
+    blocked = blocks.split(capture(model, x), x, name="tiny")
+    return CpuExecutor({"tiny": blocked}, resolve("cpu", compiler=compiler, **options)), blocked
+
+
+def follows_its_weights(block, variants: dict[int, object]) -> bool:
+    """Whether every variant (batch -> function) computes with the block's weights as they are now: each
+    parameter scaled in place, each variant's answer compared with the block run eagerly, the weights put back."""
+    params = list(block.module.parameters())
+    saved = [p.detach().clone() for p in params]
+    try:
+        with torch.no_grad():
+            for p in params:
+                p.mul_(-1.5)
+            return all(compare(tuple(block.module(*block.blocked.example(block.block, n))),
+                               tuple(fn(*block.blocked.example(block.block, n))), tolerance=1e-4).ok
+                       for n, fn in variants.items())
+    finally:
+        with torch.no_grad():
+            for p, value in zip(params, saved, strict=True):
+                p.copy_(value)
+
+
+def test_two_onnxruntime_variants_of_a_block_read_the_same_weights():
+    pytest.importorskip("onnxruntime")
+    ex, blocked = tiny_executor("onnxruntime")
+    block = ex.compiled_block("tiny", 1)  # pooling and the linear layer (whose operand ONNX Runtime would prepack)
+    block.dynamic = False  # as for a graph that baked its batch in: one variant per batch
+    one, two = block.build(None, 1), block.build(None, 2)
+    params = {name: p for name, p in block.module.named_parameters()}
+    assert set(one.shared) == set(two.shared) == set(params)
+    for name, p in params.items():  # one storage: the model's own parameter
+        assert one.shared[name].data_ptr() == two.shared[name].data_ptr() == p.data_ptr()
+    assert follows_its_weights(block, {1: one, 2: two})  # the sessions compute with it, no copy
+
+
+def test_two_inductor_variants_of_a_block_read_the_same_weights():
+    ex, blocked = tiny_executor("inductor", threads=1)
+    block = ex.compiled_block("tiny", 1)
+    assert block.dynamic is False
+    one, two = block.build(1, 1), block.build(1, 2)
+    assert follows_its_weights(block, {1: one, 2: two})  # unfrozen: the parameters are the module's
+
+
+def test_a_batch_first_asked_for_is_built_once_in_the_background_while_requests_run_on_what_is_built():
+    ex, blocked = tiny_executor("eager", threads=1)  # one variant per batch, compiled in no time
+    ex.warm_model("tiny", blocked, max_batch=8)
+    block = ex.compiled_block("tiny", 0)
+    assert set(block.compiled) == {(1, 1)}
+    release, compiles = threading.Event(), []
+    compile_now = block._compile
+
+    def held(threads, batch):
+        compiles.append((threads, batch))
+        assert release.wait(WAIT_S)
+        return compile_now(threads, batch)
+
+    block._compile = held
+    xs = [torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    answers: list = [None] * len(xs)
+
+    def ask(i: int) -> None:
+        torch.set_num_threads(1)
+        answers[i] = block.at(3)(xs[i])  # while the batch-4 variant waits to be built: three batch-1 runs
+
+    asking = [threading.Thread(target=ask, args=(i,)) for i in range(len(xs))]
+    for t in asking:
+        t.start()
+    for t in asking:
+        t.join(WAIT_S)
+    with torch.no_grad():
+        for x, got in zip(xs, answers, strict=True):
+            assert compare(blocked.modules[0](x), got, tolerance=1e-4).ok
+    direct = [threading.Thread(target=block.build, args=(1, 4)) for _ in range(4)]  # and callers who build it now
+    for t in direct:
+        t.start()
+    release.set()
+    for t in direct:
+        t.join(WAIT_S)
+    assert ex.builder.wait(WAIT_S) and not ex.builder.failed
+    assert compiles == [(1, 4)] and block.builds == {(1, 1): 1, (1, 4): 1}
+    assert bucket(3) == 4 and set(block.function(3, 1).args[0]) == {1, 4}
+    with torch.no_grad():  # now padded to 4
+        assert compare(blocked.modules[0](xs[0]), block.at(3)(xs[0]), tolerance=1e-4).ok
+
+
+def test_a_batch_larger_than_every_variant_runs_in_pieces_and_a_smaller_one_padded():
+    from opweave.serve.executors import _run_on
+
+    calls: list[int] = []
+
+    def double(x):
+        calls.append(x.shape[0])
+        return (x * 2,)
+
+    x = torch.arange(7.0).reshape(7, 1)
+    assert torch.equal(_run_on({2: double}, 7, x)[0], x * 2) and calls == [2, 2, 2, 2]
+    calls.clear()
+    assert torch.equal(_run_on({2: double, 8: double}, 7, x)[0], x * 2) and calls == [8]
+
+
+def test_a_config_warms_its_batches_up_front_and_only_those(tmp_path):
+    from opweave.serve.assemble import make_engine
+    from opweave.serve.export import export
+    from opweave.serve.repository import Repository
+
+    model, x = tiny()
+    export(model, x, tmp_path, "tiny", max_batch=8)
+    config = tmp_path / "tiny" / "config.pbtxt"
+    config.write_text(config.read_text() + "model_warmup { name: \"four\" batch_size: 4 }\n")
+    engine = make_engine({}, device="cpu", options=resolve("cpu", compiler="eager", threads=1), max_batch=8)
+    repository = Repository(engine, {}, tmp_path, max_batch=8, control="explicit")
+    repository.load("tiny")
+    built = {key for (name, _), b in engine.executor._blocks.items() if name == "tiny" for key in b.compiled}
+    assert built == {(1, 1), (1, 4)}
+
+
+def test_an_unloaded_model_leaves_its_weights_and_sessions_behind_for_no_one(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from opweave.serve.assemble import make_engine
+    from opweave.serve.export import export
+    from opweave.serve.repository import Repository
+
+    model, x = tiny()
+    export(model, x, tmp_path, "tiny", max_batch=4)
+    engine = make_engine({}, device="cpu", options=resolve("cpu", compiler="onnxruntime"), max_batch=4)
+    repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
+    served = repository.load("tiny")
+    ex = engine.executor
+    inputs = {0: (torch.randn(3, 3, 8, 8),), 1: served.blocked.example(1, 3)}
+    ex.run([Part("tiny", 0, 3, inputs[0])])  # one part alone
+    ex.run([Part("tiny", 0, 3, inputs[0]), Part("tiny", 1, 3, inputs[1])])  # and a combination: a signature
+    sessions = [weakref.ref(fn.session) for (name, _), b in ex._blocks.items() if name == "tiny"
+                for fn in b.compiled.values()]
+    gone = [weakref.ref(served.blocked), *sessions]
+    assert sessions
+    del served
+    repository.unload("tiny")  # no engine loop: the model is dropped at once
+    assert [ref() for ref in gone] == [None] * len(gone)
+
+
+def test_the_sessions_of_every_block_of_every_model_share_one_thread_pool():
+    pytest.importorskip("onnxruntime")
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("counts threads in /proc")
+    code = """
+import os
+import torch
+from opweave.capture import capture
+from opweave.pipeline import resolve
+from opweave.serve import blocks
+from opweave.serve.executors import CpuExecutor
+from serve_models import tiny
+
+models = {}
+for i in range(4):
+    model, x = tiny(seed=i)
+    models[f"m{i}"] = blocks.split(capture(model, x), x, name=f"m{i}")
+executor = CpuExecutor(models, resolve("cpu", compiler="onnxruntime", threads=2))
+torch.set_num_threads(2)
+for blocked in models.values():  # PyTorch's own threads (its OpenMP team) started before counting
+    blocked.run(torch.randn(3, 3, 8, 8))
+import onnxruntime  # and ONNX Runtime's own (one, at import)
+before = len(os.listdir("/proc/self/task"))
+variants = executor.warm_models(max_batch=4)
+print(before, len(os.listdir("/proc/self/task")), variants, executor.shared_pool)
+"""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=WAIT_S,
+                         check=True).stdout.split()
+    before, after, variants, shared = int(out[0]), int(out[1]), int(out[2]), out[3]
+    assert variants == 8 and shared == "True"  # one session per block of each model
+    assert after - before <= 1  # the pool's one worker (two threads with the caller), not one per session
+
+
+def test_a_blocked_model_keeps_its_intermediate_inputs_as_shapes():
+    model, x = tiny()
+    blocked = blocks.split(capture(model, x), x, name="tiny")
+    assert all(isinstance(v, blocks.Shaped) for inputs in blocked._examples[1:] for v in inputs)
+    assert blocked.example(1, 3)[0].shape[0] == 3 and blocked.input_count(1) == 1
+    assert torch.equal(blocked.example(1, 2)[0], blocked.example(1, 2)[0])  # the same values every time
