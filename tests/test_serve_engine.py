@@ -48,6 +48,22 @@ def test_static_runs_one_block_of_one_request_at_a_time(two_tiny):
     assert all(r.status == "done" for r in run.requests) and len(run.requests) == 20
 
 
+@pytest.mark.parametrize("policy", ["static", "batch", "heuristic"])
+def test_every_step_that_runs_a_block_reports_its_decision_time(two_tiny, policy):
+    _, models = two_tiny
+    decided = []
+
+    class Decisions(Observer):
+        def on_decision(self, seconds):
+            decided.append(seconds)
+
+    eng = Engine(SimExecutor(models), policies.create(policy), SimClock(), observers=[Decisions()])
+    simulate_arrivals(eng, burst(20))
+    times = eng.decision_times()
+    assert len(times) == eng.stats["steps"] > 0 and times == decided and all(t > 0 for t in times)
+    assert eng.stats["decision_s"] == pytest.approx(sum(times)) and eng.stats["decision_max_s"] == max(times)
+
+
 def test_batch_stacks_requests_and_runs_models_side_by_side(two_tiny):
     _, models = two_tiny
     eng, steps = sim_engine(models, "batch", max_batch=4)

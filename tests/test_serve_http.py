@@ -212,7 +212,8 @@ def test_metrics_in_prometheus_format(server):
     for needle in ('opweave_queue_depth{model="tiny"}', 'opweave_requests_total{model="tiny",outcome="answered"}',
                    "opweave_request_latency_seconds_bucket", "opweave_queue_time_seconds_count",
                    "opweave_compute_time_seconds_sum", "opweave_batch_size_bucket", 'opweave_rejections_total',
-                   'opweave_plan_cache{event="hits"}', "opweave_step_sub_blocks_bucket"):
+                   'opweave_plan_cache{event="hits"}', "opweave_step_sub_blocks_bucket",
+                   "opweave_decision_seconds_count"):
         assert needle in text, needle
     assert loadgen._queue_depths(text, {"tiny": 1.0}) == {"tiny": 0}
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from opweave.serve.policies import (
 
 WINDOW_S = 1.0  # window of the arrival-rate and utilization estimates
 EWMA = 0.1  # weight of the newest sample in the moving means
+DECISIONS_KEPT = 4096  # the latest steps' decision times kept for percentiles (Engine.decision_times)
 
 
 class QueueFull(OpweaveError, RuntimeError):
@@ -127,6 +129,7 @@ class Observer:
     def on_reject(self, model: str) -> None: ...
     def on_dequeue(self, request: Request) -> None: ...
     def on_step(self, parts: list[Part], cost: StepCost) -> None: ...
+    def on_decision(self, seconds: float) -> None: ...
     def on_done(self, request: Request) -> None: ...
     def on_add(self, model: str) -> None: ...
     def on_remove(self, model: str) -> None: ...
@@ -176,7 +179,8 @@ class Engine:
         self._busy_s = self._used_s = 0.0
         self.step_s = 0.0
         self.stats = {"steps": 0, "fallbacks": 0, "submitted": 0, "rejected": 0, "answered": 0, "timeouts": 0,
-                      "errors": 0, "parts": 0}
+                      "errors": 0, "parts": 0, "decision_s": 0.0, "decision_max_s": 0.0}
+        self._decisions: deque = deque(maxlen=DECISIONS_KEPT)
 
     # ---- requests -----------------------------------------------------------------------------------------------
     def submit(self, model: str, inputs: Any = None, *, batch: int = 1, timeout_s: float | None = None,
@@ -342,6 +346,13 @@ class Engine:
             return min(times)
 
     # ---- one step -----------------------------------------------------------------------------------------------
+    def decision_times(self) -> list[float]:
+        """The decision time (seconds, wall clock) of each of the latest steps that ran a combined block
+        (:data:`DECISIONS_KEPT` at most): what the step spent observing the engine and asking the policy, before the
+        executor ran (dequeues, stacking and the run not counted). ``stats`` holds their sum and maximum."""
+        with self.lock:
+            return list(self._decisions)
+
     def step(self) -> bool:
         """One engine step (module docstring); True if a combined block ran."""
         finished: list[Request] = []
@@ -349,12 +360,17 @@ class Engine:
             self._retire()
             now = self.clock.now()
             finished += self._expire(now)
-            self._launch(now, self.policy.launch(self.observe(now)))
-            obs = self.observe(now)
-            chosen = self._choose(obs)
+            begin = time.perf_counter()
+            launches = self.policy.launch(self.observe(now))
+            deciding = time.perf_counter() - begin
+            self._launch(now, launches)
+            begin = time.perf_counter()
+            chosen = self._choose(self.observe(now))
+            deciding += time.perf_counter() - begin
             if not chosen:
                 self._notify(finished)
                 return False
+            self._decided(deciding)
             running = [self._stack(m, b) for m, b in chosen]
             parts = [Part(i.model, i.block, i.batch, i.state) for i in running]
             for inst in running:
@@ -402,6 +418,13 @@ class Engine:
                     finished.append(r)
         self._notify(finished)
         return True
+
+    def _decided(self, seconds: float) -> None:
+        self._decisions.append(seconds)
+        self.stats["decision_s"] += seconds
+        self.stats["decision_max_s"] = max(self.stats["decision_max_s"], seconds)
+        for o in self.observers:
+            o.on_decision(seconds)
 
     def _expire(self, now: float) -> list[Request]:
         out = []

@@ -82,12 +82,13 @@ HEADER_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_DECISION_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
 class Metrics(Observer):
     """Prometheus metrics of one engine, in their own registry: per model queue depth, queue time, compute time,
-    end-to-end latency, requests by outcome, rejections, batch sizes; per step duration and sub-blocks; the plan
-    cache; GPU utilization through NVML where it is installed and a GPU is there."""
+    end-to-end latency, requests by outcome, rejections, batch sizes; per step duration, sub-blocks and decision time;
+    the plan cache; GPU utilization through NVML where it is installed and a GPU is there."""
 
     def __init__(self, engine: Engine):
         self.registry = r = CollectorRegistry()
@@ -112,6 +113,8 @@ class Metrics(Observer):
                               registry=r)
         self.parts = Histogram("opweave_step_sub_blocks", "Sub-blocks in a combined block", buckets=(1, 2, 3, 4, 6, 8),
                                registry=r)
+        self.decision = Histogram("opweave_decision_seconds", "What a step spent observing the engine and asking the "
+                                  "policy before its combined block ran", buckets=_DECISION_BUCKETS, registry=r)
         cache = Gauge("opweave_plan_cache", "Compiled combination signatures: hits, misses, evictions", ["event"],
                       registry=r)
         for event in ("hits", "misses", "evictions"):
@@ -161,6 +164,9 @@ class Metrics(Observer):
         self.parts.observe(len(parts))
         for p in parts:
             self.batch.labels(p.model).observe(p.batch)
+
+    def on_decision(self, seconds: float) -> None:
+        self.decision.observe(seconds)
 
     def on_done(self, request: Request) -> None:
         outcome = {"done": "answered"}.get(request.status, request.status)
