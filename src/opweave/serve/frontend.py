@@ -86,6 +86,18 @@ class _MallInfo2(ctypes.Structure):
                                                        "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
+def release_memory() -> None:
+    """Give back what the process no longer holds, at once: Python's cycle collector (a model's graphs hold reference
+    cycles) and then glibc's ``malloc_trim`` (where there is one); after an unload, which frees more than
+    :class:`HeapTrimmer`'s threshold only with large models."""
+    import gc
+
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if os.name == "posix" else None
+    if trim is not None:
+        trim(0)
+
+
 class HeapTrimmer:
     """Gives memory the C heap has freed back to the operating system (glibc's ``malloc_trim``) once the process's
     *slack* (resident bytes that no live allocation holds: its resident size less what glibc's ``mallinfo2`` counts
@@ -195,4 +207,4 @@ async def infer(engine: Engine, state: State, name: str, request: InferRequest,
     return result
 
 
-__all__ = ["HTTP_STATUS", "HeapTrimmer", "Refused", "State", "infer", "offload", "one_line"]
+__all__ = ["HTTP_STATUS", "HeapTrimmer", "Refused", "State", "infer", "offload", "one_line", "release_memory"]

@@ -33,7 +33,8 @@ load captures, splits and checks the program, compiles its blocks (``executor.wa
 into the engine (:meth:`Engine.add_model`, atomic); the other models are served all the while. An unload takes the
 model out of :attr:`Repository.served` (new requests: 404), stops its queue (a request that raced the lookup: 503),
 answers every request it had accepted, then the engine drops it between two steps (:meth:`Engine.remove_model`), and
-the memory it held is collected (its graphs hold reference cycles, which only Python's collector frees).
+the memory it held is given back (:func:`~opweave.serve.frontend.release_memory`: its graphs hold reference cycles,
+which only Python's collector frees).
 Loading a model that is served reloads it only if its version or its config changed (a load without
 ``parameters.config`` takes the repository's ``config.pbtxt``, so it undoes an earlier load's config; a load whose
 config equals the one the model runs with changes nothing). A reload builds the new model first, then unloads the old
@@ -55,7 +56,6 @@ warning in the server's log.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import os
@@ -67,7 +67,7 @@ import torch
 
 from opweave.errors import OpweaveError, UsageError, first_line
 from opweave.serve.engine import Engine
-from opweave.serve.frontend import Refused
+from opweave.serve.frontend import Refused, release_memory
 from opweave.serve.models import DTYPES, ServedModel, TensorSpec, reserved
 from opweave.serve.protocol import NON_FINITE_PARAMETER, shown
 
@@ -352,7 +352,7 @@ class Repository:
         except OpweaveError as exc:
             self.status[name] = ("UNLOADING", str(exc))
             raise Refused("error", str(exc)) from None
-        gc.collect()  # the model's graphs and compiled blocks hold cycles: give their memory back now
+        release_memory()  # the model's graphs and compiled blocks hold cycles: give their memory back now
 
     def _check_changes(self) -> None:
         if self.changes is not None:
