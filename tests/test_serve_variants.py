@@ -84,9 +84,10 @@ def test_a_batch_first_asked_for_is_built_once_in_the_background_while_requests_
     xs = [torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
     answers: list = [None] * len(xs)
 
-    def ask(i: int) -> None:
-        torch.set_num_threads(1)
-        answers[i] = block.at(3)(xs[i])  # while the batch-4 variant waits to be built: three batch-1 runs
+    default = torch.get_num_threads()
+
+    def ask(i: int) -> None:  # while the batch-4 variant waits to be built: three batch-1 runs
+        answers[i] = block.function(3, 1)(xs[i])[0]
 
     asking = [threading.Thread(target=ask, args=(i,)) for i in range(len(xs))]
     for t in asking:
@@ -106,7 +107,12 @@ def test_a_batch_first_asked_for_is_built_once_in_the_background_while_requests_
     assert compiles == [(1, 4)] and block.builds == {(1, 1): 1, (1, 4): 1}
     assert bucket(3) == 4 and set(block.function(3, 1).args[0]) == {1, 4}
     with torch.no_grad():  # now padded to 4
-        assert compare(blocked.modules[0](xs[0]), block.at(3)(xs[0]), tolerance=1e-4).ok
+        assert compare(blocked.modules[0](xs[0]), block.function(3, 1)(xs[0])[0], tolerance=1e-4).ok
+    counts: list[int] = []  # the builder's one thread left the process-wide default as it was
+    later = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
+    later.start()
+    later.join(WAIT_S)
+    assert counts == [default]
 
 
 def test_a_batch_larger_than_every_variant_runs_in_pieces_and_a_smaller_one_padded():

@@ -455,7 +455,8 @@ def bucket(batch: int) -> int:
 
 class Builder:
     """Builds compiled variants off the engine's thread: one daemon thread, jobs in the order asked, each on one
-    intra-op thread (the cores stay with serving). A job asked for while it is queued or running is not queued again,
+    intra-op thread (the cores stay with serving; :mod:`opweave.backends.threads` says why a worker's OpenMP team
+    stays at one). A job asked for while it is queued or running is not queued again,
     and :meth:`CompiledBlock.build` builds a variant once whoever asks, so a variant first needed by many requests
     at once is built once."""
 
@@ -475,8 +476,14 @@ class Builder:
             self.pending.add(job)
             self._jobs.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="opweave-builder", daemon=True)
+                from opweave.backends.threads import restore_default
+
+                default, ready = torch.get_num_threads(), threading.Event()
+                self._thread = threading.Thread(target=self._work, args=(ready,), name="opweave-builder",
+                                                daemon=True)
                 self._thread.start()
+                ready.wait()
+                restore_default(default)  # its one thread set the process-wide default too: put it back
             self._lock.notify_all()
         return True
 
@@ -485,10 +492,12 @@ class Builder:
         with self._lock:
             return self._lock.wait_for(lambda: not self.pending, timeout_s)
 
-    def _work(self) -> None:
+    def _work(self, ready: threading.Event) -> None:
+        from opweave.backends.threads import enter_budget
         from opweave.errors import first_line
 
-        torch.set_num_threads(1)
+        enter_budget(1)  # an OpenMP team of one: a worker's larger team slows every kernel of the process
+        ready.set()
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: bool(self._jobs))
