@@ -23,6 +23,10 @@ process on 127.0.0.1, for each N of ``--counts``:
 * ``unload`` (N > 1): RSS after unloading half of the models (the lowest seen over the next 3 s), and the share of
   what loading them added that it gave back.
 
+``steady_versus_baseline`` (``--baseline-src``, another checkout's ``src/``): one model served by both codes at once,
+``--requests`` sequential requests split into rounds that alternate between the two servers, so that both see the
+same load; the medians and spreads, and whether both answer equal to eager.
+
 ``breakdown`` (``--breakdown-counts``, each in a child process of its own, no server): where the memory of N models
 is, read as the resident size after each step with freed memory given back first (``gc.collect`` and
 ``malloc_trim``): the models loaded (weights, graphs, the blocks' example inputs; ``weights_mb`` counts their
@@ -71,8 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--breakdown-counts", default="1,4", help="model counts of the memory breakdown ('' for none)")
     p.add_argument("--engine-models", type=int, default=32, help="models of the engine run (0: none)")
     p.add_argument("--engine-policies", default="static,batch,heuristic,top", help="policies of the engine run")
-    p.add_argument("--engine-rate", type=float, default=100.0, help="requests/s per model in the engine run")
+    p.add_argument("--engine-rate", type=float, default=30.0, help="requests/s per model in the engine run")
     p.add_argument("--engine-s", type=float, default=2.0, help="simulated seconds of the engine run")
+    p.add_argument("--baseline-src", type=Path, help="another opweave's src/ (the code before a change): its server "
+                   "beside this one's at one model, steady requests interleaved between the two")
     p.add_argument("--stem", default="serve_many", help="file name without suffix (default %(default)s)")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="counts 1,2, 20 requests, 2 s of mixed load, 0.5 s engine")
@@ -163,12 +169,14 @@ class Reference:
             compare(e, got.to(e.dtype)).ok for e, got in zip(self.expected, outputs, strict=True))
 
 
-def start(root: Path, extra: list[str], device: str) -> tuple[subprocess.Popen, str, float]:
-    """The server on the repository; its URL once it listens, and how long that took."""
+def start(root: Path, extra: list[str], device: str, src: Path | None = None) -> tuple[subprocess.Popen, str, float]:
+    """The server on the repository (``src``: the opweave sources it runs, default this one's); its URL once it
+    listens, and how long that took."""
     begin = time.perf_counter()
+    env = None if src is None else {**os.environ, "PYTHONPATH": str(src)}
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-repository", str(root),
                              "--device", device, "--port", "0", "--model-control-mode", "explicit", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()
@@ -296,6 +304,34 @@ def one_count(n: int, entries: list[Path], args, references: list[Reference]) ->
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def steady_versus(entries: list[Path], args, reference: Reference, rounds: int = 10) -> dict:
+    """One model served by this code and by ``--baseline-src``'s at once; ``rounds`` rounds of ``--requests`` /
+    ``rounds`` sequential requests to each in turn (both see the same load), the medians and spreads."""
+    import httpx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        repository(entries[:1], 1, Path(tmp))
+        servers = {"this": start(Path(tmp), args.server_args.split(), args.device),
+                   "baseline": start(Path(tmp), args.server_args.split(), args.device, args.baseline_src)}
+        times: dict[str, list[float]] = {k: [] for k in servers}
+        try:
+            with httpx.Client(timeout=120) as c:
+                for k, (_, url, _) in servers.items():
+                    for _ in range(5):
+                        _, out = infer(c, url, "m00", reference.payload)
+                    times[k + "_equal_eager"] = reference.equal(out)  # type: ignore[assignment]
+                for _ in range(rounds):
+                    for k, (_, url, _) in servers.items():
+                        times[k] += [infer(c, url, "m00", reference.payload)[0]
+                                     for _ in range(max(1, args.requests // rounds))]
+        finally:
+            for proc, _, _ in servers.values():
+                proc.terminate()
+                proc.wait(30)
+    return {k: percentiles(v) if isinstance(v, list) else v for k, v in times.items()} | {
+        "baseline_src": str(args.baseline_src), "rounds": rounds}
 
 
 # ---- where the memory is ------------------------------------------------------------------------------------------
@@ -440,6 +476,12 @@ def markdown(data: dict) -> str:
             text += (f"| per extra model | | {extra['load_mb']:.1f} ({extra['weights_mb']:.1f}) | "
                      f"{extra['build_mb']:.1f} ({extra['variants']:.1f}, {extra['threads']:.1f}) | "
                      f"{extra['serve_mb']:.1f} | {extra['total_mb']:.1f} |\n")
+    versus = data.get("steady_versus_baseline")
+    if versus:
+        a, b = versus["this"], versus["baseline"]
+        text += (f"\nOne model, steady requests interleaved in {versus['rounds']} rounds between this code's server "
+                 f"and the baseline's: median {a['median_ms']:.1f} ms (p10-p90 {a['p10_ms']:.1f}-{a['p90_ms']:.1f}) "
+                 f"against {b['median_ms']:.1f} ms ({b['p10_ms']:.1f}-{b['p90_ms']:.1f}).\n")
     engine = data.get("engine") or []
     if engine:
         text += ("\nThe engine at scale (simulated H100, decision time in wall-clock ms per step that ran a block):\n\n"
@@ -471,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
             common.console.print(f"{n} model(s) ...")
             args.baseline_mb = rows[0]["rss_mb"] if rows else 0.0
             rows.append(one_count(n, entries, args, references))
+        if args.baseline_src is not None:
+            common.console.print("one model, this code against the baseline, interleaved ...")
+            data["steady_versus_baseline"] = steady_versus(entries, args, references[0])
         data["breakdown"] = []
         for n in [int(c) for c in args.breakdown_counts.split(",") if c]:
             common.console.print(f"breakdown, {n} model(s) ...")
@@ -485,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = r["models"] - first["models"]
         r["per_extra_model_mb"] = (r["rss_mb"] - first["rss_mb"]) / extra if extra else 0.0
     args.out.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "baseline_mb", "child_breakdown")}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                if k not in ("out", "baseline_mb", "child_breakdown")}
     data = {"machine": common.machine_info(), "settings": settings, "rows": rows, **data}
     common.write_json(args.out / f"{args.stem}.json", data)
     text = markdown(data)
