@@ -123,8 +123,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     On the CPU a combined block runs on one lane per core and each of its ops (or blocks, with ``--compiler``) on the
     cores its lane may use while it runs (opweave.backends.threads), so lanes x intra-op threads never exceed the
-    cores. With ``--compiler`` (the default when ONNX Runtime is installed) every block is compiled at every padded
-    batch before the server listens.
+    cores. With ``--compiler`` (the default when ONNX Runtime is installed) every block is compiled before the server
+    listens: ONNX Runtime's one session for any batch (other compilers: the batch-1 variant and the batch sizes of a
+    config's model_warmup; other batches when first asked for, in the background).
 
     Defaults that follow the device, printed when the server listens: ``--policy`` static on a CPU (it sustained the
     highest rates measured there), heuristic on a GPU; ``--compiler`` onnxruntime on a CPU where it is installed."""
