@@ -264,8 +264,9 @@ def unload_half(proc, url: str, names: list[str], loaded_mb: float, baseline_mb:
     while time.perf_counter() < end:
         time.sleep(0.2)
         lowest = min(lowest, resident_mb(proc.pid))
-    # what the unloaded half added, at the mean of what each model past the first added (baseline: one model)
-    added = (loaded_mb - baseline_mb) * len(half) / (len(names) - 1)
+    # what the unloaded half added, at the mean of what each model past the first added (baseline: one model's RSS;
+    # none when the first count has more than one model)
+    added = (loaded_mb - baseline_mb) * len(half) / (len(names) - 1) if baseline_mb else 0.0
     return {"unloaded": len(half), "rss_mb": lowest, "given_back_mb": loaded_mb - lowest,
             "share_of_added": (loaded_mb - lowest) / added if added > 0 else None}
 
@@ -511,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for n in counts:
             common.console.print(f"{n} model(s) ...")
-            args.baseline_mb = rows[0]["rss_mb"] if rows else 0.0
+            args.baseline_mb = rows[0]["rss_mb"] if rows and rows[0]["models"] == 1 else 0.0
             rows.append(one_count(n, entries, args, references))
         if args.baseline_src is not None:
             common.console.print("one model, this code against the baseline, interleaved ...")
