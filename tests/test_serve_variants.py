@@ -170,6 +170,45 @@ def test_an_unloaded_model_leaves_its_weights_and_sessions_behind_for_no_one(tmp
     assert [ref() for ref in gone] == [None] * len(gone)
 
 
+def run_through(ex: CpuExecutor, name: str, x: torch.Tensor):
+    """One request of ``name`` through every block, one part at a time, as the engine runs it alone."""
+    state = ex.prepare(name, [(x,)])
+    for b in range(len(ex.models[name].blocks)):
+        part = Part(name, b, x.shape[0], state)
+        ex.run([part])
+        state = part.state
+    return ex.outputs(name, state, [x.shape[0]])[0]
+
+
+def test_a_reload_builds_the_new_version_beside_the_old_which_answers_with_its_own_weights_until_it_goes(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from opweave.serve.assemble import make_engine
+    from opweave.serve.export import export
+    from opweave.serve.repository import Repository
+
+    (old, x), (new, _) = tiny(seed=0), tiny(seed=1)
+    export(old, x, tmp_path, "tiny", max_batch=4)
+    engine = make_engine({}, device="cpu", options=resolve("cpu", compiler="onnxruntime"), max_batch=4)
+    repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
+    repository.load("tiny")
+    export(new, x, tmp_path, "tiny", version=2, max_batch=4, force=True)
+    probe, answers = torch.randn(2, 3, 8, 8), {}
+    remove = engine.remove_model
+
+    def answer_then_remove(name, **options):  # the new version is built; the old one is still served
+        answers["old"] = run_through(engine.executor, name, probe)
+        return remove(name, **options)
+
+    engine.remove_model = answer_then_remove
+    served = repository.load("tiny")
+    blocks_now = [engine.executor.compiled_block("tiny", b) for b in range(len(served.blocked.blocks))]
+    assert all(b.blocked is served.blocked and b.compiled for b in blocks_now)  # built by the load, before serving
+    answers["new"] = run_through(engine.executor, "tiny", probe)
+    with torch.no_grad():
+        assert compare(old(probe), answers["old"], tolerance=1e-4).ok
+        assert compare(new(probe), answers["new"], tolerance=1e-4).ok
+
+
 def test_the_sessions_of_every_block_of_every_model_share_one_thread_pool():
     pytest.importorskip("onnxruntime")
     if not Path("/proc/self/task").is_dir():

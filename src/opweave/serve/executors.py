@@ -336,6 +336,7 @@ class CpuExecutor(TensorExecutor):
         self.per_op_threads = get(self.compiler).per_op_threads if self.compiler is not None else False
         self._shared_pool: bool | None = None  # whether ONNX Runtime's sessions share the process's pool (asked once)
         self._blocks: dict[tuple[str, int], CompiledBlock] = {}
+        self._warmed: dict[tuple[str, int], CompiledBlock] = {}  # a reload's blocks, built while the old ones serve
         self.builder = Builder()
 
     @property
@@ -385,10 +386,15 @@ class CpuExecutor(TensorExecutor):
         return Captured(OpGraph(ops, [], _name(sig)), module, {f"p{k}": [by_name[f"p{k}"]] for k in range(len(sig))})
 
     def compiled_block(self, model: str, block: int) -> CompiledBlock:
-        key = (model, block)
+        """Block ``block`` of the model served as ``model``: its compiled block, the one :meth:`warm_model` built for
+        it, or a new one (built on first use)."""
+        key, blocked = (model, block), self.models[model]
         found = self._blocks.get(key)
-        if found is None:
-            found = self._blocks.setdefault(key, CompiledBlock(self, model, block, self.models[model]))
+        if found is None or found.blocked is not blocked:
+            warmed = self._warmed.pop(key, None)
+            found = warmed if warmed is not None and warmed.blocked is blocked else \
+                CompiledBlock(self, model, block, blocked)
+            self._blocks[key] = found
         return found
 
     def thread_counts(self) -> list[int]:
@@ -402,16 +408,21 @@ class CpuExecutor(TensorExecutor):
         (on the calling thread, off the engine's: the blocks go into the executor once built, and their keys name only
         this model). A block that takes any batch: its one session (per thread count where the compiler bakes the
         count in); otherwise its batch-1 variant and those of ``batches`` (a config's warm-up batch sizes, Triton's
-        ``model_warmup``). Every other batch is built when first asked for (:class:`CompiledBlock`)."""
+        ``model_warmup``). Every other batch is built when first asked for (:class:`CompiledBlock`). A new version of
+        a served model (a reload) gets blocks of its own, which it takes when it is served: the old version's requests
+        still run on the old blocks meanwhile."""
         if self.compiler is None:
             return
         sizes = tuple(n for n in batches if 1 <= n <= max_batch) if blocked.stackable else ()
         made = {}
         for b in range(len(blocked.blocks)):
-            block = self._blocks.get((name, b)) or CompiledBlock(self, name, b, blocked)
+            block = self._blocks.get((name, b))
+            if block is None or block.blocked is not blocked:
+                block = CompiledBlock(self, name, b, blocked)
             block.warm(self.thread_counts(), sizes)
             made[(name, b)] = block
-        self._blocks.update(made)
+        served = self.models.get(name)
+        (self._blocks if served is None or served is blocked else self._warmed).update(made)
 
     def warm_models(self, max_batch: int, batches: dict[str, tuple[int, ...]] | None = None) -> int:
         """:meth:`warm_model` for every served model; how many compiled variants there are."""
@@ -426,6 +437,7 @@ class CpuExecutor(TensorExecutor):
         super().drop_model(name)
         for key in [k for k in self._blocks if k[0] == name]:
             self._blocks.pop(key).closed = True  # a variant still queued for it is not built
+        # a reload's new blocks stay in _warmed for the version that replaces this one
 
     def run(self, parts: list[Part]) -> StepCost:
         ordered, sig, inputs = self._states(parts)
