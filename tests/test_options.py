@@ -39,9 +39,10 @@ def tiny():
 SAMPLES = {"runtime": FakeCuda(seed=0), "scheduler": "lios", "streams": 2, "devices": 2, "cost_model": "gpu",
            "coarsen": False, "fold_bn": True,
            "graph": "onnxruntime", "compiler": "eager", "scheduler_options": {"sync_ms": 0.125}, "threads": 1,
-           "cudagraphs": False, "capture_fallback": "eager", "static_outputs": True, "cache_size": 2, "warmup": 1,
+           "cudagraphs": False, "capture_fallback": "eager", "static_outputs": True, "cache_size": 2, "dynamic": False,
+           "warmup": 1,
            "link": "loopback", "timeout_s": 60.0, "start_method": "spawn"}  # costs and profile: made per model
-CUDA_ONLY = {"cudagraphs", "capture_fallback", "static_outputs", "cache_size", "warmup", "runtime"}
+CUDA_ONLY = {"cudagraphs", "capture_fallback", "static_outputs", "warmup", "runtime"}
 RANKS_ONLY = {"link", "timeout_s", "start_method"}  # alone: refused (they need devices > 1)
 CPU_ONLY = {"graph", "threads"}
 WITH = {"fold_bn": {"coarsen": False},  # coarsening folds BatchNorm too: its effect shows on the fx nodes
@@ -176,6 +177,12 @@ def effect(key: str, value, fast, coarse) -> bool:
         return fast.schedule.options.get("sync_ms") == value["sync_ms"]
     if key == "threads":
         return fast.schedule.streams_used == 1  # one thread: one lane
+    if key == "dynamic":
+        return fast.variants.dynamic is value
+    if key == "cache_size" and fast.variants.bound != value:
+        return False
+    if key == "cache_size" and fast.device == "cpu":
+        return True
     if key in ("cudagraphs", "capture_fallback", "static_outputs", "cache_size", "warmup", "runtime"):
         return getattr(fast.backend, key) is value or getattr(fast.backend, key) == value
     raise AssertionError(key)

@@ -56,7 +56,8 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, dev
         model = load_program(model)
     captured = capture(model, as_tuple(example_inputs), example_kwargs=example_kwargs, fold_bn=opts.fold_bn)
     eager = model if isinstance(model, torch.nn.Module) else None
-    return build(captured, captured.example_inputs, opts, eager=eager)
+    compiled = build(captured, captured.example_inputs, opts, eager=eager)
+    return with_signatures(compiled, model, captured, opts, eager)
 
 
 def compile_captured(captured, example_inputs, *, device: str = "cpu", mode: str = "default",
@@ -66,7 +67,26 @@ def compile_captured(captured, example_inputs, *, device: str = "cpu", mode: str
     opts = resolve(device, mode, options, **kwargs)
     if "fold_bn" in opts.given:
         raise UsageError("option 'fold_bn' applies when capturing: give it to opweave.compile or capture()")
-    return build(captured, example_inputs, opts, eager=eager)
+    compiled = build(captured, example_inputs, opts, eager=eager)
+    return with_signatures(compiled, eager if eager is not None else captured.gm, captured, opts, eager,
+                           as_tuple(example_inputs))
+
+
+def with_signatures(compiled: Compiled, model, captured, opts, eager, example_inputs: tuple | None = None) -> Compiled:
+    """``compiled``, which now builds itself for inputs of another signature from ``model`` (captured again for
+    them, with the options it was built with; :mod:`opweave.pipeline.signatures`)."""
+    from opweave.backends.cache import signature
+    from opweave.capture import capture
+    from opweave.pipeline.signatures import Signatures
+
+    def rebuild(args: tuple) -> Compiled:
+        again = capture(model, args, fold_bn=opts.fold_bn, name=captured.graph.name)
+        return build(again, again.example_inputs, opts, eager=eager)
+
+    example = example_inputs if example_inputs is not None else captured.example_inputs
+    compiled.variants = Signatures(captured.graph.name, signature(example)[0], rebuild, bound=opts.cache_size,
+                                   dynamic=opts.dynamic)
+    return compiled
 
 
 __all__ = ["Compiled", "compile", "compile_captured"]
