@@ -193,9 +193,10 @@ def test_compile_uses_or_refuses_every_option_on_the_cpu(made):
     for key, value in _samples(coarse.graph, path).items():
         if key in expected_refused("cpu"):
             with pytest.raises(UsageError, match=repr(key)):
-                opweave.compile(model, inputs, **{key: value})
+                opweave.compile(model, inputs, device="cpu", **{key: value})
             continue
-        with opweave.compile(model, inputs, **{key: value}, **WITH.get(key, {})) as fast, torch.inference_mode():
+        with opweave.compile(model, inputs, device="cpu", **{key: value}, **WITH.get(key, {})) as fast, \
+                torch.inference_mode():
             assert effect(key, value, fast, coarse.graph), key
             assert opweave.outputs.compare(model(*inputs), fast(*inputs), tolerance=1e-4).ok, key
 
@@ -453,7 +454,7 @@ def test_every_option_through_every_way_in_is_used_or_refused_before_a_model_loa
     # on the CPU every way in uses what applies there, but: the torch.compile backend takes a runtime for CUDA and
     # holds no BatchNorm module to fold; a command line writes no Costs object, and bench's and run's own flags
     # (--schedulers, --devices) are the scheduler and the devices there; a server costs and captures its blocks itself
-    assert used["compile"] == every - CUDA_ONLY
+    assert used["compile"] == every - CUDA_ONLY | {"runtime"}  # no device given: a runtime means CUDA
     assert used["torch.compile"] == every - CUDA_ONLY - {"fold_bn"} | {"runtime"}
     assert used["bench"] == every - CUDA_ONLY - {"costs", "scheduler"}
     assert used["run"] == every - CUDA_ONLY - {"costs", "devices"}

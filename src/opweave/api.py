@@ -106,7 +106,7 @@ def with_signatures(compiled: Compiled, model, captured, opts, eager, example_in
 
     example = example_inputs if example_inputs is not None else captured.example_inputs
     compiled.variants = Signatures(captured.graph.name, signature(example)[0], rebuild, bound=opts.cache_size,
-                                   dynamic=opts.dynamic)
+                                   dynamic=opts.dynamic, arity=len(example))
     return compiled
 
 

@@ -52,8 +52,9 @@ class Signatures:
     ``builds`` and ``evictions``."""
 
     def __init__(self, name: str, example_key: tuple, build: Callable[[tuple], Any], *, bound: int,
-                 dynamic: bool | None = None):
+                 dynamic: bool | None = None, arity: int | None = None):
         self.name, self.example_key, self.dynamic, self.bound = name, example_key, dynamic, bound
+        self.arity = arity  # how many inputs the model takes: another count is the backend's error to raise
         self._build = build
         self._built: BoundedCache = BoundedCache(bound, self._evicted)
         self._pending: dict[tuple, Future] = {}
@@ -66,7 +67,10 @@ class Signatures:
             return [self.example_key, *self._built]
 
     def for_inputs(self, args: tuple):
-        """The compiled model for ``args`` when their signature is not the example's; None when it is."""
+        """The compiled model for ``args`` when their signature is not the example's; None when it is (or when
+        ``args`` are not as many as the model takes: the caller's backend says so)."""
+        if self.arity is not None and len(args) != self.arity:
+            return None
         key, _ = signature(args)
         if key == self.example_key:
             return None
