@@ -14,7 +14,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.opweave-installed
 
-.PHONY: setup demo test test-ray lint bench-cpu clean
+.PHONY: setup demo test test-ray lint docs bench-cpu clean
 
 setup: $(STAMP)
 
@@ -30,10 +30,15 @@ demo: $(STAMP)
 	$(BIN)/opweave simulate --model inception_v3 --cost-model gpu --streams 8 --preset h100
 	$(BIN)/opweave bench --model inception_v3 --device auto --schedulers sequential,lios,opara,nimble --runs 10
 
-test: $(STAMP)
+test: $(STAMP) docs
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n 2
+
+# The API reference, generated from the docstrings by pdoc into site/api (git ignores it); a warning (an annotation
+# it cannot resolve, a docstring it cannot parse) fails the build.
+docs: $(STAMP)
+	$(BIN)/python -W error::UserWarning -m pdoc opweave --docformat restructuredtext -o site/api
 
 test-ray: $(STAMP)
 	$(BIN)/python -m pytest -q -m ray

@@ -175,7 +175,7 @@ PY'
         summary env $rc $((SECONDS - start)) "$(grep -m1 '^device ' "$LOG" | cut -c1-100)"
         [ $rc -ne 0 ] && break ;;  # no GPU, or opweave does not import: every later stage would fail the same way
     tests)
-        run "${TESTS_TIMEOUT_S:-480}" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_serve_cuda.py \
+        run "${TESTS_TIMEOUT_S:-480}" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_serve_cuda.py tests/test_device_default.py \
             tests/test_fuse.py -p no:cacheprovider --noconftest \
             --timeout "${TEST_TIMEOUT_S:-240}" --junitxml "$OUT/junit.xml" -rfEs ${TESTS_ARGS:-}
         summary tests $rc $((SECONDS - start)) "$(junit_counts "$OUT/junit.xml")" ;;

@@ -334,6 +334,22 @@ def test_a_model_inductor_cannot_lower_whole_is_refused_not_simulated_as_it_is(m
         "simulate", "--model", "squeezenet", "--inductor", "--cost-model", "gpu", "--preset", "h200")
 
 
+def test_calibrate_writes_this_users_device_file_never_the_packages_unless_told(tmp_path, monkeypatch):
+    """By default the refit goes to this user's device file, which the preset then reads before the shipped one;
+    the file inside the installed package is left as it is."""
+    monkeypatch.setenv("OPWEAVE_CONFIG_DIR", str(tmp_path / "config"))
+    shipped = calibrated.shipped_path("h200")
+    before = shipped.read_bytes()
+    measured = json.loads(RESULTS.read_text())
+    measured["results"] = [r for r in measured["results"] if r["model"] == "googlenet"][:6]
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(measured))
+    data = json.loads(cli("calibrate", str(results), "--iterations", "1", "--no-leave-one-out", "--json"))
+    mine = tmp_path / "config" / "devices" / "h200.json"
+    assert data["out"] == str(mine) and mine.exists() and shipped.read_bytes() == before
+    assert calibrated.device_path("h200") == mine and calibrated.device("h200").fit["rows"] == [str(results)]
+
+
 def test_an_unknown_dtype_is_refused():
     assert "unknown dtype" in cli_fails("simulate", "lios-fig3", "--dtype", "fp8")
 

@@ -78,14 +78,26 @@ def test_torch_modes_and_opweave_options_mean_what_they_mean_for_compile():
         assert any(isinstance(e, opweave.errors.UsageError) for e in _chain(info.value))
 
 
-def test_symbolic_shapes_run_eagerly_with_a_warning():
+def test_symbolic_shapes_are_compiled_for_each_signature_at_its_first_call():
+    """``dynamic=True``: dynamo hands over a graph with symbolic sizes, which ran eagerly with a warning; it is now
+    compiled at its first call, for that call's inputs, and for each later signature."""
+    import warnings
+
+    import opweave.dynamo
+
     model = Branchy().eval()
-    fast = torch.compile(model, backend="opweave", dynamic=True)
-    x = torch.randn(3, 3, 16, 16)
-    with torch.no_grad(), pytest.warns(UserWarning, match="symbolic shapes"):
-        got = fast(x)
-    with torch.no_grad():
-        assert torch.allclose(model(x)[0], got[0], atol=1e-5)
+    torch._dynamo.reset()
+    opweave.dynamo._COMPILED.clear()
+    fast = torch.compile(model, backend="opweave", dynamic=True, options={"scheduler": "lios", "streams": 2})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: nothing runs eagerly
+        for batch in (3, 5):
+            x = torch.randn(batch, 3, 16, 16)
+            got = fast(x)
+            assert torch.allclose(model(x)[0], got[0], atol=1e-5)
+    built = opweave.dynamo.compiled_graphs()
+    assert built and all(g.schedule.scheduler == "lios" for g in built)  # compiled, by the options given
+    torch._dynamo.reset()
 
 
 def test_cuda_only_options_are_refused_for_cpu_graphs():

@@ -39,9 +39,10 @@ def tiny():
 SAMPLES = {"runtime": FakeCuda(seed=0), "scheduler": "lios", "streams": 2, "devices": 2, "cost_model": "gpu",
            "coarsen": False, "fold_bn": True,
            "graph": "onnxruntime", "compiler": "eager", "scheduler_options": {"sync_ms": 0.125}, "threads": 1,
-           "cudagraphs": False, "capture_fallback": "eager", "static_outputs": True, "cache_size": 2, "warmup": 1,
+           "cudagraphs": False, "capture_fallback": "eager", "static_outputs": True, "cache_size": 2, "dynamic": False,
+           "warmup": 1,
            "link": "loopback", "timeout_s": 60.0, "start_method": "spawn"}  # costs and profile: made per model
-CUDA_ONLY = {"cudagraphs", "capture_fallback", "static_outputs", "cache_size", "warmup", "runtime"}
+CUDA_ONLY = {"cudagraphs", "capture_fallback", "static_outputs", "warmup", "runtime"}
 RANKS_ONLY = {"link", "timeout_s", "start_method"}  # alone: refused (they need devices > 1)
 CPU_ONLY = {"graph", "threads"}
 WITH = {"fold_bn": {"coarsen": False},  # coarsening folds BatchNorm too: its effect shows on the fx nodes
@@ -176,6 +177,12 @@ def effect(key: str, value, fast, coarse) -> bool:
         return fast.schedule.options.get("sync_ms") == value["sync_ms"]
     if key == "threads":
         return fast.schedule.streams_used == 1  # one thread: one lane
+    if key == "dynamic":
+        return fast.variants.dynamic is value
+    if key == "cache_size" and fast.variants.bound != value:
+        return False
+    if key == "cache_size" and fast.device == "cpu":
+        return True
     if key in ("cudagraphs", "capture_fallback", "static_outputs", "cache_size", "warmup", "runtime"):
         return getattr(fast.backend, key) is value or getattr(fast.backend, key) == value
     raise AssertionError(key)
@@ -186,9 +193,10 @@ def test_compile_uses_or_refuses_every_option_on_the_cpu(made):
     for key, value in _samples(coarse.graph, path).items():
         if key in expected_refused("cpu"):
             with pytest.raises(UsageError, match=repr(key)):
-                opweave.compile(model, inputs, **{key: value})
+                opweave.compile(model, inputs, device="cpu", **{key: value})
             continue
-        with opweave.compile(model, inputs, **{key: value}, **WITH.get(key, {})) as fast, torch.inference_mode():
+        with opweave.compile(model, inputs, device="cpu", **{key: value}, **WITH.get(key, {})) as fast, \
+                torch.inference_mode():
             assert effect(key, value, fast, coarse.graph), key
             assert opweave.outputs.compare(model(*inputs), fast(*inputs), tolerance=1e-4).ok, key
 
@@ -446,7 +454,7 @@ def test_every_option_through_every_way_in_is_used_or_refused_before_a_model_loa
     # on the CPU every way in uses what applies there, but: the torch.compile backend takes a runtime for CUDA and
     # holds no BatchNorm module to fold; a command line writes no Costs object, and bench's and run's own flags
     # (--schedulers, --devices) are the scheduler and the devices there; a server costs and captures its blocks itself
-    assert used["compile"] == every - CUDA_ONLY
+    assert used["compile"] == every - CUDA_ONLY | {"runtime"}  # no device given: a runtime means CUDA
     assert used["torch.compile"] == every - CUDA_ONLY - {"fold_bn"} | {"runtime"}
     assert used["bench"] == every - CUDA_ONLY - {"costs", "scheduler"}
     assert used["run"] == every - CUDA_ONLY - {"costs", "devices"}

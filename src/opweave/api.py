@@ -8,7 +8,7 @@ from opweave.errors import UsageError
 from opweave.pipeline import Compiled, as_tuple, build, resolve
 
 
-def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, device: str = "cpu",
+def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, device: str | None = None,
             mode: str = "default", options: dict | None = None, **kwargs) -> Compiled:
     """Compile ``model`` for ``example_inputs`` (and ``example_kwargs``, keyword arguments of its ``forward``); the
     result's outputs equal ``model(*inputs, **kwargs)`` (allclose), and compiling leaves the model unchanged.
@@ -17,7 +17,9 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, dev
     ``torch.export.save`` (:func:`opweave.capture.load_program`); a program's own example inputs are used when none
     are given.
 
-    ``device`` is ``"cpu"`` or ``"cuda"``; ``mode`` a preset that means the same on every device, as in
+    ``device`` is ``"cpu"`` or ``"cuda"``; when not given it follows the example inputs and the model, as
+    ``torch.compile`` does: ``"cuda"`` when one of them is on a GPU (or a ``runtime`` option is given), else
+    ``"cpu"``. ``mode`` a preset that means the same on every device, as in
     ``torch.compile``: ``"default"``, ``"reduce-overhead"`` (CUDA Graphs; on CUDA opweave's default records them
     too), ``"max-autotune"`` (the fastest of a bounded set of candidates, timed on the device and cached) and
     ``"max-autotune-no-cudagraphs"``. Every other knob is an option (:data:`opweave.pipeline.OPTIONS`: its meaning,
@@ -51,22 +53,61 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, dev
 
     from opweave.capture import capture, load_program
 
-    opts = resolve(device, mode, options, **kwargs)
     if isinstance(model, (str, Path)):
         model = load_program(model)
+    device = device or device_of(model, example_inputs, example_kwargs, {**(options or {}), **kwargs})
+    opts = resolve(device, mode, options, **kwargs)
     captured = capture(model, as_tuple(example_inputs), example_kwargs=example_kwargs, fold_bn=opts.fold_bn)
     eager = model if isinstance(model, torch.nn.Module) else None
-    return build(captured, captured.example_inputs, opts, eager=eager)
+    compiled = build(captured, captured.example_inputs, opts, eager=eager)
+    return with_signatures(compiled, model, captured, opts, eager)
 
 
-def compile_captured(captured, example_inputs, *, device: str = "cpu", mode: str = "default",
+def compile_captured(captured, example_inputs, *, device: str | None = None, mode: str = "default",
                      options: dict | None = None, eager=None, **kwargs) -> Compiled:
     """:func:`compile` from an already captured model (:func:`opweave.capture.capture`): one capture can serve many
-    plans. ``eager``, the model itself, is one of the candidates the CPU default's timing may keep."""
+    plans. ``eager``, the model itself, is one of the candidates the CPU default's timing may keep. ``device``
+    follows the inputs and the captured model when not given, as in :func:`compile`."""
+    device = device or device_of(captured.gm, example_inputs, None, {**(options or {}), **kwargs})
     opts = resolve(device, mode, options, **kwargs)
     if "fold_bn" in opts.given:
         raise UsageError("option 'fold_bn' applies when capturing: give it to opweave.compile or capture()")
-    return build(captured, example_inputs, opts, eager=eager)
+    compiled = build(captured, example_inputs, opts, eager=eager)
+    return with_signatures(compiled, eager if eager is not None else captured.gm, captured, opts, eager,
+                           as_tuple(example_inputs))
+
+
+def device_of(model, example_inputs, example_kwargs: dict | None, options: dict) -> str:
+    """Where a model compiled without ``device`` runs: ``"cuda"`` when a ``runtime`` option is given or an example
+    input or a parameter or buffer of the model is on a GPU, else ``"cpu"``."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    if options.get("runtime") is not None:
+        return "cuda"
+    values = pytree.tree_leaves((example_inputs, example_kwargs or {}))
+    if isinstance(model, torch.nn.Module):
+        values += [next(model.parameters(), None), next(model.buffers(), None)]
+    elif isinstance(model, torch.export.ExportedProgram):
+        values += pytree.tree_leaves(model.example_inputs) + list(model.state_dict.values())[:1]
+    return "cuda" if any(isinstance(v, torch.Tensor) and v.is_cuda for v in values) else "cpu"
+
+
+def with_signatures(compiled: Compiled, model, captured, opts, eager, example_inputs: tuple | None = None) -> Compiled:
+    """``compiled``, which now builds itself for inputs of another signature from ``model`` (captured again for
+    them, with the options it was built with; :mod:`opweave.pipeline.signatures`)."""
+    from opweave.backends.cache import signature
+    from opweave.capture import capture
+    from opweave.pipeline.signatures import Signatures
+
+    def rebuild(args: tuple) -> Compiled:
+        again = capture(model, args, fold_bn=opts.fold_bn, name=captured.graph.name)
+        return build(again, again.example_inputs, opts, eager=eager)
+
+    example = example_inputs if example_inputs is not None else captured.example_inputs
+    compiled.variants = Signatures(captured.graph.name, signature(example)[0], rebuild, bound=opts.cache_size,
+                                   dynamic=opts.dynamic, arity=len(example))
+    return compiled
 
 
 __all__ = ["Compiled", "compile", "compile_captured"]

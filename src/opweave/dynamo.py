@@ -34,9 +34,11 @@ with the same defaults: no scheduler means the device's default plan. Each graph
 An option that does not apply there is a :class:`~opweave.errors.UsageError` (dynamo reports it as
 ``BackendCompilerFailed``).
 
-A graph with symbolic shapes (dynamo's ``dynamic=True``, or its automatic dynamic shapes after a recompilation)
-cannot be scheduled for one fixed shape; it runs eagerly, with a warning. Pass ``dynamic=False`` to get one
-compiled graph per shape instead.
+**Shapes.** Dynamo guards on its inputs' shapes and hands over a new graph when they no longer hold; after a size
+has changed once (its automatic dynamic shapes), or with ``torch.compile(..., dynamic=True)``, the graph it hands
+over has symbolic sizes. Such a graph is compiled at its first call, for the concrete inputs of that call, and each
+later signature is built as :func:`opweave.compile` builds a new one (:mod:`opweave.pipeline.signatures`: within
+``cache_size``, refused with ``options={"dynamic": False}``).
 
 Every compiled graph is kept (the last :data:`KEEP` of them) for introspection: :func:`last_compiled` and
 :func:`compiled_graphs` return the :class:`opweave.Compiled` objects, with their ``schedule`` and ``plan``.
@@ -46,7 +48,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,10 +66,6 @@ def opweave_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: 
                     options: dict | None = None) -> Callable:
     """TorchDynamo backend: compile ``gm`` with opweave for ``example_inputs`` (see the module docstring)."""
     example_inputs = tuple(example_inputs)
-    if any(isinstance(x, torch.SymInt) or _symbolic(x) for x in example_inputs):
-        warnings.warn("opweave: this dynamo graph has symbolic shapes; running it eagerly "
-                      "(torch.compile(..., dynamic=False) compiles one schedule per shape)", stacklevel=2)
-        return gm.forward
     if torch.is_grad_enabled():
         needs_grad = [f"{'parameter' if isinstance(x, nn.Parameter) else 'input'} (graph input {i})"
                       for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -77,7 +74,31 @@ def opweave_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: 
             raise UsageError(f"opweave runs inference only, but this graph needs autograd ({needs_grad[0]} requires "
                              "grad and grad mode is on); call the compiled model under torch.no_grad() or "
                              "torch.inference_mode(), or use another backend for training")
+    if any(isinstance(x, torch.SymInt) or _symbolic(x) for x in example_inputs):
+        return SymbolicGraph(gm, example_inputs, mode, dict(options or {}))
     return OpweaveGraph(gm, example_inputs, mode, dict(options or {}))
+
+
+class SymbolicGraph:
+    """What the backend returns for a dynamo graph with symbolic sizes: an :class:`OpweaveGraph` built at the first
+    call, for that call's inputs; it builds every later signature itself (module docstring, Shapes)."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: tuple, mode: str | None, options: dict) -> None:
+        from opweave.pipeline import resolve
+
+        cuda = options.get("runtime") is not None or any(isinstance(x, torch.Tensor) and x.is_cuda
+                                                          for x in example_inputs)
+        resolve("cuda" if cuda else "cpu", mode, options, check_device=False)  # an option that does not apply: now
+        self.gm, self.mode, self.options = gm, mode, options
+        self.graph: OpweaveGraph | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        if self.graph is None:
+            with self._lock:
+                if self.graph is None:
+                    self.graph = OpweaveGraph(self.gm, args, self.mode, self.options)
+        return self.graph(*args)
 
 
 class OpweaveGraph:

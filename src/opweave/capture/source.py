@@ -20,13 +20,9 @@ from opweave.capture.trace import ExportedModule, capture
 from opweave.errors import CaptureError, UsageError, first_line
 from opweave.outputs import compare
 
-
-class Loaded(NamedTuple):
-    """A model, its example inputs (on the device asked for) and its capture."""
-
-    module: nn.Module
-    inputs: tuple
-    captured: Captured
+# The functional form keeps the fields' types objects, not strings that only this module could resolve.
+Loaded = NamedTuple("Loaded", [("module", nn.Module), ("inputs", tuple), ("captured", Captured)])  # noqa: UP014
+Loaded.__doc__ = "A model, its example inputs (on the device asked for) and its capture."
 
 
 def load(source: str | Path, *, batch_size: int = 1, image_size: int | None = None, device: str = "cpu",

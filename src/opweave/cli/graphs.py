@@ -177,10 +177,11 @@ def calibrate(results: Annotated[list[Path], typer.Argument(help="result JSON fi
                                                                 "(scripts/dump_trace.py, .json or .json.gz): "
                                                                 "refits the op classes")] = None,
               output: Annotated[Path | None, typer.Option(
-                  "--out", help="device file to write (default: the one the h200 preset reads, shipped in the "
-                                "package)")] = None,
-              base: Annotated[Path | None, typer.Option(help="device file to start from (default: the shipped "
-                                                             "H200 file)")] = None,
+                  "--out", help="device file to write (default: this user's, ~/.config/opweave/devices/h200.json "
+                                "or $OPWEAVE_CONFIG_DIR, which the h200 preset then reads before the one shipped in "
+                                "the package)")] = None,
+              base: Annotated[Path | None, typer.Option(help="device file to start from (default: the one the h200 "
+                                                             "preset reads now)")] = None,
               iterations: Annotated[int, typer.Option(min=1, help="Nelder-Mead steps per fit")] = 60,
               leave_one_out: Annotated[bool, typer.Option("--leave-one-out/--no-leave-one-out",
                                                           help="also fit with each model left out")] = True,
@@ -197,7 +198,7 @@ def calibrate(results: Annotated[list[Path], typer.Argument(help="result JSON fi
     from opweave.pipeline import calibrate as fit
 
     rows = fit.read_rows(results)
-    start = calibrated.Device.load(base or calibrated.shipped_path("h200"))
+    start = calibrated.Device.load(base or calibrated.device_path("h200"))
     traced = None
     if trace is not None:
         opener = gzip.open if trace.suffix == ".gz" else open
@@ -213,7 +214,8 @@ def calibrate(results: Annotated[list[Path], typer.Argument(help="result JSON fi
     log = (lambda text: None) if as_json else (lambda text: err.print(text, markup=False, highlight=False))
     weight = fit.RANK_WEIGHT if rank_weight is None else rank_weight
     dev, rep = fit.calibrate(rows, start, traced, iterations, leave_one_out, log, weight)
-    target = output or calibrated.shipped_path("h200")
+    target = output or calibrated.user_path("h200")
+    target.parent.mkdir(parents=True, exist_ok=True)
     dev.save(target)
     if report is not None:
         report.write_text(json.dumps(rep, indent=1) + "\n")

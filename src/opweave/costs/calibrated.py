@@ -188,14 +188,33 @@ def shipped_path(name: str = "h200") -> Path:
     return Path(str(resources.files("opweave.costs") / "data" / f"{name}.json"))
 
 
+def user_path(name: str = "h200") -> Path:
+    """Where ``opweave calibrate`` writes the device file of ``name`` for this user unless told otherwise, and where
+    :func:`device` looks first: ``$OPWEAVE_CONFIG_DIR/devices/NAME.json`` (default ``$XDG_CONFIG_HOME/opweave``,
+    else ``~/.config/opweave``)."""
+    import os
+
+    root = os.environ.get("OPWEAVE_CONFIG_DIR") or Path(os.environ.get("XDG_CONFIG_HOME") or
+                                                         Path.home() / ".config") / "opweave"
+    return Path(root) / "devices" / f"{name}.json"
+
+
+def device_path(name: str = "h200") -> Path:
+    """The device file of ``name`` that :func:`device` reads: this user's (:func:`user_path`) when there is one, else
+    the one shipped in the package."""
+    mine = user_path(name)
+    return mine if mine.exists() else shipped_path(name)
+
+
 def device(name: str = "h200", path: str | Path | None = None) -> Device:
-    """The fitted device ``name``: ``h200`` from its file (``path``, default the one shipped), ``h100`` derived from
-    the H200 fit by datasheet ratios (the same GH100 die, SMs and clocks: the same kernels, floors and overheads;
-    3.35 against 4.8 TB/s of memory bandwidth) until an H100 is measured."""
+    """The fitted device ``name``: ``h200`` from its file (``path``, default :func:`device_path`: this user's refit
+    if there is one, else the one shipped), ``h100`` derived from the H200 fit by datasheet ratios (the same GH100
+    die, SMs and clocks: the same kernels, floors and overheads; 3.35 against 4.8 TB/s of memory bandwidth) until an
+    H100 is measured."""
     key = name.lower()
     if key not in FITTED:
         raise UsageError(f"no fitted device {name!r}; fitted: {', '.join(FITTED)}")
-    fitted = Device.load(path or shipped_path("h200"))
+    fitted = Device.load(path or device_path("h200"))
     if key == "h100":
         return replace(fitted, datasheet=H100, fit={**fitted.fit, "derived": "from the H200 fit by datasheet ratios"})
     return fitted

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opweave.backends.program import Backend
@@ -18,7 +18,9 @@ class Compiled:
     """A model compiled by opweave: call it like the model. ``schedule`` and ``plan`` say what was decided;
     ``fused`` is the segmented model when a segment compiler ran (its ``stats``: segments, compiles, fallbacks);
     ``choice`` what a measured choice picked and timed (the CPU's guard, ``mode="max-autotune"``, the CUDA
-    default's prediction); ``options`` the resolved options it was built with."""
+    default's prediction); ``options`` the resolved options it was built with. ``variants``: how it meets inputs of
+    another signature (:mod:`opweave.pipeline.signatures`; None: only its example's signature runs, as the
+    backend checks); ``signatures`` lists those built."""
 
     graph: OpGraph
     costs: Costs
@@ -30,13 +32,25 @@ class Compiled:
     fused: Any = None
     choice: dict | None = None
     options: Options | None = None
+    variants: Any = field(default=None, repr=False)
 
     def __call__(self, *args, **kwargs) -> Any:
         if kwargs:  # keyword arguments bound to the model's forward(), as at capture
             from opweave.capture.runtime import positional
 
             args = positional(self.captured.signature, args, kwargs, self.graph.name)
+        if self.variants is not None:
+            other = self.variants.for_inputs(args)
+            if other is not None:
+                return other(*args)
         return self.backend(*args)
+
+    @property
+    def signatures(self) -> list[tuple]:
+        """The input signatures built (:func:`opweave.backends.cache.signature`), the example's first."""
+        if self.variants is None:
+            return []
+        return self.variants.keys()
 
     def close(self) -> None:
         """Release what the backend holds (worker threads, rank processes, CUDA graphs and streams); also done when
@@ -48,7 +62,6 @@ class Compiled:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
 
 
 __all__ = ["Compiled"]

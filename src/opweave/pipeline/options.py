@@ -130,7 +130,11 @@ OPTIONS: dict[str, Spec] = {
                              "streams without a graph, with a warning", "cuda", "error", needs="cudagraphs"),
     "static_outputs": Spec("return the graph's own output tensors (overwritten by the next call) instead of "
                            "clones", "cuda", False, needs="cudagraphs"),
-    "cache_size": Spec("input signatures kept recorded (least recently used dropped)", "cuda", 8),
+    "dynamic": Spec("a call whose inputs differ in shape, dtype or device from the example's: built for them "
+                    "(true, or unset), or refused (false)", "cpu, cuda", None,
+                    "unset: built for each new signature, within cache_size"),
+    "cache_size": Spec("input signatures kept built besides the example's (least recently used dropped; on CUDA "
+                       "also the recordings kept per signature)", "cpu, cuda", 8),
     "runtime": Spec("what the CUDA backend reaches CUDA through: torch.cuda, or opweave.backends.fakecuda.FakeCuda() "
                     "to run the whole CUDA path on the CPU (tests, no GPU)", "cuda", _runtime, "torch.cuda"),
     "warmup": Spec("plain runs before recording a signature", "cuda", 2, needs="cudagraphs"),
@@ -175,6 +179,7 @@ class Options:
     cudagraphs: bool = UNFILLED
     capture_fallback: str = UNFILLED
     static_outputs: bool = UNFILLED
+    dynamic: bool | None = None
     cache_size: int = UNFILLED
     runtime: Any = None
     warmup: int = UNFILLED
@@ -324,7 +329,7 @@ def _check_values(values: dict) -> None:
         if key in values and (isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < low):
             fail(key, f"an integer >= {low}")
 
-    for key in ("coarsen", "fold_bn", "cudagraphs", "static_outputs"):
+    for key in ("coarsen", "fold_bn", "cudagraphs", "static_outputs", "dynamic"):
         if key in values and not isinstance(values[key], bool):
             fail(key, "true or false")
     integer("streams", 1)

@@ -99,6 +99,8 @@ NOT_SERVED = {
     "profile": "the engine costs every combined block, a new graph, itself",
     "fold_bn": "the server captures each model as it is, its blocks cut between fx nodes",
     "static_outputs": "an instance keeps a block's outputs until its next block runs",
+    "dynamic": "a server takes the batch sizes its models' configs allow, up to max_batch_size, and refuses other "
+               "shapes by the config",
 }
 SIMULATED = ("scheduler", "streams", "cost_model", "scheduler_options", "devices", "coarsen", "graph")
 
@@ -122,6 +124,8 @@ def serving_options(device: str, options: dict | None = None, **flags) -> Option
             why = "the engine runs every combined block on one device"
         elif key == "coarsen" and resolved.coarsen or key == "graph" and resolved.graph != "fx":
             why = "blocks are cut between the model's fx nodes, and their graphs scheduled as they are"
+        elif key == "cache_size" and device == "cpu":
+            why = "the CPU executor keeps the combined blocks it builds within its own bound"
         elif device == "sim" and key not in SIMULATED:
             why = "the simulator times plans, it runs no op"
         if why:

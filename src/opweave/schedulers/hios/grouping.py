@@ -252,12 +252,10 @@ class ChainPlan(StagePlan):
         self.makespan_ms = times.makespan_ms
 
 
-class Candidate(NamedTuple):
-    """A window of Algorithm 2 that beats the plan, with its merged stage and its times."""
-
-    times: Any  # what its plan's time_merge gives: StageTimes (WorkingPlan) or ChainTimes (ChainPlan)
-    window: list[int]
-    merged: tuple[int, ...]
+# The functional form keeps the fields' types objects, not strings that only this module could resolve.
+Candidate = NamedTuple("Candidate", [("times", Any), ("window", list[int]), ("merged", tuple[int, ...])])  # noqa: UP014
+Candidate.__doc__ = ("A window of Algorithm 2 that beats the plan, with its merged stage and its times (``times``: "
+                     "what its plan's time_merge gives, StageTimes for a WorkingPlan or ChainTimes for a ChainPlan).")
 
 
 def parallelize(problem: Problem, device_of: Sequence[int], plan: Plan, priority_order: Sequence[int],

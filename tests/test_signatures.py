@@ -1,0 +1,143 @@
+"""A compiled model called with inputs of another shape (opweave.pipeline.signatures): built for them through the
+pipeline with the same options, on the CPU and on the fake CUDA runtime, under every scheduler; within
+``cache_size``; refused with ``dynamic=False``; built once when two threads ask for it at once; the same through
+``torch.compile(backend="opweave")`` and from a ``.pt2`` exported with a dynamic batch."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+import opweave
+import opweave.dynamo
+from opweave import schedulers, zoo
+from opweave.backends.fakecuda import FakeCuda
+from opweave.errors import CaptureError, UsageError
+from opweave.outputs import compare
+
+NEW = [(2, 3, 64, 64), (3, 3, 64, 64), (8, 3, 64, 64), (1, 3, 160, 160)]
+
+
+def squeezenet():
+    model, (x,) = zoo.create("squeezenet", image_size=64)
+    return model.eval(), x
+
+
+def check(model, fast, shape, runtime=None, seed: int = 0):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        got = fast(x)
+        if runtime is not None:
+            runtime.synchronize()
+        result = compare(model(x), got)
+    assert result.ok, (shape, result.reason)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("scheduler", schedulers.names())
+def test_squeezenet_compiled_at_batch_1_equals_eager_at_other_batches_and_sizes(scheduler, device):
+    model, x = squeezenet()
+    runtime = FakeCuda(seed=3) if device == "cuda" else None
+    extra = {"runtime": runtime} if runtime is not None else {}
+    streams = 1 if scheduler == "sequential" else 3
+    fast = opweave.compile(model, (x,), device=device, scheduler=scheduler, streams=streams, **extra)
+    for shape in NEW:
+        check(model, fast, shape, runtime)
+    check(model, fast, tuple(x.shape), runtime)  # the example's own signature still runs its own build
+    assert [tuple(key[1][0]) for key in fast.signatures] == [tuple(x.shape), *NEW]
+    assert fast.variants.stats["builds"] == len(NEW)
+    assert all(v.schedule.scheduler == scheduler for v in fast.variants._built.values())
+
+
+def test_a_bert_encoder_compiled_at_32_tokens_equals_eager_at_17_and_64():
+    model, (ids,) = zoo.create("bert_base", num_layers=2, seq_len=32)
+    model.eval()
+    fast = opweave.compile(model, (ids,), scheduler="lios")
+    for length in (17, 64):
+        other = torch.randint(0, model.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            result = compare(model(other), fast(other))
+        assert result.ok, (length, result.reason)
+
+
+def test_past_the_bound_the_least_recently_used_is_dropped_and_built_again(caplog):
+    model, x = squeezenet()
+    fast = opweave.compile(model, (x,), scheduler="lios", cache_size=1)
+    with caplog.at_level(logging.INFO, logger="opweave.pipeline.signatures"):
+        check(model, fast, NEW[0])
+        with pytest.warns(UserWarning, match="more than cache_size=1 input signatures"):
+            check(model, fast, NEW[1])  # drops NEW[0]
+        check(model, fast, NEW[0])  # built again
+        check(model, fast, tuple(x.shape))  # the example's is never dropped
+    assert fast.variants.stats == {"builds": 3, "evictions": 2}
+    assert [tuple(key[1][0]) for key in fast.signatures] == [tuple(x.shape), NEW[0]]
+    assert sum("building for a new input signature" in r.message for r in caplog.records) == 3
+
+
+def test_dynamic_false_refuses_a_new_signature_naming_the_one_compiled():
+    model, x = squeezenet()
+    fast = opweave.compile(model, (x,), scheduler="lios", dynamic=False)
+    with pytest.raises(UsageError, match=r"\(2, 3, 64, 64\) float32 cpu differ from those it was compiled for "
+                                         r"\(\(1, 3, 64, 64\) float32 cpu\)"):
+        fast(torch.randn(2, 3, 64, 64))
+    check(model, fast, tuple(x.shape))
+
+
+def test_two_threads_asking_for_a_new_signature_at_once_build_it_once():
+    model, x = squeezenet()
+    fast = opweave.compile(model, (x,), scheduler="lios")
+    real, started, release = fast.variants._build, threading.Event(), threading.Event()
+
+    def slow_build(args):
+        started.set()
+        assert release.wait(60)
+        return real(args)
+
+    fast.variants._build = slow_build
+    errors: list[BaseException] = []
+
+    def call(seed: int) -> None:
+        try:
+            check(model, fast, NEW[0], seed=seed)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    first = threading.Thread(target=call, args=(1,))
+    first.start()
+    assert started.wait(60)
+    second = threading.Thread(target=call, args=(2,))
+    second.start()
+    second.join(0.5)  # it waits for the build under way
+    release.set()
+    first.join(120)
+    second.join(120)
+    assert not errors and not first.is_alive() and not second.is_alive()
+    assert fast.variants.stats["builds"] == 1
+
+
+def test_the_torch_compile_backend_compiles_a_graph_with_symbolic_sizes_per_signature():
+    """After a size changed once, dynamo hands over a graph with a symbolic batch; it ran eagerly, with a warning."""
+    model, x = squeezenet()
+    torch._dynamo.reset()
+    fast = torch.compile(model, backend="opweave", options={"scheduler": "lios"})
+    for batch in (1, 2, 3, 8):
+        check(model, fast, (batch, 3, 64, 64))
+    last = opweave.dynamo.last_compiled()
+    assert last is not None and last.variants.stats["builds"] == 2  # built at batch 2, then 3 and 8
+    torch._dynamo.reset()
+
+
+def test_a_program_exported_with_a_dynamic_batch_runs_batches_1_to_8(tmp_path):
+    model, x = squeezenet()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    program = torch.export.export(model, (torch.randn(2, 3, 64, 64),), dynamic_shapes=({0: batch},))
+    path = tmp_path / "squeezenet.pt2"
+    torch.export.save(program, path)
+    fast = opweave.compile(str(path), (torch.randn(1, 3, 64, 64),), scheduler="lios")
+    for size in range(1, 9):
+        check(model, fast, (size, 3, 64, 64), seed=size)
+    with pytest.raises(CaptureError, match=r"Guard failed: x.size\(\)\[0\] <= 8"):  # beyond the program's range
+        fast(torch.randn(9, 3, 64, 64))
