@@ -244,6 +244,46 @@ print(before, len(os.listdir("/proc/self/task")), variants, executor.shared_pool
     assert after - before <= 1  # the pool's one worker (two threads with the caller), not one per session
 
 
+def test_once_a_server_made_the_process_pool_every_onnx_runtime_session_of_the_process_runs_on_it():
+    """ONNX Runtime lets no session keep a pool of its own once the process-wide pool exists: a model compiled
+    afterwards with ONNX Runtime (its segments or its whole graph), and an executor of another thread budget, run on
+    that pool and answer as the model does."""
+    pytest.importorskip("onnxruntime")
+    code = """
+import warnings
+import torch
+import opweave
+from opweave.capture import capture
+from opweave.outputs import compare
+from opweave.pipeline import resolve
+from opweave.serve import blocks
+from opweave.serve.executors import CpuExecutor
+from serve_models import tiny
+
+model, x = tiny()
+served = CpuExecutor({"tiny": blocks.split(capture(model, x), x, name="tiny")},
+                     resolve("cpu", compiler="onnxruntime", threads=2))
+assert served.warm_models(max_batch=2) and served.shared_pool
+model, x = tiny(seed=1)
+for options in ({"compiler": "onnxruntime"}, {"graph": "onnxruntime"}):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with opweave.compile(model, x, scheduler="sequential", threads=1, **options) as fast, torch.no_grad():
+            assert compare(model(*x), fast(*x)).ok, options
+other = CpuExecutor({"other": blocks.split(capture(model, x), x, name="other")},
+                    resolve("cpu", compiler="onnxruntime", threads=1))
+assert other.warm_models(max_batch=2) and not other.shared_pool
+with torch.no_grad():
+    block = other.compiled_block("other", 0)
+    assert compare(tuple(block.module(*x)), block.function(1)(*x), tolerance=1e-4).ok
+print("ok")
+"""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=WAIT_S)
+    assert done.returncode == 0 and done.stdout.split()[-1:] == ["ok"], done.stderr[-2000:]
+
+
 def test_a_blocked_model_keeps_its_intermediate_inputs_as_shapes():
     model, x = tiny()
     blocked = blocks.split(capture(model, x), x, name="tiny")

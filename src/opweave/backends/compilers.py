@@ -33,7 +33,8 @@ by op, with a warning.
   tensors), outputs come back as tensors sharing ORT's arrays. A segment with a non-tensor output (a shape read by a
   later segment) cannot be exported and runs op by op. Three choices serve many sessions in one process (the
   server's blocks): ``shared_pool`` runs a session on ONNX Runtime's process-wide thread pool (:func:`shared_pool`)
-  instead of a pool of its own; ``arena=False`` gives it no memory arena (what a run allocates goes back to the C heap
+  instead of a pool of its own (once that pool exists every session of the process runs on it: ONNX Runtime allows
+  no other); ``arena=False`` gives it no memory arena (what a run allocates goes back to the C heap
   when the run ends, where an arena keeps its largest run's memory for the session's lifetime); ``share_weights``
   makes it read the graph's own parameters in place (ONNX Runtime's shared initializers, an ``OrtValue`` over each
   tensor's storage), so that several sessions of one graph (one per batch size) hold no copy of the weights. ONNX
@@ -140,13 +141,7 @@ class OnnxRuntime:
         options = ort.SessionOptions()
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
-        if shared_pool:
-            options.use_per_session_threads = False  # the pool's size is the process's (shared_pool)
-        else:
-            options.intra_op_num_threads = threads
-            options.inter_op_num_threads = 1
-            if threads > 1 and not alone:  # the pool sleeps when idle: another lane may need the core
-                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session_threads(options, threads, alone=alone, shared=shared_pool)
         if not arena:
             options.enable_cpu_mem_arena = False
         shared = {}
@@ -188,8 +183,9 @@ _POOL_LOCK = threading.Lock()
 def shared_pool(threads: int) -> bool:
     """Make ONNX Runtime's process-wide thread pool (its global intra-op pool, ``threads`` threads with the caller's;
     no inter-op pool: sessions run sequentially), unless made already; whether a session whose budget is ``threads``
-    may run on it (``shared_pool=True``). Its size is fixed once made, so a process gets one: a session of another
-    budget keeps a pool of its own. ONNX Runtime's global pool spins between parallel sections, as its own pools
+    may run on it (``shared_pool=True``). Its size is fixed once made, so a process gets one, and once it exists ONNX
+    Runtime lets no session of the process keep a pool of its own: a session of another budget runs on it too, at
+    its size (:func:`session_threads`). ONNX Runtime's global pool spins between parallel sections, as its own pools
     do by default (its Python API sets only the sizes)."""
     ort = import_onnxruntime()
     with _POOL_LOCK:
@@ -201,6 +197,26 @@ def shared_pool(threads: int) -> bool:
             else:
                 _POOL["threads"] = threads
         return _POOL["threads"] == threads
+
+
+def pool_made() -> bool:
+    """Whether ONNX Runtime's process-wide thread pool exists (:func:`shared_pool` made it, or found it made)."""
+    with _POOL_LOCK:
+        return "threads" in _POOL
+
+
+def session_threads(options, threads: int, *, alone: bool = False, shared: bool = False) -> None:
+    """Set the threads of an ONNX Runtime session (its ``SessionOptions``): ``threads`` intra-op threads in a pool
+    of its own, sleeping when idle unless ``alone`` (nothing runs beside it); or, with ``shared`` or once the
+    process-wide pool exists (ONNX Runtime then refuses a session a pool of its own), that pool, whatever
+    ``threads`` is."""
+    if shared or pool_made():
+        options.use_per_session_threads = False  # the pool's size is the process's (shared_pool)
+        return
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    if threads > 1 and not alone:  # the pool sleeps when idle: another lane may need the core
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
 
 
 class OrtSegment:

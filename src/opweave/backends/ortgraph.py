@@ -46,7 +46,9 @@ the example's) runs the captured model op by op, with one warning.
 
 Each session with more than one intra-op thread has a pool of its own (sleeping when idle); on a machine with many
 cores a plan's first-lane segments would hold many idle threads, where ONNX Runtime's global pool could share one
-(not done: on 2 cores a session has at most one extra thread).
+(not done: on 2 cores a session has at most one extra thread). In a process where a server made that pool
+(:func:`opweave.backends.compilers.shared_pool`), ONNX Runtime allows no session a pool of its own, and every session
+runs on it, at its size.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from typing import Any
 
 import torch
 
-from opweave.backends.compilers import export_onnx, import_onnxruntime
+from opweave.backends.compilers import export_onnx, import_onnxruntime, session_threads
 from opweave.backends.cpu import Call, LanePool, LaneWorker
 from opweave.backends.program import Program
 from opweave.backends.segments import segment_groups, segment_plan, whole_module
@@ -171,17 +173,16 @@ class OrtGraph:
                 profile: Path | None = None, alone: bool = True):
         """An ONNX Runtime session of ``model`` (bytes or a path) on ``threads`` intra-op threads, sequential
         executor; ``optimize`` (else every graph optimization off), ``save`` the optimized graph there,
-        ``profile`` with the profiler writing there; ``alone``: nothing else runs beside it (its pool may spin)."""
+        ``profile`` with the profiler writing there; ``alone``: nothing else runs beside it (its pool may spin).
+        In a process whose ONNX Runtime pool a server made, the session runs on that pool
+        (:func:`opweave.backends.compilers.session_threads`)."""
         ort = self.ort
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
+        session_threads(options, threads, alone=alone)  # the process's pool instead, where a server made it
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else
                                             ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-        if threads > 1 and not alone:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if save is not None:
             options.optimized_model_filepath = str(save)
         if profile is not None:

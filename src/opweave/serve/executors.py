@@ -312,13 +312,14 @@ class CpuExecutor(TensorExecutor):
       part takes a place in the cache, which a server of many models cycling through their blocks would thrash).
 
     **What grows with the models.** Every ONNX Runtime session of every block of every model runs on one thread pool
-    for the process, ``threads`` threads (:func:`opweave.backends.compilers.shared_pool`; a process whose pool another
-    budget made gives each session a sleeping pool of ``threads`` threads), with no memory arena of its own (what a
-    run allocates goes back to the C heap when it ends, and :class:`opweave.serve.frontend.HeapTrimmer` gives freed
-    memory back to the system), and a block that takes any batch is one session. So a model costs its weights, its
-    graphs and one compiled copy of each block, whatever batches and combinations it is served at. Variants of a
-    block that are compiled per batch read the model's own parameters (:class:`CompiledBlock`) and are built when a
-    batch first needs them, in the background (:attr:`builder`), while the request runs on the variants built.
+    for the process, ``threads`` threads (:func:`opweave.backends.compilers.shared_pool`; in a process whose pool
+    another budget made, that pool at its size: ONNX Runtime then allows no session a pool of its own), with no
+    memory arena of its own (what a run allocates goes back to the C heap when it ends, and
+    :class:`opweave.serve.frontend.HeapTrimmer` gives freed memory back to the system), and a block that takes any
+    batch is one session. So a model costs its weights, its graphs and one compiled copy of each block, whatever
+    batches and combinations it is served at. Variants of a block that are compiled per batch read the model's own
+    parameters (:class:`CompiledBlock`) and are built when a batch first needs them, in the background
+    (:attr:`builder`), while the request runs on the variants built.
     """
 
     device = "cpu"
@@ -351,8 +352,8 @@ class CpuExecutor(TensorExecutor):
 
     def threads_key(self, threads: int) -> int | None:
         """The thread count a block's compiled variant is keyed by when a lane with ``threads`` intra-op threads calls
-        it: None for ONNX Runtime (one session whatever the count: the shared pool, or a sleeping pool of the whole
-        budget), the count itself for a compiler that bakes it in (Inductor's OpenMP teams)."""
+        it: None for ONNX Runtime (one session whatever the count, on the process's pool), the count itself for a
+        compiler that bakes it in (Inductor's OpenMP teams)."""
         return None if self.compiler == "onnxruntime" else threads
 
     def default_scheduler(self) -> str:
