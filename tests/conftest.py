@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -21,3 +24,21 @@ def tiny_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("pt2") / "tiny.pt2"
     torch.export.save(torch.export.export(model, x), str(path))
     return model, path
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked ``own_pools`` reads the thread pool of an ONNX Runtime session of its own. Once a serving test
+    in this worker has made ONNX Runtime's process-wide pool (``opweave.backends.compilers.shared_pool``), ONNX
+    Runtime gives no session a pool of its own, so the test then runs in a fresh interpreter, and passes or fails
+    there."""
+    if pyfuncitem.get_closest_marker("own_pools") is None:
+        return None
+    from opweave.backends.compilers import pool_made
+
+    if not pool_made():
+        return None
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                           pyfuncitem.nodeid], cwd=pyfuncitem.config.rootpath, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"in a fresh interpreter:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
+    return True

@@ -48,6 +48,7 @@ def test_onnxruntime_refuses_a_segment_with_a_non_tensor_output():
         OnnxRuntime()(fx.GraphModule(nn.Module(), graph), [torch.randn(2, 3)], 1)
 
 
+@pytest.mark.own_pools
 @pytest.mark.parametrize(("threads", "alone", "spins"), [(2, True, True), (1, False, True), (2, False, False),
                                                         (4, True, True)])
 def test_an_onnxruntime_segment_pool_spins_only_when_it_runs_alone(threads, alone, spins):
@@ -65,6 +66,7 @@ def test_an_onnxruntime_segment_pool_spins_only_when_it_runs_alone(threads, alon
     assert (spinning != "0") == spins
 
 
+@pytest.mark.own_pools
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_only_a_one_lane_plans_onnxruntime_segments_spin(lanes):
     """The plan's lane count, not the replay's thread budget, decides: a two-lane plan's segment that the replay

@@ -170,6 +170,7 @@ def test_inputs_with_other_strides_run_op_by_op_with_one_warning():
     assert fast.backend.stats["fallbacks"] == 2
 
 
+@pytest.mark.own_pools
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_session_budgets_follow_the_plan(lanes):
     """One lane: one session of the whole graph on every core, its pool spinning (ONNX Runtime's own run). Two

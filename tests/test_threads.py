@@ -50,6 +50,7 @@ def test_every_op_runs_within_its_threads(options):
             assert seen_by_the_probes(fast, inputs) == {float(BUDGET)}, options
 
 
+@pytest.mark.own_pools
 @pytest.mark.parametrize("options", [{"scheduler": "sequential", "compiler": "onnxruntime"},
                                      {"scheduler": "lios", "streams": 2, "compiler": "onnxruntime"},
                                      {"scheduler": "sequential", "graph": "onnxruntime"},
