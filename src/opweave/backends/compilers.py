@@ -163,7 +163,7 @@ def shared_initializers(model: bytes, gm: fx.GraphModule) -> dict[str, Any]:
     from onnx import numpy_helper
 
     ort = import_onnxruntime()
-    tensors = dict(gm.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(gm.named_parameters())
     tensors.update(gm.named_buffers())
     out = {}
     for init in onnx.load_from_string(model).graph.initializer:

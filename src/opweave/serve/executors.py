@@ -604,13 +604,12 @@ class CompiledBlock:
                 return self.compiled[key]
             if batch is None and self.dynamic is False:
                 return None
-            event = self._building.get(key)
-            mine = event is None
-            if mine:
+            waiting = self._building.get(key)
+            if waiting is None:
                 event = self._building[key] = threading.Event()
                 self._errors.pop(key, None)
-        if not mine:
-            event.wait()
+        if waiting is not None:
+            waiting.wait()
             if key in self._errors:
                 raise self._errors[key]
             return self.compiled.get(key)
@@ -633,12 +632,12 @@ class CompiledBlock:
             event.set()
 
     def _compile(self, threads: int | None, batch: int | None) -> Any:
-        from opweave.backends.compilers import get
+        from opweave.backends.compilers import OnnxRuntime, get
         from opweave.outputs import compare
 
         count = self.executor.total_threads if threads is None else threads
         if self.compiler == "onnxruntime":
-            ort = get("onnxruntime")
+            ort = OnnxRuntime()
             session = {"shared_pool": self.executor.shared_pool, "arena": False}
             if batch is None:
                 fn = ort(self.module, list(self.blocked.example(self.block, 2)), count, dynamic_batch=True, **session)
