@@ -225,8 +225,14 @@ def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespac
         # each round starts at the next mode: no mode always goes first
         times = interleaved_times_ms({mode: (lambda fn=fn: fn(*inputs)) for mode, fn in fns.items()},
                                      runs=args.runs, warmup=0, rounds=args.rounds)
-    return {mode: {"median_ms": statistics.median(ts), "min_ms": min(ts),
-                   **({"timed_choice": chosen[mode]} if mode in chosen else {})} for mode, ts in times.items()}
+    return {mode: {"median_ms": statistics.median(ts), "min_ms": min(ts), "p10_ms": _decile(ts, 0),
+                   "p90_ms": _decile(ts, -1), **({"timed_choice": chosen[mode]} if mode in chosen else {})}
+            for mode, ts in times.items()}
+
+
+def _decile(times: list[float], which: int) -> float:
+    """The 10th (``which=0``) or 90th (``-1``) percentile of ``times``: the spread beside the median."""
+    return statistics.quantiles(times, n=10)[which] if len(times) > 1 else times[0]
 
 
 def limits(name: str, batch: int, args: argparse.Namespace) -> dict:

@@ -907,7 +907,9 @@ def test_docs_gpu_shows_the_committed_results_as_they_are():
     """docs/gpu.md carries the committed GPU results' tables as gpu_latency.markdown renders them, and it and the
     README the batch 1 fp32 run's summary as gpu_latency.summary_markdown renders it."""
     doc = (BENCHMARKS.parent / "docs" / "gpu.md").read_text()
-    second = ("gpu_latency_h200_2026-11-28_b1_fp32.json", "gpu_latency_h200_2026-11-28_b8_fp16.json")
+    second = ("gpu_latency_h200_2026-11-28_b1_fp32.json", "gpu_latency_h200_2026-11-28_lease3.json",
+              "gpu_latency_h200_2026-11-28_b1_fp16.json", "gpu_latency_h200_2026-11-28_b8_fp16.json",
+              "gpu_latency_h200_2026-11-28_b8_fp32.json")
     for name in ("gpu_latency_h200_b1_fp32.json", "gpu_latency_h200_googlenet_fused.json", *second):
         data = json.loads((BENCHMARKS / "results" / name).read_text())
         assert gpu_latency().markdown(data) in doc, f"docs/gpu.md: the tables of {name} are out of date"

@@ -283,3 +283,37 @@ def test_reduce_overhead_with_several_devices_is_refused_not_dropped():
     with pytest.raises(UsageError, match="reduce-overhead.*devices=2"):
         resolve("cuda", "reduce-overhead", devices=2, check_device=False)
     assert resolve("cuda", devices=2, check_device=False).cudagraphs is False
+
+
+def test_max_autotune_times_its_candidates_in_the_grad_mode_they_were_checked_in(tmp_path, monkeypatch):
+    """The search checks each candidate under no_grad and times it in the same mode (as a user's inference calls
+    and the benchmark run). Timed under inference_mode instead, torch.compile's candidate runs code compiled for
+    another grad mode: on an H200 the search measured it 1.2-1.8x slower than the benchmark measured the same
+    torch.compile in the same process, so it chose a plan over a faster torch.compile. Every call a candidate
+    gets is recorded here: none runs in inference mode."""
+    from opweave.pipeline.autotune import Candidate, search
+    from opweave.pipeline.options import resolve
+    from opweave.pipeline.targets import CudaTarget
+
+    monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
+    modes = []
+
+    class Recorded(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            if not torch.compiler.is_compiling():
+                modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+            return self.inner(x)
+
+    model, inputs = wide()
+    runtime = FakeCuda(seed=7)
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: fn)  # the candidate runs the model itself
+    options = resolve("cuda", "max-autotune", runtime=runtime)
+    fast = search(CudaTarget(), coarsen(capture(model, inputs)), inputs, options, eager=Recorded(model),
+                  candidates=[Candidate("torch.compile", whole=True)])
+    assert fast.choice["label"] == "torch.compile" and len(modes) > 5
+    assert set(modes) == {(False, False)}, modes

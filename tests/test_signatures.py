@@ -80,8 +80,8 @@ def test_past_the_bound_the_least_recently_used_is_dropped_and_built_again(caplo
 def test_dynamic_false_refuses_a_new_signature_naming_the_one_compiled():
     model, x = squeezenet()
     fast = opweave.compile(model, (x,), scheduler="lios", dynamic=False)
-    with pytest.raises(UsageError, match=r"\(2, 3, 64, 64\) float32 cpu differ from those it was compiled for "
-                                         r"\(\(1, 3, 64, 64\) float32 cpu\)"):
+    with pytest.raises(UsageError, match=r"\(2, 3, 64, 64\) float32 differ from those it was compiled for "
+                                         r"\(\(1, 3, 64, 64\) float32\)"):
         fast(torch.randn(2, 3, 64, 64))
     check(model, fast, tuple(x.shape))
 
@@ -141,3 +141,31 @@ def test_a_program_exported_with_a_dynamic_batch_runs_batches_1_to_8(tmp_path):
         check(model, fast, (size, 3, 64, 64), seed=size)
     with pytest.raises(CaptureError, match=r"Guard failed: x.size\(\)\[0\] <= 8"):  # beyond the program's range
         fast(torch.randn(9, 3, 64, 64))
+
+
+def test_inputs_of_the_examples_shapes_on_another_device_are_its_signature_for_the_backend_to_move():
+    """A model compiled for CUDA from CPU example inputs and called with CUDA tensors of the same shapes (or the
+    reverse) runs on the backend built for the example, which moves inputs to its device: on an H200 such a call
+    was taken for a new signature and captured again, running the CPU model on the GPU inputs. Here "meta" stands
+    for the other device. A new shape is built once whatever device its inputs come on."""
+    from opweave.backends.cache import signature
+    from opweave.pipeline.signatures import Signatures
+
+    built = []
+    example = (torch.randn(4, 8),)
+    variants = Signatures("m", signature(example)[0], lambda args: built.append(args) or len(built), bound=2)
+    assert variants.for_inputs((torch.empty(4, 8, device="meta"),)) is None and not built
+    assert variants.for_inputs((torch.empty(2, 8, device="meta"),)) == 1
+    assert variants.for_inputs((torch.randn(2, 8),)) == 1 and len(built) == 1
+    assert variants.for_inputs((torch.randn(4, 8, dtype=torch.float64),)) == 2  # another dtype is another one
+
+
+def test_a_new_signature_is_captured_on_the_devices_of_the_example():
+    """The inputs of a new signature are moved where the example's were before the model is captured for them
+    (where its parameters are); the built model moves each call's inputs itself."""
+    from opweave.api import on_devices_of
+
+    example = (torch.empty(4, 8, device="meta"), 3)
+    moved = on_devices_of((torch.randn(2, 8), 5), example)
+    assert moved[0].device.type == "meta" and tuple(moved[0].shape) == (2, 8) and moved[1] == 5
+    assert on_devices_of((torch.randn(2, 8),), example)[0].device.type == "cpu"  # another structure: left alone

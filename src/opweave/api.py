@@ -93,6 +93,21 @@ def device_of(model, example_inputs, example_kwargs: dict | None, options: dict)
     return "cuda" if any(isinstance(v, torch.Tensor) and v.is_cuda for v in values) else "cpu"
 
 
+def on_devices_of(args: tuple, example: tuple) -> tuple:
+    """``args`` with each tensor moved to the device of the example's tensor in the same place (when both are
+    tensors and the structure matches; else left where they are): the device the model was captured on."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(args)
+    where, example_spec = pytree.tree_flatten(example)
+    if spec != example_spec:
+        return args
+    moved = [x.to(e.device) if isinstance(x, torch.Tensor) and isinstance(e, torch.Tensor) and x.device != e.device
+             else x for x, e in zip(leaves, where, strict=True)]
+    return pytree.tree_unflatten(moved, spec)
+
+
 def with_signatures(compiled: Compiled, model, captured, opts, eager, example_inputs: tuple | None = None) -> Compiled:
     """``compiled``, which now builds itself for inputs of another signature from ``model`` (captured again for
     them, with the options it was built with; :mod:`opweave.pipeline.signatures`)."""
@@ -100,11 +115,12 @@ def with_signatures(compiled: Compiled, model, captured, opts, eager, example_in
     from opweave.capture import capture
     from opweave.pipeline.signatures import Signatures
 
-    def rebuild(args: tuple) -> Compiled:
-        again = capture(model, args, fold_bn=opts.fold_bn, name=captured.graph.name)
+    example = example_inputs if example_inputs is not None else captured.example_inputs
+
+    def rebuild(args: tuple) -> Compiled:  # captured where the model runs: the example's device
+        again = capture(model, on_devices_of(args, example), fold_bn=opts.fold_bn, name=captured.graph.name)
         return build(again, again.example_inputs, opts, eager=eager)
 
-    example = example_inputs if example_inputs is not None else captured.example_inputs
     compiled.variants = Signatures(captured.graph.name, signature(example)[0], rebuild, bound=opts.cache_size,
                                    dynamic=opts.dynamic, arity=len(example))
     return compiled

@@ -1,9 +1,10 @@
 """Inputs of another shape: a compiled model meets an input signature it was not built for.
 
 A :class:`~opweave.pipeline.compiled.Compiled` is built for its example inputs' signature
-(:func:`opweave.backends.cache.signature`: the pytree structure, each tensor's shape, dtype and device, each other
-value). Strides are left to the backends, which key what depends on them themselves (the CUDA backend's recordings,
-a compiled segment's graphs). A call with another signature is handled as ``torch.compile`` handles a recompilation,
+(:func:`opweave.backends.cache.signature`: the pytree structure, each tensor's shape and dtype, each other value).
+Devices and strides are left to the backends, which move inputs to their device and key what depends on strides
+themselves (the CUDA backend's recordings, a compiled segment's graphs): CPU inputs of the example's shapes given to
+a model compiled for CUDA, or the reverse, are the example's signature. A call with another signature is handled as ``torch.compile`` handles a recompilation,
 by the option ``dynamic``:
 
 * ``None`` (the default) or ``True``: the model is built for those inputs through the one pipeline — captured again
@@ -35,15 +36,20 @@ log = logging.getLogger(__name__)
 
 
 def describe(key: tuple) -> str:
-    """A signature as a user reads it: ``(2, 3, 160, 160) float32 cpu, ...``."""
+    """A signature as a user reads it: ``(2, 3, 160, 160) float32, ...``."""
     parts = []
     for leaf in key[1:]:
         if leaf and leaf[0] == "value":
             parts.append(leaf[1])
         else:
-            shape, dtype, device = leaf[:3]
-            parts.append(f"{tuple(shape)} {str(dtype).removeprefix('torch.')} {device}")
+            shape, dtype = leaf[:2]
+            parts.append(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}")
     return ", ".join(parts) or "no inputs"
+
+
+def placeless(key: tuple) -> tuple:
+    """A :func:`~opweave.backends.cache.signature` key without the tensors' devices (the backend moves inputs)."""
+    return (key[0], *(leaf if leaf and leaf[0] == "value" else tuple(leaf[:2]) for leaf in key[1:]))
 
 
 class Signatures:
@@ -53,7 +59,7 @@ class Signatures:
 
     def __init__(self, name: str, example_key: tuple, build: Callable[[tuple], Any], *, bound: int,
                  dynamic: bool | None = None, arity: int | None = None):
-        self.name, self.example_key, self.dynamic, self.bound = name, example_key, dynamic, bound
+        self.name, self.example_key, self.dynamic, self.bound = name, placeless(example_key), dynamic, bound
         self.arity = arity  # how many inputs the model takes: another count is the backend's error to raise
         self._build = build
         self._built: BoundedCache = BoundedCache(bound, self._evicted)
@@ -71,7 +77,7 @@ class Signatures:
         ``args`` are not as many as the model takes: the caller's backend says so)."""
         if self.arity is not None and len(args) != self.arity:
             return None
-        key, _ = signature(args)
+        key = placeless(signature(args)[0])
         if key == self.example_key:
             return None
         if self.dynamic is False:
@@ -114,4 +120,4 @@ class Signatures:
                           stacklevel=4)
 
 
-__all__ = ["Signatures", "describe"]
+__all__ = ["Signatures", "describe", "placeless"]
