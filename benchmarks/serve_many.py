@@ -413,23 +413,32 @@ def engine_scale(entry: Path, n: int, policies: list[str], rate: float, seconds:
     """The simulated engine at ``n`` models (module docstring)."""
     from opweave.serve import policies as registry
     from opweave.serve import top
-    from opweave.serve.engine import Engine
+    from opweave.serve.engine import Engine, Observer
     from opweave.serve.executors import SimClock, SimExecutor
     from opweave.serve.loadgen import run_simulated
     from opweave.serve.models import load
+
+    class Decisions(Observer):
+        def __init__(self):
+            self.seconds: list[float] = []
+
+        def on_decision(self, seconds: float) -> None:
+            self.seconds.append(seconds)
 
     blocked = load("m", path=next(entry.rglob("model.pt2")), max_batch=8).blocked
     rows = []
     for policy_name in policies:
         models = {f"m{i:02d}": blocked for i in range(n)}  # the simulator reads only their graphs
         policy = top.TopPolicy(shipped=False) if policy_name == "top" else registry.create(policy_name)
-        engine = Engine(SimExecutor(models, preset="h100"), policy, SimClock(), max_batch=8, max_sub_blocks=4)
+        decided = Decisions()  # every step's (the engine keeps only its latest for decision_times())
+        engine = Engine(SimExecutor(models, preset="h100"), policy, SimClock(), max_batch=8, max_sub_blocks=4,
+                        observers=[decided])
         if policy_name == "top":  # untrained: the time to decide, not its quality, is measured
             policy.agents = top.Actors(policy.state_dim, policy.action_dims)
         begin = time.perf_counter()
         rep, _ = run_simulated(engine, dict.fromkeys(models, rate), seconds)
         wall_s = time.perf_counter() - begin
-        decisions = sorted(engine.decision_times())
+        decisions = sorted(decided.seconds)
         q = statistics.quantiles(decisions, n=100)
         per = {m: {"answered": r["answered"], "sent": r["sent"], "p99_ms": r["p99_ms"]} for m, r in
                rep["models"].items()}

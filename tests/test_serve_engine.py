@@ -329,3 +329,22 @@ def test_the_default_policy_follows_the_device():
     from opweave.serve.assemble import DEVICES
 
     assert set(ON_DEVICE) == set(DEVICES) and ON_DEVICE["sim"] == "the simulator"  # it printed "a CPU" for sim
+
+
+def test_the_many_models_benchmark_reports_the_decision_time_of_every_step_not_only_the_latest_kept(
+        tmp_path, monkeypatch, tiny_file):
+    """``benchmarks/serve_many.py``'s engine run gives the percentiles and maximum of every step's decision time:
+    the engine keeps only its latest steps' (``DECISIONS_KEPT``) for ``decision_times()``."""
+    from benchmark_module import serve_many
+    from opweave.serve import engine as engine_module
+
+    _, path = tiny_file
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "model.pt2").write_bytes(path.read_bytes())
+    monkeypatch.setattr(engine_module, "DECISIONS_KEPT", 16)
+    seen: list[float] = []
+    decided = engine_module.Engine._decided
+    monkeypatch.setattr(engine_module.Engine, "_decided", lambda self, s: (seen.append(s), decided(self, s)))
+    row, = serve_many().engine_scale(tmp_path, 2, ["static"], rate=200.0, seconds=0.5)
+    assert len(seen) > 16 and row["decision_steps"] == len(seen)
+    assert row["decision_max_ms"] == max(seen) * 1e3
