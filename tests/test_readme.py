@@ -348,7 +348,7 @@ def readme_server():
         first = proc.stdout.readline()
         found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", first)
         assert found, (first, proc.stderr.read() if proc.poll() is not None else "")
-        assert "inception_v3 (11 blocks)" in first and "policy heuristic" in first
+        assert "inception_v3 (11 blocks)" in first and "policy static (the default on a CPU)" in first
         yield found.group(1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
@@ -452,7 +452,7 @@ CHECKS = {
     "opweave schedule --model-file m.pt2 --scheduler lios": (check_schedule_model_file, (pytest.mark.slow,)),
     "opweave bench --model-file m.pt2 --device cpu --schedulers all": (check_bench_model_file, (pytest.mark.slow,)),
     # serving (TOP)
-    "opweave serve --models inception_v3,resnet50,squeezenet --device cpu --port 8000 --policy heuristic": (
+    "opweave serve --models inception_v3,resnet50,squeezenet --device cpu --port 8000": (
         check_serve, (pytest.mark.slow,)),
     "opweave loadgen --url http://127.0.0.1:8000 --pattern inception_v3:30,resnet50:60,squeezenet:120 --duration 10": (
         check_loadgen_url, (pytest.mark.slow,)),
