@@ -1,6 +1,7 @@
 """Import ``benchmarks/gpu_latency.py`` in tests (the benchmarks are scripts, not a package): its input generator
 and output check are the ones the CUDA tests use, and its GPU-free parts are tested on the CPU. Imports nothing
-beyond the project and torch, so that the CUDA tests run on a GPU machine without the dev extras."""
+beyond the project and torch, so that the CUDA tests run on a GPU machine without the dev extras.
+``benchmarks/cpu_latency.py`` the same way, for the README's CPU tables (rendered from its results)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,19 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @functools.cache
-def gpu_latency():
+def benchmark(name: str):
+    """The module of ``benchmarks/NAME.py``."""
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))  # for its ``import _common``
-    spec = importlib.util.spec_from_file_location("gpu_latency", BENCHMARKS / "gpu_latency.py")
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def gpu_latency():
+    return benchmark("gpu_latency")
+
+
+def cpu_latency():
+    return benchmark("cpu_latency")

@@ -4,8 +4,8 @@ A :class:`~opweave.pipeline.compiled.Compiled` is built for its example inputs' 
 (:func:`opweave.backends.cache.signature`: the pytree structure, each tensor's shape and dtype, each other value).
 Devices and strides are left to the backends, which move inputs to their device and key what depends on strides
 themselves (the CUDA backend's recordings, a compiled segment's graphs): CPU inputs of the example's shapes given to
-a model compiled for CUDA, or the reverse, are the example's signature. A call with another signature is handled as ``torch.compile`` handles a recompilation,
-by the option ``dynamic``:
+a model compiled for CUDA, or the reverse, are the example's signature. A call with another signature is handled as
+``torch.compile`` handles a recompilation, by the option ``dynamic``:
 
 * ``None`` (the default) or ``True``: the model is built for those inputs through the one pipeline — captured again
   (a ``torch.export`` program's own dynamic dimensions are honoured, and a size it fixed is refused naming the
