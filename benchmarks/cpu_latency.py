@@ -34,8 +34,9 @@ bias: the default, which on DeepFM runs the model itself, measured 0.93x eager);
 minimum. On a shared machine whose load moves timings tenfold within minutes, only modes exposed to the same
 load are comparable; ratios of medians are what the summary reports.
 
-Writes ``DIR/cpu_latency.json`` (machine, settings, rows, summary), ``DIR/cpu_latency.png`` and
-``DIR/cpu_latency.md`` (the README's table). ``--check-only``: builds and checks only (``cpu_latency_check.json``).
+Writes ``DIR/cpu_latency.json`` (machine, settings, the command, rows, summary), ``DIR/cpu_latency.png`` and
+``DIR/cpu_latency.md`` (:func:`document`: the date and command that produced the figures, then :func:`markdown`'s
+tables, which the README shows). ``--check-only``: builds and checks only (``cpu_latency_check.json``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ QUICK_MODES = ("eager", "onnxruntime", "opweave sequential", "opweave heft", "op
                "opweave default")
 TOLERANCE = 1e-4
 INDUCTOR_MODES = ("torch.compile", "torch.compile freezing")
+# Modes renamed since a results file was written: its tables show today's name (the JSON keeps the one it ran under).
+RENAMED_MODES = {"opweave max-speed": "opweave max-autotune"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -417,12 +420,14 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict], summary: list[dict], modes: list[str]) -> str:
-    """The README's table: median ms per mode (batch 1, then 8), the best opweave mode in bold."""
+    """The README's table: median ms per mode (batch 1, then 8), the best opweave mode in bold; a renamed mode under
+    today's name (:data:`RENAMED_MODES`)."""
     lines = []
     for batch in dict.fromkeys(r["batch"] for r in rows):
         shown = [m for m in modes if any(r["mode"] == m and r["batch"] == batch and "median_ms" in r for r in rows)]
         lines += [f"**batch {batch}** (median ms; lower is better)", "",
-                  "| model | " + " | ".join(shown) + " |", "| --- |" + " ---: |" * len(shown)]
+                  "| model | " + " | ".join(RENAMED_MODES.get(m, m) for m in shown) + " |",
+                  "| --- |" + " ---: |" * len(shown)]
         for entry in (s for s in summary if s["batch"] == batch):
             cells = []
             for mode in shown:
@@ -433,6 +438,45 @@ def markdown(rows: list[dict], summary: list[dict], modes: list[str]) -> str:
             lines.append(f"| {entry['model']} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def command_line(data: dict, stem: str = "cpu_latency") -> str:
+    """The command that wrote ``data`` (a results JSON named ``stem``): as recorded, or, in a file written before
+    the command was recorded, the options its settings differ from the defaults in, spelled as today's flags."""
+    if "command" in data:
+        return data["command"]
+    settings, defaults = data["settings"], parse_args([])
+    args = []
+    if settings["models"] == list(MULTI_BRANCH_MODELS):
+        args += ["--models", "multi-branch"]
+    elif settings["models"] != model_names(defaults):
+        args += ["--models", ",".join(settings["models"])]
+    if settings["batch_sizes"] != defaults.batch_sizes:
+        args += ["--batch-sizes", ",".join(map(str, settings["batch_sizes"]))]
+    modes = [RENAMED_MODES.get(m, m) for m in settings["modes"]]
+    if modes != defaults.modes:
+        args += ["--modes", f'"{";".join(modes)}"']
+    for flag, key in (("--bert-layers", "bert_layers"), ("--runs", "runs"), ("--rounds", "rounds"),
+                      ("--warmup-s", "warmup_s")):
+        if settings[key] != getattr(defaults, key):
+            args += [flag, f"{settings[key]:g}"]
+    if data.get("limits"):
+        args.append("--limits")
+    if stem != "cpu_latency":
+        args += ["--stem", stem]
+    return " ".join(["python benchmarks/cpu_latency.py", *args])
+
+
+def document(data: dict, stem: str = "cpu_latency") -> str:
+    """``STEM.md``: when, how and where the figures were measured, then :func:`markdown`'s tables."""
+    machine = data["machine"]
+    renamed = [f"`{RENAMED_MODES[m]}` ran as `{m}`" for m in data["settings"]["modes"] if m in RENAMED_MODES]
+    how = "" if "command" in data else "the equivalent of "
+    head = (f"Measured {machine['date'][:10]} by {how}`{command_line(data, stem)}` on {machine['machine']} "
+            f"{machine['platform'].split('-')[0]} with {machine['cpus_usable']} usable cores, torch "
+            f"{machine['torch']}, Python {machine['python']}"
+            + (f" (modes renamed since: {'; '.join(renamed)})" if renamed else "") + ".")
+    return head + "\n\n" + markdown(data["rows"], data["summary"], data["settings"]["modes"])
 
 
 def plot(rows: list[dict], summary: list[dict], path: Path) -> None:
@@ -484,6 +528,8 @@ def table(rows: list[dict]):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python benchmarks/cpu_latency.py", *(f'"{a}"' if " " in a or ";" in a else a for a in given)])
     names = model_names(args)
     watch = common.Stopwatch()
     rows: list[dict] = []
@@ -497,16 +543,18 @@ def main(argv: list[str] | None = None) -> int:
                     status, found = in_child(limits, (name, batch, args), {}, args.timeout_s)
                     bounds.append(found if status == "ok" else {"model": name, "batch": batch, "error": found})
                 summary = [] if args.check_only else summarize(rows)
-                common.write_json(args.out / f"{stem}.json", {
+                data = {
                     "machine": common.machine_info(),
                     "settings": {"models": names, "batch_sizes": args.batch_sizes, "modes": args.modes,
                                  "bert_layers": args.bert_layers, "runs": args.runs, "rounds": args.rounds,
                                  "warmup_s": args.warmup_s, "tolerance": TOLERANCE},
-                    "rows": rows, "summary": summary, "limits": bounds, "elapsed_s": watch.elapsed_s}, quiet=True)
+                    "command": command, "rows": rows, "summary": summary, "limits": bounds,
+                    "elapsed_s": watch.elapsed_s}
+                common.write_json(args.out / f"{stem}.json", data, quiet=True)
     common.console.print(table(rows))
     if not args.check_only:
         summary = summarize(rows)
-        (args.out / f"{stem}.md").write_text(markdown(rows, summary, args.modes))
+        (args.out / f"{stem}.md").write_text(document(data, stem))
         plot(rows, summary, args.out / f"{stem}.png")
         for s in summary + bounds:
             common.console.print(s)

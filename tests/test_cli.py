@@ -251,3 +251,31 @@ def test_help_texts_keep_their_square_brackets():
                 assert token in shown, (name, token)
                 checked += 1
     assert checked >= 1  # serve's --ray
+
+
+def test_the_default_serving_policy_is_told_one_way():
+    """What ``opweave serve`` and ``opweave loadgen --simulate`` run without ``--policy`` (DEFAULT_POLICIES) is what
+    both commands' help, docs/serving.md and the README say; loadgen against a server refuses a policy of its own."""
+    from pathlib import Path
+
+    from opweave.serve.assemble import DEFAULT_POLICIES
+
+    def policy_help(name: str) -> str:  # as --help prints it, before Rich draws it into a panel
+        command = typer.main.get_command(app).commands[name]
+        return next(p.help for p in command.params if "--policy" in p.opts) + " " + command.help
+
+    cpu, gpu, sim = DEFAULT_POLICIES["cpu"], DEFAULT_POLICIES["cuda"], DEFAULT_POLICIES["sim"]
+    assert f"default: {cpu} on a CPU, {gpu} on a GPU" in policy_help("serve")
+    assert f"default: {sim}, the default on a GPU, which the simulator models" in policy_help("loadgen")
+    assert f"opweave serve``: {cpu} on a CPU, {gpu} on a GPU" in " ".join(policy_help("loadgen").split())
+    assert gpu == sim
+    root = Path(__file__).resolve().parent.parent
+    serving = " ".join((root / "docs" / "serving.md").read_text().split())
+    assert (f"`opweave serve` runs `{cpu}` on a CPU and `{gpu}` on a GPU, and `opweave loadgen --simulate` runs "
+            f"`{sim}`") in serving
+    assert f"* `{cpu}` (the default on a CPU)" in serving and f"* `{gpu}` (ours; the default on a GPU" in serving
+    readme = " ".join((root / "README.md").read_text().split())
+    assert f"on a CPU the default is `{cpu}`" in readme and f"on a CPU the default policy, `{cpu}`" in readme
+    refused = opweave("loadgen", "--url", "http://127.0.0.1:1", "--pattern", "squeezenet:1", "--policy", "batch",
+                      check_rc=2)
+    assert "go with --simulate" in one_line(refused)

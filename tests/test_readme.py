@@ -37,6 +37,7 @@ import torch
 from typer.testing import CliRunner
 
 import opweave
+from benchmark_module import cpu_latency
 from cuda_precision import no_tf32
 from opweave import zoo
 from opweave.capture import load
@@ -209,6 +210,82 @@ def test_max_autotune_block(tmp_path, monkeypatch):
     assert (tmp_path / "autotune.json").exists()  # "caches the choice"
 
 
+# ---- the CPU results ------------------------------------------------------------------------------------------------
+RESULTS = README.parent / "benchmarks" / "results"
+CPU_TABLES = ("cpu_latency", "cpu_latency_default", "cpu_latency_default_b8")  # the README's, in its order
+NAMES = {"inception_v3": "Inception-v3", "googlenet": "GoogLeNet", "squeezenet": "SqueezeNet", "resnet50": "ResNet-50",
+         "nasnet_a_mobile": "NASNet", "randwire": "RandWire", "bert_base": "BERT", "deepfm": "DeepFM"}
+COMPILERS = {"none": "unfused", "onnxruntime": "ONNX Runtime segments", "onnxruntime-graph": "ONNX Runtime's graph",
+             "inductor": "Inductor segments"}
+
+
+def cpu_result(stem: str) -> dict:
+    return json.loads((RESULTS / f"{stem}.json").read_text())
+
+
+def ratios(values: list[float]) -> str:
+    """A range of ratios as the README writes it: ``1.32–1.64×``."""
+    return f"{min(values):.2f}–{max(values):.2f}×"
+
+
+def named(models: list[str]) -> str:
+    return ", ".join(NAMES[m] for m in models[:-1]) + " and " * (len(models) > 1) + NAMES[models[-1]]
+
+
+def test_cpu_result_files_are_rendered_from_their_json():
+    """Each ``benchmarks/results/cpu_latency*.md`` is what cpu_latency.document renders from its JSON: the date and
+    the command that produced the figures, then the tables."""
+    for stem in (*CPU_TABLES, "cpu_latency_ortgraph"):
+        data = cpu_result(stem)
+        text = (RESULTS / f"{stem}.md").read_text()
+        assert text == cpu_latency().document(data, stem), f"{stem}.md is not its JSON rendered"
+        assert f"Measured {data['machine']['date'][:10]} by " in text and "python benchmarks/cpu_latency.py" in text
+
+
+def test_readme_cpu_tables_are_their_json_rendered():
+    """Every figure of the README's CPU tables is its JSON's, as cpu_latency.markdown renders it, under the date and
+    command of the run that measured it and a link to its file; and the machine is the one the files name."""
+    text = section("Results on a CPU")
+    prose = " ".join(text.split())
+    for stem in CPU_TABLES:
+        data = cpu_result(stem)
+        table = cpu_latency().markdown(data["rows"], data["summary"], data["settings"]["modes"])
+        assert table in text, f"README: the table of {stem}.json is out of date"
+        assert f"`{cpu_latency().command_line(data, stem)}`" in prose, stem
+        assert data["machine"]["date"][:10] in prose and f"(benchmarks/results/{stem}.md)" in prose, stem
+    machines = {(m["cpus_usable"], m["machine"], m["torch"], ".".join(m["python"].split(".")[:2]))
+                for m in (cpu_result(stem)["machine"] for stem in CPU_TABLES)}
+    ((cores, arch, torch_version, python),) = machines
+    assert f"A {cores}-core {arch.replace('_', '-')} Linux machine, torch {torch_version}, Python {python}." in prose
+
+
+def test_readme_cpu_figures_are_their_json_s():
+    """The ratios the README's CPU results state are those of the summaries in the JSON files they cite."""
+    prose = " ".join(section("Results on a CPU").split())
+    multi = cpu_result("cpu_latency")["summary"]
+    freezing = ratios([s["vs torch.compile freezing"] for s in multi])
+    ort = ratios([s["vs onnxruntime"] for s in multi])
+    assert f"opweave's fastest mode is {freezing} `torch.compile` (freezing) and {ort} ONNX Runtime." in prose
+    best = {s["model"]: max(s["multi_over_single_lane"].items(), key=lambda kv: kv[1]) for s in multi}
+    wins = [f"{NAMES[m]} ({r:.2f}×, {COMPILERS[c]})" for m, (c, r) in best.items() if r > 1]
+    losses = [m for m, (_, r) in best.items() if r <= 1]
+    assert (f"Plans of several lanes beat one lane on {' and '.join(wins)}, not on {named(losses)}.") in prose
+
+    b1, b8 = cpu_result("cpu_latency_default")["summary"], cpu_result("cpu_latency_default_b8")["summary"]
+    both = b1 + b8
+    eager = [s for s in both if s["default_choice"] == "eager"]
+    kept = [s["default_vs_eager"] for s in both if s["default_choice"] != "eager"]
+    itself = ", ".join(f"{named([s['model'] for s in eager if s['batch'] == batch])} at batch {batch}"
+                       for batch in (1, 8))
+    slower = [s for s in both if s["default_vs_eager"] < 1]
+    assert {s["batch"] for s in slower} == {8}  # the sentence below names the batch once
+    assert (f"It is {ratios([s['default_vs_eager'] for s in b1])} eager at batch 1 and "
+            f"{ratios([s['default_vs_eager'] for s in b8])} at batch 8: where it kept lanes or one lane, "
+            f"{ratios(kept)}; where it ran the model itself ({itself}), "
+            f"{ratios([s['default_vs_eager'] for s in eager])}, slower than eager on "
+            f"{named([s['model'] for s in slower])} at batch 8.") in prose
+
+
 # ---- the command line quick start -----------------------------------------------------------------------------------
 def check_models(line: str, tmp_path: Path) -> None:
     out = succeeds(opweave_cli(line))  # once exited 2 with "opweave: error: 0"
@@ -348,7 +425,7 @@ def readme_server():
         first = proc.stdout.readline()
         found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", first)
         assert found, (first, proc.stderr.read() if proc.poll() is not None else "")
-        assert "inception_v3 (11 blocks)" in first and "policy heuristic" in first
+        assert "inception_v3 (11 blocks)" in first and "policy static (the default on a CPU)" in first
         yield found.group(1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
@@ -452,7 +529,7 @@ CHECKS = {
     "opweave schedule --model-file m.pt2 --scheduler lios": (check_schedule_model_file, (pytest.mark.slow,)),
     "opweave bench --model-file m.pt2 --device cpu --schedulers all": (check_bench_model_file, (pytest.mark.slow,)),
     # serving (TOP)
-    "opweave serve --models inception_v3,resnet50,squeezenet --device cpu --port 8000 --policy heuristic": (
+    "opweave serve --models inception_v3,resnet50,squeezenet --device cpu --port 8000": (
         check_serve, (pytest.mark.slow,)),
     "opweave loadgen --url http://127.0.0.1:8000 --pattern inception_v3:30,resnet50:60,squeezenet:120 --duration 10": (
         check_loadgen_url, (pytest.mark.slow,)),

@@ -14,8 +14,10 @@ from rich.table import Table
 from opweave.cli.app import JsonOpt, OptionOpt, app, err, guard, out
 from opweave.errors import UsageError
 
-PolicyOpt = Annotated[str, typer.Option("--policy", help="static | batch | heuristic | top (or a registered "
-                                                        "policy)")]
+# The default policies (opweave.serve.assemble.DEFAULT_POLICIES), said the same way in both commands' help.
+SimPolicyOpt = Annotated[str | None, typer.Option("--policy", help="with --simulate: static | batch | heuristic | top "
+                                                  "(or a registered policy); default: heuristic, the default on a GPU, "
+                                                  "which the simulator models (with --url the server runs its own)")]
 ServePolicyOpt = Annotated[str | None, typer.Option("--policy", help="static | batch | heuristic | top (or a "
                                                     "registered policy); default: static on a CPU, heuristic on a "
                                                     "GPU (docs/serving.md)")]
@@ -128,7 +130,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     config's model_warmup; other batches when first asked for, in the background).
 
     Defaults that follow the device, printed when the server listens: ``--policy`` static on a CPU (it sustained the
-    highest rates measured there), heuristic on a GPU; ``--compiler`` onnxruntime on a CPU where it is installed."""
+    highest rates measured there: ONNX Runtime's threads already fill the cores, and pipelining only lengthens each
+    request), heuristic on a GPU; ``--compiler`` onnxruntime on a CPU where it is installed."""
     from opweave.pipeline import parse_option
     from opweave.serve.assemble import (
         default_policy,
@@ -307,7 +310,7 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
             simulate: Annotated[bool, typer.Option("--simulate", help="run the engine in simulation, no HTTP")] = False,
             device_preset: Annotated[str, typer.Option("--preset", "--device-preset",
                                                        help="roofline preset (simulation)")] = "h100",
-            policy: PolicyOpt = "heuristic", policy_options: PolicyOptionsOpt = None,
+            policy: SimPolicyOpt = None, policy_options: PolicyOptionsOpt = None,
             policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64,
             max_batch: MaxBatchOpt = 8, max_sub_blocks: HOpt = 4, scheduler: SchedulerOpt = "lios",
             streams: StreamsOpt = None, image_size: ImageSizeOpt = None,
@@ -317,7 +320,11 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
             plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG here")] = None,
             as_json: JsonOpt = False):
     """Send TOP-style arrival patterns to a server (or simulate them): throughput, p50/p99 per model, rejections,
-    errors, queue-length variance over time."""
+    errors, queue-length variance over time.
+
+    With ``--url`` the server runs the policy it was started with (``opweave serve``: static on a CPU, heuristic on
+    a GPU); with ``--simulate`` the engine runs ``--policy``, by default heuristic, the default on a GPU, which the
+    simulator models."""
     from opweave.serve import loadgen as lg
 
     rates = lg.parse_pattern(pattern)
@@ -325,10 +332,21 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
         raise UsageError("give --url URL to load a server, or --simulate to run the engine in simulation")
     if profile and not simulate:
         raise UsageError("--profile goes with --simulate")
+    if not simulate and (policy, policy_options, policy_file) != (None, None, None):
+        raise UsageError("--policy, --policy-options and --policy-file go with --simulate (a server runs the policy "
+                         "it was started with)")
     if simulate:
-        from opweave.serve.assemble import load_models, load_profiles, make_engine, parse_image_size, serving_options
+        from opweave.serve.assemble import (
+            default_policy,
+            load_models,
+            load_profiles,
+            make_engine,
+            parse_image_size,
+            serving_options,
+        )
 
         settings = serving_options("sim", scheduler=scheduler, streams=streams)  # before any model loads
+        policy = policy or default_policy("sim")
         options = _policy_options(policy, policy_options, policy_file)
         served = load_models(list(rates), device="sim", max_batch=max_batch,
                              image_size=parse_image_size(image_size))

@@ -326,7 +326,7 @@ def _build(target, captured, inputs: tuple, options: Options, candidate: Candida
 def _torch_compiled(captured, inputs: tuple, options: Options, eager, mode: str = "reduce-overhead") -> Compiled:
     """``torch.compile`` of the whole model in ``mode`` (``"reduce-overhead"``: Inductor and CUDA Graphs;
     ``"default"``: Inductor alone), outputs cloned as opweave's are: a peer every CUDA search holds its plans
-    against, so the choice is never slower than it."""
+    against, so the choice is one its timing found at least as fast."""
     import torch
 
     from opweave.backends.cpu import EagerBackend

@@ -21,7 +21,7 @@ from opweave.pipeline.options import Options
 def build(captured, example_inputs, options: Options, *, eager=None) -> Compiled:
     """``captured`` (a :class:`~opweave.capture.Captured`) as a runnable for ``example_inputs``, as ``options``
     (from :func:`~opweave.pipeline.options.resolve`) say. ``eager``, the model itself when known, is one of the
-    candidates a measured choice may keep (the CPU's default is never slower than it)."""
+    candidates a measured choice may keep (the CPU's default keeps a plan only where its timing beats it)."""
     inputs = as_tuple(example_inputs)
     if options.coarsen:
         from opweave.capture import coarsen
@@ -31,7 +31,7 @@ def build(captured, example_inputs, options: Options, *, eager=None) -> Compiled
     if options.autotune:
         return autotune.search(target, captured, inputs, options, eager=eager)
     compiled = target.build(captured, inputs, options)
-    if options.device == "cpu" and options.default_plan:  # never slower than one lane, nor than the model itself
+    if options.device == "cpu" and options.default_plan:  # kept only where timed faster than one lane and the model
         compiled = autotune.guarded(compiled, captured, inputs, options, eager)
     return compiled
 

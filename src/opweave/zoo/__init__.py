@@ -1,4 +1,4 @@
-"""The built-in model zoo: the networks the five papers measure, as plain PyTorch modules with random weights.
+"""The built-in model zoo: the networks the papers measure (IOS among them), as plain PyTorch modules, random weights.
 
     model, inputs = opweave.zoo.create("inception_v3", batch_size=1)
     model(*inputs)
