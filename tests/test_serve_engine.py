@@ -8,6 +8,7 @@ import torch
 from opweave.capture import capture
 from opweave.errors import UsageError
 from opweave.serve import blocks, engine, loadgen, policies
+from opweave.serve.assemble import load_models, make_engine
 from opweave.serve.engine import Arrival, Engine, Observer, QueueFull, simulate_arrivals
 from opweave.serve.executors import CpuExecutor, Part, RealClock, SimClock, SimExecutor
 from serve_models import tiny
@@ -348,3 +349,14 @@ def test_the_many_models_benchmark_reports_the_decision_time_of_every_step_not_o
     row, = serve_many().engine_scale(tmp_path, 2, ["static"], rate=200.0, seconds=0.5)
     assert len(seen) > 16 and row["decision_steps"] == len(seen)
     assert row["decision_max_ms"] == max(seen) * 1e3
+
+
+def test_loading_says_each_model_as_it_loads_and_compiles(tiny_file):
+    """What a server does before it listens is said model by model (``opweave serve`` shows it as a progress
+    line): each model loaded, each one's blocks compiled, then the run of every model once."""
+    said: list[str] = []
+    served = load_models(["deepfm"], {"tiny": tiny_file[1]}, max_batch=4, say=said.append)
+    made = make_engine(served, device="cpu", policy="static", max_batch=4, say=said.append)
+    assert made.executor.compiler is not None  # the CPU's default compiles each block
+    assert said == ["loading deepfm (1/2): capture and blocks", "loading tiny (2/2): capture and blocks",
+                    "compiling deepfm's blocks (1/2)", "compiling tiny's blocks (2/2)", "running every model once"]

@@ -328,6 +328,8 @@ def test_sigterm_drains_every_accepted_request_then_exits(references):
             assert r.status_code == 200, r.text
             assert torch.allclose(decode_binary(r), eager(references, "squeezenet", inputs), rtol=1e-4, atol=1e-4)
         assert proc.wait(timeout=WAIT_S) == 0, proc.stderr.read()[-3000:]
+        said = proc.stderr.read()  # what it said while loading (one line a step where stderr is not a terminal)
+        assert "opweave serve: loading squeezenet (1/1): capture and blocks" in said, said[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -4,6 +4,7 @@ beside TOP Table II)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated
@@ -185,16 +186,17 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         return
     if model_repository is not None and not model_repository.is_dir():
         raise UsageError(f"--model-repository {model_repository}: no such directory")
-    served = load_models(_names(models), files, device=device, max_batch=max_batch,
-                         image_size=parse_image_size(image_size), cuts=parse_cuts(cuts)) \
-        if model_repository is None or models or files else {}
-    engine = make_engine(served, device=device, options=settings, policy=policy, policy_options=options,
-                         max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
-                         timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
-                         compiler=None if compiler == "none" else "default")
-    repository = Repository(engine, served, model_repository, device=device, max_batch=max_batch,
-                            control=model_control_mode, allow_symlinks_outside_root=allow_symlinks_outside_root)
-    repository.load_all(strict=strict)
+    with _loading() as say:
+        served = load_models(_names(models), files, device=device, max_batch=max_batch,
+                             image_size=parse_image_size(image_size), cuts=parse_cuts(cuts), say=say) \
+            if model_repository is None or models or files else {}
+        engine = make_engine(served, device=device, options=settings, policy=policy, policy_options=options,
+                             max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
+                             timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
+                             compiler=None if compiler == "none" else "default", say=say)
+        repository = Repository(engine, served, model_repository, device=device, max_batch=max_batch,
+                                control=model_control_mode, allow_symlinks_outside_root=allow_symlinks_outside_root)
+        repository.load_all(strict=strict, say=say)
     blocks = ", ".join(f"{n} ({len(m.blocked.blocks)} blocks)" for n, m in served.items()) or "no model"
 
     unavailable = [m["name"] for m in repository.index() if m["state"] != "READY"]
@@ -212,6 +214,27 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     run_server(engine, served, host=host, port=port, max_body_bytes=max_body_bytes, log_level=log_level,
                on_listen=listening, grpc_port=grpc_port, repository=repository, header_timeout_s=header_timeout_s,
                idle_timeout_s=idle_timeout_s, allowed_hosts=hosts, allow_origins=origins)
+
+
+@contextlib.contextmanager
+def _loading():
+    """What the server does before it listens (models captured, split and compiled: seconds to minutes), one line
+    at a time on stderr with the time so far, each step also printed as it starts where stderr is not a terminal
+    (a log); yields the function that says the next step."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        task = bar.add_task("opweave serve: starting", total=None)
+
+        def say(text: str) -> None:
+            bar.update(task, description=f"opweave serve: {text}")
+            if not console.is_terminal:
+                console.print(f"opweave serve: {text}", highlight=False)
+
+        yield say
 
 
 def _origins(items: list[str] | None) -> list[str]:

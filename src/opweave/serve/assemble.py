@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from opweave.errors import UsageError
@@ -28,10 +29,11 @@ def default_policy(device: str) -> str:
 
 def load_models(names: list[str], files: dict[str, Path] | None = None, *, device: str = "cpu", max_batch: int = 8,
                 image_size: int | dict[str, int] | None = None,
-                cuts: dict[str, list[str]] | None = None) -> dict[str, ServedModel]:
+                cuts: dict[str, list[str]] | None = None,
+                say: Callable[[str], None] | None = None) -> dict[str, ServedModel]:
     """Zoo models ``names`` and exported programs ``files`` (name -> path), captured and split into blocks.
     ``image_size``: one size for every zoo CNN, or per model (see :func:`parse_image_size`). ``device`` "sim" loads
-    on the CPU (only the graphs are used)."""
+    on the CPU (only the graphs are used). ``say``: told what is under way, one line per model (a progress bar)."""
     sizes = image_size if isinstance(image_size, dict) else {"*": image_size}
     files = files or {}
     both = sorted(set(names) & set(files))
@@ -41,8 +43,11 @@ def load_models(names: list[str], files: dict[str, Path] | None = None, *, devic
         raise UsageError("no model to serve; give --models and/or --model-file")
     where = "cpu" if device == "sim" else device
     out = {}
-    for name in [*names, *files]:
+    every = [*names, *files]
+    for i, name in enumerate(every, 1):
         check_name(name)
+        if say is not None:
+            say(f"loading {name} ({i}/{len(every)}): capture and blocks")
         out[name] = load(name, path=files.get(name), device=where, max_batch=max_batch,
                          image_size=sizes.get(name, sizes.get("*")), cuts=(cuts or {}).get(name))
     return out
@@ -145,7 +150,7 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
                 policy: str | None = None, policy_options: dict | None = None, max_queue: int = 64,
                 max_batch: int = 8, max_sub_blocks: int = 4, timeout_s: float | None = None, preset: str = "h100",
                 step_overhead_ms: float = 0.03, profiles: dict | None = None, warm: bool = True,
-                compiler: str | None = "default") -> Engine:
+                compiler: str | None = "default", say: Callable[[str], None] | None = None) -> Engine:
     """An engine on the real executor of ``device`` (cpu, cuda) or on the simulator (``sim``, roofline ``preset``),
     its combined blocks built with ``options`` (:func:`serving_options`; default: the device's defaults), under
     ``policy`` (default: :func:`default_policy` of the device). ``profiles`` (simulation, see
@@ -154,7 +159,7 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
     compiler (:class:`~opweave.serve.executors.CpuExecutor`); ``"default"``: :func:`default_compiler`; None: TOP's
     combined op graphs. With ``warm`` every block's first variants are compiled up front (its any-batch session, or
     its batch-1 variant: :meth:`~opweave.serve.executors.CpuExecutor.warm_model`); other batches when first asked
-    for."""
+    for. ``say``: told what is under way, model by model (a progress bar)."""
     options = options if options is not None else serving_options(device)
     blocked = {name: m.blocked for name, m in models.items()}
     executor: Executor
@@ -174,7 +179,12 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
                     max_batch=max_batch, max_sub_blocks=max_sub_blocks, timeout_s=timeout_s)
     if warm:
         if getattr(executor, "compiler", None) is not None:
-            executor.warm_models(max_batch)
+            for i, name in enumerate(blocked, 1):
+                if say is not None:
+                    say(f"compiling {name}'s blocks ({i}/{len(blocked)})")
+                executor.warm_model(name, blocked[name], max_batch)
+        if say is not None:
+            say("running every model once")
         warm_up(engine)
     return engine
 

@@ -61,6 +61,7 @@ import math
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -358,14 +359,16 @@ class Repository:
         if self.changes is not None:
             raise Refused("invalid", self.changes)
 
-    def load_all(self, strict: bool = False) -> list[str]:
+    def load_all(self, strict: bool = False, say: Callable[[str], None] | None = None) -> list[str]:
         """Load every model of the repository (at start, whatever ``control`` says). A model that does not load is
         UNAVAILABLE with its reason in the index (and the log) while the others are served; ``strict``: raise
-        :class:`~opweave.errors.UsageError` naming it instead (Triton's ``--exit-on-error``)."""
+        :class:`~opweave.errors.UsageError` naming it instead (Triton's ``--exit-on-error``). ``say``: told which
+        model loads, one line each (a progress bar)."""
         loaded = []
-        for name in self.names():
-            if name in self.served:
-                continue
+        todo = [name for name in self.names() if name not in self.served]
+        for i, name in enumerate(todo, 1):
+            if say is not None:
+                say(f"loading {name} from the repository ({i}/{len(todo)}): capture, blocks, compile")
             try:
                 loaded.append(self._load(name).name)
             except Refused as exc:  # _load said it in the log
