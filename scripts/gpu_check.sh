@@ -19,8 +19,9 @@
 #            and randwire at batch 8 fp32 (a 560 s limit)
 #   lease6   right after: nasnet_a_mobile and randwire at batch 1 fp16 (230 s)
 #   lease7   env, googlenet and inception_v3 at batch 1 fp16, randwire at batch 1 fp32 (560 s)
-#   lease8   right after: googlenet and inception_v3 at batch 8 fp16 again, max-autotune's search timing its
-#            torch.compile candidate as the benchmark does (230 s)
+#   lease8   right after: what a new input signature costs on the GPU (squeezenet, googlenet, inception_v3), then
+#            googlenet and inception_v3 at batch 8 fp16 again, max-autotune's search timing its torch.compile
+#            candidate as the benchmark does (230 s)
 #   lease9   per-op profiles of every zoo model at batch 1 fp32 and batch 8 fp16, the serving run on the GPU (TOP's
 #            heuristic against static and batch, two patterns), torch.compile max-autotune as a second peer on two
 #            models (560 s)
@@ -44,6 +45,8 @@
 #                                                                          -> $OUT/profiles.json
 # serve    benchmarks/serving.py --mode gpu on $SERVE_PATTERNS, TOP's heuristic against static and batch
 #                                                                          -> $OUT/serving_gpu.json
+# signatures benchmarks/new_signature.py --device cuda on $SIGNATURE_MODELS: a new input signature's first call
+#                                                                          -> $OUT/new_signature_cuda.json
 #
 # Wheels in .whl/ (carried) are installed into /tmp/site first and put on PYTHONPATH. Everything a stage prints goes
 # to one log, $OUT/gpu_check.log (with a header per stage); at most 7 files come back, each well under 16 MiB, none
@@ -93,8 +96,8 @@ lease7)
     : "${ENV_TIMEOUT_S:=40}" "${BENCH_TIMEOUT_S:=490}"
     : "${BENCH_ARGS:=--configs googlenet:1:fp16,inception_v3:1:fp16,randwire:1:fp32 $MODES}" ;;
 lease8)
-    stages=(bench)
-    : "${BENCH_TIMEOUT_S:=215}"
+    stages=(signatures bench)
+    : "${SIGNATURES_TIMEOUT_S:=60}" "${BENCH_TIMEOUT_S:=155}"
     : "${BENCH_ARGS:=--configs googlenet:8:fp16,inception_v3:8:fp16 $MODES}" ;;
 lease9)
     stages=(env profiles serve bench)
@@ -102,8 +105,8 @@ lease9)
     : "${BENCH_ARGS:=--models googlenet,nasnet_a_mobile --batch-sizes 1 --dtypes fp32 --schedulers lios --fuse-schedulers none --opweave-modes none --torch-compile-modes reduce-overhead,max-autotune}" ;;
 esac
 for stage in "${stages[@]}"; do
-    case $stage in env|tests|more|trace|profile|profiles|serve|bench) ;;
-    *) echo "unknown stage $stage (env tests more trace profile profiles serve bench, or one plan alone: lease," \
+    case $stage in env|tests|more|trace|profile|profiles|serve|signatures|bench) ;;
+    *) echo "unknown stage $stage (env tests more trace profile profiles serve signatures bench, or one plan alone: lease," \
             "lease2 ... lease9)"; exit 2 ;;
     esac
 done
@@ -251,6 +254,11 @@ PY
             --patterns "${SERVE_PATTERNS:-multi,squeezenet}" --no-search --duration 5 --repeats 1 --out "$OUT" \
             ${SERVE_ARGS:-}
         summary serve $rc $((SECONDS - start)) "$(ls "$OUT"/serving_gpu*.json 2>/dev/null | head -1)" ;;
+    signatures)
+        run "${SIGNATURES_TIMEOUT_S:-120}" python3 benchmarks/new_signature.py --device cuda \
+            --models "${SIGNATURE_MODELS:-squeezenet,googlenet,inception_v3}" --rounds 1 --out "$OUT" \
+            --stem new_signature_cuda
+        summary signatures $rc $((SECONDS - start)) "$(ls "$OUT"/new_signature_cuda.json 2>/dev/null)" ;;
     bench)
         # shellcheck disable=SC2086 - BENCH_ARGS is a list of arguments
         run "${BENCH_TIMEOUT_S:-540}" python3 benchmarks/gpu_latency.py ${BENCH_ARGS:---quick} --out "$OUT"
