@@ -212,7 +212,8 @@ def test_max_autotune_block(tmp_path, monkeypatch):
 
 # ---- the CPU results ------------------------------------------------------------------------------------------------
 RESULTS = README.parent / "benchmarks" / "results"
-CPU_TABLES = ("cpu_latency", "cpu_latency_default", "cpu_latency_default_b8")  # the README's, in its order
+CPU_TABLES = ("cpu_latency", "cpu_default_vs_torch_compile", "cpu_latency_default",  # the README's, in its order
+              "cpu_latency_default_b8")
 NAMES = {"inception_v3": "Inception-v3", "googlenet": "GoogLeNet", "squeezenet": "SqueezeNet", "resnet50": "ResNet-50",
          "nasnet_a_mobile": "NASNet", "randwire": "RandWire", "bert_base": "BERT", "deepfm": "DeepFM"}
 COMPILERS = {"none": "unfused", "onnxruntime": "ONNX Runtime segments", "onnxruntime-graph": "ONNX Runtime's graph",
@@ -284,6 +285,32 @@ def test_readme_cpu_figures_are_their_json_s():
             f"{ratios(kept)}; where it ran the model itself ({itself}), "
             f"{ratios([s['default_vs_eager'] for s in eager])}, slower than eager on "
             f"{named([s['model'] for s in slower])} at batch 8.") in prose
+
+
+def test_readme_says_which_mode_to_use_on_a_cpu_with_its_json_s_figures():
+    """The default against torch.compile on the four multi-branch models, and max-autotune, with their build times:
+    the figures of the sentence that tells a CPU user which mode to use are the JSON's."""
+    prose = " ".join(section("Results on a CPU").split())
+    rows = cpu_result("cpu_default_vs_torch_compile")["rows"]
+
+    def of(mode: str, key: str) -> dict:
+        return {r["model"]: r[key] for r in rows if r["mode"] == mode}
+
+    def seconds(values) -> str:
+        return f"{min(values):.{0 if min(values) >= 10 else 1}f}–{max(values):.{0 if max(values) >= 10 else 1}f} s"
+
+    peer = of("torch.compile", "median_ms")
+    default, best = of("opweave default", "median_ms"), of("opweave max-autotune", "median_ms")
+    assert set(peer) == set(default) == set(best) == {"inception_v3", "googlenet", "nasnet_a_mobile", "randwire"}
+    assert (f"The default (PyTorch's own kernels, on lanes, one lane or the model itself: "
+            f"{seconds(of('opweave default', 'compile_s').values())} to build) is "
+            f"{ratios([peer[m] / default[m] for m in peer])} `torch.compile` here.") in prose
+    assert (f"keeps the fastest: {ratios([peer[m] / best[m] for m in peer])} `torch.compile`, for "
+            f"{seconds(of('opweave max-autotune', 'compile_s').values())} of building the first time on these two "
+            f"cores ({seconds(of('opweave max-autotune', 'warm_s').values())} once its choice is cached), where "
+            f"`torch.compile`'s first build took {seconds(of('torch.compile', 'compile_s').values())}.") in prose
+    first_screen = " ".join(README.read_text().split("\n## Install\n")[0].split())
+    assert 'the default is slower than `torch.compile`, and `mode="max-autotune"` is the mode to use' in first_screen
 
 
 # ---- the command line quick start -----------------------------------------------------------------------------------
