@@ -179,10 +179,7 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
                     max_batch=max_batch, max_sub_blocks=max_sub_blocks, timeout_s=timeout_s)
     if warm:
         if getattr(executor, "compiler", None) is not None:
-            for i, name in enumerate(blocked, 1):
-                if say is not None:
-                    say(f"compiling {name}'s blocks ({i}/{len(blocked)})")
-                executor.warm_model(name, blocked[name], max_batch)
+            executor.warm_models(max_batch, say=say)
         if say is not None:
             say("running every model once")
         warm_up(engine)

@@ -171,7 +171,7 @@ class Executor:
         """The batch a part of ``batch`` samples runs at: itself, or with ``pad`` the next power of two (rows of
         zeros added, their outputs dropped), so that few signatures are compiled: CUDA graphs are recorded for fixed
         shapes, and a max batch of 16 then needs 5 sizes per block instead of 16."""
-        return 1 << (batch - 1).bit_length() if self.pad else batch
+        return bucket(batch) if self.pad else batch
 
     def compiled(self, sig: Signature) -> Any:
         """The compiled entry of ``sig`` (compiled on first use; least recently used entries dropped)."""
@@ -425,9 +425,13 @@ class CpuExecutor(TensorExecutor):
         served = self.models.get(name)
         (self._blocks if served is None or served is blocked else self._warmed).update(made)
 
-    def warm_models(self, max_batch: int, batches: dict[str, tuple[int, ...]] | None = None) -> int:
-        """:meth:`warm_model` for every served model; how many compiled variants there are."""
-        for name, blocked in self.models.items():
+    def warm_models(self, max_batch: int, batches: dict[str, tuple[int, ...]] | None = None,
+                    say: Callable[[str], None] | None = None) -> int:
+        """:meth:`warm_model` for every served model; how many compiled variants there are. ``say``: told which
+        model's blocks compile, one line each (a progress bar)."""
+        for i, (name, blocked) in enumerate(self.models.items(), 1):
+            if say is not None:
+                say(f"compiling {name}'s blocks ({i}/{len(self.models)})")
             self.warm_model(name, blocked, max_batch, (batches or {}).get(name, ()))
         return sum(len(block.compiled) for block in self._blocks.values())
 
@@ -444,10 +448,11 @@ class CpuExecutor(TensorExecutor):
         ordered, sig, inputs = self._states(parts)
         if self.compiler is not None and len(parts) == 1:  # one part alone: its plan would be this one call
             (model, block, batch), = sig
-            call = self.compiled_block(model, block).function(batch, self.total_threads)
+            compiled = self.compiled_block(model, block)
+            call = compiled.function(batch, self.total_threads)
             start = time.perf_counter()
             with torch.no_grad():
-                out = pytree.tree_unflatten(list(call(*inputs[0])), self.compiled_block(model, block).spec)
+                out = pytree.tree_unflatten(list(call(*inputs[0])), compiled.spec)
             seconds = time.perf_counter() - start
             self._store(ordered, [out])
             return StepCost(seconds)
