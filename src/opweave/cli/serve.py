@@ -221,18 +221,16 @@ def _loading():
     """What the server does before it listens (models captured, split and compiled: seconds to minutes), one line
     at a time on stderr with the time so far, each step also printed as it starts where stderr is not a terminal
     (a log); yields the function that says the next step."""
-    from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
                   transient=True) as bar:
         task = bar.add_task("opweave serve: starting", total=None)
 
         def say(text: str) -> None:
             bar.update(task, description=f"opweave serve: {text}")
-            if not console.is_terminal:
-                console.print(f"opweave serve: {text}", highlight=False)
+            if not err.is_terminal:
+                err.print(f"opweave serve: {text}", highlight=False)
 
         yield say
 
