@@ -148,12 +148,11 @@ def test_inputs_of_the_examples_shapes_on_another_device_are_its_signature_for_t
     reverse) runs on the backend built for the example, which moves inputs to its device: on an H200 such a call
     was taken for a new signature and captured again, running the CPU model on the GPU inputs. Here "meta" stands
     for the other device. A new shape is built once whatever device its inputs come on."""
-    from opweave.backends.cache import signature
-    from opweave.pipeline.signatures import Signatures
+    from opweave.pipeline.signatures import Signatures, key_of
 
     built = []
     example = (torch.randn(4, 8),)
-    variants = Signatures("m", signature(example)[0], lambda args: built.append(args) or len(built), bound=2)
+    variants = Signatures("m", key_of(example), lambda args: built.append(args) or len(built), bound=2)
     assert variants.for_inputs((torch.empty(4, 8, device="meta"),)) is None and not built
     assert variants.for_inputs((torch.empty(2, 8, device="meta"),)) == 1
     assert variants.for_inputs((torch.randn(2, 8),)) == 1 and len(built) == 1

@@ -111,9 +111,8 @@ def on_devices_of(args: tuple, example: tuple) -> tuple:
 def with_signatures(compiled: Compiled, model, captured, opts, eager, example_inputs: tuple | None = None) -> Compiled:
     """``compiled``, which now builds itself for inputs of another signature from ``model`` (captured again for
     them, with the options it was built with; :mod:`opweave.pipeline.signatures`)."""
-    from opweave.backends.cache import signature
     from opweave.capture import capture
-    from opweave.pipeline.signatures import Signatures
+    from opweave.pipeline.signatures import Signatures, key_of
 
     example = example_inputs if example_inputs is not None else captured.example_inputs
 
@@ -121,7 +120,7 @@ def with_signatures(compiled: Compiled, model, captured, opts, eager, example_in
         again = capture(model, on_devices_of(args, example), fold_bn=opts.fold_bn, name=captured.graph.name)
         return build(again, again.example_inputs, opts, eager=eager)
 
-    compiled.variants = Signatures(captured.graph.name, signature(example)[0], rebuild, bound=opts.cache_size,
+    compiled.variants = Signatures(captured.graph.name, key_of(example), rebuild, bound=opts.cache_size,
                                    dynamic=opts.dynamic, arity=len(example))
     return compiled
 

@@ -21,24 +21,24 @@ import torch
 from torch.utils import _pytree as pytree
 
 
-def signature(values: Sequence, *, strides: bool = False,
+def signature(values: Sequence, *, strides: bool = False, devices: bool = True,
               by_address: Callable[[torch.Tensor], bool] | None = None) -> tuple[tuple, Sequence]:
     """The cache key of ``values`` and their leaves (``values`` itself when none is a list, tuple or dict: no
     pytree walk). The key is the pytree structure (None for flat values) and one part per leaf: a tensor's shape,
-    dtype and device, plus its strides with ``strides``, plus its address where ``by_address(tensor)``; another
-    value's ``("value", repr)``."""
+    dtype and (unless ``devices`` is False) device, plus its strides with ``strides``, plus its address where
+    ``by_address(tensor)``; another value's ``("value", repr)``."""
     if any(isinstance(v, (list, tuple, dict)) for v in values):
         leaves, spec = pytree.tree_flatten(values)
         head = str(spec)
     else:
         leaves, head = values, None
-    return (head, *(_leaf(x, strides, by_address) for x in leaves)), leaves
+    return (head, *(_leaf(x, strides, devices, by_address) for x in leaves)), leaves
 
 
-def _leaf(x: Any, strides: bool, by_address: Callable[[torch.Tensor], bool] | None) -> tuple:
+def _leaf(x: Any, strides: bool, devices: bool, by_address: Callable[[torch.Tensor], bool] | None) -> tuple:
     if not isinstance(x, torch.Tensor):
         return ("value", repr(x))
-    key = (x.shape, x.dtype, x.device)
+    key: tuple = (x.shape, x.dtype, x.device) if devices else (x.shape, x.dtype)
     if strides:
         key += (x.stride(),)
     if by_address is not None and by_address(x):

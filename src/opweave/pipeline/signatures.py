@@ -47,19 +47,21 @@ def describe(key: tuple) -> str:
     return ", ".join(parts) or "no inputs"
 
 
-def placeless(key: tuple) -> tuple:
-    """A :func:`~opweave.backends.cache.signature` key without the tensors' devices (the backend moves inputs)."""
-    return (key[0], *(leaf if leaf and leaf[0] == "value" else tuple(leaf[:2]) for leaf in key[1:]))
+def key_of(args: tuple) -> tuple:
+    """The signature of ``args`` as this module keys it: :func:`~opweave.backends.cache.signature` without the
+    tensors' devices (the backends move inputs to theirs)."""
+    return signature(args, devices=False)[0]
 
 
 class Signatures:
-    """The signatures a compiled model serves besides its example's: ``build(args)`` makes the model for new
-    inputs ``args`` (module docstring); at most ``bound`` are kept; ``dynamic=False`` refuses them. ``stats``:
+    """The signatures a compiled model serves besides its example's (``example_key``: :func:`key_of` the example
+    inputs): ``build(args)`` makes the model for new inputs ``args`` (module docstring); at most ``bound`` are
+    kept; ``dynamic=False`` refuses them. ``stats``:
     ``builds`` and ``evictions``."""
 
     def __init__(self, name: str, example_key: tuple, build: Callable[[tuple], Any], *, bound: int,
                  dynamic: bool | None = None, arity: int | None = None):
-        self.name, self.example_key, self.dynamic, self.bound = name, placeless(example_key), dynamic, bound
+        self.name, self.example_key, self.dynamic, self.bound = name, example_key, dynamic, bound
         self.arity = arity  # how many inputs the model takes: another count is the backend's error to raise
         self._build = build
         self._built: BoundedCache = BoundedCache(bound, self._evicted)
@@ -77,7 +79,7 @@ class Signatures:
         ``args`` are not as many as the model takes: the caller's backend says so)."""
         if self.arity is not None and len(args) != self.arity:
             return None
-        key = placeless(signature(args)[0])
+        key = key_of(args)
         if key == self.example_key:
             return None
         if self.dynamic is False:
@@ -120,4 +122,4 @@ class Signatures:
                           stacklevel=4)
 
 
-__all__ = ["Signatures", "describe", "placeless"]
+__all__ = ["Signatures", "describe", "key_of"]
