@@ -2,7 +2,7 @@
 # The whole GPU check, on a GPU machine with no network whose python3 already has torch, torchvision, timm,
 # transformers, pytest and pytest-timeout (no venv: the project is installed into that python3, without its deps).
 #
-#   OUT=/some/dir scripts/gpu_check.sh [lease5 | lease6 | ... | env tests more trace profile bench]   # default: all six
+#   OUT=/some/dir scripts/gpu_check.sh [lease5 | lease6 | ... | lease10 | env tests more trace profile bench]   # default: all six
 #
 # Where GPU time comes in short leases (say 15 minutes of device time, the machine's start included, each command
 # at most 10 minutes), the check is a sequence of plans, each one command sized to fit; run them in this order
@@ -15,16 +15,17 @@
 #   lease3, lease4 (ran 2026-11-28, a second machine) every CUDA test; randwire at batch 8 fp16, nasnet_a_mobile and
 #            randwire at batch 1 fp32, googlenet and inception_v3 at batch 8 fp32; then lease6 with a 175 s limit
 #            (nasnet_a_mobile at batch 1 fp16 in part). What their limits cut off is in lease6 and lease7.
-#   lease5   env, tests (every CUDA test: three failed on the last run and were fixed on the CPU), nasnet_a_mobile
-#            and randwire at batch 8 fp32 (a 560 s limit)
-#   lease6   right after: nasnet_a_mobile and randwire at batch 1 fp16 (230 s)
+#   lease5   env, tests (every CUDA test: three failed on the last run and were fixed on the CPU), googlenet and
+#            inception_v3 at batch 8 fp16 again, where torch.compile won: max-autotune's search now times its
+#            torch.compile candidate as the benchmark does, and tries the first plan with Inductor's segments (560 s)
+#   lease6   right after: nasnet_a_mobile and randwire at batch 8 fp32 (230 s)
 #   lease7   env, googlenet and inception_v3 at batch 1 fp16, randwire at batch 1 fp32 (560 s)
 #   lease8   right after: what a new input signature costs on the GPU (squeezenet, googlenet, inception_v3), then
-#            googlenet and inception_v3 at batch 8 fp16 again, max-autotune's search timing its torch.compile
-#            candidate as the benchmark does (230 s)
+#            inception_v3 at batch 8 fp32 again, where torch.compile won (230 s)
 #   lease9   per-op profiles of every zoo model at batch 1 fp32 and batch 8 fp16, the serving run on the GPU (TOP's
 #            heuristic against static and batch, two patterns), torch.compile max-autotune as a second peer on two
 #            models (560 s)
+#   lease10  right after: nasnet_a_mobile and randwire at batch 1 fp16 (230 s)
 # Every bench plan measures eager, the CUDA Graph, torch.compile, opweave's default and max-autotune, lios and heft.
 # A plan's stages run with shorter limits than alone (below); a limit set in the environment wins. With more time,
 # the stages one by one (each set meant to fit one 10-minute call):
@@ -86,11 +87,11 @@ lease4)  # ran 2026-11-28
 lease5)
     stages=(env tests bench)
     : "${ENV_TIMEOUT_S:=40}" "${TESTS_TIMEOUT_S:=150}" "${TEST_TIMEOUT_S:=60}" "${BENCH_TIMEOUT_S:=340}"
-    : "${BENCH_ARGS:=--configs nasnet_a_mobile:8:fp32,randwire:8:fp32 $MODES}" ;;
+    : "${BENCH_ARGS:=--configs googlenet:8:fp16,inception_v3:8:fp16 $MODES}" ;;
 lease6)
     stages=(bench)
     : "${BENCH_TIMEOUT_S:=215}"
-    : "${BENCH_ARGS:=--configs nasnet_a_mobile:1:fp16,randwire:1:fp16 $MODES}" ;;
+    : "${BENCH_ARGS:=--configs nasnet_a_mobile:8:fp32,randwire:8:fp32 $MODES}" ;;
 lease7)
     stages=(env bench)
     : "${ENV_TIMEOUT_S:=40}" "${BENCH_TIMEOUT_S:=490}"
@@ -98,16 +99,20 @@ lease7)
 lease8)
     stages=(signatures bench)
     : "${SIGNATURES_TIMEOUT_S:=60}" "${BENCH_TIMEOUT_S:=155}"
-    : "${BENCH_ARGS:=--configs googlenet:8:fp16,inception_v3:8:fp16 $MODES}" ;;
+    : "${BENCH_ARGS:=--configs inception_v3:8:fp32 $MODES}" ;;
 lease9)
     stages=(env profiles serve bench)
     : "${ENV_TIMEOUT_S:=40}" "${PROFILES_TIMEOUT_S:=170}" "${SERVE_TIMEOUT_S:=180}" "${BENCH_TIMEOUT_S:=110}"
     : "${BENCH_ARGS:=--models googlenet,nasnet_a_mobile --batch-sizes 1 --dtypes fp32 --schedulers lios --fuse-schedulers none --opweave-modes none --torch-compile-modes reduce-overhead,max-autotune}" ;;
+lease10)
+    stages=(bench)
+    : "${BENCH_TIMEOUT_S:=215}"
+    : "${BENCH_ARGS:=--configs nasnet_a_mobile:1:fp16,randwire:1:fp16 $MODES}" ;;
 esac
 for stage in "${stages[@]}"; do
     case $stage in env|tests|more|trace|profile|profiles|serve|signatures|bench) ;;
     *) echo "unknown stage $stage (env tests more trace profile profiles serve signatures bench, or one plan alone: lease," \
-            "lease2 ... lease9)"; exit 2 ;;
+            "lease2 ... lease10)"; exit 2 ;;
     esac
 done
 status=0

@@ -1,7 +1,8 @@
 """The CUDA target's own choices, run on the fake CUDA runtime: the default plan is the one the calibrated simulator
 predicts fastest (and says so), HEFT weighs a cross-stream edge at what the fit says it costs, and
-``mode="max-autotune"`` times torch.compile, the simulator's first plans and their Inductor-fused versions on the
-device, keeps the fastest that equals the model and caches the choice."""
+``mode="max-autotune"`` times torch.compile, the simulator's first plans and their Inductor-fused versions
+(segments compiled by Inductor, and plans over Inductor's kernels) on the device, keeps the fastest that equals
+the model and caches the choice."""
 
 from __future__ import annotations
 
@@ -67,6 +68,35 @@ def test_heft_on_cuda_weighs_a_cross_stream_edge_at_what_the_fit_says_it_costs()
     assert mine.schedule.options["sync_ms"] == 0.5  # the caller's option wins
 
 
+def test_max_autotune_on_cuda_tries_the_first_plan_with_inductor_segments_where_it_has_few_enough_syncs(
+        monkeypatch):
+    """Every search holds torch.compile, the simulator's first plans, the first plan with its segments compiled by
+    Inductor (when it has at most SEGMENTED_SYNCS syncs: each segment is one compile) and over Inductor's kernels;
+    each label says which ("+inductor": segments, as on the CPU; "+inductor-graph": Inductor's kernels)."""
+    from opweave.pipeline import autotune
+    from opweave.pipeline.targets import CudaTarget
+
+    model, inputs = wide()
+    runtime = FakeCuda(seed=7)
+    graph, device = coarsen(capture(model, inputs)).graph, fitted_device(runtime)
+    costs = opweave.compile(model, inputs, device="cuda", runtime=runtime).costs  # the fitted device's op times
+    ranked = CudaTarget().ranking(graph, costs, 8, device, "float32").predictions
+    first = ranked[0]
+    found = {c.label: c for c in autotune.cuda_candidates(graph, costs, 8, device=device)}
+    plan = f"{first.scheduler} x{first.streams}"
+    assert found["torch.compile"].whole and plan in found
+    assert found[f"{plan}+inductor"].changes == {"scheduler": first.scheduler, "streams": first.streams,
+                                                 "compiler": "inductor"}
+    assert found[f"{plan}+inductor-graph"].changes["graph"] == "inductor"
+    assert 0 < first.syncs <= autotune.SEGMENTED_SYNCS
+    monkeypatch.setattr(autotune, "SEGMENTED_SYNCS", first.syncs - 1)
+    labels = [c.label for c in autotune.cuda_candidates(graph, costs, 8, device=device)]
+    assert f"{plan}+inductor" not in labels and f"{plan}+inductor-graph" in labels
+
+
+# The fake compiles no segment with Inductor (FakeCuda's docstring): those segments run op by op, with a warning.
+@pytest.mark.filterwarnings("ignore:.*could not be compiled with inductor")
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 def test_max_autotune_on_cuda_keeps_the_fastest_candidate_that_equals_the_model_and_caches_it(tmp_path, monkeypatch):
     monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
     model, inputs = wide()
@@ -75,7 +105,10 @@ def test_max_autotune_on_cuda_keeps_the_fastest_candidate_that_equals_the_model_
     fast = opweave.compile(model, inputs, device="cuda", runtime=runtime, mode="max-autotune")
     choice = fast.choice
     timed = {k: v["median_ms"] for k, v in choice["candidates"].items() if "median_ms" in v}
-    assert "torch.compile" in choice["candidates"] and any(k.endswith("+inductor") for k in choice["candidates"])
+    assert "torch.compile" in choice["candidates"]
+    assert {k.split("+", 1)[1] for k in choice["candidates"] if "+" in k} == {"inductor", "inductor-graph"}
+    segmented = next(k for k in choice["candidates"] if k.endswith("+inductor"))
+    assert choice["candidates"][segmented]["ok"], choice["candidates"][segmented]  # built, checked and timed
     assert len(timed) >= 3 and timed[choice["label"]] == min(timed.values()) and not choice["cached"]
     assert compare(model(*inputs), run(fast, runtime, inputs)).ok
     again = opweave.compile(model, inputs, device="cuda", runtime=runtime, mode="max-autotune")

@@ -56,7 +56,9 @@ of, such as an op's temporary, is counted as free but not reused early); ops wit
 synchronizing ops) and ops whose output the meta kernel gets wrong; in-place ops that change a tensor's metadata
 (``resize_``, ``t_``, ``as_strided_``), whose new shape the host's tensor never sees (the kernel changes its
 alias); where a failing kernel's error surfaces (at the drain that runs it, as an asynchronous CUDA error does, but
-not as a device-side assert); several devices (one fake device).
+not as a device-side assert); several devices (one fake device); Inductor compiling a segment on its first run
+inside a launch (the fake's interception sees Inductor's own tracing on fake tensors, the compile fails, and the
+segment runs op by op, with a warning).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ and keep the fastest; ``Compiled.choice`` says which and what each measured.
 * :func:`search` — ``mode="max-autotune"``: on the CPU, one lane or one lane per core (HEFT at several weights of a
   cross-lane edge), unfused, with every segment compiler present, and lanes over ONNX Runtime's optimized graph; on
   CUDA, ``torch.compile`` of the whole model (Inductor and CUDA Graphs), the multi-stream CUDA Graph of the plans
-  the calibrated simulator ranks first, and the same plans over Inductor's own fused kernels
-  (``graph="inductor"``), every segment compiled by Inductor. The choice,
+  the calibrated simulator ranks first, the first of them with its segments compiled by Inductor
+  (``compiler="inductor"``), and over Inductor's own fused kernels (``graph="inductor"``,
+  :func:`cuda_candidates`). The choice,
   with the costs it was planned on, is cached per model, input shapes, machine and versions (:mod:`opweave.choices`),
   so the next compile builds that plan alone (and searches again if it no longer equals the model).
 
@@ -126,11 +127,20 @@ def cpu_candidates(sync_ms: float) -> list[Candidate]:
     return out
 
 
+SEGMENTED_SYNCS = 128  # a plan with more syncs has too many segments for Inductor to compile in a search
+
+
 def cuda_candidates(graph, costs, streams: int, *, device=None, dtype: str = "float32", plans: int = 3,
-                    fused: int = 2, torch_compile: bool = True, cudagraphs: bool = True) -> list[Candidate]:
+                    segmented: int = 1, fused: int = 1, torch_compile: bool = True,
+                    cudagraphs: bool = True) -> list[Candidate]:
     """``torch.compile`` of the whole model (with CUDA Graphs, ``mode="reduce-overhead"``, only where the search
     records them: ``cudagraphs``), the ``plans`` plans the calibrated simulator ranks first (scheduler and stream
-    cap), and the first ``fused`` of them with Inductor's segments."""
+    cap), the first ``segmented`` of them with every stream segment compiled by Inductor (``compiler="inductor"``:
+    Inductor fuses inside each segment; only for a plan of at most :data:`SEGMENTED_SYNCS` syncs, since each
+    segment is one compile: 11 and 61 s for GoogLeNet's plans of 46 and 107 on an H200), and the first ``fused``
+    of them over Inductor's own kernels (``graph="inductor"``). On an H200, GoogLeNet's segments compiled by
+    Inductor ran 1.04-1.23x faster than the same plans unfused, while over Inductor's kernels plans ran 0.70-1.00x
+    as fast as unfused in all ten configurations measured."""
     from opweave.pipeline.targets import CudaTarget
 
     ranked = CudaTarget().ranking(graph, costs, streams, device, dtype).predictions
@@ -140,9 +150,13 @@ def cuda_candidates(graph, costs, streams: int, *, device=None, dtype: str = "fl
     for p in firsts:  # the best stream cap of each of the schedulers predicted fastest
         out.append(Candidate(f"{p.scheduler} x{p.streams}", {"scheduler": p.scheduler, "streams": p.streams},
                              "fitted"))
+    for p in firsts[:segmented]:  # each segment fused by Inductor, the plan's streams kept
+        if p.syncs <= SEGMENTED_SYNCS:
+            out.append(Candidate(f"{p.scheduler} x{p.streams}+inductor", {
+                "scheduler": p.scheduler, "streams": p.streams, "compiler": "inductor"}, "fitted"))
     for p in firsts[:fused]:  # over Inductor's own kernels, so each segment re-fuses what the whole model fuses
-        out.append(Candidate(f"{p.scheduler} x{p.streams}+inductor", {"scheduler": p.scheduler, "streams": p.streams,
-                                                                      "graph": "inductor"}, "fitted"))
+        out.append(Candidate(f"{p.scheduler} x{p.streams}+inductor-graph", {
+            "scheduler": p.scheduler, "streams": p.streams, "graph": "inductor"}, "fitted"))
     return out
 
 
@@ -356,4 +370,4 @@ class _Cloned:
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.fn(*args))
 
 
-__all__ = ["Candidate", "cpu_candidates", "cuda_candidates", "fastest", "guarded", "search"]
+__all__ = ["SEGMENTED_SYNCS", "Candidate", "cpu_candidates", "cuda_candidates", "fastest", "guarded", "search"]
