@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/opweave simulate lios-fig3 --streams 3
 	$(BIN)/opweave simulate --model inception_v3 --cost-model gpu --streams 8 --preset h100
-	$(BIN)/opweave bench --model inception_v3 --device auto --schedulers sequential,lios,opara,nimble --runs 10
+	$(BIN)/opweave bench --model inception_v3 --device auto --schedulers default,sequential,lios,opara,nimble --runs 10
 
 test: $(STAMP) docs
 	$(BIN)/ruff check src tests benchmarks scripts

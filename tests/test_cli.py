@@ -8,6 +8,7 @@ subprocess. The README's own commands and their tables are in ``test_readme.py``
 """
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -117,6 +118,21 @@ def test_bench_cpu_json():
     machine = result["machine"]
     assert set(machine) == {"cpus", "load_average_1_5_15m", "others_cpu_share", "busy"}
     assert (result["warning"] is not None) == machine["busy"]
+
+
+def test_bench_times_what_compile_picks_by_itself_and_says_what_it_picked():
+    """``default`` (first by default, so ``make demo`` shows it) is opweave.compile given no scheduler: on a CPU
+    the guard's pick among its lanes, one lane and the model itself."""
+    result = json.loads(opweave("bench", "--model", "squeezenet", "--device", "cpu", "--runs", "2", "--warmup", "1",
+                                "--json").stdout)
+    assert [r["mode"] for r in result["rows"]] == ["eager", "opweave default", "opweave sequential", "opweave lios",
+                                                   "opweave opara"]
+    default = result["rows"][1]
+    assert default["choice"] in ("lanes", "one lane", "eager") and default["ok"]
+    assert "choice" not in result["rows"][2]  # a scheduler given is built as it is
+    table = opweave("bench", "--model", "squeezenet", "--device", "cpu", "--schedulers", "default", "--runs", "1",
+                    "--warmup", "0").stdout
+    assert re.search(r"opweave default picked (lanes|one lane|eager)", table), table
 
 
 def test_cpu_profile_feeds_simulate_and_is_refused_for_another_model(tmp_path):

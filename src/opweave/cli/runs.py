@@ -32,7 +32,9 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
           model_file: ModelFileOpt = None,
           device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when present)")] = "auto",
           batch_size: BatchOpt = 1,
-          schedulers_: Annotated[str, typer.Option("--schedulers", help="comma list or all")] = "sequential,lios,opara",
+          schedulers_: Annotated[str, typer.Option(
+              "--schedulers", help="comma list or all; default: what opweave.compile picks by itself")
+          ] = "default,sequential,lios,opara",
           streams: StreamsOpt = None, runs: Annotated[int, typer.Option(min=1)] = 20,
           warmup: Annotated[int, typer.Option(min=0)] = 3,
           profile: Annotated[Path | None, typer.Option(help="schedule on this measured profile")] = None,
@@ -41,7 +43,9 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
                                                            "(--no-coarsen: one op per fx node; default: coarsen)")
                              ] = None,
           options: OptionOpt = None, as_json: JsonOpt = False):
-    """Real runs: eager vs opweave with each scheduler. Every mode is built first, then all are timed interleaved
+    """Real runs: eager vs opweave with each scheduler, and ``default``: what opweave.compile picks when given no
+    scheduler (on a CPU, lanes only where they beat one lane and the model; on CUDA, the plan the fitted device
+    predicts fastest). Every mode is built first, then all are timed interleaved
     (rounds of a few calls each, so that all see the same load): the median, the spread (p10 to p90, as % of the
     median) and the speed-up over eager, shown as ~ when it is within the spread (README, "How to read a
     benchmark"). A machine that other processes kept busy meanwhile gets a warning. ``--option KEY=VALUE`` sets any
@@ -59,7 +63,8 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
         raise UsageError(f"option {both[0]!r} given both as --{both[0]} and with --option")
     names = schedulers.names() if schedulers_ == "all" else [s.strip() for s in schedulers_.split(",") if s.strip()]
     for name in names:
-        scheduler_names(name)
+        if name != "default":
+            scheduler_names(name)
     if model is not None and model_file is not None:
         raise UsageError("give --model NAME or --model-file PATH.pt2, not both")
     result = bench_model(model_file or model or "inception_v3", device=device, batch_size=batch_size,
@@ -74,7 +79,8 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
     caption = (f"ms: median of {runs} calls per mode in {result['rounds']} interleaved rounds; spread: p10 to p90 "
                "as % of the median; ~: within the spread, not a speed-up this run can show\n"
                f"{machine['cpus']} CPUs" + (f", load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}" if load else "")
-               + (f"; other processes: {others:.0%} of them while timing" if others is not None else ""))
+               + (f"; other processes: {others:.0%} of them while timing" if others is not None else "")
+               + "".join(f"\n{r['mode']} picked {r['choice']}" for r in result["rows"] if r.get("choice")))
     table = Table(title=f"{result['model']} batch {batch_size} on {result['device_name']} (torch {result['torch']})",
                   caption=caption, pad_edge=False)
     for col in ("mode", "ms", "spread", "vs eager", "streams", "syncs", "max diff"):

@@ -137,7 +137,8 @@ def device_name(device: str) -> str:
 def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
                 scheduler_names: Sequence[str] = (), runs: int = 20, warmup: int = 3, progress: bool = True,
                 mode: str = "default", options: dict | None = None) -> dict:
-    """Eager vs opweave with each scheduler on one zoo model or ``.pt2`` file (``source``, as
+    """Eager vs opweave with each scheduler (``"default"``: what ``opweave.compile`` picks given none) on one zoo
+    model or ``.pt2`` file (``source``, as
     :func:`opweave.capture.load` takes it), with ``options`` (any option of ``opweave.compile``: ``streams``,
     ``profile``, ``coarsen``, ...) for every scheduler: every mode's options resolved and checked first, before the
     model loads (:func:`opweave.pipeline.resolve`, one :class:`~opweave.pipeline.Options` per scheduler), then every
@@ -150,7 +151,8 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
     from opweave.capture import load
     from opweave.pipeline import build, resolve
 
-    modes = {name: resolve(device, mode, options, scheduler=name) for name in scheduler_names}  # raises first
+    modes = {name: resolve(device, mode, options) if name == "default" else  # raises first
+             resolve(device, mode, options, scheduler=name) for name in scheduler_names}
     given = next(iter(modes.values())) if modes else resolve(device, mode, options)
     # captured once, as it is: every scheduler plans the same graph, coarsened by the pipeline as its options say
     model, inputs, captured = load(source, batch_size=batch_size, device=device, coarsen=False,
@@ -168,9 +170,12 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
             with torch.inference_mode():
                 check = compare(reference, fast(*inputs))
             calls[f"opweave {name}"] = lambda fast=fast: fast(*inputs)
-            rows.append({"mode": f"opweave {name}", "scheduler": name, "streams": fast.schedule.streams_used,
+            rows.append({"mode": f"opweave {name}", "scheduler": fast.schedule.scheduler,
+                         "streams": fast.schedule.streams_used,
                          "syncs": fast.plan.syncs, "max_abs_diff": check.max_diff, "ok": check.ok,
                          "ops": len(fast.graph)})
+            if fast.choice:  # what a default or max-autotune picked ("lanes", "one lane", "eager", "lios x4", ...)
+                rows[-1]["choice"] = fast.choice["label"]
             bar.advance(task)
         bar.update(task, description=f"{model_name}: timing {len(calls)} modes interleaved")
         with torch.inference_mode(), OtherWork() as other:
