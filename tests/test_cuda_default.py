@@ -108,7 +108,10 @@ def test_max_autotune_on_cuda_keeps_the_fastest_candidate_that_equals_the_model_
     assert "torch.compile" in choice["candidates"]
     assert {k.split("+", 1)[1] for k in choice["candidates"] if "+" in k} == {"inductor", "inductor-graph"}
     segmented = next(k for k in choice["candidates"] if k.endswith("+inductor"))
-    assert choice["candidates"][segmented]["ok"], choice["candidates"][segmented]  # built, checked and timed
+    record = choice["candidates"][segmented]
+    assert record["ok"] and "median_ms" in record, record  # built, checked and timed
+    stats = record["segments"]  # what Inductor compiled, and what ran op by op (here all: the fake compiles none)
+    assert stats["segments"] >= 2 and stats["compiles"] + stats["fallbacks"] == stats["segments"], stats
     assert len(timed) >= 3 and timed[choice["label"]] == min(timed.values()) and not choice["cached"]
     assert compare(model(*inputs), run(fast, runtime, inputs)).ok
     again = opweave.compile(model, inputs, device="cuda", runtime=runtime, mode="max-autotune")
@@ -294,7 +297,8 @@ def test_max_autotune_no_cudagraphs_never_times_a_cuda_graph(tmp_path, monkeypat
 
 def test_a_cached_choice_is_keyed_by_every_setting_that_changes_it(tmp_path, monkeypatch):
     """The key of a max-autotune choice left out the mode, CUDA Graphs and the threads: a choice made under one was
-    reused under another."""
+    reused under another; and the version of the candidate lists, so a choice cached before CUDA's list gained its
+    segments compiled by Inductor came back with a label that now means another candidate."""
     from opweave.pipeline import choices
     from opweave.pipeline.options import resolve
 
@@ -306,6 +310,9 @@ def test_a_cached_choice_is_keyed_by_every_setting_that_changes_it(tmp_path, mon
     cpu = {choices.key(captured, inputs, resolve("cpu", "max-autotune", threads=t)) for t in (1, 2)}
     assert len(cuda) == 2 and len(cpu) == 2
     assert choices.key(captured, inputs, resolve("cpu", "max-autotune", threads=1)) in cpu  # the same settings
+    # a choice made from an older candidate list is made again (its label may now name another candidate)
+    monkeypatch.setattr(choices, "SEARCH", choices.SEARCH + 1)
+    assert choices.key(captured, inputs, resolve("cpu", "max-autotune", threads=1)) not in cpu
 
 
 def test_reduce_overhead_with_several_devices_is_refused_not_dropped():

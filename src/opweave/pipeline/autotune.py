@@ -136,11 +136,12 @@ def cuda_candidates(graph, costs, streams: int, *, device=None, dtype: str = "fl
     """``torch.compile`` of the whole model (with CUDA Graphs, ``mode="reduce-overhead"``, only where the search
     records them: ``cudagraphs``), the ``plans`` plans the calibrated simulator ranks first (scheduler and stream
     cap), the first ``segmented`` of them with every stream segment compiled by Inductor (``compiler="inductor"``:
-    Inductor fuses inside each segment; only for a plan of at most :data:`SEGMENTED_SYNCS` syncs, since each
-    segment is one compile: 11 and 61 s for GoogLeNet's plans of 46 and 107 on an H200), and the first ``fused``
-    of them over Inductor's own kernels (``graph="inductor"``). On an H200, GoogLeNet's segments compiled by
-    Inductor ran 1.04-1.23x faster than the same plans unfused, while over Inductor's kernels plans ran 0.70-1.00x
-    as fast as unfused in all ten configurations measured."""
+    Inductor fuses inside each segment; only for a plan of at most :data:`SEGMENTED_SYNCS` syncs, which bound its
+    segments, each one compile: GoogLeNet's plans of 54 and 46 syncs took 61 s, Inductor's caches cold, and 11 s
+    on an H200), and the first ``fused`` of them over Inductor's own kernels (``graph="inductor"``). On that H200,
+    GoogLeNet at batch 1 fp32 ran 1.04x (lios) and 1.23x (opara) faster with its segments compiled by Inductor
+    than the same schedulers' unfused plans, while plans over Inductor's kernels ran 0.70-1.00x as fast as the same
+    plans unfused in all ten configurations measured (2026-11-28)."""
     from opweave.pipeline.targets import CudaTarget
 
     ranked = CudaTarget().ranking(graph, costs, streams, device, dtype).predictions
@@ -201,6 +202,8 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
                 measured[candidate.label] = {"error": first_line(exc)}
             else:
                 measured[candidate.label] = {"build_s": round(time.perf_counter() - start, 2), "ok": check.ok}
+                if fast.fused is not None:  # segments compiled, and those that fell back to running op by op
+                    measured[candidate.label]["segments"] = dict(fast.fused.stats)
                 if check.ok:
                     built[candidate.label] = fast
                 else:

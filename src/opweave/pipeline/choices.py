@@ -5,9 +5,11 @@ candidate (:class:`opweave.pipeline.autotune.Candidate`: scheduler, stream cap, 
 options), the costs it was planned with (so that the same plan is rebuilt) and what every candidate measured. The key
 covers what the choice depends on: the captured graph (its name, ops and their targets, and the granularity), the input
 shapes and dtypes, the device (the GPU's name for CUDA), the machine (processor and the cores this process may use), the
-mode and every option's value (CUDA Graphs on or off, the threads, ...) and the versions of torch, CUDA and ONNX
-Runtime. A file that cannot be read is ignored (and rewritten on the next choice); writes go through a temporary file,
-so a reader never sees half a file.
+mode and every option's value (CUDA Graphs on or off, the threads, ...), the versions of torch, CUDA and ONNX
+Runtime, and :data:`SEARCH`, the version of the search's candidate lists (a choice made from another list is made
+again: it may name a candidate the list no longer has, or a label that now means another one). A file that cannot
+be read is ignored (and rewritten on the next choice); writes go through a temporary file, so a reader never sees
+half a file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+SEARCH = 2  # raised whenever a device's candidate list changes (2: CUDA's segments compiled by Inductor)
 
 
 def cache_path() -> Path:
@@ -66,6 +70,7 @@ def key(captured, inputs: tuple, options) -> str:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "onnxruntime": ort,
+        "search": SEARCH,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
