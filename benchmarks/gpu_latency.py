@@ -336,8 +336,9 @@ def _chosen(model, inputs, mode: str, extra: dict):
     """``opweave.compile(model, inputs, device="cuda", mode=mode)``: what a user gets with no option (``default``:
     the coarsened graph, the plan the calibrated simulator picks, recorded into a CUDA Graph) or with
     ``max-autotune`` (candidates timed on this GPU); ``extra`` gets what it picked and why, and for
-    ``max-autotune`` every candidate's median as it timed them (torch.compile, the plans, their versions over
-    Inductor's kernels: what the simulator's predictions over Inductor's kernels are checked against), and whether
+    ``max-autotune`` every candidate's median as it timed them (torch.compile, the plans, the first with its
+    segments compiled by Inductor, and over Inductor's kernels: what the simulator's predictions over Inductor's
+    kernels are checked against), and whether
     the choice came from its cache (``autotune_cached``: then the medians are those of the run that made it)."""
     import opweave
 

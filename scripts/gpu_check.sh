@@ -9,23 +9,25 @@
 # (docs/gpu.md says what each measures and which have run). First, on a machine with network: scripts/gpu_wheels.sh
 # (cachetools, FastAPI, uvicorn, for a GPU image that lacks them and has no network). Then each plan as one command on
 # the GPU machine, with .whl/ copied beside the checkout; a lease runs an odd plan first, then at once, while the
-# machine is warm, the even one after it. A configuration (model, batch, dtype) took about 85-100 s with the modes
-# below (an H200, 2026-11-28):
+# machine is warm, the even one after it. A configuration (model, batch, dtype) took 46-152 s with the modes below
+# (an H200, 2026-11-28, the sum of its rows' mode_s: googlenet at batch 8 fp32 to nasnet_a_mobile at batch 1 fp32;
+# max-autotune's segments compiled by Inductor now add 11-61 s on googlenet and inception_v3):
 #   lease, lease2  (ran 2026-11-28) batch 8 fp16 and batch 1 fp32
 #   lease3, lease4 (ran 2026-11-28, a second machine) every CUDA test; randwire at batch 8 fp16, nasnet_a_mobile and
 #            randwire at batch 1 fp32, googlenet and inception_v3 at batch 8 fp32; then lease6 with a 175 s limit
-#            (nasnet_a_mobile at batch 1 fp16 in part). What their limits cut off is in lease6 and lease7.
-#   lease5   env, tests (every CUDA test: three failed on the last run and were fixed on the CPU), googlenet and
-#            inception_v3 at batch 8 fp16 again, where torch.compile won: max-autotune's search now times its
-#            torch.compile candidate as the benchmark does, and tries the first plan with Inductor's segments (560 s)
-#   lease6   right after: nasnet_a_mobile and randwire at batch 8 fp32 (230 s)
-#   lease7   env, googlenet and inception_v3 at batch 1 fp16, randwire at batch 1 fp32 (560 s)
+#            (nasnet_a_mobile at batch 1 fp16 in part; randwire at batch 1 fp16 is now in lease7)
+#   lease5   env, tests (every CUDA test: three failed on the last run and were fixed on the CPU), then the
+#            configurations torch.compile won, again: googlenet and inception_v3 at batch 8 fp16, inception_v3 at
+#            batch 8 fp32 (max-autotune's search now times its torch.compile candidate as the benchmark does, and
+#            tries the first plan with Inductor's segments) (560 s)
+#   lease6   right after: nasnet_a_mobile at batch 1 fp16 (230 s)
+#   lease7   env, googlenet and inception_v3 at batch 1 fp16, randwire at batch 1 fp32 and fp16 (560 s)
 #   lease8   right after: what a new input signature costs on the GPU (squeezenet, googlenet, inception_v3), then
-#            inception_v3 at batch 8 fp32 again, where torch.compile won (230 s)
+#            randwire at batch 8 fp32 (230 s)
 #   lease9   per-op profiles of every zoo model at batch 1 fp32 and batch 8 fp16, the serving run on the GPU (TOP's
 #            heuristic against static and batch, two patterns), torch.compile max-autotune as a second peer on two
 #            models (560 s)
-#   lease10  right after: nasnet_a_mobile and randwire at batch 1 fp16 (230 s)
+#   lease10  right after: nasnet_a_mobile at batch 8 fp32 (230 s)
 # Every bench plan measures eager, the CUDA Graph, torch.compile, opweave's default and max-autotune, lios and heft.
 # A plan's stages run with shorter limits than alone (below); a limit set in the environment wins. With more time,
 # the stages one by one (each set meant to fit one 10-minute call):
@@ -87,19 +89,19 @@ lease4)  # ran 2026-11-28
 lease5)
     stages=(env tests bench)
     : "${ENV_TIMEOUT_S:=40}" "${TESTS_TIMEOUT_S:=150}" "${TEST_TIMEOUT_S:=60}" "${BENCH_TIMEOUT_S:=340}"
-    : "${BENCH_ARGS:=--configs googlenet:8:fp16,inception_v3:8:fp16 $MODES}" ;;
+    : "${BENCH_ARGS:=--configs googlenet:8:fp16,inception_v3:8:fp16,inception_v3:8:fp32 $MODES}" ;;
 lease6)
     stages=(bench)
     : "${BENCH_TIMEOUT_S:=215}"
-    : "${BENCH_ARGS:=--configs nasnet_a_mobile:8:fp32,randwire:8:fp32 $MODES}" ;;
+    : "${BENCH_ARGS:=--configs nasnet_a_mobile:1:fp16 $MODES}" ;;
 lease7)
     stages=(env bench)
     : "${ENV_TIMEOUT_S:=40}" "${BENCH_TIMEOUT_S:=490}"
-    : "${BENCH_ARGS:=--configs googlenet:1:fp16,inception_v3:1:fp16,randwire:1:fp32 $MODES}" ;;
+    : "${BENCH_ARGS:=--configs googlenet:1:fp16,inception_v3:1:fp16,randwire:1:fp32,randwire:1:fp16 $MODES}" ;;
 lease8)
     stages=(signatures bench)
     : "${SIGNATURES_TIMEOUT_S:=60}" "${BENCH_TIMEOUT_S:=155}"
-    : "${BENCH_ARGS:=--configs inception_v3:8:fp32 $MODES}" ;;
+    : "${BENCH_ARGS:=--configs randwire:8:fp32 $MODES}" ;;
 lease9)
     stages=(env profiles serve bench)
     : "${ENV_TIMEOUT_S:=40}" "${PROFILES_TIMEOUT_S:=170}" "${SERVE_TIMEOUT_S:=180}" "${BENCH_TIMEOUT_S:=110}"
@@ -107,7 +109,7 @@ lease9)
 lease10)
     stages=(bench)
     : "${BENCH_TIMEOUT_S:=215}"
-    : "${BENCH_ARGS:=--configs nasnet_a_mobile:1:fp16,randwire:1:fp16 $MODES}" ;;
+    : "${BENCH_ARGS:=--configs nasnet_a_mobile:8:fp32 $MODES}" ;;
 esac
 for stage in "${stages[@]}"; do
     case $stage in env|tests|more|trace|profile|profiles|serve|signatures|bench) ;;

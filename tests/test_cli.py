@@ -69,6 +69,8 @@ def test_bad_graph_exits_2_with_one_line_naming_the_op(tmp_path):
     (["simulate", "lios-fig3", "--cost-model", "quantum"], "unknown cost model"),
     (["schedule"], "give a GRAPH"),
     (["bench", "--model", "squeezenet", "--device", "tpu"], "device must be cpu, cuda or auto"),
+    (["bench", "--model", "squeezenet", "--schedulers", "defualt"], "unknown scheduler 'defualt'; choose default,"),
+    (["bench", "--model", "squeezenet", "--option", "mode=max-autotune"], "use --schedulers default"),
     (["simulate", "--model", "deepfm", "--profile", "no-such.profile.json"], "cannot read profile"),
 ])
 def test_usage_errors_exit_2(args, needle):

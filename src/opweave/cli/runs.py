@@ -21,7 +21,6 @@ from opweave.cli.app import (
     err,
     guard,
     out,
-    scheduler_names,
 )
 from opweave.errors import UsageError
 
@@ -33,7 +32,8 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
           device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when present)")] = "auto",
           batch_size: BatchOpt = 1,
           schedulers_: Annotated[str, typer.Option(
-              "--schedulers", help="comma list or all; default: what opweave.compile picks by itself")
+              "--schedulers", help="comma list of schedulers and 'default' (what opweave.compile picks given no "
+                                   "scheduler), or all (every scheduler)")
           ] = "default,sequential,lios,opara",
           streams: StreamsOpt = None, runs: Annotated[int, typer.Option(min=1)] = 20,
           warmup: Annotated[int, typer.Option(min=0)] = 3,
@@ -63,8 +63,13 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
         raise UsageError(f"option {both[0]!r} given both as --{both[0]} and with --option")
     names = schedulers.names() if schedulers_ == "all" else [s.strip() for s in schedulers_.split(",") if s.strip()]
     for name in names:
-        if name != "default":
-            scheduler_names(name)
+        if name != "default" and name not in schedulers.names():
+            raise UsageError(f"unknown scheduler {name!r}; choose default, any of {', '.join(schedulers.names())}, "
+                             "or all")
+    given = [name for name in names if name != "default"]
+    if given and mode.startswith("max-autotune"):
+        raise UsageError(f"mode={mode} chooses its own plan, so it takes no scheduler ({given[0]!r} was given): "
+                         "use --schedulers default")
     if model is not None and model_file is not None:
         raise UsageError("give --model NAME or --model-file PATH.pt2, not both")
     result = bench_model(model_file or model or "inception_v3", device=device, batch_size=batch_size,

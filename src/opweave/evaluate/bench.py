@@ -144,8 +144,10 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
     model loads (:func:`opweave.pipeline.resolve`, one :class:`~opweave.pipeline.Options` per scheduler), then every
     mode built by the pipeline and checked against eager, then all timed interleaved (module docstring); returns a
     JSON-ready dict. Each row has its median, p10, p90 and spread; the others also their speed-up over eager and
-    whether it is within the spread (:func:`versus`). ``machine`` says what else ran meanwhile, and ``warning`` is
-    set when the machine was busy."""
+    whether it is within the spread (:func:`versus`); a mode that chose its plan (``"default"``, max-autotune) also
+    ``choice``, what it chose (its scheduler and streams are then those of the plan it kept: one lane for a CPU
+    default that kept the model itself). ``machine`` says what else ran meanwhile, and ``warning`` is set when the
+    machine was busy."""
     from rich.progress import Progress
 
     from opweave.capture import load
