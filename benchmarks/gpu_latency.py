@@ -39,7 +39,10 @@ current stream, a synchronize after each call, ``--warmup`` calls first, the med
 ``--replays`` calls. Peak memory: ``torch.cuda.max_memory_allocated`` from building the mode to the end of its
 timing, minus what was allocated before (weights and inputs); beside it ``held_memory_mb`` (allocated once built),
 ``run_peak_memory_mb`` (the peak of the checks and timed calls alone, what serving holds) and ``left_memory_mb``
-(still allocated once the mode was dropped and collected: a mode that leaks makes the next one's figures wrong).
+(still allocated once the mode was dropped and collected: a mode that leaks makes the next one's figures wrong);
+and for opweave's modes ``weight_copies_mb``, the parameters and buffers the built mode holds that the model does not
+(:func:`weight_copies_mb`: coarsening folds each BatchNorm into a copy of its convolution's weights), which the
+held and peak figures include and the CUDA Graph's and torch.compile's do not (they read the model's own).
 Each mode is freed before the next. Beside the
 latency, ``kernels/call``: the CUDA kernels one call runs (a CUDA graph replay's included), counted in a
 ``torch.profiler`` trace of a few calls after the timing.
@@ -308,8 +311,8 @@ def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[d
                            "error": "scheduling timed out" if status == "timeout" else sched})
             continue
         extra = {"scheduler": sched_name, "costs": source, "ops": len(coarse.graph), "fuse": "inductor"}
-        measure(mode, lambda s=sched_name, e=extra: _opweave(coarse, inputs, costs, s, args, e, compiler="inductor"),
-                extra)
+        measure(mode, lambda s=sched_name, e=extra: _opweave(coarse, inputs, costs, s, args, e, compiler="inductor",
+                                                             model=captured.gm), extra)
     for sched_name in scheds if args.inductor_graph else ():
         extra = {"scheduler": sched_name, "costs": "calibrated", "fuse": "inductor-graph"}
         measure(f"opweave {sched_name}+inductor-graph",
@@ -343,8 +346,23 @@ def _chosen(model, inputs, mode: str, extra: dict):
     import opweave
 
     fast = opweave.compile(model, inputs, device="cuda", mode=mode)
-    extra.update(chosen_figures(fast))
+    extra.update(chosen_figures(fast), weight_copies_mb=weight_copies_mb(fast, model))
     return fast
+
+
+def weight_copies_mb(fast, model) -> float | None:
+    """MB of the parameters and buffers the compiled ``fast`` holds that ``model`` does not hold itself (each storage
+    once): the copies it made of weights, such as the convolutions that coarsening folded a BatchNorm into. None
+    where ``fast`` runs no captured module of its own (a search that kept torch.compile)."""
+    import itertools
+
+    gm = getattr(getattr(getattr(fast, "backend", None), "captured", None), "gm", None)
+    if gm is None:
+        return None
+    own = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in itertools.chain(gm.parameters(), gm.buffers())}
+    return sum(n for ptr, n in held.items() if ptr not in own) / 2**20
 
 
 def chosen_figures(fast) -> dict:
@@ -366,9 +384,11 @@ def _schedule(name, graph, costs, streams):
     return schedulers.run(name, graph, costs, streams=streams)
 
 
-def _opweave(captured, inputs, costs, scheduler: str, args, extra: dict, compiler: str | None = None):
+def _opweave(captured, inputs, costs, scheduler: str, args, extra: dict, compiler: str | None = None,
+             model=None):
     """``captured`` built by opweave's pipeline (:func:`opweave.pipeline.build`, what ``opweave.compile`` runs) with
-    ``scheduler`` on ``costs``, at the granularity it was captured at; ``extra`` gets what was decided."""
+    ``scheduler`` on ``costs``, at the granularity it was captured at; ``extra`` gets what was decided, and the
+    weights it copied from ``model`` (default: ``captured``'s module)."""
     from opweave.pipeline import build, resolve
 
     options = resolve("cuda", scheduler=scheduler, streams=args.streams or None, costs=costs, coarsen=False,
@@ -376,7 +396,8 @@ def _opweave(captured, inputs, costs, scheduler: str, args, extra: dict, compile
     start = time.perf_counter()
     fast = build(captured, inputs, options)
     extra.update(streams=fast.schedule.streams_used, scheduling_time_s=fast.schedule.scheduling_time_s,
-                 predicted_ms=fast.schedule.predicted_ms, syncs=fast.plan.syncs)
+                 predicted_ms=fast.schedule.predicted_ms, syncs=fast.plan.syncs,
+                 weight_copies_mb=weight_copies_mb(fast, captured.gm if model is None else model))
     if fast.fused is not None:  # the backend's warm-up runs compiled the segments
         extra.update(build_s=time.perf_counter() - start, **{f"fuse_{k}": v for k, v in fast.fused.stats.items()})
     return fast
@@ -624,12 +645,15 @@ def markdown(data: dict) -> str:
         rows = [r for r in data["results"] if (r["model"], r["batch_size"], r["dtype"]) == (model, batch, dtype)]
         by_mode = {r["mode"]: r.get("median_ms") for r in rows}
         graph_ms, compile_ms = by_mode.get("cuda-graph"), by_mode.get("torch.compile")
+        copies = any(r.get("weight_copies_mb") is not None for r in rows)  # results from before it was measured: none
         out += [f"**{model}**, batch {batch}, {dtype}", "",
                 "| mode | median ms (p10-p90) | vs CUDA Graph | vs torch.compile | kernels/call | streams | syncs | "
-                "peak MB | output |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+                "peak MB | " + ("of it weight copies MB | " if copies else "") + "output |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + ("---: | " if copies else "") + "--- |"]
         for r in rows:
             if r.get("median_ms") is None:
-                out.append(f"| {r['mode']} | - | - | - | - | - | - | - | {r.get('error', '')[:80]} |")
+                out.append(f"| {r['mode']} | - | - | - | - | - | - | - | " + ("- | " if copies else "")
+                           + f"{r.get('error', '')[:80]} |")
                 continue
             ms = r["median_ms"]
             cells = [r["mode"], f"{ms:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f})",
@@ -637,6 +661,8 @@ def markdown(data: dict) -> str:
                      "" if r.get("kernels_per_call") is None else f"{r['kernels_per_call']:.0f}",
                      "" if r.get("streams") is None else str(r["streams"]),
                      "" if r.get("syncs") is None else str(r["syncs"]), f"{r['peak_memory_mb']:.1f}",
+                     *([] if not copies else [""] if r.get("weight_copies_mb") is None else
+                       [f"{r['weight_copies_mb']:.1f}"]),
                      "ok" if r["ok"] else "WRONG"]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")

@@ -168,3 +168,24 @@ def test_a_new_signature_is_captured_on_the_devices_of_the_example():
     moved = on_devices_of((torch.randn(2, 8), 5), example)
     assert moved[0].device.type == "meta" and tuple(moved[0].shape) == (2, 8) and moved[1] == 5
     assert on_devices_of((torch.randn(2, 8),), example)[0].device.type == "cpu"  # another structure: left alone
+
+
+def test_every_signature_shares_one_folded_copy_of_the_weights():
+    """Coarsening folds each BatchNorm into a copy of its convolution; every new signature, captured again, made its
+    own copy (a compiled model that had met four input shapes held four copies of its folded weights). One copy now
+    serves them all, made again only when the model's weights change."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                torch.nn.ReLU()).eval()
+    fast = opweave.compile(model, (torch.randn(1, 3, 8, 8),), device="cpu", scheduler="sequential")
+    for batch in (2, 3):
+        check(model, fast, (batch, 3, 8, 8))
+    builds = [fast, *fast.variants._built.values()]
+    weights = {b.captured.gm.get_submodule("0").weight.data_ptr() for b in builds}
+    assert len(builds) == 3 and len(weights) == 1
+    assert model[0].weight.data_ptr() not in weights  # folded: a copy, the model's own weights left as they are
+    with torch.no_grad():
+        model[1].running_var.mul_(4)  # the model changed in place: a new signature folds it again
+    check(model, fast, (4, 3, 8, 8))
+    newest = list(fast.variants._built.values())[-1].captured.gm.get_submodule("0").weight.data_ptr()
+    assert newest not in weights
