@@ -172,3 +172,16 @@ def test_a_profile_belongs_to_its_granularity(tmp_path):
     profile_model(coarse, inputs, device="cpu", repeats=1, warmup=0).save(path)
     fast = compile_captured(fine, inputs, scheduler="lios", profile=path)
     assert fast.costs.latency_ms.keys() == set(coarse.graph.ids)
+
+
+def test_a_folded_layer_is_made_once_per_model_unless_its_tensors_keep_no_version():
+    from opweave.capture.coarsen import folded_layer
+
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(3, 4, 3).eval(), nn.BatchNorm2d(4).eval()
+    assert folded_layer(conv, bn) is folded_layer(conv, bn)
+    with torch.inference_mode():  # inference tensors keep no version: a copy of them cannot be known current
+        conv, bn = nn.Conv2d(3, 4, 3).eval(), nn.BatchNorm2d(4).eval()
+    with torch.no_grad():  # (folding inference tensors needs no_grad, as torch.nn.utils.fusion computes)
+        first, second = folded_layer(conv, bn), folded_layer(conv, bn)
+    assert first is not second and torch.equal(first.weight, second.weight)

@@ -955,3 +955,26 @@ def test_benchmark_tables_show_the_weight_copies_where_they_were_measured():
     assert "| 40.0 | 22.8 | ok |" in text
     assert "weight copies" not in gl.markdown({"results": [{k: v for k, v in r.items() if k != "weight_copies_mb"}
                                                           for r in rows]})  # results from before: as they were
+
+
+def test_every_capture_moved_to_a_device_shares_its_copies_of_the_weights():
+    """A model compiled for another device than its own is copied there; each new input signature (captured again)
+    made a copy of its own (a CPU model compiled for CUDA that met four shapes held four copies on the GPU). The
+    copies there are now shared, made again only when the model's weights change. (The meta device stands in for a
+    GPU.)"""
+    from opweave.capture import capture
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    meta = torch.device("meta")
+    first, second = (on_device(capture(model, (torch.randn(b, 4),)), meta) for b in (1, 3))
+    weights = [dict(c.gm.named_parameters()) for c in (first, second)]
+    assert weights[0].keys() == weights[1].keys() and all(p.device == meta for p in weights[0].values())
+    assert all(weights[0][k] is weights[1][k] for k in weights[0])  # one copy on the device
+    assert all(isinstance(p, nn.Parameter) for p in weights[0].values())
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the model itself left where it is
+    with torch.no_grad():
+        model[0].weight.add_(1)  # changed in place: moved again
+    third = on_device(capture(model, (torch.randn(2, 4),)), meta)
+    assert dict(third.gm.named_parameters())["0.weight"] is not weights[0]["0.weight"]
+    assert dict(third.gm.named_parameters())["2.weight"] is weights[0]["2.weight"]

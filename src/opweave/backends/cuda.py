@@ -78,6 +78,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from opweave.backends.cache import BoundedCache, signature
 from opweave.backends.cudagraph import GraphCaptureError, checked_run, record
@@ -85,12 +86,12 @@ from opweave.backends.liveness import FakeRun, release_keys, static_buffers, ste
 from opweave.backends.program import Lane, Program, Step
 from opweave.backends.runtime import CUDA, Runtime
 from opweave.backends.streams import CudaLanes, default_streams, stream_pool
-from opweave.capture.runtime import Captured, as_tuple, module_tensors, static_input
+from opweave.capture.runtime import Captured, as_tuple, module_tensors, static_input, tensor_state
 from opweave.errors import DeviceError, UsageError
 from opweave.plan.launchplan import LaunchPlan
 
-__all__ = ["CudaBackend", "GraphCaptureError", "InputCopies", "default_streams", "input_signature", "on_device",
-           "require_cuda"]
+__all__ = ["CudaBackend", "GraphCaptureError", "InputCopies", "default_streams", "input_signature", "moved",
+           "on_device", "require_cuda"]
 
 log = logging.getLogger(__name__)
 
@@ -384,20 +385,38 @@ def input_signature(args: tuple, cudagraphs: bool, device: torch.device) -> tupl
 
 def on_device(captured: Captured, device: torch.device) -> Captured:
     """``captured`` itself when its parameters and buffers are on ``device``, else a copy moved there (the caller's
-    model is left where it is)."""
-    if all(t.device == device for t in module_tensors(captured.gm)):
+    model is left where it is), whose tensors are the ones every other capture of the same model moved there too
+    (:func:`moved`): a model compiled for another device than its own holds one copy there, however many input
+    signatures (each captured again) it meets."""
+    tensors = module_tensors(captured.gm)
+    if all(t.device == device for t in tensors):
         return captured
-    gm = copy.deepcopy(captured.gm).to(device)
-    for node in gm.graph.nodes:  # plain tensor attributes (torch.export constants) are not moved by .to()
-        if node.op == "get_attr":
-            *path, leaf = node.target.split(".")
-            owner = gm.get_submodule(".".join(path))
-            value = getattr(owner, leaf)
-            if isinstance(value, torch.Tensor) and value.device != device and not isinstance(value, nn.Parameter):
-                setattr(owner, leaf, value.to(device))
+    memo = {id(t): moved(t, device) for t in tensors}  # deepcopy takes these for the module's tensors
+    gm = copy.deepcopy(captured.gm, memo).to(device)
     by_name = {n.name: n for n in gm.graph.nodes}
     return dataclasses.replace(captured, gm=gm, nodes={op: [by_name[n.name] for n in group]
                                                        for op, group in captured.nodes.items()})
+
+
+_MOVED = WeakIdKeyDictionary()  # a tensor -> {device: (its state, a weak reference to its copy there)}
+_MOVED_LOCK = threading.Lock()
+
+
+def moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (an ``nn.Parameter`` stays one), copied once while ``t`` stays as it is
+    (:func:`~opweave.capture.runtime.tensor_state`) and while the copy is in use: every capture moved there shares
+    it."""
+    state = tensor_state(t)
+    with _MOVED_LOCK:
+        copies = _MOVED.setdefault(t, {})
+        known = copies.get(device)
+        there = known[1]() if known is not None and state is not None and known[0] == state else None
+        if there is None:
+            there = t.detach().to(device)
+            if isinstance(t, nn.Parameter):
+                there = nn.Parameter(there, requires_grad=t.requires_grad)
+            copies[device] = (state, weakref.ref(there))
+        return there
 
 
 def _shapes(args) -> list:

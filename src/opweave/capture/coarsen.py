@@ -44,7 +44,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
 from opweave.capture import opinfo
 from opweave.capture.partition import data_edges
-from opweave.capture.runtime import Captured
+from opweave.capture.runtime import Captured, tensor_state
 from opweave.ir.graph import Edge, Op, OpGraph
 
 # (layer, BatchNorm) pairs that fold, as torch.fx.experimental.optimization.fuse folds them
@@ -151,15 +151,16 @@ _FOLDED_LOCK = threading.Lock()
 
 def folded_layer(layer: nn.Module, bn: nn.Module) -> nn.Module:
     """A copy of ``layer`` (a convolution or linear layer) with the eval-mode BatchNorm ``bn`` folded into its
-    weights (``torch.nn.utils.fusion``), made once per pair while their tensors stay as they are (each tensor's
-    address and version, so weights changed in place or moved are folded again): every capture of one model (a
-    compiled model captures it again for each new input signature) shares one copy of the folded weights, where
-    each used to hold its own (four signatures, four copies)."""
-    tensors = [*layer.parameters(), *bn.parameters(), *bn.buffers()]
-    state = (bn.eps, *((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
+    weights (``torch.nn.utils.fusion``), made once per pair while their tensors stay as they are
+    (:func:`~opweave.capture.runtime.tensor_state`: weights changed in place or moved are folded again): every
+    capture of one model (a compiled model captures it again for each new input signature) shares one copy of the
+    folded weights, where each used to hold its own (four signatures, four copies)."""
+    states = [tensor_state(t) for t in (*layer.parameters(), *bn.parameters(), *bn.buffers())]
+    state = None if None in states else (bn.eps, *states)
     with _FOLDED_LOCK:
         known = _FOLDED.get(layer)
-        fused = known[2]() if known is not None and known[0]() is bn and known[1] == state else None
+        fused = known[2]() if known is not None and known[0]() is bn and state is not None and known[1] == state \
+            else None
         if fused is None:
             fused = fuse_conv_bn_eval(layer, bn) if isinstance(layer, nn.modules.conv._ConvNd) else \
                 fuse_linear_bn_eval(layer, bn)

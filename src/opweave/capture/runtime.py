@@ -164,6 +164,15 @@ def static_input(x: Any) -> bool:
     return isinstance(x, torch.nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) is not None
 
 
+def tensor_state(t: torch.Tensor) -> tuple | None:
+    """What says that ``t`` still holds what it held: its address, version, dtype and device; None for an inference
+    tensor, which keeps no version (a copy made of it cannot be known to be current)."""
+    try:
+        return t.data_ptr(), t._version, t.dtype, t.device
+    except RuntimeError:
+        return None
+
+
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """The tensors ``module`` holds: its parameters and buffers and, for a GraphModule, the plain tensor attributes
     its ``get_attr`` nodes read (torch.export lifts constants into those)."""
