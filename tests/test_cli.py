@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
@@ -75,6 +76,14 @@ def test_bad_graph_exits_2_with_one_line_naming_the_op(tmp_path):
 ])
 def test_usage_errors_exit_2(args, needle):
     assert needle in one_line(opweave(*args, check_rc=2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it would serve")
+def test_serving_on_cuda_without_a_gpu_is_one_line_before_any_model_loads():
+    """It loaded the models onto the missing device and failed there, with a traceback."""
+    proc = opweave_process("serve", "--device", "cuda", "--models", "squeezenet", "--port", "1")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "opweave: error: CUDA is not available on this machine; use --device cpu\n"
 
 
 def test_synth_is_deterministic(tmp_path):

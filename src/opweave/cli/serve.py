@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from opweave.cli.app import JsonOpt, OptionOpt, app, err, guard, out
-from opweave.errors import UsageError
+from opweave.errors import DeviceError, UsageError
 
 # The default policies (opweave.serve.assemble.DEFAULT_POLICIES), said the same way in both commands' help.
 SimPolicyOpt = Annotated[str | None, typer.Option("--policy", help="with --simulate: static | batch | heuristic | top "
@@ -152,6 +152,11 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     flags = {"scheduler": scheduler, "streams": streams, "compiler": None if compiler in ("default", "none") else
              compiler, "threads": threads if threads is not None or not ray or device != "cpu" else 1}
     settings = serving_options(device, given, **flags)  # every option checked, before any model loads
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # one line, before any model loads (it loaded them and then failed)
+            raise DeviceError("CUDA is not available on this machine; use --device cpu")
     if model_control_mode not in CONTROL_MODES:
         raise UsageError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got "
                          f"{model_control_mode!r}")
