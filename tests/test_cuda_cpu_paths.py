@@ -394,7 +394,7 @@ def test_a_zoo_model_frees_almost_every_intermediate_on_one_stream():
 
 @no_cuda
 def test_require_cuda_says_what_to_do_in_one_line():
-    with pytest.raises(RuntimeError, match=r"^CUDA is not available: .*use device='cpu'$") as info:
+    with pytest.raises(RuntimeError, match=r"^CUDA is not available: .*use device='cpu' \(--device cpu\)$") as info:
         require_cuda()
     assert "\n" not in str(info.value)
 

@@ -104,7 +104,7 @@ def require_cuda(runtime: Runtime = CUDA) -> None:
         return
     reason = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
               else "no CUDA device is visible to PyTorch")
-    raise DeviceError(f"CUDA is not available: {reason} (torch {torch.__version__}); use device='cpu'")
+    raise DeviceError(f"CUDA is not available: {reason} (torch {torch.__version__}); use device='cpu' (--device cpu)")
 
 
 @dataclass
