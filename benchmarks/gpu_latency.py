@@ -311,8 +311,8 @@ def _fused_rows(captured, scheds, inputs, args, common, measure, base) -> list[d
                            "error": "scheduling timed out" if status == "timeout" else sched})
             continue
         extra = {"scheduler": sched_name, "costs": source, "ops": len(coarse.graph), "fuse": "inductor"}
-        measure(mode, lambda s=sched_name, e=extra: _opweave(coarse, inputs, costs, s, args, e, compiler="inductor",
-                                                             model=captured.gm), extra)
+        measure(mode, lambda s=sched_name, e=extra: _opweave(coarse, inputs, costs, s, args, e, compiler="inductor"),
+                extra)
     for sched_name in scheds if args.inductor_graph else ():
         extra = {"scheduler": sched_name, "costs": "calibrated", "fuse": "inductor-graph"}
         measure(f"opweave {sched_name}+inductor-graph",
@@ -384,11 +384,11 @@ def _schedule(name, graph, costs, streams):
     return schedulers.run(name, graph, costs, streams=streams)
 
 
-def _opweave(captured, inputs, costs, scheduler: str, args, extra: dict, compiler: str | None = None,
-             model=None):
+def _opweave(captured, inputs, costs, scheduler: str, args, extra: dict, compiler: str | None = None):
     """``captured`` built by opweave's pipeline (:func:`opweave.pipeline.build`, what ``opweave.compile`` runs) with
     ``scheduler`` on ``costs``, at the granularity it was captured at; ``extra`` gets what was decided, and the
-    weights it copied from ``model`` (default: ``captured``'s module)."""
+    weights its build copied (a ``+inductor`` mode's coarsening folded its copies before the build: they are in its
+    baseline, not in its figures)."""
     from opweave.pipeline import build, resolve
 
     options = resolve("cuda", scheduler=scheduler, streams=args.streams or None, costs=costs, coarsen=False,
@@ -397,7 +397,7 @@ def _opweave(captured, inputs, costs, scheduler: str, args, extra: dict, compile
     fast = build(captured, inputs, options)
     extra.update(streams=fast.schedule.streams_used, scheduling_time_s=fast.schedule.scheduling_time_s,
                  predicted_ms=fast.schedule.predicted_ms, syncs=fast.plan.syncs,
-                 weight_copies_mb=weight_copies_mb(fast, captured.gm if model is None else model))
+                 weight_copies_mb=weight_copies_mb(fast, captured.gm))
     if fast.fused is not None:  # the backend's warm-up runs compiled the segments
         extra.update(build_s=time.perf_counter() - start, **{f"fuse_{k}": v for k, v in fast.fused.stats.items()})
     return fast

@@ -179,9 +179,32 @@ def test_a_folded_layer_is_made_once_per_model_unless_its_tensors_keep_no_versio
 
     torch.manual_seed(0)
     conv, bn = nn.Conv2d(3, 4, 3).eval(), nn.BatchNorm2d(4).eval()
-    assert folded_layer(conv, bn) is folded_layer(conv, bn)
+    first = folded_layer(conv, bn)
+    assert folded_layer(conv, bn) is first
+    conv.half().float()  # new storages, rounded values: folded again (an address a freed storage had is not reused)
+    assert folded_layer(conv, bn) is not first
+    again = folded_layer(conv, bn)
+    with torch.no_grad():
+        bn.running_var.copy_(bn.running_var * 4)  # in place: its version moves on
+    assert folded_layer(conv, bn) is not again
     with torch.inference_mode():  # inference tensors keep no version: a copy of them cannot be known current
         conv, bn = nn.Conv2d(3, 4, 3).eval(), nn.BatchNorm2d(4).eval()
     with torch.no_grad():  # (folding inference tensors needs no_grad, as torch.nn.utils.fusion computes)
         first, second = folded_layer(conv, bn), folded_layer(conv, bn)
     assert first is not second and torch.equal(first.weight, second.weight)
+
+
+def test_a_folded_layer_is_not_taken_for_current_when_a_new_weight_reuses_a_freed_address():
+    """A weight replaced by one the allocator put where the old one was, at the same version, looked unchanged (an
+    address and a version were all that was compared): the old folded weights came back."""
+    from opweave.capture.coarsen import folded_layer
+
+    torch.manual_seed(0)
+    conv, bn = nn.Conv2d(3, 64, 3).eval(), nn.BatchNorm2d(64).eval()
+    shape = conv.weight.shape
+    for _ in range(20):
+        kept = folded_layer(conv, bn)  # in use, as by a compiled model: it stays the one to hand out while current
+        conv.weight.data = torch.empty(0)  # the old storage freed first, so the next may take its address
+        conv.weight.data = torch.randn(shape)
+        assert torch.equal(folded_layer(conv, bn).weight, nn.utils.fusion.fuse_conv_bn_eval(conv, bn).weight)
+        del kept

@@ -978,3 +978,23 @@ def test_every_capture_moved_to_a_device_shares_its_copies_of_the_weights():
     third = on_device(capture(model, (torch.randn(2, 4),)), meta)
     assert dict(third.gm.named_parameters())["0.weight"] is not weights[0]["0.weight"]
     assert dict(third.gm.named_parameters())["2.weight"] is weights[0]["2.weight"]
+    model.half().float()  # new storages (of rounded values): moved again
+    fourth = on_device(capture(model, (torch.randn(2, 4),)), meta)
+    assert dict(fourth.gm.named_parameters())["2.weight"] is not weights[0]["2.weight"]
+
+
+def test_moving_a_captured_model_leaves_its_parameters_swappable():
+    """Module.to swaps parameters where torch.__future__ says so (torch.utils.swap_tensors), which refuses a tensor
+    that has weak references: the copies moved to a device are known by state, not by weak references to the
+    model's parameters."""
+    from opweave.capture import capture
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU()).eval()
+    on_device(capture(model, (torch.randn(1, 4),)), torch.device("meta"))
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    assert model[0].weight.dtype == torch.float64

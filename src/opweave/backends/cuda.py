@@ -78,7 +78,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.weak import WeakIdKeyDictionary
 
 from opweave.backends.cache import BoundedCache, signature
 from opweave.backends.cudagraph import GraphCaptureError, checked_run, record
@@ -86,7 +85,7 @@ from opweave.backends.liveness import FakeRun, release_keys, static_buffers, ste
 from opweave.backends.program import Lane, Program, Step
 from opweave.backends.runtime import CUDA, Runtime
 from opweave.backends.streams import CudaLanes, default_streams, stream_pool
-from opweave.capture.runtime import Captured, as_tuple, module_tensors, static_input, tensor_state
+from opweave.capture.runtime import Captured, as_tuple, module_tensors, static_input, storage_alive, tensor_state
 from opweave.errors import DeviceError, UsageError
 from opweave.plan.launchplan import LaunchPlan
 
@@ -391,32 +390,45 @@ def on_device(captured: Captured, device: torch.device) -> Captured:
     tensors = module_tensors(captured.gm)
     if all(t.device == device for t in tensors):
         return captured
-    memo = {id(t): moved(t, device) for t in tensors}  # deepcopy takes these for the module's tensors
-    gm = copy.deepcopy(captured.gm, memo).to(device)
+    gm = copy.deepcopy(captured.gm, {id(t): moved(t, device) for t in tensors})  # the module's tensors: these
     by_name = {n.name: n for n in gm.graph.nodes}
     return dataclasses.replace(captured, gm=gm, nodes={op: [by_name[n.name] for n in group]
                                                        for op, group in captured.nodes.items()})
 
 
-_MOVED = WeakIdKeyDictionary()  # a tensor -> {device: (its state, a weak reference to its copy there)}
+# (a tensor's state, the device) -> (whether its storage still exists, a weak reference to its copy there). Keyed by
+# state, not by the tensor: a weak reference to a parameter would stop torch.utils.swap_tensors (Module.to under
+# torch.__future__.set_swap_module_params_on_conversion) from swapping it.
+_MOVED: dict[tuple, tuple] = {}
 _MOVED_LOCK = threading.Lock()
 
 
 def moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` (an ``nn.Parameter`` stays one), copied once while ``t`` stays as it is
+    """``t`` on ``device`` (a parameter stays one, of its class), copied once while ``t`` stays as it is
     (:func:`~opweave.capture.runtime.tensor_state`) and while the copy is in use: every capture moved there shares
     it."""
     state = tensor_state(t)
     with _MOVED_LOCK:
-        copies = _MOVED.setdefault(t, {})
-        known = copies.get(device)
-        there = known[1]() if known is not None and state is not None and known[0] == state else None
+        key = None if state is None else (state, device)
+        known = _MOVED.get(key) if key is not None else None
+        there = known[1]() if known is not None and known[0]() else None
         if there is None:
             there = t.detach().to(device)
             if isinstance(t, nn.Parameter):
-                there = nn.Parameter(there, requires_grad=t.requires_grad)
-            copies[device] = (state, weakref.ref(there))
+                there = _parameter(t, there)
+            if key is not None:
+                for stale in [k for k, (alive, ref) in _MOVED.items() if not alive() or ref() is None]:
+                    del _MOVED[stale]
+                _MOVED[key] = (storage_alive(t), weakref.ref(there))
         return there
+
+
+def _parameter(like: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """``data`` as a parameter of ``like``'s class (``nn.Parameter`` where that class takes other arguments)."""
+    try:
+        return type(like)(data, requires_grad=like.requires_grad)
+    except TypeError:
+        return nn.Parameter(data, requires_grad=like.requires_grad)
 
 
 def _shapes(args) -> list:

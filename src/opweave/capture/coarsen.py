@@ -44,7 +44,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
 from opweave.capture import opinfo
 from opweave.capture.partition import data_edges
-from opweave.capture.runtime import Captured, tensor_state
+from opweave.capture.runtime import Captured, storage_alive, tensor_state
 from opweave.ir.graph import Edge, Op, OpGraph
 
 # (layer, BatchNorm) pairs that fold, as torch.fx.experimental.optimization.fuse folds them
@@ -144,7 +144,8 @@ def fold_batchnorm(gm: fx.GraphModule, pairs: list[tuple[str, str]] | None = Non
     return out
 
 
-# layer -> weak references to its BatchNorm and its folded copy, and their state: the copy lives while a capture uses it
+# layer -> (a weak reference to its BatchNorm, the state of their tensors, whether those still exist, a weak reference
+# to the folded copy): the copy lives while a capture uses it
 _FOLDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _FOLDED_LOCK = threading.Lock()
 
@@ -152,19 +153,23 @@ _FOLDED_LOCK = threading.Lock()
 def folded_layer(layer: nn.Module, bn: nn.Module) -> nn.Module:
     """A copy of ``layer`` (a convolution or linear layer) with the eval-mode BatchNorm ``bn`` folded into its
     weights (``torch.nn.utils.fusion``), made once per pair while their tensors stay as they are
-    (:func:`~opweave.capture.runtime.tensor_state`: weights changed in place or moved are folded again): every
-    capture of one model (a compiled model captures it again for each new input signature) shares one copy of the
-    folded weights, where each used to hold its own (four signatures, four copies)."""
-    states = [tensor_state(t) for t in (*layer.parameters(), *bn.parameters(), *bn.buffers())]
+    (:func:`~opweave.capture.runtime.tensor_state`: weights changed in place, replaced, moved or converted are
+    folded again; writes through ``.data`` are not seen): every capture of one model (a compiled model captures it
+    again for each new input signature) shares one copy of the folded weights, where each used to hold its own
+    (four signatures, four copies)."""
+    tensors = [*layer.parameters(), *bn.parameters(), *bn.buffers()]
+    states = [tensor_state(t) for t in tensors]
     state = None if None in states else (bn.eps, *states)
     with _FOLDED_LOCK:
         known = _FOLDED.get(layer)
-        fused = known[2]() if known is not None and known[0]() is bn and state is not None and known[1] == state \
-            else None
+        fused = None
+        if known is not None and state is not None and known[0]() is bn and known[1] == state and known[2]():
+            fused = known[3]()
         if fused is None:
             fused = fuse_conv_bn_eval(layer, bn) if isinstance(layer, nn.modules.conv._ConvNd) else \
                 fuse_linear_bn_eval(layer, bn)
-            _FOLDED[layer] = (weakref.ref(bn), state, weakref.ref(fused))
+            alive = [storage_alive(t) for t in tensors]
+            _FOLDED[layer] = (weakref.ref(bn), state, lambda: all(a() for a in alive), weakref.ref(fused))
         return fused
 
 

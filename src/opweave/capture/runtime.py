@@ -165,12 +165,27 @@ def static_input(x: Any) -> bool:
 
 
 def tensor_state(t: torch.Tensor) -> tuple | None:
-    """What says that ``t`` still holds what it held: its address, version, dtype and device; None for an inference
-    tensor, which keeps no version (a copy made of it cannot be known to be current)."""
+    """What says that ``t`` still holds what it held when a copy was made of it (a folded or moved weight): its
+    storage (by identity: pair it with :func:`storage_alive`, which keeps that identity from being reused once the
+    storage is freed), where in it, its shape, strides, dtype, device, ``requires_grad`` and version (bumped by every
+    in-place op on it or its views). None for an inference tensor, which keeps no version: a copy of it cannot be
+    known to be current. Writes that bypass the version counter (through ``.data`` or a NumPy view) are not seen."""
     try:
-        return t.data_ptr(), t._version, t.dtype, t.device
+        version = t._version
     except RuntimeError:
         return None
+    storage = t.untyped_storage()
+    return (storage._cdata, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device,
+            t.requires_grad, version)
+
+
+def storage_alive(t: torch.Tensor) -> Callable[[], bool]:
+    """Whether ``t``'s storage still exists (a weak reference to it: while one is held, no new storage takes its
+    identity, so a :func:`tensor_state` that matches is the same storage)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    ref = StorageWeakRef(t.untyped_storage())
+    return lambda: not ref.expired()
 
 
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -152,7 +152,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     flags = {"scheduler": scheduler, "streams": streams, "compiler": None if compiler in ("default", "none") else
              compiler, "threads": threads if threads is not None or not ray or device != "cpu" else 1}
     settings = serving_options(device, given, **flags)  # every option checked, before any model loads
-    if device == "cuda":
+    if device == "cuda" and not (ray and ray_address is not None):  # a remote cluster's replicas hold the GPUs
         import torch
 
         if not torch.cuda.is_available():  # one line, before any model loads (it loaded them and then failed)
