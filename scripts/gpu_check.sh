@@ -8,7 +8,7 @@
 # at most 10 minutes), the check is a sequence of plans, each one command sized to fit; run them in this order
 # (docs/gpu.md says what each measures and which have run). First, on a machine with network: scripts/gpu_wheels.sh
 # (cachetools, FastAPI, uvicorn, for a GPU image that lacks them and has no network). Then each plan as one command on
-# the GPU machine, with .whl/ copied beside the checkout; a lease runs an odd plan first, then at once, while the
+# the GPU machine, with .whl/ copied beside the checkout (what it writes: scripts/gpu_ingest.py OUT PLAN --commit SHA); a lease runs an odd plan first, then at once, while the
 # machine is warm, the even one after it. A configuration (model, batch, dtype) took 46-152 s with the modes below
 # (an H200, 2026-11-28, the sum of its rows' mode_s: googlenet at batch 8 fp32 to nasnet_a_mobile at batch 1 fp32;
 # max-autotune's segments compiled by Inductor now add 11-61 s on googlenet and inception_v3):
