@@ -998,3 +998,13 @@ def test_moving_a_captured_model_leaves_its_parameters_swappable():
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swapping)
     assert model[0].weight.dtype == torch.float64
+
+
+def test_a_tensor_without_a_storage_of_its_own_is_moved_every_time_not_refused():
+    from opweave.backends.cuda import moved
+    from opweave.capture.runtime import tensor_state
+
+    sparse = torch.randn(3, 3).to_sparse()
+    assert tensor_state(sparse) is None
+    first, second = moved(sparse, torch.device("meta")), moved(sparse, torch.device("meta"))
+    assert first is not second and first.device.type == "meta" and first.is_sparse

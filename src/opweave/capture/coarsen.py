@@ -168,8 +168,9 @@ def folded_layer(layer: nn.Module, bn: nn.Module) -> nn.Module:
         if fused is None:
             fused = fuse_conv_bn_eval(layer, bn) if isinstance(layer, nn.modules.conv._ConvNd) else \
                 fuse_linear_bn_eval(layer, bn)
-            alive = [storage_alive(t) for t in tensors]
-            _FOLDED[layer] = (weakref.ref(bn), state, lambda: all(a() for a in alive), weakref.ref(fused))
+            if state is not None:
+                alive = [storage_alive(t) for t in tensors]
+                _FOLDED[layer] = (weakref.ref(bn), state, lambda: all(a() for a in alive), weakref.ref(fused))
         return fused
 
 

@@ -168,15 +168,16 @@ def tensor_state(t: torch.Tensor) -> tuple | None:
     """What says that ``t`` still holds what it held when a copy was made of it (a folded or moved weight): its
     storage (by identity: pair it with :func:`storage_alive`, which keeps that identity from being reused once the
     storage is freed), where in it, its shape, strides, dtype, device, ``requires_grad`` and version (bumped by every
-    in-place op on it or its views). None for an inference tensor, which keeps no version: a copy of it cannot be
-    known to be current. Writes that bypass the version counter (through ``.data`` or a NumPy view) are not seen."""
+    in-place op on it or its views). None for an inference tensor, which keeps no version, and for a tensor without
+    a storage of its own (sparse, wrapper subclasses): a copy of those cannot be known to be current. Writes that
+    bypass the version counter (through ``.data`` or a NumPy view) are not seen."""
     try:
         version = t._version
-    except RuntimeError:
+        storage = t.untyped_storage()
+        return (storage._cdata, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                t.device, t.requires_grad, version)
+    except (RuntimeError, NotImplementedError):  # no version, or no storage (sparse, wrapper subclasses)
         return None
-    storage = t.untyped_storage()
-    return (storage._cdata, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device,
-            t.requires_grad, version)
 
 
 def storage_alive(t: torch.Tensor) -> Callable[[], bool]:
