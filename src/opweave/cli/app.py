@@ -89,11 +89,13 @@ def graph_costs(graph: OpGraph, cost_model: str) -> Costs:
     return from_graph(graph, model=cost_model)
 
 
-def scheduler_names(name: str) -> list[str]:
+def scheduler_names(name: str, also: tuple[str, ...] = ()) -> list[str]:
+    """``name`` as the schedulers it names (``all``: every one); ``also``: other names the command takes."""
     if name == "all":
         return schedulers.names()
-    if name not in schedulers.names():
-        raise UsageError(f"unknown scheduler {name!r}; choose one of {', '.join(schedulers.names())} or all")
+    if name not in schedulers.names() and name not in also:
+        raise UsageError(f"unknown scheduler {name!r}; choose {''.join(f'{a}, ' for a in also)}one of "
+                         f"{', '.join(schedulers.names())} or all")
     return [name]
 
 

@@ -21,6 +21,7 @@ from opweave.cli.app import (
     err,
     guard,
     out,
+    scheduler_names,
 )
 from opweave.errors import UsageError
 
@@ -63,9 +64,7 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
         raise UsageError(f"option {both[0]!r} given both as --{both[0]} and with --option")
     names = schedulers.names() if schedulers_ == "all" else [s.strip() for s in schedulers_.split(",") if s.strip()]
     for name in names:
-        if name != "default" and name not in schedulers.names():
-            raise UsageError(f"unknown scheduler {name!r}; choose default, any of {', '.join(schedulers.names())}, "
-                             "or all")
+        scheduler_names(name, also=("default",))
     given = [name for name in names if name != "default"]
     if given and mode.startswith("max-autotune"):
         raise UsageError(f"mode={mode} chooses its own plan, so it takes no scheduler ({given[0]!r} was given): "
