@@ -85,7 +85,7 @@ from opweave.backends.liveness import FakeRun, release_keys, static_buffers, ste
 from opweave.backends.program import Lane, Program, Step
 from opweave.backends.runtime import CUDA, Runtime
 from opweave.backends.streams import CudaLanes, default_streams, stream_pool
-from opweave.capture.runtime import Captured, as_tuple, module_tensors, static_input, storage_alive, tensor_state
+from opweave.capture.runtime import Captured, SharedCopies, as_tuple, module_tensors, static_input
 from opweave.errors import DeviceError, UsageError
 from opweave.plan.launchplan import LaunchPlan
 
@@ -396,31 +396,17 @@ def on_device(captured: Captured, device: torch.device) -> Captured:
                                                        for op, group in captured.nodes.items()})
 
 
-# (a tensor's state, the device) -> (whether its storage still exists, a weak reference to its copy there). Keyed by
-# state, not by the tensor: a weak reference to a parameter would stop torch.utils.swap_tensors (Module.to under
-# torch.__future__.set_swap_module_params_on_conversion) from swapping it.
-_MOVED: dict[tuple, tuple] = {}
-_MOVED_LOCK = threading.Lock()
+_MOVED = SharedCopies()
 
 
 def moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` (a parameter stays one, of its class), copied once while ``t`` stays as it is
-    (:func:`~opweave.capture.runtime.tensor_state`) and while the copy is in use: every capture moved there shares
-    it."""
-    state = tensor_state(t)
-    with _MOVED_LOCK:
-        key = None if state is None else (state, device)
-        known = _MOVED.get(key) if key is not None else None
-        there = known[1]() if known is not None and known[0]() else None
-        if there is None:
-            there = t.detach().to(device)
-            if isinstance(t, nn.Parameter):
-                there = _parameter(t, there)
-            if key is not None:
-                for stale in [k for k, (alive, ref) in _MOVED.items() if not alive() or ref() is None]:
-                    del _MOVED[stale]
-                _MOVED[key] = (storage_alive(t), weakref.ref(there))
-        return there
+    """``t`` on ``device`` (a parameter stays one, of its class), copied once while ``t`` stays as it is and while
+    the copy is in use (:class:`~opweave.capture.runtime.SharedCopies`): every capture moved there shares it."""
+    def move() -> torch.Tensor:
+        there = t.detach().to(device)
+        return _parameter(t, there) if isinstance(t, nn.Parameter) else there
+
+    return _MOVED.get((device,), [t], move)
 
 
 def _parameter(like: nn.Parameter, data: torch.Tensor) -> nn.Parameter:

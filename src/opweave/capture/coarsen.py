@@ -36,15 +36,12 @@ turn a plan's stream segments into ops (:mod:`opweave.backends.segments`).
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 from torch import fx, nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
 from opweave.capture import opinfo
 from opweave.capture.partition import data_edges
-from opweave.capture.runtime import Captured, storage_alive, tensor_state
+from opweave.capture.runtime import Captured, SharedCopies
 from opweave.ir.graph import Edge, Op, OpGraph
 
 # (layer, BatchNorm) pairs that fold, as torch.fx.experimental.optimization.fuse folds them
@@ -144,34 +141,21 @@ def fold_batchnorm(gm: fx.GraphModule, pairs: list[tuple[str, str]] | None = Non
     return out
 
 
-# layer -> (a weak reference to its BatchNorm, the state of their tensors, whether those still exist, a weak reference
-# to the folded copy): the copy lives while a capture uses it
-_FOLDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_FOLDED_LOCK = threading.Lock()
+_FOLDED = SharedCopies()
 
 
 def folded_layer(layer: nn.Module, bn: nn.Module) -> nn.Module:
     """A copy of ``layer`` (a convolution or linear layer) with the eval-mode BatchNorm ``bn`` folded into its
     weights (``torch.nn.utils.fusion``), made once per pair while their tensors stay as they are
-    (:func:`~opweave.capture.runtime.tensor_state`: weights changed in place, replaced, moved or converted are
+    (:class:`~opweave.capture.runtime.SharedCopies`: weights changed in place, replaced, moved or converted are
     folded again; writes through ``.data`` are not seen): every capture of one model (a compiled model captures it
     again for each new input signature) shares one copy of the folded weights, where each used to hold its own
     (four signatures, four copies)."""
-    tensors = [*layer.parameters(), *bn.parameters(), *bn.buffers()]
-    states = [tensor_state(t) for t in tensors]
-    state = None if None in states else (bn.eps, *states)
-    with _FOLDED_LOCK:
-        known = _FOLDED.get(layer)
-        fused = None
-        if known is not None and state is not None and known[0]() is bn and known[1] == state and known[2]():
-            fused = known[3]()
-        if fused is None:
-            fused = fuse_conv_bn_eval(layer, bn) if isinstance(layer, nn.modules.conv._ConvNd) else \
-                fuse_linear_bn_eval(layer, bn)
-            if state is not None:
-                alive = [storage_alive(t) for t in tensors]
-                _FOLDED[layer] = (weakref.ref(bn), state, lambda: all(a() for a in alive), weakref.ref(fused))
-        return fused
+    def fold() -> nn.Module:
+        return fuse_conv_bn_eval(layer, bn) if isinstance(layer, nn.modules.conv._ConvNd) else \
+            fuse_linear_bn_eval(layer, bn)
+
+    return _FOLDED.get((bn.eps,), [*layer.parameters(), *bn.parameters(), *bn.buffers()], fold, owners=(layer, bn))
 
 
 def merge_ops(captured: Captured, groups: list[list[str]], gm: fx.GraphModule | None = None,

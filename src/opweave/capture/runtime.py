@@ -9,6 +9,8 @@ time. An op that raises is re-raised as :class:`~opweave.errors.CaptureError` na
 from __future__ import annotations
 
 import inspect
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -166,11 +168,11 @@ def static_input(x: Any) -> bool:
 
 def tensor_state(t: torch.Tensor) -> tuple | None:
     """What says that ``t`` still holds what it held when a copy was made of it (a folded or moved weight): its
-    storage (by identity: pair it with :func:`storage_alive`, which keeps that identity from being reused once the
-    storage is freed), where in it, its shape, strides, dtype, device, ``requires_grad`` and version (bumped by every
-    in-place op on it or its views). None for an inference tensor, which keeps no version, and for a tensor without
-    a storage of its own (sparse, wrapper subclasses): a copy of those cannot be known to be current. Writes that
-    bypass the version counter (through ``.data`` or a NumPy view) are not seen."""
+    storage (by identity: :class:`SharedCopies` keeps a weak reference to it, so that identity is not reused once
+    the storage is freed), where in it, its shape, strides, dtype, device, ``requires_grad`` and version (bumped by
+    every in-place op on it or its views). None for an inference tensor, which keeps no version, and for a tensor
+    without a storage of its own (sparse, wrapper subclasses): a copy of those cannot be known to be current. Writes
+    that bypass the version counter (through ``.data`` or a NumPy view) are not seen."""
     try:
         version = t._version
         storage = t.untyped_storage()
@@ -180,13 +182,46 @@ def tensor_state(t: torch.Tensor) -> tuple | None:
         return None
 
 
-def storage_alive(t: torch.Tensor) -> Callable[[], bool]:
-    """Whether ``t``'s storage still exists (a weak reference to it: while one is held, no new storage takes its
-    identity, so a :func:`tensor_state` that matches is the same storage)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
+class SharedCopies:
+    """Copies made of a model's tensors (a BatchNorm folded into its convolution, weights moved to another device),
+    each made once and shared by every caller while its sources stay as they are (:func:`tensor_state`; a weak
+    reference to each source's storage keeps that storage's identity from being reused) and while a caller still
+    holds the copy (the cache keeps only a weak reference to it). Entries are keyed by the sources' states, never by
+    weak references to the tensors themselves, which would stop ``torch.utils.swap_tensors`` (``Module.to`` under
+    ``torch.__future__.set_swap_module_params_on_conversion``) from swapping them."""
 
-    ref = StorageWeakRef(t.untyped_storage())
-    return lambda: not ref.expired()
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, sources: list[torch.Tensor], make: Callable[[], Any], owners: tuple = ()) -> Any:
+        """The copy of ``sources`` that ``make`` makes, for ``key`` (what else the copy depends on); ``owners``,
+        objects the copy was made from, must be the very ones (held by weak reference). A source without a state
+        (:func:`tensor_state`) is copied anew each time."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        states = [tensor_state(t) for t in sources]
+        if None in states:
+            return make()
+        full = (key, *states)
+        with self._lock:
+            known = self._entries.get(full)
+            made = None
+            if known is not None and self._alive(known) and all(
+                    r() is o for r, o in zip(known[1], owners, strict=True)):
+                made = known[2]()
+            if made is None:
+                made = make()
+                self._entries = {k: e for k, e in self._entries.items() if self._alive(e)}
+                storages = [StorageWeakRef(t.untyped_storage()) for t in sources]
+                self._entries[full] = (storages, [weakref.ref(o) for o in owners], weakref.ref(made))
+            return made
+
+    @staticmethod
+    def _alive(entry: tuple) -> bool:
+        """Whether the entry's sources and its copy still exist."""
+        storages, _, made = entry
+        return made() is not None and not any(s.expired() for s in storages)
 
 
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
