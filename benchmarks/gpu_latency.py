@@ -354,14 +354,13 @@ def weight_copies_mb(fast, model) -> float | None:
     """MB of the parameters and buffers the compiled ``fast`` holds that ``model`` does not hold itself (each storage
     once): the copies it made of weights, such as the convolutions that coarsening folded a BatchNorm into. None
     where ``fast`` runs no captured module of its own (a search that kept torch.compile)."""
-    import itertools
+    from opweave.capture.runtime import module_tensors
 
     gm = getattr(getattr(getattr(fast, "backend", None), "captured", None), "gm", None)
     if gm is None:
         return None
-    own = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
-    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in itertools.chain(gm.parameters(), gm.buffers())}
+    own = {t.untyped_storage().data_ptr() for t in module_tensors(model)}
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in module_tensors(gm)}
     return sum(n for ptr, n in held.items() if ptr not in own) / 2**20
 
 

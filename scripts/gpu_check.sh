@@ -2,16 +2,17 @@
 # The whole GPU check, on a GPU machine with no network whose python3 already has torch, torchvision, timm,
 # transformers, pytest and pytest-timeout (no venv: the project is installed into that python3, without its deps).
 #
-#   OUT=/some/dir scripts/gpu_check.sh [lease5 | lease6 | ... | lease10 | env tests more trace profile bench]   # default: all six
+#   OUT=/some/dir scripts/gpu_check.sh [lease5 | ... | lease10 | env tests more trace profile bench]  # default: all six
 #
 # Where GPU time comes in short leases (say 15 minutes of device time, the machine's start included, each command
 # at most 10 minutes), the check is a sequence of plans, each one command sized to fit; run them in this order
 # (docs/gpu.md says what each measures and which have run). First, on a machine with network: scripts/gpu_wheels.sh
 # (cachetools, FastAPI, uvicorn, for a GPU image that lacks them and has no network). Then each plan as one command on
-# the GPU machine, with .whl/ copied beside the checkout (what it writes: scripts/gpu_ingest.py OUT PLAN --commit SHA); a lease runs an odd plan first, then at once, while the
-# machine is warm, the even one after it. A configuration (model, batch, dtype) took 46-152 s with the modes below
-# (an H200, 2026-11-28, the sum of its rows' mode_s: googlenet at batch 8 fp32 to nasnet_a_mobile at batch 1 fp32;
-# max-autotune's segments compiled by Inductor now add 11-61 s on googlenet and inception_v3):
+# the GPU machine, with .whl/ copied beside the checkout (what it writes: scripts/gpu_ingest.py OUT PLAN --commit
+# SHA); a lease runs an odd plan first, then at once, while the machine is warm, the even one after it. A
+# configuration (model, batch, dtype) took 46-152 s with the modes below (an H200, 2026-11-28, the sum of its rows'
+# mode_s: googlenet at batch 8 fp32 to nasnet_a_mobile at batch 1 fp32; max-autotune's segments compiled by Inductor
+# now add 11-61 s on googlenet and inception_v3):
 #   lease, lease2  (ran 2026-11-28) batch 8 fp16 and batch 1 fp32
 #   lease3, lease4 (ran 2026-11-28, a second machine) every CUDA test; randwire at batch 8 fp16, nasnet_a_mobile and
 #            randwire at batch 1 fp32, googlenet and inception_v3 at batch 8 fp32; then lease6 with a 175 s limit
