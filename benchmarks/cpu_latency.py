@@ -415,8 +415,58 @@ def summarize(rows: list[dict]) -> list[dict]:
             # "eager": the default runs the model itself (api._guarded), so the ratio is the machine's noise
             entry["default_choice"] = next((r.get("timed_choice") for r in rows if (r["model"], r["batch"], r["mode"])
                                             == (*key, "opweave default")), None)
+        entry.update(against_torch_compile([r for r in rows if (r["model"], r["batch"]) == key]))
         out.append(entry)
     return out
+
+
+def against_torch_compile(rows: list[dict]) -> dict:
+    """The default's and max-autotune's medians and cold builds against ``torch.compile``'s (default mode), from one
+    model's and batch's rows: ``default_vs_torch_compile`` (a ratio of medians, above 1 when the default is faster),
+    ``spreads_overlap`` (whether their p10-p90 spreads overlap: then the ratio is no difference), the builds as a
+    share of torch.compile's cold compile, and what the default picked with which compiler."""
+    timed = {r["mode"]: r for r in rows if "median_ms" in r}
+    peer = timed.get("torch.compile")
+    out: dict = {}
+    if peer is None:
+        return out
+    for mode, name in (("opweave default", "default"), ("opweave max-autotune", "max_autotune")):
+        if mode not in timed:
+            continue
+        row = timed[mode]
+        out[f"{name}_vs_torch_compile"] = round(peer["median_ms"] / row["median_ms"], 3)
+        out[f"{name}_spreads_overlap"] = row["p10_ms"] <= peer["p90_ms"] and peer["p10_ms"] <= row["p90_ms"]
+        out[f"{name}_build_vs_torch_compile"] = round(row["compile_s"] / peer["compile_s"], 3)
+    if "opweave default" in timed:
+        out["default_compiler"] = (timed["opweave default"].get("choice") or {}).get("compiler")
+    return out
+
+
+def verdict(summary: list[dict], rows: list[dict]) -> str:
+    """The default and max-autotune against ``torch.compile`` per model and batch: the ratio of medians (``~`` where
+    the p10-p90 spreads overlap: no difference), each mode's cold build in seconds, and what the default kept."""
+    shown = [s for s in summary if "default_vs_torch_compile" in s]
+    if not shown:
+        return ""
+
+    def build_s(s: dict, mode: str) -> str:
+        row = next((r for r in rows if (r["model"], r["batch"], r["mode"]) == (s["model"], s["batch"], mode)), {})
+        return f"{row['compile_s']:.1f}" if "compile_s" in row else ""
+
+    def ratio(s: dict, name: str) -> str:
+        if f"{name}_vs_torch_compile" not in s:
+            return ""
+        return ("~" if s[f"{name}_spreads_overlap"] else "") + f"{s[f'{name}_vs_torch_compile']:.2f}x"
+
+    lines = ["**against torch.compile** (ratio of medians, above 1 faster; ~: the p10-p90 spreads overlap; cold "
+             "builds in s)", "",
+             "| model | batch | default | max-autotune | default's pick | build: torch.compile | default | "
+             "max-autotune |", "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for s in shown:
+        lines.append(f"| {s['model']} | {s['batch']} | {ratio(s, 'default')} | {ratio(s, 'max_autotune')} | "
+                     f"{s.get('default_choice') or ''} | {build_s(s, 'torch.compile')} | "
+                     f"{build_s(s, 'opweave default')} | {build_s(s, 'opweave max-autotune')} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(rows: list[dict], summary: list[dict], modes: list[str]) -> str:
@@ -476,7 +526,9 @@ def document(data: dict, stem: str = "cpu_latency") -> str:
             f"{machine['platform'].split('-')[0]} with {machine['cpus_usable']} usable cores, torch "
             f"{machine['torch']}, Python {machine['python']}"
             + (f" (modes renamed since: {'; '.join(renamed)})" if renamed else "") + ".")
-    return head + "\n\n" + markdown(data["rows"], data["summary"], data["settings"]["modes"])
+    against = verdict(data["summary"], data["rows"])
+    return head + "\n\n" + markdown(data["rows"], data["summary"], data["settings"]["modes"]) + (
+        "\n" + against if against else "")
 
 
 def plot(rows: list[dict], summary: list[dict], path: Path) -> None:

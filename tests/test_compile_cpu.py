@@ -1,6 +1,7 @@
 """End to end on CPU: every zoo model, every scheduler, outputs equal eager."""
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -178,20 +179,104 @@ def test_the_cpu_target_runs_a_validated_plan_fused_or_not():
             assert compare(reference, fast(*inputs)).max_diff < 1e-5
 
 
-def test_the_default_cpu_plan_is_kept_only_when_it_beats_one_lane_and_the_model_itself():
-    # with no scheduler, streams or fuse given, compile times its multi-lane plan against one lane (eager's order)
-    # and the model itself, and keeps the fastest, so the default is never slower than eager; a plan asked for is
-    # kept as it is
+def scripted(times: dict[str, float]):
+    """A clock for the CPU default's race: each candidate's call takes what ``times`` says (ms), whatever it does."""
+    return lambda label, fn: (fn(), times[label])[1]
+
+
+@pytest.mark.parametrize("fastest", ["onnxruntime", "eager", "lanes"])
+def test_the_cpu_default_keeps_the_fastest_of_onnxruntime_its_lanes_and_the_model(monkeypatch, fastest):
+    # with ONNX Runtime installed the default's candidates are the model in one segment compiled by it, the lanes of
+    # the captured ops and the model itself; its race keeps the one its clock says is fastest, and that one runs
+    from opweave.pipeline import autotune
+
     model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
-    fast = opweave.compile(model, inputs)
-    assert fast.choice["label"] in ("lanes", "one lane", "eager")
-    assert set(fast.choice["candidates"]) == {"lanes", "one lane", "eager"}
-    assert (fast.schedule.streams_used == 1) == (fast.choice["label"] != "lanes")
-    timed = {k: v["median_ms"] for k, v in fast.choice["candidates"].items()}
-    assert timed[fast.choice["label"]] == min(timed.values())
+    monkeypatch.setattr(autotune, "TIMER", scripted({"onnxruntime": 3.0, "eager": 3.0, "lanes": 3.0, "one lane": 3.0,
+                                                     fastest: 1.0}))
+    fast = opweave.compile(model, inputs, threads=2)
+    assert set(fast.choice["candidates"]) == {"onnxruntime", "lanes", "eager"}
+    assert fast.choice["label"] == fastest and fast.choice["compiler"] == (
+        "onnxruntime" if fastest == "onnxruntime" else None)
+    if fastest == "onnxruntime":
+        assert fast.fused.stats["segments"] == 1 and fast.fused.stats["fallbacks"] == 0
+    if fastest == "eager":
+        assert isinstance(fast.backend, EagerBackend) and fast.backend.model is model
+    assert (fast.schedule.streams_used > 1) == (fastest == "lanes")
     with torch.inference_mode():
         assert compare(model(*inputs), fast(*inputs)).ok
-    assert opweave.compile(model, inputs, scheduler="heft").choice is None
+    assert opweave.compile(model, inputs, scheduler="heft").choice is None  # a plan asked for is kept as it is
+
+
+def test_the_cpu_default_tries_lanes_of_onnxruntime_segments_only_where_the_cores_allow(monkeypatch):
+    from opweave.pipeline import autotune
+
+    model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
+    monkeypatch.setattr(autotune, "TIMER", scripted({"onnxruntime": 3.0, "eager": 3.0, "lanes": 3.0,
+                                                     "onnxruntime lanes": 1.0}))
+    fast = opweave.compile(model, inputs, threads=autotune.LANE_CORES)
+    assert set(fast.choice["candidates"]) == {"onnxruntime", "onnxruntime lanes", "lanes", "eager"}
+    assert fast.choice["label"] == "onnxruntime lanes" and fast.schedule.streams_used > 1
+    assert fast.fused.stats["segments"] > 1
+    with torch.inference_mode():
+        assert compare(model(*inputs), fast(*inputs)).ok
+
+
+def test_the_cpu_default_without_onnxruntime_says_so_once_and_chooses_as_before(monkeypatch):
+    from opweave.backends import compilers
+    from opweave.pipeline import autotune
+
+    monkeypatch.setattr(compilers, "available", lambda: ["inductor"])
+    monkeypatch.setattr(autotune, "TIMER", scripted({"eager": 3.0, "lanes": 1.0, "one lane": 2.0}))
+    autotune._say_missing.cache_clear()
+    model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
+    with pytest.warns(UserWarning, match=r"ONNX Runtime is not installed.*pip install 'opweave\[onnx\]'"):
+        fast = opweave.compile(model, inputs, threads=2)
+    assert set(fast.choice["candidates"]) == {"lanes", "one lane", "eager"} and fast.choice["label"] == "lanes"
+    assert fast.fused is None and fast.choice["compiler"] is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: a second compile is silent
+        again = opweave.compile(model, inputs, threads=2)
+    assert again.choice["label"] == "lanes"
+    with torch.inference_mode():
+        assert compare(model(*inputs), fast(*inputs)).ok
+
+
+def test_a_compiled_candidate_that_does_not_equal_the_model_is_left_out_of_the_default(monkeypatch):
+    from opweave.backends import compilers
+    from opweave.pipeline import autotune
+
+    class Wrong:
+        name, per_op_threads = "onnxruntime", True
+
+        def __call__(self, gm, inputs, threads, *, alone=False):
+            return lambda *xs: tuple(y + 1 for y in gm(*xs))
+
+    monkeypatch.setitem(compilers.COMPILERS, "onnxruntime", Wrong)
+    monkeypatch.setattr(autotune, "TIMER", scripted({"eager": 2.0, "lanes": 3.0, "one lane": 1.0}))
+    model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
+    fast = opweave.compile(model, inputs, threads=2)
+    assert "onnxruntime" in fast.choice["left_out"] and "onnxruntime" not in fast.choice["candidates"]
+    assert fast.choice["label"] == "one lane" and fast.fused is None
+    with torch.inference_mode():
+        assert compare(model(*inputs), fast(*inputs)).ok
+
+
+def test_the_race_drops_what_cannot_win_after_two_calls_and_times_the_rest():
+    from opweave.costs.timing import race_ms
+
+    calls = {"fast": 0, "close": 0, "slow": 0}
+
+    def counted(label):
+        return lambda: calls.__setitem__(label, calls[label] + 1)
+
+    ms = {"fast": 1.0, "close": 1.1, "slow": 2.0}
+    times, dropped = race_ms({k: counted(k) for k in ms}, rounds=6, warmup=1,
+                             timer=lambda label, fn: (fn(), ms[label])[1])
+    assert dropped == {"slow"} and calls == {"fast": 7, "close": 7, "slow": 3}
+    assert len(times["slow"]) == 2 and len(times["fast"]) == 6
+    times, dropped = race_ms({k: counted(k) for k in ("fast", "slow")}, rounds=6, warmup=0,
+                             timer=lambda label, fn: (fn(), ms[label])[1])
+    assert dropped == {"slow"} and len(times["fast"]) == 2  # one left: the race ends
 
 
 def test_the_default_keeps_the_model_itself_when_it_wins_and_runs_it_as_the_lanes_would():

@@ -68,3 +68,38 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, rounds: int = 5, run
         for label in names[start:] + names[:start]:
             times[label] += times_ms(fns[label], runs=calls, warmup=0, device=device, sync=sync)
     return times
+
+
+def race_ms(fns: dict[str, Callable[[], object]], *, rounds: int = 15, margin: float = 1.25, warmup: int = 1,
+            timer: Callable[[str, Callable[[], object]], float] | None = None) -> tuple[dict[str, list[float]], set]:
+    """Milliseconds of each call of ``fns``, timed interleaved one call per round (each round starting one further),
+    dropping a function once it cannot be the fastest: from the second round on, one whose fastest call is more than
+    ``margin`` times the leader's median (the lowest). Stops when one is left after two rounds or after ``rounds``.
+    A candidate that is twice as slow costs ``warmup`` + 2 calls, not ``rounds``: a measured choice among a few
+    plans then costs about what timing its winner does. Returns every call's time per function and those dropped.
+    ``timer(label, fn)``: the milliseconds of one call (default: ``perf_counter`` around it; tests give a script)."""
+
+    def clock(label: str, fn: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    timer = timer or clock
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    names = list(fns)
+    times: dict[str, list[float]] = {label: [] for label in names}
+    left, dropped = list(names), set()
+    for k in range(rounds):
+        start = k % len(left)
+        for label in left[start:] + left[:start]:
+            times[label].append(timer(label, fns[label]))
+        if k >= 1:
+            lead = min(statistics.median(times[label]) for label in left)
+            out = {label for label in left if min(times[label]) > margin * lead}
+            dropped |= out
+            left = [label for label in left if label not in out]
+            if len(left) == 1:
+                break
+    return times, dropped

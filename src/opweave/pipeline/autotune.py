@@ -23,8 +23,10 @@ what runs its ops: a compiler whose pools sleep when idle gets per-op budgets) a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,70 +51,171 @@ class Candidate:
         return {"label": self.label, "changes": self.changes, "costs": self.costs, "whole": self.whole}
 
 
+TIMER = None  # the clock of measured choices on the CPU: None, perf_counter around each call; tests set a script
+
+
 def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: int = 5, runs: int = 3,
             runtime=None) -> tuple[str, dict[str, float]]:
-    """The label of the fastest of ``built`` by median time, and every median (ms), timed interleaved (on CUDA with
-    its events; on a stand-in ``runtime``, the fake one, on the host's clock with a synchronize after each call),
-    under ``no_grad`` as they were checked: timed under ``inference_mode``, ``torch.compile`` runs code compiled for
-    another grad mode, measured 1.2-1.8x slower on an H200 than in the mode it was compiled in."""
+    """The label of the fastest of ``built`` by median time, and every median (ms), timed interleaved under
+    ``no_grad`` as they were checked: timed under ``inference_mode``, ``torch.compile`` runs code compiled for
+    another grad mode, measured 1.2-1.8x slower on an H200 than in the mode it was compiled in. On the CPU a race
+    (:func:`opweave.costs.timing.race_ms`, ``rounds x runs`` calls at most, on :data:`TIMER`): a candidate that
+    cannot win is dropped after its second call, so a choice among a few plans costs little more than timing the
+    winner; on CUDA ``rounds`` rounds of ``runs`` calls each with its events (on a stand-in ``runtime``, the fake
+    one, on the host's clock with a synchronize after each call)."""
     import torch
 
     from opweave.backends.runtime import CudaRuntime
-    from opweave.costs.timing import interleaved_ms
+    from opweave.costs.timing import interleaved_ms, race_ms
 
-    sync = runtime.synchronize if device == "cuda" and runtime is not None and not isinstance(
-        runtime, CudaRuntime) else None
+    calls = {label: (lambda f=fast: f(*inputs)) for label, fast in built.items()}
     with torch.no_grad():  # the mode candidates are checked in: torch.compile's code is compiled for it
-        times = interleaved_ms({label: (lambda f=fast: f(*inputs)) for label, fast in built.items()},
-                               rounds=rounds, runs=runs, device=device, sync=sync)
+        if device == "cpu":
+            times, _ = race_ms(calls, rounds=rounds * runs, timer=TIMER)
+        else:
+            sync = runtime.synchronize if runtime is not None and not isinstance(runtime, CudaRuntime) else None
+            times = interleaved_ms(calls, rounds=rounds, runs=runs, device=device, sync=sync)
     medians = {label: round(statistics.median(ts), 4) for label, ts in times.items()}
     return min(medians, key=medians.get), medians
 
 
+LANE_CORES = 4  # the CPU default tries lanes of compiled segments only with at least this many threads
+DEFAULT_LABELS = ("onnxruntime", "onnxruntime lanes", "lanes", "one lane", "eager")  # what the CPU default may keep
+
+
 def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager) -> Compiled:
-    """The fastest of ``compiled`` (when it has more than one lane), one lane and ``eager`` (when given), measured;
-    the others closed."""
+    """The CPU default: the fastest of a few candidates, measured (:func:`fastest`'s race), the others closed.
+
+    * ``onnxruntime``: the model in the order it was captured, its one segment compiled by ONNX Runtime
+      (``scheduler="sequential", compiler="onnxruntime"``), when ONNX Runtime is installed (the ``onnx`` extra;
+      without it, one line says so, once, and the candidates are today's eager ones). ``onnxruntime lanes``: the
+      lanes of ``compiled``'s plan, each segment compiled by it, only with at least :data:`LANE_CORES` threads: on 2
+      cores these lanes were 1.3-2.0x slower than one ONNX Runtime segment on all four multi-branch models
+      (``benchmarks/results/cpu_default_vs_torch_compile.json``), the cores being taken by ONNX Runtime's own
+      intra-op threads. A compiled candidate whose output does not equal the model's is left out (said in the
+      choice).
+    * ``lanes``: ``compiled`` when its plan has more than one lane (each lane the captured ops);
+    * ``one lane``: the captured ops in the model's order, when no compiled candidate is built;
+    * ``eager``: the model itself (when given), so the default is never slower than the model.
+
+    Choice (:data:`opweave.pipeline.compiled.Compiled.choice`): ``label``, each candidate's ``median_ms`` and the
+    ``compiler`` its segments were compiled by (None: none)."""
     from opweave.backends.cpu import EagerBackend
     from opweave.pipeline.targets import CpuTarget
 
-    built = {}
-    if compiled.schedule.streams_used > 1:
+    compiler = default_compiler()
+    built: dict[str, Compiled] = {}
+    lanes = compiled.schedule.streams_used > 1
+    if lanes:
         built["lanes"] = compiled
-        one = options.replace(scheduler="sequential", streams=1, costs=compiled.costs, coarsen=False,
-                              scheduler_options=None, given=options.given | {"scheduler"})
-        built["one lane"] = CpuTarget().build(captured, inputs, one)
-    else:
-        built["one lane"] = compiled
-    if eager is not None:
-        one = built["one lane"]
-        built["eager"] = dataclasses.replace(one, backend=EagerBackend(eager, threads=options.threads), fused=None)
+    one = options.replace(scheduler="sequential", streams=1, costs=compiled.costs, coarsen=False,
+                          scheduler_options=None, given=options.given | {"scheduler"})
+    left_out: dict[str, str] = {}
+    if compiler is not None:
+        with_compiler = {"compiler": compiler, "given": one.given | {"compiler"}}
+        tries = {"onnxruntime": lambda: CpuTarget().build(captured, inputs, one.replace(**with_compiler))}
+        if lanes and options.threads >= LANE_CORES:
+            def lanes_compiled():
+                fast = CpuTarget().runnable(captured, compiled.plan, inputs, options.replace(**with_compiler),
+                                            compiled.costs)
+                fast.schedule = compiled.schedule
+                return fast
+            tries["onnxruntime lanes"] = lanes_compiled
+        agrees = _Check(captured, inputs, eager)
+        for label, make in tries.items():
+            fast, why = _checked(make, agrees)
+            if fast is None:
+                left_out[label] = why
+            else:
+                built[label] = fast
+    if "onnxruntime" not in built:  # no compiled candidate in one lane: the captured ops in the model's order
+        built["one lane"] = CpuTarget().build(captured, inputs, one) if lanes else compiled
+    elif not lanes:
+        compiled.close()
+    if eager is not None:  # the model itself, with the metadata of a one-lane plan
+        base = built.get("onnxruntime") or built["one lane"]
+        built["eager"] = dataclasses.replace(base, backend=EagerBackend(eager, threads=options.threads), fused=None)
     if len(built) == 1:
-        return compiled
+        kept = next(iter(built.values()))
+        if compiler is not None:
+            label = next(iter(built))
+            kept.choice = {"label": label, "compiler": compiler if label.startswith("onnxruntime") else None,
+                           "candidates": {}, "left_out": left_out}
+        return kept
     best, medians = fastest(built, inputs)
     for label, other in built.items():
-        if label != best:
+        if label != best and other.backend is not built[best].backend:
             other.close()
     kept = built[best]
-    kept.choice = {"label": best, "candidates": {k: {"median_ms": v} for k, v in medians.items()}}
+    kept.choice = {"label": best, "compiler": compiler if best.startswith("onnxruntime") else None,
+                   "candidates": {k: {"median_ms": v} for k, v in medians.items()}}
+    if left_out:
+        kept.choice["left_out"] = left_out
     return kept
 
 
-# ---- mode="max-autotune" ------------------------------------------------------------------------------------------
-def cpu_candidates(sync_ms: float) -> list[Candidate]:
-    """One lane (the caller's threads) or one lane per core (HEFT at several sync costs), unfused and with every
-    segment compiler present, and lanes over ONNX Runtime's graph; Inductor's segments compile slowly, so once per
-    plan. A segment boundary costs ONNX Runtime a call (and, over its whole graph, some locality), hence higher
-    weights there."""
+def default_compiler() -> str | None:
+    """The segment compiler the CPU default tries: ONNX Runtime when installed, else None, said once
+    (:func:`_say_missing`)."""
     from opweave.backends.compilers import available
 
-    compilers = [None, *available()]
+    if "onnxruntime" in available():
+        return "onnxruntime"
+    _say_missing()
+    return None
+
+
+@functools.cache
+def _say_missing() -> None:
+    warnings.warn("ONNX Runtime is not installed: opweave's CPU default runs the model's own kernels, without the "
+                  "segments ONNX Runtime compiles (1.75-3.6x faster than eager on the zoo's multi-branch models); "
+                  "pip install 'opweave[onnx]' brings it", stacklevel=2)
+
+
+def _checked(make, agrees) -> tuple[Compiled | None, str]:
+    """``make()`` and whether its output equals the model's: the candidate, or None and why not. The segment
+    compiler's own warnings (a segment it could not compile runs op by op) are the candidate's, not the caller's:
+    the choice's timing decides what they cost."""
+    import torch
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fast = make()
+        with torch.no_grad():
+            check = agrees(fast(*agrees.inputs))
+    except Exception as exc:  # noqa: BLE001 - a candidate that cannot be built is left out, and said so
+        return None, first_line(exc)
+    if not check.ok:
+        fast.close()
+        return None, check.reason
+    return fast, ""
+
+
+# ---- mode="max-autotune" ------------------------------------------------------------------------------------------
+def cpu_candidates(sync_ms: float, compilers: list[str] | None = None) -> list[Candidate]:
+    """One lane (the caller's threads) or one lane per core (HEFT at several sync costs), unfused and with each
+    segment compiler present (``compilers``, default :func:`opweave.backends.compilers.available`), and lanes over
+    ONNX Runtime's graph. A segment boundary costs ONNX Runtime a call (and, over its whole graph, some locality),
+    hence higher weights there.
+
+    Inductor's segments (one lane) are tried only where ONNX Runtime is not installed: on the 2-core machine they
+    compiled in 22-68 s, the whole search's cold build otherwise, and lost to one ONNX Runtime segment on all four
+    multi-branch models but RandWire once, within its spread (16.0 against 16.7 ms on 2026-11-26; 19.7 against 18.7
+    on 2026-11-28); HEFT's lanes of Inductor segments (37-163 s each) were never the fastest
+    (``benchmarks/results/cpu_latency.json``, ``cpu_default_vs_torch_compile.json``)."""
+    from opweave.backends.compilers import available
+
+    compilers = available() if compilers is None else compilers
+    if "onnxruntime" in compilers:
+        compilers = [c for c in compilers if c != "inductor"]
     out = []
-    for compiler in compilers:
+    for compiler in [None, *compilers]:
         base = {"compiler": compiler} if compiler else {}
         costs = "onnxruntime" if compiler == "onnxruntime" else "eager"  # Inductor plans on eager's kernels
         name = f"+{compiler}" if compiler else ""
         out.append(Candidate(f"sequential{name}", {**base, "scheduler": "sequential", "streams": 1}, costs))
-        for k in {None: (1, 4), "onnxruntime": (1, 4, 16), "inductor": (4,)}[compiler]:
+        for k in {None: (1, 4), "onnxruntime": (1, 4, 16), "inductor": ()}[compiler]:
             sync = round(k * sync_ms, 4)
             out.append(Candidate(f"heft{name} sync {sync}", {**base, "scheduler": "heft",
                                                              "scheduler_options": {"sync_ms": sync}}, costs))
@@ -373,4 +476,5 @@ class _Cloned:
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.fn(*args))
 
 
-__all__ = ["SEGMENTED_SYNCS", "Candidate", "cpu_candidates", "cuda_candidates", "fastest", "guarded", "search"]
+__all__ = ["DEFAULT_LABELS", "LANE_CORES", "SEGMENTED_SYNCS", "Candidate", "cpu_candidates", "cuda_candidates",
+           "default_compiler", "fastest", "guarded", "search"]

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-SEARCH = 2  # raised whenever a device's candidate list changes (2: CUDA's segments compiled by Inductor)
+SEARCH = 3  # raised whenever a device's candidate list changes (2: CUDA's segments compiled by Inductor; 3: the CPU
+# list without Inductor where ONNX Runtime is installed)
 
 
 def cache_path() -> Path:
