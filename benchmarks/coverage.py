@@ -27,7 +27,8 @@ def main() -> None:
     names = common.split_names(args.models, list(coverage.MODELS), "model") or list(coverage.MODELS)
     if args.quick and not args.models:
         names = [next(n for n in names if n.startswith(prefix)) for prefix in ("torchvision:", "timm:", "hf:")]
-    schedulers = common.split_names(args.schedulers, list(coverage.SCHEDULERS), "scheduler") or coverage.SCHEDULERS
+    schedulers = (common.split_names(args.schedulers, [*coverage.SCHEDULERS, "default"], "scheduler")
+                  or coverage.SCHEDULERS)
     torch.set_num_threads(1)
     watch = common.Stopwatch()
     rows = []

@@ -36,6 +36,15 @@ def test_model_equals_eager_under_every_scheduler(name):
     assert all(r["difference"] <= coverage.TOLERANCE for r in row["schedulers"].values())
 
 
+@pytest.mark.parametrize("name", ["torchvision:mobilenet_v3_small", "timm:test_vit", "hf:BertModel",
+                                  "hf:GPT2Model"])
+def test_the_default_equals_eager_on_models_a_user_brings(name):
+    # what opweave.compile picks given no option (on this CPU: one ONNX Runtime segment, lanes or the model itself)
+    row = coverage.check(name, schedulers=("default",))
+    assert row["error"] is None and row["schedulers"]["default"]["error"] is None, row
+    assert row["schedulers"]["default"]["difference"] <= coverage.TOLERANCE
+
+
 def test_the_issue_t5_encoder_equals_eager_under_every_scheduler():
     # T5EncoderModel, 2 layers, default sizes, random weights, token ids (1, 32): it failed under lios and nimble with
     # "view size is not compatible with input tensor's size and stride" (see backends/cpu.py and capture/trace.py)

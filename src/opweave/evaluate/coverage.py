@@ -120,7 +120,8 @@ def second_input(x: Any, generator: torch.Generator) -> Any:
 
 def check(name: str, schedulers: tuple[str, ...] = SCHEDULERS, **kwargs) -> dict:
     """Build and capture model ``name`` once (:func:`opweave.capture.load`, ``MODELS``' keyword arguments unless
-    ``kwargs`` are given), compile it under each scheduler and compare with eager on the example input and a second
+    ``kwargs`` are given), compile it under each scheduler (``"default"``: what ``opweave.compile`` picks given
+    none, the model itself among its candidates) and compare with eager on the example input and a second
     random one.
 
     Returns ``{"model", "ops", "capture_s", "error", "schedulers": {name: {"compile_s", "difference", "error"}}}``:
@@ -147,7 +148,8 @@ def check(name: str, schedulers: tuple[str, ...] = SCHEDULERS, **kwargs) -> dict
         result: dict[str, Any] = {"compile_s": None, "difference": None, "error": None}
         try:
             start = time.perf_counter()
-            compiled = compile_captured(captured, inputs, scheduler=scheduler)
+            how = {"eager": model} if scheduler == "default" else {"scheduler": scheduler}
+            compiled = compile_captured(captured, inputs, **how)
             result["compile_s"] = time.perf_counter() - start
             checks = [compare(want, compiled(*case), tolerance=TOLERANCE)
                       for want, case in zip(expected, cases, strict=True)]

@@ -102,8 +102,8 @@ def _runtime(o: Options) -> Any:
 
 OPTIONS: dict[str, Spec] = {
     "scheduler": Spec("the scheduler that places ops on streams (opweave.schedulers.names())", "cpu, cuda",
-                      _scheduler, "cpu: heft, kept only when it beats one lane and eager; cuda: the simulator's pick; "
-                      "hios-lp with devices > 1"),
+                      _scheduler, "cpu: the fastest of the model as one ONNX Runtime segment (when installed), "
+                      "heft's lanes and the model itself, timed; cuda: the simulator's pick; hios-lp with devices > 1"),
     "streams": Spec("at most this many streams (CPU: lanes) per device", "cpu, cuda", _streams,
                     "cpu: one per thread of `threads`; cuda: 8 (CUDA_DEVICE_MAX_CONNECTIONS); with devices > 1, as "
                     "many as the scheduler makes"),
@@ -120,7 +120,8 @@ OPTIONS: dict[str, Spec] = {
                   "graph of the whole model, each segment one session) or inductor (one op per kernel Inductor fuses "
                   "in the whole model, each segment compiled by Inductor)", "cpu, cuda", "fx"),
     "compiler": Spec("the segment compiler: every stream segment of the plan compiled by inductor, onnxruntime "
-                     "(CPU) or eager (the segments as they are)", "cpu, cuda"),
+                     "(CPU) or eager (the segments as they are)", "cpu, cuda", None,
+                     "none (cpu: the default plan tries onnxruntime when installed)"),
     "scheduler_options": Spec("keyword options of the scheduler (e.g. heft's sync_ms)", "cpu, cuda"),
     "threads": Spec("CPU threads each device's lanes may use in all (lanes x intra-op threads), on every CPU path",
                     "cpu", _threads, "every core this process may use (split among the ranks with devices > 1)"),
