@@ -10,6 +10,7 @@ from torch import nn
 import opweave.dynamo
 import opweave.errors
 from opweave import zoo
+from opweave.outputs import compare
 from opweave.pipeline import autotune
 
 
@@ -127,19 +128,40 @@ def test_a_swapped_weight_is_used_not_the_baked_one():
         assert opweave.dynamo.last_compiled() is again
 
 
-def test_graphs_that_need_autograd_are_declined():
+@pytest.mark.parametrize("name", ["googlenet", "bert_base"])
+def test_a_model_called_without_no_grad_equals_eager_and_refuses_a_backward_in_one_line(name):
+    # torch.compile's users call an eval() model so; the backend refused the graph ("needs autograd") before
+    model, inputs = zoo.create(name, batch_size=1, **({"num_layers": 2} if name == "bert_base" else
+                                                      {"image_size": 64}))
+    fast = torch.compile(model, backend="opweave")
+    expected, got = model(*inputs), fast(*inputs)
+    assert compare(expected, got).ok
+    first = got if isinstance(got, torch.Tensor) else next(iter(got.values())) if isinstance(got, dict) else got[0]
+    assert first.requires_grad and first.grad_fn is not None  # as eager's
+    with pytest.raises(opweave.errors.UsageError, match="opweave compiles for inference") as info:
+        first.float().sum().backward()
+    assert "\n" not in str(info.value)
+    with torch.no_grad():  # the same model under no_grad: outputs as eager's, no autograd
+        out = fast(*inputs)
+        assert compare(model(*inputs), out).ok
+
+
+def test_graphs_compiled_with_grad_mode_on_run_and_refuse_their_backward():
     model, x = Branchy().eval(), torch.randn(1, 3, 8, 8)
     fast = torch.compile(model, backend="opweave")
-    with pytest.raises(Exception, match="inference only.*needs autograd.*torch.no_grad") as info:
-        fast(x)  # grad mode on and the parameters require grad
-    assert any(isinstance(e, opweave.errors.UsageError) for e in _chain(info.value))
+    got = fast(x)  # grad mode on and the parameters require grad
+    assert all(torch.allclose(e, g, atol=1e-5) for e, g in zip(model(x), got, strict=True))
+    assert all(g.requires_grad for g in got)
+    with pytest.raises(opweave.errors.UsageError, match="backward is not planned"):
+        (got[0].sum() + got[1].sum()).backward()
     with torch.no_grad():  # the same model compiles under no_grad (dynamo guards on grad mode)
         assert torch.allclose(model(x)[0], fast(x)[0], atol=1e-5)
     with torch.inference_mode():
         assert torch.allclose(model(x)[0], fast(x)[0], atol=1e-5)
     frozen = Branchy().eval().requires_grad_(False)
-    plain = torch.compile(frozen, backend="opweave")  # grad mode on, but nothing requires grad: fine
-    assert torch.allclose(frozen(x)[0], plain(x)[0], atol=1e-5)
+    plain = torch.compile(frozen, backend="opweave")  # grad mode on, but nothing requires grad: plain outputs
+    out = plain(x)
+    assert torch.allclose(frozen(x)[0], out[0], atol=1e-5) and not out[0].requires_grad
 
 
 def _chain(exc):

@@ -19,10 +19,10 @@ no data pointer read), and compiles the graph again, with the tensors it was giv
 updates (``p.copy_(...)``, an optimizer step) keep the tensor and are seen by the graph as they are; replacing a
 parameter's storage behind its back (``p.data = other``) is not detected.
 
-**Inference only.** A graph that needs autograd (grad mode on and a parameter or an input that requires grad) is
-declined with a :class:`~opweave.errors.UsageError` rather than compiled into a callable whose outputs would
-carry no ``grad_fn``; dynamo guards on grad mode, so the same model under ``torch.no_grad()`` or
-``torch.inference_mode()`` compiles normally. (Dynamo reports the error as ``BackendCompilerFailed``.)
+**Inference only.** A graph compiled with grad mode on while a parameter or an input requires grad (an ``eval()``
+model called without ``torch.no_grad()``, as ``torch.compile``'s users call it) runs opweave's plan and returns
+outputs equal to eager's that require grad as eager's do; a backward through them raises a
+:class:`~opweave.errors.UsageError` in one line (:class:`InferenceOnly`): opweave plans forward passes only.
 
 ``mode`` and ``options`` (``torch.compile(..., mode=...)`` or ``options=...``, as for inductor and apex's
 ``torchsched``) mean what they mean for ``opweave.compile`` (:mod:`opweave.pipeline.options`): ``mode`` one of
@@ -66,17 +66,60 @@ def opweave_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: 
                     options: dict | None = None) -> Callable:
     """TorchDynamo backend: compile ``gm`` with opweave for ``example_inputs`` (see the module docstring)."""
     example_inputs = tuple(example_inputs)
-    if torch.is_grad_enabled():
-        needs_grad = [f"{'parameter' if isinstance(x, nn.Parameter) else 'input'} (graph input {i})"
-                      for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
-        needs_grad += [f"parameter {name!r}" for name, p in gm.named_parameters() if p.requires_grad]
-        if needs_grad:
-            raise UsageError(f"opweave runs inference only, but this graph needs autograd ({needs_grad[0]} requires "
-                             "grad and grad mode is on); call the compiled model under torch.no_grad() or "
-                             "torch.inference_mode(), or use another backend for training")
+    graph: Callable
     if any(isinstance(x, torch.SymInt) or _symbolic(x) for x in example_inputs):
-        return SymbolicGraph(gm, example_inputs, mode, dict(options or {}))
-    return OpweaveGraph(gm, example_inputs, mode, dict(options or {}))
+        graph = SymbolicGraph(gm, example_inputs, mode, dict(options or {}))
+    else:
+        graph = OpweaveGraph(gm, example_inputs, mode, dict(options or {}))
+    needs_grad = torch.is_grad_enabled() and (
+        any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+        or any(p.requires_grad for p in gm.parameters()))
+    return InferenceOnly(graph, gm) if needs_grad else graph
+
+
+class InferenceOnly:
+    """A graph compiled with grad mode on while a parameter or an input requires grad (an ``eval()`` model called
+    without ``torch.no_grad()``, as ``torch.compile``'s users call it): opweave's plan computes the outputs as under
+    ``no_grad``, and they are attached to the tensors that require grad through one autograd node, so they require
+    grad as eager's do, and a backward through them is refused with one line (:class:`_NoBackward`) rather than
+    silently giving no gradient. A model to train is compiled with another backend."""
+
+    def __init__(self, graph: Callable, gm: fx.GraphModule) -> None:
+        self.graph, self.gm = graph, gm
+
+    def __getattr__(self, name: str) -> Any:  # recompiles, compiled, ... of the graph it wraps
+        return getattr(self.__dict__["graph"], name)
+
+    def __call__(self, *args):
+        from torch.utils import _pytree as pytree
+
+        leaves = [x for x in (*args, *self.gm.parameters()) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not torch.is_grad_enabled() or not leaves:
+            return self.graph(*args)
+        box: dict = {}
+        flat = _NoBackward.apply(lambda: self.graph(*args), box, *leaves)
+        return pytree.tree_unflatten(list(flat), box["spec"])
+
+
+class _NoBackward(torch.autograd.Function):
+    """Runs ``run()`` (under ``no_grad``, as every ``Function.forward`` does) and returns its tensors as outputs of
+    one node over ``leaves``; its backward raises."""
+
+    @staticmethod
+    def forward(ctx, run, box, *leaves):  # type: ignore[override]
+        from torch.utils import _pytree as pytree
+
+        flat, box["spec"] = pytree.tree_flatten(run())
+        if not all(isinstance(t, torch.Tensor) for t in flat):
+            raise UsageError("opweave: a graph whose outputs are not all tensors cannot be called with grad mode on; "
+                             "call it under torch.no_grad()")
+        ctx.mark_non_differentiable(*[t for t in flat if not (t.is_floating_point() or t.is_complex())])
+        return tuple(flat)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        raise UsageError("opweave compiles for inference: this graph's backward is not planned (compile the model "
+                         "with another backend, e.g. torch.compile's default, to train it)")
 
 
 class SymbolicGraph:

@@ -104,7 +104,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest |a - b| in float64; NaN against NaN and an infinity against the same one count as equal."""
     if not a.numel():
         return 0.0
-    a, b = a.detach().double(), b.to(a.device).double()
+    a, b = a.detach().double(), b.detach().to(a.device).double()
     same = (a == b) | (a.isnan() & b.isnan())
     return float(torch.where(same, 0.0, (a - b).abs()).nan_to_num(nan=math.inf).max())
 
