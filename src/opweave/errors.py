@@ -60,6 +60,21 @@ class RankError(DeviceError):
     """A rank process of a multi-device run raised or died; every rank was stopped. Names the rank and the cause."""
 
 
+def did_you_mean(name: object, choices) -> str:
+    """`` (did you mean 'x'?)`` when ``name`` is a likely misspelling of one of ``choices``, else ``""``: the hint an
+    error about an unknown name carries.
+
+    >>> did_you_mean("lois", ["lios", "opara"]), did_you_mean("zzz", ["lios"])
+    (" (did you mean 'lios'?)", '')
+    """
+    import difflib
+
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """``"TypeName: first line of its message"`` (at most ``limit`` characters of the line): how an error that
     opweave reports on someone else's behalf (a candidate that failed, a rank, a segment compiler) is told in one
@@ -69,4 +84,5 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
 
 
 __all__ = ["CaptureError", "DeviceError", "GraphError", "MissingPackageError", "OpweaveError", "PlanError",
+           "did_you_mean",
            "ProfileError", "RankError", "ScheduleError", "UsageError", "first_line"]

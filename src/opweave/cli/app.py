@@ -16,7 +16,7 @@ from rich.console import Console
 
 from opweave import schedulers
 from opweave.costs import COST_MODELS, Costs, from_graph
-from opweave.errors import OpweaveError, UsageError
+from opweave.errors import OpweaveError, UsageError, did_you_mean
 from opweave.ir import OpGraph
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
@@ -90,13 +90,18 @@ def graph_costs(graph: OpGraph, cost_model: str) -> Costs:
 
 
 def scheduler_names(name: str, also: tuple[str, ...] = ()) -> list[str]:
-    """``name`` as the schedulers it names (``all``: every one); ``also``: other names the command takes."""
+    """``name`` as the schedulers it names: one, a comma list or ``all`` (every one); ``also``: other names the
+    command takes. The scheduler flag means this in every command."""
     if name == "all":
         return schedulers.names()
-    if name not in schedulers.names() and name not in also:
-        raise UsageError(f"unknown scheduler {name!r}; choose {''.join(f'{a}, ' for a in also)}one of "
-                         f"{', '.join(schedulers.names())} or all")
-    return [name]
+    names = [n.strip() for n in name.split(",") if n.strip()]
+    for one in names or [name]:
+        if one not in schedulers.names() and one not in also:
+            known = [*also, *schedulers.names()]
+            raise UsageError(f"unknown scheduler {one!r}{did_you_mean(one, known)}; choose "
+                             f"{''.join(f'{a}, ' for a in also)}one of {', '.join(schedulers.names())} (a comma "
+                             "list of them) or all")
+    return list(dict.fromkeys(names))
 
 
 def linked(graph: OpGraph, link: str | None) -> OpGraph:

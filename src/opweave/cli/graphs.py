@@ -46,27 +46,31 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
              preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = True,
              link: LinkOpt = None, dtype: DtypeOpt = "fp32", as_json: JsonOpt = False):
-    """Schedule a graph with one scheduler and show where each op runs (a model's coarsened graph, as compile plans
-    it, unless --no-coarsen)."""
+    """Schedule a graph and show where each op runs (a model's coarsened graph, as compile plans it, unless
+    --no-coarsen); -s takes one scheduler, a comma list or all (one table each)."""
     g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
                           model_file=model_file), link)
-    (name,) = scheduler_names(scheduler)
+    names = scheduler_names(scheduler)
     g, costs, replay = device_costs(g, cost_model, preset, dtype, measured=graph is not None or profile is not None)
-    sched, plan, sim = run_one(g, costs, name, streams, devices, replay)
-    result = schedule_json(sched, plan, sim)
-    if as_json:
-        print(json.dumps(result))
-        return
-    table = Table(title=f"{name} on {g.name}: makespan {sim.makespan_ms:.3f} ms (sequential {sim.sequential_ms:.3f})")
-    for col in ("op", "device", "stream", "stage", "start ms", "finish ms"):
-        table.add_column(col, justify="left" if col == "op" else "right")
-    for row in result["ops"]:
-        stage = "" if row["stage"] is None else str(row["stage"])
-        table.add_row(row["id"], str(row["device"]), str(row["stream"]), stage, f"{row['start_ms']:.3f}",
-                      f"{row['finish_ms']:.3f}")
-    out.print(table)
-    out.print(f"streams {sched.streams_used}, devices {sched.devices_used}, syncs {plan.syncs}, "
-              f"scheduling time {sched.scheduling_time_s * 1e3:.2f} ms")
+    results = []
+    for name in names:
+        sched, plan, sim = run_one(g, costs, name, streams, devices, replay)
+        results.append(schedule_json(sched, plan, sim))
+        if as_json:
+            continue
+        table = Table(title=f"{name} on {g.name}: makespan {sim.makespan_ms:.3f} ms "
+                            f"(sequential {sim.sequential_ms:.3f})")
+        for col in ("op", "device", "stream", "stage", "start ms", "finish ms"):
+            table.add_column(col, justify="left" if col == "op" else "right")
+        for row in results[-1]["ops"]:
+            stage = "" if row["stage"] is None else str(row["stage"])
+            table.add_row(row["id"], str(row["device"]), str(row["stream"]), stage, f"{row['start_ms']:.3f}",
+                          f"{row['finish_ms']:.3f}")
+        out.print(table)
+        out.print(f"streams {sched.streams_used}, devices {sched.devices_used}, syncs {plan.syncs}, "
+                  f"scheduling time {sched.scheduling_time_s * 1e3:.2f} ms")
+    if as_json:  # one scheduler: its object, as before; several: a list of them
+        print(json.dumps(results[0] if len(results) == 1 else results))
 
 
 @app.command()

@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from opweave import schedulers
 from opweave.cli.app import (
     BatchOpt,
     CoarsenOpt,
@@ -62,9 +61,7 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
     both = sorted(k for k, v in flags.items() if v is not None and k in settings)
     if both:
         raise UsageError(f"option {both[0]!r} given both as --{both[0]} and with --option")
-    names = schedulers.names() if schedulers_ == "all" else [s.strip() for s in schedulers_.split(",") if s.strip()]
-    for name in names:
-        scheduler_names(name, also=("default",))
+    names = scheduler_names(schedulers_, also=("default",))
     given = [name for name in names if name != "default"]
     if given and mode.startswith("max-autotune"):
         raise UsageError(f"mode={mode} chooses its own plan, so it takes no scheduler ({given[0]!r} was given): "

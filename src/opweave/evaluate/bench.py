@@ -176,7 +176,7 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
                          "streams": fast.schedule.streams_used,
                          "syncs": fast.plan.syncs, "max_abs_diff": check.max_diff, "ok": check.ok,
                          "ops": len(fast.graph)})
-            if fast.choice:  # what a default or max-autotune picked ("lanes", "one lane", "eager", "lios x4", ...)
+            if fast.choice:  # what a default or max-autotune picked ("onnxruntime", "lanes", "eager", "lios x4", ...)
                 rows[-1]["choice"] = fast.choice["label"]
             bar.advance(task)
         bar.update(task, description=f"{model_name}: timing {len(calls)} modes interleaved")

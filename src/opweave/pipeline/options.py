@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opweave.errors import UsageError
+from opweave.errors import UsageError, did_you_mean
 
 DEVICES = ("cpu", "cuda")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -239,6 +239,7 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
             hint = (f" (now {RENAMED[key]!r})" if key in RENAMED else
                     " (now a preset: mode='default', 'reduce-overhead' or 'max-autotune'; CUDA Graphs on or off is "
                     "options cudagraphs=True/False)" if key == "mode" else "")
+            hint = hint or did_you_mean(key, OPTIONS)
             raise UsageError(f"unknown option {key!r}{hint}; options: {', '.join(OPTIONS)}")
     set_keys = {k for k, v in given.items() if v is not None}
     values = {k: v for k, v in given.items() if v is not None}

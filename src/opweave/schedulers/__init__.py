@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 
 from opweave.costs.model import Costs
-from opweave.errors import UsageError
+from opweave.errors import UsageError, did_you_mean
 from opweave.ir.graph import OpGraph
 from opweave.schedulers.schedule import Schedule
 
@@ -84,7 +84,8 @@ def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, 
     (38.0, 3)
     """
     if name not in _MODULES:
-        raise UsageError(f"unknown scheduler {name!r}; choose one of {', '.join(names())}")
+        raise UsageError(f"unknown scheduler {name!r}{did_you_mean(name, names())}; choose one of "
+                         f"{', '.join(names())}")
     if streams is not None and streams < 1:
         raise UsageError(f"streams must be at least 1, got {streams}")
     if devices < 1:

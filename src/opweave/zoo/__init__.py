@@ -40,7 +40,7 @@ import inspect
 import torch
 from torch import nn
 
-from opweave.errors import MissingPackageError, UsageError
+from opweave.errors import MissingPackageError, UsageError, did_you_mean
 from opweave.zoo.torchvision_cpu import ensure_importable as ensure_torchvision_importable
 
 # Built-in name -> module of this package whose ``create(batch_size, **kwargs)`` builds it.
@@ -114,7 +114,8 @@ def create(name: str, batch_size: int = 1, **kwargs) -> tuple[nn.Module, tuple[t
         raise UsageError(f"batch_size must be >= 1, got {batch_size}")
     prefix, _, external_name = name.partition(":")
     if name not in _BUILTIN and prefix not in _EXTERNAL:
-        raise UsageError(f"unknown model {name!r}; built-in models: {', '.join(names())}; "
+        raise UsageError(f"unknown model {name!r}{did_you_mean(name, names())}; built-in models: "
+                         f"{', '.join(names())}; "
                        f"or use a prefix: {', '.join(p + ':<name>' for p in _EXTERNAL)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
