@@ -27,6 +27,17 @@ def captured_model(name: str):
     return capture(model, inputs, name=name), inputs, reference
 
 
+@pytest.mark.parametrize("name", zoo.names())
+def test_the_zoo_s_op_counts_are_what_compile_plans(name):
+    # `opweave models` shows these: each model captured at batch 1 and coarsened, as opweave.compile plans it
+    from opweave.capture import coarsen
+
+    captured = (captured_model(name)[0] if name not in SMALL
+                else capture(*zoo.create(name, batch_size=1), name=name))
+    graph = coarsen(captured).graph
+    assert (len(graph), len(graph.edges)) == zoo.COUNTS[name]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.names())
 def test_compile_matches_eager_for_every_zoo_model(name):

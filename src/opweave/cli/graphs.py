@@ -163,10 +163,12 @@ def models(as_json: JsonOpt = False):
         return
     table = Table(title="opweave zoo (random weights, no downloads)")
     table.add_column("model")
-    table.add_column("paper op/edge counts")
+    table.add_column("opweave ops / edges")
+    table.add_column("papers' ops / edges")
     for name in zoo.names():
-        counts = zoo.PAPER_COUNTS.get(name)
-        table.add_row(name, "" if counts is None else f"{counts['ops']} / {counts.get('edges') or '?'}")
+        ops, edges = zoo.COUNTS[name]
+        paper = zoo.PAPER_COUNTS.get(name)
+        table.add_row(name, f"{ops} / {edges}", "" if paper is None else f"{paper['ops']} / {paper.get('edges') or '?'}")
     out.print(table)
     out.print("also: torchvision:<name>, timm:<name>, hf:<model-id> or hf:<ModelClass> (e.g. hf:T5EncoderModel) "
               "where those packages are installed")

@@ -69,6 +69,13 @@ PAPER_COUNTS: dict[str, dict] = {
     "resnet50": {"ops": 87, "edges": None, "blocks": 5, "source": "TOP Table II"},
 }
 
+# Operator and edge counts of each model's graph as opweave schedules it (captured at batch 1 and coarsened, as
+# ``opweave.compile`` plans it; ``opweave models`` shows them beside the papers'); a test recaptures them.
+COUNTS: dict[str, tuple[int, int]] = {
+    "inception_v3": (124, 158), "googlenet": (81, 107), "squeezenet": (38, 45), "resnet50": (60, 75),
+    "nasnet_a_mobile": (620, 775), "randwire": (473, 596), "bert_base": (141, 188), "deepfm": (71, 72),
+}
+
 # Hugging Face ids known without network access: id -> (model_type for AutoConfig.for_model, config overrides).
 _BERT_LARGE = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096}
 _ROBERTA = {"vocab_size": 50265, "max_position_embeddings": 514, "type_vocab_size": 1, "pad_token_id": 1,
