@@ -168,7 +168,8 @@ def models(as_json: JsonOpt = False):
     for name in zoo.names():
         ops, edges = zoo.COUNTS[name]
         paper = zoo.PAPER_COUNTS.get(name)
-        table.add_row(name, f"{ops} / {edges}", "" if paper is None else f"{paper['ops']} / {paper.get('edges') or '?'}")
+        papers = "" if paper is None else f"{paper['ops']} / {paper.get('edges') or '?'}"
+        table.add_row(name, f"{ops} / {edges}", papers)
     out.print(table)
     out.print("also: torchvision:<name>, timm:<name>, hf:<model-id> or hf:<ModelClass> (e.g. hf:T5EncoderModel) "
               "where those packages are installed")
