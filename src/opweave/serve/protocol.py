@@ -232,6 +232,8 @@ def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
     entries = request.get("inputs")
     if not isinstance(entries, list) or not entries:
         raise ProtocolError("'inputs' must be a non-empty list")
+    outputs = _outputs(model, request, boolean(params.get("binary_data_output", False),
+                                               "parameters.binary_data_output"))  # before the inputs' values: cheap
     specs = {s.name: s for s in model.inputs}
     given: dict[str, torch.Tensor] = {}
     batch = None
@@ -270,10 +272,8 @@ def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(f"'id' must be a string, got {shown(request_id)}")
-    return InferRequest(tuple(given[s.name] for s in model.inputs), batch or 1,
-                        _outputs(model, request, boolean(params.get("binary_data_output", False),
-                                                          "parameters.binary_data_output")),
-                        request_id, None if timeout is None else timeout / 1e6)
+    return InferRequest(tuple(given[s.name] for s in model.inputs), batch or 1, outputs, request_id,
+                        None if timeout is None else timeout / 1e6)
 
 
 def boolean(value: Any, what: str) -> bool:
