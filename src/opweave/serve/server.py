@@ -51,6 +51,7 @@ import json
 import math
 import signal
 import sys
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -192,7 +193,7 @@ def _nvml_handle():
         return None
 
 
-async def _read_body(http: HttpRequest, limit: int, hold) -> bytearray:
+async def _read_body(http: HttpRequest, limit: int, hold: Callable[[int], None]) -> bytearray:
     """The request's body, refused (:class:`Refused` ``invalid``) once it passes ``limit`` bytes: by its
     ``Content-Length`` before a byte is read, else while it streams in; held in the server's :class:`Budget`
     through ``hold`` (what it declares before it is read, else what has arrived), which refuses it ``overloaded``
