@@ -1,6 +1,7 @@
-"""What refused requests cost ``opweave serve``: its resident memory after 50 refused 60 MB gRPC requests, and how
-long ``/v2/health/live`` takes to answer while eight large HTTP bodies are being refused. The server is a child
-process on 127.0.0.1 serving SqueezeNet at 64 px (max batch 8, ``--compiler none``).
+"""What refused requests cost ``opweave serve``: its resident memory after 50 refused 60 MB gRPC requests, how
+long ``/v2/health/live`` takes to answer while eight large HTTP bodies are being refused, and what hostile clients
+(amplification, trickle, unread answers, many unfinished bodies) cost the normal inferences beside them. The server
+is a child process on 127.0.0.1 serving SqueezeNet at 64 px (max batch 8, ``--compiler none``).
 
     .venv/bin/python benchmarks/serve_hostile.py                 # writes results/serve_hostile.json
     .venv/bin/python benchmarks/serve_hostile.py --quick --out /tmp
@@ -31,6 +32,21 @@ Scenarios (each against a fresh server):
 * ``refused_body_flood``: the same, the attackers connecting again at once (``--reconnect-ms 0``). No pass line: on
   a machine whose cores the attackers share with the server, their own sending takes the server's CPU.
 
+Attackers beside normal inferences (:func:`beside`: the windows of ``refused_body``, with ``/v2/health/live`` asked
+every 50 ms and the server's RSS read every 100 ms in each; pass: the inference median beside the attackers within
+1.2x of alone and liveness under a second):
+
+* ``amplification``: ``--attackers`` clients each sending a request that names squeezenet's output ``--copies``
+  times (each copy was answered).
+* ``trickle`` (``--idle-timeout-s 5``): ``--held`` clients each declaring a 4 MB body, sending 1 MiB of it and then
+  a byte a second: how long the server keeps each.
+* ``unread_answers`` (``--idle-timeout-s 5``): ``--held`` clients each asking for an 8 MiB answer (a model that
+  repeats its input) and not reading it for 12 s: how many answers the server dropped.
+* ``unfinished_bodies`` (``--max-held-mb 22 --idle-timeout-s 5``): ``--held`` clients each declaring a 4 MB body and
+  sending 3.5 MB of it, then enough to stay above the minimum rate, never finishing it: how many the budget refused.
+
+These three run windows of ``--held-window-s`` (their attacks last seconds).
+
 The numbers depend on the machine and on what else runs on it (``machine.load_average_1_5_15m``).
 """
 
@@ -52,6 +68,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, console, machine_info, table  # noqa: E402
 
 MODEL = ["--models", "squeezenet", "--image-size", "64", "--compiler", "none", "--max-batch", "8"]
+ATTACKS = ("amplification", "trickle", "unread_answers", "unfinished_bodies")
+FAN_FILE = "fan.pt2"
 
 
 def start(*extra: str) -> tuple[subprocess.Popen, str, str]:
@@ -206,32 +224,56 @@ def push(address: tuple[str, int], host: str, cap: int) -> tuple[int, int | None
     return sent, read
 
 
-def refused_body(args, reconnect_s: float) -> dict:
+def beside(args, attack, attackers: int, reconnect_s: float, flags: tuple[str, ...] = (),
+           window_s: float | None = None) -> tuple[dict, list]:
+    """A server (``flags`` added) that one client sends normal inferences one after another while ``attackers``
+    threads each call ``attack(address, host, active)`` over and over (``reconnect_s`` apart) in every other window
+    of ``window_s`` (default ``--window-s``; ``--rounds`` of each kind, which goes first rotating, so that both see
+    the same machine; an attack that lasts ends once ``active()`` is false, at its window's end); meanwhile
+    ``/v2/health/live`` is asked every 50 ms and the server's RSS read every 100 ms. The windows' figures, and what
+    each attack returned."""
+    window_s = window_s or args.window_s
     import httpx
 
-    proc, url, _ = start()
+    proc, url, _ = start(*flags)
     host = url.removeprefix("http://")
     address = (host.split(":")[0], int(host.split(":")[1]))
     body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32",
                                    "data": [0.5] * (3 * 64 * 64)}]}).encode()
     attacking = threading.Event()
     stop = threading.Event()
-    pushes: list[int] = []
-    reads: list[int] = []
+    records: list = []
+    phase_now = ["warm-up"]
 
     def attacker() -> None:
         while not stop.is_set():
             if not attacking.wait(0.05):
                 continue
-            sent, read = push(address, host, args.cap_mb << 20)
-            pushes.append(sent)
-            if read is not None:
-                reads.append(read)
+            records.append(attack(address, host, lambda: attacking.is_set() and not stop.is_set()))
             stop.wait(reconnect_s)
 
     latencies: dict[str, list[float]] = {"idle": [], "attacked": []}
     cpu: dict[str, list[float]] = {"idle": [], "attacked": []}
-    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(args.attackers)]
+    live: dict[str, list[float]] = {"idle": [], "attacked": [], "warm-up": []}
+    rss: dict[str, list[float]] = {"idle": [], "attacked": [], "warm-up": []}
+
+    def watch() -> None:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            k = 0
+            while not stop.is_set():
+                sent = time.perf_counter()
+                try:
+                    ok = c.get("/v2/health/live").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                live[phase_now[0]].append(time.perf_counter() - sent if ok else float("inf"))
+                if k % 2 == 0:
+                    rss[phase_now[0]].append(resident_mb(proc.pid))
+                k += 1
+                stop.wait(0.05)
+
+    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(attackers)]
+    watcher = threading.Thread(target=watch, daemon=True)
     try:
         for t in threads:
             t.start()
@@ -239,14 +281,16 @@ def refused_body(args, reconnect_s: float) -> dict:
             for _ in range(20):  # warm-up
                 assert c.post("/v2/models/squeezenet/infer", content=body,
                               headers={"Content-Type": "application/json"}).status_code == 200
+            watcher.start()
             order = ["idle", "attacked"]
             for k in range(2 * args.rounds):
                 phase = order[(k + k // 2) % 2]  # idle, attacked, attacked, idle, idle, attacked, ...
                 if phase == "attacked":
                     attacking.set()
                 time.sleep(0.2)  # the attackers connected (or gone)
+                phase_now[0] = phase
                 seen, cpu0, t0 = [], cpu_s(proc.pid), time.perf_counter()
-                while time.perf_counter() - t0 < args.window_s:
+                while time.perf_counter() - t0 < window_s:
                     sent = time.perf_counter()
                     status = c.post("/v2/models/squeezenet/infer", content=body,
                                     headers={"Content-Type": "application/json"}).status_code
@@ -254,15 +298,40 @@ def refused_body(args, reconnect_s: float) -> dict:
                 cpu[phase].append((cpu_s(proc.pid) - cpu0) / (time.perf_counter() - t0))
                 latencies[phase] += seen
                 attacking.clear()
+                phase_now[0] = "warm-up"  # between windows: the attackers leave
                 time.sleep(0.2)
         stop.set()
-        for t in threads:
+        for t in [*threads, watcher]:
             t.join(timeout=120)
     finally:
         stop.set()
         proc.kill()
         proc.wait(timeout=30)
     idle, attacked = (statistics.median(latencies[p]) * 1e3 for p in ("idle", "attacked"))
+    return {"flags": list(flags), "attackers": attackers, "reconnect_ms": reconnect_s * 1e3, "rounds": args.rounds,
+            "window_s": window_s, "connections": len(records),
+            "inferences": {p: len(v) for p, v in latencies.items()},
+            "infer_median_ms": {"idle": round(idle, 2), "attacked": round(attacked, 2)},
+            "infer_p90_ms": {p: round(sorted(v)[int(0.9 * (len(v) - 1))] * 1e3, 2) for p, v in latencies.items()},
+            "attacked_over_idle": round(attacked / idle, 3),
+            "server_cpu_s_per_s": {p: round(statistics.mean(v), 3) for p, v in cpu.items()},
+            "live_median_ms": {p: round(statistics.median(live[p]) * 1e3, 1) for p in ("idle", "attacked")},
+            "live_max_ms": {p: round(max(live[p]) * 1e3, 1) for p in ("idle", "attacked")},
+            "rss_max_mb": {p: round(max(rss[p])) for p in ("idle", "attacked")}}, records
+
+
+def refused_body(args, reconnect_s: float) -> dict:
+    pushes: list[int] = []
+    reads: list[int] = []
+
+    def attack(address, host, _active):
+        sent, read = push(address, host, args.cap_mb << 20)
+        pushes.append(sent)
+        if read is not None:
+            reads.append(read)
+
+    common, _ = beside(args, attack, args.attackers, reconnect_s)
+    idle, attacked = common["infer_median_ms"]["idle"], common["infer_median_ms"]["attacked"]
     most = max(pushes, default=0)
     return {"attackers": args.attackers, "reconnect_ms": reconnect_s * 1e3, "rounds": args.rounds,
             "window_s": args.window_s, "connections": len(pushes),
@@ -273,12 +342,166 @@ def refused_body(args, reconnect_s: float) -> dict:
             "pushed_median_kib": round(statistics.median(pushes) / 1024, 1) if pushes else None,
             "pushed_total_mib": round(sum(pushes) / (1 << 20), 1), "capped_connections":
             sum(1 for n in pushes if n >= args.cap_mb << 20),
-            "inferences": {p: len(v) for p, v in latencies.items()},
-            "infer_median_ms": {"idle": round(idle, 2), "attacked": round(attacked, 2)},
-            "infer_p90_ms": {p: round(sorted(v)[int(0.9 * (len(v) - 1))] * 1e3, 2) for p, v in latencies.items()},
-            "attacked_over_idle": round(attacked / idle, 3),
-            "server_cpu_s_per_s": {p: round(statistics.mean(v), 3) for p, v in cpu.items()},
+            **{k: common[k] for k in ("inferences", "infer_median_ms", "infer_p90_ms", "attacked_over_idle",
+                                      "server_cpu_s_per_s", "live_median_ms", "live_max_ms", "rss_max_mb")},
             "pass": bool(reads) and max(reads) <= 1 << 20 and attacked <= 1.10 * idle if reconnect_s > 0 else None}
+
+
+def infer_head(host: str, model: str, length: int, extra: str = "") -> bytes:
+    return (f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def status_of(s: socket.socket) -> int | None:
+    """The status of an answer already readable on ``s`` (-1: the connection was closed without one); None: nothing
+    yet."""
+    import select
+
+    if not select.select([s], [], [], 0)[0]:
+        return None
+    try:
+        head = s.recv(64)
+    except OSError:
+        return -1
+    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else -1
+
+
+def amplification(args) -> dict:
+    """A request naming squeezenet's output ``--copies`` times (each copy was answered: a 469 KB request made a
+    314 MB answer); ``--attackers`` of them one after another, 100 ms apart."""
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32",
+                                   "data": [0.5] * (3 * 64 * 64)}],
+                       "outputs": [{"name": "output__0"}] * args.copies}).encode()
+
+    def attack(address, host, _active):
+        with socket.create_connection(address, timeout=120) as s:
+            s.sendall(infer_head(host, "squeezenet", len(body)) + body)
+            answer = b""
+            while part := s.recv(1 << 20):
+                answer += part
+                if b"\r\n\r\n" in answer and answer.startswith(b"HTTP/1.1 400"):
+                    break
+        return {"status": int(answer.split(b" ", 2)[1]) if answer else None, "answer_bytes": len(answer)}
+
+    common, records = beside(args, attack, args.attackers, 0.1)
+    return {**common, "request_kib": round(len(body) / 1024, 1),
+            "statuses": sorted({r["status"] for r in records}, key=str),
+            "answer_bytes_max": max(r["answer_bytes"] for r in records), "pass": passed(common)}
+
+
+def trickle(args) -> dict:
+    """``--held`` connections that each declare a 4 MB body, send 1 MiB of it, then a byte a second, connecting
+    again once cut (``--idle-timeout-s 5``, windows of ``--held-window-s``): how long the server keeps each (those
+    that their window's end stopped first left out)."""
+    def attack(address, host, active):
+        started = time.monotonic()
+        cut = False
+        with socket.create_connection(address, timeout=60) as s:
+            try:
+                s.sendall(infer_head(host, "squeezenet", 4_000_000) + b" " * (1 << 20))
+                while active() and not cut:
+                    s.send(b" ")
+                    time.sleep(1.0)
+                    cut = status_of(s) is not None
+            except OSError:
+                cut = True
+        return {"lived_s": time.monotonic() - started, "cut": cut}
+
+    common, records = beside(args, attack, args.held, 0.1, ("--idle-timeout-s", "5"), args.held_window_s)
+    lived = [r["lived_s"] for r in records if r["cut"]]
+    return {**common, "cut": len(lived), "lived_s_median": round(statistics.median(lived), 1) if lived else None,
+            "lived_s_max": round(max(lived), 1) if lived else None,
+            "pass": passed(common) and bool(lived) and max(lived) < 20}
+
+
+def fan_program(folder: Path) -> Path:
+    """A model whose answer is 8 MiB in binary data at batch 8, from a 2 KiB input (each value 4096 times), saved
+    by ``torch.export.save`` in ``folder``."""
+    import torch
+
+    class Fan(torch.nn.Module):
+        def forward(self, x):
+            return torch.sigmoid(x).repeat(1, 4096, 1, 1)
+
+    path = folder / FAN_FILE
+    torch.export.save(torch.export.export(Fan(), (torch.randn(1, 1, 8, 8),)), str(path))
+    return path
+
+
+def unread_answers(args) -> dict:
+    """``--held`` clients that each ask for an 8 MiB answer and do not read it (their receive buffer held at 4 KiB)
+    for 12 s, then read what is left of it (``--idle-timeout-s 5``: the server drops an answer read slower than
+    16 KiB/s over 5 s; windows of ``--held-window-s``)."""
+    import tempfile
+
+    body_values = [0.5] * (8 * 64)
+    header = json.dumps({"inputs": [{"name": "x", "shape": [8, 1, 8, 8], "datatype": "FP32", "data": body_values}],
+                         "outputs": [{"name": "output__0", "parameters": {"binary_data": True}}]}).encode()
+
+    def attack(address, host, _active):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(60)
+            s.connect(address)
+            s.sendall(infer_head(host, "fan", len(header)) + header)
+            answer = s.recv(1024)
+            time.sleep(12)
+            try:
+                while part := s.recv(1 << 20):
+                    answer += part
+            except OSError:
+                pass
+        head, _, content = answer.partition(b"\r\n\r\n")
+        whole = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")), 0)
+        return {"read": len(content), "whole": whole}
+
+    with tempfile.TemporaryDirectory() as folder:
+        common, records = beside(args, attack, args.held, 0.1,
+                                 ("--idle-timeout-s", "5", "--model-file", f"fan={fan_program(Path(folder))}"),
+                                 args.held_window_s)
+    cut = sum(1 for r in records if r["read"] < r["whole"])
+    common["flags"] = [f"fan={FAN_FILE}" if f.startswith("fan=") else f for f in common["flags"]]  # not the tmp dir
+    return {**common, "answer_mib": round(max(r["whole"] for r in records) / (1 << 20), 1), "answers_cut": cut,
+            "pass": passed(common) and cut == len(records)}
+
+
+def unfinished_bodies(args) -> dict:
+    """``--held`` clients that each declare a 4 MB body, send 3.5 MB of it, then 120 KiB every 4 s (above the
+    minimum rate) to their window's end without finishing it (``--max-held-mb 22 --idle-timeout-s 5``, windows of
+    ``--held-window-s``): at most five are held, the others refused 503 at once."""
+    def attack(address, host, active):
+        started = time.monotonic()
+        status = None
+        with socket.create_connection(address, timeout=60) as s:
+            try:
+                s.sendall(infer_head(host, "squeezenet", 4_000_000))
+                time.sleep(0.05)
+                status = status_of(s)
+                if status is None:
+                    s.sendall(b" " * 3_500_000)
+                sent = time.monotonic()
+                while status is None and active():
+                    time.sleep(0.25)
+                    status = status_of(s)
+                    if status is None and time.monotonic() - sent >= 4:
+                        s.sendall(b" " * (120 << 10))
+                        sent = time.monotonic()
+            except OSError:
+                status = -1
+        return {"status": status, "held_s": time.monotonic() - started}
+
+    common, records = beside(args, attack, args.held, 0.1, ("--max-held-mb", "22", "--idle-timeout-s", "5"),
+                             args.held_window_s)
+    held = [r["held_s"] for r in records if r["status"] is None]
+    return {**common, "refused_503": sum(1 for r in records if r["status"] == 503),
+            "cut": sum(1 for r in records if r["status"] == -1), "held_to_window_end": len(held),
+            "held_s_median": round(statistics.median(held), 1) if held else None, "pass": passed(common)}
+
+
+def passed(common: dict) -> bool:
+    """The normal inferences' median beside the attackers within 1.2x of alone, liveness under a second."""
+    return common["attacked_over_idle"] <= 1.2 and common["live_max_ms"]["attacked"] < 1000
 
 
 def main() -> None:
@@ -298,11 +521,17 @@ def main() -> None:
                                                                     "again this long after (default %(default)s)")
     p.add_argument("--cap-mb", type=int, default=1024, help="refused_body: an attacking connection stops after "
                                                            "this many MiB (default %(default)s)")
+    p.add_argument("--copies", type=int, default=20_000, help="amplification: copies of the output asked for "
+                                                                   "(default %(default)s)")
+    p.add_argument("--held-window-s", type=float, default=15.0, help="trickle, unread_answers, unfinished_bodies: "
+                   "seconds a window (default %(default)s)")
+    p.add_argument("--held", type=int, default=12, help="trickle, unread_answers, unfinished_bodies: attacking "
+                                                       "clients (default %(default)s)")
     p.add_argument("--only", help="comma list of scenarios to run (default: all)")
     args = p.parse_args()
     if args.quick:
         args.requests, args.bodies, args.json_mb, args.settle_s = 4, 2, 2.0, 2.0
-        args.rounds, args.window_s = 2, 2.0
+        args.rounds, args.window_s, args.held, args.held_window_s, args.copies = 2, 2.0, 3, 14.0, 2000
     oversized = b"{" + b" " * ((63 << 20) - 1)
     values = int(args.json_mb * (1 << 20) / 21)
     decoded = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32",
@@ -314,6 +543,10 @@ def main() -> None:
         "live_decoded": lambda: liveness(args, ["--max-body-mb", "64"], decoded, {"Content-Type": "application/json"}),
         "refused_body": lambda: refused_body(args, args.reconnect_ms / 1e3),
         "refused_body_flood": lambda: refused_body(args, 0.0),
+        "amplification": lambda: amplification(args),
+        "trickle": lambda: trickle(args),
+        "unread_answers": lambda: unread_answers(args),
+        "unfinished_bodies": lambda: unfinished_bodies(args),
     }
     chosen = [n.strip() for n in (args.only or ",".join(scenarios)).split(",") if n.strip()]
     unknown = [n for n in chosen if n not in scenarios]
@@ -323,7 +556,8 @@ def main() -> None:
     rows = [[name, " ".join(r["flags"]) or "(defaults)", str(r.get("codes", r.get("statuses"))), str(r["seconds"]),
              f"{r['rss_before_mb']} -> {r['rss_after_mb']} -> {r['rss_settled_mb']}" if "rss_before_mb" in r else "",
              f"{r['live_median_ms']} / {r['live_max_ms']}" if "live_max_ms" in r else "", str(r["pass"])]
-            for name, r in results.items() if name not in ("machine", "refused_body", "refused_body_flood")]
+            for name, r in results.items() if name in ("grpc_rss", "grpc_rss_default", "live_oversized",
+                                                         "live_decoded")]
     if rows:
         console.print(table("refused requests (squeezenet 64 px)", ["scenario", "flags", "answers", "s",
                                                                    "RSS MB before -> after -> settled",
@@ -340,6 +574,16 @@ def main() -> None:
                              "pushed max / median KiB",
                              "infer median ms idle / attacked", "x", "server CPU s/s idle / attacked", "pass"],
                             attacks))
+    beside_rows = [[name, " ".join(r["flags"]) or "(defaults)", str(r["attackers"]), str(r["connections"]),
+                    f"{r['infer_median_ms']['idle']} / {r['infer_median_ms']['attacked']}",
+                    str(r["attacked_over_idle"]),
+                    f"{r['live_median_ms']['attacked']} / {r['live_max_ms']['attacked']}",
+                    f"{r['rss_max_mb']['idle']} / {r['rss_max_mb']['attacked']}", str(r["pass"])]
+                   for name, r in results.items() if name in ATTACKS]
+    if beside_rows:
+        console.print(table("attackers beside normal inferences (squeezenet 64 px)",
+                            ["scenario", "flags", "attackers", "connections", "infer median ms idle / attacked", "x",
+                             "live median / max ms attacked", "RSS max MB idle / attacked", "pass"], beside_rows))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "serve_hostile.json"
     if args.only and path.exists():  # the other scenarios' results stay as (and where) they were measured

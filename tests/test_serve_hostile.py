@@ -26,12 +26,12 @@ from hypothesis import strategies as st
 
 from opweave.errors import UsageError
 from opweave.serve import frontend, protocol
-from opweave.serve.assemble import make_engine
+from opweave.serve.assemble import load_models, make_engine
 from opweave.serve.models import ServedModel, TensorSpec, parse_model_files
 from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
 from opweave.serve.repository import Repository
 from opweave.serve.server import BackgroundServer, default_hosts
-from serve_models import tiny
+from serve_models import Fan, tiny
 
 triton_grpc = pytest.importorskip("tritonclient.grpc")
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
@@ -944,3 +944,381 @@ def test_fifty_refused_60mb_grpc_requests_leave_the_servers_memory_where_it_was(
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+# ---- what a request costs: answers, memory held, framing ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def fan_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fan") / "fan.pt2"
+    torch.export.save(torch.export.export(Fan(), (torch.randn(1, 1, 8, 8),)), str(path))
+    return path
+
+
+def bounded_server(site, fan_file, **options) -> BackgroundServer:
+    """tiny and fan (an answer far larger than its request) at max batch 32, over HTTP."""
+    parent, _, _ = site
+    served = load_models([], {"tiny": parent / "tiny.pt2", "fan": fan_file}, max_batch=32)
+    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=32, compiler=None)
+    return BackgroundServer(engine, served, **options)
+
+
+@pytest.fixture(scope="module")
+def bounded(site, fan_file):
+    """A budget of 256 KiB for unfinished bodies and unread answers, generous timeouts."""
+    background = bounded_server(site, fan_file, max_held_bytes=256 << 10)
+    with background as url:
+        background.url = url
+        yield background
+
+
+@pytest.fixture(scope="module")
+def trickled(site, fan_file):
+    """Three-second windows in which a body must bring (and an answer be read at) 1 KiB/s."""
+    background = bounded_server(site, fan_file, header_timeout_s=3.0, idle_timeout_s=3.0, min_body_rate=1024)
+    with background as url:
+        background.url = url
+        yield background
+
+
+def fan_request(batch: int, binary_output: bool) -> tuple[bytes, dict]:
+    x = torch.randn(batch, 1, 8, 8)
+    header = json.dumps({"inputs": [{"name": "x", "shape": [batch, 1, 8, 8], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": x.numel() * 4}}],
+                         "outputs": [{"name": "output__0", "parameters": {"binary_data": binary_output}}]}).encode()
+    return header + encode_tensor(x), {HEADER: str(len(header)), "Content-Type": "application/octet-stream"}
+
+
+def until(check, what: str, wait_s: float = 60.0) -> None:
+    """Wait (bounded) until ``check()`` holds."""
+    for _ in range(int(wait_s / 0.05)):
+        if check():
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError(f"{what}: not within {wait_s:g} s")
+
+
+def tiny_json(**extra) -> bytes:
+    x = torch.randn(1, 3, 8, 8)
+    return json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
+                                   "data": x.reshape(-1).tolist()}], **extra}).encode()
+
+
+def test_an_output_asked_for_twice_is_refused_over_http_and_grpc(server):
+    """Each copy of a repeated output was answered: 20,000 copies in a 469 KB request made a 314 MB answer."""
+    status, answer = raw(server, "POST", "/v2/models/tiny/infer",
+                         tiny_json(outputs=[{"name": "output__0"}, {"name": "output__0"}]))
+    assert status == 400 and answer["error"] == "output 'output__0' is asked for twice", answer
+    request = tiny_request(torch.randn(1, 3, 8, 8))
+    request.outputs.add(name="output__0")
+    request.outputs.add(name="output__0")
+    channel, stub = grpc_stub(server)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == "output 'output__0' is asked for twice"
+    finally:
+        channel.close()
+
+
+def test_an_answer_large_in_json_is_encoded_off_the_event_loop(bounded, monkeypatch):
+    """fan's output takes 64 KiB as a tensor but about 330 KB written in JSON: its encoding, held until liveness has
+    answered, must be on a worker thread (the decision was taken by the tensor's size: on the event loop, which
+    then answered nothing)."""
+    encoding = threading.Event()
+    release = threading.Event()
+    encode = protocol.encode
+
+    def held(*args, **kwargs):
+        encoding.set()
+        release.wait(120)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(protocol, "encode", held)
+    body, headers = fan_request(1, binary_output=False)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=bounded.url, timeout=120) as c:
+            post = asyncio.create_task(c.post("/v2/models/fan/infer", content=body, headers=headers))
+            try:
+                assert await asyncio.to_thread(encoding.wait, 60), "no answer reached its encoding"
+                async with httpx.AsyncClient(base_url=bounded.url, timeout=30) as probe:
+                    live = await probe.get("/v2/health/live")
+            finally:
+                release.set()
+            return live, await post
+
+    live, answer = asyncio.run(scenario())
+    assert live.status_code == 200
+    assert answer.status_code == 200 and len(answer.content) > 256 << 10
+    assert answer.json()["outputs"][0]["shape"] == [1, 256, 8, 8]
+
+
+def declare(background, length: int) -> socket.socket:
+    """A connection that sends an infer request's headers declaring ``length`` bytes, and no body yet."""
+    host, port = background.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=60)
+    s.sendall(f"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {length}\r\n\r\n".encode())
+    return s
+
+
+def answer_of(s: socket.socket) -> tuple[bytes, bytes]:
+    """The head and body of the answer on ``s`` (read until the server closes it, or as long as it says)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = s.recv(65536)
+        if not part:
+            break
+        data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(
+        b"content-length:")), None)
+    while length is not None and len(body) < length and (part := s.recv(65536)):
+        body += part
+    return head, body
+
+
+def test_bodies_past_the_servers_budget_get_503_with_retry_after(bounded):
+    """Twelve connections could each hold a body of 58 MB unfinished for as long as they liked: now a body is held
+    in a server-wide budget (here 256 KiB), and one that would pass it is refused at once, before it is read."""
+    body = tiny_json()
+    size = 100_000
+    first, second = declare(bounded, size), declare(bounded, size)
+    try:
+        until(lambda: bounded.budget.held >= 2 * size, "two declared bodies held")
+        third = declare(bounded, size)
+        with third:
+            head, answer = answer_of(third)
+        assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head.lower(), head
+        assert b"connection: close" in head.lower()
+        assert "--max-held-mb" in strict_json(answer)["error"]
+        for s in (first, second):  # the two held finish their bodies and are answered
+            s.sendall(body + b" " * (size - len(body)))
+            head, answer = answer_of(s)
+            assert head.startswith(b"HTTP/1.1 200 "), head
+    finally:
+        first.close()
+        second.close()
+    until(lambda: bounded.budget.held == 0, "the budget given back")
+    assert raw(bounded, "POST", "/v2/models/tiny/infer", body)[0] == 200
+
+
+def test_answers_a_client_does_not_read_count_in_the_budget(bounded):
+    """Clients that never read their answers held 350 MB: an answer that waits in its connection's buffer is held
+    in the budget, so the bodies after it get 503 until it is read."""
+    body, headers = fan_request(32, binary_output=False)  # about 10 MB of JSON
+    host, port = bounded.url.removeprefix("http://").split(":")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(60)
+        s.connect((host, int(port)))
+        s.sendall(b"POST /v2/models/fan/infer HTTP/1.1\r\nHost: " + host.encode() + b"\r\n" +
+                  b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) +
+                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        until(lambda: bounded.budget.held > bounded.budget.limit, "the unread answer held")
+        status, answer = raw(bounded, "POST", "/v2/models/tiny/infer", tiny_json())
+        assert status == 503 and "unread answers" in answer["error"], answer
+        head, content = answer_of(s)
+        assert head.startswith(b"HTTP/1.1 200 ") and len(content) > 4 << 20
+    until(lambda: bounded.budget.held == 0, "the read answer given back")
+    assert raw(bounded, "POST", "/v2/models/tiny/infer", tiny_json())[0] == 200
+
+
+def test_a_trickling_body_is_cut_and_one_arriving_at_the_minimum_rate_is_not(trickled):
+    """A body that sent one byte every 20 s was never cut by --idle-timeout-s: now it must bring the minimum rate
+    (here 1 KiB/s) over every window of --idle-timeout-s (here 3 s)."""
+    import select
+
+    host, port = trickled.url.removeprefix("http://").split(":")
+    with declare(trickled, 768) as s:
+        closed = False
+        for _ in range(120):  # 30 s of a byte every 0.25 s, unless the server cuts it first
+            try:
+                s.send(b" ")
+                if select.select([s], [], [], 0.25)[0] and s.recv(65536) == b"":
+                    closed = True
+                    break
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+        assert closed, "the server kept a body that brought 4 bytes a second for 30 s"
+    body = tiny_json()
+    body += b" " * ((40 << 10) - len(body))
+    with declare(trickled, len(body)) as s:
+        for i in range(0, len(body), 2048):  # 8 KiB/s for 5 s: above the minimum rate, longer than a window
+            s.sendall(body[i:i + 2048])
+            threading.Event().wait(0.25)
+        head, _ = answer_of(s)
+    assert head.startswith(b"HTTP/1.1 200 "), head
+
+
+def test_a_client_that_does_not_read_its_answer_is_cut(trickled):
+    """An answer that waits in the connection's buffer, unread, was held for as long as the client liked."""
+    body, headers = fan_request(32, binary_output=False)
+    host, port = trickled.url.removeprefix("http://").split(":")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(60)
+        s.connect((host, int(port)))
+        s.sendall(b"POST /v2/models/fan/infer HTTP/1.1\r\nHost: " + host.encode() + b"\r\n" +
+                  b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) +
+                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = s.recv(1024)  # the answer has begun
+        assert received.startswith(b"HTTP/1.1 200 ")
+        threading.Event().wait(10)  # three windows without reading
+        try:
+            while part := s.recv(1 << 20):
+                received += part
+        except ConnectionResetError:
+            pass
+    head, _, content = received.partition(b"\r\n\r\n")
+    length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+                 .split(b":")[1])
+    assert len(content) < length, "the whole answer waited for a client that did not read"
+    until(lambda: trickled.budget.held == 0, "the dropped answer given back")
+
+
+@pytest.fixture(scope="module", params=["h11", "httptools"])
+def parsed(request, site):
+    """tiny behind each HTTP parser uvicorn may run (h11 where httptools is not installed, as with opweave[serve])."""
+    if request.param == "httptools":
+        pytest.importorskip("httptools")
+    import uvicorn.protocols.http.auto as auto
+
+    parent, _, _ = site
+    served = load_models([], {"tiny": parent / "tiny.pt2"}, max_batch=4)
+    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    background = BackgroundServer(engine, served)
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "h11":
+            from uvicorn.protocols.http.h11_impl import H11Protocol
+
+            patch.setattr(auto, "AutoHTTPProtocol", H11Protocol)
+        url = background.__enter__()
+    background.url = url
+    try:
+        yield background
+    finally:
+        background.__exit__(None, None, None)
+
+
+def test_a_request_framed_by_both_content_length_and_chunks_is_refused_and_its_connection_closed(parsed):
+    """Content-Length beside Transfer-Encoding: chunked was read as chunked and the connection kept (h11): what
+    followed the chunks, a second request here, was answered too, the shape of request smuggling behind a proxy
+    that trusts Content-Length (RFC 9112 6.1)."""
+    host, port = parsed.url.removeprefix("http://").split(":")
+    body = tiny_json()
+    chunked = b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    request = (f"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n").encode() + chunked + \
+        f"GET /v2/health/live HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(request)
+        answer = b""
+        try:
+            while part := s.recv(65536):
+                answer += part
+        except ConnectionResetError:
+            pass
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower(), answer[:300]
+    assert b"HTTP/1.1 " not in rest, "a second answer on the connection"
+    assert strict_json(rest)["error"]
+
+
+def test_a_client_config_cannot_make_a_torchscript_models_inputs_larger(tmp_path):
+    """A 300-byte load with dims [3, 2048, 2048] cost 1.45 GB and 17 s, and raised the model's body limit to
+    2.4 GB: a client's config may give an input no more values than the repository's config.pbtxt does."""
+    model, _ = tiny()
+    (tmp_path / "scripted" / "1").mkdir(parents=True)
+    torch.jit.save(torch.jit.script(model), str(tmp_path / "scripted" / "1" / "model.pt"))
+    (tmp_path / "scripted" / "config.pbtxt").write_text(
+        'max_batch_size: 4\ninput [{ name: "x" data_type: TYPE_FP32 dims: [3, 8, 8] }]\n')
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
+    repository.load_all()
+    limit = protocol.request_limit(repository.served["scripted"])
+    background = BackgroundServer(engine, repository.served, repository=repository)
+
+    def config(dims, name="x") -> str:
+        return json.dumps({"max_batch_size": 4, "input": [{"name": name, "data_type": "TYPE_FP32", "dims": dims}]})
+
+    with background as url:
+        background.url = url
+        for dims, name in (([3, 64, 64], "x"), ([3, 2048, 2048], "x"), ([3, 8, 8], "y")):
+            status, answer = load(background, "scripted", config(dims, name))
+            assert status == 400 and "a client's config cannot make a model's inputs larger" in answer["error"], \
+                answer
+        assert protocol.request_limit(repository.served["scripted"]) == limit
+        assert load(background, "scripted", config([3, 8, 8])) == (200, {})  # what the repository says: taken
+        assert load(background, "scripted", config([3, 4, 4])) == (200, {})  # smaller: taken
+        assert repository.served["scripted"].inputs[0].shape == (-1, 3, 4, 4)
+
+
+def test_echoes_of_a_clients_headers_are_cut_to_64_characters(server):
+    for header in (HEADER, "Content-Encoding"):
+        status, answer = raw(server, "POST", "/v2/models/tiny/infer", tiny_json(), {header: "x" * 900})
+        assert status == 400 and "x" * 60 in answer["error"] and "x" * 65 not in answer["error"], answer
+        assert len(answer["error"]) < 200, answer
+
+
+def test_the_binary_headers_length_is_digits_only(server):
+    """int() took " 115 ", "+115" and "1_15"."""
+    x = torch.randn(1, 3, 8, 8)
+    header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 768}}]}).encode()
+    size = str(len(header))
+    assert raw(server, "POST", "/v2/models/tiny/infer", header + encode_tensor(x), {HEADER: size})[0] == 200
+    for written in (f" {size} ", f"+{size}", f"{size[0]}_{size[1:]}", "\u00b2" * 3, "9" * 5000):
+        status, answer = raw(server, "POST", "/v2/models/tiny/infer", header + encode_tensor(x), {HEADER: written})
+        assert status == 400 and "is not a byte count" in answer["error"], (written, answer)
+
+
+@pytest.mark.parametrize("where", [{"parameters": {"ignored": "NUMBER"}}, {"ignored": ["a", {"deep": ["NUMBER"]}]},
+                                   {"outputs": [{"name": "output__0", "parameters": {"x": "NUMBER"}}]}])
+def test_a_number_beyond_float64_is_refused_wherever_it_stands(server, where):
+    """1e400 (infinite once parsed) in a field the server ignores was answered 200."""
+    body = tiny_json(**where).replace(b'"NUMBER"', b"1e400")
+    status, answer = raw(server, "POST", "/v2/models/tiny/infer", body)
+    assert status == 400 and "beyond the range of float64" in answer["error"], answer
+    status, answer = raw(server, "POST", "/v2/repository/index", b'{"ready": false, "other": [-1e400]}')
+    assert status == 400 and "'other[0]' holds a number beyond the range of float64" in answer["error"], answer
+    request = tiny_request(torch.randn(1, 3, 8, 8))
+    request.parameters["ignored"].double_param = float("inf")
+    channel, stub = grpc_stub(server)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'parameters.ignored'" in \
+            info.value.details(), info.value.details()
+    finally:
+        channel.close()
+
+
+def test_a_grpc_call_whose_message_never_comes_ends_after_the_idle_timeout(limited):
+    """1,842 calls that sent their headers and no message were kept for 150 s: a connection with a call open is
+    never idle, and gRPC waited for the message as long as the connection lived."""
+    never = threading.Event()
+
+    def nothing():
+        never.wait(120)
+        return
+        yield
+
+    channel = grpc.insecure_channel(limited.grpc_address)
+    try:
+        call = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer",
+                                    request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                                    response_deserializer=service_pb2.ModelInferResponse.FromString)
+        future = call.future(nothing())
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                future.result(timeout=60)
+        finally:
+            never.set()
+            future.cancel()
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "did not arrive within 3 s" in info.value.details(), info.value.details()
+    finally:
+        channel.close()

@@ -99,7 +99,14 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
               "within this")] = 10.0,
           idle_timeout_s: Annotated[float, typer.Option(
               "--idle-timeout-s", min=0.1, help="close a connection idle this long (HTTP: kept alive, or a body "
-              "that stopped arriving; gRPC: no call)")] = 60.0,
+              "or an answer slower than --min-body-rate-kib over this long; gRPC: no call, or a call's message not "
+              "there this long after the call)")] = 60.0,
+          min_body_rate_kib: Annotated[float, typer.Option(
+              "--min-body-rate-kib", min=0, help="HTTP: KiB a second a body must bring, and an answer be read at, "
+              "over every --idle-timeout-s (a trickle does not keep a connection)")] = 16.0,
+          max_held_mb: Annotated[float, typer.Option(
+              "--max-held-mb", min=1, help="HTTP: MiB that unfinished request bodies and unread answers may hold "
+              "in all; a new body past it gets 503 with Retry-After")] = 512.0,
           allowed_hosts: Annotated[str | None, typer.Option(
               "--allowed-hosts", help="comma list of the Host names clients reach the server by (a proxy's public "
               "name; *.example.com a domain's; * any); others are refused (DNS rebinding). Default: localhost, "
@@ -218,7 +225,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     run_server(engine, served, host=host, port=port, max_body_bytes=max_body_bytes, log_level=log_level,
                on_listen=listening, grpc_port=grpc_port, repository=repository, header_timeout_s=header_timeout_s,
-               idle_timeout_s=idle_timeout_s, allowed_hosts=hosts, allow_origins=origins)
+               idle_timeout_s=idle_timeout_s, allowed_hosts=hosts, allow_origins=origins,
+               max_held_bytes=int(max_held_mb * (1 << 20)), min_body_rate=min_body_rate_kib * 1024)
 
 
 @contextlib.contextmanager

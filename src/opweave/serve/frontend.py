@@ -1,16 +1,17 @@
 """What the HTTP and gRPC front ends share: the draining state, and one inference from a decoded request to its
 answer or a :class:`Refused` that each front end maps to its own status (no HTTP, no gRPC here).
 
-=============  ====  =====================  ================================================
-kind           HTTP  gRPC                   when
-=============  ====  =====================  ================================================
-``invalid``    400   ``INVALID_ARGUMENT``   the request is malformed (:class:`ProtocolError`)
-``not_found``  404   ``NOT_FOUND``          unknown model or version (or it was just unloaded)
-``full``       429   ``RESOURCE_EXHAUSTED`` the model's queue is full (``retry_after_s``)
-``draining``   503   ``UNAVAILABLE``        the server drains after SIGTERM, or the model is being unloaded
-``timeout``    504   ``DEADLINE_EXCEEDED``  the request passed its deadline
-``error``      500   ``INTERNAL``           the model failed
-=============  ====  =====================  ================================================
+==============  ====  =====================  ================================================
+kind            HTTP  gRPC                   when
+==============  ====  =====================  ================================================
+``invalid``     400   ``INVALID_ARGUMENT``   the request is malformed (:class:`ProtocolError`)
+``not_found``   404   ``NOT_FOUND``          unknown model or version (or it was just unloaded)
+``full``        429   ``RESOURCE_EXHAUSTED`` the model's queue is full (``retry_after_s``)
+``draining``    503   ``UNAVAILABLE``        the server drains after SIGTERM, or the model is being unloaded
+``overloaded``  503   ``UNAVAILABLE``        the server holds its :class:`Budget` of bytes (``retry_after_s``)
+``timeout``     504   ``DEADLINE_EXCEEDED``  the request passed its deadline
+``error``       500   ``INTERNAL``           the model failed
+==============  ====  =====================  ================================================
 
 A refusal says one line (:func:`one_line`) that names the culprit and no directory of the server, and keeps
 nothing of the request: :func:`offload` raises its :class:`Refused` outside the handler of the
@@ -23,11 +24,12 @@ with the arenas) goes back to the operating system through :class:`HeapTrimmer`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,7 +37,10 @@ from opweave.errors import OpweaveError, UsageError
 from opweave.serve.engine import Engine, QueueFull, Request, Unavailable
 from opweave.serve.protocol import InferRequest, ProtocolError
 
-HTTP_STATUS = {"invalid": 400, "not_found": 404, "full": 429, "draining": 503, "timeout": 504, "error": 500}
+HTTP_STATUS = {"invalid": 400, "not_found": 404, "full": 429, "draining": 503, "overloaded": 503, "timeout": 504,
+               "error": 500}
+MAX_HELD_BYTES = 512 << 20  # what unfinished request bodies and unread answers may hold, server-wide
+RETRY_AFTER_S = 1.0  # when a request refused by the Budget may try again
 
 
 class Refused(OpweaveError):
@@ -155,6 +160,49 @@ class HeapTrimmer:
             self._thread.join(timeout=10)
 
 
+class Budget:
+    """The bytes that unfinished request bodies and unread answers hold, server-wide (Envoy's overload manager, one
+    budget for every connection), and the most they may hold (``limit``, ``opweave serve --max-held-mb``). A body
+    takes what it declares (or, streamed, what has arrived) before it is read; one that would pass the limit is
+    refused ``overloaded`` (503, ``Retry-After``); an answer that the client does not read takes what waits in its
+    connection's buffer, and is never refused (it is computed), but the bodies that come after it are. Counted from
+    every front end's threads, hence the lock."""
+
+    def __init__(self, limit: int = MAX_HELD_BYTES):
+        self.limit, self.held = limit, 0
+        self._lock = threading.Lock()
+
+    def change(self, delta: int, refusable: bool = False) -> None:
+        """Add ``delta`` bytes (negative: given back); ``refusable``: :class:`Refused` ``overloaded`` instead, if
+        they would pass the limit."""
+        with self._lock:
+            if refusable and delta > 0 and self.held + delta > self.limit:
+                held = self.held
+            else:
+                self.held += delta
+                return
+        raise Refused("overloaded", f"the server holds {held} bytes of unfinished requests and unread answers: "
+                                    f"{delta} more would pass its budget of {self.limit} bytes (opweave serve "
+                                    f"--max-held-mb); retry later", RETRY_AFTER_S)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[Callable[[int], None]]:
+        """``with budget.hold() as hold``: ``hold(n)`` makes what this request holds at least ``n`` bytes (refused
+        as :meth:`change` says), all of it given back when the block ends."""
+        held = 0
+
+        def hold(n: int) -> None:
+            nonlocal held
+            if n > held:
+                self.change(n - held, refusable=True)
+                held = n
+
+        try:
+            yield hold
+        finally:
+            self.change(-held)
+
+
 class State:
     """What the front ends and the draining server share: accepted requests not yet answered (counted from every
     front end's threads, hence the lock), and the draining flag."""
@@ -207,4 +255,5 @@ async def infer(engine: Engine, state: State, name: str, request: InferRequest,
     return result
 
 
-__all__ = ["HTTP_STATUS", "HeapTrimmer", "Refused", "State", "infer", "offload", "one_line", "release_memory"]
+__all__ = ["HTTP_STATUS", "MAX_HELD_BYTES", "RETRY_AFTER_S", "Budget", "HeapTrimmer", "Refused", "State", "infer",
+           "offload", "one_line", "release_memory"]

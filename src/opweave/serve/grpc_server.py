@@ -28,7 +28,10 @@ Limits (docs/serving.md, "Security"): gRPC refuses a message over ``max_message_
 exception outlives the call (an aborted call's exception kept the request's frames, and the request, in a
 reference cycle until the cycle collector ran). Connections: the HTTP/2 handshake must finish within
 ``header_timeout_s``, a connection with no call for ``idle_timeout_s`` is closed, and keepalive pings find dead
-peers.
+peers; a call's request message must arrive within ``idle_timeout_s`` of the call (``DEADLINE_EXCEEDED``
+otherwise). A request refused by :mod:`opweave.serve.protocol`'s checks (a repeated output, a number that is not
+finite, ...) is ``INVALID_ARGUMENT``; an answer over :data:`OFFLOAD_BYTES`
+(:func:`~opweave.serve.protocol.response_bytes`) is encoded on a worker thread.
 """
 
 from __future__ import annotations
@@ -53,9 +56,10 @@ from opweave.serve.models import ServedModel
 from opweave.serve.repository import Repository
 from opweave.serve.stats import Statistics
 
-OFFLOAD_BYTES = 256 << 10  # a ModelInfer this large is decoded on a worker thread, off the event loop
+OFFLOAD_BYTES = 256 << 10  # a ModelInfer (or its answer) this large is decoded (encoded) on a worker thread
 CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
          "full": grpc.StatusCode.RESOURCE_EXHAUSTED, "draining": grpc.StatusCode.UNAVAILABLE,
+         "overloaded": grpc.StatusCode.UNAVAILABLE,
          "timeout": grpc.StatusCode.DEADLINE_EXCEEDED, "error": grpc.StatusCode.INTERNAL}
 EXTENSIONS = ["model_configuration", "model_repository", "statistics"]
 
@@ -161,7 +165,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             return await work()
         except Refused as exc:
             code, details = CODES[exc.kind], frontend.one_line(str(exc))
-            retry = exc.retry_after_s if exc.kind == "full" else None
+            retry = exc.retry_after_s
         if retry is not None:
             context.set_trailing_metadata((("retry-after", str(math.ceil(retry))),))
         context.set_code(code)
@@ -216,7 +220,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             decoded = await frontend.offload(decode, model, request, size=size, threshold=OFFLOAD_BYTES)
             result = await frontend.infer(self.engine, self.state, model.name, decoded,
                                           timeout_s=context.time_remaining())
-            return encode(model, decoded, pytree.tree_leaves(result.output))
+            leaves = pytree.tree_leaves(result.output)
+            return await frontend.offload(encode, model, decoded, leaves, threshold=OFFLOAD_BYTES,
+                                          size=protocol.response_bytes(model, decoded, leaves))
         return await self._call(context, work)
 
     async def ModelStatistics(self, request, context):
@@ -257,8 +263,8 @@ class _Unparsable:
     """What a request deserializer answers for bytes that are no message of its type (raising, the call would end
     ``UNKNOWN`` with the parser's exception): the servicer's method then ends the call ``INVALID_ARGUMENT``."""
 
-    def __init__(self, reason: str):
-        self.reason = reason
+    def __init__(self, reason: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+        self.reason, self.code = reason, code
 
 
 def _parser(message_class):
@@ -270,10 +276,21 @@ def _parser(message_class):
     return parse
 
 
-def _refusing_unparsable(behaviour):
-    async def call(request, context):
+def _one_message(behaviour, timeout_s: float):
+    """``behaviour(request, context)`` as a handler of a call whose request message is read here, within
+    ``timeout_s`` of the call's start (a call whose message never arrives ends ``DEADLINE_EXCEEDED``: gRPC's own
+    unary handler waits for it as long as the connection lives, and a connection with a call open is never idle); a
+    message that does not parse (:class:`_Unparsable`) or is missing ends ``INVALID_ARGUMENT``."""
+    async def call(_requests, context):
+        try:
+            request = await asyncio.wait_for(context.read(), timeout_s)
+        except asyncio.TimeoutError:
+            request = _Unparsable(f"the request's message did not arrive within {timeout_s:g} s (opweave serve "
+                                  f"--idle-timeout-s)", grpc.StatusCode.DEADLINE_EXCEEDED)
+        if request is grpc.aio.EOF:
+            request = _Unparsable("the call carries no request message")
         if isinstance(request, _Unparsable):
-            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_code(request.code)
             context.set_details(request.reason)
             return None
         return await behaviour(request, context)
@@ -301,10 +318,12 @@ def _unimplemented(name: str, handler):
     return grpc.unary_unary_rpc_method_handler(refuse, **codec)
 
 
-def add_service(servicer: Servicer, server) -> None:
+def add_service(servicer: Servicer, server, message_timeout_s: float = 60.0) -> None:
     """Register ``servicer`` on ``server`` as tritonclient's generated code does, but with the request deserializers
-    of :func:`_parser` on the calls the servicer implements (coroutines): a message that does not parse is
-    ``INVALID_ARGUMENT``; the calls it does not implement answer ``UNIMPLEMENTED`` (:func:`_unimplemented`)."""
+    of :func:`_parser` on the calls the servicer implements (coroutines), each reading its message within
+    ``message_timeout_s`` (:func:`_one_message`; on the wire a unary call is a stream of one message): a message
+    that does not parse is ``INVALID_ARGUMENT``; the calls it does not implement answer ``UNIMPLEMENTED``
+    (:func:`_unimplemented`)."""
     class Table:  # what the generated registration hands a server
         def __init__(self) -> None:
             self.handlers: dict = {}
@@ -320,8 +339,8 @@ def add_service(servicer: Servicer, server) -> None:
     handlers = dict(table.handlers)
     for name, handler in handlers.items():
         if handler.unary_unary is not None and asyncio.iscoroutinefunction(handler.unary_unary):
-            handlers[name] = grpc.unary_unary_rpc_method_handler(
-                _refusing_unparsable(handler.unary_unary),
+            handlers[name] = grpc.stream_unary_rpc_method_handler(
+                _one_message(handler.unary_unary, message_timeout_s),
                 request_deserializer=_parser(handler.request_deserializer.__self__),
                 response_serializer=handler.response_serializer)
         else:  # the generated base class's: it would end the call with its NotImplementedError
@@ -348,7 +367,8 @@ class GrpcServer:
     returns the bound port; :meth:`stop` lets calls in flight finish (at most ``grace_s``) and ends the thread.
     ``max_body_bytes`` raises every model's request limit (``--max-body-mb``); ``max_message_bytes`` bounds a
     message (default :func:`message_limit`; a larger one: ``RESOURCE_EXHAUSTED``, from gRPC itself).
-    ``header_timeout_s``: for the HTTP/2 handshake; ``idle_timeout_s``: a connection without calls is closed."""
+    ``header_timeout_s``: for the HTTP/2 handshake; ``idle_timeout_s``: a connection without calls is closed, and
+    a call whose request message has not arrived (:func:`add_service`) is ended."""
 
     def __init__(self, engine: Engine, repository: Repository, state: State, *, host: str = "127.0.0.1",
                  port: int = 0, max_message_bytes: int | None = None, max_body_bytes: int = 0,
@@ -377,7 +397,7 @@ class GrpcServer:
 
         async def main() -> None:
             server = grpc.aio.server(options=self.options())
-            add_service(self.servicer, server)
+            add_service(self.servicer, server, self.idle_timeout_s)
             try:
                 self.port = server.add_insecure_port(f"{self.host}:{self.port}")
                 await server.start()

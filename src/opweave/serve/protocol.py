@@ -12,14 +12,17 @@ Request ``parameters.timeout`` is Triton's per-request timeout in microseconds.
 
 JSON is RFC 8259's, both ways: UTF-8 only, an object's keys once each; a request's ``NaN`` / ``Infinity`` tokens are
 refused, as are values a datatype cannot hold (``1e39`` or ``1e400`` for FP32, ``300`` for UINT8: never a silent
-``inf`` or wrap-around), and a response never carries them: an output holding NaN or an infinity is answered only as
+``inf`` or wrap-around), and a number beyond float64 anywhere else (a field the server ignores too) is refused; a
+response never carries them: an output holding NaN or an infinity is answered only as
 binary data (asked for in JSON, the request is refused, naming the output). An input holding NaN or an infinity (in
 binary data, or gRPC's typed contents) is refused, naming it, unless the model's config allows them
 (``ServedModel.allow_non_finite``). Booleans (``binary_data``, ``binary_data_output``) are JSON's ``true`` and
-``false``, and ``id`` a string.
+``false``, ``id`` a string, and ``Inference-Header-Content-Length`` digits only.
 
 Sizes: :func:`request_limit` is the most bytes a valid request for a model can take (its inputs at its max batch,
-:data:`JSON_BYTES_PER_VALUE` a value); the front ends refuse a larger body before reading or decoding it.
+:data:`JSON_BYTES_PER_VALUE` a value); the front ends refuse a larger body before reading or decoding it. An answer
+costs no more than its model's outputs: an output asked for twice is refused (as Triton does), and
+:func:`response_bytes` bounds what a response takes before it is encoded.
 
 The checks live in :func:`decode_request`, which the gRPC front end (:mod:`opweave.serve.grpc_server`) calls too: it
 turns a ``ModelInferRequest`` into the same request object, its ``raw_input_contents`` standing for binary data.
@@ -44,6 +47,7 @@ from opweave.serve.models import DTYPES, ServedModel, TensorSpec
 HEADER = "Inference-Header-Content-Length"
 HEADER_BYTES = 64 << 10  # what a request carries besides its values: names, shapes, datatypes, parameters, outputs
 JSON_BYTES_PER_VALUE = 48  # one value written in JSON, its separator and indentation included (floats take <= 26)
+JSON_RESPONSE_BYTES_PER_VALUE = 26  # the most one value of a response's JSON takes ("-1.2345678901234567e-308, ")
 RAW_BYTES_PER_VALUE = 10  # one value in gRPC's typed contents (a varint: at most 10 bytes) or raw bytes (at most 8)
 SHOWN_CHARS = 64  # of a value a client sent, what an error message quotes
 NON_FINITE_PARAMETER = "allow_non_finite_inputs"  # a model config's parameter (ServedModel.allow_non_finite)
@@ -93,7 +97,7 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
             d = zlib.decompressobj()
             out = d.decompress(body, limit + 1)
         else:
-            raise ProtocolError(f"unsupported Content-Encoding {encoding!r} (gzip, deflate)")
+            raise ProtocolError(f"unsupported Content-Encoding {shown(encoding)} (gzip, deflate)")
     except (OSError, zlib.error, EOFError) as exc:
         raise ProtocolError(f"request body is not valid {encoding}: {exc}") from None
     if len(out) > limit:
@@ -105,16 +109,16 @@ def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferR
     """Parse and check an infer request for ``model`` (see the module docstring); :class:`ProtocolError` says what
     is wrong, naming the input."""
     if header_length is not None:
-        try:
-            size = int(header_length)
-        except ValueError:
-            raise ProtocolError(f"{HEADER} {header_length!r} is not an integer") from None
+        if not (header_length.isascii() and header_length.isdigit()) or len(header_length) > 19:  # int() takes
+            # " 115 ", "+115" and "1_15"
+            raise ProtocolError(f"{HEADER} {shown(header_length)} is not a byte count (at most 19 digits 0-9)")
+        size = int(header_length)
         if not 0 < size <= len(body):
             raise ProtocolError(f"{HEADER} {size} does not fit a body of {len(body)} bytes")
         head, blob = body[:size], memoryview(body)[size:]
     else:
         head, blob = body, memoryview(b"")
-    request = loads(head)
+    request = loads(head, finite=False)
     offset = 0
 
     def binary(index: int, entry: dict, spec: TensorSpec, shape: list[int]) -> bytes | None:
@@ -142,17 +146,19 @@ def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferR
     return decode_request(model, request, binary, leftover)
 
 
-def loads(text: bytes | bytearray | str) -> Any:
+def loads(text: bytes | bytearray | str, finite: bool = True) -> Any:
     """RFC 8259 JSON: UTF-8 text (bytes in any other encoding, which Python's ``json`` would guess and take, are
-    refused), no ``NaN`` / ``Infinity``, no key twice in an object (the last would silently win); anything else,
-    however nested, refused with :class:`ProtocolError`. A text over :data:`YIELD_BYTES` is parsed with a Python
-    function per number, so that the parser (C code that otherwise holds the GIL to the end) lets the event loop's
-    thread run every few milliseconds while a worker thread decodes it (about a third slower)."""
+    refused), no ``NaN`` / ``Infinity``, no number beyond float64 (``1e400``, which Python's parser makes infinite;
+    ``finite=False`` leaves them to :func:`decode_request`, which names the input that holds one), no key twice in an
+    object (the last would silently win); anything else, however nested, refused with :class:`ProtocolError`. A
+    text over :data:`YIELD_BYTES` is parsed with a Python function per number, so that the parser (C code that
+    otherwise holds the GIL to the end) lets the event loop's thread run every few milliseconds while a worker
+    thread decodes it (about a third slower)."""
     hooks = {"parse_float": _float, "parse_int": _int} if len(text) > YIELD_BYTES else {}
     try:
         if not isinstance(text, str):
             text = text.decode("utf-8")
-        return json.loads(text, parse_constant=_not_json, object_pairs_hook=_unique, **hooks)
+        value = json.loads(text, parse_constant=_not_json, object_pairs_hook=_unique, **hooks)
     except ProtocolError:
         raise
     except UnicodeDecodeError as exc:
@@ -161,7 +167,30 @@ def loads(text: bytes | bytearray | str) -> Any:
         error = "malformed JSON: nested too deep"
     except ValueError as exc:  # JSONDecodeError, an integer of more than 4300 digits
         error = f"malformed JSON: {exc}"
+    else:
+        if finite:
+            refuse_non_finite(value)
+        return value
     raise ProtocolError(error)
+
+
+def refuse_non_finite(value: Any, skip: tuple = ()) -> None:
+    """:class:`ProtocolError` naming where ``value`` (parsed JSON, or a gRPC request as :func:`decode_request` sees
+    it) holds a number that is not finite: a JSON number beyond float64 (``1e400``) became an infinity, and is
+    refused wherever it stands, in a field the server ignores too. ``skip``: lists not looked into (inputs' values,
+    which are checked as tensors, naming the input)."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        pairs = item.items() if isinstance(item, dict) else enumerate(item) \
+            if isinstance(item, list) and not any(item is s for s in skip) else ()
+        for key, v in pairs:
+            if type(v) is float and not math.isfinite(v):
+                where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+                raise ProtocolError(f"{shown(where)} holds a number beyond the range of float64 (it would become "
+                                    f"infinite): no number may be infinite or NaN")
+            if isinstance(v, (dict, list)):
+                stack.append((f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key, v))
 
 
 def _unique(pairs: list[tuple[str, Any]]) -> dict:
@@ -203,6 +232,8 @@ def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
     entries = request.get("inputs")
     if not isinstance(entries, list) or not entries:
         raise ProtocolError("'inputs' must be a non-empty list")
+    outputs = _outputs(model, request, boolean(params.get("binary_data_output", False),
+                                               "parameters.binary_data_output"))  # before the inputs' values: cheap
     specs = {s.name: s for s in model.inputs}
     given: dict[str, torch.Tensor] = {}
     batch = None
@@ -233,6 +264,7 @@ def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
     missing = [n for n in specs if n not in given]
     if missing:
         raise ProtocolError(f"missing input {missing[0]!r} for model {model.name!r}")
+    refuse_non_finite(request, skip=tuple(e["data"] for e in entries if isinstance(e.get("data"), list)))
     timeout = params.get("timeout")
     if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or
                                 not 0 < timeout < 1e18):
@@ -240,10 +272,8 @@ def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(f"'id' must be a string, got {shown(request_id)}")
-    return InferRequest(tuple(given[s.name] for s in model.inputs), batch or 1,
-                        _outputs(model, request, boolean(params.get("binary_data_output", False),
-                                                          "parameters.binary_data_output")),
-                        request_id, None if timeout is None else timeout / 1e6)
+    return InferRequest(tuple(given[s.name] for s in model.inputs), batch or 1, outputs, request_id,
+                        None if timeout is None else timeout / 1e6)
 
 
 def boolean(value: Any, what: str) -> bool:
@@ -346,12 +376,15 @@ def _outputs(model: ServedModel, request: dict, binary_default: bool) -> list[tu
         return [(n, binary_default) for n in names]
     if not isinstance(asked, list):
         raise ProtocolError("'outputs' must be a list")
-    out = []
+    out: list[tuple[str, bool]] = []
     for entry in asked:
         entry = _object(entry, "an output")
         if not isinstance(entry.get("name"), str) or entry.get("name") not in names:
             raise ProtocolError(f"unknown output {shown(entry.get('name'))} for model {model.name!r} (outputs: "
                                 f"{', '.join(names)})")
+        if any(entry["name"] == n for n, _ in out):  # each copy would be answered: a request worth far more than
+            # its size (Triton refuses a repeated output too)
+            raise ProtocolError(f"output {entry['name']!r} is asked for twice")
         binary = _object(entry.get("parameters", {}), "output parameters").get("binary_data", binary_default)
         out.append((entry["name"], boolean(binary, f"output {entry['name']!r} parameters.binary_data")))
     return out
@@ -363,6 +396,14 @@ def answers(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor
     (flattened, in its outputs' order)."""
     by_name = {s.name: (s, t) for s, t in zip(model.outputs, leaves, strict=True)}
     return [(*by_name[name], binary) for name, binary in request.outputs]
+
+
+def response_bytes(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor]) -> int:
+    """At most the bytes :func:`encode` writes for the model's output ``leaves`` but for their names and shapes: the
+    outputs asked for, each value at its datatype's size in binary data, :data:`JSON_RESPONSE_BYTES_PER_VALUE` in
+    JSON (what decides whether the response is encoded off the event loop)."""
+    return sum(t.numel() * (t.element_size() if binary else JSON_RESPONSE_BYTES_PER_VALUE)
+               for _, t, binary in answers(model, request, leaves))
 
 
 def encode(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor]) -> tuple[bytes, dict[str, str]]:
@@ -412,6 +453,7 @@ def config(model: ServedModel, policy: dict, max_queue: int) -> dict:
             "blocks": len(model.blocked.blocks)}
 
 
-__all__ = ["DTYPES", "HEADER", "HEADER_BYTES", "JSON_BYTES_PER_VALUE", "NON_FINITE_PARAMETER", "RAW_BYTES_PER_VALUE",
-           "InferRequest", "ProtocolError", "answers", "boolean", "config", "decode", "decode_request", "decode_tensor",
-           "decompress", "encode", "encode_tensor", "loads", "metadata", "request_limit", "shown"]
+__all__ = ["DTYPES", "HEADER", "HEADER_BYTES", "JSON_BYTES_PER_VALUE", "JSON_RESPONSE_BYTES_PER_VALUE",
+           "NON_FINITE_PARAMETER", "RAW_BYTES_PER_VALUE", "InferRequest", "ProtocolError", "answers", "boolean",
+           "config", "decode", "decode_request", "decode_tensor", "decompress", "encode", "encode_tensor", "loads",
+           "metadata", "refuse_non_finite", "request_limit", "response_bytes", "shown"]

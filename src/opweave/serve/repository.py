@@ -48,7 +48,9 @@ not starting with ``.``, at most 128 characters) and no name a route takes
 must resolve to files under the resolved root (a symbolic link leaving the root is refused unless
 ``allow_symlinks_outside_root``). With ``control="none"`` (Triton's ``--model-control-mode none``) the repository
 API neither loads nor unloads: every model is loaded at start (:meth:`Repository.load_all`) and stays. A load's
-config from a client (``parameters.config``) may not raise ``max_batch_size`` above the server's ``max_batch``.
+config from a client (``parameters.config``) may not raise ``max_batch_size`` above the server's ``max_batch``, nor
+give a TorchScript model's input more values than the repository's ``config.pbtxt`` gives it (so it cannot raise the
+model's request limit past what the operator's config and ``--max-batch`` allow).
 Every refusal is one line that names the model, never a path outside the repository, and a load that fails
 puts one line in the server's log; a directory that is no plain name (or no UTF-8) is left out of the index, with a
 warning in the server's log.
@@ -274,6 +276,8 @@ class Repository:
         max_batch = self._max_batch(name, config, config_json is not None)
         allow_non_finite = _allows_non_finite(name, config)
         version, path = self.locate(name, config)
+        if config_json is not None and path.suffix == ".pt":
+            self._within_repository_inputs(name, config)
         source = f"{name}/{version}/{path.name}"
         settings = _settings(name, config)
         old = self.served.get(name)
@@ -312,6 +316,19 @@ class Repository:
         if asked > 0:
             return asked
         return 1 if _declares_no_batching(config) else self.max_batch
+
+    def _within_repository_inputs(self, name: str, config) -> None:
+        """A client's ``config`` for a TorchScript model (whose inputs' shapes its config gives) gives no input more
+        values than the repository's ``config.pbtxt`` does, nor one it does not describe: else a 300-byte load would
+        set the size of the example the model is converted on and of every request it takes."""
+        own = {i.name: math.prod(i.dims) for i in self.read_config(name).input}
+        for tensor in config.input:
+            values = math.prod(tensor.dims)
+            if tensor.name not in own or values > own[tensor.name]:
+                allowed = f"{own[tensor.name]} values" if tensor.name in own else "no shape for it"
+                raise Refused("invalid", f"model {name!r}: parameters.config gives input {shown(tensor.name)} dims "
+                                         f"{list(tensor.dims)[:8]} ({values} values), its {CONFIG} {allowed}: a "
+                                         f"client's config cannot make a model's inputs larger")
 
     def _hide(self, text: str) -> str:
         """``text`` with the repository's own path left out (paths show relative to the root)."""

@@ -29,12 +29,15 @@ named).
 Limits (docs/serving.md, "Security"): an infer body may take its model's
 :func:`~opweave.serve.protocol.request_limit` bytes (raised to ``max_body_bytes`` if that is larger, the CLI's
 ``--max-body-mb``), checked against ``Content-Length`` before reading and again while the body streams in (and once
-decompressed); the repository calls' bodies :data:`CONTROL_BODY_BYTES`. A body over :data:`OFFLOAD_BYTES` is decoded,
-and a response that large encoded, on a worker thread, never on the event loop, so ``/v2/health/live`` answers while
-large requests are read. Connections (:func:`_http_protocol`): a request's headers must arrive within
-``header_timeout_s`` and fit :data:`MAX_HEADER_BYTES`; a body that stops arriving for ``idle_timeout_s`` closes
-the connection, as does a kept-alive connection idle that long; a request the parser cannot read is answered 400 in
-JSON too.
+decompressed); the repository calls' bodies :data:`CONTROL_BODY_BYTES`. Every body is held in the server's
+:class:`~opweave.serve.frontend.Budget` (``max_held_bytes``, the CLI's ``--max-held-mb``) with the answers clients
+have not read: one that would pass it is refused 503 with ``Retry-After``. A body over :data:`OFFLOAD_BYTES` is
+decoded, and a response that large (:func:`~opweave.serve.protocol.response_bytes`: what it will write) encoded, on
+a worker thread, never on the event loop, so ``/v2/health/live`` answers while large requests are read. Connections
+(:func:`_http_protocol`): a request's headers must arrive within ``header_timeout_s`` and fit
+:data:`MAX_HEADER_BYTES`; a body must bring ``min_body_rate`` bytes a second over every ``idle_timeout_s`` (a
+trickle does not keep it), and an answer be read as fast, else the connection is closed, as is a kept-alive
+connection idle that long; a request the parser cannot read is answered 400 in JSON too.
 
 Draining (:class:`DrainingServer`): the first SIGTERM stops admission (new requests get 503, readiness goes 503)
 while every accepted request is still answered; once none is left uvicorn shuts down and the process exits 0. A
@@ -48,6 +51,7 @@ import json
 import math
 import signal
 import sys
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -64,7 +68,7 @@ import opweave
 from opweave.serve import frontend, protocol
 from opweave.serve.engine import Engine, Observer, Request
 from opweave.serve.executors import Part, StepCost
-from opweave.serve.frontend import Refused, State
+from opweave.serve.frontend import Budget, Refused, State
 from opweave.serve.models import ServedModel
 from opweave.serve.repository import Repository
 from opweave.serve.stats import Statistics
@@ -80,6 +84,7 @@ LINGER_BYTES = 64 << 10  # of a refused request's body, the most the server read
 LINGER_S = 2.0  # how long after the answer to a refused request its connection is closed (the client reads it)
 HEADER_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0
+MIN_BODY_RATE = 16 << 10  # bytes a second a body must bring (an answer be read) over every idle_timeout_s
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _DECISION_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
@@ -188,17 +193,22 @@ def _nvml_handle():
         return None
 
 
-async def _read_body(http: HttpRequest, limit: int) -> bytearray:
+async def _read_body(http: HttpRequest, limit: int, hold: Callable[[int], None]) -> bytearray:
     """The request's body, refused (:class:`Refused` ``invalid``) once it passes ``limit`` bytes: by its
-    ``Content-Length`` before a byte is read, else while it streams in."""
+    ``Content-Length`` before a byte is read, else while it streams in; held in the server's :class:`Budget`
+    through ``hold`` (what it declares before it is read, else what has arrived), which refuses it ``overloaded``
+    once the budget is spent."""
     declared = http.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise Refused("invalid", f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
+    if declared is not None and declared.isdigit():
+        if int(declared) > limit:
+            raise Refused("invalid", f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
+        hold(int(declared))
     body = bytearray()
     async for chunk in http.stream():
         body += chunk
         if len(body) > limit:
             raise Refused("invalid", f"request body exceeds the limit of {limit} bytes")
+        hold(len(body))
     return body
 
 
@@ -229,7 +239,10 @@ def _media_type(headers: list[tuple[bytes, bytes]]) -> str | None:
 class Guard:
     """What the server checks of every HTTP request before a route sees it, and what it does to every answer (ASGI
     middleware; docs/serving.md, "Security"). Refused, as ``{"error": one line}``: a request line and headers over
-    :data:`MAX_HEADER_BYTES` (431, whichever HTTP parser read them); a request that is not ``GET`` or ``HEAD`` from
+    :data:`MAX_HEADER_BYTES` (431, whichever HTTP parser read them); a request framed twice, by ``Content-Length``
+    and ``Transfer-Encoding`` (400 and the connection closed, as RFC 9112 section 6.1 asks: h11 reads such a
+    request as chunked and keeps the connection, the shape of request smuggling behind a proxy that trusts
+    ``Content-Length``); a request that is not ``GET`` or ``HEAD`` from
     a web page of an origin not in ``allow_origins`` (403: a browser sends ``Origin`` with every such request, and a
     cross-origin "simple" request reaches the server whatever its CORS answer says); a body whose ``Content-Type``
     is neither JSON nor binary data (415: a form or ``text/plain``, what a page can post without asking first).
@@ -253,6 +266,9 @@ class Guard:
             sum(len(k) + len(v) + 4 for k, v in headers)
         if size > MAX_HEADER_BYTES:
             return 431, f"the request's line and headers take {size} bytes, over the limit of {MAX_HEADER_BYTES}"
+        if any(k == b"transfer-encoding" for k, _ in headers) and any(k == b"content-length" for k, _ in headers):
+            return 400, ("a request with both Content-Length and Transfer-Encoding is refused (RFC 9112 6.1: one "
+                         "framing per request)")
         if scope["method"] in SAFE_METHODS:
             return None
         origin = next((v.decode("latin-1") for k, v in headers if k == b"origin"), None)
@@ -333,13 +349,16 @@ def guard(app, allowed_hosts: tuple[str, ...] | list[str] = LOOPBACK_HOSTS,
 def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes: int = 0,
                state: State | None = None, repository: Repository | None = None,
                allowed_hosts: tuple[str, ...] | list[str] = LOOPBACK_HOSTS,
-               allow_origins: tuple[str, ...] | list[str] = (), guarded: bool = True):
+               allow_origins: tuple[str, ...] | list[str] = (), guarded: bool = True, budget: Budget | None = None):
     """The FastAPI app over ``engine`` (whose loop must be running: :meth:`Engine.start`). ``repository`` (one
     over ``models`` and no directory by default) answers the repository extension; ``models`` is its live dict.
     ``max_body_bytes`` raises every model's request limit to at least that many bytes (module docstring);
+    ``budget``: what request bodies may hold (one of its own by default; :func:`serve` shares one with the
+    connections, which count their unread answers in it);
     ``allowed_hosts`` and ``allow_origins``: what :func:`guard` lets in (``guarded=False``: no :func:`guard`, for
     an app that only a guarded front reaches, a Ray replica's)."""
     state = state or State()
+    budget = budget or Budget()
     repository = repository or Repository(engine, models)
     models = repository.served
     metrics = Metrics(engine)
@@ -357,7 +376,7 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
         return JSONResponse({"error": frontend.one_line(message)}, status_code=status, headers=headers)
 
     def refusal(exc: Refused) -> JSONResponse:
-        headers = {"Retry-After": str(math.ceil(exc.retry_after_s))} if exc.kind == "full" else None
+        headers = None if exc.retry_after_s is None else {"Retry-After": str(math.ceil(exc.retry_after_s))}
         return error(frontend.HTTP_STATUS[exc.kind], str(exc), headers)
 
     @app.exception_handler(Refused)
@@ -422,10 +441,11 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
 
     async def body_object(http: HttpRequest) -> dict:
         """A repository request's optional JSON object body (:class:`Refused` if it is not one)."""
-        raw = await _read_body(http, CONTROL_BODY_BYTES)
-        if not raw.strip():
-            return {}
-        body = await frontend.offload(protocol.loads, raw, size=len(raw), threshold=OFFLOAD_BYTES)
+        with budget.hold() as hold:
+            raw = await _read_body(http, CONTROL_BODY_BYTES, hold)
+            if not raw.strip():
+                return {}
+            body = await frontend.offload(protocol.loads, raw, size=len(raw), threshold=OFFLOAD_BYTES)
         if not isinstance(body, dict) or not isinstance(body.get("parameters", {}), dict):
             raise Refused("invalid", "the body must be a JSON object (with an object 'parameters')")
         return body
@@ -476,18 +496,19 @@ def create_app(engine: Engine, models: dict[str, ServedModel], *, max_body_bytes
             return error(503, "the server is shutting down")
         model = served(name, version)
         limit = protocol.request_limit(model, floor=max_body_bytes)
-        try:
-            body = await _read_body(http, limit)
-        except ClientDisconnect:  # gone (or timed out) mid-body: nobody to answer
-            return Response(status_code=400)
-        request = await frontend.offload(decode, model, body, http.headers.get("content-encoding"),
-                                         http.headers.get(protocol.HEADER), limit, size=len(body),
-                                         threshold=OFFLOAD_BYTES)
-        del body
+        with budget.hold() as hold:
+            try:
+                body = await _read_body(http, limit, hold)
+            except ClientDisconnect:  # gone (or timed out) mid-body: nobody to answer
+                return Response(status_code=400)
+            request = await frontend.offload(decode, model, body, http.headers.get("content-encoding"),
+                                             http.headers.get(protocol.HEADER), limit, size=len(body),
+                                             threshold=OFFLOAD_BYTES)
+            del body
         result = await frontend.infer(engine, state, name, request)
         leaves = pytree.tree_leaves(result.output)
-        size = sum(t.numel() * t.element_size() for t in leaves)
-        body_out, headers = await frontend.offload(protocol.encode, model, request, leaves, size=size,
+        body_out, headers = await frontend.offload(protocol.encode, model, request, leaves,
+                                                   size=protocol.response_bytes(model, request, leaves),
                                                    threshold=OFFLOAD_BYTES)
         return Response(body_out, headers=headers, media_type=headers["Content-Type"])
 
@@ -504,21 +525,30 @@ class _Guarded:
         await self.app(scope, receive, send)
 
 
-def _http_protocol(header_timeout_s: float, idle_timeout_s: float):
+def _http_protocol(header_timeout_s: float, idle_timeout_s: float, budget: Budget,
+                   min_body_rate: float = MIN_BODY_RATE):
     """uvicorn's HTTP protocol (httptools or h11, as uvicorn picks) with the limits it lacks: a request's line and
     headers must arrive within ``header_timeout_s`` of the connection (or of its first byte, on a kept-alive one)
-    and fit :data:`MAX_HEADER_BYTES`; a body that stops arriving for ``idle_timeout_s`` closes the connection. A
-    request being computed has no timer (its deadline is the engine's), nor one the server is slow to read. A
-    connection closed while its request's body still comes (an answer with ``Connection: close``, which
-    :class:`Guard` gives a refusal that left the body unread) is closed in stages and reads at most
-    :data:`LINGER_BYTES` more (``_lingering``); what the parser cannot read is answered 400 in JSON."""
+    and fit :data:`MAX_HEADER_BYTES`; a body must bring ``min_body_rate`` bytes a second (at least one byte) over
+    every ``idle_timeout_s`` (nginx's ``client_body_timeout`` with a minimum rate: a trickle does not keep it alive),
+    and an answer must be read as fast, else the connection is closed. A request being computed has no timer (its
+    deadline is the engine's), nor one the server is slow to read. An answer that waits in the connection's buffer
+    (the client does not read it) is held in ``budget``. A connection closed while its request's body still comes
+    (an answer with ``Connection: close``, which :class:`Guard` gives a refusal that left the body unread) is closed
+    in stages and reads at most :data:`LINGER_BYTES` more (``_lingering``); what the parser cannot read is answered
+    400 in JSON."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    least = max(1, int(min_body_rate * idle_timeout_s))  # the bytes a body brings (an answer is read) every window
 
     class LimitedProtocol(AutoHTTPProtocol):
         _timer: asyncio.TimerHandle | None = None
         _head = 0  # bytes received while waiting for a request's headers
+        _arrived = 0  # bytes of a request's body received in the current window of idle_timeout_s
         _linger: int | None = None  # bytes of a refused body the server may still read before closing (lingering)
         _socket = None  # the connection's own transport (self.transport: the _Closing in front of it)
+        _sending: asyncio.TimerHandle | None = None  # the window in which the client must read on
+        _unsent = 0  # bytes of an answer waiting in the connection's buffer, held in the budget
 
         def _awaiting_headers(self) -> bool:
             return self.cycle is None or (self.cycle.response_complete and not self.cycle.more_body)
@@ -534,10 +564,39 @@ def _http_protocol(header_timeout_s: float, idle_timeout_s: float):
 
         def _expired(self, seconds: float) -> None:
             self._timer = None
-            if self.flow is not None and self.flow.read_paused:  # the server, not the client, is behind
+            body = not self._awaiting_headers() and self.cycle.more_body
+            if (self.flow is not None and self.flow.read_paused) or (body and self._arrived >= least):
+                self._arrived = 0  # the server, not the client, is behind; or the body comes at the minimum rate
                 self._arm(seconds)
             elif not self._socket.is_closing():
                 self._socket.close()
+
+        def _holding(self, unsent: int) -> None:
+            budget.change(unsent - self._unsent)
+            self._unsent = unsent
+
+        def pause_writing(self) -> None:  # the answer fills the connection's buffer: the client reads it slower
+            super().pause_writing()
+            self._holding(self._socket.get_write_buffer_size())
+            self._sending = self.loop.call_later(idle_timeout_s, self._reading)
+
+        def _reading(self) -> None:
+            """A window of the client reading its answer has passed: closed (the buffer dropped) if it read less than
+            the minimum rate, else a new window."""
+            unsent = self._socket.get_write_buffer_size()
+            read, self._sending = self._unsent - unsent, None
+            self._holding(unsent)
+            if read < least:
+                self._socket.abort()
+            else:
+                self._sending = self.loop.call_later(idle_timeout_s, self._reading)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._sending is not None:
+                self._sending.cancel()
+                self._sending = None
+            self._holding(self._socket.get_write_buffer_size())
 
         def connection_made(self, transport) -> None:
             self._socket = transport
@@ -579,10 +638,13 @@ def _http_protocol(header_timeout_s: float, idle_timeout_s: float):
                     self._arm(header_timeout_s)
             else:
                 self._head = 0
-                if self.cycle.more_body:
+                if not self.cycle.more_body:
+                    self._disarm()
+                elif waiting:  # the headers are in: the body's first window
+                    self._arrived = 0
                     self._arm(idle_timeout_s)
                 else:
-                    self._disarm()
+                    self._arrived += len(data)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()  # uvicorn's keep-alive timer waits for the next request's first byte
@@ -591,6 +653,9 @@ def _http_protocol(header_timeout_s: float, idle_timeout_s: float):
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            if self._sending is not None:
+                self._sending.cancel()
+            self._holding(0)
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:  # a request the parser cannot read: answered in JSON too
@@ -626,11 +691,12 @@ class _Closing:
 
 
 def _uvicorn_config(app, host: str, port: int, log_level: str, header_timeout_s: float, idle_timeout_s: float,
-                    **options: Any):
+                    budget: Budget, min_body_rate: float, **options: Any):
     import uvicorn
 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                          http=_http_protocol(header_timeout_s, idle_timeout_s), timeout_keep_alive=idle_timeout_s,
+                          http=_http_protocol(header_timeout_s, idle_timeout_s, budget, min_body_rate),
+                          timeout_keep_alive=idle_timeout_s,
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options)
 
 
@@ -669,17 +735,20 @@ def serve(engine: Engine, models: dict[str, ServedModel], *, host: str = "127.0.
           max_body_bytes: int = 0, log_level: str = "warning", on_listen=None, grpc_port: int | None = None,
           repository: Repository | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
           idle_timeout_s: float = IDLE_TIMEOUT_S, allowed_hosts: tuple[str, ...] | list[str] | None = None,
-          allow_origins: tuple[str, ...] | list[str] = ()) -> None:
+          allow_origins: tuple[str, ...] | list[str] = (), max_held_bytes: int = frontend.MAX_HELD_BYTES,
+          min_body_rate: float = MIN_BODY_RATE) -> None:
     """Run the server until it is stopped (SIGTERM drains; see the module docstring), then stop the engine.
     ``grpc_port``: the gRPC service beside it (0: any free port; ``on_listen(host, port, grpc_port)`` then).
     ``max_body_bytes``, ``header_timeout_s``, ``idle_timeout_s``: the limits of the module docstring, on both front
-    ends. ``allowed_hosts`` (default :func:`default_hosts` of ``host``) and ``allow_origins``: :func:`guard`'s."""
+    ends; ``max_held_bytes`` (the :class:`~opweave.serve.frontend.Budget`) and ``min_body_rate`` (bytes a second),
+    HTTP's. ``allowed_hosts`` (default :func:`default_hosts` of ``host``) and ``allow_origins``: :func:`guard`'s."""
     state = State()
+    budget = Budget(max_held_bytes)
     repository = repository or Repository(engine, models)
     app = create_app(engine, repository.served, max_body_bytes=max_body_bytes, state=state, repository=repository,
                      allowed_hosts=default_hosts(host) if allowed_hosts is None else allowed_hosts,
-                     allow_origins=allow_origins)
-    config = _uvicorn_config(app, host, port, log_level, header_timeout_s, idle_timeout_s,
+                     allow_origins=allow_origins, budget=budget)
+    config = _uvicorn_config(app, host, port, log_level, header_timeout_s, idle_timeout_s, budget, min_body_rate,
                              timeout_graceful_shutdown=30)
     engine.start()
     rpc = None
@@ -707,24 +776,28 @@ class BackgroundServer:
     """A server on a thread of this process (tests, benchmarks): ``with BackgroundServer(engine, models) as url``.
     Listens on 127.0.0.1 and an ephemeral port; leaving the block drains and stops it. ``grpc=True``: the gRPC
     service too, at :attr:`grpc_address` (``127.0.0.1:port``); ``repository``: a :class:`Repository` over
-    ``models`` (one without a directory by default), at :attr:`repository`. ``header_timeout_s`` and
-    ``idle_timeout_s`` as :func:`serve`'s; the other options go to :func:`create_app`."""
+    ``models`` (one without a directory by default), at :attr:`repository`. ``header_timeout_s``,
+    ``idle_timeout_s``, ``max_held_bytes`` (its :class:`~opweave.serve.frontend.Budget`, at :attr:`budget`) and
+    ``min_body_rate`` as :func:`serve`'s; the other options go to :func:`create_app`."""
 
     def __init__(self, engine: Engine, models: dict[str, ServedModel], *, grpc: bool = False,
                  repository: Repository | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, **options: Any):
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_held_bytes: int = frontend.MAX_HELD_BYTES,
+                 min_body_rate: float = MIN_BODY_RATE, **options: Any):
         self.engine, self.models, self.options = engine, models, options
         self.repository = repository or Repository(engine, models)
         self.grpc, self.rpc, self.grpc_address = grpc, None, None
         self.timeouts = {"header_timeout_s": header_timeout_s, "idle_timeout_s": idle_timeout_s}
+        self.budget, self.min_body_rate = Budget(max_held_bytes), min_body_rate
 
     def __enter__(self) -> str:
         import threading
 
         self.state = State()
         self.app = create_app(self.engine, self.repository.served, state=self.state, repository=self.repository,
-                              **self.options)
-        config = _uvicorn_config(self.app, "127.0.0.1", 0, "warning", **self.timeouts)
+                              budget=self.budget, **self.options)
+        config = _uvicorn_config(self.app, "127.0.0.1", 0, "warning", budget=self.budget,
+                                 min_body_rate=self.min_body_rate, **self.timeouts)
         bound = threading.Event()
         address: list = []
         self.server = _server_class()(config, self.state, self.engine,
@@ -759,5 +832,5 @@ class BackgroundServer:
 
 
 __all__ = ["BackgroundServer", "CONTROL_BODY_BYTES", "EXTENSIONS", "Guard", "LINGER_BYTES", "LINGER_S",
-           "LOOPBACK_HOSTS", "MAX_HEADER_BYTES", "Metrics", "OFFLOAD_BYTES", "State", "create_app", "default_hosts",
-           "guard", "serve"]
+           "LOOPBACK_HOSTS", "MAX_HEADER_BYTES", "MIN_BODY_RATE", "Metrics", "OFFLOAD_BYTES", "State", "create_app",
+           "default_hosts", "guard", "serve"]
