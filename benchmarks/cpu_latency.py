@@ -490,6 +490,43 @@ def markdown(rows: list[dict], summary: list[dict], modes: list[str]) -> str:
     return "\n".join(lines)
 
 
+def advice(data: dict) -> str:
+    """What the README says of the default and max-autotune against ``torch.compile`` on the CPU, every figure from
+    ``data``'s summary and rows (a results file with :func:`against_torch_compile`'s figures): the ratios of medians
+    per batch, how many lie within the spread, the default's picks, and the cold builds against torch.compile's."""
+    summary = [s for s in data["summary"] if "default_vs_torch_compile" in s]
+    rows = data["rows"]
+
+    def span(values: list[float], unit: str = "×") -> str:
+        lo, hi = min(values), max(values)
+        digits = 2 if unit == "×" else (0 if lo >= 10 else 1)
+        text = f"{lo:.{digits}f}" if f"{lo:.{digits}f}" == f"{hi:.{digits}f}" else f"{lo:.{digits}f}–{hi:.{digits}f}"
+        return f"{text}{unit}" if unit == "×" else f"{text} {unit}"
+
+    def builds(mode: str) -> list[float]:
+        return [r["compile_s"] for r in rows if r["mode"] == mode and "compile_s" in r and "error" not in r]
+
+    batches = list(dict.fromkeys(s["batch"] for s in summary))
+    per_batch = "; ".join(f"{span([s['default_vs_torch_compile'] for s in summary if s['batch'] == b])} at batch {b}"
+                          for b in batches)
+    overlap = sum(s["default_spreads_overlap"] for s in summary)
+    picks: dict[str, int] = {}
+    for s in summary:
+        picks[s.get("default_choice") or "?"] = picks.get(s.get("default_choice") or "?", 0) + 1
+    picked = ", ".join(f"{label} {n}" for label, n in sorted(picks.items(), key=lambda kv: -kv[1]))
+    eager = [s["default_vs_eager"] for s in summary if "default_vs_eager" in s]
+    text = (f"The default is {per_batch} `torch.compile` ({overlap} of {len(summary)} within the p10–p90 spread) and "
+            f"{span(eager)} eager; it kept {picked} of {len(summary)} (model and batch). It builds in "
+            f"{span(builds('opweave default'), 's')}, {span([s['default_build_vs_torch_compile'] for s in summary])} "
+            f"the time of `torch.compile`'s first compile ({span(builds('torch.compile'), 's')}).")
+    autotuned = [s for s in summary if "max_autotune_vs_torch_compile" in s]
+    if autotuned:
+        text += (f" `mode=\"max-autotune\"` is {span([s['max_autotune_vs_torch_compile'] for s in autotuned])} "
+                 f"`torch.compile`, for {span(builds('opweave max-autotune'), 's')} of building the first time, "
+                 f"{span([s['max_autotune_build_vs_torch_compile'] for s in autotuned])} `torch.compile`'s.")
+    return text
+
+
 def command_line(data: dict, stem: str = "cpu_latency") -> str:
     """The command that wrote ``data`` (a results JSON named ``stem``): as recorded, or, in a file written before
     the command was recorded, the options its settings differ from the defaults in, spelled as today's flags."""

@@ -77,6 +77,12 @@ def test_a_misspelt_name_gets_a_did_you_mean(args, hint):
     assert hint in one_line(opweave(*args, check_rc=2))
 
 
+def test_serve_refuses_a_body_limit_its_budget_could_never_admit():
+    # a body over --max-held-mb is refused 503 whatever the load: a limit above it would refuse every such request
+    assert "raise --max-held-mb" in one_line(opweave("serve", "--models", "squeezenet", "--max-body-mb", "600",
+                                                    check_rc=2))
+
+
 def test_bad_graph_exits_2_with_one_line_naming_the_op(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "opweave.graph/1", "ops": [{"id": "a"}, {"id": "a"}], "edges": []}))

@@ -168,6 +168,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         raise UsageError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got "
                          f"{model_control_mode!r}")
     max_body_bytes = 0 if max_body_mb is None else int(max_body_mb * (1 << 20))
+    if max_body_mb is not None and max_body_mb > max_held_mb:
+        raise UsageError(f"--max-body-mb {max_body_mb:g} is more than --max-held-mb {max_held_mb:g}: a body that size "
+                         "could never be admitted (raise --max-held-mb)")
     hosts = None if allowed_hosts is None else tuple(h.strip().lower() for h in allowed_hosts.split(",") if h.strip())
     if hosts == ():
         raise UsageError("--allowed-hosts names no host (give * to answer any)")
