@@ -618,7 +618,9 @@ def table(rows: list[dict]):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     given = sys.argv[1:] if argv is None else argv
-    command = " ".join(["python benchmarks/cpu_latency.py", *(f'"{a}"' if " " in a or ";" in a else a for a in given)])
+    shown = [a for i, a in enumerate(given) if a != "--out" and (i == 0 or given[i - 1] != "--out")
+             and not a.startswith("--out=")]  # where the files go is no setting of the run
+    command = " ".join(["python benchmarks/cpu_latency.py", *(f'"{a}"' if " " in a or ";" in a else a for a in shown)])
     names = model_names(args)
     watch = common.Stopwatch()
     rows: list[dict] = []
