@@ -93,11 +93,12 @@ def ratios(data) -> list[float]:
 
 
 def held(figure: str, unit: str, values: list[float]) -> bool:
-    """Whether ``figure`` (as written) is one of ``values`` in some unit ``unit`` may come from, at its precision."""
+    """Whether ``figure`` (as written) is one of ``values`` (its magnitude: prose says "8.5% off", not "-8.5%") in
+    some unit ``unit`` may come from, at its precision."""
     shown = float(figure.replace(",", ""))
     decimals = len(figure.partition(".")[2])
     half = 0.5 * 10.0 ** -decimals + 1e-9
-    return any(abs(v * scale - shown) <= half * max(1.0, 1e-3 * shown if decimals == 0 and shown >= 100 else 1.0)
+    return any(abs(abs(v) * scale - shown) <= half * max(1.0, 1e-3 * shown if decimals == 0 and shown >= 100 else 1.0)
                for scale in SCALES[unit] for v in values)
 
 
