@@ -370,3 +370,30 @@ def test_options_buckets_take_pow2_or_sizes():
     for bad in ("powers", [0, 4], [], 2.5):
         with pytest.raises(UsageError, match="option 'buckets' must be 'pow2' or a list of sizes"):
             resolve("cpu", buckets=bad)
+
+
+class ReadsItsBatch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(48, 4)
+
+    def forward(self, x):
+        return self.fc(x.view(x.size(0), -1)).relu()
+
+
+def test_a_dynamo_graph_with_symbolic_sizes_is_compiled_once_and_its_segment_exported_once():
+    """``torch.compile(dynamic=True)`` hands over a graph that takes its batch as an input of its own
+    (``view(s0, -1)``): read from the tensor instead, no segment takes it as a value to bake, so ONNX Runtime's
+    session, free in every size from its first build, serves every batch."""
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = ReadsItsBatch().eval()
+    torch._dynamo.reset()
+    fast = torch.compile(model, backend="opweave", dynamic=True,
+                         options={"scheduler": "sequential", "compiler": "onnxruntime"})
+    for batch in (2, 3, 5, 9):
+        check(model, fast, (batch, 3, 4, 4), seed=batch)
+    last = opweave.dynamo.last_compiled()
+    assert len(opweave.dynamo.compiled_graphs()) >= 1 and last.variants.stats["builds"] == 0
+    assert last.fused.stats["compiles"] == 1 and last.fused.stats["dynamic_compiles"] == 1
+    torch._dynamo.reset()
