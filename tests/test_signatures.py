@@ -249,6 +249,21 @@ def test_dynamic_true_leaves_every_size_free_from_the_first_build():
     assert fast.fused.stats["compiles"] == 1 and fast.variants.stats["resized"] == len(NEW)
 
 
+def test_onnx_runtime_takes_free_sizes_of_strided_inputs():
+    """DeepFM's segment reads each column of its ids (``x[:, i]``: strided from batch 2 on): a session exported with
+    a free batch takes them as well, so batch 3 and 5 export nothing (they exported one session each)."""
+    pytest.importorskip("onnxruntime")
+    model, inputs = zoo.create("deepfm")
+    model.eval()
+    fast = opweave.compile(model, inputs, scheduler="sequential", compiler="onnxruntime")
+    for batch in (2, 3, 5):
+        other = tuple(torch.cat([x] * batch) for x in inputs)
+        with torch.no_grad():
+            result = compare(model(*other), fast(*other))
+        assert result.ok, (batch, result.reason)
+    assert fast.fused.stats["compiles"] == 2 and fast.fused.stats["dynamic_compiles"] == 1
+
+
 def test_a_bert_encoder_under_the_cpu_default_serves_every_length_with_one_plan():
     model, (ids,) = zoo.create("bert_base", num_layers=2, seq_len=32)
     model.eval()

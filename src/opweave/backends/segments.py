@@ -51,11 +51,11 @@ op, with a warning naming it. ``stats`` counts segments, compiles, fallbacks and
 
 **Sizes.** A compiler that takes symbolic sizes (``dynamic_shapes``: ONNX Runtime, whose exported graph then keeps
 those dimensions free, and ``eager``) compiles one graph for a range of sizes, as ``torch.compile``'s automatic
-dynamic shapes do: a segment met with contiguous tensors that differ from a compiled signature only in sizes is
-compiled again with the dimensions that changed left free (each dimension at its second value), and that graph
-serves every later size of them without a compile (no entry of the bound above is spent on them). With
-``dynamic=True`` every dimension of every tensor input is free from the first compile. Non-tensor inputs stay baked
-(a size read by another segment compiles per value), and Inductor compiles per shape.
+dynamic shapes do: a segment met with tensors that differ from a compiled signature only in sizes (and strides,
+which neither reads) is compiled again with the dimensions that changed left free (each dimension at its second
+value), and that graph serves every later size of them without a compile (no entry of the bound above is spent on
+them). With ``dynamic=True`` every dimension of every tensor input is free from the first compile. Non-tensor inputs
+stay baked (a size read by another segment compiles per value), and Inductor compiles per shape.
 
 **The other route, and why not.** Recent Inductor honours stream annotations on FX nodes (``node.meta["custom"]
 ["stream"]``): its scheduler blocks fusion across streams and its wrapper switches streams and emits event records
@@ -292,8 +292,8 @@ class _Segment:
     def _free(self, layout: _Layout) -> dict[int, frozenset[int]]:
         """The dimensions of each tensor input (by position among them) to compile free for ``layout``: every one
         with ``dynamic=True``, those in which it differs from a signature compiled before otherwise (module
-        docstring, Sizes); none where the compiler compiles fixed shapes or an input is not contiguous."""
-        if not getattr(get_compiler(self.owner.compiler), "dynamic_shapes", False) or not layout.contiguous:
+        docstring, Sizes); none where the compiler compiles fixed shapes."""
+        if not getattr(get_compiler(self.owner.compiler), "dynamic_shapes", False):
             return {}
         if self.owner.dynamic:
             return {i: frozenset(range(len(shape))) for i, shape in enumerate(layout.shapes)}
@@ -438,15 +438,15 @@ def whole_module(captured: Captured, args: tuple) -> Whole:
 
 @dataclass(frozen=True)
 class _Layout:
-    """What a compiled graph fixes of its input values besides their sizes: the structure, each tensor leaf's
-    dtype, device and rank, the other leaves' values; and the tensors' shapes and whether all are contiguous."""
+    """What a graph compiled with free sizes fixes of its input values besides their sizes: the structure, each
+    tensor leaf's dtype, device and rank, the other leaves' values; and the tensors' shapes. (Strides are not read by
+    the compilers that take free sizes.)"""
 
     fixed: tuple
     shapes: tuple[tuple[int, ...], ...]
-    contiguous: bool
 
     def same_but_sizes(self, other: _Layout) -> bool:
-        return self.fixed == other.fixed and self.contiguous and other.contiguous
+        return self.fixed == other.fixed
 
 
 def _layout(values) -> _Layout:
@@ -454,7 +454,7 @@ def _layout(values) -> _Layout:
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     fixed = (str(spec), *((x.dtype, x.device, x.dim()) if isinstance(x, torch.Tensor) else ("value", repr(x))
                           for x in leaves))
-    return _Layout(fixed, tuple(tuple(x.shape) for x in tensors), all(x.is_contiguous() for x in tensors))
+    return _Layout(fixed, tuple(tuple(x.shape) for x in tensors))
 
 
 @dataclass
