@@ -107,26 +107,23 @@ class Captured:
             env[name] = step(env)
         return env
 
-    def free(self, args: tuple | None = None) -> bool:
+    def free(self, args: tuple) -> bool:
         """Let :meth:`bind` take inputs shaped like ``args`` from now on: each dimension in which a tensor of
-        ``args`` differs from the captured shape is freed (None: every dimension of every input). False, freeing
-        nothing, when ``args`` are not the captured inputs in other sizes (another count, rank or dtype)."""
-        if args is None:
-            free = {i: frozenset(range(len(e[0]))) for i, (_, e) in enumerate(self._inputs) if e is not None}
-        else:
-            flat = list(self.gm.graph.process_inputs(*args))
-            if len(flat) > len(self._inputs):
+        ``args`` differs from the captured shape is freed. False, freeing nothing, when ``args`` are not the
+        captured inputs in other sizes (another count, rank or dtype)."""
+        flat = list(self.gm.graph.process_inputs(*args))
+        if len(flat) > len(self._inputs):
+            return False
+        free = {}
+        for i, value in enumerate(flat):
+            expected = self._inputs[i][1]
+            if expected is None or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() != len(expected[0]) or value.dtype != expected[1]:
                 return False
-            free = {}
-            for i, value in enumerate(flat):
-                expected = self._inputs[i][1]
-                if expected is None or not isinstance(value, torch.Tensor):
-                    continue
-                if value.dim() != len(expected[0]) or value.dtype != expected[1]:
-                    return False
-                dims = {d for d, (a, b) in enumerate(zip(value.shape, expected[0], strict=True)) if a != b}
-                if dims:
-                    free[i] = frozenset(dims)
+            dims = {d for d, (a, b) in enumerate(zip(value.shape, expected[0], strict=True)) if a != b}
+            if dims:
+                free[i] = frozenset(dims)
         self._free = {i: self._free.get(i, frozenset()) | free.get(i, frozenset()) for i in {*self._free, *free}}
         return True
 
