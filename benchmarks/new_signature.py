@@ -21,7 +21,7 @@ For each model at batch 1 (bert_base: 2 layers at sequence 32), ``--rounds`` tim
   trusted at other sizes (``variants.sizes.generic = False``, which sends every new size down that path), its first
   call at the sweep's first size and its steady calls there. Its steady call is that of a plan built for the size
   (on a CPU with ONNX Runtime, a session exported for that size), the after's one of a plan built for the example's
-  (a session with free sizes): the two steady calls compare them.
+  (a session with free sizes): ``steady_interleaved`` times the two at that size, one call of each in turn.
 * **dynamic=True** (``--dynamic-models``): a compile with ``dynamic=True`` and its first call at the sweep's first
   size, against its steady call.
 
@@ -145,12 +145,18 @@ def one_round(name: str, args, dynamic: bool) -> dict:
         fx_nodes = sum(len(nodes) for nodes in fast.captured.nodes.values()) if fast.captured is not None else None
         row.update({"ops": len(fast.graph), "fx_nodes": fx_nodes,
                     "plan": fast.choice.get("label") if fast.choice else fast.schedule.scheduler})
-        fast.close()
         before = opweave.compile(model, inputs, device=args.device)
         before.variants.sizes.generic = False  # every new size captured, planned and built again, as until now
         row["before"] = first_and_steady(model, before, name, inputs, sizes[0], clock, args.calls)
         built_for = before.variants._built.get(next(iter(before.variants._built), None))
         row["before"]["plan"] = (built_for.choice or {}).get("label") if built_for is not None else None
+        at = inputs_at(name, inputs, sizes[0])
+        interleaved: dict[str, list[float]] = {"after_ms": [], "before_ms": []}
+        for _ in range(max(args.calls, 5)):  # the plan built for the example's size against one built for this one
+            interleaved["after_ms"].append(clock.call_ms(fast, at)[0])
+            interleaved["before_ms"].append(clock.call_ms(before, at)[0])
+        row["steady_interleaved"] = {k: statistics.median(v) for k, v in interleaved.items()}
+        fast.close()
         before.close()
         if dynamic:
             free = opweave.compile(model, inputs, device=args.device, dynamic=True)
@@ -169,10 +175,10 @@ def summarize(name: str, mine: list[dict]) -> dict:
            "compile_s": spread([r["compile_s"] for r in mine]),
            "after_median_ratio": spread([r["after"]["median_ratio"] for r in mine]),
            "after_first_size_ratio": spread([r["after"]["first_size_ratio"] for r in mine]),
-           "after_steady_ms": spread([r["after"]["sizes"][0]["steady_ms"] for r in mine]),
+           "steady_after_ms": spread([r["steady_interleaved"]["after_ms"] for r in mine]),
+           "steady_before_ms": spread([r["steady_interleaved"]["before_ms"] for r in mine]),
            "before_ratio": spread([r["before"]["ratio"] for r in mine]),
            "before_first_call_ms": spread([r["before"]["first_call_ms"] for r in mine]),
-           "before_steady_ms": spread([r["before"]["steady_ms"] for r in mine]),
            "before_plan": first["before"]["plan"],
            "sizes": [s["size"] for s in first["after"]["sizes"]],
            "builds_in_sweep": max(r["after"]["builds_in_sweep"] for r in mine),
@@ -188,7 +194,9 @@ def markdown(models: list[dict], device: str) -> str:
     lines = [f"# A new input size on {device}", "",
              "First call of a new size over a steady call of that size. After: the plan built for the example's "
              "size serves it (median over the sizes swept, and the first size alone); before: captured, planned and "
-             "built again (the first size). Medians over the rounds (min-max).", "",
+             "built again (the first size). Steady ms: a call at the first size of the plan built for the example's "
+             "size (after) and of the one built for that size (before), timed interleaved. Medians over the rounds "
+             "(min-max).", "",
              "| model | plan | compile s | sizes | after: median first / steady | after: first size | plans built "
              "in the sweep (second sweep) | before: first call ms | before: first / steady | steady ms after / "
              "before | dynamic=True: first size | equal to eager |",
@@ -206,7 +214,7 @@ def markdown(models: list[dict], device: str) -> str:
                      f"{ratio(m['after_median_ratio'])} | {ratio(m['after_first_size_ratio'])} | "
                      f"{m['builds_in_sweep']} ({m['builds_in_second_sweep']}) | "
                      f"{m['before_first_call_ms']['median']:.0f} | {ratio(m['before_ratio'])} | "
-                     f"{m['after_steady_ms']['median']:.1f} / {m['before_steady_ms']['median']:.1f} | {dynamic} | "
+                     f"{m['steady_after_ms']['median']:.1f} / {m['steady_before_ms']['median']:.1f} | {dynamic} | "
                      f"{'yes' if m['equal_to_eager'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
