@@ -51,6 +51,7 @@ def test_squeezenet_compiled_at_batch_1_equals_eager_at_other_batches_and_sizes(
     check(model, fast, tuple(x.shape), runtime)  # the example's own signature still runs its own build
     assert [tuple(key[1][0]) for key in fast.signatures] == [tuple(x.shape), *NEW]
     assert fast.variants.stats["builds"] == 0 and fast.variants.stats["resized"] == len(NEW)  # no new capture
+    assert fast.variants.stats["checks"] == 2  # the first new batch, the first new image size: once per dimension
     assert all(plan.schedule.scheduler == scheduler for plan in fast.variants._plans.values())
 
 
@@ -168,6 +169,7 @@ def test_a_program_exported_with_a_dynamic_batch_runs_batches_1_to_8(tmp_path):
     fast = opweave.compile(str(path), (torch.randn(1, 3, 64, 64),), scheduler="lios")
     for size in range(1, 9):
         check(model, fast, (size, 3, 64, 64), seed=size)
+    assert fast.variants.stats["builds"] == 0  # its dimension is free: the plan built serves every batch
     with pytest.raises(CaptureError, match=r"Guard failed: x.size\(\)\[0\] <= 8"):  # beyond the program's range
         fast(torch.randn(9, 3, 64, 64))
 
@@ -232,6 +234,7 @@ def test_a_sweep_of_batches_runs_the_cpu_default_plan_and_never_builds_a_size():
         check(model, fast, (batch, 3, 64, 64), seed=batch)
     stats = fast.variants.stats
     assert stats["builds"] == 0 and stats["replans"] == 0 and stats["eager"] == 0 and stats["resized"] == 12
+    assert stats["checks"] == (0 if fast.choice["label"] == "eager" else 1)  # the batch, checked at its first value
     assert len(fast.signatures) == 13
     if fast.fused is not None:  # ONNX Runtime's segment won the race
         assert fast.fused.stats["compiles"] == 2 and fast.fused.stats["dynamic_compiles"] == 1

@@ -131,9 +131,10 @@ OPTIONS: dict[str, Spec] = {
                              "streams without a graph, with a warning", "cuda", "error", needs="cudagraphs"),
     "static_outputs": Spec("return the graph's own output tensors (overwritten by the next call) instead of "
                            "clones", "cuda", False, needs="cudagraphs"),
-    "dynamic": Spec("a call whose inputs differ from the example's: other sizes run the plan built, checked once "
-                    "against the model (true: every size free in segment compilers from the first build), another "
-                    "dtype or structure is built for (true, or unset); false refuses both", "cpu, cuda", None,
+    "dynamic": Spec("a call whose inputs differ from the example's: other sizes run the plan built, checked "
+                    "against the model once per dimension that changes (true: every size free in segment "
+                    "compilers from the first build), another dtype or structure is built for (true, or unset); "
+                    "false refuses both", "cpu, cuda", None,
                     "unset: a size becomes free at its second value"),
     "cache_size": Spec("plans built for other input signatures besides the example's (past it such a signature "
                        "runs on the model itself, with a warning; on CUDA also the recordings kept per "

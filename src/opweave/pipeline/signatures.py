@@ -8,16 +8,16 @@ a model compiled for CUDA, or the reverse, are the example's signature. A call w
 ``torch.compile`` handles a recompilation, by the option ``dynamic``:
 
 * ``None`` (the default) or ``True``: **another size** (the example's inputs in other sizes,
-  :func:`opweave.pipeline.sizes.sizes_only`) runs the plan built, checked once against the model at that size; per
-  size only what depends on it is redone (:mod:`opweave.pipeline.sizes`: what, and when a range of sizes is planned
-  again). ``True`` leaves every size free in a segment compiler from the first build; unset, a dimension becomes
-  free at its second value, as ``torch.compile``'s automatic dynamic shapes make it symbolic. A size the plan cannot
-  serve (its backend runs one size, or the capture baked a size in: the check fails) and **another signature**
-  (dtype, structure, a value) are built for those inputs through the one pipeline — captured again (a
-  ``torch.export`` program's own dynamic dimensions are honoured, and a size it fixed is refused naming the input),
-  scheduled, lowered, validated and run by the device's backend, with the same options. Each new signature logs one
-  line (``opweave.pipeline.signatures``, INFO). Concurrent first calls of one signature serve it once; calls of a
-  signature served before do not wait.
+  :func:`opweave.pipeline.sizes.sizes_only`) runs the plan built, checked against the model at the first size of each
+  dimension that changes; per size only what depends on it is redone (:mod:`opweave.pipeline.sizes`: what, and when a
+  range of sizes is planned again). ``True`` leaves every size free in a segment compiler from the first build;
+  unset, a dimension becomes free at its second value, as ``torch.compile``'s automatic dynamic shapes make it
+  symbolic. A size the plan cannot serve (its backend runs one size, or the capture baked a size in: the check fails)
+  and **another signature** (dtype, structure, a value) are built for those inputs through the one pipeline —
+  captured again (a ``torch.export`` program's own dynamic dimensions are honoured, and a size it fixed is refused
+  naming the input), scheduled, lowered, validated and run by the device's backend, with the same options. Each new
+  signature logs one line (``opweave.pipeline.signatures``, INFO). Concurrent first calls of one signature serve it
+  once; calls of a signature served before do not wait.
 * ``False``: a :class:`~opweave.errors.UsageError` naming the signature the model was built for.
 
 **Bounds.** At most ``cache_size`` plans are built besides the example's (new captures, and ranges of sizes
@@ -76,9 +76,9 @@ class Signatures:
     built; ``dynamic=False`` refuses them; ``sizes`` (:class:`~opweave.pipeline.sizes.Sizes`) serves other sizes
     with what is built, pads to buckets and runs signatures past the bound on the model (without it, the least
     recently used build is dropped). ``stats``: ``builds`` (new captures), ``replans`` (ranges of sizes planned
-    again), ``resized`` (sizes served by a plan built for another size, each checked once), ``padded`` (signatures
+    again), ``resized`` (sizes served by a plan built for another size), ``padded`` (signatures
     served padded to a bucket), ``eager`` (signatures run on the model past the bound), ``evictions`` (builds
-    dropped, without ``sizes``)."""
+    dropped, without ``sizes``), ``checks`` (first calls held against the model)."""
 
     def __init__(self, name: str, example_key: tuple, build: Callable[[tuple], Any], *, bound: int,
                  dynamic: bool | None = None, arity: int | None = None, sizes: Any = None):
@@ -93,7 +93,10 @@ class Signatures:
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()  # one range of sizes planned at a time
         self._warned_bound = False
-        self.stats = {"builds": 0, "replans": 0, "resized": 0, "padded": 0, "eager": 0, "evictions": 0}
+        self._checked: dict[int, frozenset] = {}  # id of a plan -> the dimensions it was checked in (sizes.changed)
+        self._pads_checked = False
+        self.stats = {"builds": 0, "replans": 0, "resized": 0, "padded": 0, "eager": 0, "evictions": 0,
+                      "checks": 0}
 
     def keys(self) -> list[tuple]:
         """The signatures served, the example's first."""
@@ -161,12 +164,15 @@ class Signatures:
             run, out = self._lookup(pad.inputs, target, padded=False)
             run = sizes.compiled.backend if run is OWN else run
         out = pad.cut(run(*pad.inputs) if out is _NO_ANSWER else out)
-        ok, why = sizes.agrees(args, out)
-        if not ok:
-            sizes.buckets = None
-            warnings.warn(f"{self.name}: padding a batch of {pad.rows} to {pad.to} changes its answer ({why}): its "
-                          "rows are not independent; buckets are ignored from now on", stacklevel=5)
-            return None
+        if not self._pads_checked:
+            ok, why = sizes.agrees(args, out)
+            self.stats["checks"] += 1
+            if not ok:
+                sizes.buckets = None
+                warnings.warn(f"{self.name}: padding a batch of {pad.rows} to {pad.to} changes its answer ({why}): "
+                              "its rows are not independent; buckets are ignored from now on", stacklevel=5)
+                return None
+            self._pads_checked = True
         self.stats["padded"] += 1
         log.info("%s: %s served padded to %s", self.name, describe(key), describe(target))
         return Padded(run, sizes.buckets), out
@@ -190,11 +196,16 @@ class Signatures:
         return self._built_for(args, key), _NO_ANSWER
 
     def _resized(self, args: tuple, key: tuple) -> tuple[Any, Any] | None:
-        """``args`` run by the plan that serves their sizes and checked against the model; None when it cannot run
-        them or its answer is wrong (then nothing is trusted at other sizes any more: :attr:`Sizes.generic`)."""
-        from opweave.pipeline.sizes import bucket
+        """``args`` run by the plan that serves their sizes and checked against the model where the plan was not
+        checked in their dimensions yet (:mod:`opweave.pipeline.sizes`, Checked once per dimension); None when it
+        cannot run them or its answer is wrong (then nothing is trusted at other sizes any more:
+        :attr:`Sizes.generic`)."""
+        from opweave.pipeline.sizes import bucket, changed
 
         sizes = self.sizes
+        if not sizes.takes(args):
+            log.info("%s: %s lie outside the sizes the model takes", self.name, describe(key))
+            return None
         plan = self._plan(args, bucket(self.example_key, key))
         own = plan is sizes.compiled
         free = getattr(plan.backend, "free", None)
@@ -209,7 +220,8 @@ class Signatures:
             log.info("%s: the plan built for %s fails at %s (%s); building for it, and for every later size",
                      self.name, describe(self.example_key), describe(key), exc)
             return None
-        if not sizes.trusted(plan):
+        dims = changed(self.example_key, key)
+        if not sizes.trusted(plan) and not dims <= self._checked.get(id(plan), frozenset()):
             try:
                 ok, why = sizes.agrees(args, out)
             except Exception as exc:  # noqa: BLE001 - the model refuses them: a capture says where, as for any
@@ -220,6 +232,8 @@ class Signatures:
                 log.info("%s: the plan built for %s differs from the model at %s (%s); building for it, and for "
                          "every later size", self.name, describe(self.example_key), describe(key), why)
                 return None
+            self.stats["checks"] += 1
+            self._checked[id(plan)] = self._checked.get(id(plan), frozenset()) | dims
         self.stats["resized"] += 1
         log.info("%s: %s served by %s", self.name, describe(key),
                  f"the plan built for {describe(self.example_key)}" if own else "the plan made for its range of sizes")

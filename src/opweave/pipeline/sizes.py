@@ -1,4 +1,4 @@
-"""Sizes a compiled model was not built for: one plan for every size, checked once per size.
+"""Sizes a compiled model was not built for: one plan for every size, checked once per dimension that changes.
 
 A schedule places a graph's operators on lanes from their relative costs, which change slowly with the size of the
 inputs; the plan, the lanes' generated code and their liveness slots read no size. So a call whose inputs are the
@@ -12,11 +12,20 @@ graph with symbolic sizes after a dimension has changed, and per new size only w
   (``dynamic=True``: every dimension free from the first build; :mod:`opweave.backends.segments`, Sizes);
 * on CUDA, the backend records one more CUDA Graph (its buffers planned for the new shapes first).
 
-**Checked once.** The first call of a new size is held against the model run eagerly at that size
-(:func:`opweave.outputs.compare`, :meth:`Sizes.agrees`); its answer is the call's. A capture whose graph baked a size
-in (the ``torch.export`` route bakes them into reshapes; a ``.pt2``'s dynamic dimensions stay free) fails there, or
-raises, and that signature, and every later one, is built on its own from a new capture, as any other signature
-is. A plan that runs the model itself (the CPU default's ``eager``) needs no check.
+**Checked once per dimension.** The first call of a plan in each dimension that differs from the example's is held
+against the model run eagerly at that size (:func:`opweave.outputs.compare`, :meth:`Sizes.agrees`); its answer is
+the call's. What the check catches is a size baked into what runs: a capture whose graph holds the example's size
+(the ``torch.export`` route bakes them into reshapes; ``symbolic_trace``'s graph reads every size from its inputs,
+and a ``.pt2`` keeps its dynamic dimensions free), or a segment compiled for one size, which both fail at the first
+other value of that dimension, the value at which ONNX Runtime's session with free sizes is made. A later size in
+dimensions already checked runs through the same graph and the same session, so it is not checked again: checking
+every size cost one run of the model each (a new size's first call 5-18x a steady call of BERT on this 2-core
+machine, ``benchmarks/results/new_signature_every_size_checked.md``), where ``torch.compile`` checks none (its
+guards trust a graph with symbolic sizes). A capture that fails, or raises, sends that signature and every later
+one to a build of its own from a new capture, as any other signature is. A plan that runs the model itself (the CPU
+default's ``eager``) needs no check; a padded batch is checked at the first size padded (module docstring,
+Buckets). A ``.pt2`` program says which sizes it takes (its dimensions' ranges, :meth:`Sizes.takes`): one outside
+them is not served so, and its build meets the program's own refusal.
 
 **When to plan again.** The costs the schedulers see move with the size, slowly: FLOPs grow with a batch or a
 sequence, a weight's bytes do not. The first size in each power-of-two range of a changed dimension
@@ -31,7 +40,8 @@ them. The CPU default's race among its candidates is not run again for a size th
 **Buckets** (the ``buckets`` option): a call's batch, dimension 0 of every tensor input when they share it, is
 padded up to the next power of two (``"pow2"``) or the next of the sizes named, repeating its last row, and every
 output with that many rows is cut back, as TensorRT's optimization profiles and Triton's batcher serve few shapes.
-Rows must not affect each other, which the check against the model at the size asked sees. A batch beyond the
+Rows must not affect each other, which the check against the model at the first size padded sees (one that changes
+the answer turns buckets off, with a warning). A batch beyond the
 largest size named runs at its own; a pad that more than doubles the rows warns, once.
 """
 
@@ -69,18 +79,27 @@ def sizes_only(example: tuple, key: tuple) -> bool:
     return True
 
 
-def bucket(example: tuple, key: tuple) -> tuple:
-    """The power-of-two range of each size of ``key`` that differs from ``example``'s range (leaf, dimension and
-    bit length; an integer leaf's dimension None): ``()`` for sizes in the example's ranges, whose plan serves
-    them."""
-    out = []
+def _changes(example: tuple, key: tuple):
+    """Leaf, dimension, size in ``key`` and in ``example`` of every size that differs (an integer leaf's dimension:
+    None); ``key`` is ``example``'s in other sizes (:func:`sizes_only`)."""
     for i, (new, old) in enumerate(zip(key[1:], example[1:], strict=True)):
         if new[0] == "value":
-            pairs = [(None, int(new[1]), int(old[1]))] if _is_int(new) and new != old else []
+            if _is_int(new) and new != old:
+                yield i, None, int(new[1]), int(old[1])
         else:
-            pairs = [(d, a, b) for d, (a, b) in enumerate(zip(new[0], old[0], strict=True)) if a != b]
-        out += [(i, d, abs(a).bit_length()) for d, a, b in pairs if abs(a).bit_length() != abs(b).bit_length()]
-    return tuple(out)
+            yield from ((i, d, a, b) for d, (a, b) in enumerate(zip(new[0], old[0], strict=True)) if a != b)
+
+
+def changed(example: tuple, key: tuple) -> frozenset:
+    """The dimensions (leaf, dimension) in which ``key``'s sizes differ from ``example``'s."""
+    return frozenset((i, d) for i, d, _, _ in _changes(example, key))
+
+
+def bucket(example: tuple, key: tuple) -> tuple:
+    """The power-of-two range of each size of ``key`` that differs from ``example``'s range (leaf, dimension and
+    bit length): ``()`` for sizes in the example's ranges, whose plan serves them."""
+    return tuple((i, d, abs(a).bit_length()) for i, d, a, b in _changes(example, key)
+                 if abs(a).bit_length() != abs(b).bit_length())
 
 
 class Padding:
@@ -152,6 +171,12 @@ class Sizes:
 
         backend = EagerBackend(self.model)
         return lambda *args: backend(*on_devices_of(args, self.example))
+
+    def takes(self, args: tuple) -> bool:
+        """Whether the model says it takes ``args``' sizes: a ``.pt2`` program only those its dimensions allow
+        (:meth:`opweave.capture.trace.ExportedModule.takes`; its capture, free in them, would run others)."""
+        takes = getattr(self.model, "takes", None)
+        return takes is None or takes(args)
 
     def trusted(self, plan) -> bool:
         """Whether ``plan``'s output needs no check: it is the model itself."""
@@ -232,5 +257,5 @@ def _costs(captured, args: tuple, options):
     return targets.CudaTarget().costs(captured, args, options, device, targets._dtype(captured))
 
 
-__all__ = ["PAD_WARNING", "REPLAN_GAIN", "Padded", "Padding", "Sizes", "bucket", "padding", "replan_gain",
+__all__ = ["PAD_WARNING", "REPLAN_GAIN", "Padded", "Padding", "Sizes", "bucket", "changed", "padding", "replan_gain",
            "sizes_only"]
