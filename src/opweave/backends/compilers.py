@@ -24,23 +24,23 @@ the dimensions left free): ``fn`` then takes any size in them (:mod:`opweave.bac
   intra-op pool has the lane's ``threads`` (sequential executor, one inter-op thread). The pool spins between parallel
   sections, as ORT's does by default, only when the caller says the segment runs ``alone`` (the segments of a one-lane
   plan); otherwise it sleeps when idle, since another lane may need the core. Spinning matters both ways: GoogLeNet
-  whole at 2 threads took 13.2 ms with the pool sleeping against 11.3 ms spinning, so a one-lane plan lost to plain ONNX
-  Runtime; but in a plan with two lanes, a segment that the replayed plan runs alone (so it gets both cores) may in fact
-  overlap the other lane, and spinning pools then took the cores from each other: Inception-v3's heft+onnxruntime took
-  123 ms spinning, 51 ms sleeping, against 36 ms for one lane. The export uses the TorchScript exporter
-  (``dynamo=False``): it exports a segment in milliseconds where the ``torch.export``-based exporter takes about half a
-  second, which for a model's hundreds of segments is minutes; when it fails the ``torch.export``-based one is tried.
-  ORT releases the GIL while it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy for contiguous
-  tensors), outputs come back as tensors sharing ORT's arrays. A segment with a non-tensor output (a shape read by a
-  later segment) cannot be exported and runs op by op. With ``dynamic_dims`` the exported graph keeps those
-  dimensions of its inputs, and every dimension of its outputs, symbolic (``dynamic_axes``): one session for every
-  size of them. On this 2-core machine such a session ran as fast as one exported for the size it runs
-  (``benchmarks/results/new_signature.json``: the zoo's steady calls at a new size, both ways). Three choices
-  serve many sessions in one process (the
-  server's blocks): ``shared_pool`` runs a session on ONNX Runtime's process-wide thread pool (:func:`shared_pool`)
-  instead of a pool of its own (once that pool exists every session of the process runs on it: ONNX Runtime allows
-  no other); ``arena=False`` gives it no memory arena (what a run allocates goes back to the C heap
-  when the run ends, where an arena keeps its largest run's memory for the session's lifetime); ``share_weights``
+  whole at 2 threads took 13.2 ms with the pool sleeping against 11.3 ms spinning, so a one-lane plan lost to plain
+  ONNX Runtime; but in a plan with two lanes, a segment that the replayed plan runs alone (so it gets both cores) may
+  in fact overlap the other lane, and spinning pools then took the cores from each other: Inception-v3's
+  heft+onnxruntime took 123 ms spinning, 51 ms sleeping, against 36 ms for one lane. The export uses the TorchScript
+  exporter (``dynamo=False``): it exports a segment in milliseconds where the ``torch.export``-based exporter takes
+  about half a second, which for a model's hundreds of segments is minutes; when it fails the ``torch.export``-based
+  one is tried. ORT releases the GIL while it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy
+  for contiguous tensors), outputs come back as tensors sharing ORT's arrays. A segment with a non-tensor output (a
+  shape read by a later segment) cannot be exported and runs op by op. With ``dynamic_dims`` the exported graph keeps
+  those dimensions of its inputs, and every dimension of its outputs, symbolic (``dynamic_axes``): one session for
+  every size of them. On this 2-core machine the zoo's plans built at batch 1 (BERT: 32 tokens) with such a session
+  ran at the first new size 0.84-1.12x as fast as the plans built for that size, timed interleaved
+  (``benchmarks/results/new_signature.md``, steady ms): within the machine's noise. Three choices serve many sessions
+  in one process (the server's blocks): ``shared_pool`` runs a session on ONNX Runtime's process-wide thread pool
+  (:func:`shared_pool`) instead of a pool of its own (once that pool exists every session of the process runs on it:
+  ONNX Runtime allows no other); ``arena=False`` gives it no memory arena (what a run allocates goes back to the C
+  heap when the run ends, where an arena keeps its largest run's memory for the session's lifetime); ``share_weights``
   makes it read the graph's own parameters in place (ONNX Runtime's shared initializers, an ``OrtValue`` over each
   tensor's storage), so that several sessions of one graph (one per batch size) hold no copy of the weights. ONNX
   Runtime copies a weight it rewrites (the NCHWc layout of ``ORT_ENABLE_ALL``, a matrix product's prepacked operand),
