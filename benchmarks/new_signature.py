@@ -1,17 +1,29 @@
-"""What a new input signature costs: compiling at the example, the first call of another batch size (which builds it),
-and a call once it is built; and the compile time per op, across the zoo.
+"""What a new input size costs: its first call against a steady call of that size, before and after a compiled model
+served other sizes with the plan it has built; and compiling at the example, across the zoo.
 
-    .venv/bin/python benchmarks/new_signature.py [--models a,b] [--rounds 2] [--calls 20] [--device cpu]
-                                                 [--stem new_signature] [--out DIR]
-    .venv/bin/python benchmarks/new_signature.py --quick          # squeezenet and deepfm, one round
+    .venv/bin/python benchmarks/new_signature.py [--models a,b] [--rounds 2] [--calls 5] [--device cpu]
+                                                 [--dynamic-models squeezenet,bert_base] [--stem new_signature]
+                                                 [--out DIR]
+    .venv/bin/python benchmarks/new_signature.py --quick          # squeezenet and deepfm, one round, 3 sizes
 
-For each model at batch 1 (its zoo input otherwise), ``--rounds`` times, in a fresh compile each round:
-``opweave.compile(model, inputs, device=DEVICE)`` with the defaults (on a CPU the guard times its candidates, as a
-user's compile does), timed (``compile_s``); then the first call at batch 2 (``first_call_ms``: the new signature's
-capture, schedule, plan and build, and the call), then ``--calls`` calls at batch 2 (``built_call_ms``: their
-median). ``ops``: the ops the plan schedules (coarsened) and the fx nodes captured; ``compile_ms_per_op``:
-``compile_s`` over the fx nodes. A line fitted to ``compile_s`` against the fx nodes says whether compile time
-grows linearly (slope, intercept, R²).
+For each model at batch 1 (bert_base: 2 layers at sequence 32), ``--rounds`` times, in a fresh compile each round:
+
+* ``compile_s``: ``opweave.compile(model, inputs, device=DEVICE)`` with the defaults (on a CPU the default races
+  its candidates, as a user's compile does).
+* **after** (what a compiled model does now): the sizes of :data:`SWEEPS` one after the other (squeezenet batches
+  2-13, bert_base 12 sequence lengths, the other models batches 2-4), each first called once (``first_call_ms``,
+  its output held against the model's) then ``--calls`` times (``steady_ms``, their median); ``ratio`` is the
+  first over the steady call, ``median_ratio`` their median over the sizes and ``first_size_ratio`` the first
+  size's. Then the sweep again: ``builds_in_sweep`` counts the plans built over both sweeps (new captures and ranges
+  of sizes planned again: none built twice when it does not grow in the second sweep), ``stats`` the compiled
+  model's.
+* **before** (what a new size cost until now: captured, planned and built again): a second compile whose plan is not
+  trusted at other sizes (``variants.sizes.generic = False``, which sends every new size down that path), its first
+  call at the sweep's first size and its steady calls there. Its steady call is that of a plan built for the size
+  (on a CPU with ONNX Runtime, a session exported for that size), the after's one of a plan built for the example's
+  (a session with free sizes): ``steady_interleaved`` times the two at that size, one call of each in turn.
+* **dynamic=True** (``--dynamic-models``): a compile with ``dynamic=True`` and its first call at the sweep's first
+  size, against its steady call.
 
 Writes ``DIR/STEM.json`` and ``DIR/STEM.md``. The figures depend on the machine and on what else runs on it
 (``machine.load_average_1_5_15m``).
@@ -30,133 +42,207 @@ import _common as common
 DEFAULT_MODELS = ("squeezenet", "deepfm", "bert_base", "resnet50", "googlenet", "inception_v3", "randwire",
                   "nasnet_a_mobile")
 SMALL = {"bert_base": {"num_layers": 2, "seq_len": 32}}
+SWEEPS = {"squeezenet": tuple(range(2, 14)),  # batches
+          "bert_base": (64, 16, 24, 40, 48, 8, 12, 20, 28, 56, 96, 128)}  # sequence lengths (compiled at 32)
+OTHERS = (2, 3, 4)  # batches, for the other models
+QUICK = (2, 3, 5)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma list of zoo models")
     p.add_argument("--rounds", type=int, default=2, help="fresh compiles per model (default %(default)s)")
-    p.add_argument("--calls", type=int, default=20, help="calls of the built signature timed (default %(default)s)")
+    p.add_argument("--calls", type=int, default=5, help="steady calls timed per size (default %(default)s)")
+    p.add_argument("--dynamic-models", default="squeezenet,bert_base",
+                   help="models also compiled with dynamic=True (default %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default %(default)s)")
     p.add_argument("--stem", default="new_signature", help="file name without suffix (default %(default)s)")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory (default %(default)s)")
-    p.add_argument("--quick", action="store_true", help="squeezenet and deepfm, one round, 5 calls")
+    p.add_argument("--quick", action="store_true", help="squeezenet and deepfm, one round, 3 sizes, 3 calls")
     args = p.parse_args(argv)
     if args.quick:
-        args.models, args.rounds, args.calls = "squeezenet,deepfm", 1, 5
+        args.models, args.rounds, args.calls, args.dynamic_models = "squeezenet,deepfm", 1, 3, "squeezenet"
     return args
 
 
-def batch_of(inputs: tuple, batch: int) -> tuple:
-    """``inputs`` at batch ``batch`` (each tensor's first dimension), drawn like the example."""
+def sizes_of(name: str, args) -> tuple[int, ...]:
+    return QUICK if args.quick else SWEEPS.get(name, OTHERS)
+
+
+def inputs_at(name: str, inputs: tuple, size: int) -> tuple:
+    """``inputs`` at ``size`` (bert_base: its sequence length, dimension 1; else the batch, dimension 0), drawn like
+    the example."""
     import torch
 
     out = []
     for x in inputs:
-        shape = (batch, *x.shape[1:])
+        shape = (x.shape[0], size, *x.shape[2:]) if name == "bert_base" else (size, *x.shape[1:])
+        generator = torch.Generator().manual_seed(size)
         if x.is_floating_point():
-            out.append(torch.randn(shape, dtype=x.dtype, device=x.device))
+            value = torch.randn(shape, dtype=x.dtype, generator=generator)
         else:
-            out.append(torch.randint(int(x.min()), int(x.max()) + 1, shape, dtype=x.dtype, device=x.device))
+            value = torch.randint(int(x.min()), int(x.max()) + 1, shape, dtype=x.dtype, generator=generator)
+        out.append(value.to(x.device))
     return tuple(out)
 
 
-def one_round(name: str, args) -> dict:
+class Clock:
+    """Wall time of a call on the device (CUDA synchronized before and after)."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def call_ms(self, fn, inputs: tuple) -> tuple[float, object]:
+        self.sync()
+        start = time.perf_counter()
+        out = fn(*inputs)
+        self.sync()
+        return (time.perf_counter() - start) * 1e3, out
+
+    def steady_ms(self, fn, inputs: tuple, calls: int) -> float:
+        return statistics.median(self.call_ms(fn, inputs)[0] for _ in range(calls))
+
+
+def first_and_steady(model, fast, name: str, inputs: tuple, size: int, clock: Clock, calls: int) -> dict:
+    """The first call of ``fast`` at ``size``, its steady calls there, and whether its output equals the model's."""
+    from opweave.outputs import compare
+
+    at = inputs_at(name, inputs, size)
+    first_ms, out = clock.call_ms(fast, at)
+    steady = clock.steady_ms(fast, at, calls)
+    return {"size": size, "first_call_ms": first_ms, "steady_ms": steady, "ratio": first_ms / steady,
+            "equal_to_eager": compare(model(*at), out).ok}
+
+
+def one_round(name: str, args, dynamic: bool) -> dict:
     import torch
 
     import opweave
     from opweave import zoo
-    from opweave.outputs import compare
 
     model, inputs = zoo.create(name, **SMALL.get(name, {}))
     model = model.eval()
     if args.device == "cuda":
         model, inputs = model.cuda(), tuple(x.cuda() for x in inputs)
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    start = time.perf_counter()
-    fast = opweave.compile(model, inputs, device=args.device)
-    compile_s = time.perf_counter() - start
-    other = batch_of(inputs, 2)
+    clock = Clock(args.device)
+    sizes = sizes_of(name, args)
+    row: dict = {}
     with torch.no_grad():
-        sync()
         start = time.perf_counter()
-        got = fast(*other)
-        sync()
-        first_ms = (time.perf_counter() - start) * 1e3
-        right = compare(model(*other), got).ok
-        calls = []
-        for _ in range(args.calls):
-            start = time.perf_counter()
-            fast(*other)
-            sync()
-            calls.append((time.perf_counter() - start) * 1e3)
-    fx_nodes = sum(len(nodes) for nodes in fast.captured.nodes.values()) if fast.captured is not None else None
-    row = {"compile_s": compile_s, "first_call_ms": first_ms, "built_call_ms": statistics.median(calls),
-           "ops": len(fast.graph), "fx_nodes": fx_nodes, "equal_to_eager": right,
-           "plan": fast.choice.get("label") if fast.choice else fast.schedule.scheduler}
-    fast.close()
+        fast = opweave.compile(model, inputs, device=args.device)
+        row["compile_s"] = time.perf_counter() - start
+        sweep = [first_and_steady(model, fast, name, inputs, size, clock, args.calls) for size in sizes]
+        built = fast.variants.stats["builds"] + fast.variants.stats["replans"]
+        again = [first_and_steady(model, fast, name, inputs, size, clock, 1) for size in sizes]
+        stats = dict(fast.variants.stats)
+        row["after"] = {"sizes": sweep, "median_ratio": statistics.median(s["ratio"] for s in sweep),
+                        "first_size_ratio": sweep[0]["ratio"], "builds_in_sweep": built,
+                        "builds_in_second_sweep": stats["builds"] + stats["replans"] - built, "stats": stats,
+                        "segments": dict(fast.fused.stats) if fast.fused is not None else None,
+                        "equal_to_eager": all(s["equal_to_eager"] for s in sweep + again)}
+        fx_nodes = sum(len(nodes) for nodes in fast.captured.nodes.values()) if fast.captured is not None else None
+        row.update({"ops": len(fast.graph), "fx_nodes": fx_nodes,
+                    "plan": fast.choice.get("label") if fast.choice else fast.schedule.scheduler})
+        before = opweave.compile(model, inputs, device=args.device)
+        before.variants.sizes.generic = False  # every new size captured, planned and built again, as until now
+        row["before"] = first_and_steady(model, before, name, inputs, sizes[0], clock, args.calls)
+        built_for = before.variants._built.get(next(iter(before.variants._built), None))
+        row["before"]["plan"] = (built_for.choice or {}).get("label") if built_for is not None else None
+        at = inputs_at(name, inputs, sizes[0])
+        interleaved: dict[str, list[float]] = {"after_ms": [], "before_ms": []}
+        for _ in range(max(args.calls, 5)):  # the plan built for the example's size against one built for this one
+            interleaved["after_ms"].append(clock.call_ms(fast, at)[0])
+            interleaved["before_ms"].append(clock.call_ms(before, at)[0])
+        row["steady_interleaved"] = {k: statistics.median(v) for k, v in interleaved.items()}
+        fast.close()
+        before.close()
+        if dynamic:
+            free = opweave.compile(model, inputs, device=args.device, dynamic=True)
+            row["dynamic_true"] = first_and_steady(model, free, name, inputs, sizes[0], clock, args.calls)
+            free.close()
     return row
 
 
-def fit(points: list[tuple[float, float]]) -> dict:
-    """Least squares ``y = slope x + intercept`` and R²."""
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-    intercept = my - slope * mx
-    total = sum((y - my) ** 2 for _, y in points)
-    residual = sum((y - slope * x - intercept) ** 2 for x, y in points)
-    return {"slope_s_per_node": slope, "intercept_s": intercept, "r2": 1 - residual / total if total else 1.0}
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(name: str, mine: list[dict]) -> dict:
+    first = mine[0]
+    out = {"model": name, "ops": first["ops"], "fx_nodes": first["fx_nodes"], "plan": first["plan"],
+           "compile_s": spread([r["compile_s"] for r in mine]),
+           "after_median_ratio": spread([r["after"]["median_ratio"] for r in mine]),
+           "after_first_size_ratio": spread([r["after"]["first_size_ratio"] for r in mine]),
+           "steady_after_ms": spread([r["steady_interleaved"]["after_ms"] for r in mine]),
+           "steady_before_ms": spread([r["steady_interleaved"]["before_ms"] for r in mine]),
+           "before_ratio": spread([r["before"]["ratio"] for r in mine]),
+           "before_first_call_ms": spread([r["before"]["first_call_ms"] for r in mine]),
+           "before_plan": first["before"]["plan"],
+           "sizes": [s["size"] for s in first["after"]["sizes"]],
+           "builds_in_sweep": max(r["after"]["builds_in_sweep"] for r in mine),
+           "builds_in_second_sweep": max(r["after"]["builds_in_second_sweep"] for r in mine),
+           "equal_to_eager": all(r["after"]["equal_to_eager"] and r["before"]["equal_to_eager"]
+                                 and r.get("dynamic_true", {}).get("equal_to_eager", True) for r in mine)}
+    if "dynamic_true" in first:
+        out["dynamic_true_ratio"] = spread([r["dynamic_true"]["ratio"] for r in mine])
+    return out
+
+
+def markdown(models: list[dict], device: str) -> str:
+    lines = [f"# A new input size on {device}", "",
+             "First call of a new size over a steady call of that size. After: the plan built for the example's "
+             "size serves it (median over the sizes swept, and the first size alone); before: captured, planned and "
+             "built again (the first size). Steady ms: a call at the first size of the plan built for the example's "
+             "size (after) and of the one built for that size (before), timed interleaved. Medians over the rounds "
+             "(min-max).", "",
+             "| model | plan | compile s | sizes | after: median first / steady | after: first size | plans built "
+             "in the sweep (second sweep) | before: first call ms | before: first / steady | steady ms after / "
+             "before | dynamic=True: first size | equal to eager |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+
+    def ratio(s: dict) -> str:
+        return f"{s['median']:.1f}x ({s['min']:.1f}-{s['max']:.1f})"
+
+    for m in models:
+        sizes = m["sizes"]
+        shown = f"{sizes[0]}-{sizes[-1]}" if sizes == list(range(sizes[0], sizes[-1] + 1)) else ",".join(map(str,
+                                                                                                               sizes))
+        dynamic = ratio(m["dynamic_true_ratio"]) if "dynamic_true_ratio" in m else "-"
+        lines.append(f"| {m['model']} | {m['plan']} | {m['compile_s']['median']:.2f} | {shown} | "
+                     f"{ratio(m['after_median_ratio'])} | {ratio(m['after_first_size_ratio'])} | "
+                     f"{m['builds_in_sweep']} ({m['builds_in_second_sweep']}) | "
+                     f"{m['before_first_call_ms']['median']:.0f} | {ratio(m['before_ratio'])} | "
+                     f"{m['steady_after_ms']['median']:.1f} / {m['steady_before_ms']['median']:.1f} | {dynamic} | "
+                     f"{'yes' if m['equal_to_eager'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     names = [n for n in args.models.split(",") if n]
+    dynamic = {n for n in args.dynamic_models.split(",") if n}
     rows = []
     with common.progress() as bar:
         task = bar.add_task("compiling", total=len(names) * args.rounds)
         for _ in range(args.rounds):  # rounds outermost: a slow spell of the machine spreads over every model
             for name in names:
-                bar.update(task, description=f"compiling {name}")
-                rows.append({"model": name, **one_round(name, args)})
+                bar.update(task, description=f"{name}")
+                rows.append({"model": name, **one_round(name, args, name in dynamic)})
                 bar.advance(task)
-    models = []
-    for name in names:
-        mine = [r for r in rows if r["model"] == name]
-
-        def spread(key: str, mine=mine) -> dict:
-            values = [r[key] for r in mine]
-            return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-        first = mine[0]
-        summary = {"model": name, "ops": first["ops"], "fx_nodes": first["fx_nodes"], "plan": first["plan"],
-                   "equal_to_eager": all(r["equal_to_eager"] for r in mine),
-                   **{key: spread(key) for key in ("compile_s", "first_call_ms", "built_call_ms")}}
-        summary["compile_ms_per_node"] = summary["compile_s"]["median"] * 1e3 / first["fx_nodes"]
-        summary["first_call_over_built"] = summary["first_call_ms"]["median"] / summary["built_call_ms"]["median"]
-        models.append(summary)
-    line = fit([(m["fx_nodes"], m["compile_s"]["median"]) for m in models]) if len(models) > 1 else None
+    models = [summarize(name, [r for r in rows if r["model"] == name]) for name in names]
     args.out.mkdir(parents=True, exist_ok=True)
     common.write_json(args.out / f"{args.stem}.json", {
         "machine": common.machine_info(), "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "models": models, "rows": rows, "compile_time_fit": line})
-    table = ["| model | fx nodes | ops planned | plan | compile s (min-max) | ms per fx node | first call at batch 2, "
-             "ms (min-max) | built call ms | first / built |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: "
-             "| ---: |"]
-    for m in models:
-        c, f = m["compile_s"], m["first_call_ms"]
-        table.append(f"| {m['model']} | {m['fx_nodes']} | {m['ops']} | {m['plan']} | {c['median']:.2f} "
-                     f"({c['min']:.2f}-{c['max']:.2f}) | {m['compile_ms_per_node']:.1f} | {f['median']:.0f} "
-                     f"({f['min']:.0f}-{f['max']:.0f}) | {m['built_call_ms']['median']:.1f} | "
-                     f"{m['first_call_over_built']:.0f}x |")
-    text = "\n".join(table) + "\n"
-    if line:
-        text += (f"\nCompile time against fx nodes: {line['slope_s_per_node'] * 1e3:.1f} ms per node + "
-                 f"{line['intercept_s']:.2f} s, R² {line['r2']:.3f}.\n")
-    (args.out / f"{args.stem}.md").write_text(f"# A new input signature on {args.device}\n\n{text}")
+        "models": models, "rows": rows})
+    text = markdown(models, args.device)
+    (args.out / f"{args.stem}.md").write_text(text)
     common.console.print(text)
-    return 0
+    wrong = [m["model"] for m in models if not m["equal_to_eager"]]
+    if wrong:
+        common.console.print(f"outputs differ from eager: {', '.join(wrong)}")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@
 #            tries the first plan with Inductor's segments) (560 s)
 #   lease6   right after: nasnet_a_mobile at batch 1 fp16 (230 s)
 #   lease7   env, googlenet and inception_v3 at batch 1 fp16, randwire at batch 1 fp32 and fp16 (560 s)
-#   lease8   right after: what a new input signature costs on the GPU (squeezenet, googlenet, inception_v3), then
-#            randwire at batch 8 fp32 (230 s)
+#   lease8   right after: what a new input size costs on the GPU (squeezenet at batches 2-13, bert_base at 12
+#            sequence lengths: one CUDA graph recorded per size on the plan built, against a steady call and against
+#            a new build), then randwire at batch 8 fp32 (230 s)
 #   lease9   per-op profiles of every zoo model at batch 1 fp32 and batch 8 fp16, the serving run on the GPU (TOP's
 #            heuristic against static and batch, two patterns), torch.compile max-autotune as a second peer on two
 #            models (560 s)
@@ -49,8 +50,9 @@
 #                                                                          -> $OUT/profiles.json
 # serve    benchmarks/serving.py --mode gpu on $SERVE_PATTERNS, TOP's heuristic against static and batch
 #                                                                          -> $OUT/serving_gpu.json
-# signatures benchmarks/new_signature.py --device cuda on $SIGNATURE_MODELS: a new input signature's first call
-#                                                                          -> $OUT/new_signature_cuda.json
+# signatures benchmarks/new_signature.py --device cuda on $SIGNATURE_MODELS (default squeezenet and bert_base): a
+#          new size's first call against a steady call, the plan built serving it (after) and a new build (before),
+#          and with dynamic=True                                           -> $OUT/new_signature_cuda.json
 #
 # Wheels in .whl/ (carried) are installed into /tmp/site first and put on PYTHONPATH. Everything a stage prints goes
 # to one log, $OUT/gpu_check.log (with a header per stage); at most 7 files come back, each well under 16 MiB, none
@@ -101,7 +103,7 @@ lease7)
     : "${BENCH_ARGS:=--configs googlenet:1:fp16,inception_v3:1:fp16,randwire:1:fp32,randwire:1:fp16 $MODES}" ;;
 lease8)
     stages=(signatures bench)
-    : "${SIGNATURES_TIMEOUT_S:=60}" "${BENCH_TIMEOUT_S:=155}"
+    : "${SIGNATURES_TIMEOUT_S:=80}" "${BENCH_TIMEOUT_S:=145}"
     : "${BENCH_ARGS:=--configs randwire:8:fp32 $MODES}" ;;
 lease9)
     stages=(env profiles serve bench)
@@ -264,7 +266,7 @@ PY
         summary serve $rc $((SECONDS - start)) "$(ls "$OUT"/serving_gpu*.json 2>/dev/null | head -1)" ;;
     signatures)
         run "${SIGNATURES_TIMEOUT_S:-120}" python3 benchmarks/new_signature.py --device cuda \
-            --models "${SIGNATURE_MODELS:-squeezenet,googlenet,inception_v3}" --rounds 1 --out "$OUT" \
+            --models "${SIGNATURE_MODELS:-squeezenet,bert_base}" --rounds 1 --calls 3 --out "$OUT" \
             --stem new_signature_cuda
         summary signatures $rc $((SECONDS - start)) "$(ls "$OUT"/new_signature_cuda.json 2>/dev/null)" ;;
     bench)

@@ -40,7 +40,7 @@ SAMPLES = {"runtime": FakeCuda(seed=0), "scheduler": "lios", "streams": 2, "devi
            "coarsen": False, "fold_bn": True,
            "graph": "onnxruntime", "compiler": "eager", "scheduler_options": {"sync_ms": 0.125}, "threads": 1,
            "cudagraphs": False, "capture_fallback": "eager", "static_outputs": True, "cache_size": 2, "dynamic": False,
-           "warmup": 1,
+           "buckets": "pow2", "warmup": 1,
            "link": "loopback", "timeout_s": 60.0, "start_method": "spawn"}  # costs and profile: made per model
 CUDA_ONLY = {"cudagraphs", "capture_fallback", "static_outputs", "warmup", "runtime"}
 RANKS_ONLY = {"link", "timeout_s", "start_method"}  # alone: refused (they need devices > 1)
@@ -179,6 +179,8 @@ def effect(key: str, value, fast, coarse) -> bool:
         return fast.schedule.streams_used == 1  # one thread: one lane
     if key == "dynamic":
         return fast.variants.dynamic is value
+    if key == "buckets":
+        return fast.variants.sizes.buckets == value
     if key == "cache_size" and fast.variants.bound != value:
         return False
     if key == "cache_size" and fast.device == "cpu":

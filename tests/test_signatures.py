@@ -1,7 +1,9 @@
-"""A compiled model called with inputs of another shape (opweave.pipeline.signatures): built for them through the
-pipeline with the same options, on the CPU and on the fake CUDA runtime, under every scheduler; within
-``cache_size``; refused with ``dynamic=False``; built once when two threads ask for it at once; the same through
-``torch.compile(backend="opweave")`` and from a ``.pt2`` exported with a dynamic batch."""
+"""A compiled model called with inputs of another shape (opweave.pipeline.signatures, opweave.pipeline.sizes): other
+sizes run the plan built, checked once against the model, on the CPU and on the fake CUDA runtime, under every
+scheduler; a capture that baked a size in is built for each size, within ``cache_size``, past which the model runs;
+refused with ``dynamic=False``; served once when two threads ask for it at once; the same through
+``torch.compile(backend="opweave")`` and from a ``.pt2`` exported with a dynamic batch; batches padded to
+buckets."""
 
 from __future__ import annotations
 
@@ -48,8 +50,9 @@ def test_squeezenet_compiled_at_batch_1_equals_eager_at_other_batches_and_sizes(
         check(model, fast, shape, runtime)
     check(model, fast, tuple(x.shape), runtime)  # the example's own signature still runs its own build
     assert [tuple(key[1][0]) for key in fast.signatures] == [tuple(x.shape), *NEW]
-    assert fast.variants.stats["builds"] == len(NEW)
-    assert all(v.schedule.scheduler == scheduler for v in fast.variants._built.values())
+    assert fast.variants.stats["builds"] == 0 and fast.variants.stats["resized"] == len(NEW)  # no new capture
+    assert fast.variants.stats["checks"] == 2  # the first new batch, the first new image size: once per dimension
+    assert all(plan.schedule.scheduler == scheduler for plan in fast.variants._plans.values())
 
 
 def test_a_bert_encoder_compiled_at_32_tokens_equals_eager_at_17_and_64():
@@ -63,18 +66,42 @@ def test_a_bert_encoder_compiled_at_32_tokens_equals_eager_at_17_and_64():
         assert result.ok, (length, result.reason)
 
 
-def test_past_the_bound_the_least_recently_used_is_dropped_and_built_again(caplog):
-    model, x = squeezenet()
-    fast = opweave.compile(model, (x,), scheduler="lios", cache_size=1)
+class Baked(torch.nn.Module):
+    """Python control flow on a size: symbolic_trace cannot follow it, and torch.export bakes the batch into the
+    reshape it traces."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(48, 4)
+
+    def forward(self, x):
+        if x.shape[0] > 0:
+            x = x.reshape(x.shape[0], -1)
+        return self.fc(x)
+
+
+def baked():
+    torch.manual_seed(0)
+    return Baked().eval(), torch.randn(1, 3, 4, 4)
+
+
+def test_a_capture_that_baked_its_batch_in_is_built_per_size_and_past_the_bound_runs_the_model(caplog):
+    """Each new size of a graph whose reshape holds the example's batch is captured and built on its own (the plan
+    built fails there, and is not tried again); past ``cache_size`` such builds a size runs on the model itself, with
+    a warning, once, so a sweep over more sizes than the bound never builds one twice."""
+    model, x = baked()
+    fast = opweave.compile(model, (x,), scheduler="sequential", cache_size=2)
     with caplog.at_level(logging.INFO, logger="opweave.pipeline.signatures"):
-        check(model, fast, NEW[0])
-        with pytest.warns(UserWarning, match="more than cache_size=1 input signatures"):
-            check(model, fast, NEW[1])  # drops NEW[0]
-        check(model, fast, NEW[0])  # built again
-        check(model, fast, tuple(x.shape))  # the example's is never dropped
-    assert fast.variants.stats == {"builds": 3, "evictions": 2}
-    assert [tuple(key[1][0]) for key in fast.signatures] == [tuple(x.shape), NEW[0]]
-    assert sum("building for a new input signature" in r.message for r in caplog.records) == 3
+        check(model, fast, (2, 3, 4, 4))
+        check(model, fast, (3, 3, 4, 4))
+        with pytest.warns(UserWarning, match="more than cache_size=2 plans built"):
+            check(model, fast, (4, 3, 4, 4))
+        for batch in (2, 3, 4, 5, 2, 3, 4, 5, 1):
+            check(model, fast, (batch, 3, 4, 4))
+    assert fast.variants.stats["builds"] == 2 and fast.variants.stats["eager"] == 2
+    assert not fast.variants.sizes.generic
+    assert sum("building for a new input signature" in r.message for r in caplog.records) == 2
+    assert sum("fails at" in r.message for r in caplog.records) == 1  # tried once
 
 
 def test_dynamic_false_refuses_a_new_signature_naming_the_one_compiled():
@@ -86,17 +113,19 @@ def test_dynamic_false_refuses_a_new_signature_naming_the_one_compiled():
     check(model, fast, tuple(x.shape))
 
 
-def test_two_threads_asking_for_a_new_signature_at_once_build_it_once():
+def test_two_threads_asking_for_a_new_signature_at_once_serve_it_once():
     model, x = squeezenet()
     fast = opweave.compile(model, (x,), scheduler="lios")
-    real, started, release = fast.variants._build, threading.Event(), threading.Event()
+    real, started, release = fast.variants._serve, threading.Event(), threading.Event()
+    calls = []
 
-    def slow_build(args):
+    def slow_serve(args, key):
+        calls.append(key)
         started.set()
         assert release.wait(60)
-        return real(args)
+        return real(args, key)
 
-    fast.variants._build = slow_build
+    fast.variants._serve = slow_serve
     errors: list[BaseException] = []
 
     def call(seed: int) -> None:
@@ -110,23 +139,24 @@ def test_two_threads_asking_for_a_new_signature_at_once_build_it_once():
     assert started.wait(60)
     second = threading.Thread(target=call, args=(2,))
     second.start()
-    second.join(0.5)  # it waits for the build under way
+    second.join(0.5)  # it waits for the first to serve it
     release.set()
     first.join(120)
     second.join(120)
     assert not errors and not first.is_alive() and not second.is_alive()
-    assert fast.variants.stats["builds"] == 1
+    assert len(calls) == 1 and fast.variants.stats["resized"] == 1
 
 
-def test_the_torch_compile_backend_compiles_a_graph_with_symbolic_sizes_per_signature():
-    """After a size changed once, dynamo hands over a graph with a symbolic batch; it ran eagerly, with a warning."""
+def test_the_torch_compile_backend_compiles_a_graph_with_symbolic_sizes_once():
+    """After a size changed once, dynamo hands over a graph with a symbolic batch: compiled at batch 2, every later
+    batch runs that plan."""
     model, x = squeezenet()
     torch._dynamo.reset()
     fast = torch.compile(model, backend="opweave", options={"scheduler": "lios"})
     for batch in (1, 2, 3, 8):
         check(model, fast, (batch, 3, 64, 64))
     last = opweave.dynamo.last_compiled()
-    assert last is not None and last.variants.stats["builds"] == 2  # built at batch 2, then 3 and 8
+    assert last is not None and last.variants.stats["builds"] == 0 and last.variants.stats["resized"] == 2
     torch._dynamo.reset()
 
 
@@ -139,6 +169,7 @@ def test_a_program_exported_with_a_dynamic_batch_runs_batches_1_to_8(tmp_path):
     fast = opweave.compile(str(path), (torch.randn(1, 3, 64, 64),), scheduler="lios")
     for size in range(1, 9):
         check(model, fast, (size, 3, 64, 64), seed=size)
+    assert fast.variants.stats["builds"] == 0  # its dimension is free: the plan built serves every batch
     with pytest.raises(CaptureError, match=r"Guard failed: x.size\(\)\[0\] <= 8"):  # beyond the program's range
         fast(torch.randn(9, 3, 64, 64))
 
@@ -170,22 +201,217 @@ def test_a_new_signature_is_captured_on_the_devices_of_the_example():
     assert on_devices_of((torch.randn(2, 8),), example)[0].device.type == "cpu"  # another structure: left alone
 
 
-def test_every_signature_shares_one_folded_copy_of_the_weights():
-    """Coarsening folds each BatchNorm into a copy of its convolution; every new signature, captured again, made its
-    own copy (a compiled model that had met four input shapes held four copies of its folded weights). One copy now
-    serves them all, made again only when the model's weights change."""
+def test_every_capture_shares_one_folded_copy_of_the_weights():
+    """Coarsening folds each BatchNorm into a copy of its convolution; every capture of the model (one per compile,
+    and one per signature built on its own) made its own copy (a compiled model that had met four input shapes held
+    four copies of its folded weights). One copy now serves them all, made again only when the model's weights
+    change."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
                                 torch.nn.ReLU()).eval()
-    fast = opweave.compile(model, (torch.randn(1, 3, 8, 8),), device="cpu", scheduler="sequential")
-    for batch in (2, 3):
-        check(model, fast, (batch, 3, 8, 8))
-    builds = [fast, *fast.variants._built.values()]
+    builds = [opweave.compile(model, (torch.randn(batch, 3, 8, 8),), device="cpu", scheduler="sequential")
+              for batch in (1, 2, 3)]
+    for fast in builds:
+        check(model, fast, (5, 3, 8, 8))
     weights = {b.captured.gm.get_submodule("0").weight.data_ptr() for b in builds}
-    assert len(builds) == 3 and len(weights) == 1
+    assert len(weights) == 1
     assert model[0].weight.data_ptr() not in weights  # folded: a copy, the model's own weights left as they are
     with torch.no_grad():
-        model[1].running_var.mul_(4)  # the model changed in place: a new signature folds it again
-    check(model, fast, (4, 3, 8, 8))
-    newest = list(fast.variants._built.values())[-1].captured.gm.get_submodule("0").weight.data_ptr()
-    assert newest not in weights
+        model[1].running_var.mul_(4)  # the model changed in place: a new capture folds it again
+    newest = opweave.compile(model, (torch.randn(4, 3, 8, 8),), device="cpu", scheduler="sequential")
+    assert newest.captured.gm.get_submodule("0").weight.data_ptr() not in weights
+
+
+# ---- one plan for every size ----------------------------------------------------------------------------------------
+def test_a_sweep_of_batches_runs_the_cpu_default_plan_and_never_builds_a_size():
+    """The CPU default compiled at batch 1 (ONNX Runtime's session of the whole model, lanes or the model) serves
+    batches 2-13, twice over, with a cache of 2: no capture, no plan, each size checked once; ONNX Runtime exports
+    the model once more, at the second batch, with its batch free, and that session serves every later one."""
+    pytest.importorskip("onnxruntime")
+    model, x = squeezenet()
+    fast = opweave.compile(model, (x,), cache_size=2)
+    for batch in [*range(2, 14), *range(2, 14)]:
+        check(model, fast, (batch, 3, 64, 64), seed=batch)
+    stats = fast.variants.stats
+    assert stats["builds"] == 0 and stats["replans"] == 0 and stats["eager"] == 0 and stats["resized"] == 12
+    assert stats["checks"] == (0 if fast.choice["label"] == "eager" else 1)  # the batch, checked at its first value
+    assert len(fast.signatures) == 13
+    if fast.fused is not None:  # ONNX Runtime's segment won the race
+        assert fast.fused.stats["compiles"] == 2 and fast.fused.stats["dynamic_compiles"] == 1
+
+
+def test_dynamic_true_leaves_every_size_free_from_the_first_build():
+    """``dynamic=True``: ONNX Runtime's session of the whole model takes any size from the start, so no size
+    exports it again."""
+    pytest.importorskip("onnxruntime")
+    model, x = squeezenet()
+    fast = opweave.compile(model, (x,), scheduler="sequential", compiler="onnxruntime", dynamic=True)
+    assert fast.fused.stats == {**fast.fused.stats, "compiles": 1, "dynamic_compiles": 1}
+    for shape in NEW:
+        check(model, fast, shape)
+    assert fast.fused.stats["compiles"] == 1 and fast.variants.stats["resized"] == len(NEW)
+
+
+def test_onnx_runtime_takes_free_sizes_of_strided_inputs():
+    """DeepFM's segment reads each column of its ids (``x[:, i]``: strided from batch 2 on): a session exported with
+    a free batch takes them as well, so batch 3 and 5 export nothing (they exported one session each)."""
+    pytest.importorskip("onnxruntime")
+    model, inputs = zoo.create("deepfm")
+    model.eval()
+    fast = opweave.compile(model, inputs, scheduler="sequential", compiler="onnxruntime")
+    for batch in (2, 3, 5):
+        other = tuple(torch.cat([x] * batch) for x in inputs)
+        with torch.no_grad():
+            result = compare(model(*other), fast(*other))
+        assert result.ok, (batch, result.reason)
+    assert fast.fused.stats["compiles"] == 2 and fast.fused.stats["dynamic_compiles"] == 1
+
+
+def test_a_bert_encoder_under_the_cpu_default_serves_every_length_with_one_plan():
+    model, (ids,) = zoo.create("bert_base", num_layers=2, seq_len=32)
+    model.eval()
+    fast = opweave.compile(model, (ids,))
+    for length in (8, 17, 24, 31, 33, 40, 48, 64, 80, 96, 100, 128):
+        other = torch.randint(0, model.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            result = compare(model(other), fast(other))
+        assert result.ok, (length, result.reason)
+    assert fast.variants.stats["builds"] == 0 and fast.variants.stats["resized"] == 12
+
+
+def test_on_the_fake_cuda_runtime_a_new_size_records_a_graph_and_reuses_the_schedule(monkeypatch):
+    """Each new batch is one more CUDA graph recorded by the backend built at the example's: nothing is captured
+    or scheduled again (batches 5-7 lie in the example's power-of-two range, so no prediction runs either)."""
+    model, _ = squeezenet()
+    runtime = FakeCuda(seed=5)
+    fast = opweave.compile(model, (torch.randn(4, 3, 64, 64),), device="cuda", scheduler="opara", streams=3,
+                           runtime=runtime)
+    schedules = []
+    real = schedulers.run
+    monkeypatch.setattr(schedulers, "run", lambda *a, **k: schedules.append(a[0]) or real(*a, **k))
+    for batch in (5, 6, 7, 5):
+        check(model, fast, (batch, 3, 64, 64), runtime, seed=batch)
+    assert fast.backend.stats["captures"] == 4  # the example's, then one per new batch
+    assert not schedules and fast.variants.stats["builds"] == 0 and fast.variants.stats["resized"] == 3
+
+
+def test_a_range_of_sizes_is_planned_again_when_predicted_faster(monkeypatch):
+    """The first size of a new power-of-two range asks the costs at that size; a new schedule predicted 10% faster
+    plans the range again (from the same capture, at that size), which then serves the rest of the range."""
+    from opweave.pipeline import sizes
+
+    model, x = squeezenet()
+    fast = opweave.compile(model, (x,), scheduler="lios", streams=3)
+    gain = sizes.replan_gain(fast, (torch.randn(8, 3, 64, 64),))
+    assert gain is not None and gain < 1  # a prediction, made on the roofline costs at batch 8
+    asked = []
+    monkeypatch.setattr(sizes, "replan_gain", lambda compiled, args: asked.append(args[0].shape[0]) or 0.5)
+    for batch in (2, 3, 8, 9, 15):
+        check(model, fast, (batch, 3, 64, 64), seed=batch)
+    assert asked == [2, 8]  # once per range: 2-3, 8-15
+    assert fast.variants.stats["replans"] == 2 and fast.variants.stats["builds"] == 0
+    plans = list(fast.variants._plans.values())
+    assert len(plans) == 2 and all(p is not fast and p.schedule.scheduler == "lios" for p in plans)
+    assert plans[1].captured.example_inputs[0].shape[0] == 8  # planned at the first size of its range
+
+
+def test_a_plan_in_the_models_order_is_never_planned_again():
+    from opweave.pipeline.sizes import replan_gain
+
+    model, x = squeezenet()
+    fast = opweave.compile(model, (x,), scheduler="sequential")
+    assert replan_gain(fast, (torch.randn(8, 3, 64, 64),)) is None
+
+
+def test_buckets_pad_a_batch_and_cut_its_outputs_back():
+    """``buckets="pow2"``: batch 3 runs padded to 4, the size compiled, even with ``dynamic=False``, which refuses
+    batch 5 (padded to 8, a new signature); unset, batch 5 and 6 both run the plan at batch 8, checked each once, and
+    batch 2, a power of two, runs as it is."""
+    model, _ = squeezenet()
+    four = torch.randn(4, 3, 64, 64)
+    fixed = opweave.compile(model, (four,), scheduler="lios", buckets="pow2", dynamic=False)
+    check(model, fixed, (3, 3, 64, 64))
+    with pytest.raises(UsageError, match="dynamic=False refuses"):
+        fixed(torch.randn(5, 3, 64, 64))
+    fast = opweave.compile(model, (four,), scheduler="lios", buckets="pow2")
+    for batch in (5, 6, 2, 5):
+        check(model, fast, (batch, 3, 64, 64), seed=batch)
+    assert fast.variants.stats["padded"] == 2 and fast.variants.stats["resized"] == 2  # 5, 6; the plan at 8, and 2
+    assert [key[1][0][0] for key in fast.signatures] == [4, 8, 5, 6, 2]
+
+
+def test_a_pad_that_more_than_doubles_the_batch_warns_once():
+    model, x = squeezenet()
+    fast = opweave.compile(model, (x,), scheduler="sequential", buckets=[8])
+    with pytest.warns(UserWarning, match=r"a batch of 3 is padded to 8 \(buckets=\[8\]\), 2.7x the rows"):
+        check(model, fast, (3, 3, 64, 64))
+    check(model, fast, (2, 3, 64, 64))  # no second warning (filterwarnings=error would raise)
+    check(model, fast, (9, 3, 64, 64))  # beyond the largest bucket: its own size
+
+
+class BatchMean(torch.nn.Module):
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+def test_a_pad_that_changes_the_answer_turns_buckets_off():
+    model = BatchMean()
+    fast = opweave.compile(model, (torch.randn(4, 5),), scheduler="sequential", buckets="pow2")
+    x = torch.randn(3, 5)
+    with pytest.warns(UserWarning, match="rows are not independent; buckets are ignored"):
+        got = fast(x)
+    assert torch.allclose(got, model(x)) and fast.variants.sizes.buckets is None
+
+
+def test_a_captured_graph_binds_other_sizes_only_in_the_dimensions_freed():
+    from opweave.capture import capture
+
+    model, x = squeezenet()
+    captured = capture(model, (x,))
+    with pytest.raises(UsageError, match="it was captured with"):
+        captured.bind((torch.randn(2, 3, 64, 64),))
+    assert captured.free((torch.randn(2, 3, 64, 64),))
+    captured.bind((torch.randn(5, 3, 64, 64),))  # the batch is free now
+    with pytest.raises(UsageError, match="it was captured with"):
+        captured.bind((torch.randn(2, 3, 32, 32),))  # the image is not
+    assert not captured.free((torch.randn(2, 3, 64),))  # another rank: never
+    assert captured.free((torch.randn(2, 3, 32, 32),))
+    captured.bind((torch.randn(7, 3, 32, 48),))
+
+
+def test_options_buckets_take_pow2_or_sizes():
+    from opweave.pipeline import resolve
+
+    assert resolve("cpu", buckets="pow2").buckets == "pow2"
+    assert resolve("cpu", buckets=[16, 4, 8]).buckets == (4, 8, 16)
+    assert resolve("cpu", buckets="8,2").buckets == (2, 8)  # as the command line gives it
+    for bad in ("powers", [0, 4], [], 2.5):
+        with pytest.raises(UsageError, match="option 'buckets' must be 'pow2' or a list of sizes"):
+            resolve("cpu", buckets=bad)
+
+
+class ReadsItsBatch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(48, 4)
+
+    def forward(self, x):
+        return self.fc(x.view(x.size(0), -1)).relu()
+
+
+def test_a_dynamo_graph_with_symbolic_sizes_is_compiled_once_and_its_segment_exported_once():
+    """``torch.compile(dynamic=True)`` hands over a graph that takes its batch as an input of its own
+    (``view(s0, -1)``): read from the tensor instead, no segment takes it as a value to bake, so ONNX Runtime's
+    session, free in every size from its first build, serves every batch."""
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = ReadsItsBatch().eval()
+    torch._dynamo.reset()
+    fast = torch.compile(model, backend="opweave", dynamic=True,
+                         options={"scheduler": "sequential", "compiler": "onnxruntime"})
+    for batch in (2, 3, 5, 9):
+        check(model, fast, (batch, 3, 4, 4), seed=batch)
+    last = opweave.dynamo.last_compiled()
+    assert len(opweave.dynamo.compiled_graphs()) >= 1 and last.variants.stats["builds"] == 0
+    assert last.fused.stats["compiles"] == 1 and last.fused.stats["dynamic_compiles"] == 1
+    torch._dynamo.reset()

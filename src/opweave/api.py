@@ -109,10 +109,17 @@ def on_devices_of(args: tuple, example: tuple) -> tuple:
 
 
 def with_signatures(compiled: Compiled, model, captured, opts, eager, example_inputs: tuple | None = None) -> Compiled:
-    """``compiled``, which now builds itself for inputs of another signature from ``model`` (captured again for
-    them, with the options it was built with; :mod:`opweave.pipeline.signatures`)."""
+    """``compiled``, which now serves inputs of other sizes with its plan, checked against ``model``, and builds
+    itself for inputs of another signature from ``model`` (captured again for them, with the options it was built
+    with; a range of sizes planned again from ``captured`` at those sizes): :mod:`opweave.pipeline.signatures`,
+    :mod:`opweave.pipeline.sizes`."""
+    import torch
+
     from opweave.capture import capture
+    from opweave.capture.coarsen import at_sizes
+    from opweave.capture.trace import ExportedModule
     from opweave.pipeline.signatures import Signatures, key_of
+    from opweave.pipeline.sizes import Sizes
 
     example = example_inputs if example_inputs is not None else captured.example_inputs
 
@@ -120,8 +127,14 @@ def with_signatures(compiled: Compiled, model, captured, opts, eager, example_in
         again = capture(model, on_devices_of(args, example), fold_bn=opts.fold_bn, name=captured.graph.name)
         return build(again, again.example_inputs, opts, eager=eager)
 
+    def replan(args: tuple) -> Compiled:  # the same capture, its shapes at these sizes
+        inputs = on_devices_of(args, example)
+        return build(at_sizes(captured, inputs), inputs, opts, eager=eager)
+
+    runnable = ExportedModule(model) if isinstance(model, torch.export.ExportedProgram) else model
+    sizes = Sizes(compiled, runnable, example, replan=replan, buckets=opts.buckets)
     compiled.variants = Signatures(captured.graph.name, key_of(example), rebuild, bound=opts.cache_size,
-                                   dynamic=opts.dynamic, arity=len(example))
+                                   dynamic=opts.dynamic, arity=len(example), sizes=sizes)
     return compiled
 
 

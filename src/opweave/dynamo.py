@@ -36,9 +36,12 @@ An option that does not apply there is a :class:`~opweave.errors.UsageError` (dy
 
 **Shapes.** Dynamo guards on its inputs' shapes and hands over a new graph when they no longer hold; after a size
 has changed once (its automatic dynamic shapes), or with ``torch.compile(..., dynamic=True)``, the graph it hands
-over has symbolic sizes. Such a graph is compiled at its first call, for the concrete inputs of that call, and each
-later signature is built as :func:`opweave.compile` builds a new one (:mod:`opweave.pipeline.signatures`: within
-``cache_size``, refused with ``options={"dynamic": False}``).
+over has symbolic sizes. Such a graph is compiled once, at its first call, for the concrete inputs of that call,
+with ``dynamic=True`` unless the options say otherwise (every size free in a segment compiler from that build), and
+every later size runs that plan, as :func:`opweave.compile`'s do (:mod:`opweave.pipeline.sizes`; refused with
+``options={"dynamic": False}``). Dynamo passes each symbolic size as an input of its own beside the tensors
+(``view(s0, -1)``); the graph reads it from a tensor it sizes instead (:func:`sizes_from_tensors`), so no op takes
+a size as a separate value, which a segment compiler would bake in and compile again for each.
 
 Every compiled graph is kept (the last :data:`KEEP` of them) for introspection: :func:`last_compiled` and
 :func:`compiled_graphs` return the :class:`opweave.Compiled` objects, with their ``schedule`` and ``plan``.
@@ -131,8 +134,9 @@ class SymbolicGraph:
 
         cuda = options.get("runtime") is not None or any(isinstance(x, torch.Tensor) and x.is_cuda
                                                           for x in example_inputs)
+        options = {"dynamic": True, **options}
         resolve("cuda" if cuda else "cpu", mode, options, check_device=False)  # an option that does not apply: now
-        self.gm, self.mode, self.options = gm, mode, options
+        self.gm, self.mode, self.options = sizes_from_tensors(gm, example_inputs), mode, options
         self.graph: OpweaveGraph | None = None
         self._lock = threading.Lock()
 
@@ -215,6 +219,35 @@ def bake_static_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tup
         baked.graph.erase_node(nodes[i])
     baked.recompile()
     return baked, [i for i in range(len(example_inputs)) if i not in set(static)]
+
+
+def sizes_from_tensors(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """A copy of ``gm`` in which every use of a size input (a ``SymInt`` dynamo passes beside the tensors it sizes)
+    reads that size from the first tensor input it sizes (``x.size(d)``); the size input stays, unused, so the graph
+    is called as dynamo calls it. ``gm`` itself when no use changes (a size that no tensor input has as one of its
+    dimensions is left as it is)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return gm
+    where: dict[str, tuple[int, int]] = {}
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor):
+            for d, size in enumerate(x.shape):
+                if isinstance(size, torch.SymInt):
+                    where.setdefault(str(size), (i, d))
+    sizes = [(i, where[str(x)]) for i, x in enumerate(example_inputs)
+             if isinstance(x, torch.SymInt) and str(x) in where and placeholders[i].users]
+    if not sizes:
+        return gm
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    nodes = [n for n in copied.graph.nodes if n.op == "placeholder"]
+    first = next(n for n in copied.graph.nodes if n.op != "placeholder")
+    for i, (j, d) in sizes:
+        with copied.graph.inserting_before(first):
+            size = copied.graph.call_method("size", (nodes[j], d))
+        nodes[i].replace_all_uses_with(size)
+    copied.recompile()
+    return copied
 
 
 def last_compiled():

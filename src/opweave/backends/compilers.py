@@ -6,7 +6,8 @@
 (their shapes, strides and dtypes are the ones the result is called with), and ``threads`` is the intra-op thread
 budget of the lane that runs the segment (:mod:`opweave.backends.threads`). ``fn(*tensors)`` returns the outputs as
 a tuple (the same leaves as ``gm``). A compiler raises when it cannot compile a segment; the segment then runs op
-by op, with a warning.
+by op, with a warning. A compiler whose ``dynamic_shapes`` is true also takes ``dynamic_dims`` (tensor input ->
+the dimensions left free): ``fn`` then takes any size in them (:mod:`opweave.backends.segments`, Sizes).
 
 * ``inductor`` — TorchInductor (C++ on the CPU, Triton on CUDA), as ``torch.compile`` compiles a graph. On the CPU
   it **freezes** the segment as ``torch.compile`` does with ``torch._inductor.config.freezing``: parameters become
@@ -23,24 +24,28 @@ by op, with a warning.
   intra-op pool has the lane's ``threads`` (sequential executor, one inter-op thread). The pool spins between parallel
   sections, as ORT's does by default, only when the caller says the segment runs ``alone`` (the segments of a one-lane
   plan); otherwise it sleeps when idle, since another lane may need the core. Spinning matters both ways: GoogLeNet
-  whole at 2 threads took 13.2 ms with the pool sleeping against 11.3 ms spinning, so a one-lane plan lost to plain ONNX
-  Runtime; but in a plan with two lanes, a segment that the replayed plan runs alone (so it gets both cores) may in fact
-  overlap the other lane, and spinning pools then took the cores from each other: Inception-v3's heft+onnxruntime took
-  123 ms spinning, 51 ms sleeping, against 36 ms for one lane. The export uses the TorchScript exporter
-  (``dynamo=False``): it exports a segment in milliseconds where the ``torch.export``-based exporter takes about half a
-  second, which for a model's hundreds of segments is minutes; when it fails the ``torch.export``-based one is tried.
-  ORT releases the GIL while it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy for contiguous
-  tensors), outputs come back as tensors sharing ORT's arrays. A segment with a non-tensor output (a shape read by a
-  later segment) cannot be exported and runs op by op. Three choices serve many sessions in one process (the
-  server's blocks): ``shared_pool`` runs a session on ONNX Runtime's process-wide thread pool (:func:`shared_pool`)
-  instead of a pool of its own (once that pool exists every session of the process runs on it: ONNX Runtime allows
-  no other); ``arena=False`` gives it no memory arena (what a run allocates goes back to the C heap
-  when the run ends, where an arena keeps its largest run's memory for the session's lifetime); ``share_weights``
+  whole at 2 threads took 13.2 ms with the pool sleeping against 11.3 ms spinning, so a one-lane plan lost to plain
+  ONNX Runtime; but in a plan with two lanes, a segment that the replayed plan runs alone (so it gets both cores) may
+  in fact overlap the other lane, and spinning pools then took the cores from each other: Inception-v3's
+  heft+onnxruntime took 123 ms spinning, 51 ms sleeping, against 36 ms for one lane. The export uses the TorchScript
+  exporter (``dynamo=False``): it exports a segment in milliseconds where the ``torch.export``-based exporter takes
+  about half a second, which for a model's hundreds of segments is minutes; when it fails the ``torch.export``-based
+  one is tried. ORT releases the GIL while it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy
+  for contiguous tensors), outputs come back as tensors sharing ORT's arrays. A segment with a non-tensor output (a
+  shape read by a later segment) cannot be exported and runs op by op. With ``dynamic_dims`` the exported graph keeps
+  those dimensions of its inputs, and every dimension of its outputs, symbolic (``dynamic_axes``): one session for
+  every size of them. On this 2-core machine the zoo's plans built at batch 1 (BERT: 32 tokens) with such a session
+  ran at the first new size 0.84-1.12x as fast as the plans built for that size, timed interleaved
+  (``benchmarks/results/new_signature.md``, steady ms): within the machine's noise. Three choices serve many sessions
+  in one process (the server's blocks): ``shared_pool`` runs a session on ONNX Runtime's process-wide thread pool
+  (:func:`shared_pool`) instead of a pool of its own (once that pool exists every session of the process runs on it:
+  ONNX Runtime allows no other); ``arena=False`` gives it no memory arena (what a run allocates goes back to the C
+  heap when the run ends, where an arena keeps its largest run's memory for the session's lifetime); ``share_weights``
   makes it read the graph's own parameters in place (ONNX Runtime's shared initializers, an ``OrtValue`` over each
   tensor's storage), so that several sessions of one graph (one per batch size) hold no copy of the weights. ONNX
   Runtime copies a weight it rewrites (the NCHWc layout of ``ORT_ENABLE_ALL``, a matrix product's prepacked operand),
   so those rewrites are off in a session that shares its weights.
-* ``eager`` — the segment's ``GraphModule`` as it is (a check of the segment machinery).
+* ``eager`` — the segment's ``GraphModule`` as it is (a check of the segment machinery); it takes any size.
 """
 
 from __future__ import annotations
@@ -64,17 +69,19 @@ class SegmentCompiler(Protocol):
 
     name: str
     per_op_threads: bool  # its thread pools sleep when idle, so an op that runs alone may take every thread
+    dynamic_shapes: bool  # it takes dynamic_dims: one compiled function for every size of them
 
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
-                 alone: bool = False) -> Callable[..., tuple]: ...
+                 alone: bool = False, dynamic_dims: dict | None = None) -> Callable[..., tuple]: ...
 
 
 class Eager:
     name = "eager"
     per_op_threads = False
+    dynamic_shapes = True
 
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
-                 alone: bool = False) -> Callable[..., tuple]:
+                 alone: bool = False, dynamic_dims: dict | None = None) -> Callable[..., tuple]:
         return gm
 
 
@@ -84,6 +91,7 @@ class Inductor:
 
     name = "inductor"
     per_op_threads = False  # its OpenMP teams spin between kernels (opweave.backends.threads)
+    dynamic_shapes = False  # compiled for the shapes it is given
 
     def __init__(self, freeze: bool | None = None, eager_strides: bool = True):
         self.freeze, self.eager_strides = freeze, eager_strides
@@ -93,8 +101,11 @@ class Inductor:
         return all(x.device.type == "cpu" for x in inputs) if self.freeze is None else self.freeze
 
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
-                 alone: bool = False) -> Callable[..., tuple]:
+                 alone: bool = False, dynamic_dims: dict | None = None) -> Callable[..., tuple]:
         from torch._guards import TracingContext, tracing
+
+        if dynamic_dims:
+            raise UsageError("compiler='inductor' compiles the shapes it is given (dynamic_dims)")
         from torch._inductor.compile_fx import compile_fx
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -121,13 +132,16 @@ class OnnxRuntime:
 
     name = "onnxruntime"
     per_op_threads = True
+    dynamic_shapes = True
 
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *, alone: bool = False,
-                 dynamic_batch: bool = False, shared_pool: bool = False, arena: bool = True,
-                 share_weights: bool = False) -> Callable[..., tuple]:
+                 dynamic_batch: bool = False, dynamic_dims: dict | None = None, shared_pool: bool = False,
+                 arena: bool = True, share_weights: bool = False) -> Callable[..., tuple]:
         """``alone``: nothing else runs while the session does (its pool may spin); ``dynamic_batch``: dimension
         0 of every input and output left free (one session for every batch size; the caller checks it at another
-        batch, since a graph may have baked its batch in); ``shared_pool``: run on the process's thread pool, which
+        batch, since a graph may have baked its batch in); ``dynamic_dims``: input position -> its dimensions left
+        free, and every dimension of every output (:func:`export_onnx`; the caller checks it at other sizes too);
+        ``shared_pool``: run on the process's thread pool, which
         :func:`shared_pool` made, ``threads`` being its size; ``arena``: False: no memory arena of its own;
         ``share_weights``: read ``gm``'s parameters and buffers in place (module docstring)."""
         ort = import_onnxruntime()
@@ -137,7 +151,8 @@ class OnnxRuntime:
             examples = gm(*inputs)
         if not all(isinstance(x, torch.Tensor) for x in examples):
             raise UsageError("a segment output is not a tensor (ONNX exports tensors only)")
-        model = export_onnx(gm, inputs, len(examples), dynamic_batch=dynamic_batch)
+        model = export_onnx(gm, inputs, len(examples), dynamic_batch=dynamic_batch, dynamic_dims=dynamic_dims,
+                            output_ranks=[x.dim() for x in examples])
         options = ort.SessionOptions()
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
@@ -235,13 +250,21 @@ class OrtSegment:
         return tuple(torch.from_numpy(a) for a in self.run(self.outputs, feeds, self.options))
 
 
-def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dynamic_batch: bool = False) -> bytes:
+def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dynamic_batch: bool = False,
+                dynamic_dims: dict | None = None, output_ranks: list[int] | None = None) -> bytes:
     """``gm`` as an ONNX model (bytes), parameters as initializers; TorchScript exporter first (module docstring).
-    ``dynamic_batch``: dimension 0 of every input and output is left free."""
+    ``dynamic_batch``: dimension 0 of every input and output is left free. ``dynamic_dims`` (input position -> its
+    dimensions) leaves those dimensions of the inputs free, and every dimension of the outputs (``output_ranks``:
+    each output's rank), whose sizes ONNX Runtime infers from the inputs'."""
     names: dict[str, Any] = {"input_names": [f"in{i}" for i in range(len(inputs))],
                              "output_names": [f"out{i}" for i in range(outputs)]}
     if dynamic_batch:
         names["dynamic_axes"] = {name: {0: "batch"} for name in names["input_names"] + names["output_names"]}
+    elif dynamic_dims:
+        axes = {f"in{i}": {d: f"in{i}_{d}" for d in sorted(dims)} for i, dims in dynamic_dims.items() if dims}
+        axes.update({f"out{i}": {d: f"out{i}_{d}" for d in range(rank)} for i, rank in enumerate(output_ranks or [])
+                     if rank})
+        names["dynamic_axes"] = axes
     buffer = io.BytesIO()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
@@ -249,6 +272,8 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dy
             torch.onnx.export(gm, tuple(inputs), buffer, dynamo=False, do_constant_folding=True, **names)
         return buffer.getvalue()
     except Exception as first:  # noqa: BLE001 - the other exporter may still manage
+        if dynamic_dims and not dynamic_batch:  # the other exporter keeps fixed shapes (dynamic_batch: checked after)
+            raise UsageError(f"torch.onnx cannot export the segment with free sizes: {first_line(first)}") from first
         try:
             with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
                 warnings.simplefilter("ignore")

@@ -89,6 +89,10 @@ class CpuBackend:
                 torch.set_num_threads(caller_threads)  # the lane's budgets changed the caller's count
             return self.code.output(slots)
 
+    def free(self, args: tuple) -> bool:
+        """Take inputs shaped like ``args`` from now on (:meth:`Captured.free`): the lanes' code reads no size."""
+        return self.captured.free(args)
+
 
 def _generated(code: LaneCode, lane: Lane):
     """Lane ``lane``'s generated function as a pool runs a lane: ``run(call)``, its error naming the op."""
@@ -127,6 +131,10 @@ class EagerBackend:
                 return self.model(*args)
         finally:
             torch.set_num_threads(caller_threads)
+
+    def free(self, args: tuple) -> bool:
+        """The model takes whatever sizes it takes."""
+        return True
 
     def close(self) -> None:
         pass

@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 class Backend(Protocol):
     """What runs a plan for :class:`opweave.Compiled`: called like the model; ``close()`` releases what it
     holds (threads, streams, graphs, rank processes; also done when it is collected; calling it twice is harmless);
-    ``stats`` counts what it did (keys depend on the backend)."""
+    ``stats`` counts what it did (keys depend on the backend). A backend that runs the plan at sizes it was not built
+    for also has ``free(args) -> bool``: take inputs shaped like ``args`` from now on (:mod:`opweave.pipeline.sizes`;
+    without it each size is built on its own)."""
 
     stats: dict[str, Any]
 

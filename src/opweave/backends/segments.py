@@ -49,6 +49,14 @@ Identical segments (same structure and shapes) hit Inductor's FX graph cache and
 Inductor cannot compile (an op AOTAutograd cannot trace, e.g. a custom op without a fake implementation) runs op by
 op, with a warning naming it. ``stats`` counts segments, compiles, fallbacks and the seconds spent compiling.
 
+**Sizes.** A compiler that takes symbolic sizes (``dynamic_shapes``: ONNX Runtime, whose exported graph then keeps
+those dimensions free, and ``eager``) compiles one graph for a range of sizes, as ``torch.compile``'s automatic
+dynamic shapes do: a segment met with tensors that differ from a compiled signature only in sizes (and strides,
+which neither reads) is compiled again with the dimensions that changed left free (each dimension at its second
+value), and that graph serves every later size of them without a compile (no entry of the bound above is spent on
+them). With ``dynamic=True`` every dimension of every tensor input is free from the first compile. Non-tensor inputs
+stay baked (a size read by another segment compiles per value), and Inductor compiles per shape.
+
 **The other route, and why not.** Recent Inductor honours stream annotations on FX nodes (``node.meta["custom"]
 ["stream"]``): its scheduler blocks fusion across streams and its wrapper switches streams and emits event records
 and waits (pytorch/pytorch PR 165505, re-landed as 176696, with PR 174223 / 177324 reading the node metadata; torch
@@ -89,6 +97,7 @@ from opweave.plan.launchplan import LaunchPlan
 from opweave.plan.semantics import Lane
 
 MAX_SIGNATURES = 8  # compiled graphs kept per segment; later signatures run op by op
+ALIASES = 256  # signatures remembered as served by a graph compiled with free sizes (found again by a scan if dropped)
 COMPILE_LOCK = threading.Lock()  # Inductor's compile is not thread-safe; CPU lanes may meet a new signature at once
 
 
@@ -120,8 +129,8 @@ def segment_plan(plan: LaunchPlan, groups: list[list[str]]) -> LaunchPlan:
 
 
 def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inductor",
-                  threads: dict[str, int] | None = None,
-                  compiler_options: dict | None = None) -> tuple[Segmented, LaunchPlan]:
+                  threads: dict[str, int] | None = None, compiler_options: dict | None = None,
+                  dynamic: bool | None = None) -> tuple[Segmented, LaunchPlan]:
     """The :class:`Segmented` model of ``plan``'s segments and the plan that launches them (see the module
     docstring). ``plan`` must have passed the validator for ``captured.graph``. ``compiler`` names a
     :mod:`~opweave.backends.compilers` compiler; ``threads`` (op -> intra-op threads, :func:`opweave.backends.threads.
@@ -135,7 +144,7 @@ def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inducto
     alone = len({(i.device, i.stream) for i in plan.instrs if i.kind == "launch"}) == 1
     segmented = Segmented(merged.graph, merged.gm, merged.nodes, signature=merged.signature,
                           example_inputs=merged.example_inputs, compiler=compiler, threads=budget, alone=alone,
-                          compiler_options=dict(compiler_options or {}))
+                          compiler_options=dict(compiler_options or {}), dynamic=dynamic)
     return segmented, segment_plan(plan, groups)
 
 
@@ -145,20 +154,22 @@ class Segmented(Captured):
 
     ``stats`` (shared with copies made by :func:`dataclasses.replace`, e.g. the CUDA backend's copy on the device):
     ``segments``, ``compiles``, ``compile_s`` (wall seconds in the compiler), ``fallbacks`` (signatures run op by
-    op because the compiler failed).
+    op because the compiler failed), ``dynamic_compiles`` (of them, those with free sizes). ``dynamic``: True,
+    every size free from the first compile (module docstring, Sizes).
     """
 
     compiler: str = "inductor"
     threads: dict[str, int] = field(default_factory=dict)  # segment -> the intra-op threads it is compiled for
     alone: bool = False  # one lane: nothing runs beside a segment (its compiler's pool may spin)
     compiler_options: dict = field(default_factory=dict)  # keywords the compiler is made with
+    dynamic: bool | None = None
     stats: dict = field(default_factory=dict)
     _segments: dict[str, _Segment] = field(init=False, repr=False)
     _contiguous_outputs: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("compiles", "fallbacks"):
+        for key in ("compiles", "fallbacks", "dynamic_compiles"):
             self.stats.setdefault(key, 0)
         self.stats.setdefault("compile_s", 0.0)
         self.stats["segments"] = len(self.nodes)
@@ -225,6 +236,8 @@ class _Segment:
         self.output_keys = [n.name for n in self.outputs]
         # signature -> compiled graph (None: the compiler failed); full at MAX_SIGNATURES, never evicting (docstring)
         self.compiled = BoundedCache(MAX_SIGNATURES)
+        self.sized: list[_Compiled] = []  # those compiled with free sizes (module docstring, Sizes)
+        self.aliases = BoundedCache(ALIASES)  # signatures served by one of them
         self.warned = False
 
     def __call__(self, env: dict[str, Any]) -> None:
@@ -235,17 +248,10 @@ class _Segment:
         key, _ = signature(values, strides=True)
         compiled = self.compiled.get(key, False)
         if compiled is False:
+            compiled = self.aliases.get(key, False)
+        if compiled is False:
             with COMPILE_LOCK:
-                compiled = self.compiled.get(key, False)
-                if compiled is False and len(self.compiled) >= MAX_SIGNATURES:
-                    compiled = None
-                    if not self.warned:
-                        self.warned = True
-                        warnings.warn(f"{self.owner.graph.name}: segment {self.seg!r} met more than "
-                                      f"{MAX_SIGNATURES} input signatures (a scalar input that changes every "
-                                      "call?); new ones run op by op", stacklevel=3)
-                elif compiled is False:
-                    compiled = self.compiled[key] = self._compile(values)
+                compiled = self._find(key, values)
         if compiled is None:
             env = dict(zip(self.input_keys, values, strict=True))
             self.owner.run_unfused(self.seg, env)
@@ -259,6 +265,47 @@ class _Segment:
                                f"fx nodes) failed in its compiled graph: {first_line(exc)}") from exc
         return results if compiled.flat else unflatten(results, compiled.output_specs)
 
+    def _find(self, key: tuple, values: tuple) -> _Compiled | None:
+        """The compiled graph for ``values`` (signature ``key``): one compiled already, one with free sizes that
+        takes them, or one compiled now (with the sizes that changed left free where the compiler can); None: run
+        op by op (the compiler failed, or the bound is reached)."""
+        compiled = self.compiled.get(key, False)
+        if compiled is not False:
+            return compiled
+        layout = _layout(values)
+        for sized in self.sized:
+            if sized.takes(layout):
+                self.aliases[key] = sized
+                return sized
+        if len(self.compiled) >= MAX_SIGNATURES:
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"{self.owner.graph.name}: segment {self.seg!r} met more than {MAX_SIGNATURES} input "
+                              "signatures (a scalar input that changes every call?); new ones run op by op",
+                              stacklevel=4)
+            return None
+        compiled = self.compiled[key] = self._compile(values, self._free(layout))
+        if compiled is not None and compiled.free:
+            self.sized.append(compiled)
+        return compiled
+
+    def _free(self, layout: _Layout) -> dict[int, frozenset[int]]:
+        """The dimensions of each tensor input (by position among them) to compile free for ``layout``: every one
+        with ``dynamic=True``, those in which it differs from a signature compiled before otherwise (module
+        docstring, Sizes); none where the compiler compiles fixed shapes."""
+        if not getattr(get_compiler(self.owner.compiler), "dynamic_shapes", False):
+            return {}
+        if self.owner.dynamic:
+            return {i: frozenset(range(len(shape))) for i, shape in enumerate(layout.shapes)}
+        free: dict[int, frozenset[int]] = {}
+        for before in self.compiled.values():
+            if before is not None and before.layout.same_but_sizes(layout):
+                for i, (a, b) in enumerate(zip(layout.shapes, before.layout.shapes, strict=True)):
+                    dims = frozenset(d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+                    if dims:
+                        free[i] = free.get(i, frozenset()) | dims
+        return free
+
     def examples(self, values: list[Any]) -> list[Any]:
         """The segment's output values for ``values``, run op by op (an error of its own ops is raised here)."""
         scratch = dict(zip(self.input_keys, values, strict=True))
@@ -268,17 +315,25 @@ class _Segment:
             self.owner.run_unfused(self.seg, scratch)
         return [scratch[n.name] for n in self.outputs]
 
-    def _compile(self, values: list[Any]) -> _Compiled | None:
-        """Compile the segment for these input values; None (with a warning) when the compiler fails. An error
-        of the segment's own ops (found by one run op by op, which also gives the outputs' structure) is raised."""
+    def _compile(self, values: list[Any], free: dict[int, frozenset[int]] | None = None) -> _Compiled | None:
+        """Compile the segment for these input values (``free``: per tensor input, the dimensions left free);
+        None (with a warning) when the compiler fails. An error of the segment's own ops (found by one run op by
+        op, which also gives the outputs' structure) is raised."""
         examples = self.examples(values)
         start = time.perf_counter()
+        free = free or {}
         try:
             gm, specs = self._graph_module(values, examples)
             inputs = [leaf for v in values for leaf in pytree.tree_leaves(v) if isinstance(leaf, torch.Tensor)]
             threads = self.owner.threads.get(self.seg) or total_threads()
-            fn = get_compiler(self.owner.compiler, **self.owner.compiler_options)(gm, inputs, threads,
-                                                                                 alone=self.owner.alone)
+            compiler = get_compiler(self.owner.compiler, **self.owner.compiler_options)
+            try:
+                fn = compiler(gm, inputs, threads, alone=self.owner.alone, **({"dynamic_dims": free} if free else {}))
+            except Exception:  # noqa: BLE001 - with free sizes it may fail where fixed ones do not
+                if not free:
+                    raise
+                free = {}
+                fn = compiler(gm, inputs, threads, alone=self.owner.alone)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run this segment op by op
             self.owner.stats["fallbacks"] += 1
             warnings.warn(f"{self.owner.graph.name}: segment {self.seg!r} could not be compiled with "
@@ -287,8 +342,9 @@ class _Segment:
         finally:
             self.owner.stats["compile_s"] += time.perf_counter() - start
         self.owner.stats["compiles"] += 1
+        self.owner.stats["dynamic_compiles"] += bool(free)
         flat = all(spec.is_leaf() and count == 1 for spec, count in specs)
-        return _Compiled(fn, specs, flat, all(isinstance(v, torch.Tensor) for v in values))
+        return _Compiled(fn, specs, flat, all(isinstance(v, torch.Tensor) for v in values), _layout(values), free)
 
     def _graph_module(self, values: list[Any], examples: list[Any]) -> tuple[fx.GraphModule, list[tuple]]:
         """The segment as a GraphModule over the tensor leaves of ``values``, returning the leaves of the outputs
@@ -380,12 +436,42 @@ def whole_module(captured: Captured, args: tuple) -> Whole:
     return Whole(gm, inputs, outputs, signature(values, strides=True)[0], segmented, segment, specs)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """What a graph compiled with free sizes fixes of its input values besides their sizes: the structure, each
+    tensor leaf's dtype, device and rank, the other leaves' values; and the tensors' shapes. (Strides are not read by
+    the compilers that take free sizes.)"""
+
+    fixed: tuple
+    shapes: tuple[tuple[int, ...], ...]
+
+    def same_but_sizes(self, other: _Layout) -> bool:
+        return self.fixed == other.fixed
+
+
+def _layout(values) -> _Layout:
+    leaves, spec = pytree.tree_flatten(list(values))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    fixed = (str(spec), *((x.dtype, x.device, x.dim()) if isinstance(x, torch.Tensor) else ("value", repr(x))
+                          for x in leaves))
+    return _Layout(fixed, tuple(tuple(x.shape) for x in tensors))
+
+
 @dataclass
 class _Compiled:
     fn: Any
     output_specs: list[tuple]
     flat: bool  # every output is one leaf: the compiled function's results are the outputs as they are
     tensor_inputs: bool  # every input is a tensor: passed as they are
+    layout: _Layout | None = None  # the values it was compiled for
+    free: dict[int, frozenset[int]] = field(default_factory=dict)  # tensor input -> dims it takes at any size
+
+    def takes(self, layout: _Layout) -> bool:
+        """Whether values of ``layout`` run through this graph: as compiled but in the free dimensions."""
+        return self.layout is not None and self.layout.same_but_sizes(layout) and all(
+            a == b or d in self.free.get(i, ()) for i, (new, old) in enumerate(zip(layout.shapes, self.layout.shapes,
+                                                                                    strict=True))
+            for d, (a, b) in enumerate(zip(new, old, strict=True)))
 
 
 def _key(key) -> Any:

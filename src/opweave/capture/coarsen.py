@@ -36,6 +36,9 @@ turn a plan's stream segments into ops (:mod:`opweave.backends.segments`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
 from torch import fx, nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
@@ -188,6 +191,24 @@ def merge_ops(captured: Captured, groups: list[list[str]], gm: fx.GraphModule | 
 
 
 def _merged_op(group: list[str], members: list[fx.Node], fine: OpGraph, gm: fx.GraphModule) -> Op:
+    head, last = fine.op[group[0]], fine.op[group[-1]]
+    flops, moved = fused_facts(members, gm)
+    return Op(
+        id=head.id,
+        name="+".join(group),
+        target=head.target,
+        category="compute" if any(fine.op[op].category == "compute" for op in group) else "memory",
+        shape=last.shape,
+        dtype=last.dtype,
+        flops=flops,
+        bytes=moved,
+    )
+
+
+def fused_facts(members: list[fx.Node], gm: fx.GraphModule) -> tuple[float, float]:
+    """The FLOPs and bytes of one op made of ``members`` (module docstring): the real nodes' FLOPs, and the bytes
+    they move less the intermediates passed inside the op. For an op of one real node (and its views), that node's
+    own."""
     inside = set(members)
     real = [n for n in members if not opinfo.is_trivial(n, gm)]
     read = sum(opinfo.nbytes(a) for n in real for a in n.all_input_nodes if a in inside)
@@ -196,15 +217,41 @@ def _merged_op(group: list[str], members: list[fx.Node], fine: OpGraph, gm: fx.G
         return any(u not in inside or (opinfo.is_alias(u, gm) and leaves(u)) for u in node.users)
 
     written = sum(opinfo.nbytes(n) for n in real if not leaves(n))
-    head, last = fine.op[group[0]], fine.op[group[-1]]
-    return Op(
-        id=head.id,
-        name="+".join(group),
-        target=head.target,
-        category="compute" if any(fine.op[op].category == "compute" for op in group) else "memory",
-        shape=last.shape,
-        dtype=last.dtype,
-        flops=float(sum(opinfo.flops(n, gm) for n in real)),
-        bytes=float(max(0.0, sum(opinfo.bytes_moved(n, gm) for n in real) - read - written)),
-    )
+    return (float(sum(opinfo.flops(n, gm) for n in real)),
+            float(max(0.0, sum(opinfo.bytes_moved(n, gm) for n in real) - read - written)))
+
+
+def at_sizes(captured: Captured, args: tuple) -> Captured:
+    """``captured`` for inputs ``args`` of other sizes: the same ops over a copy of its fx graph whose shapes are
+    propagated for ``args`` (one run of the graph), each op's shape, FLOPs and bytes and each edge's bytes
+    recomputed there (:func:`fused_facts`; write-after-read edges kept). What a plan for another size is made from
+    (:mod:`opweave.pipeline.sizes`); the graph must read its sizes from its inputs, as ``symbolic_trace``'s does.
+    The parameters are ``captured``'s own."""
+    import copy
+    import warnings
+
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    with warnings.catch_warnings():  # copying an exported graph's pytree specs warns of torch's own deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(captured.gm.graph)
+    gm = fx.GraphModule(captured.gm, graph, class_name=type(captured.gm).__name__)
+    with torch.no_grad():
+        ShapeProp(gm).propagate(*args)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    nodes = {op: [by_name[n.name] for n in group] for op, group in captured.nodes.items()}
+    owner = {n.name: op for op, group in nodes.items() for n in group}
+    ops = []
+    for old in captured.graph.ops:
+        members = nodes[old.id]
+        real = [n for n in members if not opinfo.is_trivial(n, gm)]
+        metas = opinfo.node_metas(real[-1] if real else by_name.get(old.id, members[0]))
+        flops, moved = fused_facts(members, gm) if real else (0.0, 0.0)
+        ops.append(replace(old, shape=list(metas[0].shape) if metas else old.shape, flops=flops, bytes=moved,
+                           latency_ms=None, utilization=None))
+    edges = data_edges(nodes, owner)
+    seen = {(e.src, e.dst) for e in edges}
+    edges += [replace(e) for e in captured.graph.edges if (e.src, e.dst) not in seen]
+    return Captured(OpGraph(ops, edges, captured.graph.name), gm, nodes, signature=captured.signature,
+                    example_inputs=tuple(args))
 

@@ -41,6 +41,11 @@ class Captured:
     ``run_op`` writes only the env keys of its own fx nodes, so distinct ops may run on different threads.
     Parameters live in ``gm``; move them with ``captured.gm.to(device)`` (in place: ``run_op`` holds ``gm``'s
     submodules, and ``bind`` re-reads ``get_attr`` constants on every call).
+
+    ``bind`` takes inputs of the shapes the model was captured with, and of other sizes in the dimensions
+    :meth:`free` has freed (a graph whose ops read sizes from their inputs, as ``symbolic_trace``'s and a program's
+    with dynamic dimensions do, runs at any of them; whether its output is right at a size is the caller's check,
+    :mod:`opweave.pipeline.sizes`). A tensor's rank and dtype are always checked.
     """
 
     graph: OpGraph
@@ -49,6 +54,7 @@ class Captured:
     signature: inspect.Signature | None = None  # the model's forward(): keyword arguments are bound by it
     example_inputs: tuple = ()  # the inputs it was captured with, keyword arguments bound to their positions
     _inputs: list[tuple[fx.Node, tuple | None]] = field(init=False, repr=False)
+    _free: dict[int, frozenset[int]] = field(init=False, repr=False)  # input -> dims bind takes at any size
     _constants: list[tuple[str, list[str]]] = field(init=False, repr=False)
     _prelude: list[tuple[str, Step]] = field(init=False, repr=False)
     _steps: dict[str, list[tuple[str, Step]]] = field(init=False, repr=False)
@@ -56,7 +62,7 @@ class Captured:
 
     def __post_init__(self) -> None:
         owned = {n for group in self.nodes.values() for n in group}
-        self._inputs, self._constants, self._prelude = [], [], []
+        self._inputs, self._constants, self._prelude, self._free = [], [], [], {}
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 metas = opinfo.node_metas(node)
@@ -86,7 +92,8 @@ class Captured:
             else:
                 raise UsageError(f"{self.graph.name}: missing input {i} ({node.name!r})")
             signature = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
-            if expected is not None and signature is not None and signature != expected:
+            if expected is not None and signature is not None and signature != expected and not self._takes(
+                    i, signature, expected):
                 raise UsageError(f"{self.graph.name}: input {i} ({node.name!r}) has shape {tuple(value.shape)} and "
                                  f"dtype {value.dtype}; it was captured with {expected[0]} and {expected[1]} "
                                  "(capture again for this signature)")
@@ -99,6 +106,33 @@ class Captured:
         for name, step in self._prelude:
             env[name] = step(env)
         return env
+
+    def free(self, args: tuple) -> bool:
+        """Let :meth:`bind` take inputs shaped like ``args`` from now on: each dimension in which a tensor of
+        ``args`` differs from the captured shape is freed. False, freeing nothing, when ``args`` are not the
+        captured inputs in other sizes (another count, rank or dtype)."""
+        flat = list(self.gm.graph.process_inputs(*args))
+        if len(flat) > len(self._inputs):
+            return False
+        free = {}
+        for i, value in enumerate(flat):
+            expected = self._inputs[i][1]
+            if expected is None or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() != len(expected[0]) or value.dtype != expected[1]:
+                return False
+            dims = {d for d, (a, b) in enumerate(zip(value.shape, expected[0], strict=True)) if a != b}
+            if dims:
+                free[i] = frozenset(dims)
+        self._free = {i: self._free.get(i, frozenset()) | free.get(i, frozenset()) for i in {*self._free, *free}}
+        return True
+
+    def _takes(self, i: int, signature: tuple, expected: tuple) -> bool:
+        """Whether input ``i`` of ``signature`` (shape, dtype) differs from ``expected`` only in freed dims."""
+        shape, dtype = signature
+        free = self._free.get(i)
+        return bool(free) and dtype == expected[1] and len(shape) == len(expected[0]) and all(
+            a == b or d in free for d, (a, b) in enumerate(zip(shape, expected[0], strict=True)))
 
     def run_op(self, op_id: str, env: dict[str, Any]) -> None:
         """Run op ``op_id``'s fx nodes in order (main node, then absorbed trivial nodes), reading/writing ``env``."""

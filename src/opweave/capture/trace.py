@@ -127,7 +127,9 @@ class ExportedModule(nn.Module):
     """An ``ExportedProgram`` as a module called by position (what :func:`capture` and eager runs call): the
     arguments that were exported as keywords are passed on as keywords, as the program's input spec requires.
     :func:`capture` captures ``exported`` itself. ``example_inputs`` are the program's own, by position, else zeros
-    of the shapes and dtypes its inputs were exported with (None where an input is not a tensor)."""
+    of the shapes and dtypes its inputs were exported with (None where an input is not a tensor). ``ranges``: per
+    input by position, each dimension's smallest and largest size (a fixed one's own size twice; a dynamic one's
+    range, its largest ``inf`` when unbounded), which :meth:`takes` holds inputs to."""
 
     def __init__(self, program: torch.export.ExportedProgram):
         super().__init__()
@@ -142,9 +144,16 @@ class ExportedModule(nn.Module):
             self.example_inputs = positional(self.signature, args, kwargs, "ExportedProgram")
         else:
             self.example_inputs = _zeros(program)
+        self.ranges = _ranges(program)
 
     def forward(self, *args):
         return self.program(*args[:self.num_args], **dict(zip(self.keywords, args[self.num_args:], strict=False)))
+
+    def takes(self, args: tuple) -> bool:
+        """Whether every tensor of ``args`` (by position) has sizes the program was exported for (:attr:`ranges`),
+        as its own guards check them."""
+        return all(low <= x.shape[d] <= high for x, dims in zip(args, self.ranges, strict=False)
+                   if isinstance(x, torch.Tensor) for d, (low, high) in dims.items() if d < x.dim())
 
 
 def _zeros(program: torch.export.ExportedProgram) -> tuple | None:
@@ -154,6 +163,22 @@ def _zeros(program: torch.export.ExportedProgram) -> tuple | None:
     if not all(isinstance(v, torch.Tensor) for v in users):
         return None
     return tuple(torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype, device=v.device) for v in users)
+
+
+def _ranges(program: torch.export.ExportedProgram) -> list[dict[int, tuple[int, float]]]:
+    """Per user input of ``program``, each dimension's smallest and largest size (:attr:`ExportedModule.ranges`)."""
+    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    users = [values.get(s.arg.name) for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    out: list[dict[int, tuple[int, float]]] = []
+    for value in users:
+        dims: dict[int, tuple[int, float]] = {}
+        for d, size in enumerate(value.shape if isinstance(value, torch.Tensor) else ()):
+            if not isinstance(size, torch.SymInt):
+                dims[d] = (int(size), int(size))
+            elif (found := program.range_constraints.get(size.node.expr)) is not None:
+                dims[d] = (int(found.lower), float(found.upper))
+        out.append(dims)
+    return out
 
 
 def _signature(model: nn.Module) -> inspect.Signature | None:

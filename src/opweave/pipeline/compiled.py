@@ -19,8 +19,8 @@ class Compiled:
     ``fused`` is the segmented model when a segment compiler ran (its ``stats``: segments, compiles, fallbacks);
     ``choice`` what a measured choice picked and timed (the CPU's guard, ``mode="max-autotune"``, the CUDA
     default's prediction); ``options`` the resolved options it was built with. ``variants``: how it meets inputs of
-    another signature (:mod:`opweave.pipeline.signatures`; None: only its example's signature runs, as the
-    backend checks); ``signatures`` lists those built."""
+    another signature (:mod:`opweave.pipeline.signatures`: other sizes run its plan, others are built for; None:
+    only its example's signature runs, as the backend checks); ``signatures`` lists those served."""
 
     graph: OpGraph
     costs: Costs
@@ -47,7 +47,7 @@ class Compiled:
 
     @property
     def signatures(self) -> list[tuple]:
-        """The input signatures built (:func:`opweave.backends.cache.signature`), the example's first."""
+        """The input signatures served (:func:`opweave.pipeline.signatures.key_of`), the example's first."""
         if self.variants is None:
             return []
         return self.variants.keys()

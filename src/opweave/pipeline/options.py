@@ -131,11 +131,17 @@ OPTIONS: dict[str, Spec] = {
                              "streams without a graph, with a warning", "cuda", "error", needs="cudagraphs"),
     "static_outputs": Spec("return the graph's own output tensors (overwritten by the next call) instead of "
                            "clones", "cuda", False, needs="cudagraphs"),
-    "dynamic": Spec("a call whose inputs differ in shape, dtype or device from the example's: built for them "
-                    "(true, or unset), or refused (false)", "cpu, cuda", None,
-                    "unset: built for each new signature, within cache_size"),
-    "cache_size": Spec("input signatures kept built besides the example's (least recently used dropped; on CUDA "
-                       "also the recordings kept per signature)", "cpu, cuda", 8),
+    "dynamic": Spec("a call whose inputs differ from the example's: other sizes run the plan built, checked "
+                    "against the model once per dimension that changes (true: every size free in segment "
+                    "compilers from the first build), another dtype or structure is built for (true, or unset); "
+                    "false refuses both", "cpu, cuda", None,
+                    "unset: a size becomes free at its second value"),
+    "cache_size": Spec("plans built for other input signatures besides the example's (past it such a signature "
+                       "runs on the model itself, with a warning; on CUDA also the recordings kept per "
+                       "signature)", "cpu, cuda", 8),
+    "buckets": Spec("pad a call's batch (dimension 0 of every tensor input) up to the next of these sizes, its "
+                    "outputs cut back: pow2 (powers of two) or a list of sizes", "cpu, cuda", None,
+                    "none: every batch runs at its size"),
     "runtime": Spec("what the CUDA backend reaches CUDA through: torch.cuda, or opweave.backends.fakecuda.FakeCuda() "
                     "to run the whole CUDA path on the CPU (tests, no GPU)", "cuda", _runtime, "torch.cuda"),
     "warmup": Spec("plain runs before recording a signature", "cuda", 2, needs="cudagraphs"),
@@ -182,6 +188,7 @@ class Options:
     static_outputs: bool = UNFILLED
     dynamic: bool | None = None
     cache_size: int = UNFILLED
+    buckets: str | tuple[int, ...] | None = None  # "pow2" or sizes, ascending (resolve normalizes a list)
     runtime: Any = None
     warmup: int = UNFILLED
     link: Any = None  # a preset name, a profile-links file or an opweave.costs.links.Link; None with one device
@@ -244,6 +251,8 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
     set_keys = {k for k, v in given.items() if v is not None}
     values = {k: v for k, v in given.items() if v is not None}
     _check_values(values)
+    if "buckets" in values:
+        values["buckets"] = buckets_of(values["buckets"])
     cuda = device == "cuda"
     devices = values.get("devices", 1)
     for key in sorted(set_keys):
@@ -375,6 +384,24 @@ def _check_values(values: dict) -> None:
             fail("link", "a preset name, a file written by `opweave profile-links` or a Link")
 
 
+def buckets_of(value: Any) -> str | tuple[int, ...]:
+    """The ``buckets`` option as :class:`Options` holds it: ``"pow2"``, or the sizes ascending (a list, or the
+    command line's ``8,16,32``); :class:`~opweave.errors.UsageError` otherwise."""
+    if value == "pow2":
+        return value
+    if isinstance(value, str):
+        try:
+            value = [int(part) for part in value.split(",") if part.strip()]
+        except ValueError:
+            value = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if (not isinstance(value, (list, tuple)) or not value
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
+        raise UsageError(f"option 'buckets' must be 'pow2' or a list of sizes >= 1, got {value!r}")
+    return tuple(sorted(set(value)))
+
+
 def parse_option(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` from the command line (``--option``): true/false, none, integers and numbers become Python
     values, the rest stays a string; ``scheduler_options`` takes JSON."""
@@ -419,5 +446,5 @@ def options_markdown() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["DEVICES", "MODES", "OPTIONS", "Options", "mode_options", "option_table", "options_markdown", "parse_option",
-           "resolve"]
+__all__ = ["DEVICES", "MODES", "OPTIONS", "Options", "buckets_of", "mode_options", "option_table", "options_markdown",
+           "parse_option", "resolve"]

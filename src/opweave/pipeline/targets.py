@@ -72,7 +72,8 @@ class CpuTarget:
             from opweave.backends.segments import fuse_segments
 
             runner, run_plan = fuse_segments(captured, plan, options.compiler, threads=threads,
-                                             compiler_options=segment_options(captured, options))
+                                             compiler_options=segment_options(captured, options),
+                                             dynamic=options.dynamic)
             threads, fused = runner.threads or None, runner
             runner.prepare(inputs, run_plan)  # compile now, not in the first call
         backend = CpuBackend(runner, run_plan, threads=threads, total=options.threads)
@@ -218,7 +219,8 @@ class CudaTarget:
             from opweave.backends.segments import fuse_segments
 
             runner, run_plan = fuse_segments(captured, plan, options.compiler,
-                                             compiler_options=segment_options(captured, options))
+                                             compiler_options=segment_options(captured, options),
+                                             dynamic=options.dynamic)
             fused = runner
         backend = CudaBackend(runner, run_plan, inputs, cudagraphs=options.cudagraphs,
                               capture_fallback=options.capture_fallback, static_outputs=options.static_outputs,

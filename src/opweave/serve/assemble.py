@@ -106,6 +106,7 @@ NOT_SERVED = {
     "static_outputs": "an instance keeps a block's outputs until its next block runs",
     "dynamic": "a server takes the batch sizes its models' configs allow, up to max_batch_size, and refuses other "
                "shapes by the config",
+    "buckets": "a server pads the batches it forms to its blocks' own batch variants",
 }
 SIMULATED = ("scheduler", "streams", "cost_model", "scheduler_options", "devices", "coarsen", "graph")
 
