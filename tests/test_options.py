@@ -13,12 +13,12 @@ from typer.testing import CliRunner
 
 import opweave
 import opweave.dynamo
-from opweave.backends.fakecuda import FakeCuda
 from opweave.backends.ortgraph import OrtLanes
 from opweave.costs.profile import profile_model
 from opweave.costs.roofline import estimate
 from opweave.errors import DeviceError, UsageError
 from opweave.pipeline import OPTIONS, Options, mode_options, option_table, parse_option, resolve
+from opweave.testing.fakecuda import FakeCuda
 
 
 class Tiny(nn.Module):
@@ -202,7 +202,7 @@ def test_compile_uses_or_refuses_every_option_on_the_cpu(made):
 
 
 def test_compile_uses_or_refuses_every_option_on_cuda_through_the_fake_runtime(made):
-    """The CUDA door for real, on the CPU: the fake CUDA runtime (opweave.backends.fakecuda) runs the CUDA target's
+    """The CUDA door for real, on the CPU: the fake CUDA runtime (opweave.testing.fakecuda) runs the CUDA target's
     plans, graphs and streams; ranks are left out (no GPU to give each rank)."""
     model, inputs, coarse, path = made
     samples = {k: v for k, v in _samples(coarse.graph, path).items() if k not in ("devices", "profile")}

@@ -14,9 +14,9 @@ import torch
 import opweave
 import opweave.dynamo
 from opweave import schedulers, zoo
-from opweave.backends.fakecuda import FakeCuda
 from opweave.errors import CaptureError, UsageError
 from opweave.outputs import compare
+from opweave.testing.fakecuda import FakeCuda
 
 NEW = [(2, 3, 64, 64), (3, 3, 64, 64), (8, 3, 64, 64), (1, 3, 160, 160)]
 

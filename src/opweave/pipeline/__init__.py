@@ -1,7 +1,7 @@
 """From a captured model to a runnable, one way for every door: options (:mod:`.options`), the flow (:mod:`.flow`:
 :func:`build`, which makes a :mod:`.compiled` model), one target per device (:mod:`.targets`, CUDA plans through the
 :mod:`.memory` pass), the measured choices (:mod:`.autotune`, cached by :mod:`.choices`) and the predicted ones
-(:mod:`.choose`: the CUDA default's plan on the fitted GPU, which :mod:`.calibrate` fits)."""
+(:mod:`.choose`: the CUDA default's plan on the fitted GPU, which :mod:`opweave.costs.calibrate` fits)."""
 
 from opweave.pipeline.compiled import Compiled
 from opweave.pipeline.flow import as_tuple, build

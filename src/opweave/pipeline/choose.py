@@ -1,4 +1,5 @@
-"""The CUDA default's choice: the scheduler and stream cap a fitted device predicts fastest.
+"""The CUDA default's choice: the scheduler and stream cap a fitted device predicts fastest; and what the fit of
+that device (:mod:`opweave.costs.calibrate`) replays, :func:`replay`.
 
 :func:`choose` runs every single-device scheduler at every stream cap through schedule → lower → validate →
 simulate (the fitted ``gpu`` model of :mod:`opweave.costs.calibrated`) and returns the predicted-fastest with every
@@ -83,3 +84,22 @@ def choose(graph: OpGraph, costs: Costs, dev: Device, *, dtype: str = "float32",
     ranked = sorted(predictions, key=lambda p: (p.makespan_ms, names.index(p.scheduler), p.streams))
     best = ranked[0]
     return Choice(best.scheduler, best.streams, best.makespan_ms, ranked, dev.name)
+
+
+def benchmark_graph(model: str, batch: int) -> OpGraph:
+    """The graph the GPU benchmark schedules: the model captured one op per fx node (float32 capture; the dtype is
+    the cost model's)."""
+    from opweave.capture import load
+
+    return load(model, batch_size=batch, coarsen=False)[2].graph
+
+
+def replay():
+    """What :mod:`opweave.costs.calibrate` replays the GPU benchmark's rows with: :func:`benchmark_graph`, a
+    scheduler's validated plan (:func:`opweave.plan.make.plan_for`) and the simulator's whole call
+    (:func:`opweave.backends.simulate.makespan_ms`)."""
+    from opweave.backends.simulate import makespan_ms
+    from opweave.costs.calibrate import Replay
+
+    return Replay(benchmark_graph, lambda graph, costs, name, streams: plan_for(graph, costs, name, streams=streams)[1],
+                  makespan_ms)

@@ -135,8 +135,8 @@ OPTIONS: dict[str, Spec] = {
                     "unset: built for each new signature, within cache_size"),
     "cache_size": Spec("input signatures kept built besides the example's (least recently used dropped; on CUDA "
                        "also the recordings kept per signature)", "cpu, cuda", 8),
-    "runtime": Spec("what the CUDA backend reaches CUDA through: torch.cuda, or opweave.backends.fakecuda.FakeCuda() "
-                    "to run the whole CUDA path on the CPU (tests, no GPU)", "cuda", _runtime, "torch.cuda"),
+    "runtime": Spec("what the CUDA backend reaches CUDA through: torch.cuda, or opweave.testing.FakeCuda() to run "
+                    "the whole CUDA path on the CPU (tests, no GPU)", "cuda", _runtime, "torch.cuda"),
     "warmup": Spec("plain runs before recording a signature", "cuda", 2, needs="cudagraphs"),
     "link": Spec("the link between devices: a preset or a file written by `opweave profile-links`", "cpu, cuda",
                  lambda o: {"cpu": "loopback", "cuda": "nvlink4"}[o.device] if o.devices > 1 else None,
@@ -358,7 +358,7 @@ def _check_values(values: dict) -> None:
     if "scheduler_options" in values and not isinstance(values["scheduler_options"], dict):
         fail("scheduler_options", "a dict of the scheduler's keyword options")
     if "runtime" in values and not all(hasattr(values["runtime"], a) for a in ("launch", "is_available", "Stream")):
-        fail("runtime", "a CUDA runtime (opweave.backends.runtime.CUDA or opweave.backends.fakecuda.FakeCuda())")
+        fail("runtime", "a CUDA runtime (opweave.backends.runtime.CUDA or opweave.testing.FakeCuda())")
     if "costs" in values:
         from opweave.costs import Costs
 

@@ -28,7 +28,7 @@ from dataclasses import replace
 from opweave.costs import Costs
 from opweave.errors import UsageError
 from opweave.pipeline.compiled import Compiled
-from opweave.pipeline.memory import PEAK_CAP, BuildBuffers, memory_pass, with_free_joins
+from opweave.pipeline.memory_pass import PEAK_CAP, BuildBuffers, memory_pass, with_free_joins
 from opweave.pipeline.options import Options
 from opweave.plan import LaunchPlan
 from opweave.plan.make import plan_for
@@ -176,7 +176,7 @@ class CudaTarget:
                   shared: BuildBuffers | None = None):
         """The first plan of ``ranked`` (a :class:`~opweave.pipeline.choose.Choice`) predicted within
         ``PICK_TOLERANCE`` of the fastest whose planned peak after the memory pass
-        (:func:`opweave.pipeline.memory.memory_pass`, every plan's with the buffers and one-stream peak of
+        (:func:`opweave.pipeline.memory_pass.memory_pass`, every plan's with the buffers and one-stream peak of
         ``shared``) is within its cap; the fastest when none is. ``planned(name, cap)`` makes a (schedule, plan).
         Returns the prediction, the schedule, the plan after the memory pass and the reason to give."""
         tried = []
@@ -207,8 +207,8 @@ class CudaTarget:
                  joined: bool = False, shared: BuildBuffers | None = None) -> Compiled:
         """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
         ``options.compiler`` in the backend's warm-up); the memory pass runs first unless the plan is ``joined``
-        already. ``shared``: the build's buffers (:class:`~opweave.pipeline.memory.BuildBuffers`), whose run on fake
-        tensors the memory pass and the backend's release plan for ``inputs`` then use instead of their own."""
+        already. ``shared``: the build's buffers (:class:`~opweave.pipeline.memory_pass.BuildBuffers`), whose run on
+        fake tensors the memory pass and the backend's release plan for ``inputs`` then use instead of their own."""
         from opweave.backends.cuda import CudaBackend
 
         if options.compiler is None and not joined:  # waits that free buffers read on other streams early
