@@ -18,7 +18,7 @@ What the CPU backend (:mod:`opweave.backends.cpu`) runs instead of interpreting 
   the code is generated, not learned from a run. A slot with no such point (a reader that never joins back before
   the end) lives to the end of the call, as does every slot the output reads. On the CPU, memory is freed when the
   last reference goes, so a view keeps its base alive and no storage grouping is needed.
-* **Thread budgets.** With ``threads`` (op -> intra-op threads, :func:`opweave.backends.threads.op_threads`), a
+* **Thread budgets.** With ``threads`` (op -> intra-op threads, :func:`opweave.pipeline.thread_budgets.op_threads`), a
   lane calls ``torch.set_num_threads`` before an op whose budget differs from the one before it in the lane (it
   sets the calling thread's OpenMP count: :mod:`opweave.backends.threads`).
 * **A failed call stops.** A lane that raises records the error in the call and releases every signal; a wait

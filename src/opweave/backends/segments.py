@@ -84,6 +84,7 @@ from opweave.backends.threads import total_threads
 from opweave.capture import opinfo
 from opweave.capture.coarsen import merge_ops
 from opweave.capture.runtime import Captured
+from opweave.cores import intra_op_threads
 from opweave.errors import CaptureError, first_line
 from opweave.plan.launchplan import LaunchPlan
 from opweave.plan.semantics import Lane
@@ -124,10 +125,10 @@ def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inducto
                   compiler_options: dict | None = None) -> tuple[Segmented, LaunchPlan]:
     """The :class:`Segmented` model of ``plan``'s segments and the plan that launches them (see the module
     docstring). ``plan`` must have passed the validator for ``captured.graph``. ``compiler`` names a
-    :mod:`~opweave.backends.compilers` compiler; ``threads`` (op -> intra-op threads, :func:`opweave.backends.threads.
-    op_threads`) gives each segment the smallest budget of its ops (the compiler's thread count; default 1 per op when
-    some are given, :func:`opweave.backends.threads.total_threads` otherwise); ``compiler_options``: keywords the
-    compiler is made with (:func:`opweave.backends.compilers.get`)."""
+    :mod:`~opweave.backends.compilers` compiler; ``threads`` (op -> intra-op threads,
+    :func:`opweave.pipeline.thread_budgets.op_threads`) gives each segment the smallest budget of its ops (the
+    compiler's thread count; default 1 per op when some are given, :func:`opweave.backends.threads.total_threads`
+    otherwise); ``compiler_options``: keywords the compiler is made with (:func:`opweave.backends.compilers.get`)."""
     get_compiler(compiler, **(compiler_options or {}))  # refuses an unknown name before anything is built
     groups = segment_groups(plan)
     merged = merge_ops(captured, groups)
@@ -413,15 +414,9 @@ def op_latencies(captured: Captured, inputs: tuple, compiler: str, threads: int 
     merged = merge_ops(captured, [[op] for op in order])
     single = Segmented(merged.graph, merged.gm, merged.nodes, signature=merged.signature,
                        example_inputs=merged.example_inputs, compiler=compiler, threads=dict.fromkeys(order, threads))
-    caller = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            env = single.bind(tuple(inputs))
-            for op in order:
-                single.run_op(op, env)
-            return {op: timing.median_ms(lambda op=op: single.run_op(op, env), runs=repeats, warmup=1)
-                    for op in order}
-    finally:
-        torch.set_num_threads(caller)
+    with intra_op_threads(threads), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        env = single.bind(tuple(inputs))
+        for op in order:
+            single.run_op(op, env)
+        return {op: timing.median_ms(lambda op=op: single.run_op(op, env), runs=repeats, warmup=1) for op in order}

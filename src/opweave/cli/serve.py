@@ -260,11 +260,11 @@ def _serve_ray(options, replicas: int, max_replicas: int | None, host: str, port
                address: str | None, chosen: str = "") -> None:
     """``opweave serve --ray``: deploy, print where, wait for SIGTERM or SIGINT, then shut Ray Serve down (its
     replicas drain: Ray waits for the requests they hold)."""
-    import os
     import signal
     import socket
     import threading
 
+    from opweave.cores import cores
     from opweave.serve import ray as opweave_ray
 
     if options.model_repository is None and not options.models and not options.model_files:
@@ -277,7 +277,7 @@ def _serve_ray(options, replicas: int, max_replicas: int | None, host: str, port
         "min_replicas": replicas, "max_replicas": max(max_replicas, replicas),
         "target_ongoing_requests": 2 * options.max_batch}
     stop = threading.Event()
-    cpus = max(os.cpu_count() or 1, (max_replicas or replicas) * (options.threads or 1))
+    cpus = max(cores(), (max_replicas or replicas) * (options.threads or 1))
     try:
         url = opweave_ray.deploy(options, replicas=replicas, autoscaling=autoscaling, host=host, port=port,
                                  address=address, cluster_cpus=cpus)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from opweave.cores import cores
 from opweave.costs import timing
 from opweave.errors import DeviceError, UsageError
 from opweave.outputs import compare
@@ -105,14 +106,14 @@ class OtherWork:
             self.busy = self.share > BUSY_SHARE
         else:
             load = load_average()
-            self.busy = load is not None and load[0] > (os.cpu_count() or 1) / 2
+            self.busy = load is not None and load[0] > cores() / 2
 
 
 def busy_warning(others_cpu_share: float | None, load: list[float] | None) -> str:
     """The warning a busy machine's timing carries."""
     what = (f"other processes kept {others_cpu_share:.0%} of the CPUs busy while it timed"
             if others_cpu_share is not None else "the machine was busy")
-    loads = f" (load average {load[0]:.2f} on {os.cpu_count()} CPUs)" if load else ""
+    loads = f" (load average {load[0]:.2f} on {cores()} CPUs)" if load else ""
     return (f"{what}{loads}: other work slows the modes unequally (eager's intra-op threads most), so these ratios "
             f"are not this machine's; time again on a quiet machine")
 
@@ -195,6 +196,6 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
             "costs": "profile " + str(given.profile) if given.profile else "roofline estimate",
             "coarsen": given.coarsen,
             "torch": torch.__version__, "runs": runs, "warmup": warmup, "rounds": max(1, min(ROUNDS, runs)),
-            "machine": {"cpus": os.cpu_count(), "load_average_1_5_15m": load,
+            "machine": {"cpus": cores(), "load_average_1_5_15m": load,
                         "others_cpu_share": None if other.share is None else round(other.share, 3), "busy": other.busy},
             "warning": busy_warning(other.share, load) if other.busy else None, "rows": rows}

@@ -32,7 +32,7 @@ def cache_path() -> Path:
 
 def machine() -> str:
     """The processor's model name and the cores this process may use."""
-    from opweave.backends.threads import cores
+    from opweave.cores import cores
 
     name = platform.processor() or platform.machine()
     try:

@@ -30,6 +30,7 @@ from opweave.errors import UsageError
 from opweave.pipeline.compiled import Compiled
 from opweave.pipeline.memory_pass import PEAK_CAP, BuildBuffers, memory_pass, with_free_joins
 from opweave.pipeline.options import Options
+from opweave.pipeline.thread_budgets import lane_threads
 from opweave.plan import LaunchPlan
 from opweave.plan.make import plan_for
 
@@ -63,7 +64,6 @@ class CpuTarget:
         """The CPU backend running the validated ``plan`` of ``captured`` (its segments compiled first with
         ``options.compiler``); ``schedule`` is left for the caller to set when it has one."""
         from opweave.backends.cpu import CpuBackend
-        from opweave.backends.threads import lane_threads
 
         per_op = _per_op_threads(options)
         threads = lane_threads(captured.graph, plan, costs, per_op=per_op, total=options.threads)
@@ -106,8 +106,7 @@ class CpuTarget:
         if options.scheduler == "heft":
             sched_options.setdefault("sync_ms", 10 * cpu_threads.sync_cost_ms())
         sched, plan = plan_for(graph, planned, options.scheduler, streams=options.streams, **sched_options)
-        backend = OrtLanes(model, plan, cpu_threads.lane_threads(graph, plan, planned, per_op=True,
-                                                                 total=options.threads))
+        backend = OrtLanes(model, plan, lane_threads(graph, plan, planned, per_op=True, total=options.threads))
         return Compiled(graph, planned, sched, plan, backend, "cpu", captured, options=options)
 
 

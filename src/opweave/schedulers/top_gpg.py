@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
@@ -69,6 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opweave.cores import intra_op_threads
 from opweave.costs.model import Costs
 from opweave.errors import UsageError
 from opweave.ir.graph import OpGraph
@@ -380,16 +380,11 @@ def _load(path: str, mtime: int) -> GPG:
     return net.eval()
 
 
-@contextmanager
 def one_thread():
-    """Run torch with one intra-op thread, then restore the setting. The networks are tiny: a second thread only
-    adds synchronization (a 60-op DAG: 0.06 s with one thread, 0.6-2.6 s with two on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    """Run torch with one intra-op thread, then restore the setting (:func:`opweave.cores.intra_op_threads`). The
+    networks are tiny: a second thread only adds synchronization (a 60-op DAG: 0.06 s with one thread, 0.6-2.6 s
+    with two on a busy 2-core machine)."""
+    return intra_op_threads(1)
 
 
 # ---- the scheduler ----------------------------------------------------------------------------------------------

@@ -400,7 +400,7 @@ class CpuExecutor(TensorExecutor):
 
     def thread_counts(self) -> list[int]:
         """Every intra-op thread count a part may be called with (all the cores alone, their share beside others)."""
-        from opweave.backends.threads import op_budgets
+        from opweave.pipeline.thread_budgets import op_budgets
 
         return op_budgets(self.streams, self.threads, per_op=self.per_op_threads)
 
@@ -494,14 +494,14 @@ class Builder:
             self.pending.add(job)
             self._jobs.append(job)
             if self._thread is None:
-                from opweave.backends.threads import restore_default
+                from opweave.cores import intra_op_threads
 
-                default, ready = torch.get_num_threads(), threading.Event()
-                self._thread = threading.Thread(target=self._work, args=(ready,), name="opweave-builder",
-                                                daemon=True)
-                self._thread.start()
-                ready.wait()
-                restore_default(default)  # its one thread set the process-wide default too: put it back
+                ready = threading.Event()
+                with intra_op_threads():  # its one thread sets the process-wide default too: put it back
+                    self._thread = threading.Thread(target=self._work, args=(ready,), name="opweave-builder",
+                                                    daemon=True)
+                    self._thread.start()
+                    ready.wait()
             self._lock.notify_all()
         return True
 
