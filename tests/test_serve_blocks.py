@@ -11,8 +11,8 @@ from opweave.capture import capture
 from opweave.errors import UsageError
 from opweave.ir import OpGraph
 from opweave.outputs import compare
-from opweave.pipeline import resolve
 from opweave.serve import blocks
+from opweave.serve.assemble import serving_options
 from opweave.serve.executors import CpuExecutor, Part, SimExecutor, union_graph
 from serve_models import Pooled, tiny
 
@@ -98,7 +98,7 @@ def test_union_graph_order_is_the_graphs_own_topological_order(graphs):
 
 def test_combined_block_on_the_cpu_backend_answers_each_part(tiny_blocked):
     model, _, bm = tiny_blocked
-    ex = CpuExecutor({"tiny": bm}, resolve("cpu", streams=2))
+    ex = CpuExecutor({"tiny": bm}, serving_options("cpu", streams=2, compiler="none"))
     x = torch.randn(3, 3, 8, 8)
     first = Part("tiny", 0, 3, (x,))
     ex.run([first])
@@ -189,7 +189,7 @@ def test_a_block_at_a_large_batch_is_captured_without_a_forward_pass_and_runs_at
 def test_blocks_compiled_whole_by_onnxruntime_run_side_by_side_and_equal_eager():
     model, inputs = zoo.create("squeezenet", batch_size=1, image_size=64)
     blocked = blocks.split(capture(model, inputs, name="sq"), inputs, name="sq")
-    ex = CpuExecutor({"sq": blocked}, resolve("cpu", compiler="onnxruntime"))
+    ex = CpuExecutor({"sq": blocked}, serving_options("cpu", compiler="onnxruntime"))
     assert not ex.pad and ex.scheduler == "heft"
     made = ex.warm_models(max_batch=4)  # one session per block: any batch, any thread count
     assert made == len(blocked.blocks)

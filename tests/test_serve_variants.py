@@ -16,8 +16,8 @@ import torch
 
 from opweave.capture import capture
 from opweave.outputs import compare
-from opweave.pipeline import resolve
 from opweave.serve import blocks
+from opweave.serve.assemble import serving_options
 from opweave.serve.executors import CpuExecutor, Part, bucket
 from serve_models import WAIT_S, tiny
 
@@ -25,7 +25,7 @@ from serve_models import WAIT_S, tiny
 def tiny_executor(compiler: str, **options) -> tuple[CpuExecutor, blocks.BlockedModel]:
     model, x = tiny()
     blocked = blocks.split(capture(model, x), x, name="tiny")
-    return CpuExecutor({"tiny": blocked}, resolve("cpu", compiler=compiler, **options)), blocked
+    return CpuExecutor({"tiny": blocked}, serving_options("cpu", compiler=compiler, **options)), blocked
 
 
 def follows_its_weights(block, variants: dict[int, object]) -> bool:
@@ -139,7 +139,7 @@ def test_a_config_warms_its_batches_up_front_and_only_those(tmp_path):
     export(model, x, tmp_path, "tiny", max_batch=8)
     config = tmp_path / "tiny" / "config.pbtxt"
     config.write_text(config.read_text() + "model_warmup { name: \"four\" batch_size: 4 }\n")
-    engine = make_engine({}, device="cpu", options=resolve("cpu", compiler="eager", threads=1), max_batch=8)
+    engine = make_engine({}, device="cpu", options=serving_options("cpu", compiler="eager", threads=1), max_batch=8)
     repository = Repository(engine, {}, tmp_path, max_batch=8, control="explicit")
     repository.load("tiny")
     built = {key for (name, _), b in engine.executor._blocks.items() if name == "tiny" for key in b.compiled}
@@ -154,7 +154,7 @@ def test_an_unloaded_model_leaves_its_weights_and_sessions_behind_for_no_one(tmp
 
     model, x = tiny()
     export(model, x, tmp_path, "tiny", max_batch=4)
-    engine = make_engine({}, device="cpu", options=resolve("cpu", compiler="onnxruntime"), max_batch=4)
+    engine = make_engine({}, device="cpu", options=serving_options("cpu", compiler="onnxruntime"), max_batch=4)
     repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
     served = repository.load("tiny")
     ex = engine.executor
@@ -188,7 +188,7 @@ def test_a_reload_builds_the_new_version_beside_the_old_which_answers_with_its_o
 
     (old, x), (new, _) = tiny(seed=0), tiny(seed=1)
     export(old, x, tmp_path, "tiny", max_batch=4)
-    engine = make_engine({}, device="cpu", options=resolve("cpu", compiler="onnxruntime"), max_batch=4)
+    engine = make_engine({}, device="cpu", options=serving_options("cpu", compiler="onnxruntime"), max_batch=4)
     repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
     repository.load("tiny")
     export(new, x, tmp_path, "tiny", version=2, max_batch=4, force=True)
@@ -217,7 +217,7 @@ def test_the_sessions_of_every_block_of_every_model_share_one_thread_pool():
 import os
 import torch
 from opweave.capture import capture
-from opweave.pipeline import resolve
+from opweave.serve.assemble import serving_options
 from opweave.serve import blocks
 from opweave.serve.executors import CpuExecutor
 from serve_models import tiny
@@ -226,7 +226,7 @@ models = {}
 for i in range(4):
     model, x = tiny(seed=i)
     models[f"m{i}"] = blocks.split(capture(model, x), x, name=f"m{i}")
-executor = CpuExecutor(models, resolve("cpu", compiler="onnxruntime", threads=2))
+executor = CpuExecutor(models, serving_options("cpu", compiler="onnxruntime", threads=2))
 torch.set_num_threads(2)
 for blocked in models.values():  # PyTorch's own threads (its OpenMP team) started before counting
     blocked.run(torch.randn(3, 3, 8, 8))
@@ -255,14 +255,14 @@ import torch
 import opweave
 from opweave.capture import capture
 from opweave.outputs import compare
-from opweave.pipeline import resolve
+from opweave.serve.assemble import serving_options
 from opweave.serve import blocks
 from opweave.serve.executors import CpuExecutor
 from serve_models import tiny
 
 model, x = tiny()
 served = CpuExecutor({"tiny": blocks.split(capture(model, x), x, name="tiny")},
-                     resolve("cpu", compiler="onnxruntime", threads=2))
+                     serving_options("cpu", compiler="onnxruntime", threads=2))
 assert served.warm_models(max_batch=2) and served.shared_pool
 model, x = tiny(seed=1)
 for options in ({"compiler": "onnxruntime"}, {"graph": "onnxruntime"}):
@@ -271,7 +271,7 @@ for options in ({"compiler": "onnxruntime"}, {"graph": "onnxruntime"}):
         with opweave.compile(model, x, scheduler="sequential", threads=1, **options) as fast, torch.no_grad():
             assert compare(model(*x), fast(*x)).ok, options
 other = CpuExecutor({"other": blocks.split(capture(model, x), x, name="other")},
-                    resolve("cpu", compiler="onnxruntime", threads=1))
+                    serving_options("cpu", compiler="onnxruntime", threads=1))
 assert other.warm_models(max_batch=2) and not other.shared_pool
 with torch.no_grad():
     block = other.compiled_block("other", 0)

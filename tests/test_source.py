@@ -88,3 +88,17 @@ def test_a_file_takes_no_batch_size_dtype_or_options(tmp_path):
     with pytest.raises(UsageError, match="no dtype or model options"):
         load(path, dtype=torch.float64)
     assert load(path, image_size=64).inputs[0].shape == (2, 4)  # a generic caller's image size: ignored
+
+
+def test_whether_an_option_was_given_is_asked_only_at_the_doors():
+    """Options are resolved once at each door (``opweave.compile``, the ``torch.compile`` backend, the command line)
+    and handed down resolved: below the doors no module reads ``Options.given`` (the serving executors, the
+    server's assembly and the ranks' target did)."""
+    from pathlib import Path
+
+    import opweave
+
+    root = Path(opweave.__file__).parent
+    doors = {"api.py", "dynamo.py", "pipeline/options.py"}
+    readers = {str(p.relative_to(root)) for p in root.rglob("*.py") if ".given" in p.read_text()}
+    assert {r for r in readers if not r.startswith("cli/")} <= doors, readers

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from opweave.cli.app import JsonOpt, OptionOpt, app, err, guard, out
+from opweave.cli.app import JsonOpt, ModeOpt, OptionOpt, app, collect_options, err, guard, out
 from opweave.errors import DeviceError, UsageError
 
 # The default policies (opweave.serve.assemble.DEFAULT_POLICIES), said the same way in both commands' help.
@@ -113,7 +113,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           compiler: Annotated[str, typer.Option("--compiler", help="cpu: each block compiled whole by onnxruntime or "
                                                            "inductor, or none (TOP's combined op graphs); default "
                                                            "onnxruntime when installed")] = "default",
-          options: OptionOpt = None, log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
+          mode: ModeOpt = None, options: OptionOpt = None,
+          log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
     """Serve models over the Open Inference Protocol (KServe v2 / Triton HTTP, and gRPC with ``--grpc-port``) until
     SIGTERM, which drains. ``--model-repository`` serves Triton's repository layout (docs/serving.md). ``--ray``
     runs ``--replicas`` engines as a Ray Serve deployment instead (opweave.serve.ray).
@@ -132,8 +133,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     Defaults that follow the device, printed when the server listens: ``--policy`` static on a CPU (it sustained the
     highest rates measured there: ONNX Runtime's threads already fill the cores, and pipelining only lengthens each
-    request), heuristic on a GPU; ``--compiler`` onnxruntime on a CPU where it is installed."""
-    from opweave.pipeline import parse_option
+    request), heuristic on a GPU; ``--compiler`` onnxruntime on a CPU where it is installed (the serving preset,
+    the options table's last column). ``--mode`` and ``--option`` are resolved as ``opweave.compile`` resolves them,
+    with that preset: what a server cannot honour is refused with the reason."""
     from opweave.serve.assemble import (
         default_policy,
         load_models,
@@ -148,10 +150,10 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
-    given = dict(parse_option(text) for text in options or [])
-    flags = {"scheduler": scheduler, "streams": streams, "compiler": None if compiler in ("default", "none") else
-             compiler, "threads": threads if threads is not None or not ray or device != "cpu" else 1}
-    settings = serving_options(device, given, **flags)  # every option checked, before any model loads
+    mode, given = collect_options(options, mode, scheduler=scheduler, streams=streams,
+                                  compiler=None if compiler == "default" else compiler,
+                                  threads=threads if threads is not None or not ray or device != "cpu" else 1)
+    settings = serving_options(device, given, mode=mode)  # every option checked, before any model loads
     if device == "cuda" and not (ray and ray_address is not None):  # a remote cluster's replicas hold the GPUs
         import torch
 
@@ -182,9 +184,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
             model_repository=None if model_repository is None else str(model_repository.resolve()), device=device,
             policy=policy, policy_options=options, max_queue=max_queue, max_batch=max_batch,
             max_sub_blocks=max_sub_blocks, timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
-            options={**given, **{k: v for k, v in flags.items() if v is not None}},
+            options=settings,
             image_size=parse_image_size(image_size), cuts=parse_cuts(cuts),
-            compiler=None if compiler == "none" else "default", max_body_bytes=max_body_bytes,
+            max_body_bytes=max_body_bytes,
             allowed_hosts=hosts, allow_origins=origins,
             pin_cores=pin_cores, allow_symlinks_outside_root=allow_symlinks_outside_root, strict=strict),
             replicas, max_replicas, host, port, ray_address, chosen)
@@ -197,8 +199,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
             if model_repository is None or models or files else {}
         engine = make_engine(served, device=device, options=settings, policy=policy, policy_options=options,
                              max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
-                             timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
-                             compiler=None if compiler == "none" else "default", say=say)
+                             timeout_s=None if timeout_ms is None else timeout_ms / 1e3, say=say)
         repository = Repository(engine, served, model_repository, device=device, max_batch=max_batch,
                                 control=model_control_mode, allow_symlinks_outside_root=allow_symlinks_outside_root)
         repository.load_all(strict=strict, say=say)
@@ -208,8 +209,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     down = f"; UNAVAILABLE: {', '.join(unavailable)} (see the repository index)" if unavailable else ""
 
     compiled = getattr(engine.executor, "compiler", None) or "none"
-    builds = "" if device != "cpu" else (f"; compiler {compiled}{' (the default)' if compiler == 'default' else ''}"
-                                          f", {engine.executor.threads} threads")
+    chose = " (the default)" if compiler == "default" and "compiler" not in given else ""
+    builds = "" if device != "cpu" else f"; compiler {compiled}{chose}, {engine.executor.threads} threads"
 
     def listening(h: str, p: int, g: int | None = None) -> None:
         rpc = f"gRPC on {h}:{g}; " if g is not None else ""
@@ -371,7 +372,8 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
             serving_options,
         )
 
-        settings = serving_options("sim", scheduler=scheduler, streams=streams)  # before any model loads
+        mode, given = collect_options(None, scheduler=scheduler, streams=streams)
+        settings = serving_options("sim", given, mode=mode)  # before any model loads
         policy = policy or default_policy("sim")
         options = _policy_options(policy, policy_options, policy_file)
         served = load_models(list(rates), device="sim", max_batch=max_batch,

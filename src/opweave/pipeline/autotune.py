@@ -78,8 +78,8 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
     built = {}
     if compiled.schedule.streams_used > 1:
         built["lanes"] = compiled
-        one = options.replace(scheduler="sequential", streams=1, costs=compiled.costs, coarsen=False,
-                              scheduler_options=None, given=options.given | {"scheduler"})
+        one = options.derive(scheduler="sequential", streams=1, costs=compiled.costs, coarsen=False,
+                             scheduler_options=None, guard=False)
         built["one lane"] = CpuTarget().build(captured, inputs, one)
     else:
         built["one lane"] = compiled
@@ -325,13 +325,12 @@ def _build(target, captured, inputs: tuple, options: Options, candidate: Candida
     """``candidate`` built through ``target`` on ``latency_ms`` (None: the target's own costs)."""
     if candidate.whole:
         return _torch_compiled(captured, inputs, options, eager, candidate.changes.get("mode", "reduce-overhead"))
-    given = options.given | set(candidate.changes)
-    changed = options.replace(autotune=False, coarsen=False, given=given, **candidate.changes)
+    changed = options.derive(autotune=False, guard=False, coarsen=False, **candidate.changes)
     if latency_ms is not None and candidate.costs != "onnxruntime-graph":
         from opweave.costs.roofline import estimate
 
         roofline = estimate(captured.graph, device="cpu", model="ideal")
-        changed = changed.replace(costs=dataclasses.replace(roofline, latency_ms=latency_ms))
+        changed = changed.derive(costs=dataclasses.replace(roofline, latency_ms=latency_ms))
     if candidate.costs == "onnxruntime-graph":
         from opweave.costs import Costs
 

@@ -240,16 +240,16 @@ class RanksTarget:
 
     def plan(self, captured, inputs: tuple, options: Options):
         """Costs, schedule and validated plan of ``captured`` on ``options.devices`` devices. Edge transfer times
-        come from ``options.link`` (a preset or a ``profile-links`` file) when it is given, else from the costs' own,
-        else from the link's default (:data:`~opweave.pipeline.options.OPTIONS`: loopback for CPU ranks, NVLink 4
-        for GPUs)."""
+        come from ``options.link`` (a preset or a ``profile-links`` file; by default loopback for CPU ranks, NVLink 4
+        for GPUs, :data:`~opweave.pipeline.options.OPTIONS`), or, where it resolved to none (costs given with
+        transfer times of their own, and no link), from the costs."""
         from opweave.backends.distributed import check_devices
         from opweave.costs.links import transfer_times
 
         check_devices(options.devices, options.device, ops=len(captured.graph))
         preset = "cpu" if options.device == "cpu" else visible_gpu_preset(options.runtime)
         costs = costs_for(captured, inputs, options, preset)
-        if "link" in options.given or not costs.edge_transfer_ms:
+        if options.link is not None:
             costs = replace(costs, edge_transfer_ms=transfer_times(captured.graph, options.link))
         sched, plan = plan_for(captured.graph, costs, options.scheduler, streams=options.streams,
                                devices=options.devices, **(options.scheduler_options or {}))

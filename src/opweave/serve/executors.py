@@ -133,39 +133,34 @@ def union_costs(costs: list[Costs], model: str) -> Costs:
                  model=model, source=",".join(sorted({c.source for c in costs})))
 
 
-DEFAULT_SCHEDULER = "lios"  # TOP's: it schedules every combined block with LIOS
-
-
 class Executor:
     """What every executor shares: the served models, the resolved options every combined block is built with
-    (:func:`opweave.serve.assemble.serving_options`, checked before any model loaded; the scheduler, by default
-    :data:`DEFAULT_SCHEDULER`, and its stream cap among them) and the LRU cache of compiled signatures (``stats``:
-    hits, misses, evictions, compile seconds)."""
+    (:func:`opweave.serve.assemble.serving_options`: the serving preset, checked before any model loaded; the
+    scheduler, TOP's ``lios`` unless told, and its stream cap among them) and the LRU cache of compiled signatures
+    (``stats``: hits, misses, evictions, compile seconds), of ``cache_size`` signatures (default: the options')."""
 
     device = "none"
-    resolves_as = "cpu"  # the device its options are resolved for
+    serves = "cpu"  # the server its options are resolved for (serving_options' device)
 
-    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *, cache_size: int = 32,
-                 pad: bool = False):
+    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *,
+                 cache_size: int | None = None, pad: bool = False):
+        options = options if options is not None else resolve(
+            "cpu" if self.serves == "cpu" else "cuda", check_device=False, serving=self.serves)
+        if options.serving != self.serves:
+            raise UsageError(f"the options of a server on {self.serves} are resolved with its serving preset: "
+                             f"opweave.serve.assemble.serving_options({self.serves!r}, ...)")
+        cache_size = options.cache_size if cache_size is None else cache_size
         if cache_size < 1:
             raise UsageError(f"cache_size must be at least 1, got {cache_size}")
-        options = options if options is not None else resolve(self.resolves_as, check_device=False)
         self.models, self.options = models, options
-        self.scheduler = options.scheduler if "scheduler" in options.given else self.default_scheduler()
-        self.streams, self.cache_size = options.streams, cache_size
+        self.scheduler, self.streams, self.cache_size = options.scheduler, options.streams, cache_size
         self.pad = pad
         self._cache = BoundedCache(cache_size, self._dropped)
         self.stats = {"hits": 0, "misses": 0, "evictions": 0, "compile_s": 0.0}
 
-    def default_scheduler(self) -> str:
-        """The scheduler of every combined block unless the options name one."""
-        return DEFAULT_SCHEDULER
-
     def build_options(self, costs: Costs) -> Options:
-        """The options a combined block is built with: the executor's, with its scheduler, on ``costs``, its graph
-        as it is (blocks are cut between fx nodes)."""
-        return self.options.replace(scheduler=self.scheduler, costs=costs, coarsen=False,
-                                    given=self.options.given | {"scheduler", "costs", "coarsen"})
+        """The options a combined block is built with: the executor's, on ``costs``."""
+        return self.options.derive(costs=costs)
 
     def bucket(self, batch: int) -> int:
         """The batch a part of ``batch`` samples runs at: itself, or with ``pad`` the next power of two (rows of
@@ -324,12 +319,12 @@ class CpuExecutor(TensorExecutor):
 
     device = "cpu"
 
-    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *, cache_size: int = 32,
-                 pad: bool | None = None):
+    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *,
+                 cache_size: int | None = None, pad: bool | None = None):
         from opweave.backends.compilers import get
         from opweave.backends.threads import total_threads
 
-        options = options if options is not None else resolve("cpu")
+        options = options if options is not None else resolve("cpu", serving="cpu", compiler="none")
         self.compiler = options.compiler  # each block compiled whole by it (None: TOP's combined op graphs)
         super().__init__(models, options, cache_size=cache_size, pad=bool(pad))
         self.threads = options.threads  # what the lanes of a combined block may use in all
@@ -356,15 +351,12 @@ class CpuExecutor(TensorExecutor):
         compiler that bakes it in (Inductor's OpenMP teams)."""
         return None if self.compiler == "onnxruntime" else threads
 
-    def default_scheduler(self) -> str:
-        return DEFAULT_SCHEDULER if self.compiler is None else "heft"  # parts side by side: one alone gets every core
-
     def _compile(self, sig: Signature) -> Any:
         from opweave.costs.roofline import estimate
 
         captured = self.combined(sig)[0] if self.compiler is None else self._parts_graph(sig)
         options = self.build_options(estimate(captured.graph, "cpu", model=self.options.cost_model))
-        return build(captured, (), options.replace(compiler=None, per_op_threads=self.per_op_threads)).backend
+        return build(captured, (), options.derive(compiler=None, per_op_threads=self.per_op_threads)).backend
 
     def _parts_graph(self, sig: Signature) -> Captured:
         """``sig`` as a graph whose ops are its parts, each one call of its compiled block (class docstring); an
@@ -696,17 +688,15 @@ class CudaExecutor(TensorExecutor):
     CUDA runtime (:mod:`opweave.backends.runtime`; default ``torch.cuda``; the fake one runs it on the CPU, with the
     models and inputs there); their ``cache_size``, where given, bounds the recorded combinations."""
 
-    resolves_as = "cuda"
+    serves = "cuda"
 
-    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *, cache_size: int = 64,
-                 pad: bool = True):
+    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *,
+                 cache_size: int | None = None, pad: bool = True):
         from opweave.backends.cuda import require_cuda
 
-        options = options if options is not None else resolve("cuda", check_device=False)
+        options = options if options is not None else resolve("cuda", check_device=False, serving="cuda")
         self.runtime = options.runtime
         require_cuda(self.runtime)
-        # the option counts recorded signatures: here, combinations (each one CUDA Graph)
-        cache_size = options.cache_size if "cache_size" in options.given else cache_size
         super().__init__(models, options, cache_size=cache_size, pad=pad)  # streams: the GPU's hardware queues
         self.device = self.runtime.device
 
@@ -716,7 +706,7 @@ class CudaExecutor(TensorExecutor):
         captured, example = self.combined(sig)
         preset = preset_for_gpu(self.runtime.device_name()) or "h100"
         options = self.build_options(estimate(captured.graph, preset, model=self.options.cost_model))
-        return build(captured, example, options.replace(cache_size=1)).backend  # one input signature each
+        return build(captured, example, options.derive(cache_size=1)).backend  # one input signature each
 
     def _evict(self, entry: Any) -> None:
         entry.close()  # frees its graph's memory and gives its streams back to the device's pool
@@ -755,16 +745,17 @@ class SimExecutor(Executor):
     """
 
     device = "sim"
-    resolves_as = "cuda"  # a GPU's plans, simulated: streams capped at its hardware queues
+    serves = "sim"  # a GPU's plans, simulated: streams capped at its hardware queues
 
     def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *, preset: str = "h100",
-                 dtype: str = "float32", cost_model: str = "gpu", profiles: dict[str, dict[int, Any]] | None = None,
-                 step_overhead_ms: float = 0.03, cache_size: int = 1 << 16, pad: bool = True):
+                 dtype: str = "float32", cost_model: str | None = None,
+                 profiles: dict[str, dict[int, Any]] | None = None, step_overhead_ms: float = 0.03,
+                 cache_size: int | None = None, pad: bool = True):
         super().__init__(models, options, cache_size=cache_size, pad=pad)
         from opweave.costs.roofline import preset as find_preset
 
         find_preset(preset)
-        cost_model = self.options.cost_model if "cost_model" in self.options.given else cost_model
+        cost_model = self.options.cost_model if cost_model is None else cost_model
         self.preset, self.dtype, self.cost_model = preset, dtype, cost_model
         self.profiles = profiles or {}
         self.step_overhead_ms = step_overhead_ms
