@@ -54,3 +54,24 @@ def test_engine_on_cuda_stacks_requests_without_mixing_them_up(on_device, rt):  
     with torch.no_grad():
         for r, x in zip(requests, inputs, strict=True):
             assert r.status == "done" and torch.allclose(r.output, model(x.to(DEVICE)).cpu(), atol=1e-4)
+
+
+def test_a_combined_block_is_planned_on_the_fitted_gpu_as_the_cuda_default_plans(rt, monkeypatch):  # noqa: F811
+    """The CUDA executor planned its combined blocks on roofline estimates; it builds them through the pipeline's
+    CUDA target, which plans on the fitted GPU's op times (the calibrated costs the CUDA default uses)."""
+    from opweave.costs import calibrated
+
+    planned = []
+    real = calibrated.costs
+
+    def fitted(graph, *args, **kwargs):
+        planned.append(graph.name)
+        return real(graph, *args, **kwargs)
+
+    monkeypatch.setattr(calibrated, "costs", fitted)
+    model, x = tiny()
+    model, x = model.to(DEVICE), tuple(t.to(DEVICE) for t in x)
+    bm = blocks.split(capture(model, x), x, name="a")
+    ex = CudaExecutor({"a": bm}, serving_options("cuda", runtime=rt))
+    ex.run([Part("a", 0, 1, ex.prepare("a", [x]))])
+    assert planned == ["a.b0x1"]

@@ -189,3 +189,28 @@ def test_every_signature_shares_one_folded_copy_of_the_weights():
     check(model, fast, (4, 3, 8, 8))
     newest = list(fast.variants._built.values())[-1].captured.gm.get_submodule("0").weight.data_ptr()
     assert newest not in weights
+
+
+def test_one_onnx_runtime_session_with_a_free_batch_takes_every_batch():
+    """``dynamic=True`` where the whole model is one ONNX Runtime session: exported with its batch dimension free,
+    checked at another batch, and then no other batch size is built (a server's blocks are built this way); a model
+    that bakes its batch in fails the check and is built per batch as with dynamic unset."""
+    pytest.importorskip("onnxruntime")
+
+    class Baked(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x).reshape(2, -1).sum(1)
+
+    torch.manual_seed(0)
+    free = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    options = {"scheduler": "sequential", "streams": 1, "compiler": "onnxruntime", "dynamic": True}
+    with opweave.compile(free, (torch.randn(2, 8),), **options) as fast, torch.no_grad():
+        assert fast.any_batch
+        for n in (1, 3, 7):
+            x = torch.randn(n, 8)
+            assert compare(free(x), fast(x), tolerance=1e-4).ok
+        assert len(fast.signatures) == 1 and fast.variants.stats["builds"] == 0
+    with opweave.compile(Baked(), (torch.randn(2, 5),), **options) as fast, torch.no_grad():
+        assert not fast.any_batch
+        x = torch.randn(4, 5)
+        assert compare(Baked()(x[:2]), fast(x[:2])).ok and len(fast.signatures) == 1

@@ -102,3 +102,21 @@ def test_whether_an_option_was_given_is_asked_only_at_the_doors():
     doors = {"api.py", "dynamo.py", "pipeline/options.py"}
     readers = {str(p.relative_to(root)) for p in root.rglob("*.py") if ".given" in p.read_text()}
     assert {r for r in readers if not r.startswith("cli/")} <= doors, readers
+
+
+def test_the_server_builds_no_block_of_its_own():
+    """Every block a server compiles is built by the pipeline (``opweave.pipeline.flow.build``): serve/ holds no
+    builder and calls no segment compiler (its executors kept one, with their own thread counts and lock)."""
+    import re
+    from pathlib import Path
+
+    import opweave
+
+    serve = Path(opweave.__file__).parent / "serve"
+    for path in serve.rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"^\s*(from opweave\.backends\.(compilers|segments) import|import opweave\.backends\."
+                             r"(compilers|segments)|from opweave\.backends import (compilers|segments))", text,
+                             re.M), path.name
+    assert len((serve / "executors.py").read_text().splitlines()) < 550
+

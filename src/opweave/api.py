@@ -119,7 +119,7 @@ def with_signatures(compiled: Compiled, model, captured, opts, eager, example_in
     """``compiled``, which now builds itself for inputs of another signature from ``model`` (captured again for
     them, with the options it was built with; :mod:`opweave.pipeline.signatures`)."""
     from opweave.capture import capture
-    from opweave.pipeline.signatures import Signatures, key_of
+    from opweave.pipeline.signatures import attach
 
     example = example_inputs if example_inputs is not None else captured.example_inputs
 
@@ -127,9 +127,7 @@ def with_signatures(compiled: Compiled, model, captured, opts, eager, example_in
         again = capture(model, on_devices_of(args, example), fold_bn=opts.fold_bn, name=captured.graph.name)
         return build(again, again.example_inputs, opts, eager=eager)
 
-    compiled.variants = Signatures(captured.graph.name, key_of(example), rebuild, bound=opts.cache_size,
-                                   dynamic=opts.dynamic, arity=len(example))
-    return compiled
+    return attach(compiled, captured.graph.name, example, rebuild, bound=opts.cache_size, dynamic=opts.dynamic)
 
 
 __all__ = ["Compiled", "compile", "compile_captured", "compile_with", "device_of"]

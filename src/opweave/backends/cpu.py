@@ -74,7 +74,9 @@ class CpuBackend:
                 raise UsageError(f"{self.captured.graph.name}: this CPU backend was closed")
             self.stats["calls"] += 1
             slots = self.code.bind(args)
-            lane, function = self._caller_lane, self.code.functions[self._caller_lane]
+            lane = self._caller_lane
+            assert lane is not None  # a plan launches something
+            function = self.code.functions[lane]
             with intra_op_threads():  # the lane's budgets change the caller's count: put back after the call
                 if not self._pool.workers:  # a single lane needs no threads
                     try:
@@ -192,9 +194,9 @@ class Call:
     ``wait`` and ``is_set``), the errors raised. ``done`` is set when every lane finished, ``settled`` as soon as
     every lane finished or one failed."""
 
-    def __init__(self, env: dict, num_signals: int, num_lanes: int):
+    def __init__(self, env: Any, num_signals: int, num_lanes: int):  # the lanes' slots, or a rank's environment
         self.env = env
-        self.signals = [threading.Event() for _ in range(num_signals)]
+        self.signals: list[Any] = [threading.Event() for _ in range(num_signals)]  # or a rank's arrivals
         self.errors: list[BaseException] = []
         self.remaining = num_lanes
         self.lock = threading.Lock()
@@ -238,10 +240,15 @@ class LaneWorker(Walker):
             self.call = None  # keep no environment alive between calls
 
     def launch(self, lane: Lane, op: str) -> None:
-        self.captured.run_op(op, self.call.env)
+        self.captured.run_op(op, self._running().env)
 
     def signal(self, lane: Lane, number: int) -> None:
-        self.call.signals[number].set()
+        self._running().signals[number].set()
 
     def wait(self, lane: Lane, number: int) -> None:
-        self.call.signals[number].wait()
+        self._running().signals[number].wait()
+
+    def _running(self) -> Call:
+        """The call :meth:`run_call` runs."""
+        assert self.call is not None
+        return self.call

@@ -221,12 +221,12 @@ class CudaBackend:
             if self._last_origin is not None and origin != self._last_origin:
                 origin.wait_stream(self._last_origin)  # the previous call ran there and shares our buffers
             key, leaves = input_signature(args, self.cudagraphs, self.device)
-            if key == self._last_key:
-                entry = self._last_entry
-            else:
+            entry = self._last_entry
+            if entry is None or key != self._last_key:
                 entry = self._entry(key, args, leaves)
                 self._last_key, self._last_entry = key, entry
             if entry.graph is not None:
+                assert entry.copies is not None  # a recorded graph reads its inputs from its static copies
                 runtime.launch(origin, entry.copies.copy_in, leaves)
                 entry.graph.replay()
                 out = entry.static_output if self.static_outputs else runtime.launch(

@@ -87,7 +87,7 @@ class LaneCode(Walker):
         self._local: dict[Lane, dict[fx.Node, fx.Node]] = {lane: {} for lane in program.lanes}
         self._origin: dict[fx.Node, tuple[str, fx.Node]] = {}  # generated node -> (op, the model's node)
         self.run(self._with_slot_releases(program, lane_of, returned))
-        self.functions: dict[Lane, Callable[[list, Any], None]] = {}
+        self.functions: dict[Lane, Callable[[Any, Any], None]] = {}  # (slots, call)
         self.modules: dict[Lane, fx.GraphModule] = {}
         for lane, graph in self._graphs.items():
             graph.output(None)
@@ -105,7 +105,7 @@ class LaneCode(Walker):
         def load(node: fx.Node) -> fx.Node:
             if node not in local:
                 if node.op == "get_attr":
-                    local[node] = graph.get_attr(node.target)
+                    local[node] = graph.get_attr(str(node.target))
                 else:
                     local[node] = graph.call_function(operator.getitem, (slots, self.slot[node]))
             return local[node]

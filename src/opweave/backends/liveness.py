@@ -194,14 +194,14 @@ def storage_buffers(captured: Captured, env: dict, program: Program,
     outside = {s for s in map(_storage, external) if s is not None}
     storages_of: dict[str, list[tuple]] = {}
     # the ops' entries in the program's issue order, whatever order the run went in: it orders (and names) the groups
-    for key in sorted(env, key=lambda k: rank.get(owner.get(k), -1)):
+    for key in sorted(env, key=lambda k: rank.get(owner.get(k, ""), -1)):
         found = [_storage(t) for t in pytree.tree_leaves(env[key]) if isinstance(t, torch.Tensor)]
         storages_of[key] = [s for s in found if s is not None]
         for s in storages_of[key]:
             parent[find(s)] = find(("key", key))
     groups: dict[object, list[str]] = {}
-    for key, found in storages_of.items():
-        if found:
+    for key, storages in storages_of.items():
+        if storages:
             groups.setdefault(find(("key", key)), []).append(key)
     buffers = []
     for keys in groups.values():

@@ -158,8 +158,8 @@ class OrtGraph:
         self.outputs = [o.name for o in graph.output]
         self.feed = {name: _array(self.whole.inputs[i]) for name, i in self.inputs}
         self.values = self._values()
-        known = latency_ms is not None and set(latency_ms) == set(self.node)
-        self.latency_ms = dict(latency_ms) if known else self._profile(profile_runs)
+        self.latency_ms = dict(latency_ms) if latency_ms is not None and set(latency_ms) == set(self.node) \
+            else self._profile(profile_runs)
         producer = {o: n.name for n in graph.node for o in n.output if o}
         ops = [Op(id=n.name, name=n.op_type, target=f"{n.domain or 'ai.onnx'}::{n.op_type}",
                   latency_ms=max(self.latency_ms[n.name], 1e-4)) for n in graph.node]

@@ -152,8 +152,9 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
         from opweave.capture import load
         from opweave.costs.roofline import with_estimates
 
-        _, inputs, captured = load(Path(model_file) if model_file is not None else model, batch_size=batch_size,
-                                   coarsen=coarsen)
+        source = Path(model_file) if model_file is not None else model
+        assert source is not None  # one of the three, checked above
+        _, inputs, captured = load(source, batch_size=batch_size, coarsen=coarsen)
         estimated = with_estimates(captured.graph, preset)
         if profile is None:
             return estimated
@@ -161,6 +162,7 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
         from opweave.costs.profile.store import model_dtype
 
         measured = Profile.load(profile)
+        assert model is not None  # a profile goes with --model, checked above
         expect = profile_key(model, inputs, "cpu", model_dtype(captured, inputs))
         expect = {k: v for k, v in expect.items() if k not in ("device", "torch")}
         measured.check_key({**expect, "device": measured.key.get("device"), "torch": measured.key.get("torch")},
@@ -184,7 +186,7 @@ def inductor_kernels(model: str | None, model_file: str | Path | None, batch_siz
 
     if model is None and model_file is None:
         raise UsageError("--inductor needs --model or --model-file: Inductor lowers the model itself")
-    _, inputs, captured = load(Path(model_file) if model_file is not None else model, batch_size=batch_size,
+    _, inputs, captured = load(Path(model_file) if model_file is not None else str(model), batch_size=batch_size,
                                coarsen=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its fallback warning: refused below instead

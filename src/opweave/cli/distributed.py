@@ -127,6 +127,7 @@ def _run_torchrun(loaded, model, options, runs, warmup, check) -> dict | None:
                           threads=options.threads)
     if rank != 0:
         return None
+    assert result is not None  # rank 0 collects every rank's
     module, inputs = built["module"], built["inputs"]
     return {"model": model, "scheduler": options.scheduler, "devices": world, "device": options.device,
             "launch": "torchrun", "median_ms": statistics.median(result["times_ms"]), "runs": runs,

@@ -169,7 +169,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     origins = tuple(_origins(cors_allow_origin))
     chosen = "" if policy else f" (the default on {ON_DEVICE.get(device, device)})"
     policy = policy or default_policy(device)
-    options = _policy_options(policy, policy_options, policy_file)
+    policy_settings = _policy_options(policy, policy_options, policy_file)
     files = parse_model_files(model_file)
     if ray:
         if grpc_port is not None:
@@ -182,7 +182,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         _serve_ray(ReplicaOptions(
             models=_names(models), model_files={k: str(v.resolve()) for k, v in files.items()},
             model_repository=None if model_repository is None else str(model_repository.resolve()), device=device,
-            policy=policy, policy_options=options, max_queue=max_queue, max_batch=max_batch,
+            policy=policy, policy_options=policy_settings, max_queue=max_queue, max_batch=max_batch,
             max_sub_blocks=max_sub_blocks, timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
             options=settings,
             image_size=parse_image_size(image_size), cuts=parse_cuts(cuts),
@@ -197,7 +197,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         served = load_models(_names(models), files, device=device, max_batch=max_batch,
                              image_size=parse_image_size(image_size), cuts=parse_cuts(cuts), say=say) \
             if model_repository is None or models or files else {}
-        engine = make_engine(served, device=device, options=settings, policy=policy, policy_options=options,
+        engine = make_engine(served, device=device, options=settings, policy=policy, policy_options=policy_settings,
                              max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
                              timeout_s=None if timeout_ms is None else timeout_ms / 1e3, say=say)
         repository = Repository(engine, served, model_repository, device=device, max_batch=max_batch,
@@ -208,9 +208,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     unavailable = [m["name"] for m in repository.index() if m["state"] != "READY"]
     down = f"; UNAVAILABLE: {', '.join(unavailable)} (see the repository index)" if unavailable else ""
 
-    compiled = getattr(engine.executor, "compiler", None) or "none"
     chose = " (the default)" if compiler == "default" and "compiler" not in given else ""
-    builds = "" if device != "cpu" else f"; compiler {compiled}{chose}, {engine.executor.threads} threads"
+    builds = "" if device != "cpu" else (f"; compiler {settings.compiler or 'none'}{chose}, {settings.threads} "
+                                          "threads")
 
     def listening(h: str, p: int, g: int | None = None) -> None:
         rpc = f"gRPC on {h}:{g}; " if g is not None else ""
@@ -384,6 +384,7 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
         rep, outcomes = lg.run_simulated(engine, rates, duration, arrivals, seed=seed, scale=scale)
         rep["device_preset"] = device_preset
     else:
+        assert url is not None  # --url or --simulate, checked above
         rep, outcomes = lg.run_http(url, rates, duration, arrivals, seed=seed, scale=scale)
     if output:
         output.write_text(json.dumps(rep, indent=1) + "\n")

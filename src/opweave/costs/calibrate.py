@@ -29,6 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -152,6 +153,7 @@ def fit_classes(graph: OpGraph, trace: dict, base: Device) -> Device:
                                   f"trace: {len(members)} ops")
         if best is None or total < best[0]:
             best = (total, float(mem_eff), fitted)
+    assert best is not None  # at least one memory efficiency was tried
     _, mem_eff, fitted = best
     classes = dict(fitted)
     for cls in CLASSES:  # borrow, following the chain until a measured class
@@ -204,8 +206,8 @@ class Replay:
     stream cap, and a plan's simulated whole call (ms) under costs."""
 
     graph: Callable[[str, int], OpGraph]
-    plan: Callable[[OpGraph, Costs, str, int | None], object]
-    makespan_ms: Callable[[OpGraph, object, Costs], float]
+    plan: Callable[[OpGraph, Costs, str, int | None], Any]
+    makespan_ms: Callable[[OpGraph, Any, Costs], float]
 
 
 def prepare(rows: Sequence[Row], dev: Device, replay: Replay, graphs: dict | None = None) -> dict[tuple, Config]:
@@ -276,7 +278,8 @@ def fit_call(rows: Sequence[Row], configs: dict[tuple, Config], dev: Device, rep
 
     def device_at(x: np.ndarray) -> Device:
         values = lo + np.clip(x, 0.0, 1.0) * (hi - lo)
-        return replace(dev, **{p: round(float(v), 4) for p, v in zip(CALL_PARAMS, values, strict=True)})
+        fitted: dict[str, Any] = {p: round(float(v), 4) for p, v in zip(CALL_PARAMS, values, strict=True)}
+        return replace(dev, **fitted)
 
     def loss(x: np.ndarray) -> float:
         pred = predict(rows, configs, device_at(x), replay)
@@ -351,7 +354,7 @@ def calibrate(rows: Sequence[Row], base: Device, replay: Replay, trace: tuple[Op
     configs = prepare(rows, dev, replay)
     dev = fit_call(rows, configs, dev, replay, iterations, rank_weight)
     predicted = predict(rows, configs, dev, replay)
-    report = {"fitted": summary(rows, predicted),
+    report: dict[str, Any] = {"fitted": summary(rows, predicted),
               "rows": [{"model": r.model, "batch": r.batch, "dtype": r.dtype, "scheduler": r.scheduler,
                         "streams": r.streams, "measured_ms": r.measured_ms, "predicted_ms": p}
                        for r, p in zip(rows, predicted, strict=True)]}

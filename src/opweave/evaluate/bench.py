@@ -11,11 +11,13 @@ other work slows the modes unequally (eager's intra-op threads most), so a busy 
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -164,7 +166,7 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
     with torch.inference_mode():
         reference = model(*inputs)
     calls: dict[str, Callable[[], object]] = {"eager": lambda: model(*inputs)}
-    rows = [{"mode": "eager"}]
+    rows: list[dict[str, Any]] = [{"mode": "eager"}]
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"{model_name}: building", total=len(scheduler_names) + 1)
         for name in scheduler_names:
@@ -172,7 +174,8 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
             fast = build(captured, inputs, modes[name], eager=model)
             with torch.inference_mode():
                 check = compare(reference, fast(*inputs))
-            calls[f"opweave {name}"] = lambda fast=fast: fast(*inputs)
+            calls[f"opweave {name}"] = functools.partial(fast, *inputs)
+            assert fast.schedule is not None
             rows.append({"mode": f"opweave {name}", "scheduler": fast.schedule.scheduler,
                          "streams": fast.schedule.streams_used,
                          "syncs": fast.plan.syncs, "max_abs_diff": check.max_diff, "ok": check.ok,
@@ -191,11 +194,11 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
         row["speedup_vs_eager"] = ratio["speedup"]
         if row["mode"] != "eager":
             row["within_spread"] = ratio["within_spread"]
-    load = load_average()
+    averages = load_average()
     return {"model": model_name, "batch_size": batch_size, "device": device, "device_name": device_name(device),
             "costs": "profile " + str(given.profile) if given.profile else "roofline estimate",
             "coarsen": given.coarsen,
             "torch": torch.__version__, "runs": runs, "warmup": warmup, "rounds": max(1, min(ROUNDS, runs)),
-            "machine": {"cpus": cores(), "load_average_1_5_15m": load,
+            "machine": {"cpus": cores(), "load_average_1_5_15m": averages,
                         "others_cpu_share": None if other.share is None else round(other.share, 3), "busy": other.busy},
-            "warning": busy_warning(other.share, load) if other.busy else None, "rows": rows}
+            "warning": busy_warning(other.share, averages) if other.busy else None, "rows": rows}

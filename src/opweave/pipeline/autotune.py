@@ -23,6 +23,7 @@ what runs its ops: a compiler whose pools sleep when idle gets per-op budgets) a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -63,10 +64,10 @@ def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: i
     sync = runtime.synchronize if device == "cuda" and runtime is not None and not isinstance(
         runtime, CudaRuntime) else None
     with torch.no_grad():  # the mode candidates are checked in: torch.compile's code is compiled for it
-        times = interleaved_ms({label: (lambda f=fast: f(*inputs)) for label, fast in built.items()},
+        times = interleaved_ms({label: functools.partial(fast, *inputs) for label, fast in built.items()},
                                rounds=rounds, runs=runs, device=device, sync=sync)
     medians = {label: round(statistics.median(ts), 4) for label, ts in times.items()}
-    return min(medians, key=medians.get), medians
+    return min(medians, key=medians.__getitem__), medians
 
 
 def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager) -> Compiled:
@@ -84,8 +85,8 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
     else:
         built["one lane"] = compiled
     if eager is not None:
-        one = built["one lane"]
-        built["eager"] = dataclasses.replace(one, backend=EagerBackend(eager, threads=options.threads), fused=None)
+        built["eager"] = dataclasses.replace(built["one lane"], backend=EagerBackend(eager, threads=options.threads),
+                                             fused=None)
     if len(built) == 1:
         return compiled
     best, medians = fastest(built, inputs)
@@ -275,6 +276,7 @@ def _candidates(target, captured, options: Options) -> list[Candidate]:
 
     device, dtype = fitted_device(options.runtime), _dtype(captured)
     costs = CudaTarget().costs(captured, (), options, device, dtype)
+    assert options.streams is not None  # one device: at most its hardware queues
     return cuda_candidates(captured.graph, costs, options.streams, device=device, dtype=dtype,
                            cudagraphs=options.cudagraphs)
 

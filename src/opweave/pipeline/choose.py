@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from opweave import schedulers
 from opweave.costs.calibrated import Device
@@ -26,7 +27,7 @@ STREAM_CAPS = (2, 4, 8)
 SYNC_SCHEDULERS = ("heft",)  # the schedulers with a sync_ms option
 
 
-def sync_options(name: str, dev: Device) -> dict:
+def sync_options(name: str, dev: Device) -> dict[str, Any]:
     """The options that give scheduler ``name`` the device's fitted cost of a cross-stream edge (ms): what it costs
     beyond a same-stream edge (the kernel gap every edge pays), none when it costs less."""
     extra_us = max(0.0, dev.event_wait_us - dev.kernel_gap_us)
@@ -94,7 +95,7 @@ def benchmark_graph(model: str, batch: int) -> OpGraph:
     return load(model, batch_size=batch, coarsen=False)[2].graph
 
 
-def replay():
+def replay() -> Any:
     """What :mod:`opweave.costs.calibrate` replays the GPU benchmark's rows with: :func:`benchmark_graph`, a
     scheduler's validated plan (:func:`opweave.plan.make.plan_for`) and the simulator's whole call
     (:func:`opweave.backends.simulate.makespan_ms`)."""

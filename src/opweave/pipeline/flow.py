@@ -26,7 +26,7 @@ from opweave.plan import LaunchPlan
 from opweave.schedulers.schedule import Schedule
 
 
-def build(captured, example_inputs, options: Options, *, eager=None) -> Compiled:
+def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = None) -> Compiled:
     """``captured`` (a :class:`~opweave.capture.Captured`) as a runnable for ``example_inputs``, as ``options``
     (from :func:`~opweave.pipeline.options.resolve`) say. ``eager``, the model itself when known, is one of the
     candidates a measured choice may keep (the CPU's default keeps a plan only where its timing beats it)."""
@@ -35,7 +35,15 @@ def build(captured, example_inputs, options: Options, *, eager=None) -> Compiled
     target = targets.for_options(options)
     if options.autotune:
         return autotune.search(target, captured, inputs, options, eager=eager)
-    compiled = target.build(captured, inputs, options)
+    compiled: Compiled = target.build(captured, inputs, options)
+    if compiled.fused is not None and compiled.fused.any_batch:  # dynamic=True: one session with a free batch
+        from opweave.pipeline.signatures import takes_any_batch
+
+        if takes_any_batch(compiled, captured, inputs):
+            compiled.any_batch = True
+        else:  # a graph that baked its batch in: built per batch size, as with dynamic unset
+            compiled.close()
+            compiled = target.build(captured, inputs, options.derive(dynamic=None))
     if options.guard:  # the CPU default's plan, kept only where timed faster than one lane and the model
         compiled = autotune.guarded(compiled, captured, inputs, options, eager)
     return compiled
@@ -52,7 +60,7 @@ class Planned:
     plan: LaunchPlan
 
 
-def plan_ranks(captured, example_inputs, options: Options) -> Planned:
+def plan_ranks(captured: Any, example_inputs: Any, options: Options) -> Planned:
     """What :func:`build` plans for ``options.devices`` devices, without starting rank processes: the ranks a
     launcher started (``opweave run`` under torchrun) run this plan, each its own share."""
     if options.devices < 2:
@@ -62,7 +70,7 @@ def plan_ranks(captured, example_inputs, options: Options) -> Planned:
     return Planned(captured, costs, schedule, plan)
 
 
-def _coarsened(captured, options: Options):
+def _coarsened(captured: Any, options: Options) -> Any:
     """``captured`` as the options plan it: coarsened (the papers' operators) unless ``coarsen=False``."""
     if not options.coarsen:
         return captured

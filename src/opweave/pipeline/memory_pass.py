@@ -4,7 +4,9 @@ buffers read on other streams early, found on one run on fake tensors per build 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import Any
 
 from opweave.costs import Costs
 from opweave.plan import LaunchPlan
@@ -23,15 +25,15 @@ class BuildBuffers:
     and the one-stream plan (the ``sequential`` scheduler's) with its planned peak on each set of buffers asked for
     (the plans' sets differ only where a plan allocates a group on several lanes, which leaves the group out)."""
 
-    def __init__(self, captured, inputs: tuple, costs: Costs):
+    def __init__(self, captured: Any, inputs: tuple[Any, ...], costs: Costs):
         from opweave.backends.liveness import FakeRun
 
         self.captured, self.costs = captured, costs
         self.fake = FakeRun(captured, inputs)
         self._one_stream: LaunchPlan | None = None
-        self._peaks: dict[frozenset, int] = {}
+        self._peaks: dict[frozenset[Any], int] = {}
 
-    def one_stream_peak(self, buffers) -> int:
+    def one_stream_peak(self, buffers: Iterable[Any]) -> int:
         """The one-stream plan's planned peak on ``buffers``, every one of them on its one stream."""
         from opweave.plan import lifetimes
 
@@ -44,7 +46,7 @@ class BuildBuffers:
         return self._peaks[on_one]
 
 
-def with_free_joins(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, cuda_graph: bool = True,
+def with_free_joins(captured: Any, plan: LaunchPlan, inputs: tuple[Any, ...], costs: Costs, *, cuda_graph: bool = True,
                     max_waits: int = 16, cap: float = PEAK_CAP, budget: float = CAP_BUDGET,
                     shared: BuildBuffers | None = None) -> LaunchPlan:
     """The plan of :func:`memory_pass`."""
@@ -52,7 +54,7 @@ def with_free_joins(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, 
                        budget=budget, shared=shared)[0]
 
 
-def memory_pass(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, cuda_graph: bool = True,
+def memory_pass(captured: Any, plan: LaunchPlan, inputs: tuple[Any, ...], costs: Costs, *, cuda_graph: bool = True,
                 max_waits: int = 16, cap: float = PEAK_CAP, budget: float = CAP_BUDGET,
                 shared: BuildBuffers | None = None) -> tuple[LaunchPlan, float | None]:
     """``plan`` with the waits the memory pass adds so that buffers read on other streams are freed before the
@@ -92,7 +94,7 @@ def memory_pass(captured, plan: LaunchPlan, inputs: tuple, costs: Costs, *, cuda
     limit = replay.makespan_ms * (1 + 1e-9)
     slack_ms = costs.gpu.event_overhead_ms if costs.model == "gpu" else 0.0
 
-    def within(limit_ms: float):
+    def within(limit_ms: float) -> Callable[[LaunchPlan], bool]:
         return lambda p: makespan_ms(graph, p, costs, cuda_graph=cuda_graph) <= limit_ms
 
     joined, added = lifetimes.free_joins(plan, buffers, replay.start_ms, replay.finish_ms, slack_ms=slack_ms,

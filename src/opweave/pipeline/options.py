@@ -236,7 +236,7 @@ OPTIONS: dict[str, Spec] = {
 }
 
 
-class _Unset(frozenset):
+class _Unset(frozenset[str]):
     """``Options.given`` when the caller did not say: every option passed to the constructor."""
 
 
@@ -266,7 +266,7 @@ class Options:
     fold_bn: bool = UNFILLED
     graph: str = UNFILLED
     compiler: str | None = None
-    scheduler_options: dict | None = None
+    scheduler_options: dict[str, Any] | None = None
     threads: int | None = None  # None once filled: not on a CPU
     cudagraphs: bool = UNFILLED
     capture_fallback: str = UNFILLED
@@ -335,8 +335,8 @@ def mode_options(mode: str) -> dict[str, Any]:
             "max-autotune-no-cudagraphs": {"autotune": True, "cudagraphs": False}}[mode]
 
 
-def resolve(device: str = "cpu", mode: str | None = "default", options: dict | None = None, *,
-            check_device: bool = True, serving: str | None = None, **given) -> Options:
+def resolve(device: str = "cpu", mode: str | None = "default", options: dict[str, Any] | None = None, *,
+            check_device: bool = True, serving: str | None = None, **given: Any) -> Options:
     """The checked :class:`Options` for ``device`` from ``mode``, ``options`` and keyword options (the same names;
     one given both ways is an error). Every refusal is a :class:`~opweave.errors.UsageError` naming the option;
     with ``check_device``, a CUDA device that is not there is a :class:`~opweave.errors.DeviceError`, raised only
@@ -454,7 +454,7 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
     return opts
 
 
-def _check_served(serving: str, values: dict, given: set[str]) -> None:
+def _check_served(serving: str, values: dict[str, Any], given: set[str]) -> None:
     """What a server on ``serving`` cannot honour of the options ``given`` (their ``values``), refused with the
     reason (:class:`Served`)."""
     for key in sorted(given):
@@ -469,7 +469,7 @@ def _check_served(serving: str, values: dict, given: set[str]) -> None:
             raise UsageError(f"option {key!r} does not apply to serving on {serving}: {why}")
 
 
-def _check_values(values: dict) -> None:
+def _check_values(values: dict[str, Any]) -> None:
     """Each given value's type and range, one line naming the option."""
 
     def fail(key: str, want: str) -> None:

@@ -33,6 +33,7 @@ from opweave.pipeline.options import Options
 from opweave.pipeline.thread_budgets import lane_threads
 from opweave.plan import LaunchPlan
 from opweave.plan.make import plan_for
+from opweave.schedulers.schedule import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +56,19 @@ class CpuTarget:
         costs = costs_for(captured, inputs, options, "cpu")
         if kernels is not None:
             costs = replace(costs, kernels=kernels)
+        assert scheduler is not None  # the CPU's: heft unless given
         sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams, **sched_options)
-        compiled = self.runnable(captured, plan, inputs, options, costs)
-        compiled.schedule = sched
-        return compiled
+        return self.runnable(captured, sched, plan, inputs, options, costs)
 
-    def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs) -> Compiled:
-        """The CPU backend running the validated ``plan`` of ``captured`` (its segments compiled first with
-        ``options.compiler``); ``schedule`` is left for the caller to set when it has one."""
+    def runnable(self, captured, sched: Schedule, plan: LaunchPlan, inputs: tuple, options: Options,
+                 costs: Costs) -> Compiled:
+        """The CPU backend running the validated ``plan`` (of ``sched``) of ``captured`` (its segments compiled first
+        with ``options.compiler``)."""
         from opweave.backends.cpu import CpuBackend
 
-        per_op = _per_op_threads(options)
-        threads = lane_threads(captured.graph, plan, costs, per_op=per_op, total=options.threads)
+        per_op = per_op_threads(options)
+        threads: dict[str, int] | None = lane_threads(captured.graph, plan, costs, per_op=per_op,
+                                                      total=options.threads)
         runner, run_plan, fused = captured, plan, None
         if options.compiler is not None:
             from opweave.backends.segments import fuse_segments
@@ -76,7 +78,7 @@ class CpuTarget:
             threads, fused = runner.threads or None, runner
             runner.prepare(inputs, run_plan)  # compile now, not in the first call
         backend = CpuBackend(runner, run_plan, threads=threads, total=options.threads)
-        return Compiled(captured.graph, costs, None, plan, backend, "cpu", captured, fused=fused, options=options)
+        return Compiled(captured.graph, costs, sched, plan, backend, "cpu", captured, fused=fused, options=options)
 
     def build_ort_graph(self, captured, inputs: tuple, options: Options, *, model=None,
                         costs: Costs | None = None) -> Compiled:
@@ -105,6 +107,7 @@ class CpuTarget:
         sched_options = dict(options.scheduler_options or {})
         if options.scheduler == "heft":
             sched_options.setdefault("sync_ms", 10 * cpu_threads.sync_cost_ms())
+        assert options.scheduler is not None  # the CPU's: heft unless given
         sched, plan = plan_for(graph, planned, options.scheduler, streams=options.streams, **sched_options)
         backend = OrtLanes(model, plan, lane_threads(graph, plan, planned, per_op=True, total=options.threads))
         return Compiled(graph, planned, sched, plan, backend, "cpu", captured, options=options)
@@ -120,6 +123,7 @@ class CudaTarget:
         captured, kernels = inductor_ops(captured, inputs, options)
         costs = self.costs(captured, inputs, options, device, dtype, launches=kernels)
         streams = options.streams  # default: the hardware queues (more lanes add false dependencies)
+        assert streams is not None  # one device
         scheduler, choice = options.scheduler, None
         # every plan's memory pass and the backend find the buffers from one run on fake tensors (segments: no pass)
         shared = BuildBuffers(captured, inputs, costs) if options.compiler is None else None
@@ -135,11 +139,11 @@ class CudaTarget:
             choice = {"label": f"{picked.scheduler} x{picked.streams}", "predicted_ms": picked.makespan_ms,
                       "reason": reason, "candidates": {
                           f"{p.scheduler} x{p.streams}": {"predicted_ms": p.makespan_ms} for p in ranked.predictions}}
-            compiled = self.runnable(captured, plan, inputs, options, costs, joined=True, shared=shared)
+            compiled = self.runnable(captured, sched, plan, inputs, options, costs, joined=True, shared=shared)
         else:
             sched, plan = planned(scheduler, streams)
-            compiled = self.runnable(captured, plan, inputs, options, costs, shared=shared)
-        compiled.schedule, compiled.choice = sched, choice
+            compiled = self.runnable(captured, sched, plan, inputs, options, costs, shared=shared)
+        compiled.choice = choice
         if choice is not None:
             log.info("%s: %s", captured.graph.name, choice["reason"])
         return compiled
@@ -157,7 +161,7 @@ class CudaTarget:
         return replace(calibrated.costs(captured.graph, device, dtype, launches=launches), model=options.cost_model)
 
     def ranking(self, graph, costs: Costs, streams: int, device=None, dtype: str = "float32",
-                taking: set[str] = frozenset()):
+                taking: frozenset[str] | set[str] = frozenset()):
         """Every single-device scheduler (that takes the options ``taking``) at stream caps up to ``streams``,
         ranked by the fitted device's prediction (:func:`opweave.pipeline.choose.choose`): its ``predictions``,
         fastest first."""
@@ -165,8 +169,8 @@ class CudaTarget:
         from opweave.pipeline.choose import STREAM_CAPS, choose
 
         caps = sorted({c for c in STREAM_CAPS if c < streams} | {streams})
-        names = [n for n in schedulers.names() if (schedulers.options_of(n) is None
-                                                     or taking <= schedulers.options_of(n))]
+        names = [n for n in schedulers.names() if (accepted := schedulers.options_of(n)) is None
+                 or taking <= accepted]
         if not names:
             raise UsageError(f"no scheduler takes the options {', '.join(sorted(taking))}")
         return choose(graph, costs, device or fitted_device(), dtype=dtype, names=names, stream_caps=caps)
@@ -178,7 +182,7 @@ class CudaTarget:
         (:func:`opweave.pipeline.memory_pass.memory_pass`, every plan's with the buffers and one-stream peak of
         ``shared``) is within its cap; the fastest when none is. ``planned(name, cap)`` makes a (schedule, plan).
         Returns the prediction, the schedule, the plan after the memory pass and the reason to give."""
-        tried = []
+        tried: list[tuple] = []
         for p in ranked.predictions:
             if p.makespan_ms > ranked.makespan_ms * (1 + PICK_TOLERANCE) and tried:
                 break
@@ -202,9 +206,9 @@ class CudaTarget:
                        f"({ratio:.2f}x here)" if ratio is not None else "")
         return p, sched, plan, reason
 
-    def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs, *,
+    def runnable(self, captured, sched: Schedule, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs, *,
                  joined: bool = False, shared: BuildBuffers | None = None) -> Compiled:
-        """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
+        """The CUDA backend running the validated ``plan`` (of ``sched``) of ``captured`` (its segments compiled with
         ``options.compiler`` in the backend's warm-up); the memory pass runs first unless the plan is ``joined``
         already. ``shared``: the build's buffers (:class:`~opweave.pipeline.memory_pass.BuildBuffers`), whose run on
         fake tensors the memory pass and the backend's release plan for ``inputs`` then use instead of their own."""
@@ -223,7 +227,7 @@ class CudaTarget:
                               capture_fallback=options.capture_fallback, static_outputs=options.static_outputs,
                               cache_size=options.cache_size, warmup=options.warmup, runtime=options.runtime,
                               fake_run=shared.fake if shared is not None and options.compiler is None else None)
-        return Compiled(captured.graph, costs, None, plan, backend, "cuda", captured, fused=fused, options=options)
+        return Compiled(captured.graph, costs, sched, plan, backend, "cuda", captured, fused=fused, options=options)
 
 
 class RanksTarget:
@@ -251,6 +255,7 @@ class RanksTarget:
         costs = costs_for(captured, inputs, options, preset)
         if options.link is not None:
             costs = replace(costs, edge_transfer_ms=transfer_times(captured.graph, options.link))
+        assert options.scheduler is not None  # with devices > 1: hios-lp unless given
         sched, plan = plan_for(captured.graph, costs, options.scheduler, streams=options.streams,
                                devices=options.devices, **(options.scheduler_options or {}))
         return costs, sched, plan
@@ -285,16 +290,35 @@ def inductor_ops(captured, inputs: tuple, options: Options):
 
 
 def segment_options(captured, options: Options) -> dict | None:
-    """How the segment compiler is made: with ``graph="inductor"``, segments hand each other values in the layouts
-    Inductor chose (a convolution's channels-last output goes on as it is) wherever the model reads no layout
-    (:func:`opweave.backends.inductorgraph.free_layouts`); eager's layout at every segment boundary costs a copy
-    kernel on each side of it (GoogLeNet at 64x64 on the CPU, compiled unfrozen as on CUDA, Opara over 8 streams:
-    211 of Inductor's nodes per call with eager's layouts, 153 without them, 156 for the whole model)."""
-    if options.graph != "inductor":
-        return None
-    from opweave.backends.inductorgraph import free_layouts
+    """How the segment compiler is made:
 
-    return {"eager_strides": False} if free_layouts(captured) else None
+    * with ``graph="inductor"``, segments hand each other values in the layouts Inductor chose (a convolution's
+      channels-last output goes on as it is) wherever the model reads no layout
+      (:func:`opweave.backends.inductorgraph.free_layouts`); eager's layout at every segment boundary costs a copy
+      kernel on each side of it (GoogLeNet at 64x64 on the CPU, compiled unfrozen as on CUDA, Opara over 8 streams:
+      211 of Inductor's nodes per call with eager's layouts, 153 without them, 156 for the whole model);
+    * ``dynamic=True`` with ONNX Runtime on one stream (the whole model one session): its batch dimension is left
+      free (checked at another batch by :func:`opweave.pipeline.flow.build`);
+    * a server's (``options.serving``), where many models share one process: ONNX Runtime's sessions run on the
+      process's one thread pool with no memory arena of their own, and a model's variants built per batch
+      (``dynamic`` unset) read its own weights (ONNX Runtime's shared initializers); Inductor compiles unfrozen
+      (its parameters the model's, not constants of its own)."""
+    out: dict = {}
+    if options.graph == "inductor":
+        from opweave.backends.inductorgraph import free_layouts
+
+        if free_layouts(captured):
+            out["eager_strides"] = False
+    if options.compiler == "onnxruntime" and options.dynamic is True and options.streams == 1:
+        out["dynamic_batch"] = True
+    if options.serving is not None and options.compiler == "onnxruntime":
+        from opweave.backends.compilers import shared_pool
+
+        assert options.threads is not None  # a CPU's: every core unless given
+        out.update(shared_pool=shared_pool(options.threads), arena=False, share_weights=options.dynamic is None)
+    elif options.serving is not None and options.compiler == "inductor":
+        out["freeze"] = False
+    return out or None
 
 
 def for_options(options: Options):
@@ -331,8 +355,9 @@ def visible_gpu_preset(runtime=None) -> str:
     return preset_for_gpu((runtime or CUDA).device_name()) or "h100"
 
 
-def _per_op_threads(options: Options) -> bool:
-    """Whether what runs the ops sleeps when idle, so an op the plan runs alone may take every thread."""
+def per_op_threads(options: Options) -> bool:
+    """Whether what runs the ops sleeps when idle, so an op the plan runs alone may take every thread (ONNX
+    Runtime's sessions; the options may say so for ops that are such calls: a server's blocks)."""
     if options.per_op_threads is not None:
         return options.per_op_threads
     if options.compiler is None:
@@ -342,5 +367,5 @@ def _per_op_threads(options: Options) -> bool:
     return get(options.compiler).per_op_threads
 
 
-__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "costs_for", "for_options", "inductor_ops", "segment_options",
-           "visible_gpu_preset"]
+__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "costs_for", "for_options", "inductor_ops", "per_op_threads",
+           "segment_options", "visible_gpu_preset"]

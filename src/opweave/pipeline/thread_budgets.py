@@ -9,11 +9,17 @@ executor ask it, and the backends are handed its answer.
 
 from __future__ import annotations
 
+from typing import Any
+
 from opweave.backends.simulate import simulate
 from opweave.backends.threads import budgets, plan_budgets, total_threads
+from opweave.costs import Costs
+from opweave.ir import OpGraph
+from opweave.plan import LaunchPlan
 
 
-def lane_threads(graph, plan, costs=None, *, per_op: bool = False, total: int | None = None) -> dict[str, int]:
+def lane_threads(graph: OpGraph, plan: LaunchPlan, costs: Costs | None = None, *, per_op: bool = False,
+                 total: int | None = None) -> dict[str, int]:
     """Each op's intra-op threads on a CPU plan's lanes, out of ``total`` (default: every core,
     :func:`opweave.backends.threads.total_threads`). With ``per_op`` (what runs the ops sleeps when idle: ONNX Runtime
     sessions), ``costs`` and several lanes, :func:`op_threads`' per-op budgets; otherwise the lanes' budgets, the same
@@ -25,7 +31,7 @@ def lane_threads(graph, plan, costs=None, *, per_op: bool = False, total: int | 
     return plan_budgets(plan, total=total)
 
 
-def op_threads(sim, total: int | None = None, overlap: float = 0.1) -> dict[str, int]:
+def op_threads(sim: Any, total: int | None = None, overlap: float = 0.1) -> dict[str, int]:
     """Intra-op threads per op of a replayed plan (:func:`opweave.backends.simulate.simulate`). The first lane (the
     smallest; it runs in the caller's thread) shares the cores with the lanes that run beside it: its op gets
     ``total // k`` threads (at least 1), where ``k`` is its own lane plus every other lane that is busy for more
@@ -41,7 +47,7 @@ def op_threads(sim, total: int | None = None, overlap: float = 0.1) -> dict[str,
     {'a': 1, 'b': 1, 'c': 2, 'd': 1}
     """
     total = total_threads(total)
-    busy: dict = {}
+    busy: dict[Any, list[tuple[float, float]]] = {}
     for op, lane in sim.lane_of.items():
         busy.setdefault(lane, []).append((sim.start_ms[op], sim.finish_ms[op]))
     first = min(busy, default=None)

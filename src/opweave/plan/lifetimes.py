@@ -96,7 +96,9 @@ def _on_lane(lane: Lane, clock: Clock) -> int:
 
 def timeline(plan: LaunchPlan) -> Timeline:
     """The :class:`Timeline` of ``plan`` (raises :class:`PlanError` for a malformed plan)."""
-    return Timeline().run(plan)
+    line = Timeline()
+    line.run(plan)
+    return line
 
 
 def release_points(plan: LaunchPlan, buffers: Iterable[Buffer], *,

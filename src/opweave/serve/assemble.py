@@ -129,7 +129,7 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
     told what is under way, model by model (a progress bar)."""
     if options is None:
         chosen = {} if compiler == "default" or device != "cpu" else {"compiler": compiler or "none"}
-        options = serving_options(device, **chosen)
+        options = serving_options(device, chosen)
     elif compiler != "default":
         raise UsageError("give the blocks' compiler in the options (serving_options(..., compiler=...)), not both")
     if options.serving != device:
@@ -149,7 +149,7 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
     engine = Engine(executor, policies.create(policy, **(policy_options or {})), clock, max_queue=max_queue,
                     max_batch=max_batch, max_sub_blocks=max_sub_blocks, timeout_s=timeout_s)
     if warm:
-        if getattr(executor, "compiler", None) is not None:
+        if isinstance(executor, CpuExecutor) and executor.compiler is not None:
             executor.warm_models(max_batch, say=say)
         if say is not None:
             say("running every model once")

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 APP_NAME = "opweave"
 DEPLOYMENT = "OpweaveReplica"
@@ -122,7 +122,8 @@ class Replica:
                                    "the models by deploying again (serve.run / opweave serve --ray)")
         self.state = State()
         self.options = options
-        self._app = self._client = None
+        self._app: Any = None
+        self._client: Any = None
         self.engine.start()
 
     def app(self):
@@ -228,11 +229,12 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
     else:
         settings["num_replicas"] = replicas
     most = (autoscaling or {}).get("max_replicas", replicas)
-    front = OpweaveFront.options(num_replicas=1, ray_actor_options={"num_cpus": 0},
-                                 max_ongoing_requests=per_replica * most)
+    replica: Any = OpweaveReplica  # serve.deployment made both Deployments
+    front = cast(Any, OpweaveFront).options(num_replicas=1, ray_actor_options={"num_cpus": 0},
+                                            max_ongoing_requests=per_replica * most)
     from opweave.serve.server import LOOPBACK_HOSTS
 
-    return front.bind(OpweaveReplica.options(**settings).bind(options), options.allowed_hosts or LOOPBACK_HOSTS,
+    return front.bind(replica.options(**settings).bind(options), options.allowed_hosts or LOOPBACK_HOSTS,
                       tuple(options.allow_origins))
 
 

@@ -84,7 +84,7 @@ def _run(prepare, device: str, runs: int, warmup: int, timeout_s: float, threads
     part, inputs_here = wire.loads(received[0])
     del received, blobs
     runtime = RankRuntime(part, torch_device, threads)
-    infos: list[Any] = [None] * world if rank == 0 else None
+    infos: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(runtime.info(), infos, dst=0)
     times, values = [], {}
     for _ in range(warmup + runs):
