@@ -2,8 +2,8 @@
 # multi-GB CUDA build from the registry), then the torchvision release made for that torch (0.(minor+15): 0.28 for
 # 2.13; any other would replace torch), then opweave with its extras, `models` (timm, transformers), `onnx`
 # (ONNX Runtime) and `ray` (Ray Serve: tests/test_serve_ray.py, marked `ray`, about 30 s, runs in `make test`;
-# `make test-ray` runs it alone) among them. `make test` runs ruff, mypy on the public modules (pyproject's
-# [tool.mypy]) and the tests.
+# `make test-ray` runs it alone) among them. `make test` runs ruff, mypy on the whole package (pyproject's
+# [tool.mypy]: strictly where the code is pure) and the tests.
 # Elsewhere: make test TORCH_SPEC='torch>=2.4'
 # The torchvision pick reads torch's installed version without importing torch: torch does not require numpy, so
 # nothing has installed it yet, and importing torch then prints "Failed to initialize NumPy".
@@ -35,10 +35,22 @@ test: $(STAMP) docs
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n 2
 
-# The API reference, generated from the docstrings by pdoc into site/api (git ignores it); a warning (an annotation
-# it cannot resolve, a docstring it cannot parse) fails the build.
+# The API reference, generated from the docstrings by pdoc into site/api (git ignores it): every public package (a
+# package whose __init__ lists names, not its modules, gets its modules named here); a warning (an annotation it
+# cannot resolve, a docstring it cannot parse) fails the build.
+API_MODULES := opweave opweave.api opweave.errors opweave.outputs opweave.cores \
+	opweave.ir opweave.ir.graph opweave.ir.synth \
+	opweave.costs opweave.costs.model opweave.costs.roofline opweave.costs.contention opweave.costs.calibrated \
+	opweave.costs.calibrate opweave.costs.links opweave.costs.timing opweave.costs.profile \
+	opweave.plan opweave.plan.launchplan opweave.plan.semantics opweave.plan.lower opweave.plan.validate \
+	opweave.plan.make opweave.plan.lifetimes opweave.backends \
+	opweave.pipeline opweave.pipeline.options opweave.pipeline.compiled opweave.pipeline.memory_pass \
+	opweave.pipeline.thread_budgets opweave.pipeline.targets opweave.pipeline.autotune opweave.pipeline.choices \
+	opweave.pipeline.choose opweave.pipeline.signatures opweave.pipeline.flow \
+	opweave.dynamo opweave.evaluate opweave.serve opweave.learn opweave.testing opweave.testing.fakecuda
+
 docs: $(STAMP)
-	$(BIN)/python -W error::UserWarning -m pdoc opweave --docformat restructuredtext -o site/api
+	$(BIN)/python -W error::UserWarning -m pdoc $(API_MODULES) --docformat restructuredtext -o site/api
 
 test-ray: $(STAMP)
 	$(BIN)/python -m pytest -q -m ray

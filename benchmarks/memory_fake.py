@@ -5,7 +5,7 @@
 
 For each model (default: googlenet, inception_v3, nasnet_a_mobile, randwire), batch size and dtype (default batch 1
 fp32 and batch 8 fp16), captured once with one op per fx node (as ``benchmarks/gpu_latency.py`` captures them),
-each mode is built and called ``--calls`` times on a new :class:`~opweave.backends.fakecuda.FakeCuda` (seed 0),
+each mode is built and called ``--calls`` times on a new :class:`~opweave.testing.fakecuda.FakeCuda` (seed 0),
 its output checked against eager (:func:`opweave.outputs.compare`) at fp32; at fp16 the fake runs no kernel
 (``compute=False``: the CPU's half-precision convolutions take minutes per call here) and outputs are not checked,
 which changes nothing the host allocates or frees. Peak memory is the fake's
@@ -21,7 +21,7 @@ holds and has not dropped (its parameters are not the fake's, so they do not cou
   * ``before`` — the buffers learnt from a first run that keeps every intermediate, no added waits (the backend
     before buffers were planned ahead of the first run);
   * ``after`` — the buffers found on fake tensors and freed from the first run, with the memory pass's added waits
-    (:func:`opweave.pipeline.memory.with_free_joins`).
+    (:func:`opweave.pipeline.memory_pass.with_free_joins`).
 
 The summary gives, per configuration and variant, each plan's peak over the one-stream plan's (the ratio the GPU
 target bounds by 1.25 against the sequential CUDA Graph) and the largest. Kernels take no time on the fake, workspace
@@ -111,8 +111,8 @@ def peak_of(build, inputs: tuple, expected, calls: int, compute: bool) -> dict:
     whether its output was right (``ok`` None otherwise)."""
     import torch
 
-    from opweave.backends.fakecuda import FakeCuda
     from opweave.outputs import compare
+    from opweave.testing.fakecuda import FakeCuda
 
     gc.collect()
     fake = FakeCuda(seed=0, compute=compute)

@@ -40,8 +40,8 @@ import torch  # noqa: E402
 
 from opweave.backends.distributed import profile_link  # noqa: E402
 from opweave.backends.simulate import simulate  # noqa: E402
-from opweave.backends.threads import cores as usable_cores  # noqa: E402
 from opweave.capture import load  # noqa: E402
+from opweave.cores import cores as usable_cores  # noqa: E402
 from opweave.costs.links import fit  # noqa: E402
 from opweave.costs.profile import profile_model  # noqa: E402
 from opweave.costs.roofline import estimate  # noqa: E402

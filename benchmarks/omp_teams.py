@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from opweave import zoo
-    from opweave.backends.threads import cores
+    from opweave.cores import cores
 
     model, inputs = zoo.create(args.model, batch_size=1)
     threads = torch.get_num_threads()

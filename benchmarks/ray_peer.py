@@ -141,7 +141,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from opweave.backends.threads import cores
+    from opweave.cores import cores
     from opweave.serve.assemble import parse_image_size
 
     models = args.models.split(",")

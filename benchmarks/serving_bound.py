@@ -73,7 +73,7 @@ def main() -> None:
     import torch
 
     from opweave import zoo
-    from opweave.backends.threads import cores
+    from opweave.cores import cores
 
     n = cores()
     models = common.split_names(args.models, ("inception_v3", "resnet50", "squeezenet"), "model") or [

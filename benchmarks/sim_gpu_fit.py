@@ -6,7 +6,7 @@
 Every unfused ``opweave <scheduler>`` row of the GPU benchmark's result files (default
 ``results/gpu_latency_h200_b1_fp32.json``) is predicted by the shipped device (:mod:`opweave.costs.calibrated`,
 what ``opweave simulate --preset h200 --cost-model gpu`` replays): the model captured one op per fx node, scheduled
-on the fitted op times, replayed as one CUDA Graph call (:func:`opweave.pipeline.calibrate.predict`). With
+on the fitted op times, replayed as one CUDA Graph call (:func:`opweave.costs.calibrate.predict`). With
 ``--report`` (the file ``opweave calibrate --report`` writes) the leave-one-model-out predictions are plotted too.
 ``--quick``: googlenet's rows only.
 
@@ -29,8 +29,9 @@ from pathlib import Path
 
 import _common as common
 
+from opweave.costs import calibrate as fit
 from opweave.costs import calibrated
-from opweave.pipeline import calibrate as fit
+from opweave.pipeline.choose import replay
 
 DEFAULT_RESULTS = common.RESULTS_DIR / "gpu_latency_h200_b1_fp32.json"
 MARKERS = "osD^v<>pXh*"
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         rows = [r for r in rows if r.model == "googlenet"]
     dev = calibrated.device("h200")
-    predicted = fit.predict(rows, fit.prepare(rows, dev), dev)
+    rows_replay = replay()
+    predicted = fit.predict(rows, fit.prepare(rows, dev, rows_replay), dev, rows_replay)
     held = {}
     if args.report:
         report = json.loads(args.report.read_text())

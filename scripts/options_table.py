@@ -11,7 +11,7 @@ from pathlib import Path
 from opweave.pipeline.options import options_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
-TABLE = re.compile(r"\| option \| meaning \| devices \| default \|\n(?:\|.*\|\n)+")
+TABLE = re.compile(r"\| option \| meaning \| devices \| default \|[^\n]*\n(?:\|.*\|\n)+")
 
 for doc in ("README.md", "docs/design.md"):
     path = ROOT / doc

@@ -1,7 +1,7 @@
 """For the CUDA tests: the runtime they run against, as the fixture ``rt`` (import it into a test module).
 
 Where a GPU is present, ``torch.cuda`` itself (:data:`opweave.backends.runtime.CUDA`); elsewhere a fake CUDA runtime
-on the CPU (:class:`opweave.backends.fakecuda.FakeCuda`), a new one per test with a new seed, printed with the test's
+on the CPU (:class:`opweave.testing.fakecuda.FakeCuda`), a new one per test with a new seed, printed with the test's
 output so that a failure can be replayed (``OPWEAVE_FAKECUDA_SEED=<seed> pytest ...``). The parameter names the
 runtime in the test's id (``[cuda]`` or ``[fake]``). ``ON_GPU`` says which; ``DEVICE`` is where the tests put models
 and inputs; ``needs_gpu(reason)`` skips a test that measures the device itself. Imports nothing from the test suite
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opweave.backends.fakecuda import SEED_ENV, FakeCuda
 from opweave.backends.runtime import CUDA
+from opweave.testing.fakecuda import SEED_ENV, FakeCuda
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if ON_GPU else FakeCuda.device  # (no index: importing this initializes no GPU)

@@ -90,7 +90,7 @@ def test_other_work_is_the_machine_s_busy_time_less_this_process_s(monkeypatch):
 
 def test_without_cpu_counters_a_load_average_above_half_the_cpus_is_busy(monkeypatch):
     monkeypatch.setattr(bench, "_machine_cpu_s", lambda: None)
-    monkeypatch.setattr(bench.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(bench, "cores", lambda: 4)
     for load, busy in ((1.9, False), (2.1, True)):
         monkeypatch.setattr(bench, "load_average", lambda load=load: [load, load, load])
         with bench.OtherWork() as other:

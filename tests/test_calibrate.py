@@ -13,13 +13,13 @@ from typer.testing import CliRunner
 
 from opweave.backends.simulate import simulate
 from opweave.cli import app
+from opweave.costs import calibrate as fit
 from opweave.costs import calibrated, from_graph
 from opweave.costs.calibrated import Device, OpClass
 from opweave.errors import UsageError
 from opweave.ir import Edge, Op, OpGraph
 from opweave.ir.synth import random_dag
-from opweave.pipeline import calibrate as fit
-from opweave.pipeline.choose import choose, sync_options
+from opweave.pipeline.choose import benchmark_graph, choose, replay, sync_options
 from opweave.plan.make import plan_for, validated_plan
 from opweave.schedulers.schedule import Schedule
 
@@ -100,7 +100,7 @@ def test_half_precision_and_bigger_batches_cost_what_the_datasheet_says(h200):
 
 def test_the_trace_fit_reproduces_googlenets_op_times_and_kernels(h200):
     trace = json.load(gzip.open(DATA / "googlenet-trace.json.gz", "rt"))
-    graph = fit.graph_for("googlenet", 1)
+    graph = benchmark_graph("googlenet", 1)
     dev = fit.fit_classes(graph, trace, h200)
     errors = fit.class_errors(graph, trace, dev)
     assert sum(e["kernels_measured"] for e in errors.values()) == pytest.approx(
@@ -132,11 +132,11 @@ def synthetic_configs(seed: int = 0):
 def test_the_call_fit_recovers_a_synthetic_device_whose_parameters_are_known(h200):
     truth = replace(h200, kernel_gap_us=0.6, dispatch_us=1.2, event_wait_us=2.5, call_us=30.0, concurrency=2.0)
     rows, configs = synthetic_configs()
-    rows = [replace(r, measured_ms=ms) for r, ms in zip(rows, fit.predict(rows, configs, truth), strict=True)]
+    rows = [replace(r, measured_ms=ms) for r, ms in zip(rows, fit.predict(rows, configs, truth, replay()), strict=True)]
     start = replace(h200, kernel_gap_us=1.0, dispatch_us=0.5, event_wait_us=1.0, call_us=60.0, concurrency=1.0)
-    assert fit.summary(rows, fit.predict(rows, configs, start))["mean_error"] > 0.1
-    fitted = fit.fit_call(rows, configs, start, iterations=100, restarts=2)
-    assert fit.summary(rows, fit.predict(rows, configs, fitted))["mean_error"] < 0.01
+    assert fit.summary(rows, fit.predict(rows, configs, start, replay()))["mean_error"] > 0.1
+    fitted = fit.fit_call(rows, configs, start, replay(), iterations=100, restarts=2)
+    assert fit.summary(rows, fit.predict(rows, configs, fitted, replay()))["mean_error"] < 0.01
     for name in fit.CALL_PARAMS:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
 

@@ -183,9 +183,9 @@ def test_the_cpu_target_runs_a_validated_plan_fused_or_not():
     assert validated_plan(captured.graph, sched).instrs == plan.instrs
     with torch.inference_mode():
         reference = model(*inputs)
-        with CpuTarget().runnable(captured, plan, inputs, resolve("cpu"), costs) as fast:
+        with CpuTarget().runnable(captured, sched, plan, inputs, resolve("cpu"), costs) as fast:
             assert fast.fused is None and compare(reference, fast(*inputs)).max_diff < 1e-5
-        with CpuTarget().runnable(captured, plan, inputs, resolve("cpu", compiler="eager"), costs) as fast:
+        with CpuTarget().runnable(captured, sched, plan, inputs, resolve("cpu", compiler="eager"), costs) as fast:
             assert fast.fused.stats["segments"] == fast.fused.stats["compiles"] == len(segment_groups(plan)) > 1
             assert compare(reference, fast(*inputs)).max_diff < 1e-5
 

@@ -929,7 +929,7 @@ def test_benchmark_counts_the_weights_a_compiled_model_copies():
     folded weights (28 and 94 MB held at batch 8 fp32, against 23 and 83 MB of copies counted here at full size):
     coarsening folds each BatchNorm into a copy of its convolution, which the benchmark's memory figures counted
     against modes that read the model's own weights. Each mode's copies are now a figure of their own."""
-    from opweave.backends.fakecuda import FakeCuda
+    from opweave.testing.fakecuda import FakeCuda
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1)).eval()

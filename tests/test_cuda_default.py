@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import opweave
-from opweave.backends.fakecuda import FakeCuda
 from opweave.capture import capture, coarsen
 from opweave.outputs import compare
 from opweave.pipeline.choose import choose
 from opweave.pipeline.targets import fitted_device
+from opweave.testing.fakecuda import FakeCuda
 
 
 class Wide(nn.Module):
@@ -212,7 +212,8 @@ def test_one_cuda_build_runs_the_model_on_fake_tensors_once(monkeypatch):
     """The memory pass of every candidate plan and the backend's release plan for the example inputs share one run
     on fake tensors, and one one-stream plan: the first two candidates are said to be over the cap here, so three
     plans go through the memory pass before the backend plans its releases."""
-    from opweave.pipeline import memory, targets
+    from opweave.pipeline import memory_pass as pass_module
+    from opweave.pipeline import targets
 
     sequential, seen = [], []
 
@@ -226,10 +227,10 @@ def test_one_cuda_build_runs_the_model_on_fake_tensors_once(monkeypatch):
             sequential.append(kwargs)
         return real_plan_for(graph, costs, scheduler, **kwargs)
 
-    real, real_plan_for = targets.memory_pass, memory.plan_for
+    real, real_plan_for = targets.memory_pass, pass_module.plan_for
     modes = fake_runs(monkeypatch)
     monkeypatch.setattr(targets, "memory_pass", memory_pass)
-    monkeypatch.setattr(memory, "plan_for", plan_for)
+    monkeypatch.setattr(pass_module, "plan_for", plan_for)
     monkeypatch.setattr(targets, "PICK_TOLERANCE", 100.0)  # every plan is within it
     model, inputs = wide()
     runtime = FakeCuda(seed=5)

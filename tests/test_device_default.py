@@ -10,7 +10,7 @@ import opweave
 from opweave.api import device_of
 from opweave.backends.cpu import CpuBackend
 from opweave.backends.cuda import CudaBackend
-from opweave.backends.fakecuda import FakeCuda
+from opweave.testing.fakecuda import FakeCuda
 
 
 class Fork(nn.Module):

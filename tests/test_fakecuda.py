@@ -1,4 +1,4 @@
-"""The fake CUDA runtime (:mod:`opweave.backends.fakecuda`): what it models, and that the CUDA backend's ordering
+"""The fake CUDA runtime (:mod:`opweave.testing.fakecuda`): what it models, and that the CUDA backend's ordering
 bugs give wrong outputs on it.
 
 The runtime: work runs only when observed, in an order that respects each stream's FIFO order and the waits (a wait
@@ -24,7 +24,6 @@ from torch import nn
 from opweave import zoo
 from opweave.backends import cuda as cuda_backend
 from opweave.backends.cuda import CudaBackend
-from opweave.backends.fakecuda import SEED_ENV, FakeCuda, default_seed
 from opweave.backends.program import Program
 from opweave.backends.streams import TORCH_POOL, CudaLanes
 from opweave.capture import capture, coarsen
@@ -32,7 +31,8 @@ from opweave.costs.roofline import estimate
 from opweave.errors import PlanError
 from opweave.outputs import compare
 from opweave.pipeline import plan_for
-from opweave.plan import memory
+from opweave.plan import lifetimes
+from opweave.testing.fakecuda import SEED_ENV, FakeCuda, default_seed
 
 SEEDS = range(32)  # where a bug may or may not show in one interleaving: the seeds tried, in order
 
@@ -296,8 +296,8 @@ def early_releases(program: Program, buffers: list) -> dict:
     """The plan's release points with one buffer that another lane reads released too early: at the first
     instruction of its allocating lane issued after every op that uses it, but before the earliest point that the
     plan's waits order after those uses (the memory pass's point; none: the buffer was kept to the end)."""
-    releases = memory.release_points(program.plan, buffers)
-    line = memory.timeline(program.plan)
+    releases = lifetimes.release_points(program.plan, buffers)
+    line = lifetimes.timeline(program.plan)
     safe = {name: at for at, names in releases.items() for name in names}
     for buffer in buffers:
         lane = buffer.alloc_lane
@@ -327,5 +327,5 @@ def test_a_buffer_released_too_early_is_refused_and_gives_a_wrong_output(monkeyp
         program, buffers, early_releases(program, buffers)))
     with pytest.raises(PlanError, match=r"buffer '\w+' is released after instruction \d+ .* before its use by op"):
         right_on_seeds(cap, plan, inputs, expected, [0], cudagraphs)
-    monkeypatch.setattr(memory, "validate_releases", lambda *args, **kwargs: None)
+    monkeypatch.setattr(lifetimes, "validate_releases", lambda *args, **kwargs: None)
     assert first_wrong_seed(cap, plan, inputs, expected, cudagraphs) is not None

@@ -294,7 +294,7 @@ def test_the_cuda_backend_compiles_every_segment_before_the_first_call(cudagraph
     """On the fake CUDA runtime: building compiles every segment, with graphs (the capture's warm-ups) and without
     (a run of the example when the backend is made), so no first call pays for a compile. (Without graphs no
     segment was compiled before a call: found on an H200.)"""
-    from opweave.backends.fakecuda import FakeCuda
+    from opweave.testing.fakecuda import FakeCuda
 
     model, x = TwoBranches(), (torch.randn(4, 8), torch.eye(3) * 2)
     runtime = FakeCuda(seed=0)

@@ -14,11 +14,13 @@ from opweave import zoo
 from opweave.backends.cpu import CpuBackend
 from opweave.backends.lanecode import code_of
 from opweave.backends.simulate import simulate
-from opweave.backends.threads import budgets, enter_budget, op_threads, restore_default
+from opweave.backends.threads import budgets, enter_budget
 from opweave.capture import capture
+from opweave.cores import intra_op_threads
 from opweave.costs.roofline import estimate
 from opweave.outputs import compare
 from opweave.pipeline import plan_for
+from opweave.pipeline.thread_budgets import op_threads
 
 _seen: dict[str, weakref.ref] = {}
 _alive_at_probe: list[bool] = []
@@ -156,11 +158,11 @@ def test_a_worker_thread_count_is_its_own_and_does_not_leak_into_later_threads()
         enter_budget(1)
         seen["worker"] = torch.get_num_threads()
 
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
-    assert seen["worker"] == 1 and torch.get_num_threads() == caller
-    restore_default(caller)
+    with intra_op_threads():  # the worker's count set the process-wide default too: put back at the exit
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        assert seen["worker"] == 1 and torch.get_num_threads() == caller
     t = threading.Thread(target=lambda: seen.update(later=(torch.ones(64).sum(), torch.get_num_threads())[1]))
     t.start()
     t.join()

@@ -1,4 +1,4 @@
-"""The memory pass (:mod:`opweave.plan.memory`): release points, the memory validator and the added waits, on random
+"""The memory pass (:mod:`opweave.plan.lifetimes`): release points, the memory validator and the added waits, on random
 DAGs with random and real schedules.
 
 * the validator accepts every release the pass plans, and refuses each one moved one instruction earlier on its
@@ -23,7 +23,7 @@ from opweave.backends.simulate import makespan_ms, simulate
 from opweave.costs.model import from_graph
 from opweave.errors import PlanError
 from opweave.ir import Edge, Op, OpGraph
-from opweave.plan import Instr, LaunchPlan, memory
+from opweave.plan import Instr, LaunchPlan, lifetimes
 from opweave.plan.make import validated_plan
 from opweave.plan.validate import validate
 from opweave.schedulers.schedule import Schedule
@@ -60,7 +60,7 @@ def planned(draw, max_ops: int = 25):
         later = [o for o in graph.ids if position[o] > position[op]]
         extra = draw(st.sets(st.sampled_from(later), max_size=2)) if later else set()
         users = frozenset({op, *[v for v in graph.succs[op] if graph.edge[(op, v)].kind == "data"], *extra})
-        buffers.append(memory.Buffer(f"{op}_out", lane[op], users, (op,), draw(st.integers(1, 1000))))
+        buffers.append(lifetimes.Buffer(f"{op}_out", lane[op], users, (op,), draw(st.integers(1, 1000))))
     return graph, sched, plan, buffers
 
 
@@ -68,9 +68,9 @@ def planned(draw, max_ops: int = 25):
 @given(planned())
 def test_the_validator_accepts_the_planned_releases_and_refuses_any_one_step_earlier(case):
     graph, sched, plan, buffers = case
-    releases = memory.release_points(plan, buffers)
-    memory.validate_releases(plan, buffers, releases)
-    line = memory.timeline(plan)
+    releases = lifetimes.release_points(plan, buffers)
+    lifetimes.validate_releases(plan, buffers, releases)
+    line = lifetimes.timeline(plan)
     released = {name: at for at, names in releases.items() for name in names}
     for buf in buffers:
         if buf.name in released:
@@ -78,11 +78,11 @@ def test_the_validator_accepts_the_planned_releases_and_refuses_any_one_step_ear
             assert lane == buf.alloc_lane
             if position > 1:  # the mutation: one instruction earlier on the same lane
                 with pytest.raises(PlanError, match=rf"buffer '{buf.name}' .* before its use by op '\w+'"):
-                    memory.validate_releases(plan, buffers, _moved(releases, buf.name, (lane, position - 1)))
+                    lifetimes.validate_releases(plan, buffers, _moved(releases, buf.name, (lane, position - 1)))
         else:  # kept to the end: even the lane's last instruction is not ordered after every use
             last = (buf.alloc_lane, len(line.clocks[buf.alloc_lane]))
             with pytest.raises(PlanError, match=rf"buffer '{buf.name}'"):
-                memory.validate_releases(plan, buffers, _moved(releases, buf.name, last))
+                lifetimes.validate_releases(plan, buffers, _moved(releases, buf.name, last))
 
 
 def _moved(releases: dict, name: str, to: tuple) -> dict:
@@ -91,40 +91,40 @@ def _moved(releases: dict, name: str, to: tuple) -> dict:
     return out
 
 
-def two_lanes() -> tuple[LaunchPlan, list[memory.Buffer]]:
+def two_lanes() -> tuple[LaunchPlan, list[lifetimes.Buffer]]:
     """Stream 0 makes ``x``, stream 1 reads it in ``y`` after a wait; stream 0 then runs ``z`` and waits for ``y``."""
     plan = LaunchPlan([Instr(0, "launch", 0, op="x"), Instr(0, "record", 0, event=0),
                        Instr(0, "wait", 1, event=0), Instr(0, "launch", 1, op="y"), Instr(0, "record", 1, event=1),
                        Instr(0, "launch", 0, op="z"), Instr(0, "wait", 0, event=1)])
-    return plan, [memory.Buffer("x_out", (0, 0), frozenset({"x", "y"}), ("x",), 8),
-                  memory.Buffer("z_out", (0, 0), frozenset({"z"}), ("z",), 8)]
+    return plan, [lifetimes.Buffer("x_out", (0, 0), frozenset({"x", "y"}), ("x",), 8),
+                  lifetimes.Buffer("z_out", (0, 0), frozenset({"z"}), ("z",), 8)]
 
 
 def test_the_validator_names_the_buffer_and_the_op():
     plan, buffers = two_lanes()
-    releases = memory.release_points(plan, buffers)
+    releases = lifetimes.release_points(plan, buffers)
     assert releases == {((0, 0), 3): ["z_out"], ((0, 0), 4): ["x_out"]}  # after z; after the wait for y
-    memory.validate_releases(plan, buffers, releases)
+    lifetimes.validate_releases(plan, buffers, releases)
     early = {((0, 0), 1): ["x_out"]}  # right after x, while y may still read it
     with pytest.raises(PlanError, match=r"buffer 'x_out' is released after instruction 0 \(device 0 stream 0\) "
                                         r"before its use by op 'y' \(device 0 stream 1\)"):
-        memory.validate_releases(plan, buffers, early)
+        lifetimes.validate_releases(plan, buffers, early)
     with pytest.raises(PlanError, match="buffer 'x_out' is released on device 0 stream 1, not on the stream"):
-        memory.validate_releases(plan, buffers, {((0, 1), 3): ["x_out"]})
+        lifetimes.validate_releases(plan, buffers, {((0, 1), 3): ["x_out"]})
     with pytest.raises(PlanError, match="buffer 'x_out' is released twice"):
-        memory.validate_releases(plan, buffers, {((0, 0), 4): ["x_out"], ((0, 0), 5): ["x_out"]})
+        lifetimes.validate_releases(plan, buffers, {((0, 0), 4): ["x_out"], ((0, 0), 5): ["x_out"]})
     with pytest.raises(PlanError, match="unknown buffer 'w'"):
-        memory.validate_releases(plan, buffers, {((0, 0), 4): ["w"]})
+        lifetimes.validate_releases(plan, buffers, {((0, 0), 4): ["w"]})
     with pytest.raises(PlanError, match="position 9 .* which has 4 instructions"):
-        memory.validate_releases(plan, buffers, {((0, 0), 9): ["x_out"]})
+        lifetimes.validate_releases(plan, buffers, {((0, 0), 9): ["x_out"]})
 
 
 def test_live_bytes_counts_a_buffer_from_its_op_to_its_release():
     plan, buffers = two_lanes()
-    curve = memory.live_bytes(plan, buffers, memory.release_points(plan, buffers))
+    curve = lifetimes.live_bytes(plan, buffers, lifetimes.release_points(plan, buffers))
     # x allocated at 0, z at 5 and freed right after it (its only use), x after the wait at 6 (the last)
     assert curve == [8, 8, 8, 8, 8, 16, 8]
-    assert memory.live_bytes(plan, buffers, {}) == [8, 8, 8, 8, 8, 16, 16]  # kept to the end
+    assert lifetimes.live_bytes(plan, buffers, {}) == [8, 8, 8, 8, 8, 16, 16]  # kept to the end
 
 
 def fork_and_join() -> tuple[OpGraph, Schedule]:
@@ -142,17 +142,17 @@ def test_an_added_wait_frees_a_buffer_before_the_peak_at_no_cost():
     output before ``d`` allocates, and delays nothing."""
     graph, sched = fork_and_join()
     plan = validated_plan(graph, sched)
-    buffers = [memory.Buffer(f"{o}_out", (0, sched.stream_of[o]), frozenset({o, *graph.succs[o]}), (o,), 100)
+    buffers = [lifetimes.Buffer(f"{o}_out", (0, sched.stream_of[o]), frozenset({o, *graph.succs[o]}), (o,), 100)
                for o in graph.ids]
     costs = from_graph(graph)
     replay = simulate(graph, plan, costs)
-    before = memory.live_bytes(plan, buffers, memory.release_points(plan, buffers))
-    joined, added = memory.free_joins(plan, buffers, replay.start_ms, replay.finish_ms)
+    before = lifetimes.live_bytes(plan, buffers, lifetimes.release_points(plan, buffers))
+    joined, added = lifetimes.free_joins(plan, buffers, replay.start_ms, replay.finish_ms)
     assert added == 1
     validate(graph, joined, sched)
-    releases = memory.release_points(joined, buffers)
-    memory.validate_releases(joined, buffers, releases)
-    after = memory.live_bytes(joined, buffers, releases)
+    releases = lifetimes.release_points(joined, buffers)
+    lifetimes.validate_releases(joined, buffers, releases)
+    after = lifetimes.live_bytes(joined, buffers, releases)
     assert max(before) == 400 and max(after) == 300  # at d: a, b, c, d; then b, c, d
     assert makespan_ms(graph, joined, costs) == replay.makespan_ms
     d = next(i for i, ins in enumerate(joined.instrs) if ins.op == "d")
@@ -166,10 +166,10 @@ def test_no_wait_is_added_where_it_would_not_be_free():
     graph, sched = fork_and_join()
     graph.op["b"].latency_ms = 7
     plan = validated_plan(graph, sched)
-    buffers = [memory.Buffer(f"{o}_out", (0, sched.stream_of[o]), frozenset({o, *graph.succs[o]}), (o,), 100)
+    buffers = [lifetimes.Buffer(f"{o}_out", (0, sched.stream_of[o]), frozenset({o, *graph.succs[o]}), (o,), 100)
                for o in graph.ids]
     replay = simulate(graph, plan, from_graph(graph))
-    assert memory.free_joins(plan, buffers, replay.start_ms, replay.finish_ms) == (plan, 0)
+    assert lifetimes.free_joins(plan, buffers, replay.start_ms, replay.finish_ms) == (plan, 0)
 
 
 @settings(max_examples=150, deadline=None)
@@ -178,7 +178,7 @@ def test_added_waits_keep_the_plan_valid_lower_the_peak_and_cost_nothing(case, s
     graph, sched, plan, buffers = case
     costs = from_graph(graph)
     replay = simulate(graph, plan, costs)
-    joined, added = memory.free_joins(plan, buffers, replay.start_ms, replay.finish_ms, slack_ms=slack_ms,
+    joined, added = lifetimes.free_joins(plan, buffers, replay.start_ms, replay.finish_ms, slack_ms=slack_ms,
                                       max_waits=4)
     if not added:
         assert joined is plan
@@ -186,10 +186,10 @@ def test_added_waits_keep_the_plan_valid_lower_the_peak_and_cost_nothing(case, s
     assert sum(i.kind == "wait" for i in joined.instrs) == plan.syncs + added
     validate(graph, joined, sched)  # every dependency still ordered, stages included
     Program.from_plan(joined)  # every wait pairs with a record issued before it
-    releases = memory.release_points(joined, buffers)
-    memory.validate_releases(joined, buffers, releases)
-    old = memory.live_bytes(plan, buffers, memory.release_points(plan, buffers))
-    assert max(memory.live_bytes(joined, buffers, releases)) <= max(old)
+    releases = lifetimes.release_points(joined, buffers)
+    lifetimes.validate_releases(joined, buffers, releases)
+    old = lifetimes.live_bytes(plan, buffers, lifetimes.release_points(plan, buffers))
+    assert max(lifetimes.live_bytes(joined, buffers, releases)) <= max(old)
     assert makespan_ms(graph, joined, costs) <= replay.makespan_ms + 1e-9  # free in the ideal replay
     assert [i for i in joined.instrs if i.kind == "launch"] == [i for i in plan.instrs if i.kind == "launch"]
 
@@ -201,22 +201,22 @@ def test_a_wait_over_the_cap_frees_a_buffer_within_the_budget_only():
     graph, sched = fork_and_join()
     graph.op["b"].latency_ms = 7
     plan = validated_plan(graph, sched)
-    buffers = [memory.Buffer(f"{o}_out", (0, sched.stream_of[o]), frozenset({o, *graph.succs[o]}), (o,), 100)
+    buffers = [lifetimes.Buffer(f"{o}_out", (0, sched.stream_of[o]), frozenset({o, *graph.succs[o]}), (o,), 100)
                for o in graph.ids]
     costs = from_graph(graph)
     base = makespan_ms(graph, plan, costs)
-    assert base == 10 and memory.planned_peak(plan, buffers) == 400
+    assert base == 10 and lifetimes.planned_peak(plan, buffers) == 400
 
     def within(share):
         return lambda p: makespan_ms(graph, p, costs) <= base * (1 + share)
 
-    assert memory.capped_joins(plan, buffers, 300, accept=within(0.01)) == (plan, 0)
-    assert memory.capped_joins(plan, buffers, 400, accept=within(1.0)) == (plan, 0)
-    joined, added = memory.capped_joins(plan, buffers, 300, accept=within(0.3))
-    assert added == 1 and memory.planned_peak(joined, buffers) == 300
+    assert lifetimes.capped_joins(plan, buffers, 300, accept=within(0.01)) == (plan, 0)
+    assert lifetimes.capped_joins(plan, buffers, 400, accept=within(1.0)) == (plan, 0)
+    joined, added = lifetimes.capped_joins(plan, buffers, 300, accept=within(0.3))
+    assert added == 1 and lifetimes.planned_peak(joined, buffers) == 300
     assert makespan_ms(graph, joined, costs) == 13
     validate(graph, joined, sched)
-    memory.validate_releases(joined, buffers, memory.release_points(joined, buffers))
+    lifetimes.validate_releases(joined, buffers, lifetimes.release_points(joined, buffers))
     d = next(i for i, ins in enumerate(joined.instrs) if ins.op == "d")
     assert joined.instrs[d - 1].kind == "wait" and joined.instrs[d - 1].stream == 0  # right before d
 
@@ -227,9 +227,9 @@ def test_waits_over_the_cap_keep_the_plan_valid_lower_the_peak_and_stay_in_the_b
     graph, sched, plan, buffers = case
     costs = from_graph(graph)
     base = makespan_ms(graph, plan, costs)
-    peak = memory.planned_peak(plan, buffers)
+    peak = lifetimes.planned_peak(plan, buffers)
     cap = int(share * peak)
-    joined, added = memory.capped_joins(plan, buffers, cap, max_waits=4,
+    joined, added = lifetimes.capped_joins(plan, buffers, cap, max_waits=4,
                                         accept=lambda p: makespan_ms(graph, p, costs) <= base * (1 + budget))
     if not added:
         assert joined is plan
@@ -238,8 +238,8 @@ def test_waits_over_the_cap_keep_the_plan_valid_lower_the_peak_and_stay_in_the_b
     assert joined.syncs == plan.syncs + added
     validate(graph, joined, sched)  # every dependency still ordered, stages included
     Program.from_plan(joined)  # every wait pairs with a record issued before it
-    releases = memory.release_points(joined, buffers)
-    memory.validate_releases(joined, buffers, releases)
-    assert max(memory.live_bytes(joined, buffers, releases)) <= peak
+    releases = lifetimes.release_points(joined, buffers)
+    lifetimes.validate_releases(joined, buffers, releases)
+    assert max(lifetimes.live_bytes(joined, buffers, releases)) <= peak
     assert makespan_ms(graph, joined, costs) <= base * (1 + budget)  # the budget, in the replay
     assert [i for i in joined.instrs if i.kind == "launch"] == [i for i in plan.instrs if i.kind == "launch"]

@@ -13,12 +13,12 @@ from typer.testing import CliRunner
 
 import opweave
 import opweave.dynamo
-from opweave.backends.fakecuda import FakeCuda
 from opweave.backends.ortgraph import OrtLanes
 from opweave.costs.profile import profile_model
 from opweave.costs.roofline import estimate
 from opweave.errors import DeviceError, UsageError
 from opweave.pipeline import OPTIONS, Options, autotune, mode_options, option_table, parse_option, resolve
+from opweave.testing.fakecuda import FakeCuda
 
 
 class Tiny(nn.Module):
@@ -204,7 +204,7 @@ def test_compile_uses_or_refuses_every_option_on_the_cpu(made):
 
 
 def test_compile_uses_or_refuses_every_option_on_cuda_through_the_fake_runtime(made):
-    """The CUDA door for real, on the CPU: the fake CUDA runtime (opweave.backends.fakecuda) runs the CUDA target's
+    """The CUDA door for real, on the CPU: the fake CUDA runtime (opweave.testing.fakecuda) runs the CUDA target's
     plans, graphs and streams; ranks are left out (no GPU to give each rank)."""
     model, inputs, coarse, path = made
     samples = {k: v for k, v in _samples(coarse.graph, path).items() if k not in ("devices", "profile")}
@@ -274,7 +274,8 @@ def test_the_cli_takes_every_option_with_the_same_outcome(made, tmp_path):
             assert all(row.get("ok", True) for row in json.loads(result.stdout)["rows"]), key
 
 
-SERVED = {"cpu": {"scheduler", "streams", "cost_model", "coarsen", "compiler", "scheduler_options", "threads"},
+SERVED = {"cpu": {"scheduler", "streams", "cost_model", "coarsen", "compiler", "scheduler_options", "threads",
+                  "cache_size"},
           "cuda": {"scheduler", "streams", "cost_model", "coarsen", "compiler", "scheduler_options", "cudagraphs",
                    "capture_fallback", "cache_size", "warmup", "runtime"},
           "sim": {"scheduler", "streams", "cost_model", "coarsen", "scheduler_options"}}
@@ -445,7 +446,7 @@ def test_every_option_through_every_way_in_is_used_or_refused_before_a_model_loa
             "bench", "--model-file", program, "--device", "cpu", "--json", "--schedulers", scheduler,
             *(["--option", "devices=2"] if with_ranks else []), *option])
         attempt("serve", key, value, runner.invoke, app, [
-            "serve", "--model-file", f"tiny={program}", "--compiler", "none", "--port", "0", *option])
+            "serve", "--model-file", f"tiny={program}", "--port", "0", *option])
         attempt("run", key, value, runner.invoke, app, [
             "run", "--model", "tiny", "--devices", "2" if with_ranks else "1", "--json", *option])
         attempt("ray", key, value, lambda options: Replica(ReplicaOptions(
@@ -461,7 +462,7 @@ def test_every_option_through_every_way_in_is_used_or_refused_before_a_model_loa
     assert used["bench"] == every - CUDA_ONLY - {"costs", "scheduler"}
     assert used["run"] == every - CUDA_ONLY - {"costs", "devices"}
     assert used["serve"] == used["ray"] == {"scheduler", "streams", "cost_model", "coarsen", "compiler",
-                                            "scheduler_options", "threads"}
+                                            "scheduler_options", "threads", "cache_size"}
 
 
 def test_the_ray_deployment_refuses_an_option_before_ray_starts():
@@ -471,3 +472,142 @@ def test_the_ray_deployment_refuses_an_option_before_ray_starts():
     with pytest.raises(UsageError, match="option 'devices' does not apply to serving"):
         deploy(ReplicaOptions(models=["squeezenet"], options={"devices": 2}))
     assert not ray.is_initialized()
+
+
+# ---- resolved once at each door, handed down resolved ------------------------------------------------------------
+def test_derived_options_are_checked_and_keep_the_request():
+    """What a target, a search or a server derives from resolved options goes through ``Options.derive``, which
+    checks what it changes as ``resolve`` checks a value; ``Options.replace`` changed fields unchecked."""
+    from opweave.backends.compilers import available
+
+    options = resolve("cpu", scheduler="lios")
+    assert not hasattr(options, "replace")
+    with pytest.raises(UsageError, match="option 'streams' must be an integer >= 1"):
+        options.derive(streams=0)
+    with pytest.raises(UsageError, match="unknown option 'bogus'"):
+        options.derive(bogus=1)
+    with pytest.raises(UsageError, match="option 'warmup' applies to device='cuda' only"):
+        options.derive(warmup=1)
+    derived = options.derive(scheduler="sequential", streams=1, guard=False)
+    assert (derived.scheduler, derived.streams, derived.guard, derived.given) == ("sequential", 1, False,
+                                                                                 options.given)
+    served = resolve("cpu", serving="cpu")  # a server's blocks as ops of a plan: no compiler of the plan's own
+    assert served.compiler == ("onnxruntime" if "onnxruntime" in available() else None)
+    assert served.derive(compiler=None).compiler is None
+
+
+def test_the_cpu_default_guard_is_decided_when_the_options_are_resolved():
+    assert resolve("cpu").guard and resolve("cpu", threads=2).guard
+    assert not any(resolve("cpu", **{key: value}).guard for key, value in
+                   (("scheduler", "heft"), ("streams", 2), ("compiler", "eager"), ("graph", "onnxruntime")))
+    assert resolve("cpu", compiler="none").guard  # no compiler, asked for: the plan is still the default's
+    assert not resolve("cuda", check_device=False).guard and not resolve("cpu", devices=2).guard
+    assert not resolve("cpu", serving="cpu").guard and not resolve("cpu", "max-autotune").guard
+
+
+def test_the_serving_preset_is_in_the_options_table_and_refuses_with_the_reason():
+    from opweave.pipeline.options import serving_preset
+    from opweave.serve.assemble import serving_options
+
+    rows = {row["name"]: row["served"] for row in option_table()}
+    assert rows["scheduler"].startswith("lios") and rows["coarsen"].startswith("false only")
+    assert rows["costs"].startswith("refused") and "onnxruntime" in rows["compiler"]
+    assert serving_preset("sim")["cost_model"] == "gpu" and serving_preset("cuda")["scheduler"] == "lios"
+    assert serving_options("cuda", runtime=FakeCuda(seed=0)).cache_size == 64
+    assert serving_options("cpu", compiler="none").compiler is None
+    assert serving_options("cpu", compiler="none").scheduler == "lios"  # TOP's combined op graphs
+    assert serving_options("cpu", compiler="eager").scheduler == "heft"
+    assert serving_options("cuda", mode="reduce-overhead").cudagraphs
+    with pytest.raises(UsageError, match="mode='max-autotune' does not apply to serving: a server builds a plan"):
+        serving_options("cpu", mode="max-autotune")
+    with pytest.raises(UsageError, match="option 'coarsen' does not apply to serving on cpu: blocks are cut"):
+        serving_options("cpu", coarsen=True)
+    assert not serving_options("cpu", coarsen=False).coarsen
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "max-autotune-no-cudagraphs"])
+def test_serve_takes_a_mode_or_refuses_it_with_the_reason_not_as_an_unknown_option(mode):
+    """``mode`` was an unknown option to ``opweave serve``; it is the same preset as elsewhere, given as ``--mode`` or
+    ``--option mode=...``, refused before any model loads where a server cannot honour it."""
+    from opweave.cli import app
+
+    runner = CliRunner()
+    for flags in (["--option", f"mode={mode}"], ["--mode", mode]):
+        result = runner.invoke(app, ["serve", "--models", "squeezenet", "--port", "0", *flags])
+        assert result.exit_code == 2, result.output
+        assert f"mode={mode!r} does not apply to serving" in result.output and "unknown option" not in result.output
+    result = runner.invoke(app, ["serve", "--models", "squeezenet", "--port", "0", "--mode", "reduce-overhead"])
+    assert result.exit_code == 2 and "records CUDA Graphs, which the CPU does not have" in result.output
+    result = runner.invoke(app, ["serve", "--models", "squeezenet", "--mode", "default", "--option", "mode=default"])
+    assert result.exit_code == 2 and "mode given both as --mode and with --option" in result.output
+
+
+def test_run_takes_a_mode_as_compile_does(ways_in):
+    from opweave.cli import app
+
+    seen, _, _ = ways_in
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", "--model", "tiny", "--devices", "1", "--json", "--option", "mode=default"])
+    assert isinstance(result.exception, Built) and seen["options"][-1].mode == "default", result.output
+    for devices in ("1", "2"):  # run plans over the devices it is given, a search chooses its own plan
+        result = runner.invoke(app, ["run", "--model", "tiny", "--devices", devices, "--mode", "max-autotune"])
+        assert result.exit_code == 2 and "mode='max-autotune' chooses the plan itself: give no 'devices'" in \
+            result.output and "unknown option" not in result.output
+
+
+def test_the_torch_compile_backend_resolves_a_graphs_options_once(monkeypatch):
+    """It resolved them three times per graph (once to check, once for fold_bn, once in opweave.compile), and found
+    the graph's device by a rule of its own."""
+    import opweave.pipeline
+
+    calls = []
+    real = opweave.pipeline.resolve
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(opweave.pipeline, "resolve", counting)
+    monkeypatch.setattr(opweave.api, "resolve", counting)
+    model, inputs = tiny()
+    with torch.no_grad():
+        graph = opweave.dynamo.opweave_backend(torch.fx.symbolic_trace(model), inputs,
+                                               options={"scheduler": "lios", "runtime": FakeCuda(seed=3)})
+    assert len(calls) == 1 and calls[0][0] == "cuda" and graph.compiled.options.scheduler == "lios"
+    assert graph.device == "cuda"
+
+
+def test_costs_with_transfer_times_of_their_own_keep_them_unless_a_link_is_given(made):
+    """Whether the link was given was asked below the door (the ranks' target read ``given``): now the link resolves
+    to none where the costs given carry transfer times, and the target uses the link whenever there is one."""
+    import dataclasses
+
+    from opweave.pipeline.targets import RanksTarget
+
+    _, inputs, coarse, _ = made
+    own = {(e.src, e.dst): 0.5 for e in coarse.graph.edges}
+    costs = dataclasses.replace(estimate(coarse.graph, "cpu", model="ideal"), edge_transfer_ms=own)
+    assert resolve("cpu", devices=2).link == "loopback"
+    kept = resolve("cpu", devices=2, costs=costs)
+    assert kept.link is None and RanksTarget().plan(coarse, inputs, kept)[0].edge_transfer_ms == own
+    linked = resolve("cpu", devices=2, costs=costs, link="pcie4")
+    assert RanksTarget().plan(coarse, inputs, linked)[0].edge_transfer_ms != own
+
+
+def test_a_ray_replica_receives_its_options_resolved(monkeypatch):
+    """Replicas got the raw dict and resolved it again on every ``threads``; the options are resolved once, where
+    the deployment is made, and travel resolved (picklable) to every replica."""
+    import dataclasses
+    import pickle
+
+    from opweave.serve import assemble
+    from opweave.serve.ray import ReplicaOptions
+
+    calls = []
+    real = assemble.serving_options
+    monkeypatch.setattr(assemble, "serving_options", lambda *a, **k: calls.append(1) or real(*a, **k))
+    options = ReplicaOptions(models=["squeezenet"], options={"scheduler": "lios"})
+    resolved = options.resolved()
+    shipped = pickle.loads(pickle.dumps(dataclasses.replace(options, options=resolved)))
+    assert len(calls) == 1
+    assert shipped.threads == 1 and shipped.resolved().scheduler == "lios" and len(calls) == 1

@@ -177,7 +177,8 @@ def test_session_budgets_follow_the_plan(lanes):
     lanes: each session on the smallest budget of its ops (lane_threads), its pool sleeping when it has more than
     one thread."""
     from opweave.backends.segments import segment_groups
-    from opweave.backends.threads import cores, lane_threads
+    from opweave.cores import cores
+    from opweave.pipeline.thread_budgets import lane_threads
 
     model, inputs = _model()
     fast = opweave.compile(model, inputs, device="cpu", scheduler="sequential" if lanes == 1 else "heft",

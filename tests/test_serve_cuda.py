@@ -8,8 +8,8 @@ from cuda_precision import fp32_math  # noqa: F401 - autouse: no TF32 in the CUD
 from cuda_runtime import DEVICE, rt  # noqa: F401 - rt: the runtime fixture
 from opweave.backends.cuda import default_streams
 from opweave.capture import capture
-from opweave.pipeline import resolve
 from opweave.serve import blocks, policies
+from opweave.serve.assemble import serving_options
 from opweave.serve.engine import Engine
 from opweave.serve.executors import CudaExecutor, Part, RealClock
 from serve_models import tiny
@@ -26,7 +26,7 @@ def on_device():
 
 def test_combined_blocks_are_recorded_once_per_signature_and_answer_like_eager(on_device, rt):  # noqa: F811
     model, bm = on_device
-    ex = CudaExecutor({"a": bm, "b": bm}, resolve("cuda", runtime=rt), cache_size=2)
+    ex = CudaExecutor({"a": bm, "b": bm}, serving_options("cuda", runtime=rt), cache_size=2)
     assert ex.streams == default_streams()  # capped as opweave.compile caps lanes (it had no cap)
     x, y = torch.randn(3, 3, 8, 8, device=DEVICE), torch.randn(2, 3, 8, 8, device=DEVICE)
     first = Part("a", 0, 3, (x,))
@@ -45,8 +45,8 @@ def test_combined_blocks_are_recorded_once_per_signature_and_answer_like_eager(o
 
 def test_engine_on_cuda_stacks_requests_without_mixing_them_up(on_device, rt):  # noqa: F811
     model, bm = on_device
-    eng = Engine(CudaExecutor({"a": bm}, resolve("cuda", runtime=rt)), policies.create("heuristic"), RealClock(),
-                 max_batch=4)
+    eng = Engine(CudaExecutor({"a": bm}, serving_options("cuda", runtime=rt)), policies.create("heuristic"),
+                 RealClock(), max_batch=4)
     inputs = [torch.randn(1, 3, 8, 8) for _ in range(12)]
     requests = [eng.submit("a", (x,)) for x in inputs]
     while eng.busy():
@@ -54,3 +54,24 @@ def test_engine_on_cuda_stacks_requests_without_mixing_them_up(on_device, rt):  
     with torch.no_grad():
         for r, x in zip(requests, inputs, strict=True):
             assert r.status == "done" and torch.allclose(r.output, model(x.to(DEVICE)).cpu(), atol=1e-4)
+
+
+def test_a_combined_block_is_planned_on_the_fitted_gpu_as_the_cuda_default_plans(rt, monkeypatch):  # noqa: F811
+    """The CUDA executor planned its combined blocks on roofline estimates; it builds them through the pipeline's
+    CUDA target, which plans on the fitted GPU's op times (the calibrated costs the CUDA default uses)."""
+    from opweave.costs import calibrated
+
+    planned = []
+    real = calibrated.costs
+
+    def fitted(graph, *args, **kwargs):
+        planned.append(graph.name)
+        return real(graph, *args, **kwargs)
+
+    monkeypatch.setattr(calibrated, "costs", fitted)
+    model, x = tiny()
+    model, x = model.to(DEVICE), tuple(t.to(DEVICE) for t in x)
+    bm = blocks.split(capture(model, x), x, name="a")
+    ex = CudaExecutor({"a": bm}, serving_options("cuda", runtime=rt))
+    ex.run([Part("a", 0, 1, ex.prepare("a", [x]))])
+    assert planned == ["a.b0x1"]

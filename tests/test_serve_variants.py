@@ -16,29 +16,31 @@ import torch
 
 from opweave.capture import capture
 from opweave.outputs import compare
-from opweave.pipeline import resolve
+from opweave.pipeline.signatures import bucket, rows
 from opweave.serve import blocks
-from opweave.serve.executors import CpuExecutor, Part, bucket
+from opweave.serve.assemble import serving_options
+from opweave.serve.executors import CpuExecutor, Part
 from serve_models import WAIT_S, tiny
 
 
 def tiny_executor(compiler: str, **options) -> tuple[CpuExecutor, blocks.BlockedModel]:
     model, x = tiny()
     blocked = blocks.split(capture(model, x), x, name="tiny")
-    return CpuExecutor({"tiny": blocked}, resolve("cpu", compiler=compiler, **options)), blocked
+    return CpuExecutor({"tiny": blocked}, serving_options("cpu", compiler=compiler, **options)), blocked
 
 
-def follows_its_weights(block, variants: dict[int, object]) -> bool:
-    """Whether every variant (batch -> function) computes with the block's weights as they are now: each
-    parameter scaled in place, each variant's answer compared with the block run eagerly, the weights put back."""
-    params = list(block.module.parameters())
+def follows_its_weights(blocked, index: int, variants: dict[int, object]) -> bool:
+    """Whether every variant (batch -> its compiled model) computes with block ``index``'s weights as they are now:
+    each parameter scaled in place, each variant's answer compared with the block run eagerly, the weights put
+    back."""
+    module = blocked.modules[index]
+    params = list(module.parameters())
     saved = [p.detach().clone() for p in params]
     try:
         with torch.no_grad():
             for p in params:
                 p.mul_(-1.5)
-            return all(compare(tuple(block.module(*block.blocked.example(block.block, n))),
-                               tuple(fn(*block.blocked.example(block.block, n))), tolerance=1e-4).ok
+            return all(compare(module(*blocked.example(index, n)), fn(*blocked.example(index, n)), tolerance=1e-4).ok
                        for n, fn in variants.items())
     finally:
         with torch.no_grad():
@@ -46,48 +48,70 @@ def follows_its_weights(block, variants: dict[int, object]) -> bool:
                 p.copy_(value)
 
 
-def test_two_onnxruntime_variants_of_a_block_read_the_same_weights():
+def sessions(compiled) -> list:
+    """The ONNX Runtime sessions (their :class:`~opweave.backends.compilers.OrtSegment` s) of a compiled model."""
+    return [c.fn for segment in compiled.fused._segments.values() for c in segment.compiled.values() if c]
+
+
+def test_two_onnxruntime_variants_of_a_block_read_the_same_weights(monkeypatch):
     pytest.importorskip("onnxruntime")
+    import opweave.pipeline.signatures
+
     ex, blocked = tiny_executor("onnxruntime")
-    block = ex.compiled_block("tiny", 1)  # pooling and the linear layer (whose operand ONNX Runtime would prepack)
-    block.dynamic = False  # as for a graph that baked its batch in: one variant per batch
-    one, two = block.build(None, 1), block.build(None, 2)
-    params = {name: p for name, p in block.module.named_parameters()}
+    # as for a graph that baked its batch in: its one session fails the check at another batch, one per batch
+    monkeypatch.setattr(opweave.pipeline.signatures, "takes_any_batch", lambda *args: False)
+    block = ex.block("tiny", 1)  # pooling and the linear layer (whose operand ONNX Runtime would prepack)
+    block.warm([blocked.example(1, 1)])
+    variants = block.sizes()
+    assert not block.compiled.any_batch and set(variants) == {1, 2}
+    (one,), (two,) = sessions(variants[1]), sessions(variants[2])
+    params = dict(blocked.modules[1].named_parameters())
     assert set(one.shared) == set(two.shared) == set(params)
     for name, p in params.items():  # one storage: the model's own parameter
         assert one.shared[name].data_ptr() == two.shared[name].data_ptr() == p.data_ptr()
-    assert follows_its_weights(block, {1: one, 2: two})  # the sessions compute with it, no copy
+    assert follows_its_weights(blocked, 1, variants)  # the sessions compute with it, no copy
+
+
+def test_a_block_whose_session_takes_any_batch_is_one_session():
+    pytest.importorskip("onnxruntime")
+    ex, blocked = tiny_executor("onnxruntime")
+    block = ex.block("tiny", 1)
+    x = torch.randn(5, *blocked.example(1, 1)[0].shape[1:])
+    with torch.no_grad():
+        assert compare(blocked.modules[1](x), block(x), tolerance=1e-4).ok
+    assert block.compiled.any_batch and len(sessions(block.compiled)) == 1 and not block.compiled.variants.built()
 
 
 def test_two_inductor_variants_of_a_block_read_the_same_weights():
     ex, blocked = tiny_executor("inductor", threads=1)
-    block = ex.compiled_block("tiny", 1)
-    assert block.dynamic is False
-    one, two = block.build(1, 1), block.build(1, 2)
-    assert follows_its_weights(block, {1: one, 2: two})  # unfrozen: the parameters are the module's
+    block = ex.block("tiny", 1, 1)
+    assert not block.compiled.any_batch
+    block.warm([blocked.example(1, 2)])
+    assert follows_its_weights(blocked, 1, block.sizes())  # unfrozen: the parameters are the module's
 
 
 def test_a_batch_first_asked_for_is_built_once_in_the_background_while_requests_run_on_what_is_built():
     ex, blocked = tiny_executor("eager", threads=1)  # one variant per batch, compiled in no time
     ex.warm_model("tiny", blocked, max_batch=8)
-    block = ex.compiled_block("tiny", 0)
-    assert set(block.compiled) == {(1, 1)}
+    block = ex.block("tiny", 0, 1)
+    assert set(block.sizes()) == {1} and set(ex.served_block("tiny", 0).compiled) == {1}
     release, compiles = threading.Event(), []
-    compile_now = block._compile
+    variants = block.compiled.variants
+    compile_now = variants._build
 
-    def held(threads, batch):
-        compiles.append((threads, batch))
+    def held(args):
+        compiles.append(rows(args))
         assert release.wait(WAIT_S)
-        return compile_now(threads, batch)
+        return compile_now(args)
 
-    block._compile = held
+    variants._build = held
     xs = [torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
     answers: list = [None] * len(xs)
 
     default = torch.get_num_threads()
 
     def ask(i: int) -> None:  # while the batch-4 variant waits to be built: three batch-1 runs
-        answers[i] = block.function(3, 1)(xs[i])[0]
+        answers[i] = block(xs[i])
 
     asking = [threading.Thread(target=ask, args=(i,)) for i in range(len(xs))]
     for t in asking:
@@ -97,17 +121,18 @@ def test_a_batch_first_asked_for_is_built_once_in_the_background_while_requests_
     with torch.no_grad():
         for x, got in zip(xs, answers, strict=True):
             assert compare(blocked.modules[0](x), got, tolerance=1e-4).ok
-    direct = [threading.Thread(target=block.build, args=(1, 4)) for _ in range(4)]  # and callers who build it now
+    direct = [threading.Thread(target=block.warm, args=([blocked.example(0, 4)],))  # and callers who build it now
+              for _ in range(4)]
     for t in direct:
         t.start()
     release.set()
     for t in direct:
         t.join(WAIT_S)
     assert ex.builder.wait(WAIT_S) and not ex.builder.failed
-    assert compiles == [(1, 4)] and block.builds == {(1, 1): 1, (1, 4): 1}
-    assert bucket(3) == 4 and set(block.function(3, 1).args[0]) == {1, 4}
+    assert compiles == [4] and variants.stats["builds"] == 1
+    assert bucket(3) == 4 and set(block.sizes()) == {1, 4}
     with torch.no_grad():  # now padded to 4
-        assert compare(blocked.modules[0](xs[0]), block.function(3, 1)(xs[0])[0], tolerance=1e-4).ok
+        assert compare(blocked.modules[0](xs[0]), block(xs[0]), tolerance=1e-4).ok
     counts: list[int] = []  # the builder's one thread left the process-wide default as it was
     later = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
     later.start()
@@ -116,7 +141,7 @@ def test_a_batch_first_asked_for_is_built_once_in_the_background_while_requests_
 
 
 def test_a_batch_larger_than_every_variant_runs_in_pieces_and_a_smaller_one_padded():
-    from opweave.serve.executors import _run_on
+    from opweave.pipeline.signatures import on_sizes
 
     calls: list[int] = []
 
@@ -125,9 +150,9 @@ def test_a_batch_larger_than_every_variant_runs_in_pieces_and_a_smaller_one_padd
         return (x * 2,)
 
     x = torch.arange(7.0).reshape(7, 1)
-    assert torch.equal(_run_on({2: double}, 7, x)[0], x * 2) and calls == [2, 2, 2, 2]
+    assert torch.equal(on_sizes({2: double}, (x,))[0], x * 2) and calls == [2, 2, 2, 2]
     calls.clear()
-    assert torch.equal(_run_on({2: double, 8: double}, 7, x)[0], x * 2) and calls == [8]
+    assert torch.equal(on_sizes({2: double, 8: double}, (x,))[0], x * 2) and calls == [8]
 
 
 def test_a_config_warms_its_batches_up_front_and_only_those(tmp_path):
@@ -139,10 +164,11 @@ def test_a_config_warms_its_batches_up_front_and_only_those(tmp_path):
     export(model, x, tmp_path, "tiny", max_batch=8)
     config = tmp_path / "tiny" / "config.pbtxt"
     config.write_text(config.read_text() + "model_warmup { name: \"four\" batch_size: 4 }\n")
-    engine = make_engine({}, device="cpu", options=resolve("cpu", compiler="eager", threads=1), max_batch=8)
+    engine = make_engine({}, device="cpu", options=serving_options("cpu", compiler="eager", threads=1), max_batch=8)
     repository = Repository(engine, {}, tmp_path, max_batch=8, control="explicit")
     repository.load("tiny")
-    built = {key for (name, _), b in engine.executor._blocks.items() if name == "tiny" for key in b.compiled}
+    built = {(threads, size) for (name, _), served in engine.executor._blocks.items() if name == "tiny"
+             for threads, block in served.compiled.items() for size in block.sizes()}
     assert built == {(1, 1), (1, 4)}
 
 
@@ -154,17 +180,18 @@ def test_an_unloaded_model_leaves_its_weights_and_sessions_behind_for_no_one(tmp
 
     model, x = tiny()
     export(model, x, tmp_path, "tiny", max_batch=4)
-    engine = make_engine({}, device="cpu", options=resolve("cpu", compiler="onnxruntime"), max_batch=4)
+    engine = make_engine({}, device="cpu", options=serving_options("cpu", compiler="onnxruntime"), max_batch=4)
     repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
     served = repository.load("tiny")
     ex = engine.executor
     inputs = {0: (torch.randn(3, 3, 8, 8),), 1: served.blocked.example(1, 3)}
     ex.run([Part("tiny", 0, 3, inputs[0])])  # one part alone
     ex.run([Part("tiny", 0, 3, inputs[0]), Part("tiny", 1, 3, inputs[1])])  # and a combination: a signature
-    sessions = [weakref.ref(fn.session) for (name, _), b in ex._blocks.items() if name == "tiny"
-                for fn in b.compiled.values()]
-    gone = [weakref.ref(served.blocked), *sessions]
-    assert sessions
+    made = [weakref.ref(segment.session) for (name, _), block in ex._blocks.items() if name == "tiny"
+            for batched in block.compiled.values() for compiled in batched.sizes().values()
+            for segment in sessions(compiled)]
+    gone = [weakref.ref(served.blocked), *made]
+    assert made
     del served
     repository.unload("tiny")  # no engine loop: the model is dropped at once
     assert [ref() for ref in gone] == [None] * len(gone)
@@ -188,7 +215,7 @@ def test_a_reload_builds_the_new_version_beside_the_old_which_answers_with_its_o
 
     (old, x), (new, _) = tiny(seed=0), tiny(seed=1)
     export(old, x, tmp_path, "tiny", max_batch=4)
-    engine = make_engine({}, device="cpu", options=resolve("cpu", compiler="onnxruntime"), max_batch=4)
+    engine = make_engine({}, device="cpu", options=serving_options("cpu", compiler="onnxruntime"), max_batch=4)
     repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
     repository.load("tiny")
     export(new, x, tmp_path, "tiny", version=2, max_batch=4, force=True)
@@ -201,7 +228,7 @@ def test_a_reload_builds_the_new_version_beside_the_old_which_answers_with_its_o
 
     engine.remove_model = answer_then_remove
     served = repository.load("tiny")
-    blocks_now = [engine.executor.compiled_block("tiny", b) for b in range(len(served.blocked.blocks))]
+    blocks_now = [engine.executor.served_block("tiny", b) for b in range(len(served.blocked.blocks))]
     assert all(b.blocked is served.blocked and b.compiled for b in blocks_now)  # built by the load, before serving
     answers["new"] = run_through(engine.executor, "tiny", probe)
     with torch.no_grad():
@@ -217,7 +244,7 @@ def test_the_sessions_of_every_block_of_every_model_share_one_thread_pool():
 import os
 import torch
 from opweave.capture import capture
-from opweave.pipeline import resolve
+from opweave.serve.assemble import serving_options
 from opweave.serve import blocks
 from opweave.serve.executors import CpuExecutor
 from serve_models import tiny
@@ -226,7 +253,7 @@ models = {}
 for i in range(4):
     model, x = tiny(seed=i)
     models[f"m{i}"] = blocks.split(capture(model, x), x, name=f"m{i}")
-executor = CpuExecutor(models, resolve("cpu", compiler="onnxruntime", threads=2))
+executor = CpuExecutor(models, serving_options("cpu", compiler="onnxruntime", threads=2))
 torch.set_num_threads(2)
 for blocked in models.values():  # PyTorch's own threads (its OpenMP team) started before counting
     blocked.run(torch.randn(3, 3, 8, 8))
@@ -255,14 +282,14 @@ import torch
 import opweave
 from opweave.capture import capture
 from opweave.outputs import compare
-from opweave.pipeline import resolve
+from opweave.serve.assemble import serving_options
 from opweave.serve import blocks
 from opweave.serve.executors import CpuExecutor
 from serve_models import tiny
 
 model, x = tiny()
 served = CpuExecutor({"tiny": blocks.split(capture(model, x), x, name="tiny")},
-                     resolve("cpu", compiler="onnxruntime", threads=2))
+                     serving_options("cpu", compiler="onnxruntime", threads=2))
 assert served.warm_models(max_batch=2) and served.shared_pool
 model, x = tiny(seed=1)
 for options in ({"compiler": "onnxruntime"}, {"graph": "onnxruntime"}):
@@ -271,11 +298,10 @@ for options in ({"compiler": "onnxruntime"}, {"graph": "onnxruntime"}):
         with opweave.compile(model, x, scheduler="sequential", threads=1, **options) as fast, torch.no_grad():
             assert compare(model(*x), fast(*x)).ok, options
 other = CpuExecutor({"other": blocks.split(capture(model, x), x, name="other")},
-                    resolve("cpu", compiler="onnxruntime", threads=1))
+                    serving_options("cpu", compiler="onnxruntime", threads=1))
 assert other.warm_models(max_batch=2) and not other.shared_pool
 with torch.no_grad():
-    block = other.compiled_block("other", 0)
-    assert compare(tuple(block.module(*x)), block.function(1)(*x), tolerance=1e-4).ok
+    assert compare(other.models["other"].modules[0](*x), other.block("other", 0, 1)(*x), tolerance=1e-4).ok
 print("ok")
 """
     tests = Path(__file__).resolve().parent

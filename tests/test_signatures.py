@@ -16,9 +16,9 @@ import torch
 import opweave
 import opweave.dynamo
 from opweave import schedulers, zoo
-from opweave.backends.fakecuda import FakeCuda
 from opweave.errors import CaptureError, UsageError
 from opweave.outputs import compare
+from opweave.testing.fakecuda import FakeCuda
 
 NEW = [(2, 3, 64, 64), (3, 3, 64, 64), (8, 3, 64, 64), (1, 3, 160, 160)]
 
@@ -415,3 +415,28 @@ def test_a_dynamo_graph_with_symbolic_sizes_is_compiled_once_and_its_segment_exp
     assert len(opweave.dynamo.compiled_graphs()) >= 1 and last.variants.stats["builds"] == 0
     assert last.fused.stats["compiles"] == 1 and last.fused.stats["dynamic_compiles"] == 1
     torch._dynamo.reset()
+
+
+def test_one_onnx_runtime_session_with_a_free_batch_takes_every_batch():
+    """``dynamic=True`` where the whole model is one ONNX Runtime session: exported with its batch dimension free,
+    checked at another batch, and then no other batch size is built (a server's blocks are built this way); a model
+    that bakes its batch in fails the check and is built per batch as with dynamic unset."""
+    pytest.importorskip("onnxruntime")
+
+    class Baked(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x).reshape(2, -1).sum(1)
+
+    torch.manual_seed(0)
+    free = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    options = {"scheduler": "sequential", "streams": 1, "compiler": "onnxruntime", "dynamic": True}
+    with opweave.compile(free, (torch.randn(2, 8),), **options) as fast, torch.no_grad():
+        assert fast.any_batch
+        for n in (1, 3, 7):
+            x = torch.randn(n, 8)
+            assert compare(free(x), fast(x), tolerance=1e-4).ok
+        assert len(fast.signatures) == 1 and fast.variants.stats["builds"] == 0
+    with opweave.compile(Baked(), (torch.randn(2, 5),), **options) as fast, torch.no_grad():
+        assert not fast.any_batch
+        x = torch.randn(4, 5)
+        assert compare(Baked()(x[:2]), fast(x[:2])).ok and len(fast.signatures) == 1

@@ -88,3 +88,54 @@ def test_a_file_takes_no_batch_size_dtype_or_options(tmp_path):
     with pytest.raises(UsageError, match="no dtype or model options"):
         load(path, dtype=torch.float64)
     assert load(path, image_size=64).inputs[0].shape == (2, 4)  # a generic caller's image size: ignored
+
+
+def test_whether_an_option_was_given_is_asked_only_at_the_doors():
+    """Options are resolved once at each door (``opweave.compile``, the ``torch.compile`` backend, the command line)
+    and handed down resolved: below the doors no module reads ``Options.given`` (the serving executors, the
+    server's assembly and the ranks' target did)."""
+    from pathlib import Path
+
+    import opweave
+
+    root = Path(opweave.__file__).parent
+    doors = {"api.py", "dynamo.py", "pipeline/options.py"}
+    readers = {str(p.relative_to(root)) for p in root.rglob("*.py") if ".given" in p.read_text()}
+    assert {r for r in readers if not r.startswith("cli/")} <= doors, readers
+
+
+def test_the_server_builds_no_block_of_its_own():
+    """Every block a server compiles is built by the pipeline (``opweave.pipeline.flow.build``): serve/ holds no
+    builder and calls no segment compiler (its executors kept one, with their own thread counts and lock)."""
+    import re
+    from pathlib import Path
+
+    import opweave
+
+    serve = Path(opweave.__file__).parent / "serve"
+    for path in serve.rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"^\s*(from opweave\.backends\.(compilers|segments) import|import opweave\.backends\."
+                             r"(compilers|segments)|from opweave\.backends import (compilers|segments))", text,
+                             re.M), path.name
+    assert len((serve / "executors.py").read_text().splitlines()) < 550
+
+
+def test_the_api_reference_has_a_page_for_every_public_package(tmp_path):
+    """``make docs`` documents every public package, warning-free (it documented four)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    make = (root / "Makefile").read_text()
+    modules = re.search(r"API_MODULES := (.*?)\n\n", make, re.S).group(1).replace("\\\n", " ").split()
+    packages = {p.name for p in (root / "src" / "opweave").iterdir() if (p / "__init__.py").exists()} - {"cli"}
+    documented = {m.split(".")[1] for m in modules if m.count(".") == 1} | {"capture", "schedulers", "zoo"}
+    assert packages <= documented, packages - documented
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-m", "pdoc", *modules, "--docformat",
+                           "restructuredtext", "-o", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for page in ("pipeline", "costs", "plan", "serve", "dynamo", "errors", "testing", "pipeline/options"):
+        assert (tmp_path / "opweave" / f"{page}.html").is_file(), page

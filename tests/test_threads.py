@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import opweave
-from opweave.backends.threads import budgets, op_budgets, total_threads
+from opweave.backends.threads import budgets, total_threads
+from opweave.pipeline.thread_budgets import op_budgets
 from threads_probe import plain, probe
 
 BUDGET = 1  # fewer than the caller's threads wherever the machine has two cores or more
@@ -95,3 +96,45 @@ def test_one_rule_gives_every_budget():
     assert budgets(["a"], total=3) == {"a": 3} and budgets(["a", "b"], total=1) == {"a": 1, "b": 1}
     assert budgets(["a"], ranks=2) == {"a": total_threads(ranks=2)} == {"a": max(1, total_threads() // 2)}
     assert op_budgets(1, 1) == [1] and op_budgets(2, 4) == [1, 2, 4] and op_budgets(2, 4, per_op=False) == [1, 3, 4]
+
+
+def test_the_cores_are_those_this_process_may_run_on(monkeypatch):
+    """Read one way, from the process's CPU affinity: a process kept on one CPU (a container, taskset, a pinned Ray
+    replica) plans for one, and a benchmark's busy machine is judged on its CPUs. Before, the benchmarks' load check
+    and a local Ray cluster's CPUs read ``os.cpu_count()``, every CPU of the machine."""
+    import os
+
+    from opweave.cores import cores
+    from opweave.evaluate import bench
+    from opweave.pipeline import resolve
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert cores() == 1 and total_threads() == 1 and resolve("cpu").threads == 1
+    assert "load average 4.00 on 1 CPUs" in bench.busy_warning(None, [4.0, 4.0, 4.0])
+
+
+def test_a_scoped_thread_count_is_put_back_when_the_block_raises():
+    from opweave.cores import intra_op_threads
+
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError), intra_op_threads(1) as saved:
+        assert torch.get_num_threads() == 1 and saved == before
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+
+
+def test_every_thread_count_is_set_in_one_of_the_places_that_say_why():
+    """A count that is put back is :func:`opweave.cores.intra_op_threads`'s; the others are set for good, by a
+    worker for its own life (``enter_budget``), a lane's generated code between ops (put back by the backend's
+    scope) or a rank process once. ``os.cpu_count()`` is read by :func:`opweave.cores.cores` alone."""
+    from pathlib import Path
+
+    import opweave
+
+    root = Path(opweave.__file__).parent
+    allowed = {"set_num_threads": {"cores.py", "backends/threads.py", "backends/lanecode.py",
+                                   "backends/distributed/rank.py", "backends/distributed/torchrun.py"},
+               "os.cpu_count": {"cores.py"}}
+    for name, where in allowed.items():
+        found = {str(p.relative_to(root)) for p in root.rglob("*.py") if f"{name}(" in p.read_text()}
+        assert found <= where, (name, found - where)

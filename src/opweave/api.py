@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from opweave.errors import UsageError
-from opweave.pipeline import Compiled, as_tuple, build, resolve
+from opweave.pipeline import Compiled, Options, as_tuple, build, resolve
 
 
 def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, device: str | None = None,
@@ -49,18 +49,25 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, dev
     >>> fast.schedule.streams_used, torch.allclose(fast(x), model(x))
     (2, True)
     """
-    import torch
-
-    from opweave.capture import capture, load_program
+    from opweave.capture import load_program
 
     if isinstance(model, (str, Path)):
         model = load_program(model)
     device = device or device_of(model, example_inputs, example_kwargs, {**(options or {}), **kwargs})
-    opts = resolve(device, mode, options, **kwargs)
-    captured = capture(model, as_tuple(example_inputs), example_kwargs=example_kwargs, fold_bn=opts.fold_bn)
+    return compile_with(model, example_inputs, resolve(device, mode, options, **kwargs), example_kwargs=example_kwargs)
+
+
+def compile_with(model, example_inputs, options: Options, *, example_kwargs: dict | None = None) -> Compiled:
+    """:func:`compile` with ``options`` resolved already (:func:`opweave.pipeline.resolve`): the torch.compile
+    backend resolves a graph's options once, at its door, and hands them here."""
+    import torch
+
+    from opweave.capture import capture
+
+    captured = capture(model, as_tuple(example_inputs), example_kwargs=example_kwargs, fold_bn=options.fold_bn)
     eager = model if isinstance(model, torch.nn.Module) else None
-    compiled = build(captured, captured.example_inputs, opts, eager=eager)
-    return with_signatures(compiled, model, captured, opts, eager)
+    compiled = build(captured, captured.example_inputs, options, eager=eager)
+    return with_signatures(compiled, model, captured, options, eager)
 
 
 def compile_captured(captured, example_inputs, *, device: str | None = None, mode: str = "default",
@@ -133,9 +140,11 @@ def with_signatures(compiled: Compiled, model, captured, opts, eager, example_in
 
     runnable = ExportedModule(model) if isinstance(model, torch.export.ExportedProgram) else model
     sizes = Sizes(compiled, runnable, example, replan=replan, buckets=opts.buckets)
-    compiled.variants = Signatures(captured.graph.name, key_of(example), rebuild, bound=opts.cache_size,
-                                   dynamic=opts.dynamic, arity=len(example), sizes=sizes)
+    any_batch = compiled.any_batch  # its own backend takes any batch: no other batch size is another signature
+    compiled.variants = Signatures(captured.graph.name, key_of(example, any_batch=any_batch), rebuild,
+                                   bound=opts.cache_size, dynamic=opts.dynamic, arity=len(example), sizes=sizes,
+                                   any_batch=any_batch)
     return compiled
 
 
-__all__ = ["Compiled", "compile", "compile_captured"]
+__all__ = ["Compiled", "compile", "compile_captured", "compile_with", "device_of"]

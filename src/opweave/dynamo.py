@@ -28,8 +28,11 @@ outputs equal to eager's that require grad as eager's do; a backward through the
 ``torchsched``) mean what they mean for ``opweave.compile`` (:mod:`opweave.pipeline.options`): ``mode`` one of
 torch's presets (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``),
 ``options`` any of :data:`opweave.pipeline.OPTIONS` (``scheduler``, ``streams``, ``compiler``, ``cudagraphs``, ...),
-with the same defaults: no scheduler means the device's default plan. Each graph's device is its example inputs'
-(CUDA too when a ``runtime`` is given: the fake CUDA runtime runs it on the CPU).
+with the same defaults: no scheduler means the device's default plan. Each graph's device follows the rule
+``opweave.compile`` follows (:func:`opweave.api.device_of`: CUDA when an example input or the graph module's weights
+are on a GPU, or a ``runtime`` is given, the fake CUDA runtime running it on the CPU), and its options are resolved
+once, when dynamo hands the graph over, then handed down resolved to every build of it (a swapped weight's, a
+symbolic graph's first call).
 ``fold_bn`` is refused: dynamo's graphs hold no BatchNorm modules to fold.
 An option that does not apply there is a :class:`~opweave.errors.UsageError` (dynamo reports it as
 ``BackendCompilerFailed``).
@@ -69,11 +72,14 @@ def opweave_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: 
                     options: dict | None = None) -> Callable:
     """TorchDynamo backend: compile ``gm`` with opweave for ``example_inputs`` (see the module docstring)."""
     example_inputs = tuple(example_inputs)
+    symbolic = any(isinstance(x, torch.SymInt) or _symbolic(x) for x in example_inputs)
+    options = {"dynamic": True, **(options or {})} if symbolic else dict(options or {})
+    resolved = _resolved(gm, example_inputs, mode, options)
     graph: Callable
-    if any(isinstance(x, torch.SymInt) or _symbolic(x) for x in example_inputs):
-        graph = SymbolicGraph(gm, example_inputs, mode, dict(options or {}))
+    if symbolic:  # compiled once, at its first call, for every size
+        graph = SymbolicGraph(sizes_from_tensors(gm, example_inputs), resolved)
     else:
-        graph = OpweaveGraph(gm, example_inputs, mode, dict(options or {}))
+        graph = OpweaveGraph(gm, example_inputs, resolved)
     needs_grad = torch.is_grad_enabled() and (
         any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
         or any(p.requires_grad for p in gm.parameters()))
@@ -109,7 +115,7 @@ class _NoBackward(torch.autograd.Function):
     one node over ``leaves``; its backward raises."""
 
     @staticmethod
-    def forward(ctx, run, box, *leaves):  # type: ignore[override]
+    def forward(ctx, run, box, *leaves):
         from torch.utils import _pytree as pytree
 
         flat, box["spec"] = pytree.tree_flatten(run())
@@ -120,23 +126,32 @@ class _NoBackward(torch.autograd.Function):
         return tuple(flat)
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         raise UsageError("opweave compiles for inference: this graph's backward is not planned (compile the model "
                          "with another backend, e.g. torch.compile's default, to train it)")
 
 
+def _resolved(gm: fx.GraphModule, example_inputs: tuple, mode: str | None, options: dict):
+    """The graph's options, resolved once (its device by :func:`opweave.api.device_of`, the rule
+    ``opweave.compile`` follows); ``fold_bn`` refused (module docstring), before anything is captured."""
+    from opweave.api import device_of
+    from opweave.pipeline import resolve
+
+    resolved = resolve(device_of(gm, example_inputs, None, options), mode, options)
+    if resolved.fold_bn:
+        raise UsageError("option 'fold_bn' folds BatchNorm modules when capturing a module; dynamo hands over a "
+                         "graph whose BatchNorm is a function of its parameters (compile the module with "
+                         "opweave.compile to fold it)")
+    return resolved
+
+
 class SymbolicGraph:
     """What the backend returns for a dynamo graph with symbolic sizes: an :class:`OpweaveGraph` built at the first
-    call, for that call's inputs; it builds every later signature itself (module docstring, Shapes)."""
+    call, for that call's inputs, with the options resolved when dynamo handed the graph over; it builds every later
+    signature itself (module docstring, Shapes)."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: tuple, mode: str | None, options: dict) -> None:
-        from opweave.pipeline import resolve
-
-        cuda = options.get("runtime") is not None or any(isinstance(x, torch.Tensor) and x.is_cuda
-                                                          for x in example_inputs)
-        options = {"dynamic": True, **options}
-        resolve("cuda" if cuda else "cpu", mode, options, check_device=False)  # an option that does not apply: now
-        self.gm, self.mode, self.options = sizes_from_tensors(gm, example_inputs), mode, options
+    def __init__(self, gm: fx.GraphModule, options) -> None:
+        self.gm, self.options = gm, options
         self.graph: OpweaveGraph | None = None
         self._lock = threading.Lock()
 
@@ -144,37 +159,29 @@ class SymbolicGraph:
         if self.graph is None:
             with self._lock:
                 if self.graph is None:
-                    self.graph = OpweaveGraph(self.gm, args, self.mode, self.options)
+                    self.graph = OpweaveGraph(self.gm, args, self.options)
         return self.graph(*args)
 
 
 class OpweaveGraph:
-    """What the backend returns for one dynamo graph: the opweave-compiled graph, rebuilt when the tensors dynamo
-    passes in the baked positions are not the ones baked in (swapped weights, see the module docstring)."""
+    """What the backend returns for one dynamo graph: the opweave-compiled graph, built with ``options`` (resolved
+    once), and rebuilt with them when the tensors dynamo passes in the baked positions are not the ones baked in
+    (swapped weights, see the module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: tuple, mode: str | None, options: dict) -> None:
-        from opweave.pipeline import resolve
-
-        self.gm, self.mode, self.options = gm, mode, options
-        cuda = options.get("runtime") is not None or any(isinstance(x, torch.Tensor) and x.is_cuda
-                                                          for x in example_inputs)
-        self.device = "cuda" if cuda else "cpu"  # a runtime option (the fake one on the CPU) means CUDA too
-        if resolve(self.device, mode, options).fold_bn:  # refused at once, before anything is captured
-            raise UsageError("option 'fold_bn' folds BatchNorm modules when capturing a module; dynamo hands over a "
-                             "graph whose BatchNorm is a function of its parameters (compile the module with "
-                             "opweave.compile to fold it)")
+    def __init__(self, gm: fx.GraphModule, example_inputs: tuple, options) -> None:
+        self.gm, self.options = gm, options
+        self.device = options.device
         self.recompiles = 0
         self._lock = threading.Lock()
         self._build(example_inputs)
 
     def _build(self, inputs: tuple) -> None:
-        from opweave.api import compile as opweave_compile
+        from opweave.api import compile_with
 
         gm, dynamic = bake_static_inputs(self.gm, inputs)
         # Outside dynamo's tracing context: shape propagation would otherwise pick up its fake mode and symbolic sizes.
         with torch._guards.tracing(None):
-            compiled = opweave_compile(gm, tuple(inputs[i] for i in dynamic), device=self.device, mode=self.mode,
-                                       options=self.options)
+            compiled = compile_with(gm, tuple(inputs[i] for i in dynamic), self.options)
         static = [i for i in range(len(inputs)) if i not in set(dynamic)]
         self.compiled, self.dynamic = compiled, dynamic
         self._baked = [(i, inputs[i]) for i in static]
@@ -244,8 +251,8 @@ def sizes_from_tensors(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.
     first = next(n for n in copied.graph.nodes if n.op != "placeholder")
     for i, (j, d) in sizes:
         with copied.graph.inserting_before(first):
-            size = copied.graph.call_method("size", (nodes[j], d))
-        nodes[i].replace_all_uses_with(size)
+            read = copied.graph.call_method("size", (nodes[j], d))
+        nodes[i].replace_all_uses_with(read)
     copied.recompile()
     return copied
 

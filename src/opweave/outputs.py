@@ -83,7 +83,7 @@ def compare(expected: Any, got: Any, dtype: torch.dtype | None = None, exact: An
                 reason = ""
             else:
                 reason += f" and is {error:.3g} from float64, more than {EXACT_FACTOR:g} x eager's {eager_error:.3g}"
-    default = tolerance or TOLERANCE.get(dtype, 1e-3)
+    default = tolerance or (TOLERANCE.get(dtype, 1e-3) if dtype is not None else 1e-3)
     return Comparison(not reason, max_diff, scale, max(tolerances, default=default), relative, reason)
 
 

@@ -22,25 +22,30 @@ from torch.utils import _pytree as pytree
 
 
 def signature(values: Sequence, *, strides: bool = False, devices: bool = True,
-              by_address: Callable[[torch.Tensor], bool] | None = None) -> tuple[tuple, Sequence]:
+              by_address: Callable[[torch.Tensor], bool] | None = None, batch: bool = True) -> tuple[tuple, Sequence]:
     """The cache key of ``values`` and their leaves (``values`` itself when none is a list, tuple or dict: no
     pytree walk). The key is the pytree structure (None for flat values) and one part per leaf: a tensor's shape,
     dtype and (unless ``devices`` is False) device, plus its strides with ``strides``, plus its address where
-    ``by_address(tensor)``; another value's ``("value", repr)``."""
+    ``by_address(tensor)``; another value's ``("value", repr)``. ``batch=False`` leaves dimension 0 of every tensor
+    out (its size and stride): the key of what takes any batch."""
+    leaves: Sequence
+    head: str | None
     if any(isinstance(v, (list, tuple, dict)) for v in values):
         leaves, spec = pytree.tree_flatten(values)
         head = str(spec)
     else:
         leaves, head = values, None
-    return (head, *(_leaf(x, strides, devices, by_address) for x in leaves)), leaves
+    return (head, *(_leaf(x, strides, devices, by_address, batch) for x in leaves)), leaves
 
 
-def _leaf(x: Any, strides: bool, devices: bool, by_address: Callable[[torch.Tensor], bool] | None) -> tuple:
+def _leaf(x: Any, strides: bool, devices: bool, by_address: Callable[[torch.Tensor], bool] | None,
+          batch: bool = True) -> tuple:
     if not isinstance(x, torch.Tensor):
         return ("value", repr(x))
-    key: tuple = (x.shape, x.dtype, x.device) if devices else (x.shape, x.dtype)
+    shape = x.shape if batch or x.dim() == 0 else x.shape[1:]
+    key: tuple = (shape, x.dtype, x.device) if devices else (shape, x.dtype)
     if strides:
-        key += (x.stride(),)
+        key += (x.stride() if batch or x.dim() == 0 else x.stride()[1:],)
     if by_address is not None and by_address(x):
         key += (x.data_ptr(),)
     return key
@@ -56,6 +61,7 @@ class BoundedCache(cachetools.LRUCache):
 
     def __init__(self, maxsize: int, evicted: Callable[[Any, Any], None] | None = None):
         super().__init__(maxsize)
+        self._evicted: Callable[[], Callable[[Any, Any], None] | None]
         if inspect.ismethod(evicted):
             self._evicted = weakref.WeakMethod(evicted)
         else:

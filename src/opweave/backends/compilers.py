@@ -65,14 +65,15 @@ from opweave.errors import MissingPackageError, UsageError, first_line
 
 
 class SegmentCompiler(Protocol):
-    """Turns a segment into a callable (module docstring)."""
+    """Turns a segment into a callable (module docstring). ``outputs``: how many tensors ``gm`` returns, where the
+    caller knows (a compiler that needs it then runs no forward pass to find out)."""
 
     name: str
     per_op_threads: bool  # its thread pools sleep when idle, so an op that runs alone may take every thread
     dynamic_shapes: bool  # it takes dynamic_dims: one compiled function for every size of them
 
-    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
-                 alone: bool = False, dynamic_dims: dict | None = None) -> Callable[..., tuple]: ...
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *, alone: bool = False,
+                 outputs: int | None = None, dynamic_dims: dict | None = None) -> Callable[..., tuple]: ...
 
 
 class Eager:
@@ -80,8 +81,8 @@ class Eager:
     per_op_threads = False
     dynamic_shapes = True
 
-    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
-                 alone: bool = False, dynamic_dims: dict | None = None) -> Callable[..., tuple]:
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *, alone: bool = False,
+                 outputs: int | None = None, dynamic_dims: dict | None = None) -> Callable[..., tuple]:
         return gm
 
 
@@ -100,8 +101,8 @@ class Inductor:
         """Whether a graph over ``inputs`` is compiled frozen."""
         return all(x.device.type == "cpu" for x in inputs) if self.freeze is None else self.freeze
 
-    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *,
-                 alone: bool = False, dynamic_dims: dict | None = None) -> Callable[..., tuple]:
+    def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *, alone: bool = False,
+                 outputs: int | None = None, dynamic_dims: dict | None = None) -> Callable[..., tuple]:
         from torch._guards import TracingContext, tracing
 
         if dynamic_dims:
@@ -120,39 +121,57 @@ class Inductor:
             from opweave.capture.coarsen import fold_batchnorm
 
             gm = fold_batchnorm(gm)
-        static = {"ignore_shape_env": True} if "ignore_shape_env" in inspect.signature(compile_fx).parameters else {}
+        static: dict[str, Any] = {"ignore_shape_env": True} if "ignore_shape_env" in inspect.signature(
+            compile_fx).parameters else {}
         # Inside a tracing context whose fake mode has a ShapeEnv: without one Inductor bypasses its FX graph cache
         # ("No shape env") and identical segments would each compile again.
+        compile_graph: Any = compile_fx  # a callable of the graph's tensors for a graph over tensors
         with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), torch.no_grad():
-            return compile_fx(gm, inputs, config_patches=patches, **static)
+            return compile_graph(gm, inputs, config_patches=patches, **static)
 
 
 class OnnxRuntime:
-    """ONNX Runtime, one session per segment (module docstring)."""
+    """ONNX Runtime, one session per segment (module docstring). Made with the defaults of a call's session
+    choices (``dynamic_batch``, ``shared_pool``, ``arena``, ``share_weights``: :meth:`__call__`), as a segment's
+    ``compiler_options`` give them."""
 
     name = "onnxruntime"
     per_op_threads = True
     dynamic_shapes = True
 
+    def __init__(self, dynamic_batch: bool = False, shared_pool: bool = False, arena: bool = True,
+                 share_weights: bool = False):
+        self.defaults = {"dynamic_batch": dynamic_batch, "shared_pool": shared_pool, "arena": arena,
+                         "share_weights": share_weights}
+
     def __call__(self, gm: fx.GraphModule, inputs: list[torch.Tensor], threads: int, *, alone: bool = False,
-                 dynamic_batch: bool = False, dynamic_dims: dict | None = None, shared_pool: bool = False,
-                 arena: bool = True, share_weights: bool = False) -> Callable[..., tuple]:
+                 outputs: int | None = None, dynamic_batch: bool | None = None, dynamic_dims: dict | None = None,
+                 shared_pool: bool | None = None, arena: bool | None = None,
+                 share_weights: bool | None = None) -> Callable[..., tuple]:
         """``alone``: nothing else runs while the session does (its pool may spin); ``dynamic_batch``: dimension
         0 of every input and output left free (one session for every batch size; the caller checks it at another
         batch, since a graph may have baked its batch in); ``dynamic_dims``: input position -> its dimensions left
         free, and every dimension of every output (:func:`export_onnx`; the caller checks it at other sizes too);
         ``shared_pool``: run on the process's thread pool, which
         :func:`shared_pool` made, ``threads`` being its size; ``arena``: False: no memory arena of its own;
-        ``share_weights``: read ``gm``'s parameters and buffers in place (module docstring)."""
+        ``share_weights``: read ``gm``'s parameters and buffers in place (module docstring). None: the compiler's
+        default, as it was made."""
+        given = {"dynamic_batch": dynamic_batch, "shared_pool": shared_pool, "arena": arena,
+                 "share_weights": share_weights}
+        dynamic_batch, shared_pool, arena, share_weights = (
+            self.defaults[k] if v is None else v for k, v in given.items())
         ort = import_onnxruntime()
         if any(x.device.type != "cpu" for x in inputs):
             raise UsageError("compiler='onnxruntime' runs on the CPU")
-        with torch.no_grad():
-            examples = gm(*inputs)
-        if not all(isinstance(x, torch.Tensor) for x in examples):
-            raise UsageError("a segment output is not a tensor (ONNX exports tensors only)")
-        model = export_onnx(gm, inputs, len(examples), dynamic_batch=dynamic_batch, dynamic_dims=dynamic_dims,
-                            output_ranks=[x.dim() for x in examples])
+        ranks = None
+        if outputs is None or dynamic_dims:
+            with torch.no_grad():
+                examples = gm(*inputs)
+            if not all(isinstance(x, torch.Tensor) for x in examples):
+                raise UsageError("a segment output is not a tensor (ONNX exports tensors only)")
+            outputs, ranks = len(examples), [x.dim() for x in examples]
+        model = export_onnx(gm, inputs, outputs, dynamic_batch=dynamic_batch, dynamic_dims=dynamic_dims,
+                            output_ranks=ranks)
         options = ort.SessionOptions()
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
@@ -266,10 +285,11 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dy
                      if rank})
         names["dynamic_axes"] = axes
     buffer = io.BytesIO()
+    onnx_export: Any = torch.onnx.export  # its stub names a path; it writes to a file object too
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            torch.onnx.export(gm, tuple(inputs), buffer, dynamo=False, do_constant_folding=True, **names)
+            onnx_export(gm, tuple(inputs), buffer, dynamo=False, do_constant_folding=True, **names)
         return buffer.getvalue()
     except Exception as first:  # noqa: BLE001 - the other exporter may still manage
         if dynamic_dims and not dynamic_batch:  # the other exporter keeps fixed shapes (dynamic_batch: checked after)
@@ -278,7 +298,7 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dy
             with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
                 warnings.simplefilter("ignore")
                 dynamo_names = {k: v for k, v in names.items() if k != "dynamic_axes"}  # static shapes there
-                program = torch.onnx.export(gm, tuple(inputs), dynamo=True, verbose=False, **dynamo_names)
+                program = onnx_export(gm, tuple(inputs), dynamo=True, verbose=False, **dynamo_names)
         except Exception as second:
             raise UsageError(f"torch.onnx cannot export the segment: {first_line(first)}; "
                              f"dynamo: {first_line(second)}") from second

@@ -38,18 +38,19 @@ import torch
 
 from opweave.backends.lanecode import LaneCode, Stopped
 from opweave.backends.program import Lane, Program, Step, Walker
-from opweave.backends.threads import budgets, enter_budget, restore_default
+from opweave.backends.threads import budgets, enter_budget
+from opweave.cores import intra_op_threads
 from opweave.errors import UsageError
 from opweave.plan.launchplan import LaunchPlan
 
 
 class CpuBackend:
     """A plan on the caller's thread (its first lane) and worker threads (one per other lane), each running its
-    lane's generated code (module docstring). ``stats``: ``calls``. ``close()`` stops the workers (also done when
-    the backend is collected or the interpreter exits); a closed backend refuses calls. ``threads`` (op -> intra-op
-    threads, :func:`opweave.backends.threads.lane_threads`) sets the first lane's ops' budgets; every other lane's
-    ops run on one thread whatever it says. Without it the first lane takes what the workers leave of ``total``
-    threads (default: every core; :func:`opweave.backends.threads.budgets`), all of them when it is the only lane.
+    lane's generated code (module docstring). ``stats``: ``calls``. ``close()`` stops the workers (also done when the
+    backend is collected or the interpreter exits); a closed backend refuses calls. ``threads`` (op -> intra-op threads,
+    :func:`opweave.pipeline.thread_budgets.lane_threads`) sets the first lane's ops' budgets; every other lane's ops run
+    on one thread whatever it says. Without it the first lane takes what the workers leave of ``total`` threads
+    (default: every core; :func:`opweave.backends.threads.budgets`), all of them when it is the only lane.
     The caller's own thread count is put back after every call."""
 
     def __init__(self, runner, plan: LaunchPlan, threads: dict[str, int] | None = None, total: int | None = None):
@@ -63,9 +64,8 @@ class CpuBackend:
         self.code = LaneCode(runner, self.program, threads)
         self._lock = threading.Lock()  # one call at a time: the workers share one call's slots
         self._caller_lane = lanes[0] if lanes else None
-        default = torch.get_num_threads()
-        self._pool = LanePool({lane: _generated(self.code, lane) for lane in lanes[1:]}, budget=1)
-        restore_default(default)  # the workers' set_num_threads also set the process-wide default
+        with intra_op_threads():  # the workers' set_num_threads also set the process-wide default: put back
+            self._pool = LanePool({lane: _generated(self.code, lane) for lane in lanes[1:]}, budget=1)
         self.close = weakref.finalize(self, self._pool.close)
 
     def __call__(self, *args) -> Any:
@@ -74,9 +74,10 @@ class CpuBackend:
                 raise UsageError(f"{self.captured.graph.name}: this CPU backend was closed")
             self.stats["calls"] += 1
             slots = self.code.bind(args)
-            lane, function = self._caller_lane, self.code.functions[self._caller_lane]
-            caller_threads = torch.get_num_threads()
-            try:
+            lane = self._caller_lane
+            assert lane is not None  # a plan launches something
+            function = self.code.functions[lane]
+            with intra_op_threads():  # the lane's budgets change the caller's count: put back after the call
                 if not self._pool.workers:  # a single lane needs no threads
                     try:
                         function(slots, Call(slots, self.program.num_signals, 0))
@@ -85,8 +86,6 @@ class CpuBackend:
                 else:
                     self._pool.run(Call(slots, self.program.num_signals, len(self._pool.workers) + 1),
                                    _generated(self.code, lane))
-            finally:
-                torch.set_num_threads(caller_threads)  # the lane's budgets changed the caller's count
             return self.code.output(slots)
 
     def free(self, args: tuple) -> bool:
@@ -121,16 +120,8 @@ class EagerBackend:
 
     def __call__(self, *args) -> Any:
         self.stats["calls"] += 1
-        if self.threads is None:
-            with torch.no_grad():
-                return self.model(*args)
-        caller_threads = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            with torch.no_grad():
-                return self.model(*args)
-        finally:
-            torch.set_num_threads(caller_threads)
+        with intra_op_threads(self.threads), torch.no_grad():
+            return self.model(*args)
 
     def free(self, args: tuple) -> bool:
         """The model takes whatever sizes it takes."""
@@ -211,9 +202,9 @@ class Call:
     ``wait`` and ``is_set``), the errors raised. ``done`` is set when every lane finished, ``settled`` as soon as
     every lane finished or one failed."""
 
-    def __init__(self, env: dict, num_signals: int, num_lanes: int):
+    def __init__(self, env: Any, num_signals: int, num_lanes: int):  # the lanes' slots, or a rank's environment
         self.env = env
-        self.signals = [threading.Event() for _ in range(num_signals)]
+        self.signals: list[Any] = [threading.Event() for _ in range(num_signals)]  # or a rank's arrivals
         self.errors: list[BaseException] = []
         self.remaining = num_lanes
         self.lock = threading.Lock()
@@ -257,10 +248,15 @@ class LaneWorker(Walker):
             self.call = None  # keep no environment alive between calls
 
     def launch(self, lane: Lane, op: str) -> None:
-        self.captured.run_op(op, self.call.env)
+        self.captured.run_op(op, self._running().env)
 
     def signal(self, lane: Lane, number: int) -> None:
-        self.call.signals[number].set()
+        self._running().signals[number].set()
 
     def wait(self, lane: Lane, number: int) -> None:
-        self.call.signals[number].wait()
+        self._running().signals[number].wait()
+
+    def _running(self) -> Call:
+        """The call :meth:`run_call` runs."""
+        assert self.call is not None
+        return self.call

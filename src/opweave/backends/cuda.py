@@ -33,9 +33,9 @@ distributed backend places devices on real GPUs.
 **Buffers** are planned before the first run of an input signature: the model runs once on fake tensors
 (:func:`opweave.backends.liveness.static_buffers`: storage identity, shapes and sizes, no memory and no kernels; for
 the example inputs, the run the build's memory pass made, passed as ``fake_run``) to find which environment entries
-share a storage, the memory pass (:func:`opweave.plan.memory.release_points`) says after which step of which lane
+share a storage, the memory pass (:func:`opweave.plan.lifetimes.release_points`) says after which step of which lane
 each group may be dropped (the earliest point of its allocating lane that the plan's joins order after every use),
-and the memory validator proves each release (:func:`opweave.plan.memory.validate_releases`, a
+and the memory validator proves each release (:func:`opweave.plan.lifetimes.validate_releases`, a
 :class:`~opweave.errors.PlanError` naming the buffer otherwise). Every run drops the group there, the first one
 included: the warm-ups, the capture, every call without graphs. Groups that are model inputs, parameters, outputs,
 or allocated on several lanes, and groups whose lane never joins a consumer, stay alive until the end of the run;
@@ -59,7 +59,7 @@ that stream wait for the previous call's stream (they share streams, events and 
 same stream need no wait. Inference only: runs under ``torch.no_grad``.
 
 **Runtime.** Everything CUDA goes through ``runtime`` (:mod:`opweave.backends.runtime`): ``torch.cuda`` by default,
-or :class:`opweave.backends.fakecuda.FakeCuda`, which runs the same logic on the CPU with every stream's work in a
+or :class:`opweave.testing.fakecuda.FakeCuda`, which runs the same logic on the CPU with every stream's work in a
 random order the events allow (how the backend is tested without a GPU). Each op, input copy and output clone is
 issued through ``runtime.launch`` on the stream it runs on.
 """
@@ -221,12 +221,12 @@ class CudaBackend:
             if self._last_origin is not None and origin != self._last_origin:
                 origin.wait_stream(self._last_origin)  # the previous call ran there and shares our buffers
             key, leaves = input_signature(args, self.cudagraphs, self.device)
-            if key == self._last_key:
-                entry = self._last_entry
-            else:
+            entry = self._last_entry
+            if entry is None or key != self._last_key:
                 entry = self._entry(key, args, leaves)
                 self._last_key, self._last_entry = key, entry
             if entry.graph is not None:
+                assert entry.copies is not None  # a recorded graph reads its inputs from its static copies
                 runtime.launch(origin, entry.copies.copy_in, leaves)
                 entry.graph.replay()
                 out = entry.static_output if self.static_outputs else runtime.launch(

@@ -358,7 +358,8 @@ def _attribute(scheduler, values: dict, owner: dict[str, str]) -> tuple[list[Ker
     groups: dict[int, list[int]] = {}
     for i in range(len(nodes)):
         groups.setdefault(root(i), []).append(i)
-    owned, unowned = [], []
+    owned: list[Kernel] = []
+    unowned: list[Kernel] = []
     for head, members in groups.items():
         parts = tuple((frozenset(own[i]), launches(nodes[i])) for i in sorted(members, key=lambda i: i != head)
                       ) if len(members) > 1 else ()
@@ -402,10 +403,10 @@ def _buffer_names(value) -> list[str]:
     return [value.get_name()] if isinstance(value, ir.Buffer) else []
 
 
-def _sources(fx_node) -> set[tuple[int, str]]:
+def _sources(fx_node) -> set[tuple[int | None, str]]:
     """``(graph id, node name)`` of every node that ``fx_node`` of the lowered graph came from, through every graph
     between (``meta["from_node"]``, followed to its roots)."""
-    found: set[tuple[int, str]] = set()
+    found: set[tuple[int | None, str]] = set()
     todo = list(fx_node.meta.get("from_node") or ())
     while todo:
         source = todo.pop()
@@ -414,7 +415,7 @@ def _sources(fx_node) -> set[tuple[int, str]]:
     return found
 
 
-def _given_graph(sources: list[set[tuple[int, str]]], names: set[str]) -> Any:
+def _given_graph(sources: list[set[tuple[int | None, str]]], names: set[str]) -> Any:
     """The id of the graph Inductor was given: of the graphs the lowered nodes came from, the one with the most
     nodes named as captured nodes are (the graphs between, ATen's, name their nodes after ATen ops, which a captured
     node's name may equal; Inductor's own passes may hand on a copy of the graph it was given, with a new id)."""

@@ -18,7 +18,7 @@ What the CPU backend (:mod:`opweave.backends.cpu`) runs instead of interpreting 
   the code is generated, not learned from a run. A slot with no such point (a reader that never joins back before
   the end) lives to the end of the call, as does every slot the output reads. On the CPU, memory is freed when the
   last reference goes, so a view keeps its base alive and no storage grouping is needed.
-* **Thread budgets.** With ``threads`` (op -> intra-op threads, :func:`opweave.backends.threads.op_threads`), a
+* **Thread budgets.** With ``threads`` (op -> intra-op threads, :func:`opweave.pipeline.thread_budgets.op_threads`), a
   lane calls ``torch.set_num_threads`` before an op whose budget differs from the one before it in the lane (it
   sets the calling thread's OpenMP count: :mod:`opweave.backends.threads`).
 * **A failed call stops.** A lane that raises records the error in the call and releases every signal; a wait
@@ -87,7 +87,7 @@ class LaneCode(Walker):
         self._local: dict[Lane, dict[fx.Node, fx.Node]] = {lane: {} for lane in program.lanes}
         self._origin: dict[fx.Node, tuple[str, fx.Node]] = {}  # generated node -> (op, the model's node)
         self.run(self._with_slot_releases(program, lane_of, returned))
-        self.functions: dict[Lane, Callable[[list, Any], None]] = {}
+        self.functions: dict[Lane, Callable[[Any, Any], None]] = {}  # (slots, call)
         self.modules: dict[Lane, fx.GraphModule] = {}
         for lane, graph in self._graphs.items():
             graph.output(None)
@@ -105,7 +105,7 @@ class LaneCode(Walker):
         def load(node: fx.Node) -> fx.Node:
             if node not in local:
                 if node.op == "get_attr":
-                    local[node] = graph.get_attr(node.target)
+                    local[node] = graph.get_attr(str(node.target))
                 else:
                     local[node] = graph.call_function(operator.getitem, (slots, self.slot[node]))
             return local[node]

@@ -1,5 +1,5 @@
 """When may a backend free a buffer that several streams read? The buffers of a run, found before it runs, and
-where the plan's memory pass (:mod:`opweave.plan.memory`) frees them, as the steps a backend walks.
+where the plan's memory pass (:mod:`opweave.plan.lifetimes`) frees them, as the steps a backend walks.
 
 The CUDA caching allocator hands a freed block back to the pool of the stream that *allocated* it, and gives it to
 the next allocation on that same stream at once, without waiting for other streams. So freeing a
@@ -9,7 +9,7 @@ that uses the buffer (reads it, writes it in place, or holds a view of it). Anyt
 stream then starts after those uses have finished, and it is the only work that can reuse the block.
 
 :func:`release_points` finds, for every buffer, the earliest such point on its allocating lane
-(:func:`opweave.plan.memory.release_points`, as step indices of a :class:`~opweave.backends.program.Program`: a
+(:func:`opweave.plan.lifetimes.release_points`, as step indices of a :class:`~opweave.backends.program.Program`: a
 program's step ``i`` is the semantics' position ``i + 1``); a buffer with no such point is kept until the final join
 (the caller's environment is dropped after the call, or the capture ends). Because a wait is always issued after the
 record it refers to, every use ordered before a release point was also issued (on the host) before it, so a
@@ -24,12 +24,12 @@ and in-place results included); each group's allocating lane is the lane of the 
 storage's bytes. Groups that are model inputs, parameters or anything computed in ``bind``, groups the output
 returns, and groups allocated on several lanes are left out (kept to the end). Only the grouping depends on the
 program: a :class:`FakeRun` keeps the run, and a CUDA build makes one for all its plans (the memory pass of each,
-:func:`opweave.pipeline.memory.memory_pass`, then the backend's release plan for the example inputs).
-:func:`release_keys` turns validated release points (:func:`opweave.plan.memory.validate_releases`) into
+:func:`opweave.pipeline.memory_pass.memory_pass`, then the backend's release plan for the example inputs).
+:func:`release_keys` turns validated release points (:func:`opweave.plan.lifetimes.validate_releases`) into
 environment keys, and :func:`steps_with_releases` puts them on the steps a
 :class:`~opweave.backends.program.Walker` runs (the CUDA backend does; see its docstring).
 
-Complexity: that of :mod:`opweave.plan.memory`; :func:`static_buffers` one run of the model on fake tensors
+Complexity: that of :mod:`opweave.plan.lifetimes`; :func:`static_buffers` one run of the model on fake tensors
 (none when given a :class:`FakeRun` that has run) and one pass over its environment.
 """
 
@@ -44,8 +44,8 @@ from torch.utils import _pytree as pytree
 from opweave.backends.cache import signature
 from opweave.backends.program import Lane, Program, Step
 from opweave.capture.runtime import Captured, module_tensors
-from opweave.plan import memory
-from opweave.plan.memory import Buffer
+from opweave.plan import lifetimes
+from opweave.plan.lifetimes import Buffer
 
 __all__ = ["Buffer", "FakeRun", "launch_positions", "release_keys", "release_points", "static_buffers",
            "steps_with_releases", "storage_buffers"]
@@ -73,25 +73,25 @@ def steps_with_releases(program: Program, releases: dict[tuple[Lane, int], list[
 
 def release_points(program: Program, buffers: Iterable[Buffer]) -> dict[tuple[Lane, int], list[str]]:
     """Earliest safe release of every buffer: ``{(lane, step index): [buffer names]}``, to apply right after that
-    step of that lane (:func:`opweave.plan.memory.release_points`). Buffers that appear in no entry must be kept
+    step of that lane (:func:`opweave.plan.lifetimes.release_points`). Buffers that appear in no entry must be kept
     until the final join.
 
     Tiny example: lane A launches ``x`` then records signal 0; lane B waits on it and launches ``y``; lane A then
     waits for signal 1 raised by B after ``y``. A buffer allocated on A and read by ``y`` is released right after
     A's wait for signal 1 (not after ``x``, and not at all if A never waits for B).
     """
-    return _steps(memory.release_points(program.plan, buffers))
+    return _steps(lifetimes.release_points(program.plan, buffers))
 
 
 def release_keys(program: Program, buffers: list[Buffer],
                  releases: dict | None = None) -> dict[tuple[Lane, int], list[str]]:
     """After which step of which lane each environment key may be dropped: ``releases`` (the plan's points, by
-    default :func:`opweave.plan.memory.release_points`), proven safe first by
-    :func:`opweave.plan.memory.validate_releases` (a :class:`~opweave.errors.PlanError` names the buffer
+    default :func:`opweave.plan.lifetimes.release_points`), proven safe first by
+    :func:`opweave.plan.lifetimes.validate_releases` (a :class:`~opweave.errors.PlanError` names the buffer
     otherwise), each buffer's name replaced by its keys."""
     if releases is None:
-        releases = memory.release_points(program.plan, buffers)
-    memory.validate_releases(program.plan, buffers, releases)
+        releases = lifetimes.release_points(program.plan, buffers)
+    lifetimes.validate_releases(program.plan, buffers, releases)
     keys = {b.name: b.keys for b in buffers}
     return {at: [k for name in names for k in keys[name]] for at, names in _steps(releases).items()}
 
@@ -194,14 +194,14 @@ def storage_buffers(captured: Captured, env: dict, program: Program,
     outside = {s for s in map(_storage, external) if s is not None}
     storages_of: dict[str, list[tuple]] = {}
     # the ops' entries in the program's issue order, whatever order the run went in: it orders (and names) the groups
-    for key in sorted(env, key=lambda k: rank.get(owner.get(k), -1)):
+    for key in sorted(env, key=lambda k: rank.get(owner.get(k, ""), -1)):
         found = [_storage(t) for t in pytree.tree_leaves(env[key]) if isinstance(t, torch.Tensor)]
         storages_of[key] = [s for s in found if s is not None]
         for s in storages_of[key]:
             parent[find(s)] = find(("key", key))
     groups: dict[object, list[str]] = {}
-    for key, found in storages_of.items():
-        if found:
+    for key, storages in storages_of.items():
+        if storages:
             groups.setdefault(find(("key", key)), []).append(key)
     buffers = []
     for keys in groups.values():

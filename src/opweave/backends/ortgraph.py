@@ -36,8 +36,8 @@ CUDA graph's static memory is), beside each session's own arena for the values i
 
 **Budgets.** A plan with one lane is one session of the whole optimized graph on every thread the lanes may use
 (``threads``; every core by default; ONNX Runtime's own run, its pool spinning). With several lanes each segment's
-session gets the budget its lane's ops were given (:func:`opweave.backends.threads.lane_threads`: one thread, or all
-of them for a segment of the first lane that the plan runs alone), its pool sleeping when idle, since another lane
+session gets the budget its lane's ops were given (:func:`opweave.pipeline.thread_budgets.lane_threads`: one thread, or
+all of them for a segment of the first lane that the plan runs alone), its pool sleeping when idle, since another lane
 may need the core.
 
 Shapes and dtypes other than the example's are refused as every captured model refuses them
@@ -71,7 +71,7 @@ from opweave.backends.compilers import export_onnx, import_onnxruntime, session_
 from opweave.backends.cpu import Call, LanePool, LaneWorker
 from opweave.backends.program import Program
 from opweave.backends.segments import segment_groups, segment_plan, whole_module
-from opweave.backends.threads import lane_threads
+from opweave.backends.threads import plan_budgets
 from opweave.errors import UsageError
 from opweave.ir.graph import Edge, Op, OpGraph
 from opweave.plan.launchplan import LaunchPlan
@@ -158,8 +158,8 @@ class OrtGraph:
         self.outputs = [o.name for o in graph.output]
         self.feed = {name: _array(self.whole.inputs[i]) for name, i in self.inputs}
         self.values = self._values()
-        known = latency_ms is not None and set(latency_ms) == set(self.node)
-        self.latency_ms = dict(latency_ms) if known else self._profile(profile_runs)
+        self.latency_ms = dict(latency_ms) if latency_ms is not None and set(latency_ms) == set(self.node) \
+            else self._profile(profile_runs)
         producer = {o: n.name for n in graph.node for o in n.output if o}
         ops = [Op(id=n.name, name=n.op_type, target=f"{n.domain or 'ai.onnx'}::{n.op_type}",
                   latency_ms=max(self.latency_ms[n.name], 1e-4)) for n in graph.node]
@@ -243,10 +243,10 @@ class OrtGraph:
 
 
 class OrtLanes:
-    """The validated ``plan`` of ``model.graph`` run as sessions of its segments over bound buffers (module
-    docstring). ``threads`` (op -> intra-op threads, :func:`opweave.backends.threads.lane_threads`, its default)
-    gives each segment the smallest budget of its ops (one thread when it says nothing); a one-lane plan's budget is
-    every thread the lanes may use.
+    """The validated ``plan`` of ``model.graph`` run as sessions of its segments over bound buffers (module docstring).
+    ``threads`` (op -> intra-op threads, :func:`opweave.pipeline.thread_budgets.lane_threads`; default: its lanes'
+    budgets) gives each segment the smallest budget of its ops (one thread when it says nothing); a one-lane plan's
+    budget is every thread the lanes may use.
     ``stats``: ``calls``, ``segments`` (sessions), ``compiles`` (the same), ``compile_s`` (exporting, optimizing
     and profiling the model, then making the sessions), ``fallbacks`` (calls run op by op: inputs with other
     strides than the example's). ``close()`` stops the worker threads (also done when the backend is collected)
@@ -275,7 +275,7 @@ class OrtLanes:
 
         feed_names = {name for name, _ in model.inputs}
         self.sessions, bound, self._rebind = {}, {}, []
-        threads = threads if threads is not None else lane_threads(model.graph, plan)
+        threads = threads if threads is not None else plan_budgets(plan)
         for group in groups:
             budget = min(threads.get(op, 1) for op in group)
             data, inputs, outputs = model.segment_model(group)

@@ -52,8 +52,8 @@ class Step:
     (:func:`opweave.backends.liveness.steps_with_releases`; empty in a :class:`Program`)."""
 
     kind: str  # "launch" | "signal" | "wait"
-    op: str | None = None
-    signal: int | None = None
+    op: str = ""  # a launch's
+    signal: int = -1  # a signal's or a wait's
     release: tuple[str, ...] = ()
 
 
@@ -95,14 +95,16 @@ class _Split(PlanInterpreter):
         self.issue_order.append((at[0], step))
 
     def launch(self, i: int, ins: Instr, at: Point) -> None:
-        self._add(at, Step("launch", op=ins.op))
+        self._add(at, Step("launch", op=ins.target))
 
     def record(self, i: int, ins: Instr, at: Point) -> None:
         self.signal_of[i] = len(self.signal_of)
         self._add(at, Step("signal", signal=self.signal_of[i]))
 
     def wait(self, i: int, ins: Instr, at: Point) -> None:
-        self._add(at, Step("wait", signal=self.signal_of[self.source[i]]))
+        source = self.source[i]  # the record or send it pairs with (the interpreter refused a wait without one)
+        assert source is not None
+        self._add(at, Step("wait", signal=self.signal_of[source]))
 
     send = record
     recv = wait

@@ -21,7 +21,8 @@ def gantt(result: SimResult, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(width_in, 0.5 + 0.4 * max(1, len(lanes))))
     span_ms = max(result.makespan_ms, 1e-9)
     ms_per_char = span_ms / (width_in * 0.8) * 0.07  # ~0.07 inch per character at font size 7
-    colors = plt.get_cmap("tab20").colors
+    cmap = plt.get_cmap("tab20")
+    colors = [cmap(i) for i in range(cmap.N)]
     for k, (op, lane) in enumerate(result.lane_of.items()):
         begin, length = result.start_ms[op], result.finish_ms[op] - result.start_ms[op]
         ax.broken_barh([(begin, length)], (row[lane] - 0.4, 0.8), facecolors=colors[k % len(colors)],

@@ -6,7 +6,7 @@ capture code (:mod:`opweave.backends.cudagraph`) and the CUDA serving executor t
 
 * :data:`CUDA` (:class:`CudaRuntime`), the default: each method is the ``torch.cuda`` call of the same name (or
   nothing, where CUDA itself does the work), so a GPU runs exactly what it ran before.
-* :class:`opweave.backends.fakecuda.FakeCuda`: CPU tensors stand in for device memory, and every stream defers its
+* :class:`opweave.testing.fakecuda.FakeCuda`: CPU tensors stand in for device memory, and every stream defers its
   work until something must observe it, which it then runs in a seeded random order that respects only the
   streams' FIFO order and the recorded events (missing waits and early frees give wrong outputs there). This is
   how the CUDA backend is tested on machines without a GPU, as ``torch.distributed``'s fake process group tests

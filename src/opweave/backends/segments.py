@@ -75,6 +75,7 @@ Per-segment compilation works on every torch with Inductor and keeps the validat
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 import time
@@ -92,7 +93,9 @@ from opweave.backends.threads import total_threads
 from opweave.capture import opinfo
 from opweave.capture.coarsen import merge_ops
 from opweave.capture.runtime import Captured
+from opweave.cores import intra_op_threads
 from opweave.errors import CaptureError, first_line
+from opweave.ir.graph import OpGraph  # noqa: F401 - the annotation Segmented takes from Captured
 from opweave.plan.launchplan import LaunchPlan
 from opweave.plan.semantics import Lane
 
@@ -111,7 +114,7 @@ def segment_groups(plan: LaunchPlan) -> list[list[str]]:
             if lane not in current:
                 current[lane] = []
                 groups.append(current[lane])
-            current[lane].append(ins.op)
+            current[lane].append(ins.target)
         else:
             current.pop(lane, None)
     return groups
@@ -124,8 +127,8 @@ def segment_plan(plan: LaunchPlan, groups: list[list[str]]) -> LaunchPlan:
     Moving a segment's later launches up to its first is safe: no instruction of that lane lies between them, so
     nothing issued in between on another lane can wait for them, and they wait for nothing issued in between."""
     segment_of = {op: group[0] for group in groups for op in group}
-    return LaunchPlan([replace(ins, op=segment_of[ins.op]) if ins.kind in ("send", "recv") else replace(ins)
-                       for ins in plan.instrs if ins.kind != "launch" or segment_of[ins.op] == ins.op])
+    return LaunchPlan([replace(ins, op=segment_of[ins.target]) if ins.kind in ("send", "recv") else replace(ins)
+                       for ins in plan.instrs if ins.kind != "launch" or segment_of[ins.target] == ins.op])
 
 
 def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inductor",
@@ -133,10 +136,10 @@ def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inducto
                   dynamic: bool | None = None) -> tuple[Segmented, LaunchPlan]:
     """The :class:`Segmented` model of ``plan``'s segments and the plan that launches them (see the module
     docstring). ``plan`` must have passed the validator for ``captured.graph``. ``compiler`` names a
-    :mod:`~opweave.backends.compilers` compiler; ``threads`` (op -> intra-op threads, :func:`opweave.backends.threads.
-    op_threads`) gives each segment the smallest budget of its ops (the compiler's thread count; default 1 per op when
-    some are given, :func:`opweave.backends.threads.total_threads` otherwise); ``compiler_options``: keywords the
-    compiler is made with (:func:`opweave.backends.compilers.get`)."""
+    :mod:`~opweave.backends.compilers` compiler; ``threads`` (op -> intra-op threads,
+    :func:`opweave.pipeline.thread_budgets.op_threads`) gives each segment the smallest budget of its ops (the
+    compiler's thread count; default 1 per op when some are given, :func:`opweave.backends.threads.total_threads`
+    otherwise); ``compiler_options``: keywords the compiler is made with (:func:`opweave.backends.compilers.get`)."""
     get_compiler(compiler, **(compiler_options or {}))  # refuses an unknown name before anything is built
     groups = segment_groups(plan)
     merged = merge_ops(captured, groups)
@@ -178,6 +181,12 @@ class Segmented(Captured):
         self._contiguous_outputs = [] if self.compiler_options.get("eager_strides", True) else [
             n.name for n in returned if [m.memory_format for m in opinfo.node_metas(n)] == [torch.contiguous_format]]
 
+    @property
+    def any_batch(self) -> bool:  # type: ignore[override]
+        """Its segments are compiled with dimension 0 of every input and output free (``dynamic_batch``, ONNX
+        Runtime): inputs of another size there are bound, and meet the same compiled graph."""
+        return bool(self.compiler_options.get("dynamic_batch"))
+
     def run_op(self, op_id: str, env: dict[str, Any]) -> None:
         """Run segment ``op_id``: its compiled graph for the current input signature (compiled on first sight)."""
         self._segments[op_id](env)
@@ -207,11 +216,17 @@ class Segmented(Captured):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        launches = [ins.op for ins in plan.instrs if ins.kind == "launch"]
+        launches = [ins.target for ins in plan.instrs if ins.kind == "launch"]
         env = self.bind(args)
+        console = console or Console(stderr=True)
+        if not console.is_terminal:  # no bar (and no thread redrawing one): a server's blocks build by the hundred
+            with torch.no_grad():
+                for seg in launches:
+                    self.run_op(seg, env)
+            return
         with torch.no_grad(), Progress(TextColumn(f"{self.graph.name}: compiling segments with {self.compiler}"),
                                        BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True,
-                                       console=console or Console(stderr=True)) as bar:
+                                       console=console) as bar:
             task = bar.add_task("", total=len(launches))
             for seg in launches:
                 self.run_op(seg, env)
@@ -245,7 +260,7 @@ class _Segment:
 
     def run(self, *values: Any) -> list[Any]:
         """The segment's output values (in the order of ``outputs``) for its input values."""
-        key, _ = signature(values, strides=True)
+        key, _ = signature(values, strides=True, batch=not self.owner.any_batch)
         compiled = self.compiled.get(key, False)
         if compiled is False:
             compiled = self.aliases.get(key, False)
@@ -284,7 +299,7 @@ class _Segment:
                               "signatures (a scalar input that changes every call?); new ones run op by op",
                               stacklevel=4)
             return None
-        compiled = self.compiled[key] = self._compile(values, self._free(layout))
+        compiled = self.compiled[key] = self._compile(list(values), self._free(layout))
         if compiled is not None and compiled.free:
             self.sized.append(compiled)
         return compiled
@@ -315,25 +330,40 @@ class _Segment:
             self.owner.run_unfused(self.seg, scratch)
         return [scratch[n.name] for n in self.outputs]
 
+    def _structure(self, values: list[Any]) -> list[Any]:
+        """Stand-ins of the segment's outputs, for their structure: where capture recorded every output as one
+        tensor, meta tensors of its dtype (no run); else the outputs of one run op by op (:meth:`examples`: an error
+        of the segment's own ops is raised there)."""
+        from torch.fx.passes.shape_prop import TensorMetadata
+
+        metas = [n.meta.get("tensor_meta") for n in self.outputs]
+        recorded = [m for m in metas if isinstance(m, TensorMetadata)]
+        if metas and len(recorded) == len(metas):
+            return [torch.empty(0, dtype=m.dtype, device="meta") for m in recorded]
+        return self.examples(values)
+
     def _compile(self, values: list[Any], free: dict[int, frozenset[int]] | None = None) -> _Compiled | None:
         """Compile the segment for these input values (``free``: per tensor input, the dimensions left free);
         None (with a warning) when the compiler fails. An error of the segment's own ops (found by one run op by
-        op, which also gives the outputs' structure) is raised."""
-        examples = self.examples(values)
+        op, where capture did not record the outputs' structure) is raised."""
+        examples = self._structure(values)
         start = time.perf_counter()
         free = free or {}
         try:
             gm, specs = self._graph_module(values, examples)
             inputs = [leaf for v in values for leaf in pytree.tree_leaves(v) if isinstance(leaf, torch.Tensor)]
             threads = self.owner.threads.get(self.seg) or total_threads()
+            leaves = [leaf for e in examples for leaf in pytree.tree_leaves(e)]
+            known = len(leaves) if all(isinstance(leaf, torch.Tensor) for leaf in leaves) else None
             compiler = get_compiler(self.owner.compiler, **self.owner.compiler_options)
             try:
-                fn = compiler(gm, inputs, threads, alone=self.owner.alone, **({"dynamic_dims": free} if free else {}))
+                fn = compiler(gm, inputs, threads, alone=self.owner.alone, outputs=known,
+                              **({"dynamic_dims": free} if free else {}))
             except Exception:  # noqa: BLE001 - with free sizes it may fail where fixed ones do not
                 if not free:
                     raise
                 free = {}
-                fn = compiler(gm, inputs, threads, alone=self.owner.alone)
+                fn = compiler(gm, inputs, threads, alone=self.owner.alone, outputs=known)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run this segment op by op
             self.owner.stats["fallbacks"] += 1
             warnings.warn(f"{self.owner.graph.name}: segment {self.seg!r} could not be compiled with "
@@ -363,7 +393,7 @@ class _Segment:
         for node in members:
             for arg in node.all_input_nodes:
                 if arg.op == "get_attr" and arg not in copies:
-                    copies[arg] = graph.get_attr(arg.target)
+                    copies[arg] = graph.get_attr(str(arg.target))
         for node in members:
             copies[node] = graph.node_copy(node, copies.__getitem__)
         outs, specs = [], []
@@ -499,15 +529,10 @@ def op_latencies(captured: Captured, inputs: tuple, compiler: str, threads: int 
     merged = merge_ops(captured, [[op] for op in order])
     single = Segmented(merged.graph, merged.gm, merged.nodes, signature=merged.signature,
                        example_inputs=merged.example_inputs, compiler=compiler, threads=dict.fromkeys(order, threads))
-    caller = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            env = single.bind(tuple(inputs))
-            for op in order:
-                single.run_op(op, env)
-            return {op: timing.median_ms(lambda op=op: single.run_op(op, env), runs=repeats, warmup=1)
-                    for op in order}
-    finally:
-        torch.set_num_threads(caller)
+    with intra_op_threads(threads), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        env = single.bind(tuple(inputs))
+        for op in order:
+            single.run_op(op, env)
+        return {op: timing.median_ms(functools.partial(single.run_op, op, env), runs=repeats, warmup=1)
+                for op in order}

@@ -38,6 +38,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from opweave.costs.contention import FluidDevice
@@ -87,7 +88,7 @@ def simulate(graph: OpGraph, plan: LaunchPlan, costs: Costs, *, cuda_graph: bool
     start, finish, makespan = _replay(graph, plan, costs, cuda_graph)
     sequential = LaunchPlan([Instr(0, "launch", 0, op=o) for o in graph.topo_order])
     sequential_ms = _replay(graph, sequential, costs, cuda_graph)[2]
-    lane_of = {i.op: (i.device, i.stream) for i in plan.instrs if i.kind == "launch"}
+    lane_of = {i.target: (i.device, i.stream) for i in plan.instrs if i.kind == "launch"}
     busy: dict[Lane, float] = {}
     for op, lane in lane_of.items():
         busy[lane] = busy.get(lane, 0.0) + finish[op] - start[op]
@@ -110,7 +111,7 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
     dependents: list[list[int]] = [[] for _ in instrs]
     not_before_ms = [0.0] * len(instrs)  # earliest start from launch overheads
     launches_issued: dict[int, int] = {}
-    device_of_op = {i.op: i.device for i in instrs if i.kind == "launch"}
+    device_of_op = {i.target: i.device for i in instrs if i.kind == "launch"}
     order = PlanInterpreter().run(plan)
     for i, ins in enumerate(instrs):
         deps[i] = order.predecessors(i)  # a recv's send comes last: ready() reads it as deps[i][-1]
@@ -123,7 +124,7 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
             not_before_ms[i] = k * costs.gpu.launch_overhead_ms
 
     def transfer_ms(recv: Instr) -> float:
-        return max((costs.transfer_ms(recv.op, v) for v in graph.succs[recv.op]
+        return max((costs.transfer_ms(recv.target, v) for v in graph.succs[recv.target]
                     if device_of_op.get(v) == recv.device), default=0.0)
 
     devices = {d: FluidDevice(sharing=gpu) for d in {i.device for i in instrs}}
@@ -134,7 +135,7 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
     waiting = [len(d) for d in deps]
     start: dict[str, float] = {}
     finish: dict[str, float] = {}
-    launch_index = {ins.op: i for i, ins in enumerate(instrs) if ins.kind == "launch"}
+    launch_index: dict[Hashable, int] = {ins.target: i for i, ins in enumerate(instrs) if ins.kind == "launch"}
     events: list[tuple[float, int, str]] = []  # (time, instruction, "ready" | "start" | "done")
     front_end = dict.fromkeys(devices, 0.0)  # when each device's front end can start the next kernel (CUDA graph)
 
@@ -154,17 +155,19 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
             return
         if ins.kind == "launch" and graphed:  # the first kernel after its lane's gap or its last edge
             gap = costs.gpu.kernel_gap_ms
-            t = max(lane + gap, edge) + max(costs.kernel_count(ins.op) - 1, 0) * gap  # 0 kernels: as 1
+            t = max(lane + gap, edge) + max(costs.kernel_count(ins.target) - 1, 0) * gap  # 0 kernels: as 1
             heapq.heappush(events, (t, i, "ready" if costs.gpu.dispatch_ms else "start"))
             return
         t = max(lane, edge)
         if ins.kind == "recv":
-            t = max(t, done_ms[deps[i][-1]] + transfer_ms(ins))
+            sent = done_ms[deps[i][-1]]  # its send, done before the recv is ready
+            assert sent is not None
+            t = max(t, sent + transfer_ms(ins))
         if ins.kind == "launch" and gpu:
             heapq.heappush(events, (t, i, "start"))
         elif ins.kind == "launch":
-            start[ins.op] = t
-            heapq.heappush(events, (t + costs.latency_ms[ins.op], i, "done"))
+            start[ins.target] = t
+            heapq.heappush(events, (t + costs.latency_ms[ins.target], i, "done"))
         else:
             heapq.heappush(events, (t, i, "done"))
 
@@ -173,7 +176,7 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
         if not (graphed and instrs[i].kind == "wait"):
             lane_ms[i] = t
         if instrs[i].kind == "launch":
-            finish[instrs[i].op] = t
+            finish[instrs[i].target] = t
         for j in dependents[i]:
             waiting[j] -= 1
             if waiting[j] == 0:
@@ -192,12 +195,12 @@ def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,
             if what == "done":
                 complete(i, t)
             elif what == "ready":  # the front end starts the kernels in the order they became ready
-                d = instrs[i].device
-                begin = max(t, front_end[d])
-                front_end[d] = begin + costs.kernel_count(instrs[i].op) * costs.gpu.dispatch_ms
+                device = instrs[i].device
+                begin = max(t, front_end[device])
+                front_end[device] = begin + costs.kernel_count(instrs[i].target) * costs.gpu.dispatch_ms
                 heapq.heappush(events, (begin, i, "start"))
             else:
-                op = instrs[i].op
+                op = instrs[i].target
                 start[op] = t
                 devices[instrs[i].device].add(op, costs.latency_ms[op], costs.util(op))
     stuck = [i for i, t in enumerate(done_ms) if t is None]

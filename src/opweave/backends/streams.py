@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -132,7 +133,9 @@ class CudaLanes(Walker):
         self._joins = [runtime.Event() for _ in side]
         self.stream_of: dict[Lane, torch.cuda.Stream] = {}
         self.current_op: str | None = None
-        self.captured = self.env = self._active = None
+        self.captured: Any = None  # the running call's model, environment and current stream (None between calls)
+        self.env: Any = None
+        self._active: Any = None
 
     def issue(self, steps: Iterable[tuple[Lane, Step]], origin: torch.cuda.Stream, captured, env: dict) -> None:
         """Walk ``steps`` forked from and joined into ``origin``, the current stream, which is current again when

@@ -11,8 +11,8 @@ from that process-wide default, once (``at::internal::lazy_init_num_threads``, t
   then calls ``torch.set_num_threads(budget)``: from then on its kernels use ``budget`` threads, whatever other
   threads do (:func:`enter_budget`);
 * the process-wide default that the last call left behind would leak into threads created later (the caller's
-  own), so the backend restores it from the caller's thread once its workers are set (:func:`restore_default`),
-  which does not change the caller's own count.
+  own), so the caller's thread starts its workers inside :func:`opweave.cores.intra_op_threads`, which sets its
+  own count (and with it the default) back as it was once they are set.
 
 **Only the caller's thread ever runs more than one OpenMP thread.** The first lane of a plan runs in the caller's
 thread; every other lane's worker runs its ops on one thread. libgomp keeps a thread's team once it has run a
@@ -23,22 +23,21 @@ OpenMP kernel in the process from then on, the lanes' own and the user's: eager 
 while two idle threads held two-thread teams, and 40 ms when they held one-thread teams
 (``benchmarks/omp_teams.py``). Within the caller's thread the count changes from op to op as the budgets say.
 
-:func:`budgets` gives a plan's lanes their threads when no per-op budgets are given: one to each lane but the first,
-the rest of the cores to the first (a single lane keeps every core), so the lanes never hold more threads than there
-are cores. Per-op budgets (:func:`op_threads`: an op of the first lane that runs alone gets every core) are given
-only to ONNX Runtime segments (``compiler="onnxruntime"``, ``graph="onnxruntime"``; :func:`lane_threads`): ONNX
-Runtime's pools sleep when idle there. An OpenMP team does not: after a two-thread kernel the caller's second
-thread spins on, and a worker lane that starts its next op meanwhile finds both cores taken. On the 2-core machine
-(2026-11-25, batch 1, medians of 20 calls interleaved in one process whose workers never held a team above one
-thread), HEFT's two lanes with per-op budgets
-against every op on one thread: GoogLeNet 56.7 / 51.2 ms, NASNet 48.2 / 45.9, RandWire 46.8 / 35.6, Inception-v3
-100.7 / 100.6. ``cores`` is the number of CPUs this process may run on.
+:func:`budgets` gives a plan's lanes their threads when no per-op budgets are given: one to each lane but the first, the
+rest of the cores to the first (a single lane keeps every core), so the lanes never hold more threads than there are
+cores. Per-op budgets (:func:`opweave.pipeline.thread_budgets.op_threads`, from the replayed plan: an op of the first
+lane that runs alone gets every core) are given only to ONNX Runtime segments (``compiler="onnxruntime"``,
+``graph="onnxruntime"``; :func:`opweave.pipeline.thread_budgets.lane_threads`): ONNX Runtime's pools sleep when idle
+there. An OpenMP team does not: after a two-thread kernel the caller's second thread spins on, and a worker lane that
+starts its next op meanwhile finds both cores taken. On the 2-core machine (2026-11-25, batch 1, medians of 20 calls
+interleaved in one process whose workers never held a team above one thread), HEFT's two lanes with per-op budgets
+against every op on one thread: GoogLeNet 56.7 / 51.2 ms, NASNet 48.2 / 45.9, RandWire 46.8 / 35.6, Inception-v3 100.7 /
+100.6. ``cores`` is the number of CPUs this process may run on (:func:`opweave.cores.cores`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import threading
 import time
@@ -46,12 +45,7 @@ from collections.abc import Sequence
 
 import torch
 
-
-def cores() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+from opweave.cores import cores
 
 
 def budgets(lanes: Sequence, total: int | None = None, *, ranks: int = 1) -> dict:
@@ -108,68 +102,10 @@ def enter_budget(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def restore_default(threads: int) -> None:
-    """Put back the process-wide default after workers set theirs (call from the caller's thread)."""
-    torch.set_num_threads(threads)
-
-
-def lane_threads(graph, plan, costs=None, *, per_op: bool = False, total: int | None = None) -> dict[str, int]:
-    """Each op's intra-op threads on a CPU plan's lanes, out of ``total`` (default :func:`total_threads`). With
-    ``per_op`` (what runs the ops sleeps when idle: ONNX Runtime sessions), ``costs`` and several lanes,
-    :func:`op_threads`' per-op budgets; otherwise the lanes' :func:`budgets`, the same for every op of a lane (a
-    single lane's ops get every thread; module docstring says why workers get one)."""
+def plan_budgets(plan, total: int | None = None) -> dict[str, int]:
+    """Each launched op's intra-op threads on ``plan``'s lanes, out of ``total``: its lane's :func:`budgets`, the
+    same for every op of a lane (per-op budgets from the replayed plan are the pipeline's:
+    :func:`opweave.pipeline.thread_budgets.lane_threads`)."""
     lane_of = {i.op: (i.device, i.stream) for i in plan.instrs if i.kind == "launch"}
-    lanes = sorted(set(lane_of.values()))
-    if per_op and costs is not None and len(lanes) > 1:
-        from opweave.backends.simulate import simulate
-
-        return op_threads(simulate(graph, plan, costs), total=total)
-    share = budgets(lanes, total=total)
+    share = budgets(sorted(set(lane_of.values())), total=total)
     return {op: share[lane] for op, lane in lane_of.items()}
-
-
-def op_threads(sim, total: int | None = None, overlap: float = 0.1) -> dict[str, int]:
-    """Intra-op threads per op of a replayed plan (:func:`opweave.backends.simulate.simulate`). The first lane (the
-    smallest; it runs in the caller's thread) shares the cores with the lanes that run beside it: its op gets
-    ``total // k`` threads (at least 1), where ``k`` is its own lane plus every other lane that is busy for more
-    than ``overlap`` of the op's time, so an op that runs alone gets every core. Every other lane's op gets one
-    thread (module docstring: a worker with a bigger team slows every OpenMP kernel of the process). A lane changes
-    its thread count between ops (``torch.set_num_threads`` costs about 0.1 µs).
-
-    >>> from types import SimpleNamespace
-    >>> sim = SimpleNamespace(start_ms={"a": 0, "b": 0, "c": 4, "d": 6}, finish_ms={"a": 4, "b": 3, "c": 6, "d": 8},
-    ...                       lane_of={"a": (0, 0), "b": (0, 1), "c": (0, 0), "d": (0, 1)})
-    >>> op_threads(sim, total=2)
-    {'a': 1, 'b': 1, 'c': 2, 'd': 1}
-    """
-    total = total_threads(total)
-    busy: dict = {}
-    for op, lane in sim.lane_of.items():
-        busy.setdefault(lane, []).append((sim.start_ms[op], sim.finish_ms[op]))
-    first = min(busy, default=None)
-    out = {}
-    for op, lane in sim.lane_of.items():
-        if lane != first:
-            out[op] = 1
-            continue
-        start, finish = sim.start_ms[op], sim.finish_ms[op]
-        length = finish - start
-        sharing = 1
-        for other, spans in busy.items():
-            if other == lane:
-                continue
-            shared = sum(max(0.0, min(finish, b) - max(start, a)) for a, b in spans)
-            if shared > overlap * length or (length == 0 and any(a < start < b for a, b in spans)):
-                sharing += 1
-        out[op] = max(1, total // sharing)
-    return out
-
-
-def op_budgets(lanes: int, total: int | None = None, *, per_op: bool = True) -> list[int]:
-    """Every budget an op of a plan with at most ``lanes`` lanes may get out of ``total`` (default
-    :func:`total_threads`): :func:`op_threads`' with ``per_op``, else :func:`budgets`'. What to compile a call for
-    ahead of time (the serving executor's whole blocks)."""
-    total = total_threads(total)
-    if per_op:
-        return sorted({1} | {max(1, total // k) for k in range(1, max(1, lanes) + 1)})
-    return sorted({1} | {budgets(range(k), total)[0] for k in range(1, max(1, lanes) + 1)})

@@ -37,6 +37,7 @@ turn a plan's stream segments into ops (:mod:`opweave.backends.segments`).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -107,13 +108,14 @@ def foldable(layer: fx.Node, norm: fx.Node, gm: fx.GraphModule) -> bool:
     replaces the module)."""
     if layer.op != "call_module" or norm.op != "call_module" or norm.args[:1] != (layer,) or len(layer.users) != 1:
         return False
-    first, bn = gm.get_submodule(layer.target), gm.get_submodule(norm.target)
+    first, bn = opinfo.submodule(gm, layer), opinfo.submodule(gm, norm)
     if not any(type(first) is a and type(bn) is b for a, b in _FOLDABLE):
         return False
     if first.training or bn.training or not bn.track_running_stats:
         return False
+    target = str(layer.target)
     calls = [n for n in gm.graph.nodes if n.op in ("call_module", "get_attr")
-             and (n.target == layer.target or layer.target.startswith(n.target + "."))]
+             and (n.target == target or target.startswith(f"{n.target}."))]
     return calls == [layer]
 
 
@@ -147,7 +149,7 @@ def fold_batchnorm(gm: fx.GraphModule, pairs: list[tuple[str, str]] | None = Non
 _FOLDED = SharedCopies()
 
 
-def folded_layer(layer: nn.Module, bn: nn.Module) -> nn.Module:
+def folded_layer(layer: Any, bn: Any) -> nn.Module:
     """A copy of ``layer`` (a convolution or linear layer) with the eval-mode BatchNorm ``bn`` folded into its
     weights (``torch.nn.utils.fusion``), made once per pair while their tensors stay as they are
     (:class:`~opweave.capture.runtime.SharedCopies`: weights changed in place, replaced, moved or converted are

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -34,7 +34,7 @@ def apply_on_clone(target: str, tensor: torch.Tensor, *args, **kwargs) -> torch.
 
 
 @functools.cache
-def _resolve(path: str) -> Callable:
+def _resolve(path: str) -> Any:
     head, *rest = path.split(".")
     obj = __import__(head)
     for part in rest:
@@ -77,7 +77,7 @@ def rewrite_inplace(gm: fx.GraphModule) -> list[fx.Node]:
                 user.replace_input_with(tensor, new)
     kept_targets = {n.target for n in kept if n.op == "call_module"}
     for target, sites in module_sites.items():
-        module = copy.copy(gm.get_submodule(target))
+        module: Any = copy.copy(gm.get_submodule(target))
         module.inplace = False
         path = target if target not in kept_targets else f"{target}_out_of_place"
         _set_submodule(gm, path, module)
@@ -91,6 +91,7 @@ def rewrite_inplace(gm: fx.GraphModule) -> list[fx.Node]:
 def _out_of_place(node: fx.Node, gm: fx.GraphModule, module_sites: dict[str, list[fx.Node]]) -> fx.Node:
     """Turn ``node`` into its out-of-place form; returns the node that now holds the result."""
     if node.op == "call_module":
+        assert isinstance(node.target, str)
         module_sites.setdefault(node.target, []).append(node)  # the module is swapped once all sites are known
         return node
     twin = opinfo.out_of_place(node)

@@ -26,6 +26,7 @@ import inspect
 import math
 import operator
 import re
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,11 +90,17 @@ _INPLACE_OPERATORS = {
 
 
 # ---- names --------------------------------------------------------------------------------------------------------
+def submodule(gm: fx.GraphModule, node: fx.Node) -> Any:
+    """The module a ``call_module`` node calls (its attributes read as the module's class has them)."""
+    assert isinstance(node.target, str), node.target
+    return gm.get_submodule(node.target)
+
+
 def target_name(node: fx.Node, gm: fx.GraphModule) -> str:
     """Canonical name of what ``node`` runs: ``torch.nn.Conv2d``, ``aten.convolution``, ``torch.cat``,
     ``torch.nn.functional.relu``, ``torch.Tensor.add``, ``operator.add`` (never the node's own name)."""
     if node.op == "call_module":
-        cls = type(gm.get_submodule(node.target))
+        cls = type(submodule(gm, node))
         if getattr(nn, cls.__name__, None) is cls:
             return f"torch.nn.{cls.__name__}"
         return f"{cls.__module__}.{cls.__qualname__}"
@@ -200,8 +207,8 @@ def is_epilogue(node: fx.Node, gm: fx.GraphModule) -> bool:
     if short not in _BATCHNORMS:
         return False
     if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        return not module.training and module.track_running_stats
+        module = submodule(gm, node)
+        return not module.training and bool(module.track_running_stats)
     if short == "_native_batch_norm_legit_no_training":
         return True
     train = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
@@ -210,7 +217,7 @@ def is_epilogue(node: fx.Node, gm: fx.GraphModule) -> bool:
 
 def _dropout_is_identity(node: fx.Node, gm: fx.GraphModule) -> bool:
     if node.op == "call_module":
-        return not gm.get_submodule(node.target).training
+        return not submodule(gm, node).training
     train = node.kwargs.get("training", node.kwargs.get("train"))
     if train is None and len(node.args) > 2:
         train = node.args[2]
@@ -226,9 +233,9 @@ def _flat_nodes(arg) -> list[fx.Node]:
 def inplace_target(node: fx.Node, gm: fx.GraphModule) -> bool:
     """True if ``node`` overwrites its first argument (or a module's input) in place."""
     if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(node.target), "inplace", False))
+        return bool(getattr(submodule(gm, node), "inplace", False))
     if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.startswith("_")
+        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_")
     if node.op != "call_function":
         return False
     fn = node.target
@@ -268,14 +275,14 @@ def _inplace_flag(node: fx.Node) -> tuple[str, int | None] | None:
     return None
 
 
-def out_of_place(node: fx.Node) -> tuple[str, object] | None:
+def out_of_place(node: fx.Node) -> tuple[str, Any] | None:
     """The out-of-place twin of an in-place call: ("kwarg"|"arg", index) to clear an ``inplace`` flag, or
     ("target", new_target) for a call_function/call_method; None when there is none (then clone and mutate)."""
     flag = _inplace_flag(node) if node.op == "call_function" else None
     if flag is not None:
         return flag
     fn = node.target
-    if node.op == "call_method":
+    if node.op == "call_method" and isinstance(fn, str):
         twin = getattr(torch.Tensor, fn[:-1], None)
         return ("target", fn[:-1]) if callable(twin) else None
     if fn in _INPLACE_OPERATORS:
@@ -294,7 +301,7 @@ def flops(node: fx.Node, gm: fx.GraphModule) -> float:
     """FLOPs of one real node (see the module docstring for the conventions)."""
     target = target_name(node, gm)
     short, op_kind = short_name(target), kind(target)
-    module = gm.get_submodule(node.target) if node.op == "call_module" else None
+    module = submodule(gm, node) if node.op == "call_module" else None
     args = node.args
     out = _numel(node)
     if op_kind == "conv":
@@ -336,14 +343,14 @@ def bytes_moved(node: fx.Node, gm: fx.GraphModule) -> float:
         return float(indices + 2 * written)
     read = sum(nbytes(a) for a in inputs)
     if node.op == "call_module":
-        module = gm.get_submodule(node.target)
+        module = submodule(gm, node)
         read += sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
     return float(read + written)
 
 
-def _kernel_area(node: fx.Node, module: nn.Module | None, short: str) -> int:
+def _kernel_area(node: fx.Node, module: Any, short: str) -> int:
     dims = int(m.group(1)) if (m := re.search(r"([123])d", short)) else 2
-    kernel = module.kernel_size if module is not None else node.kwargs.get(
+    kernel: Any = module.kernel_size if module is not None else node.kwargs.get(
         "kernel_size", node.args[1] if len(node.args) > 1 else 1)
     if isinstance(kernel, int):
         return kernel ** dims
@@ -351,6 +358,8 @@ def _kernel_area(node: fx.Node, module: nn.Module | None, short: str) -> int:
 
 
 def _einsum_flops(node: fx.Node, out: int) -> float:
+    equation: Any
+    operands: list[Any]
     equation, *operands = node.args
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
@@ -364,7 +373,7 @@ def _einsum_flops(node: fx.Node, out: int) -> float:
     return 2.0 * math.prod(sizes.values())
 
 
-def _rnn_flops(module: nn.Module, short: str, input_numel: int) -> float:
+def _rnn_flops(module: Any, short: str, input_numel: int) -> float:
     gates = {"lstm": 4, "gru": 3}.get(short.removesuffix("cell"), 1)
     hidden, first_input = module.hidden_size, module.input_size
     steps = input_numel // max(first_input, 1)  # time steps × batch
@@ -376,7 +385,7 @@ def _rnn_flops(module: nn.Module, short: str, input_numel: int) -> float:
     return total
 
 
-def _attention_flops(node: fx.Node, module: nn.Module | None) -> float:
+def _attention_flops(node: fx.Node, module: Any) -> float:
     q, k, v = (_shape(arg) for arg in node.args[:3])
     if q is None or k is None or v is None:
         return float(_numel(node))

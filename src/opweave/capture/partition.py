@@ -12,6 +12,8 @@ ids are fx node names; ops keep fx (= eager) order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import fx
 
 from opweave.capture import opinfo
@@ -47,7 +49,7 @@ def build_graph(gm: fx.GraphModule, nodes: dict[str, list[fx.Node]], owner: dict
     return OpGraph(ops, edges, name)
 
 
-def data_edges(nodes: dict[str, list[fx.Node]], owner: dict[str, str | None]) -> list[Edge]:
+def data_edges(nodes: dict[str, list[fx.Node]], owner: Mapping[str, str | None]) -> list[Edge]:
     """One data edge per (producer op, consumer op) pair; its bytes are those of the distinct values consumed.
     ``owner`` maps fx node names to their op (None, or absent: computed in ``bind``)."""
     edges: list[Edge] = []
@@ -85,7 +87,9 @@ def _inplace_edges(gm: fx.GraphModule, owner: dict[str, str | None], kept: list[
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     edges: list[Edge] = []
     for writer in kept:
-        for alias in aliases(writer.args[0], gm):
+        target = writer.args[0]
+        assert isinstance(target, fx.Node)  # kept: an in-place op writing a value of the graph
+        for alias in aliases(target, gm):
             for reader in alias.users:
                 op = owner.get(reader.name)
                 if reader is writer or op is None or op == writer.name or opinfo.is_trivial(reader, gm):

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import fx
@@ -60,6 +60,8 @@ class Captured:
     _steps: dict[str, list[tuple[str, Step]]] = field(init=False, repr=False)
     _output: Step = field(init=False, repr=False)
 
+    any_batch: ClassVar[bool] = False  # a compiled whole that takes any size of dimension 0 (segments.Segmented)
+
     def __post_init__(self) -> None:
         owned = {n for group in self.nodes.values() for n in group}
         self._inputs, self._constants, self._prelude, self._free = [], [], [], {}
@@ -92,6 +94,8 @@ class Captured:
             else:
                 raise UsageError(f"{self.graph.name}: missing input {i} ({node.name!r})")
             signature = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
+            if self.any_batch and signature is not None and expected is not None and signature[0] and expected[0]:
+                signature = ((expected[0][0], *signature[0][1:]), signature[1])  # dimension 0 may be any size
             if expected is not None and signature is not None and signature != expected and not self._takes(
                     i, signature, expected):
                 raise UsageError(f"{self.graph.name}: input {i} ({node.name!r}) has shape {tuple(value.shape)} and "
@@ -130,7 +134,7 @@ class Captured:
     def _takes(self, i: int, signature: tuple, expected: tuple) -> bool:
         """Whether input ``i`` of ``signature`` (shape, dtype) differs from ``expected`` only in freed dims."""
         shape, dtype = signature
-        free = self._free.get(i)
+        free = self._free.get(i) or frozenset()
         return bool(free) and dtype == expected[1] and len(shape) == len(expected[0]) and all(
             a == b or d in free for d, (a, b) in enumerate(zip(shape, expected[0], strict=True)))
 
@@ -299,6 +303,7 @@ def positional(signature: inspect.Signature | None, args: tuple, kwargs: dict, m
 # ---- 7. node closures ---------------------------------------------------------------------------------------------
 def _compile(node: fx.Node, gm: fx.GraphModule) -> Step:
     """A closure ``env -> value`` that runs one node as torch.fx.Interpreter would."""
+    fn: Any
     if node.op == "call_function":
         fn = node.target
     elif node.op == "call_method":
@@ -307,7 +312,7 @@ def _compile(node: fx.Node, gm: fx.GraphModule) -> Step:
         def fn(self, *args, **kwargs):
             return getattr(self, method)(*args, **kwargs)
     elif node.op == "call_module":
-        fn = gm.get_submodule(node.target)
+        fn = opinfo.submodule(gm, node)
     else:
         raise CaptureError(f"cannot run fx node {node.name!r} of kind {node.op!r}")
     args = _loader(tuple(node.args))

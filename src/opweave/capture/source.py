@@ -27,7 +27,7 @@ Loaded.__doc__ = "A model, its example inputs (on the device asked for) and its 
 
 def load(source: str | Path, *, batch_size: int = 1, image_size: int | None = None, device: str = "cpu",
          dtype: torch.dtype | None = None, coarsen: bool = True, name: str | None = None, fold_bn: bool = False,
-         example_inputs: tuple | None = None, **options) -> Loaded:
+         example_inputs: tuple | dict | None = None, **options) -> Loaded:
     """The model ``source`` names, its example inputs and its capture, coarsened (:func:`~.coarsen.coarsen`, the
     papers' operators) unless ``coarsen=False`` (one op per fx node).
 
@@ -41,6 +41,7 @@ def load(source: str | Path, *, batch_size: int = 1, image_size: int | None = No
     zoo name or the file's stem). ``fold_bn``: BatchNorm folded into the convolutions at capture
     (:func:`~.trace.capture`).
     """
+    module: torch.nn.Module
     if isinstance(source, Path) or str(source).endswith((".pt2", ".pt")):
         file = Path(source).name
         if batch_size != 1:
@@ -51,10 +52,11 @@ def load(source: str | Path, *, batch_size: int = 1, image_size: int | None = No
             if example_inputs is None:
                 raise UsageError(f"{file} is TorchScript, which does not record its inputs' shapes: give example "
                                  f"inputs (a model repository's config.pbtxt lists them)")
-            module = load_torchscript(source, example_inputs, device=device)
+            exported = load_torchscript(source, example_inputs, device=device)
         else:
-            module = load_program(source, device=device)
-        inputs, name = module.example_inputs, name or Path(source).stem
+            exported = load_program(source, device=device)
+        assert exported.example_inputs is not None  # both loaders refuse a model they cannot give inputs
+        module, inputs, name = exported, exported.example_inputs, name or Path(source).stem
     else:
         if image_size is not None and zoo.takes_image_size(str(source)):
             options["image_size"] = image_size

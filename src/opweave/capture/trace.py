@@ -74,12 +74,13 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
     """
     if isinstance(model, torch.export.ExportedProgram):
         model = ExportedModule(model)
-    program = model.exported if isinstance(model, ExportedModule) else None
-    if program is not None and not example_inputs and example_kwargs is None and model.example_inputs is not None:
-        example_inputs = model.example_inputs
+    exported = model if isinstance(model, ExportedModule) else None
+    program = exported.exported if exported is not None else None
+    if exported is not None and not example_inputs and example_kwargs is None and exported.example_inputs is not None:
+        example_inputs = exported.example_inputs
     example_inputs = as_tuple(example_inputs)
     model_name = name or ("ExportedProgram" if program is not None else type(model).__name__)
-    signature = model.signature if program is not None else _signature(model)
+    signature = exported.signature if exported is not None else _signature(model)
     example_inputs = positional(signature, example_inputs, example_kwargs or {}, model_name)
     if fold_bn and program is not None:
         raise UsageError(f"{model_name}: fold_bn folds BatchNorm modules of an nn.Module; an exported program has "
@@ -141,10 +142,11 @@ class ExportedModule(nn.Module):
         self.num_args, self.keywords = args_spec.num_children, list(kwargs_spec.context)
         if program.example_inputs is not None:
             args, kwargs = program.example_inputs
-            self.example_inputs = positional(self.signature, args, kwargs, "ExportedProgram")
+            self.example_inputs: tuple | None = positional(self.signature, args, kwargs, "ExportedProgram")
         else:
             self.example_inputs = _zeros(program)
         self.ranges = _ranges(program)
+        self.input_names: list[str] | None = None  # a converted TorchScript module's inputs, by name
 
     def forward(self, *args):
         return self.program(*args[:self.num_args], **dict(zip(self.keywords, args[self.num_args:], strict=False)))
@@ -160,9 +162,10 @@ def _zeros(program: torch.export.ExportedProgram) -> tuple | None:
     """Zeros of the shapes and dtypes of the program's user inputs, in order; None if one is not a tensor."""
     values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
     users = [values.get(s.arg.name) for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-    if not all(isinstance(v, torch.Tensor) for v in users):
+    tensors = [v for v in users if isinstance(v, torch.Tensor)]
+    if len(tensors) != len(users):
         return None
-    return tuple(torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype, device=v.device) for v in users)
+    return tuple(torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype, device=v.device) for v in tensors)
 
 
 def _ranges(program: torch.export.ExportedProgram) -> list[dict[int, tuple[int, float]]]:
@@ -233,7 +236,7 @@ def _eager(model: nn.Module, example_inputs: tuple, model_name: str) -> Any:
                            f"{first_line(exc)}") from exc
 
 
-_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib)) + (
+_LIBRARIES = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (torch, contextlib)) + (
     os.path.dirname(os.path.dirname(__file__)) + os.sep,)
 
 

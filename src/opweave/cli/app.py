@@ -78,9 +78,31 @@ CoarsenOpt = Annotated[bool, typer.Option("--coarsen/--no-coarsen",
 OptionOpt = Annotated[list[str] | None, typer.Option(
     "--option", help="KEY=VALUE: any option of opweave.compile (e.g. cudagraphs=false, compiler=inductor, "
                            "scheduler_options={\"sync_ms\": 0.1}), as in the options table; repeat for more")]
+ModeOpt = Annotated[str | None, typer.Option(
+    "--mode", help="a preset of options that means the same on every device, as torch.compile's: default, "
+                   "reduce-overhead, max-autotune, max-autotune-no-cudagraphs (or --option mode=...)")]
 LinkOpt = Annotated[str | None, typer.Option(
     "--link", help="link between devices: nvlink4, pcie4, pcie5, loopback or a file from opweave profile-links; "
                    "sets every edge's transfer time (HIOS schedulers, simulator)")]
+
+
+def collect_options(texts: list[str] | None, mode: str | None = None, **flags) -> tuple[str, dict]:
+    """A command's options, collected one way for every command that builds a model: ``--option KEY=VALUE`` items
+    (:func:`opweave.pipeline.parse_option`), the ``mode`` (``--mode``, or ``--option mode=...``) and the command's
+    own flags (None: not given). Returns the mode (``"default"`` when none) and the options, to be resolved
+    (:func:`opweave.pipeline.resolve`, a server's :func:`opweave.serve.assemble.serving_options`); an option given
+    both as a flag and with ``--option`` is refused naming it."""
+    from opweave.pipeline import parse_option
+
+    settings = dict(parse_option(text) for text in texts or [])
+    if "mode" in settings:
+        if mode is not None:
+            raise UsageError("mode given both as --mode and with --option")
+        mode = settings.pop("mode")
+    both = sorted(k for k, v in flags.items() if v is not None and k in settings)
+    if both:
+        raise UsageError(f"option {both[0]!r} given both as --{both[0].replace('_', '-')} and with --option")
+    return mode or "default", {**settings, **{k: v for k, v in flags.items() if v is not None}}
 
 
 def graph_costs(graph: OpGraph, cost_model: str) -> Costs:
@@ -135,8 +157,9 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
         from opweave.capture import load
         from opweave.costs.roofline import with_estimates
 
-        _, inputs, captured = load(Path(model_file) if model_file is not None else model, batch_size=batch_size,
-                                   coarsen=coarsen)
+        source = Path(model_file) if model_file is not None else model
+        assert source is not None  # one of the three, checked above
+        _, inputs, captured = load(source, batch_size=batch_size, coarsen=coarsen)
         estimated = with_estimates(captured.graph, preset)
         if profile is None:
             return estimated
@@ -144,6 +167,7 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
         from opweave.costs.profile.store import model_dtype
 
         measured = Profile.load(profile)
+        assert model is not None  # a profile goes with --model, checked above
         expect = profile_key(model, inputs, "cpu", model_dtype(captured, inputs))
         expect = {k: v for k, v in expect.items() if k not in ("device", "torch")}
         measured.check_key({**expect, "device": measured.key.get("device"), "torch": measured.key.get("torch")},
@@ -167,7 +191,7 @@ def inductor_kernels(model: str | None, model_file: str | Path | None, batch_siz
 
     if model is None and model_file is None:
         raise UsageError("--inductor needs --model or --model-file: Inductor lowers the model itself")
-    _, inputs, captured = load(Path(model_file) if model_file is not None else model, batch_size=batch_size,
+    _, inputs, captured = load(Path(model_file) if model_file is not None else str(model), batch_size=batch_size,
                                coarsen=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its fallback warning: refused below instead

@@ -14,7 +14,19 @@ import torch
 import typer
 from rich.table import Table
 
-from opweave.cli.app import BatchOpt, JsonOpt, LinkOpt, OptionOpt, StreamsOpt, app, err, guard, out
+from opweave.cli.app import (
+    BatchOpt,
+    JsonOpt,
+    LinkOpt,
+    ModeOpt,
+    OptionOpt,
+    StreamsOpt,
+    app,
+    collect_options,
+    err,
+    guard,
+    out,
+)
 from opweave.errors import UsageError
 
 
@@ -40,26 +52,25 @@ def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
                                                     help="the papers' operators, as opweave.compile plans them "
                                                          "(--no-coarsen: one op per fx node; default: coarsen)")
                            ] = None,
-        options: OptionOpt = None, as_json: JsonOpt = False):
+        mode: ModeOpt = None, options: OptionOpt = None, as_json: JsonOpt = False):
     """Run a model with a multi-device plan, one rank process per device; print the median latency. The model is
-    built as ``opweave.compile(..., devices=N)`` builds it, by the pipeline, with these flags and ``--option
-    KEY=VALUE`` as its options, every one checked before the model loads (one device: the device's own plan, in
-    this process)."""
+    built as ``opweave.compile(..., devices=N)`` builds it, by the pipeline, with these flags, ``--mode`` and
+    ``--option KEY=VALUE`` as its options, every one checked before the model loads (one device: the device's own
+    plan, in this process). Under torchrun each rank's threads default to the cores split among the ranks of its
+    node."""
     from opweave.backends.distributed import check_devices, torchrun
+    from opweave.backends.threads import total_threads
     from opweave.capture import load
-    from opweave.pipeline import parse_option, resolve
+    from opweave.pipeline import resolve
 
     world = torchrun.rank_and_world()[1] if torchrun.launched() else devices or 2
     if torchrun.launched() and devices is not None and devices != world:
         raise UsageError(f"--devices {devices}, but torchrun started {world} ranks (--nproc-per-node x nodes)")
-    settings = dict(parse_option(text) for text in options or [])
-    flags = {"scheduler": scheduler, "devices": world, "streams": streams, "link": link, "threads": threads,
-             "timeout_s": timeout, "coarsen": coarsen}
-    both = sorted(k for k, v in flags.items() if v is not None and k in settings)
-    if both:
-        raise UsageError(f"option {both[0]!r} given both as a flag and with --option")
-    resolved = resolve(device, "default", {**settings, **{k: v for k, v in flags.items() if v is not None}},
-                       check_device=False)
+    mode, settings = collect_options(options, mode, scheduler=scheduler, devices=world, streams=streams, link=link,
+                                     threads=threads, timeout_s=timeout, coarsen=coarsen)
+    if torchrun.launched() and device == "cpu" and "threads" not in settings:  # this node's share, not the world's
+        settings["threads"] = total_threads(ranks=torchrun.ranks_here())
+    resolved = resolve(device, mode, settings, check_device=False)
     check_devices(1 if torchrun.launched() else world, device)  # before building the model: one line
     loaded = functools.partial(load, model, batch_size=batch_size, image_size=image_size, coarsen=False,
                                fold_bn=resolved.fold_bn)
@@ -100,25 +111,23 @@ def _run_ranks(loaded, model, options, runs, warmup, check) -> dict:
 
 def _run_torchrun(loaded, model, options, runs, warmup, check) -> dict | None:
     from opweave.backends.distributed import torchrun
-    from opweave.pipeline.targets import RanksTarget
+    from opweave.pipeline.flow import plan_ranks
 
     rank, world = torchrun.rank_and_world()
     built: dict = {}
 
     def prepare():
         module, inputs, captured = loaded()
-        if options.coarsen:  # as the pipeline's build coarsens
-            from opweave.capture import coarsen
-
-            captured = coarsen(captured)
-        costs, sched, plan = RanksTarget().plan(captured, inputs, options)
-        built.update(module=module, inputs=inputs, costs=costs, sched=sched, plan=plan, graph=captured.graph)
-        return captured, plan, inputs
+        planned = plan_ranks(captured, inputs, options)  # as the pipeline's build plans the ranks it starts
+        built.update(module=module, inputs=inputs, costs=planned.costs, sched=planned.schedule, plan=planned.plan,
+                     graph=planned.captured.graph)
+        return planned.captured, planned.plan, inputs
 
     result = torchrun.run(prepare, device=options.device, runs=runs, warmup=warmup, timeout_s=options.timeout_s,
-                          threads=options.threads if "threads" in options.given else None)
+                          threads=options.threads)
     if rank != 0:
         return None
+    assert result is not None  # rank 0 collects every rank's
     module, inputs = built["module"], built["inputs"]
     return {"model": model, "scheduler": options.scheduler, "devices": world, "device": options.device,
             "launch": "torchrun", "median_ms": statistics.median(result["times_ms"]), "runs": runs,

@@ -201,8 +201,9 @@ def calibrate(results: Annotated[list[Path], typer.Argument(help="result JSON fi
     rows; print the error fitted on all rows and with each model left out, and write the device file."""
     import gzip
 
+    from opweave.costs import calibrate as fit
     from opweave.costs import calibrated
-    from opweave.pipeline import calibrate as fit
+    from opweave.pipeline.choose import benchmark_graph, replay
 
     rows = fit.read_rows(results)
     start = calibrated.Device.load(base or calibrated.device_path("h200"))
@@ -217,10 +218,10 @@ def calibrate(results: Annotated[list[Path], typer.Argument(help="result JSON fi
         name = (data.get("opweave") or {}).get("model")
         if not name:
             raise UsageError(f"{trace}: no 'opweave' entry naming the model (write it with scripts/dump_trace.py)")
-        traced = (fit.graph_for(name, 1), data, name)
+        traced = (benchmark_graph(name, 1), data, name)
     log = (lambda text: None) if as_json else (lambda text: err.print(text, markup=False, highlight=False))
     weight = fit.RANK_WEIGHT if rank_weight is None else rank_weight
-    dev, rep = fit.calibrate(rows, start, traced, iterations, leave_one_out, log, weight)
+    dev, rep = fit.calibrate(rows, start, replay(), traced, iterations, leave_one_out, log, weight)
     target = output or calibrated.user_path("h200")
     target.parent.mkdir(parents=True, exist_ok=True)
     dev.save(target)

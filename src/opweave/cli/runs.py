@@ -14,9 +14,11 @@ from opweave.cli.app import (
     CoarsenOpt,
     JsonOpt,
     ModelFileOpt,
+    ModeOpt,
     OptionOpt,
     StreamsOpt,
     app,
+    collect_options,
     err,
     guard,
     out,
@@ -42,7 +44,7 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
                                                       help="the papers' operators, as opweave.compile plans them "
                                                            "(--no-coarsen: one op per fx node; default: coarsen)")
                              ] = None,
-          options: OptionOpt = None, as_json: JsonOpt = False):
+          mode: ModeOpt = None, options: OptionOpt = None, as_json: JsonOpt = False):
     """Real runs: eager vs opweave with each scheduler, and ``default``: what opweave.compile picks when given no
     scheduler (on a CPU, lanes only where they beat one lane and the model; on CUDA, the plan the fitted device
     predicts fastest). Every mode is built first, then all are timed interleaved
@@ -52,15 +54,9 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
     other option of opweave.compile for every scheduler (refused, before the model loads, where it does not apply
     to one of them)."""
     from opweave.evaluate.bench import bench_model, resolve_device
-    from opweave.pipeline import parse_option
 
     device = resolve_device(device)
-    settings = dict(parse_option(text) for text in options or [])
-    mode = settings.pop("mode", "default")
-    flags = {"streams": streams, "profile": profile, "coarsen": coarsen}
-    both = sorted(k for k, v in flags.items() if v is not None and k in settings)
-    if both:
-        raise UsageError(f"option {both[0]!r} given both as --{both[0]} and with --option")
+    mode, settings = collect_options(options, mode, streams=streams, profile=profile, coarsen=coarsen)
     names = scheduler_names(schedulers_, also=("default",))
     given = [name for name in names if name != "default"]
     if given and mode.startswith("max-autotune"):
@@ -70,7 +66,7 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
         raise UsageError("give --model NAME or --model-file PATH.pt2, not both")
     result = bench_model(model_file or model or "inception_v3", device=device, batch_size=batch_size,
                          scheduler_names=names, runs=runs, warmup=warmup, progress=not as_json, mode=mode,
-                         options={**settings, **{k: v for k, v in flags.items() if v is not None}})
+                         options=settings)
     if as_json:
         print(json.dumps(result))
         return

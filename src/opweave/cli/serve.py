@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from opweave.cli.app import JsonOpt, OptionOpt, app, err, guard, out
+from opweave.cli.app import JsonOpt, ModeOpt, OptionOpt, app, collect_options, err, guard, out
 from opweave.errors import DeviceError, UsageError
 
 # The default policies (opweave.serve.assemble.DEFAULT_POLICIES), said the same way in both commands' help.
@@ -120,7 +120,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           compiler: Annotated[str, typer.Option("--compiler", help="cpu: each block compiled whole by onnxruntime or "
                                                            "inductor, or none (TOP's combined op graphs); default "
                                                            "onnxruntime when installed")] = "default",
-          options: OptionOpt = None, log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
+          mode: ModeOpt = None, options: OptionOpt = None,
+          log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
     """Serve models over the Open Inference Protocol (KServe v2 / Triton HTTP, and gRPC with ``--grpc-port``) until
     SIGTERM, which drains. ``--model-repository`` serves Triton's repository layout (docs/serving.md). ``--ray``
     runs ``--replicas`` engines as a Ray Serve deployment instead (opweave.serve.ray).
@@ -139,8 +140,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     Defaults that follow the device, printed when the server listens: ``--policy`` static on a CPU (it sustained the
     highest rates measured there: ONNX Runtime's threads already fill the cores, and pipelining only lengthens each
-    request), heuristic on a GPU; ``--compiler`` onnxruntime on a CPU where it is installed."""
-    from opweave.pipeline import parse_option
+    request), heuristic on a GPU; ``--compiler`` onnxruntime on a CPU where it is installed (the serving preset,
+    the options table's last column). ``--mode`` and ``--option`` are resolved as ``opweave.compile`` resolves them,
+    with that preset: what a server cannot honour is refused with the reason."""
     from opweave.serve.assemble import (
         default_policy,
         load_models,
@@ -155,10 +157,10 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
-    given = dict(parse_option(text) for text in options or [])
-    flags = {"scheduler": scheduler, "streams": streams, "compiler": None if compiler in ("default", "none") else
-             compiler, "threads": threads if threads is not None or not ray or device != "cpu" else 1}
-    settings = serving_options(device, given, **flags)  # every option checked, before any model loads
+    mode, given = collect_options(options, mode, scheduler=scheduler, streams=streams,
+                                  compiler=None if compiler == "default" else compiler,
+                                  threads=threads if threads is not None or not ray or device != "cpu" else 1)
+    settings = serving_options(device, given, mode=mode)  # every option checked, before any model loads
     if device == "cuda" and not (ray and ray_address is not None):  # a remote cluster's replicas hold the GPUs
         import torch
 
@@ -177,7 +179,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     origins = tuple(_origins(cors_allow_origin))
     chosen = "" if policy else f" (the default on {ON_DEVICE.get(device, device)})"
     policy = policy or default_policy(device)
-    options = _policy_options(policy, policy_options, policy_file)
+    policy_settings = _policy_options(policy, policy_options, policy_file)
     files = parse_model_files(model_file)
     if ray:
         if grpc_port is not None:
@@ -190,11 +192,11 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         _serve_ray(ReplicaOptions(
             models=_names(models), model_files={k: str(v.resolve()) for k, v in files.items()},
             model_repository=None if model_repository is None else str(model_repository.resolve()), device=device,
-            policy=policy, policy_options=options, max_queue=max_queue, max_batch=max_batch,
+            policy=policy, policy_options=policy_settings, max_queue=max_queue, max_batch=max_batch,
             max_sub_blocks=max_sub_blocks, timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
-            options={**given, **{k: v for k, v in flags.items() if v is not None}},
+            options=settings,
             image_size=parse_image_size(image_size), cuts=parse_cuts(cuts),
-            compiler=None if compiler == "none" else "default", max_body_bytes=max_body_bytes,
+            max_body_bytes=max_body_bytes,
             allowed_hosts=hosts, allow_origins=origins,
             pin_cores=pin_cores, allow_symlinks_outside_root=allow_symlinks_outside_root, strict=strict),
             replicas, max_replicas, host, port, ray_address, chosen)
@@ -205,10 +207,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         served = load_models(_names(models), files, device=device, max_batch=max_batch,
                              image_size=parse_image_size(image_size), cuts=parse_cuts(cuts), say=say) \
             if model_repository is None or models or files else {}
-        engine = make_engine(served, device=device, options=settings, policy=policy, policy_options=options,
+        engine = make_engine(served, device=device, options=settings, policy=policy, policy_options=policy_settings,
                              max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks,
-                             timeout_s=None if timeout_ms is None else timeout_ms / 1e3,
-                             compiler=None if compiler == "none" else "default", say=say)
+                             timeout_s=None if timeout_ms is None else timeout_ms / 1e3, say=say)
         repository = Repository(engine, served, model_repository, device=device, max_batch=max_batch,
                                 control=model_control_mode, allow_symlinks_outside_root=allow_symlinks_outside_root)
         repository.load_all(strict=strict, say=say)
@@ -217,9 +218,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     unavailable = [m["name"] for m in repository.index() if m["state"] != "READY"]
     down = f"; UNAVAILABLE: {', '.join(unavailable)} (see the repository index)" if unavailable else ""
 
-    compiled = getattr(engine.executor, "compiler", None) or "none"
-    builds = "" if device != "cpu" else (f"; compiler {compiled}{' (the default)' if compiler == 'default' else ''}"
-                                          f", {engine.executor.threads} threads")
+    chose = " (the default)" if compiler == "default" and "compiler" not in given else ""
+    builds = "" if device != "cpu" else (f"; compiler {settings.compiler or 'none'}{chose}, {settings.threads} "
+                                          "threads")
 
     def listening(h: str, p: int, g: int | None = None) -> None:
         rpc = f"gRPC on {h}:{g}; " if g is not None else ""
@@ -271,11 +272,11 @@ def _serve_ray(options, replicas: int, max_replicas: int | None, host: str, port
                address: str | None, chosen: str = "") -> None:
     """``opweave serve --ray``: deploy, print where, wait for SIGTERM or SIGINT, then shut Ray Serve down (its
     replicas drain: Ray waits for the requests they hold)."""
-    import os
     import signal
     import socket
     import threading
 
+    from opweave.cores import cores
     from opweave.serve import ray as opweave_ray
 
     if options.model_repository is None and not options.models and not options.model_files:
@@ -288,7 +289,7 @@ def _serve_ray(options, replicas: int, max_replicas: int | None, host: str, port
         "min_replicas": replicas, "max_replicas": max(max_replicas, replicas),
         "target_ongoing_requests": 2 * options.max_batch}
     stop = threading.Event()
-    cpus = max(os.cpu_count() or 1, (max_replicas or replicas) * (options.threads or 1))
+    cpus = max(cores(), (max_replicas or replicas) * (options.threads or 1))
     try:
         url = opweave_ray.deploy(options, replicas=replicas, autoscaling=autoscaling, host=host, port=port,
                                  address=address, cluster_cpus=cpus)
@@ -382,7 +383,8 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
             serving_options,
         )
 
-        settings = serving_options("sim", scheduler=scheduler, streams=streams)  # before any model loads
+        mode, given = collect_options(None, scheduler=scheduler, streams=streams)
+        settings = serving_options("sim", given, mode=mode)  # before any model loads
         policy = policy or default_policy("sim")
         options = _policy_options(policy, policy_options, policy_file)
         served = load_models(list(rates), device="sim", max_batch=max_batch,
@@ -393,6 +395,7 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
         rep, outcomes = lg.run_simulated(engine, rates, duration, arrivals, seed=seed, scale=scale)
         rep["device_preset"] = device_preset
     else:
+        assert url is not None  # --url or --simulate, checked above
         rep, outcomes = lg.run_http(url, rates, duration, arrivals, seed=seed, scale=scale)
     if output:
         output.write_text(json.dumps(rep, indent=1) + "\n")

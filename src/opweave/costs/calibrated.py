@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -320,8 +321,8 @@ def io_bytes(graph: OpGraph, dtype: str = "float32") -> float:
     return total
 
 
-def costs(graph: OpGraph, dev: Device, dtype: str = "float32", latency_ms: dict[str, float] | None = None,
-          launches: dict[str, float] | None = None) -> Costs:
+def costs(graph: OpGraph, dev: Device, dtype: str = "float32", latency_ms: Mapping[str, float] | None = None,
+          launches: Mapping[str, float] | None = None) -> Costs:
     """Costs of ``graph`` on the fitted ``dev`` under the ``gpu`` model: each op's time alone (from ``latency_ms``
     where a profile measured it, else :func:`op_time_us`), its kernels and its share, and the call's overheads
     (:meth:`Device.gpu_model`). ``launches``: the kernels each op launches where a compiler decided them (Inductor's

@@ -19,6 +19,7 @@ copy of the graph, so the schedulers (through :class:`~opweave.costs.Costs`) and
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def load(spec: str | Path | Link) -> Link:
         raise UsageError(f"{path}: bad link file ({type(exc).__name__}: {exc})") from None
 
 
-def fit(samples: list[tuple[float, float]], name: str = "measured", source: str = "") -> Link:
+def fit(samples: Sequence[tuple[float, float]], name: str = "measured", source: str = "") -> Link:
     """Least-squares fit of ``ms = latency + bytes / bandwidth`` to ``(bytes, ms)`` samples (numpy ``lstsq``).
 
     Plain (absolute) residuals: the largest messages dominate, so the bandwidth is robust to the noise of small

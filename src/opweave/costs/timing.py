@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ def median_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str =
     return statistics.median(times_ms(fn, runs=runs, warmup=warmup, device=device))
 
 
-def interleaved_ms(fns: dict[str, Callable[[], object]], *, rounds: int = 5, runs: int | Sequence[int] = 3,
+def interleaved_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 5, runs: int | Sequence[int] = 3,
                    warmup: int = 2, device: str = "cpu",
                    sync: Callable[[], object] | None = None) -> dict[str, list[float]]:
     """Milliseconds of every call of each of ``fns``, timed interleaved so that all see the same load (as
@@ -70,7 +70,7 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], *, rounds: int = 5, run
     return times
 
 
-def race_ms(fns: dict[str, Callable[[], object]], *, rounds: int = 15, margin: float = 1.25, warmup: int = 1,
+def race_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 15, margin: float = 1.25, warmup: int = 1,
             timer: Callable[[str, Callable[[], object]], float] | None = None) -> tuple[dict[str, list[float]], set]:
     """Milliseconds of each call of ``fns``, timed interleaved one call per round (each round starting one further),
     dropping a function once it cannot be the fastest: from the second round on, one whose fastest call is more than

@@ -11,14 +11,17 @@ other work slows the modes unequally (eager's intra-op threads most), so a busy 
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from opweave.cores import cores
 from opweave.costs import timing
 from opweave.errors import DeviceError, UsageError
 from opweave.outputs import compare
@@ -105,14 +108,14 @@ class OtherWork:
             self.busy = self.share > BUSY_SHARE
         else:
             load = load_average()
-            self.busy = load is not None and load[0] > (os.cpu_count() or 1) / 2
+            self.busy = load is not None and load[0] > cores() / 2
 
 
 def busy_warning(others_cpu_share: float | None, load: list[float] | None) -> str:
     """The warning a busy machine's timing carries."""
     what = (f"other processes kept {others_cpu_share:.0%} of the CPUs busy while it timed"
             if others_cpu_share is not None else "the machine was busy")
-    loads = f" (load average {load[0]:.2f} on {os.cpu_count()} CPUs)" if load else ""
+    loads = f" (load average {load[0]:.2f} on {cores()} CPUs)" if load else ""
     return (f"{what}{loads}: other work slows the modes unequally (eager's intra-op threads most), so these ratios "
             f"are not this machine's; time again on a quiet machine")
 
@@ -163,7 +166,7 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
     with torch.inference_mode():
         reference = model(*inputs)
     calls: dict[str, Callable[[], object]] = {"eager": lambda: model(*inputs)}
-    rows = [{"mode": "eager"}]
+    rows: list[dict[str, Any]] = [{"mode": "eager"}]
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"{model_name}: building", total=len(scheduler_names) + 1)
         for name in scheduler_names:
@@ -171,7 +174,8 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
             fast = build(captured, inputs, modes[name], eager=model)
             with torch.inference_mode():
                 check = compare(reference, fast(*inputs))
-            calls[f"opweave {name}"] = lambda fast=fast: fast(*inputs)
+            calls[f"opweave {name}"] = functools.partial(fast, *inputs)
+            assert fast.schedule is not None
             rows.append({"mode": f"opweave {name}", "scheduler": fast.schedule.scheduler,
                          "streams": fast.schedule.streams_used,
                          "syncs": fast.plan.syncs, "max_abs_diff": check.max_diff, "ok": check.ok,
@@ -190,11 +194,11 @@ def bench_model(source: str | Path, *, device: str = "cpu", batch_size: int = 1,
         row["speedup_vs_eager"] = ratio["speedup"]
         if row["mode"] != "eager":
             row["within_spread"] = ratio["within_spread"]
-    load = load_average()
+    averages = load_average()
     return {"model": model_name, "batch_size": batch_size, "device": device, "device_name": device_name(device),
             "costs": "profile " + str(given.profile) if given.profile else "roofline estimate",
             "coarsen": given.coarsen,
             "torch": torch.__version__, "runs": runs, "warmup": warmup, "rounds": max(1, min(ROUNDS, runs)),
-            "machine": {"cpus": os.cpu_count(), "load_average_1_5_15m": load,
+            "machine": {"cpus": cores(), "load_average_1_5_15m": averages,
                         "others_cpu_share": None if other.share is None else round(other.share, 3), "busy": other.busy},
-            "warning": busy_warning(other.share, load) if other.busy else None, "rows": rows}
+            "warning": busy_warning(other.share, averages) if other.busy else None, "rows": rows}

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import networkx as nx
 
@@ -203,8 +204,8 @@ class OpGraph:
         raise GraphError(f"cycle through op {cycle[0][0]!r}: {path}")
 
     # ---- JSON ---------------------------------------------------------------------------------------------------
-    def to_dict(self) -> dict:
-        def compact(d: dict) -> dict:  # drop fields at their defaults
+    def to_dict(self) -> dict[str, Any]:
+        def compact(d: dict[str, Any]) -> dict[str, Any]:  # drop fields at their defaults
             return {k: v for k, v in d.items() if k in ("id", "src", "dst") or v not in (None, 0.0, "data")}
 
         ops = [compact(asdict(o)) for o in self.ops]
@@ -214,7 +215,7 @@ class OpGraph:
         return {"format": FORMAT, "name": self.name, "ops": ops, "edges": [compact(asdict(e)) for e in self.edges]}
 
     @classmethod
-    def from_dict(cls, data: dict) -> OpGraph:
+    def from_dict(cls, data: dict[str, Any]) -> OpGraph:
         if not isinstance(data, dict):
             raise GraphError("graph JSON must be an object")
         fmt = data.get("format", FORMAT)
@@ -245,7 +246,7 @@ def _check_number(value: object, what: str) -> None:
         raise GraphError(f"{what} must be finite and non-negative, got {value!r}")
 
 
-def _build(kind: type, raw: object, what: str):
+def _build(kind: type, raw: object, what: str) -> Any:
     if not isinstance(raw, dict):
         raise GraphError(f"{what} entry {raw!r} must be an object")
     known = {f.name for f in dataclasses.fields(kind)}

@@ -45,6 +45,7 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -126,7 +127,13 @@ class GpgGraphs:
             graphs = [self.random_combined(k) for k in range(1, self.max_parts + 1) for _ in range(per_size)]
         finally:
             self.rng = keep
-        return [(g, c, schedulers.run("ios", g, c).predicted_ms) for g, c in graphs]
+        return [(g, c, _predicted(schedulers.run("ios", g, c))) for g, c in graphs]
+
+
+def _predicted(sched) -> float:
+    """A schedule's predicted makespan (IOS's DP predicts its own)."""
+    assert sched.predicted_ms is not None
+    return sched.predicted_ms
 
 
 def gpg_over_dp(net: GPG | None, valid: list[tuple[OpGraph, Costs, float]], rule: str | None = None) -> float:
@@ -138,7 +145,7 @@ def gpg_over_dp(net: GPG | None, valid: list[tuple[OpGraph, Costs, float]], rule
     with torch.no_grad():
         for g, c, dp_ms in valid:
             index = {o: i for i, o in enumerate(g.ids)}
-            g2e = None if rule is not None else net.embed(*encode_inputs(g, c))
+            g2e = None if rule is not None or net is None else net.embed(*encode_inputs(g, c))
             scale = scale_ms(g, c)
             total = sum(t for t, _ in walk(net, g2e, index, g, c, ios.blocks(g), ios.DEFAULT_MAX_GROUP_OPS,
                                            ios.DEFAULT_MAX_GROUPS, scale, rule=rule))
@@ -287,7 +294,7 @@ def train_best(source: GpgGraphs, episodes: int, *, samples: int = 4, lr: float 
         torch.manual_seed(seed)
         net = GPG()
         start = gpg_over_dp(net, valid)
-        best = {"ratio": start, "state": copy.deepcopy(net.state_dict()), "episode": -1}
+        best: dict[str, Any] = {"ratio": start, "state": copy.deepcopy(net.state_dict()), "episode": -1}
         curve: list[dict] = []
 
         def validate(i: int, rec: dict) -> None:

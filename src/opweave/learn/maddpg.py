@@ -122,6 +122,7 @@ class MADDPG(Actors):
         middles = (torch.arange(k, dtype=values.dtype) + 0.5) / k
         weights = torch.softmax(-((values.unsqueeze(-1) - middles) * 2 * k) ** 2, dim=-1)
         counts = weights.sum(1)
+        assert self.max_group is not None  # the penalty applies with a group bound (H)
         return (torch.relu(counts - (self.max_group - 0.5)) ** 2).sum(1).mean()
 
     def update(self) -> dict | None:

@@ -18,6 +18,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,6 +97,7 @@ def evaluate(actors: Actors, executor: SimExecutor, pattern: dict[str, float], h
     def worst_p99(k: int) -> float | None:
         if k not in seen:
             scale, worst = 2 ** (k / GRID), 0.0
+            held: float | None = 0.0
             for seed in held_out.seeds:
                 engine = Engine(executor, TopPolicy(agents=actors, period_ms=period_ms, shipped=False), SimClock(),
                                 max_queue=max_queue, max_batch=max_batch, max_sub_blocks=max_sub_blocks)
@@ -103,10 +105,10 @@ def evaluate(actors: Actors, executor: SimExecutor, pattern: dict[str, float], h
                 rep, _ = run_simulated(engine, pattern, duration, seed=seed, scale=scale)
                 p99 = rep["total"]["p99_all_ms"]
                 if not (rep["total"]["sent"] and p99 < held_out.slo_ms):
-                    worst = None
+                    held = None
                     break
                 worst = max(worst, p99)
-            seen[k] = worst
+            seen[k] = worst if held is not None else None
             probes.append([round(scale, 4), None if worst is None else round(worst, 3)])
         return seen[k]
 
@@ -132,7 +134,9 @@ def evaluate(actors: Actors, executor: SimExecutor, pattern: dict[str, float], h
             lo = mid
         else:
             hi = mid
-    return {"scale": round(2 ** (lo / GRID), 4), "p99_ms": round(seen[lo], 3), "probes": probes}
+    kept = seen[lo]
+    assert kept is not None  # lo held the SLO
+    return {"scale": round(2 ** (lo / GRID), 4), "p99_ms": round(kept, 3), "probes": probes}
 
 
 # ---- training (Alg. 1, offline) -----------------------------------------------------------------------------------
@@ -162,6 +166,7 @@ class Trained:
     evals: list[dict] = field(default_factory=list)
     kept_step: int = 0
     kept_scale: float = 0.0
+    kept_actors: list[dict] = field(default_factory=list)  # the kept evaluation's actors' weights, while training
 
     def summary(self, every: int = 50) -> dict:
         """A compact record for the policy file's ``meta``: the counts, the kept evaluation, every evaluation
@@ -233,15 +238,14 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEP
                     actor_lr=[ACTOR_LR] + [MODEL_ACTOR_LR] * len(models), max_group=max_sub_blocks, seed=seed)
     for i, values in enumerate(probe.start_actions()):
         agents.start_at(i + 1, values)
-    settings = {"period_ms": period_ms, "max_queue": max_queue, "max_batch": max_batch,
-                "max_sub_blocks": max_sub_blocks}
     trained = Trained(agents, [])
     best: tuple = (-math.inf, -math.inf)
 
     def held_out_eval(step: int) -> None:
         nonlocal best
         start = time.perf_counter()
-        result = evaluate(agents, executor, pattern, held_out, **settings)
+        result = evaluate(agents, executor, pattern, held_out, period_ms=period_ms, max_queue=max_queue,
+                          max_batch=max_batch, max_sub_blocks=max_sub_blocks)
         record = {"step": step, **result, "seconds": round(time.perf_counter() - start, 1)}
         trained.evals.append(record)
         score = (result["scale"], -(result["p99_ms"] or 0.0))
@@ -278,7 +282,7 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEP
         rejected = 0
         for _ in range(min(episode_steps, steps - step)):
             actions = agents.act(state, explore=True)
-            record = {"step": step, "episode": episode, "scale": scale,
+            record: dict[str, Any] = {"step": step, "episode": episode, "scale": scale,
                       "largest": max(len(g) for g in policy.combination(actions))}
             if not policy.apply(actions):
                 rewards, next_state = [0.0] * (len(models) + 1), state
@@ -320,7 +324,7 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEP
         agents.relabel(lambda i: relabelled(raw[i]))
     for actor, kept in zip(agents.actors, trained.kept_actors, strict=True):
         actor.load_state_dict(kept)
-    del trained.kept_actors
+    trained.kept_actors = []  # loaded: the copies go
     return trained
 
 

@@ -1,7 +1,9 @@
-"""From a captured model to a runnable, one way for every door: options (:mod:`.options`), the flow (:mod:`.flow`:
-:func:`build`, which makes a :mod:`.compiled` model), one target per device (:mod:`.targets`, CUDA plans through the
-:mod:`.memory` pass), the measured choices (:mod:`.autotune`, cached by :mod:`.choices`) and the predicted ones
-(:mod:`.choose`: the CUDA default's plan on the fitted GPU, which :mod:`.calibrate` fits)."""
+"""From a captured model to a runnable, one way for every door: options (:mod:`.options`, resolved once at each door,
+a server's with the serving preset), the flow (:mod:`.flow`: :func:`build`, which makes a :mod:`.compiled` model),
+one target per device (:mod:`.targets`, CUDA plans through the :mod:`.memory_pass`, CPU thread budgets from
+:mod:`.thread_budgets`), a compiled model's other input signatures and batch sizes (:mod:`.signatures`), the measured
+choices (:mod:`.autotune`, cached by :mod:`.choices`) and the predicted ones (:mod:`.choose`: the CUDA default's plan
+on the fitted GPU, which :mod:`opweave.costs.calibrate` fits)."""
 
 from opweave.pipeline.compiled import Compiled
 from opweave.pipeline.flow import as_tuple, build

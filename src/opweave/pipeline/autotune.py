@@ -68,7 +68,7 @@ def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: i
     from opweave.backends.runtime import CudaRuntime
     from opweave.costs.timing import interleaved_ms, race_ms
 
-    calls = {label: (lambda f=fast: f(*inputs)) for label, fast in built.items()}
+    calls = {label: functools.partial(fast, *inputs) for label, fast in built.items()}
     with torch.no_grad():  # the mode candidates are checked in: torch.compile's code is compiled for it
         if device == "cpu":
             times, _ = race_ms(calls, rounds=rounds * runs, timer=TIMER)
@@ -76,7 +76,7 @@ def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: i
             sync = runtime.synchronize if runtime is not None and not isinstance(runtime, CudaRuntime) else None
             times = interleaved_ms(calls, rounds=rounds, runs=runs, device=device, sync=sync)
     medians = {label: round(statistics.median(ts), 4) for label, ts in times.items()}
-    return min(medians, key=medians.get), medians
+    return min(medians, key=medians.__getitem__), medians
 
 
 LANE_CORES = 4  # the CPU default tries lanes of compiled segments only with at least this many threads
@@ -108,16 +108,15 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
     lanes = compiled.schedule.streams_used > 1
     if lanes:
         built["lanes"] = compiled
-    one = options.replace(scheduler="sequential", streams=1, costs=compiled.costs, coarsen=False,
-                          scheduler_options=None, given=options.given | {"scheduler"})
+    one = options.derive(scheduler="sequential", streams=1, costs=compiled.costs, coarsen=False,
+                         scheduler_options=None, guard=False)
     left_out: dict[str, str] = {}
     if compiler is not None:
-        with_compiler = {"compiler": compiler, "given": one.given | {"compiler"}}
-        tries = {"onnxruntime": lambda: CpuTarget().build(captured, inputs, one.replace(**with_compiler))}
-        if lanes and options.threads >= LANE_CORES:
+        tries = {"onnxruntime": lambda: CpuTarget().build(captured, inputs, one.derive(compiler=compiler))}
+        if lanes and (options.threads or 1) >= LANE_CORES:
             def lanes_compiled():
-                fast = CpuTarget().runnable(captured, compiled.plan, inputs, options.replace(**with_compiler),
-                                            compiled.costs)
+                fast = CpuTarget().runnable(captured, compiled.plan, inputs,
+                                            options.derive(compiler=compiler, guard=False), compiled.costs)
                 fast.schedule = compiled.schedule
                 return fast
             tries["onnxruntime lanes"] = lanes_compiled
@@ -378,6 +377,7 @@ def _candidates(target, captured, options: Options) -> list[Candidate]:
 
     device, dtype = fitted_device(options.runtime), _dtype(captured)
     costs = CudaTarget().costs(captured, (), options, device, dtype)
+    assert options.streams is not None  # one device: at most its hardware queues
     return cuda_candidates(captured.graph, costs, options.streams, device=device, dtype=dtype,
                            cudagraphs=options.cudagraphs)
 
@@ -428,13 +428,12 @@ def _build(target, captured, inputs: tuple, options: Options, candidate: Candida
     """``candidate`` built through ``target`` on ``latency_ms`` (None: the target's own costs)."""
     if candidate.whole:
         return _torch_compiled(captured, inputs, options, eager, candidate.changes.get("mode", "reduce-overhead"))
-    given = options.given | set(candidate.changes)
-    changed = options.replace(autotune=False, coarsen=False, given=given, **candidate.changes)
+    changed = options.derive(autotune=False, guard=False, coarsen=False, **candidate.changes)
     if latency_ms is not None and candidate.costs != "onnxruntime-graph":
         from opweave.costs.roofline import estimate
 
         roofline = estimate(captured.graph, device="cpu", model="ideal")
-        changed = changed.replace(costs=dataclasses.replace(roofline, latency_ms=latency_ms))
+        changed = changed.derive(costs=dataclasses.replace(roofline, latency_ms=latency_ms))
     if candidate.costs == "onnxruntime-graph":
         from opweave.costs import Costs
 

@@ -33,7 +33,7 @@ def cache_path() -> Path:
 
 def machine() -> str:
     """The processor's model name and the cores this process may use."""
-    from opweave.backends.threads import cores
+    from opweave.cores import cores
 
     name = platform.processor() or platform.machine()
     try:
@@ -46,7 +46,7 @@ def machine() -> str:
     return f"{name} x{cores()}"
 
 
-def key(captured, inputs: tuple, options) -> str:
+def key(captured: Any, inputs: tuple[Any, ...], options: Any) -> str:
     """What a choice is valid for (module docstring), as a short hash: the graph, the inputs, the machine, the
     versions and every setting of ``options`` (:class:`~opweave.pipeline.options.Options`: the mode, CUDA Graphs,
     the threads, ...) but the objects that name no setting (costs, a profile's path: the search plans on its own)."""
@@ -76,16 +76,17 @@ def key(captured, inputs: tuple, options) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def _gpu_name(runtime) -> str:
+def _gpu_name(runtime: Any) -> str:
     from opweave.backends.runtime import CUDA
 
     return (runtime or CUDA).device_name()
 
 
-def load(entry_key: str) -> dict | None:
+def load(entry_key: str) -> dict[str, Any] | None:
     """The choice stored under ``entry_key``, or None."""
     try:
-        return json.loads(cache_path().read_text()).get(entry_key)
+        found: dict[str, Any] | None = json.loads(cache_path().read_text()).get(entry_key)
+        return found
     except (OSError, ValueError, AttributeError):
         return None
 

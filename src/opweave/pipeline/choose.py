@@ -1,4 +1,5 @@
-"""The CUDA default's choice: the scheduler and stream cap a fitted device predicts fastest.
+"""The CUDA default's choice: the scheduler and stream cap a fitted device predicts fastest; and what the fit of
+that device (:mod:`opweave.costs.calibrate`) replays, :func:`replay`.
 
 :func:`choose` runs every single-device scheduler at every stream cap through schedule → lower → validate →
 simulate (the fitted ``gpu`` model of :mod:`opweave.costs.calibrated`) and returns the predicted-fastest with every
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from opweave import schedulers
 from opweave.costs.calibrated import Device
@@ -25,7 +27,7 @@ STREAM_CAPS = (2, 4, 8)
 SYNC_SCHEDULERS = ("heft",)  # the schedulers with a sync_ms option
 
 
-def sync_options(name: str, dev: Device) -> dict:
+def sync_options(name: str, dev: Device) -> dict[str, Any]:
     """The options that give scheduler ``name`` the device's fitted cost of a cross-stream edge (ms): what it costs
     beyond a same-stream edge (the kernel gap every edge pays), none when it costs less."""
     extra_us = max(0.0, dev.event_wait_us - dev.kernel_gap_us)
@@ -83,3 +85,22 @@ def choose(graph: OpGraph, costs: Costs, dev: Device, *, dtype: str = "float32",
     ranked = sorted(predictions, key=lambda p: (p.makespan_ms, names.index(p.scheduler), p.streams))
     best = ranked[0]
     return Choice(best.scheduler, best.streams, best.makespan_ms, ranked, dev.name)
+
+
+def benchmark_graph(model: str, batch: int) -> OpGraph:
+    """The graph the GPU benchmark schedules: the model captured one op per fx node (float32 capture; the dtype is
+    the cost model's)."""
+    from opweave.capture import load
+
+    return load(model, batch_size=batch, coarsen=False)[2].graph
+
+
+def replay() -> Any:
+    """What :mod:`opweave.costs.calibrate` replays the GPU benchmark's rows with: :func:`benchmark_graph`, a
+    scheduler's validated plan (:func:`opweave.plan.make.plan_for`) and the simulator's whole call
+    (:func:`opweave.backends.simulate.makespan_ms`)."""
+    from opweave.backends.simulate import makespan_ms
+    from opweave.costs.calibrate import Replay
+
+    return Replay(benchmark_graph, lambda graph, costs, name, streams: plan_for(graph, costs, name, streams=streams)[1],
+                  makespan_ms)

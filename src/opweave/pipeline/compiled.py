@@ -20,7 +20,9 @@ class Compiled:
     ``choice`` what a measured choice picked and timed (the CPU's guard, ``mode="max-autotune"``, the CUDA
     default's prediction); ``options`` the resolved options it was built with. ``variants``: how it meets inputs of
     another signature (:mod:`opweave.pipeline.signatures`: other sizes run its plan, others are built for; None:
-    only its example's signature runs, as the backend checks); ``signatures`` lists those served."""
+    only its example's signature runs, as the backend checks); ``signatures`` lists those served. ``any_batch``: it
+    takes inputs of any size in dimension 0 itself (``dynamic=True``: the whole model one ONNX Runtime session with a
+    free batch dimension, checked at another batch), so no other batch size is built."""
 
     graph: OpGraph
     costs: Costs
@@ -30,11 +32,12 @@ class Compiled:
     device: str
     captured: Any = None
     fused: Any = None
-    choice: dict | None = None
+    choice: dict[str, Any] | None = None
     options: Options | None = None
     variants: Any = field(default=None, repr=False)
+    any_batch: bool = False
 
-    def __call__(self, *args, **kwargs) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:  # keyword arguments bound to the model's forward(), as at capture
             from opweave.capture.runtime import positional
 
@@ -46,11 +49,12 @@ class Compiled:
         return self.backend(*args)
 
     @property
-    def signatures(self) -> list[tuple]:
+    def signatures(self) -> list[tuple[Any, ...]]:
         """The input signatures served (:func:`opweave.pipeline.signatures.key_of`), the example's first."""
         if self.variants is None:
             return []
-        return self.variants.keys()
+        keys: list[tuple[Any, ...]] = self.variants.keys()
+        return keys
 
     def close(self) -> None:
         """Release what the backend holds (worker threads, rank processes, CUDA graphs and streams); also done when
@@ -60,7 +64,7 @@ class Compiled:
     def __enter__(self) -> Compiled:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -1,7 +1,8 @@
 """The one way from a captured model to a runnable: :func:`build`.
 
-``opweave.compile``, ``torch.compile(backend="opweave")``, the serving executors and the GPU benchmark all call it,
-so what a benchmark measures is what users run::
+``opweave.compile``, ``torch.compile(backend="opweave")``, the serving executors (every block and combined block)
+and the GPU benchmark all call it, so what a benchmark measures is what users run (and :func:`plan_ranks` plans
+as it does for the ranks a launcher started)::
 
     captured ─coarsen─▶ captured ─target─▶ costs ─scheduler─▶ schedule ─lower, validate─▶ plan ─target─▶ backend
 
@@ -12,28 +13,70 @@ CUDA backend's options) and builds its backend; a measured choice (the CPU's gua
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from opweave.capture.runtime import as_tuple
+from opweave.costs import Costs
+from opweave.errors import UsageError
 from opweave.pipeline import autotune, targets
 from opweave.pipeline.compiled import Compiled
 from opweave.pipeline.options import Options
+from opweave.plan import LaunchPlan
+from opweave.schedulers.schedule import Schedule
 
 
-def build(captured, example_inputs, options: Options, *, eager=None) -> Compiled:
+def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = None) -> Compiled:
     """``captured`` (a :class:`~opweave.capture.Captured`) as a runnable for ``example_inputs``, as ``options``
     (from :func:`~opweave.pipeline.options.resolve`) say. ``eager``, the model itself when known, is one of the
     candidates a measured choice may keep (the CPU's default keeps a plan only where its timing beats it)."""
     inputs = as_tuple(example_inputs)
-    if options.coarsen:
-        from opweave.capture import coarsen
-
-        captured = coarsen(captured)
+    captured = _coarsened(captured, options)
     target = targets.for_options(options)
     if options.autotune:
         return autotune.search(target, captured, inputs, options, eager=eager)
-    compiled = target.build(captured, inputs, options)
-    if options.device == "cpu" and options.default_plan:  # kept only where timed faster than one lane and the model
+    compiled: Compiled = target.build(captured, inputs, options)
+    if compiled.fused is not None and compiled.fused.any_batch:  # dynamic=True: one session with a free batch
+        from opweave.pipeline.signatures import takes_any_batch
+
+        if takes_any_batch(compiled, captured, inputs):
+            compiled.any_batch = True
+        else:  # a graph that baked its batch in: built per batch size, as with dynamic unset
+            compiled.close()
+            compiled = target.build(captured, inputs, options.derive(dynamic=None))
+    if options.guard:  # the CPU default's plan, kept only where timed faster than one lane and the model
         compiled = autotune.guarded(compiled, captured, inputs, options, eager)
     return compiled
 
 
-__all__ = ["Compiled", "as_tuple", "build"]
+@dataclass
+class Planned:
+    """A model planned over several devices: the captured model as it was planned (coarsened where the options
+    say), its costs, schedule and validated plan."""
+
+    captured: Any
+    costs: Costs
+    schedule: Schedule
+    plan: LaunchPlan
+
+
+def plan_ranks(captured: Any, example_inputs: Any, options: Options) -> Planned:
+    """What :func:`build` plans for ``options.devices`` devices, without starting rank processes: the ranks a
+    launcher started (``opweave run`` under torchrun) run this plan, each its own share."""
+    if options.devices < 2:
+        raise UsageError(f"a plan over ranks needs devices > 1, got devices={options.devices}")
+    captured = _coarsened(captured, options)
+    costs, schedule, plan = targets.RanksTarget().plan(captured, as_tuple(example_inputs), options)
+    return Planned(captured, costs, schedule, plan)
+
+
+def _coarsened(captured: Any, options: Options) -> Any:
+    """``captured`` as the options plan it: coarsened (the papers' operators) unless ``coarsen=False``."""
+    if not options.coarsen:
+        return captured
+    from opweave.capture import coarsen
+
+    return coarsen(captured)
+
+
+__all__ = ["Compiled", "Planned", "as_tuple", "build", "plan_ranks"]

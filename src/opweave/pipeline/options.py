@@ -16,6 +16,17 @@ touches a device, as PyTorch's ``torch.compile`` does with ``mode`` and ``option
   targets read. A knob given where it cannot be honoured (a CUDA option on the CPU, a segment compiler with several
   devices, a cost source the chosen pipeline ignores, a scheduler option the scheduler does not take) is a
   :class:`~opweave.errors.UsageError` naming it, never silently dropped.
+* a server (``resolve(..., serving=...)``: the device of its executor, cpu, cuda or sim) resolves the same options
+  with the **serving preset**, each option's :class:`Served` entry (the table's last column): the defaults a server
+  builds its combined blocks with (TOP's ``lios``, the blocks' graphs as they are, ONNX Runtime compiling each block
+  on a CPU, the simulator's contention model), and, with the reason, what it cannot honour (the cost sources,
+  several devices, BatchNorm folding, ...; in simulation, anything but the plan's own options).
+
+Options are resolved once, at the door (``opweave.compile``, the ``torch.compile`` backend, the command line, a
+server), and handed down resolved: whatever derives other options from them (a target's one-lane candidate, a
+search's candidates, a server's block) does so with :meth:`Options.derive`, which checks what it changes; nothing
+below the doors asks which options the caller gave (``given`` is the request's record, for the doors and their
+messages).
 
 :func:`resolve` returns an :class:`Options` whose every field is set for the device (``None`` only where nothing is
 chosen: no cost source, compiler or scheduler options, no link with one device, no threads on CUDA, and the CUDA
@@ -40,6 +51,38 @@ FALLBACKS = ("error", "eager")
 RENAMED = {"fuse": "compiler", "fallback": "capture_fallback"}  # old keyword -> its name now
 RENAMED_MODES = {"max-speed": "max-autotune", "graph": "options cudagraphs=True",
                  "streams": "options cudagraphs=False"}
+SERVERS = ("cpu", "cuda", "sim")  # a server's executors: the device, or the simulator (which plans a GPU's streams)
+
+
+class _Same:
+    """A :class:`Served` default that is the option's own."""
+
+    def __repr__(self) -> str:
+        return "SAME"
+
+
+SAME: Any = _Same()
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a server does with one option (the serving preset): its default there (``default``: a value, or a rule
+    of the request's :class:`Options`, which read their ``serving``, the executor's device; :data:`SAME`: the
+    option's own; ``text``: the rule as the table says it), and, with ``refused``, why a server takes no other value
+    than that default (none at all where the default is the option's own). ``simulated``: the simulator, which times
+    plans and runs no op, takes it too."""
+
+    default: Any = SAME
+    text: str = ""
+    refused: str = ""
+    simulated: bool = False
+
+    def text_for(self, spec: Spec) -> str:
+        """The table's cell: the serving default, or what is refused and why."""
+        if self.default is SAME:
+            return f"refused: {self.refused}" if self.refused else "as compiled"
+        shown = self.text or Spec("", "", self.default).default_text()
+        return f"{shown} only: {self.refused}" if self.refused else shown
 
 
 @dataclass(frozen=True)
@@ -53,10 +96,15 @@ class Spec:
     default: Any = None
     text: str = ""
     needs: str = ""
+    served: Served = Served()
 
     def default_for(self, options: Options) -> Any:
-        """The default of this option for ``options`` (the values its rule reads are filled in first)."""
-        return self.default(options) if callable(self.default) else self.default
+        """The default of this option for ``options`` (the values its rule reads are filled in first): a server's
+        (:class:`Served`) where ``options`` are a server's and it has one."""
+        default = self.default
+        if options.serving is not None and self.served.default is not SAME:
+            default = self.served.default
+        return default(options) if callable(default) else default
 
     def default_text(self) -> str:
         """The default as the options table prints it."""
@@ -100,29 +148,62 @@ def _runtime(o: Options) -> Any:
     return CUDA if o.device == "cuda" else None
 
 
+def _link(o: Options) -> Any:
+    if o.devices == 1 or o.costs is not None and o.costs.edge_transfer_ms:
+        return None  # one device; or the given costs' own transfer times
+    return {"cpu": "loopback", "cuda": "nvlink4"}[o.device]
+
+
+def _serving_compiler(o: Options) -> str | None:
+    if o.serving != "cpu":
+        return None
+    from opweave.backends.compilers import available
+
+    return "onnxruntime" if "onnxruntime" in available() else None  # it ran blocks about 3x faster than eager
+
+
+ONE_DEVICE = "the engine runs every combined block on one device"
+BLOCK_GRAPHS = "blocks are cut between the model's fx nodes, and their graphs scheduled as they are"
+COSTED_BY_ENGINE = "the engine costs every combined block, a new graph, itself"
+
+
 OPTIONS: dict[str, Spec] = {
     "scheduler": Spec("the scheduler that places ops on streams (opweave.schedulers.names())", "cpu, cuda",
                       _scheduler, "cpu: the fastest of the model as one ONNX Runtime segment (when installed), "
-                      "heft's lanes and the model itself, timed; cuda: the simulator's pick; hios-lp with devices > 1"),
+                      "heft's lanes and the model itself, timed; cuda: the simulator's pick; hios-lp with devices > 1",
+                      served=Served(lambda o: "heft" if o.serving == "cpu" and o.compiler else "lios",
+                                    "lios (TOP's); cpu with a compiler: heft (the parts side by side)",
+                                    simulated=True)),
     "streams": Spec("at most this many streams (CPU: lanes) per device", "cpu, cuda", _streams,
                     "cpu: one per thread of `threads`; cuda: 8 (CUDA_DEVICE_MAX_CONNECTIONS); with devices > 1, as "
-                    "many as the scheduler makes"),
-    "devices": Spec("devices the plan spans (one rank process each; hios-lp or hios-mr)", "cpu, cuda", 1),
+                    "many as the scheduler makes", served=Served(simulated=True)),
+    "devices": Spec("devices the plan spans (one rank process each; hios-lp or hios-mr)", "cpu, cuda", 1,
+                    served=Served(1, refused=ONE_DEVICE, simulated=True)),
     "costs": Spec("a Costs object to schedule on", "cpu, cuda", None,
-                  "none: a profile if given, else the roofline estimate (cuda: the fitted GPU's op times)"),
-    "profile": Spec("a profile file written by `opweave profile` to schedule on", "cpu, cuda"),
+                  "none: a profile if given, else the roofline estimate (cuda: the fitted GPU's op times)",
+                  served=Served(refused=COSTED_BY_ENGINE)),
+    "profile": Spec("a profile file written by `opweave profile` to schedule on", "cpu, cuda",
+                    served=Served(refused=COSTED_BY_ENGINE)),
     "cost_model": Spec("how costs turn a plan into time: ideal (the papers') or gpu (contention)", "cpu, cuda",
-                       "ideal"),
+                       "ideal", served=Served(lambda o: "gpu" if o.serving == "sim" else "ideal",
+                                              "sim: gpu (concurrent ops share the device); cpu, cuda: ideal",
+                                              simulated=True)),
     "coarsen": Spec("schedule the papers' operators (each op merged with its epilogues) instead of fx nodes",
-                    "cpu, cuda", True),
-    "fold_bn": Spec("fold eval-mode BatchNorm into the convolution before capture", "cpu, cuda", False),
+                    "cpu, cuda", True, served=Served(False, refused=BLOCK_GRAPHS, simulated=True)),
+    "fold_bn": Spec("fold eval-mode BatchNorm into the convolution before capture", "cpu, cuda", False,
+                    served=Served(refused="the server captures each model as it is, its blocks cut between fx "
+                                          "nodes")),
     "graph": Spec("the graph that is scheduled: fx (opweave's capture), onnxruntime (CPU: ONNX Runtime's optimized "
                   "graph of the whole model, each segment one session) or inductor (one op per kernel Inductor fuses "
-                  "in the whole model, each segment compiled by Inductor)", "cpu, cuda", "fx"),
+                  "in the whole model, each segment compiled by Inductor)", "cpu, cuda", "fx",
+                  served=Served("fx", refused=BLOCK_GRAPHS, simulated=True)),
     "compiler": Spec("the segment compiler: every stream segment of the plan compiled by inductor, onnxruntime "
-                     "(CPU) or eager (the segments as they are)", "cpu, cuda", None,
-                     "none (cpu: the default plan tries onnxruntime when installed)"),
-    "scheduler_options": Spec("keyword options of the scheduler (e.g. heft's sync_ms)", "cpu, cuda"),
+                     "(CPU) or eager (the segments as they are); none: no compiler", "cpu, cuda", None,
+                     "none (cpu: the default plan tries onnxruntime when installed)",
+                     served=Served(_serving_compiler, "cpu: onnxruntime where installed (each block compiled whole), "
+                                                      "else none")),
+    "scheduler_options": Spec("keyword options of the scheduler (e.g. heft's sync_ms)", "cpu, cuda",
+                              served=Served(simulated=True)),
     "threads": Spec("CPU threads each device's lanes may use in all (lanes x intra-op threads), on every CPU path",
                     "cpu", _threads, "every core this process may use (split among the ranks with devices > 1)"),
     "cudagraphs": Spec("record the plan into a CUDA Graph per input signature (false: run the streams live)",
@@ -130,31 +211,39 @@ OPTIONS: dict[str, Spec] = {
     "capture_fallback": Spec("error: a plan that cannot be recorded is an error; eager: that signature runs on "
                              "streams without a graph, with a warning", "cuda", "error", needs="cudagraphs"),
     "static_outputs": Spec("return the graph's own output tensors (overwritten by the next call) instead of "
-                           "clones", "cuda", False, needs="cudagraphs"),
+                           "clones", "cuda", False, needs="cudagraphs",
+                           served=Served(refused="an instance keeps a block's outputs until its next block runs")),
     "dynamic": Spec("a call whose inputs differ from the example's: other sizes run the plan built, checked "
                     "against the model once per dimension that changes (true: every size free in segment "
                     "compilers from the first build), another dtype or structure is built for (true, or unset); "
                     "false refuses both", "cpu, cuda", None,
-                    "unset: a size becomes free at its second value"),
+                    "unset: a size becomes free at its second value",
+                    served=Served(refused="a server takes the batch sizes its models' configs allow, up to "
+                                          "max_batch_size, and refuses other shapes by the config")),
     "cache_size": Spec("plans built for other input signatures besides the example's (past it such a signature "
                        "runs on the model itself, with a warning; on CUDA also the recordings kept per "
-                       "signature)", "cpu, cuda", 8),
+                       "signature)", "cpu, cuda", 8,
+                       served=Served(lambda o: {"cpu": 32, "cuda": 64}.get(o.serving, 1 << 16),
+                                     "combined blocks kept built, and on a cpu each block's batch sizes: cpu 32, "
+                                     "cuda 64 (each one CUDA Graph)")),
     "buckets": Spec("pad a call's batch (dimension 0 of every tensor input) up to the next of these sizes, its "
                     "outputs cut back: pow2 (powers of two) or a list of sizes", "cpu, cuda", None,
-                    "none: every batch runs at its size"),
-    "runtime": Spec("what the CUDA backend reaches CUDA through: torch.cuda, or opweave.backends.fakecuda.FakeCuda() "
-                    "to run the whole CUDA path on the CPU (tests, no GPU)", "cuda", _runtime, "torch.cuda"),
+                    "none: every batch runs at its size",
+                    served=Served(refused="a server pads the batches it forms to its blocks' own batch variants")),
+    "runtime": Spec("what the CUDA backend reaches CUDA through: torch.cuda, or opweave.testing.FakeCuda() to run "
+                    "the whole CUDA path on the CPU (tests, no GPU)", "cuda", _runtime, "torch.cuda"),
     "warmup": Spec("plain runs before recording a signature", "cuda", 2, needs="cudagraphs"),
     "link": Spec("the link between devices: a preset or a file written by `opweave profile-links`", "cpu, cuda",
-                 lambda o: {"cpu": "loopback", "cuda": "nvlink4"}[o.device] if o.devices > 1 else None,
-                 "cpu: loopback; cuda: nvlink4", needs="devices > 1"),
-    "timeout_s": Spec("how long a rank may take to start or answer", "cpu, cuda", 300.0, needs="devices > 1"),
+                 _link, "cpu: loopback; cuda: nvlink4 (none: the transfer times of the costs given)",
+                 needs="devices > 1", served=Served(refused=ONE_DEVICE)),
+    "timeout_s": Spec("how long a rank may take to start or answer", "cpu, cuda", 300.0, needs="devices > 1",
+                      served=Served(refused=ONE_DEVICE)),
     "start_method": Spec("how rank processes start (forkserver or spawn)", "cpu, cuda", "forkserver",
-                         needs="devices > 1"),
+                         needs="devices > 1", served=Served(refused=ONE_DEVICE)),
 }
 
 
-class _Unset(frozenset):
+class _Unset(frozenset[str]):
     """``Options.given`` when the caller did not say: every option passed to the constructor."""
 
 
@@ -165,8 +254,11 @@ UNFILLED: Any = None  # a field not given: filled from its Spec's default when t
 class Options:
     """Every option of :data:`OPTIONS`, checked (:func:`resolve`) and with each default filled in from its
     :class:`Spec` for the device (a field left unset is filled when the object is made: a default lives in
-    :data:`OPTIONS` alone). ``given``: the options the caller set (not the mode's or the defaults); made directly,
-    every option passed."""
+    :data:`OPTIONS` alone; a server's, ``serving`` set, from the serving preset). ``given``: the options the caller
+    set (not the mode's or the defaults; made directly, every option passed), the request's record, which only the
+    doors read. Besides the options, what resolving decided: ``autotune`` (the mode's measured search), ``guard``
+    (the CPU default's timing of its plan against one lane and the model: nothing about the plan was asked for),
+    ``serving`` (a server's executor device: cpu, cuda or sim) and ``per_op_threads``."""
 
     device: str = "cpu"
     mode: str = "default"
@@ -181,7 +273,7 @@ class Options:
     fold_bn: bool = UNFILLED
     graph: str = UNFILLED
     compiler: str | None = None
-    scheduler_options: dict | None = None
+    scheduler_options: dict[str, Any] | None = None
     threads: int | None = None  # None once filled: not on a CPU
     cudagraphs: bool = UNFILLED
     capture_fallback: str = UNFILLED
@@ -194,26 +286,52 @@ class Options:
     link: Any = None  # a preset name, a profile-links file or an opweave.costs.links.Link; None with one device
     timeout_s: float = UNFILLED
     start_method: str = UNFILLED
-    per_op_threads: bool | None = None  # not an option: callers whose ops are compiled calls that sleep when idle
+    per_op_threads: bool | None = None  # what runs the ops sleeps when idle (a server's whole blocks); None: ask it
+    guard: bool | None = None  # None: filled (made directly: nothing about the plan passed, one CPU device)
+    serving: str | None = None  # a server's executor (cpu, cuda, sim): the serving preset's defaults
     given: frozenset[str] = _Unset()
 
     def __post_init__(self) -> None:
         passed = frozenset(key for key in OPTIONS if getattr(self, key) is not None)
-        rules = sorted(OPTIONS.items(), key=lambda item: callable(item[1].default))  # values first, rules read them
+        given = passed if isinstance(self.given, _Unset) else self.given
+        # values first, rules after them (they read them), the compiler's first (a server's scheduler reads it)
+        rules = sorted(OPTIONS.items(), key=lambda item: (callable(item[1].default) or callable(
+            item[1].served.default), item[0] != "compiler"))
         for key, spec in rules:
-            if getattr(self, key) is None:
+            if getattr(self, key) is None and key not in given - passed:  # a None given ("none") stays None
                 object.__setattr__(self, key, spec.default_for(self))
-        if isinstance(self.given, _Unset):
-            object.__setattr__(self, "given", passed)
+        object.__setattr__(self, "given", given)
+        if self.guard is None:
+            object.__setattr__(self, "guard", self.device == "cpu" and self.devices == 1 and not self.autotune
+                               and self.serving is None and not PLAN_KEYS & passed)
 
-    def replace(self, **changes: Any) -> Options:
-        """A copy with ``changes`` (not checked again: for the targets' own derived plans)."""
-        return dataclasses.replace(self, **changes)
+    def derive(self, **changes: Any) -> Options:
+        """These options with ``changes``, each checked as :func:`resolve` checks a value (a known name, its type and
+        range, a device it applies to): what a target, a search or a server derives from the resolved options (a
+        candidate's plan, a block's build). The request's record, ``given``, stays the caller's."""
+        if changes.get("compiler") == "none":
+            changes = {**changes, "compiler": None}
+        unknown = sorted(set(changes) - set(OPTIONS) - DERIVED)
+        if unknown:
+            raise UsageError(f"unknown option {unknown[0]!r}; options: {', '.join(OPTIONS)}")
+        values = {k: v for k, v in changes.items() if k in OPTIONS and v is not None}
+        _check_values(values)
+        for key in values:
+            if self.device not in OPTIONS[key].devices:
+                raise UsageError(f"option {key!r} applies to device={OPTIONS[key].devices!r} only, not "
+                                 f"{self.device!r}")
+        for key in DERIVED & set(changes):
+            if not isinstance(changes[key], bool) and not (key == "per_op_threads" and changes[key] is None):
+                raise UsageError(f"{key!r} must be true or false, got {changes[key]!r}")
+        derived = dataclasses.replace(self, **changes)
+        for key in set(changes) & set(OPTIONS):  # set to none: none, not the default filled again
+            if changes[key] is None:
+                object.__setattr__(derived, key, None)
+        return derived
 
-    @property
-    def default_plan(self) -> bool:
-        """Nothing about the plan was given: the target chooses it (the CPU's guard, the CUDA simulator's pick)."""
-        return not {"scheduler", "streams", "compiler", "graph"} & self.given and self.devices == 1
+
+PLAN_KEYS = frozenset({"scheduler", "streams", "compiler", "graph"})  # given, the plan is the caller's: no guard
+DERIVED = frozenset({"autotune", "guard", "per_op_threads"})  # what Options.derive may change besides the options
 
 
 def mode_options(mode: str) -> dict[str, Any]:
@@ -225,22 +343,35 @@ def mode_options(mode: str) -> dict[str, Any]:
             "max-autotune-no-cudagraphs": {"autotune": True, "cudagraphs": False}}[mode]
 
 
-def resolve(device: str = "cpu", mode: str | None = "default", options: dict | None = None, *,
-            check_device: bool = True, **given) -> Options:
+def resolve(device: str = "cpu", mode: str | None = "default", options: dict[str, Any] | None = None, *,
+            check_device: bool = True, serving: str | None = None, **given: Any) -> Options:
     """The checked :class:`Options` for ``device`` from ``mode``, ``options`` and keyword options (the same names;
     one given both ways is an error). Every refusal is a :class:`~opweave.errors.UsageError` naming the option;
     with ``check_device``, a CUDA device that is not there is a :class:`~opweave.errors.DeviceError`, raised only
-    once the options are found consistent."""
+    once the options are found consistent. ``serving``: the options of a server whose executor runs on that device
+    (cpu, cuda; sim: the simulator, ``device`` cuda), resolved with the serving preset (:class:`Served`), what a
+    server cannot honour refused with the reason."""
     if device not in DEVICES:
         raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if serving is not None and serving not in SERVERS:
+        raise UsageError(f"device must be one of {', '.join(SERVERS)}, got {serving!r}")
+    if serving is not None and device != ("cpu" if serving == "cpu" else "cuda"):
+        raise UsageError(f"a server on {serving} resolves its options for {'cpu' if serving == 'cpu' else 'cuda'}, "
+                         f"not {device}")
     mode = mode or "default"
     preset = mode_options(mode)
+    if serving is not None and preset.get("autotune"):
+        raise UsageError(f"mode={mode!r} does not apply to serving: a server builds a plan for every combination of "
+                         "blocks its load brings, which a search timed on one model cannot choose; use "
+                         "mode='default' (on a GPU, 'reduce-overhead' records CUDA Graphs as the default does)")
     options = {k: v for k, v in (options or {}).items() if v is not None}  # None: not given
     given = {k: v for k, v in given.items() if v is not None}
     both = sorted(set(options) & set(given))
     if both:
         raise UsageError(f"option {both[0]!r} given both as a keyword and in options")
     given = {**options, **given}
+    if given.get("compiler") == "none":  # no segment compiler, asked for (a server's default is one)
+        given["compiler"] = None
     for key in given:
         if key not in OPTIONS:
             hint = (f" (now {RENAMED[key]!r})" if key in RENAMED else
@@ -248,7 +379,7 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
                     "options cudagraphs=True/False)" if key == "mode" else "")
             hint = hint or did_you_mean(key, OPTIONS)
             raise UsageError(f"unknown option {key!r}{hint}; options: {', '.join(OPTIONS)}")
-    set_keys = {k for k, v in given.items() if v is not None}
+    set_keys = {k for k, v in given.items() if v is not None or k == "compiler"}
     values = {k: v for k, v in given.items() if v is not None}
     _check_values(values)
     if "buckets" in values:
@@ -308,16 +439,20 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
                          ("coarsen", "its ops are Inductor's kernels"),
                          ("costs", "its ops are known only once Inductor has fused the model"),
                          ("profile", "its ops are known only once Inductor has fused the model")):
-            if key in set_keys and not (key == "compiler" and values[key] == "inductor"
-                                        or key == "coarsen" and values[key] is False):
+            if key in set_keys and not (key == "compiler" and values.get(key) == "inductor"
+                                        or key == "coarsen" and values.get(key) is False):
                 raise UsageError(f"option {key!r} does not apply with graph='inductor' ({why})")
         values = {**values, "compiler": "inductor", "coarsen": False}
     if values.get("compiler") == "onnxruntime" and cuda:
         raise UsageError("compiler='onnxruntime' runs segments on the CPU; on CUDA use compiler='inductor'")
     if "costs" in set_keys and "profile" in set_keys:
         raise UsageError("give costs or profile, not both")
-    opts = Options(device=device, mode=mode, autotune=autotune, cudagraphs=cudagraphs,
-                   given=frozenset(set_keys), **{k: v for k, v in values.items() if k != "cudagraphs"})
+    if serving is not None:
+        _check_served(serving, values, set_keys)
+    opts = Options(device=device, mode=mode, autotune=autotune, cudagraphs=cudagraphs, serving=serving,
+                   guard=device == "cpu" and devices == 1 and not autotune and serving is None
+                   and not PLAN_KEYS & set(values), given=frozenset(set_keys),
+                   **{k: v for k, v in values.items() if k != "cudagraphs"})
     if cuda and not opts.cudagraphs:
         for key in ("capture_fallback", "static_outputs", "warmup"):
             if key in set_keys:
@@ -330,7 +465,22 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict | N
     return opts
 
 
-def _check_values(values: dict) -> None:
+def _check_served(serving: str, values: dict[str, Any], given: set[str]) -> None:
+    """What a server on ``serving`` cannot honour of the options ``given`` (their ``values``), refused with the
+    reason (:class:`Served`)."""
+    for key in sorted(given):
+        served = OPTIONS[key].served
+        why = ""
+        if serving == "sim" and not served.simulated:
+            why = "the simulator times plans, it runs no op"
+        elif served.refused and (served.default is SAME or callable(served.default)
+                                 or values.get(key) != served.default):
+            why = served.refused
+        if why:
+            raise UsageError(f"option {key!r} does not apply to serving on {serving}: {why}")
+
+
+def _check_values(values: dict[str, Any]) -> None:
     """Each given value's type and range, one line naming the option."""
 
     def fail(key: str, want: str) -> None:
@@ -351,7 +501,7 @@ def _check_values(values: dict) -> None:
     if "timeout_s" in values and (isinstance(values["timeout_s"], bool)
                                   or not isinstance(values["timeout_s"], (int, float)) or values["timeout_s"] <= 0):
         fail("timeout_s", "a positive number of seconds")
-    choices = {"graph": GRAPHS, "compiler": COMPILERS, "capture_fallback": FALLBACKS,
+    choices = {"graph": GRAPHS, "compiler": (*COMPILERS, "none"), "capture_fallback": FALLBACKS,
                "start_method": ("forkserver", "spawn")}
     for key, allowed in choices.items():
         if key in values and values[key] not in allowed:
@@ -369,7 +519,7 @@ def _check_values(values: dict) -> None:
     if "scheduler_options" in values and not isinstance(values["scheduler_options"], dict):
         fail("scheduler_options", "a dict of the scheduler's keyword options")
     if "runtime" in values and not all(hasattr(values["runtime"], a) for a in ("launch", "is_available", "Stream")):
-        fail("runtime", "a CUDA runtime (opweave.backends.runtime.CUDA or opweave.backends.fakecuda.FakeCuda())")
+        fail("runtime", "a CUDA runtime (opweave.backends.runtime.CUDA or opweave.testing.FakeCuda())")
     if "costs" in values:
         from opweave.costs import Costs
 
@@ -388,7 +538,7 @@ def buckets_of(value: Any) -> str | tuple[int, ...]:
     """The ``buckets`` option as :class:`Options` holds it: ``"pow2"``, or the sizes ascending (a list, or the
     command line's ``8,16,32``); :class:`~opweave.errors.UsageError` otherwise."""
     if value == "pow2":
-        return value
+        return "pow2"
     if isinstance(value, str):
         try:
             value = [int(part) for part in value.split(",") if part.strip()]
@@ -431,20 +581,29 @@ def parse_option(text: str) -> tuple[str, Any]:
 
 
 def option_table() -> list[dict[str, str]]:
-    """Every option as a row (name, meaning, devices, default, needs): the table the docs show, the defaults the
-    code fills in (:meth:`Spec.default_text`)."""
+    """Every option as a row (name, meaning, devices, default, needs, served): the table the docs show, the defaults
+    the code fills in (:meth:`Spec.default_text`) and a server's (:meth:`Served.text_for`)."""
     return [{"name": name, "meaning": spec.meaning, "devices": spec.devices, "default": spec.default_text(),
-             "needs": spec.needs} for name, spec in OPTIONS.items()]
+             "needs": spec.needs, "served": spec.served.text_for(spec)} for name, spec in OPTIONS.items()]
+
+
+def serving_preset(serving: str) -> dict[str, Any]:
+    """What the serving preset sets for a server on ``serving`` (cpu, cuda, sim) where it differs from a compile's
+    defaults, as :func:`mode_options` lists a mode's."""
+    device = "cpu" if serving == "cpu" else "cuda"
+    served, compiled = resolve(device, serving=serving, check_device=False), resolve(device, check_device=False)
+    return {key: getattr(served, key) for key in OPTIONS if getattr(served, key) != getattr(compiled, key)}
 
 
 def options_markdown() -> str:
     """:func:`option_table` as the Markdown table docs/design.md and the README carry (a test keeps them equal)."""
-    rows = ["| option | meaning | devices | default |", "| --- | --- | --- | --- |"]
+    rows = ["| option | meaning | devices | default | served (opweave serve) |", "| --- | --- | --- | --- | --- |"]
     for row in option_table():
         needs = f" (with {row['needs']})" if row["needs"] else ""
-        rows.append(f"| `{row['name']}` | {row['meaning']}{needs} | {row['devices']} | {row['default']} |")
+        rows.append(f"| `{row['name']}` | {row['meaning']}{needs} | {row['devices']} | {row['default']} | "
+                    f"{row['served']} |")
     return "\n".join(rows)
 
 
-__all__ = ["DEVICES", "MODES", "OPTIONS", "Options", "buckets_of", "mode_options", "option_table", "options_markdown",
-           "parse_option", "resolve"]
+__all__ = ["DEVICES", "MODES", "OPTIONS", "SERVERS", "Options", "Served", "buckets_of", "mode_options",
+           "option_table", "options_markdown", "parse_option", "resolve", "serving_preset"]

@@ -31,7 +31,16 @@ it comes back.
 **Buckets** (option ``buckets``): the batch is padded to a bucket first (:func:`opweave.pipeline.sizes.padding`),
 so a model compiled at a bucket's batch, with ``dynamic=False``, serves every smaller batch of that bucket.
 
-The signature the model was built for is never dropped.
+The signature the model was built for is never dropped. A model built with ``dynamic=True`` whose one ONNX Runtime
+session takes any batch (:func:`takes_any_batch`: checked at another batch) is keyed without its inputs' dimension
+0: another batch size is the example's signature.
+
+**Batches** (:class:`Batched`, a server's blocks): where dimension 0 of every input and output stacks independent
+samples, a call of ``n`` samples runs at ``bucket(n)`` (the next power of two: rows of zeros added, their outputs
+dropped), and a size not built yet is built in the background (:class:`Builder`, one thread for a process's
+builds) while the call runs on the sizes built: padded up to the smallest larger one, else in pieces of the
+largest, outputs joined. The variants are the model's :class:`Signatures`, so a size asked for by many calls at
+once is built once.
 """
 
 from __future__ import annotations
@@ -39,12 +48,16 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+from torch.utils import _pytree as pytree
+
 from opweave.backends.cache import BoundedCache, signature
-from opweave.errors import UsageError
+from opweave.errors import UsageError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +65,7 @@ SERVED = 1024  # signatures remembered as served (a dropped one is checked again
 OWN = "own"  # served by the example's own backend
 
 
-def describe(key: tuple) -> str:
+def describe(key: tuple[Any, ...]) -> str:
     """A signature as a user reads it: ``(2, 3, 160, 160) float32, ...``."""
     parts = []
     for leaf in key[1:]:
@@ -64,53 +77,69 @@ def describe(key: tuple) -> str:
     return ", ".join(parts) or "no inputs"
 
 
-def key_of(args: tuple) -> tuple:
+def key_of(args: tuple[Any, ...], *, any_batch: bool = False) -> tuple[Any, ...]:
     """The signature of ``args`` as this module keys it: :func:`~opweave.backends.cache.signature` without the
-    tensors' devices (the backends move inputs to theirs)."""
-    return signature(args, devices=False)[0]
+    tensors' devices (the backends move inputs to theirs); with ``any_batch``, without their dimension 0."""
+    return signature(args, devices=False, batch=not any_batch)[0]
 
 
 class Signatures:
     """The signatures a compiled model serves besides its example's (``example_key``: :func:`key_of` the example
-    inputs): ``build(args)`` makes the model for new inputs ``args`` (module docstring); at most ``bound`` are
+    inputs): ``compile_for(args)`` makes the model for new inputs ``args`` (module docstring); at most ``bound`` are
     built; ``dynamic=False`` refuses them; ``sizes`` (:class:`~opweave.pipeline.sizes.Sizes`) serves other sizes
     with what is built, pads to buckets and runs signatures past the bound on the model (without it, the least
-    recently used build is dropped). ``stats``: ``builds`` (new captures), ``replans`` (ranges of sizes planned
-    again), ``resized`` (sizes served by a plan built for another size), ``padded`` (signatures
-    served padded to a bucket), ``eager`` (signatures run on the model past the bound), ``evictions`` (builds
-    dropped, without ``sizes``), ``checks`` (first calls held against the model)."""
+    recently used build is dropped); ``any_batch``: keyed without dimension 0. ``stats``: ``builds`` (new
+    captures), ``replans`` (ranges of sizes planned again), ``resized`` (sizes served by a plan built for another
+    size), ``padded`` (signatures served padded to a bucket), ``eager`` (signatures run on the model past the
+    bound), ``evictions`` (builds dropped, without ``sizes``), ``checks`` (first calls held against the model)."""
 
-    def __init__(self, name: str, example_key: tuple, build: Callable[[tuple], Any], *, bound: int,
-                 dynamic: bool | None = None, arity: int | None = None, sizes: Any = None):
+    def __init__(self, name: str, example_key: tuple[Any, ...], compile_for: Callable[[tuple[Any, ...]], Any], *,
+                 bound: int, dynamic: bool | None = None, arity: int | None = None, sizes: Any = None,
+                 any_batch: bool = False):
         self.name, self.example_key, self.dynamic, self.bound = name, example_key, dynamic, bound
         self.arity = arity  # how many inputs the model takes: another count is the backend's error to raise
-        self.sizes = sizes
-        self._build = build
+        self.sizes, self.any_batch = sizes, any_batch
+        self._build = compile_for
         self._built: BoundedCache = BoundedCache(bound, self._evicted)  # key -> a build for it (never full: sizes)
-        self._plans: dict[tuple, Any] = {}  # a range of sizes (sizes.bucket) -> the plan serving it
+        self._plans: dict[tuple[Any, ...], Any] = {}  # a range of sizes (sizes.bucket) -> the plan serving it
         self._served: BoundedCache = BoundedCache(SERVED)  # key -> what runs it (OWN: the example's backend)
-        self._pending: dict[tuple, Future] = {}
+        self._pending: dict[tuple[Any, ...], Future[Any]] = {}
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()  # one range of sizes planned at a time
         self._warned_bound = False
-        self._checked: dict[int, frozenset] = {}  # id of a plan -> the dimensions it was checked in (sizes.changed)
+        self._checked: dict[int, frozenset[int]] = {}  # a plan's id -> the dimensions it was checked in
         self._pads_checked = False
         self.stats = {"builds": 0, "replans": 0, "resized": 0, "padded": 0, "eager": 0, "evictions": 0,
                       "checks": 0}
 
-    def keys(self) -> list[tuple]:
+    def keys(self) -> list[tuple[Any, ...]]:
         """The signatures served, the example's first."""
         with self._lock:
             return [self.example_key, *self._served]
 
-    def for_inputs(self, args: tuple):
+    def key(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The signature ``args`` are keyed by here."""
+        return key_of(args, any_batch=self.any_batch)
+
+    def built(self) -> dict[tuple[Any, ...], Any]:
+        """What serves each signature so far besides the example's own backend (none is built by asking)."""
+        with self._lock:
+            return {k: v for k, v in self._served.items() if v is not OWN}
+
+    def get(self, key: tuple[Any, ...]) -> Any:
+        """What serves signature ``key`` (the most recently used now), or None: none is built by asking."""
+        with self._lock:
+            found = self._served.get(key)
+        return None if found is OWN else found
+
+    def for_inputs(self, args: tuple[Any, ...]) -> Any:
         """What runs ``args`` when their signature is not the example's (a callable); None when it is, or when
         the example's backend serves them (or when ``args`` are not as many as the model takes: the caller's
         backend says so). The first call of a signature gets a callable that returns the answer computed while it
         was checked."""
         if self.arity is not None and len(args) != self.arity:
             return None
-        key = key_of(args)
+        key = self.key(args)
         if key == self.example_key:
             return None
         runner, answer = self._lookup(args, key, padded=True)
@@ -118,19 +147,19 @@ class Signatures:
             return _Answered(answer)
         return None if runner is OWN else runner
 
-    def _lookup(self, args: tuple, key: tuple, *, padded: bool) -> tuple[Any, Any]:
+    def _lookup(self, args: tuple[Any, ...], key: tuple[Any, ...], *, padded: bool) -> tuple[Any, Any]:
         """What runs ``args`` (signature ``key``: served before, or served now, once however many threads ask),
         and the answer when it was computed now to check it. ``padded``: a bucket may serve it."""
         with self._lock:
             found = self._served.get(key)
             if found is not None:
                 return found, _NO_ANSWER
-            pending = self._pending.get(key)
-            mine = pending is None
-            if mine:
-                pending = self._pending[key] = Future()
-        if not mine:
-            return pending.result(), _NO_ANSWER  # another thread serves it first (its error is raised here too)
+            waiting = self._pending.get(key)
+            if waiting is None:
+                pending: Future[Any] = Future()
+                self._pending[key] = pending
+        if waiting is not None:
+            return waiting.result(), _NO_ANSWER  # another thread serves it first (its error is raised here too)
         try:
             served = self._padded(args, key) if padded else None
             runner, answer = served if served is not None else self._serve(args, key)
@@ -145,7 +174,7 @@ class Signatures:
         pending.set_result(runner)
         return runner, answer
 
-    def _padded(self, args: tuple, key: tuple) -> tuple[Any, Any] | None:
+    def _padded(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> tuple[Any, Any] | None:
         """``args`` padded to their bucket, run by what serves the bucket's signature and checked against the
         model; None without a bucket, or when the pad changes the answer (then buckets are turned off)."""
         from opweave.pipeline.sizes import Padded, padding
@@ -155,7 +184,7 @@ class Signatures:
         if pad is None:
             return None
         sizes.pad_warning(self.name, pad)
-        target = key_of(pad.inputs)
+        target = self.key(pad.inputs)
         if target == self.example_key:
             run, out = sizes.compiled.backend, _NO_ANSWER
         else:
@@ -177,12 +206,12 @@ class Signatures:
         log.info("%s: %s served padded to %s", self.name, describe(key), describe(target))
         return Padded(run, sizes.buckets), out
 
-    def _refusal(self, key: tuple) -> UsageError:
+    def _refusal(self, key: tuple[Any, ...]) -> UsageError:
         return UsageError(f"{self.name}: inputs {describe(key)} differ from those it was compiled for "
                           f"({describe(self.example_key)}), and dynamic=False refuses new input signatures "
                           "(leave dynamic unset to serve other sizes and build for other signatures)")
 
-    def _serve(self, args: tuple, key: tuple) -> tuple[Any, Any]:
+    def _serve(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> tuple[Any, Any]:
         """What runs ``args`` (signature ``key``, not padded), and the answer when it was computed to check it."""
         from opweave.pipeline.sizes import sizes_only
 
@@ -195,7 +224,7 @@ class Signatures:
                 return served
         return self._built_for(args, key), _NO_ANSWER
 
-    def _resized(self, args: tuple, key: tuple) -> tuple[Any, Any] | None:
+    def _resized(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> tuple[Any, Any] | None:
         """``args`` run by the plan that serves their sizes and checked against the model where the plan was not
         checked in their dimensions yet (:mod:`opweave.pipeline.sizes`, Checked once per dimension); None when it
         cannot run them or its answer is wrong (then nothing is trusted at other sizes any more:
@@ -239,7 +268,7 @@ class Signatures:
                  f"the plan built for {describe(self.example_key)}" if own else "the plan made for its range of sizes")
         return (OWN if own else run), out
 
-    def _plan(self, args: tuple, bucket: tuple):
+    def _plan(self, args: tuple[Any, ...], bucket: tuple[Any, ...]) -> Any:
         """The plan that serves sizes of ``bucket`` (:func:`opweave.pipeline.sizes.bucket`): the example's, or one
         planned again for this range at the sizes of ``args`` when predicted faster enough (and within the
         bound)."""
@@ -267,7 +296,7 @@ class Signatures:
         """Whether one more plan may be built (module docstring, Bounds)."""
         return len(self._built) + sum(p is not self.sizes.compiled for p in self._plans.values()) < self.bound
 
-    def _built_for(self, args: tuple, key: tuple):
+    def _built_for(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> Any:
         """What runs ``args``: a build for them; past the bound, the model itself (module docstring, Bounds)."""
         if self.sizes is not None and not self._room():
             self.stats["eager"] += 1
@@ -286,7 +315,7 @@ class Signatures:
             self.stats["builds"] += 1
         return built
 
-    def _evicted(self, key: tuple, compiled: Any) -> None:
+    def _evicted(self, key: tuple[Any, ...], compiled: Any) -> None:
         """Dropped, not closed: a call may still be running it (what it holds goes when the last caller lets go).
         Only without ``sizes``, which never fills the bound."""
         self.stats["evictions"] += 1
@@ -304,11 +333,194 @@ class _Answered:
     def __init__(self, answer: Any):
         self.answer = answer
 
-    def __call__(self, *args) -> Any:
+    def __call__(self, *args: Any) -> Any:
         return self.answer
 
 
 _NO_ANSWER = object()
 
 
-__all__ = ["Signatures", "describe", "key_of"]
+
+def attach(compiled: Any, name: str, example: tuple[Any, ...], compile_for: Callable[[tuple[Any, ...]], Any], *,
+           bound: int, dynamic: bool | None = None) -> Any:
+    """``compiled`` (built for ``example``), which from now on builds itself for inputs of another signature with
+    ``compile_for`` (:class:`Signatures`: at most ``bound`` kept, refused with ``dynamic=False``, keyed without
+    dimension 0 where it takes any batch)."""
+    any_batch = compiled.any_batch
+    compiled.variants = Signatures(name, key_of(example, any_batch=any_batch), compile_for, bound=bound,
+                                   dynamic=dynamic, arity=len(example), any_batch=any_batch)
+    return compiled
+
+
+def takes_any_batch(compiled: Any, captured: Any, inputs: tuple[Any, ...], tolerance: float = 1e-4) -> bool:
+    """Whether ``compiled`` (built for ``inputs`` with a free batch dimension) answers at another batch as the
+    captured model does: one more row of every input (random values where floating point), compared within
+    ``tolerance`` (:func:`opweave.outputs.compare`). A graph that baked its batch in answers wrongly, or fails."""
+    from opweave.outputs import compare
+
+    probe = tuple(_grown(x) for x in inputs)
+    try:
+        with torch.no_grad():
+            return compare(captured.gm(*probe), compiled(*probe), tolerance=tolerance).ok
+    except Exception as exc:  # noqa: BLE001 - an export that took its batch as fixed fails at another one
+        log.info("%s: no session for every batch (%s)", captured.graph.name, first_line(exc))
+        return False
+
+
+def _grown(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return x
+    grown = torch.cat([x, x[:1]])
+    return torch.randn_like(grown) if grown.is_floating_point() else grown
+
+
+def bucket(batch: int) -> int:
+    """The batch a variant built per batch size is built for: the next power of two (a max batch of 16 needs at
+    most 5 variants)."""
+    return 1 << (batch - 1).bit_length()
+
+
+def rows(args: Any) -> int:
+    """The size of dimension 0 of the first tensor among ``args`` (1 when none has one)."""
+    return next((x.shape[0] for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor) and x.dim() > 0), 1)
+
+
+def padded(args: tuple[Any, ...], extra: int) -> tuple[Any, ...]:
+    """``args`` with ``extra`` rows of zeros after their own, in dimension 0 of every tensor."""
+    return tuple(torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]) if isinstance(x, torch.Tensor) else x
+                 for x in args)
+
+
+def first_rows(out: Any, n: int) -> Any:
+    """``out``'s tensors cut to their first ``n`` rows (a padded batch's own)."""
+    return pytree.tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) else t, out)
+
+
+class Builder:
+    """Builds off the callers' threads: one daemon thread, jobs in the order asked, each on one intra-op thread (the
+    cores stay with the calls: :mod:`opweave.backends.threads` says why a worker's OpenMP team stays at one). A job
+    asked for while it is queued or running is not queued again. ``failed``: one line per job that raised (the
+    calls that asked for it ran on what was built)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._jobs: deque[tuple[Hashable, Callable[[], Any], str]] = deque()
+        self.pending: set[Hashable] = set()
+        self.failed: list[str] = []
+        self._thread: threading.Thread | None = None
+
+    def submit(self, key: Hashable, job: Callable[[], Any], name: str = "") -> bool:
+        """Queue ``job`` under ``key``; False if a job of that key is queued or running already."""
+        with self._lock:
+            if key in self.pending:
+                return False
+            self.pending.add(key)
+            self._jobs.append((key, job, name))
+            if self._thread is None:
+                from opweave.cores import intra_op_threads
+
+                ready = threading.Event()
+                with intra_op_threads():  # its one thread sets the process-wide default too: put it back
+                    self._thread = threading.Thread(target=self._work, args=(ready,), name="opweave-builder",
+                                                    daemon=True)
+                    self._thread.start()
+                    ready.wait()
+            self._lock.notify_all()
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until no job is queued or running (False if ``timeout_s`` passed first)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self.pending, timeout_s)
+
+    def _work(self, ready: threading.Event) -> None:
+        from opweave.backends.threads import enter_budget
+
+        enter_budget(1)  # an OpenMP team of one: a worker's larger team slows every kernel of the process
+        ready.set()
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: bool(self._jobs))
+                key, job, name = self._jobs.popleft()
+            try:
+                job()
+            except Exception as exc:  # noqa: BLE001 - the calls keep running on what was built
+                self.failed.append(f"{name or key}: {first_line(exc)}")
+            finally:
+                with self._lock:
+                    self.pending.discard(key)
+                    self._lock.notify_all()
+
+
+class Batched:
+    """``compiled`` called with a batch of any size in dimension 0 (module docstring, Batches): at its own batch,
+    at any (``compiled.any_batch``), or at ``bucket(n)`` through its :class:`Signatures` (``compiled.variants``),
+    built in the background by ``builder`` (None: built at once) while the call runs on the sizes built. ``close()``
+    stops further builds (its model was dropped)."""
+
+    def __init__(self, compiled: Any, *, bucket: Callable[[int], int] = bucket, builder: Builder | None = None,
+                 name: str = ""):
+        self.compiled, self.bucket, self.builder = compiled, bucket, builder
+        self.name = name or compiled.graph.name
+        self.closed = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled.any_batch:
+            return self.compiled(*args)
+        n = rows(args)
+        size = self.bucket(n)
+        want = padded(args, size - n) if size > n else args
+        variants = self.compiled.variants
+        key = variants.key(want)
+        fn = self.compiled if key == variants.example_key else variants.get(key)
+        if fn is None and self.builder is not None:
+            self.builder.submit((id(variants), key), lambda: None if self.closed else variants.for_inputs(want),
+                                f"{self.name} x{size}")
+            return on_sizes(self.sizes(), args)
+        if fn is None:
+            fn = variants.for_inputs(want)
+        return first_rows(fn(*want), n) if size > n else fn(*want)
+
+    def sizes(self) -> dict[int, Any]:
+        """The batch sizes built, each its model: the example's and its variants'."""
+        built = {rows_of(key): fn for key, fn in self.compiled.variants.built().items()}
+        return {**built, rows_of(self.compiled.variants.example_key): self.compiled}
+
+    def warm(self, examples: list[tuple[Any, ...]]) -> None:
+        """Build now what calls with these inputs (each at a size :attr:`bucket` keeps) will run on."""
+        variants = self.compiled.variants
+        for args in examples:
+            if not self.compiled.any_batch and variants.key(args) != variants.example_key:
+                variants.for_inputs(args)
+
+    def close(self) -> None:
+        """Build nothing more for it (what is queued is skipped)."""
+        self.closed = True
+
+
+def on_sizes(built: dict[int, Callable[..., Any]], args: tuple[Any, ...]) -> Any:
+    """``args``' samples through models built per batch size (``built``: size -> model): the smallest that takes
+    them all, padded with rows of zeros, else pieces of the largest, outputs joined; the padding's outputs dropped."""
+    n = rows(args)
+    larger = [b for b in built if b >= n]
+    if larger:
+        size = min(larger)
+        return first_rows(built[size](*padded(args, size - n)), n) if size > n else built[size](*args)
+    size, pieces = max(built), []
+    for first in range(0, n, size):
+        chunk = tuple(x[first:first + size] if isinstance(x, torch.Tensor) else x for x in args)
+        count = rows(chunk)
+        pieces.append(first_rows(built[size](*(padded(chunk, size - count) if count < size else chunk)), count))
+    flat = [pytree.tree_flatten(piece) for piece in pieces]
+    joined = [torch.cat(column) if isinstance(column[0], torch.Tensor) else column[0]
+              for column in zip(*(leaves for leaves, _ in flat), strict=True)]
+    return pytree.tree_unflatten(joined, flat[0][1])
+
+
+def rows_of(key: tuple[Any, ...]) -> int:
+    """The size of dimension 0 of the first tensor a signature (:func:`key_of`) names (1 when none has one)."""
+    return next((leaf[0][0] for leaf in key[1:] if leaf and leaf[0] != "value" and len(leaf[0])), 1)
+
+
+__all__ = ["Batched", "Builder", "Signatures", "attach", "bucket", "describe", "first_rows", "key_of", "on_sizes",
+           "padded", "rows", "takes_any_batch"]

@@ -127,7 +127,7 @@ def padding(args: tuple, buckets: str | tuple[int, ...] | None) -> Padding | Non
     rows = tensors[0].shape[0]
     if rows < 1:
         return None
-    to = 1 << (rows - 1).bit_length() if buckets == "pow2" else next((b for b in buckets if b >= rows), rows)
+    to = 1 << (rows - 1).bit_length() if isinstance(buckets, str) else next((b for b in buckets if b >= rows), rows)
     if to == rows:
         return None
     padded = [torch.cat([x, x[-1:].expand(to - rows, *x.shape[1:])]) if isinstance(x, torch.Tensor) else x

@@ -28,10 +28,12 @@ from dataclasses import replace
 from opweave.costs import Costs
 from opweave.errors import UsageError
 from opweave.pipeline.compiled import Compiled
-from opweave.pipeline.memory import PEAK_CAP, BuildBuffers, memory_pass, with_free_joins
+from opweave.pipeline.memory_pass import PEAK_CAP, BuildBuffers, memory_pass, with_free_joins
 from opweave.pipeline.options import Options
+from opweave.pipeline.thread_budgets import lane_threads
 from opweave.plan import LaunchPlan
 from opweave.plan.make import plan_for
+from opweave.schedulers.schedule import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +56,19 @@ class CpuTarget:
         costs = costs_for(captured, inputs, options, "cpu")
         if kernels is not None:
             costs = replace(costs, kernels=kernels)
+        assert scheduler is not None  # the CPU's: heft unless given
         sched, plan = plan_for(captured.graph, costs, scheduler, streams=streams, **sched_options)
-        compiled = self.runnable(captured, plan, inputs, options, costs)
-        compiled.schedule = sched
-        return compiled
+        return self.runnable(captured, sched, plan, inputs, options, costs)
 
-    def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs) -> Compiled:
-        """The CPU backend running the validated ``plan`` of ``captured`` (its segments compiled first with
-        ``options.compiler``); ``schedule`` is left for the caller to set when it has one."""
+    def runnable(self, captured, sched: Schedule, plan: LaunchPlan, inputs: tuple, options: Options,
+                 costs: Costs) -> Compiled:
+        """The CPU backend running the validated ``plan`` (of ``sched``) of ``captured`` (its segments compiled first
+        with ``options.compiler``)."""
         from opweave.backends.cpu import CpuBackend
-        from opweave.backends.threads import lane_threads
 
-        per_op = _per_op_threads(options)
-        threads = lane_threads(captured.graph, plan, costs, per_op=per_op, total=options.threads)
+        per_op = per_op_threads(options)
+        threads: dict[str, int] | None = lane_threads(captured.graph, plan, costs, per_op=per_op,
+                                                      total=options.threads)
         runner, run_plan, fused = captured, plan, None
         if options.compiler is not None:
             from opweave.backends.segments import fuse_segments
@@ -77,7 +79,7 @@ class CpuTarget:
             threads, fused = runner.threads or None, runner
             runner.prepare(inputs, run_plan)  # compile now, not in the first call
         backend = CpuBackend(runner, run_plan, threads=threads, total=options.threads)
-        return Compiled(captured.graph, costs, None, plan, backend, "cpu", captured, fused=fused, options=options)
+        return Compiled(captured.graph, costs, sched, plan, backend, "cpu", captured, fused=fused, options=options)
 
     def build_ort_graph(self, captured, inputs: tuple, options: Options, *, model=None,
                         costs: Costs | None = None) -> Compiled:
@@ -106,9 +108,9 @@ class CpuTarget:
         sched_options = dict(options.scheduler_options or {})
         if options.scheduler == "heft":
             sched_options.setdefault("sync_ms", 10 * cpu_threads.sync_cost_ms())
+        assert options.scheduler is not None  # the CPU's: heft unless given
         sched, plan = plan_for(graph, planned, options.scheduler, streams=options.streams, **sched_options)
-        backend = OrtLanes(model, plan, cpu_threads.lane_threads(graph, plan, planned, per_op=True,
-                                                                 total=options.threads))
+        backend = OrtLanes(model, plan, lane_threads(graph, plan, planned, per_op=True, total=options.threads))
         return Compiled(graph, planned, sched, plan, backend, "cpu", captured, options=options)
 
 
@@ -122,6 +124,7 @@ class CudaTarget:
         captured, kernels = inductor_ops(captured, inputs, options)
         costs = self.costs(captured, inputs, options, device, dtype, launches=kernels)
         streams = options.streams  # default: the hardware queues (more lanes add false dependencies)
+        assert streams is not None  # one device
         scheduler, choice = options.scheduler, None
         # every plan's memory pass and the backend find the buffers from one run on fake tensors (segments: no pass)
         shared = BuildBuffers(captured, inputs, costs) if options.compiler is None else None
@@ -137,11 +140,11 @@ class CudaTarget:
             choice = {"label": f"{picked.scheduler} x{picked.streams}", "predicted_ms": picked.makespan_ms,
                       "reason": reason, "candidates": {
                           f"{p.scheduler} x{p.streams}": {"predicted_ms": p.makespan_ms} for p in ranked.predictions}}
-            compiled = self.runnable(captured, plan, inputs, options, costs, joined=True, shared=shared)
+            compiled = self.runnable(captured, sched, plan, inputs, options, costs, joined=True, shared=shared)
         else:
             sched, plan = planned(scheduler, streams)
-            compiled = self.runnable(captured, plan, inputs, options, costs, shared=shared)
-        compiled.schedule, compiled.choice = sched, choice
+            compiled = self.runnable(captured, sched, plan, inputs, options, costs, shared=shared)
+        compiled.choice = choice
         if choice is not None:
             log.info("%s: %s", captured.graph.name, choice["reason"])
         return compiled
@@ -159,7 +162,7 @@ class CudaTarget:
         return replace(calibrated.costs(captured.graph, device, dtype, launches=launches), model=options.cost_model)
 
     def ranking(self, graph, costs: Costs, streams: int, device=None, dtype: str = "float32",
-                taking: set[str] = frozenset()):
+                taking: frozenset[str] | set[str] = frozenset()):
         """Every single-device scheduler (that takes the options ``taking``) at stream caps up to ``streams``,
         ranked by the fitted device's prediction (:func:`opweave.pipeline.choose.choose`): its ``predictions``,
         fastest first."""
@@ -167,8 +170,8 @@ class CudaTarget:
         from opweave.pipeline.choose import STREAM_CAPS, choose
 
         caps = sorted({c for c in STREAM_CAPS if c < streams} | {streams})
-        names = [n for n in schedulers.names() if (schedulers.options_of(n) is None
-                                                     or taking <= schedulers.options_of(n))]
+        names = [n for n in schedulers.names() if (accepted := schedulers.options_of(n)) is None
+                 or taking <= accepted]
         if not names:
             raise UsageError(f"no scheduler takes the options {', '.join(sorted(taking))}")
         return choose(graph, costs, device or fitted_device(), dtype=dtype, names=names, stream_caps=caps)
@@ -177,10 +180,10 @@ class CudaTarget:
                   shared: BuildBuffers | None = None):
         """The first plan of ``ranked`` (a :class:`~opweave.pipeline.choose.Choice`) predicted within
         ``PICK_TOLERANCE`` of the fastest whose planned peak after the memory pass
-        (:func:`opweave.pipeline.memory.memory_pass`, every plan's with the buffers and one-stream peak of
+        (:func:`opweave.pipeline.memory_pass.memory_pass`, every plan's with the buffers and one-stream peak of
         ``shared``) is within its cap; the fastest when none is. ``planned(name, cap)`` makes a (schedule, plan).
         Returns the prediction, the schedule, the plan after the memory pass and the reason to give."""
-        tried = []
+        tried: list[tuple] = []
         for p in ranked.predictions:
             if p.makespan_ms > ranked.makespan_ms * (1 + PICK_TOLERANCE) and tried:
                 break
@@ -204,12 +207,12 @@ class CudaTarget:
                        f"({ratio:.2f}x here)" if ratio is not None else "")
         return p, sched, plan, reason
 
-    def runnable(self, captured, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs, *,
+    def runnable(self, captured, sched: Schedule, plan: LaunchPlan, inputs: tuple, options: Options, costs: Costs, *,
                  joined: bool = False, shared: BuildBuffers | None = None) -> Compiled:
-        """The CUDA backend running the validated ``plan`` of ``captured`` (its segments compiled with
+        """The CUDA backend running the validated ``plan`` (of ``sched``) of ``captured`` (its segments compiled with
         ``options.compiler`` in the backend's warm-up); the memory pass runs first unless the plan is ``joined``
-        already. ``shared``: the build's buffers (:class:`~opweave.pipeline.memory.BuildBuffers`), whose run on fake
-        tensors the memory pass and the backend's release plan for ``inputs`` then use instead of their own."""
+        already. ``shared``: the build's buffers (:class:`~opweave.pipeline.memory_pass.BuildBuffers`), whose run on
+        fake tensors the memory pass and the backend's release plan for ``inputs`` then use instead of their own."""
         from opweave.backends.cuda import CudaBackend
 
         if options.compiler is None and not joined:  # waits that free buffers read on other streams early
@@ -226,7 +229,7 @@ class CudaTarget:
                               capture_fallback=options.capture_fallback, static_outputs=options.static_outputs,
                               cache_size=options.cache_size, warmup=options.warmup, runtime=options.runtime,
                               fake_run=shared.fake if shared is not None and options.compiler is None else None)
-        return Compiled(captured.graph, costs, None, plan, backend, "cuda", captured, fused=fused, options=options)
+        return Compiled(captured.graph, costs, sched, plan, backend, "cuda", captured, fused=fused, options=options)
 
 
 class RanksTarget:
@@ -243,17 +246,18 @@ class RanksTarget:
 
     def plan(self, captured, inputs: tuple, options: Options):
         """Costs, schedule and validated plan of ``captured`` on ``options.devices`` devices. Edge transfer times
-        come from ``options.link`` (a preset or a ``profile-links`` file) when it is given, else from the costs' own,
-        else from the link's default (:data:`~opweave.pipeline.options.OPTIONS`: loopback for CPU ranks, NVLink 4
-        for GPUs)."""
+        come from ``options.link`` (a preset or a ``profile-links`` file; by default loopback for CPU ranks, NVLink 4
+        for GPUs, :data:`~opweave.pipeline.options.OPTIONS`), or, where it resolved to none (costs given with
+        transfer times of their own, and no link), from the costs."""
         from opweave.backends.distributed import check_devices
         from opweave.costs.links import transfer_times
 
         check_devices(options.devices, options.device, ops=len(captured.graph))
         preset = "cpu" if options.device == "cpu" else visible_gpu_preset(options.runtime)
         costs = costs_for(captured, inputs, options, preset)
-        if "link" in options.given or not costs.edge_transfer_ms:
+        if options.link is not None:
             costs = replace(costs, edge_transfer_ms=transfer_times(captured.graph, options.link))
+        assert options.scheduler is not None  # with devices > 1: hios-lp unless given
         sched, plan = plan_for(captured.graph, costs, options.scheduler, streams=options.streams,
                                devices=options.devices, **(options.scheduler_options or {}))
         return costs, sched, plan
@@ -288,16 +292,35 @@ def inductor_ops(captured, inputs: tuple, options: Options):
 
 
 def segment_options(captured, options: Options) -> dict | None:
-    """How the segment compiler is made: with ``graph="inductor"``, segments hand each other values in the layouts
-    Inductor chose (a convolution's channels-last output goes on as it is) wherever the model reads no layout
-    (:func:`opweave.backends.inductorgraph.free_layouts`); eager's layout at every segment boundary costs a copy
-    kernel on each side of it (GoogLeNet at 64x64 on the CPU, compiled unfrozen as on CUDA, Opara over 8 streams:
-    211 of Inductor's nodes per call with eager's layouts, 153 without them, 156 for the whole model)."""
-    if options.graph != "inductor":
-        return None
-    from opweave.backends.inductorgraph import free_layouts
+    """How the segment compiler is made:
 
-    return {"eager_strides": False} if free_layouts(captured) else None
+    * with ``graph="inductor"``, segments hand each other values in the layouts Inductor chose (a convolution's
+      channels-last output goes on as it is) wherever the model reads no layout
+      (:func:`opweave.backends.inductorgraph.free_layouts`); eager's layout at every segment boundary costs a copy
+      kernel on each side of it (GoogLeNet at 64x64 on the CPU, compiled unfrozen as on CUDA, Opara over 8 streams:
+      211 of Inductor's nodes per call with eager's layouts, 153 without them, 156 for the whole model);
+    * ``dynamic=True`` with ONNX Runtime on one stream (the whole model one session): its batch dimension is left
+      free (checked at another batch by :func:`opweave.pipeline.flow.build`);
+    * a server's (``options.serving``), where many models share one process: ONNX Runtime's sessions run on the
+      process's one thread pool with no memory arena of their own, and a model's variants built per batch
+      (``dynamic`` unset) read its own weights (ONNX Runtime's shared initializers); Inductor compiles unfrozen
+      (its parameters the model's, not constants of its own)."""
+    out: dict = {}
+    if options.graph == "inductor":
+        from opweave.backends.inductorgraph import free_layouts
+
+        if free_layouts(captured):
+            out["eager_strides"] = False
+    if options.compiler == "onnxruntime" and options.dynamic is True and options.streams == 1:
+        out["dynamic_batch"] = True
+    if options.serving is not None and options.compiler == "onnxruntime":
+        from opweave.backends.compilers import shared_pool
+
+        assert options.threads is not None  # a CPU's: every core unless given
+        out.update(shared_pool=shared_pool(options.threads), arena=False, share_weights=options.dynamic is None)
+    elif options.serving is not None and options.compiler == "inductor":
+        out["freeze"] = False
+    return out or None
 
 
 def for_options(options: Options):
@@ -334,8 +357,9 @@ def visible_gpu_preset(runtime=None) -> str:
     return preset_for_gpu((runtime or CUDA).device_name()) or "h100"
 
 
-def _per_op_threads(options: Options) -> bool:
-    """Whether what runs the ops sleeps when idle, so an op the plan runs alone may take every thread."""
+def per_op_threads(options: Options) -> bool:
+    """Whether what runs the ops sleeps when idle, so an op the plan runs alone may take every thread (ONNX
+    Runtime's sessions; the options may say so for ops that are such calls: a server's blocks)."""
     if options.per_op_threads is not None:
         return options.per_op_threads
     if options.compiler is None:
@@ -345,5 +369,5 @@ def _per_op_threads(options: Options) -> bool:
     return get(options.compiler).per_op_threads
 
 
-__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "costs_for", "for_options", "inductor_ops", "segment_options",
-           "visible_gpu_preset"]
+__all__ = ["CpuTarget", "CudaTarget", "RanksTarget", "costs_for", "for_options", "inductor_ops", "per_op_threads",
+           "segment_options", "visible_gpu_preset"]

@@ -5,7 +5,8 @@
   owner of happens-before (pairing and vector clocks) that lowering, the validator and the backends build on;
 * :mod:`.lower` — ``lower(graph, schedule)``: a plan with only the waits it needs;
 * :mod:`.validate` — ``validate(graph, plan, schedule)``: every dependency ordered, or a :class:`PlanError`;
-* :mod:`.make` — ``plan_for(graph, costs, scheduler)``: schedule, lower and validate, the one way to a plan.
+* :mod:`.make` — ``plan_for(graph, costs, scheduler)``: schedule, lower and validate, the one way to a plan;
+* :mod:`.lifetimes` — buffer lifetimes from the plan: where each buffer may be freed, the proof, the added waits.
 """
 
 from opweave.errors import PlanError

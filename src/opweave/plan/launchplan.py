@@ -13,6 +13,7 @@ Per device an ordered list (issue order) of instructions:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 KINDS = ("launch", "record", "wait", "send", "recv")
 
@@ -26,7 +27,21 @@ class Instr:
     event: int | None = None
     peer: int | None = None
 
-    def to_dict(self) -> dict:
+    @property
+    def target(self) -> str:
+        """The op a launch, send or recv names."""
+        if self.op is None:
+            raise ValueError(f"a {self.kind} names no op")
+        return self.op
+
+    @property
+    def signal(self) -> int:
+        """The event a record or wait names."""
+        if self.event is None:
+            raise ValueError(f"a {self.kind} names no event")
+        return self.event
+
+    def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
@@ -48,5 +63,5 @@ class LaunchPlan:
     def syncs(self) -> int:
         return sum(i.kind == "wait" for i in self.instrs)
 
-    def to_list(self) -> list[dict]:
+    def to_list(self) -> list[dict[str, Any]]:
         return [i.to_dict() for i in self.instrs]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from opweave import schedulers
 from opweave.costs import Costs
 from opweave.ir import OpGraph
@@ -13,7 +15,7 @@ from opweave.schedulers.schedule import Schedule
 
 
 def plan_for(graph: OpGraph, costs: Costs, scheduler: str, *, streams: int | None = None, devices: int = 1,
-             **options) -> tuple[Schedule, LaunchPlan]:
+             **options: Any) -> tuple[Schedule, LaunchPlan]:
     """Schedule ``graph`` with ``scheduler`` and lower it; the plan has passed the validator."""
     sched = schedulers.run(scheduler, graph, costs, streams=streams, devices=devices, **options)
     return sched, validated_plan(graph, sched)

@@ -54,6 +54,8 @@ touches at most L entries).
 
 from __future__ import annotations
 
+from typing import Any
+
 from opweave.errors import PlanError
 from opweave.plan.launchplan import KINDS, Instr, LaunchPlan
 
@@ -106,7 +108,7 @@ class PlanInterpreter:
         self._latest_record: dict[tuple[int, int | None], int] = {}  # (device, event) -> index
         self._latest_send: dict[tuple[str | None, int | None, int | None], int] = {}  # (op, from, to) -> index
 
-    def run(self, plan: LaunchPlan):
+    def run(self, plan: LaunchPlan) -> Any:
         """Issue every instruction of ``plan`` in order, then return :meth:`output`."""
         for ins in plan.instrs:
             self.issue(ins)
@@ -186,7 +188,7 @@ class PlanInterpreter:
     def recv(self, i: int, ins: Instr, at: Point) -> None:
         """Step for a ``recv``; does nothing here."""
 
-    def output(self):
+    def output(self) -> Any:
         """What :meth:`run` returns; the interpreter itself here."""
         return self
 

@@ -31,7 +31,7 @@ from itertools import pairwise
 from opweave.errors import PlanError
 from opweave.ir.graph import OpGraph
 from opweave.plan.launchplan import Instr, LaunchPlan
-from opweave.plan.semantics import Clock, PlanInterpreter, Point, covers
+from opweave.plan.semantics import Clock, Lane, PlanInterpreter, Point, covers
 from opweave.schedulers.schedule import Schedule
 
 
@@ -70,7 +70,7 @@ class _Validator(PlanInterpreter):
         if self.stage_of is not None:
             self.launch_clock[v] = dict(self.clock[at[0]])
 
-    def _check_edge(self, u: str, v: str, lane) -> None:
+    def _check_edge(self, u: str, v: str, lane: Lane) -> None:
         kind = self.graph.edge[(u, v)].kind
         name = f"edge {u!r} -> {v!r}" + (" (write-after-read)" if kind == "war" else "")
         device, stream = lane
@@ -107,7 +107,7 @@ class _Validator(PlanInterpreter):
             by_stage.setdefault(device, {}).setdefault(stage_of[op], []).append(op)
         for device, stages in sorted(by_stage.items()):
             for earlier, later in pairwise(sorted(stages)):
-                frontier: dict = {}  # lane -> (latest position of the stage there, its op)
+                frontier: dict[Lane, tuple[int, str]] = {}  # lane -> (latest position of the stage there, its op)
                 for x in stages[earlier]:
                     lane, pos = self.launched_at[x]
                     frontier[lane] = max(frontier.get(lane, (0, x)), (pos, x))

@@ -14,6 +14,7 @@ import inspect
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from opweave.costs.model import Costs
 from opweave.errors import UsageError, did_you_mean
@@ -21,7 +22,7 @@ from opweave.ir.graph import OpGraph
 from opweave.schedulers.schedule import Schedule
 
 # name -> module under opweave.schedulers (several names may share a module, told apart by the "variant" option)
-_MODULES: dict[str, tuple[str, dict]] = {
+_MODULES: dict[str, tuple[str, dict[str, Any]]] = {
     "sequential": ("sequential", {}),
     "wavefront": ("wavefront", {}),
     "nimble": ("nimble", {}),
@@ -63,7 +64,7 @@ def check_options(name: str, options: Iterable[str]) -> None:
 
 
 def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, devices: int = 1,
-        **options) -> Schedule:
+        **options: Any) -> Schedule:
     """Schedule ``graph`` with the scheduler called ``name``; fills in ``scheduling_time_s``.
 
     ``scheduling_time_s`` is the wall time of the scheduler call, the graph's cached structure (topological order,
@@ -97,7 +98,7 @@ def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, 
     gc.disable()
     try:
         start = time.perf_counter()
-        sched = module.schedule(graph, costs, streams=streams, devices=devices, **fixed, **options)
+        sched: Schedule = module.schedule(graph, costs, streams=streams, devices=devices, **fixed, **options)
         sched.scheduling_time_s = time.perf_counter() - start
     finally:
         if collecting:

@@ -47,7 +47,8 @@ References
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import networkx as nx
 
@@ -218,7 +219,8 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
                   lambda block: block_stages(graph, costs, block, max_group_ops, group_cap), options)
 
 
-def staged(name: str, chunks: list[list[str]], solve, options: dict) -> Schedule:
+def staged(name: str, chunks: list[list[str]], solve: Callable[[list[str]], Any] | None,
+           options: dict[str, Any]) -> Schedule:
     """The stage schedule of ``chunks`` solved one after the other: ``solve(chunk)`` gives (latency in ms, stages as
     lists of groups); stages are numbered globally, a group's index inside its stage is its stream, device 0."""
     order: list[str] = []
@@ -227,6 +229,7 @@ def staged(name: str, chunks: list[list[str]], solve, options: dict) -> Schedule
     total_ms = 0.0
     stage = 0
     for block in chunks:
+        assert solve is not None  # chunks to solve come with the solver
         block_ms, stages = solve(block)
         total_ms += block_ms
         for groups in stages:

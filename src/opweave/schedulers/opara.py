@@ -37,6 +37,8 @@ References
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from opweave.costs.model import Costs
 from opweave.ir.graph import OpGraph
 from opweave.schedulers._listsched import ideal_finish_times, makespan_ms, merge_streams, renumber_streams
@@ -80,9 +82,9 @@ def launch_order(graph: OpGraph, costs: Costs) -> list[str]:
     """Alg. 2: resource- and interference-aware launch order (a topological order)."""
     demand = resource_demand(graph, costs)
     indegree = {op: len(graph.preds[op]) for op in graph.ids}
-    ready: dict[str, list] = {"memory": [], "compute": []}
+    ready: dict[str, list[str]] = {"memory": [], "compute": []}
 
-    def release(ops):
+    def release(ops: Iterable[str]) -> None:
         for op in sorted(ops, key=graph.index.__getitem__):
             ready["memory" if costs.category.get(op) == "memory" else "compute"].append(op)
 

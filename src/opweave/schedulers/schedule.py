@@ -11,6 +11,7 @@ issue order); ``schedulers.run`` and ``lower`` call it, so nothing downstream ch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from opweave.errors import ScheduleError
 from opweave.ir.graph import OpGraph
@@ -25,7 +26,7 @@ class Schedule:
     stage_of: dict[str, int] | None = None
     predicted_ms: float | None = None
     scheduling_time_s: float = 0.0
-    options: dict = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
     def device(self, op: str) -> int:
         return self.device_of.get(op, 0)

@@ -58,17 +58,19 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opweave.cores import intra_op_threads
 from opweave.costs.model import Costs
 from opweave.errors import UsageError
 from opweave.ir.graph import OpGraph
@@ -154,7 +156,7 @@ def scale_ms(graph: OpGraph, costs: Costs) -> float:
     return max(1e-6, sum(costs.latency_ms[o] for o in graph.ids) / max(1, len(graph)))
 
 
-def encode_inputs(graph: OpGraph, costs: Costs) -> tuple[torch.Tensor, list]:
+def encode_inputs(graph: OpGraph, costs: Costs) -> tuple[torch.Tensor, list[Any]]:
     """Raw op states s_v (module docstring) in ``graph.ids`` order, and the levels :meth:`GPG.embed` walks."""
     scale = scale_ms(graph, costs)
     index = {o: i for i, o in enumerate(graph.ids)}
@@ -290,13 +292,13 @@ class _Walk:
     block: list[str]
     desc: list[int]
     state: int
-    stages: list = field(default_factory=list)
+    stages: list[list[str]] = field(default_factory=list)
     total: float = 0.0
 
 
 def walk(net: GPG | None, g2e: torch.Tensor | None, index: dict[str, int], graph: OpGraph, costs: Costs,
          blocks: list[list[str]], max_group_ops: int, max_groups: int, scale: float, *,
-         rule: str | None = None) -> list[tuple[float, list]]:
+         rule: str | None = None) -> list[tuple[float, list[list[str]]]]:
     """Alg. 2, greedy (argmax), on every chunk of ``blocks``: per chunk (total latency in ms, stages as lists of
     groups in run order). ``rule`` (a key of :data:`RULES`) scores the candidates by one of their features instead
     of the network (``net`` and ``g2e`` may then be None): the one-line baselines a trained network must beat.
@@ -331,7 +333,7 @@ def walk(net: GPG | None, g2e: torch.Tensor | None, index: dict[str, int], graph
     return [(w.total, w.stages[::-1]) for w in walks]
 
 
-def _take(costs: Costs, w: _Walk, cands: list, groups_ops: list, choice: int) -> None:
+def _take(costs: Costs, w: _Walk, cands: list[Any], groups_ops: list[Any], choice: int) -> None:
     w.stages.append(groups_ops[choice])
     w.total += costs.stage_latency_ms(groups_ops[choice])
     w.state ^= cands[choice][0]
@@ -380,16 +382,11 @@ def _load(path: str, mtime: int) -> GPG:
     return net.eval()
 
 
-@contextmanager
-def one_thread():
-    """Run torch with one intra-op thread, then restore the setting. The networks are tiny: a second thread only
-    adds synchronization (a 60-op DAG: 0.06 s with one thread, 0.6-2.6 s with two on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+def one_thread() -> AbstractContextManager[int]:
+    """Run torch with one intra-op thread, then restore the setting (:func:`opweave.cores.intra_op_threads`). The
+    networks are tiny: a second thread only adds synchronization (a 60-op DAG: 0.06 s with one thread, 0.6-2.6 s
+    with two on a busy 2-core machine)."""
+    return intra_op_threads(1)
 
 
 # ---- the scheduler ----------------------------------------------------------------------------------------------

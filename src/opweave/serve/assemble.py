@@ -98,53 +98,20 @@ def parse_cuts(items: list[str] | None) -> dict[str, list[str]]:
     return out
 
 
-# Options of opweave.compile a server cannot honour, and why (every other is used: serving_options).
-NOT_SERVED = {
-    "costs": "the engine costs every combined block, a new graph, itself",
-    "profile": "the engine costs every combined block, a new graph, itself",
-    "fold_bn": "the server captures each model as it is, its blocks cut between fx nodes",
-    "static_outputs": "an instance keeps a block's outputs until its next block runs",
-    "dynamic": "a server takes the batch sizes its models' configs allow, up to max_batch_size, and refuses other "
-               "shapes by the config",
-    "buckets": "a server pads the batches it forms to its blocks' own batch variants",
-}
-SIMULATED = ("scheduler", "streams", "cost_model", "scheduler_options", "devices", "coarsen", "graph")
-
-
-def serving_options(device: str, options: dict | None = None, **flags) -> Options:
+def serving_options(device: str, options: dict | None = None, *, mode: str | None = None, **flags) -> Options:
     """The one resolved :class:`~opweave.pipeline.Options` a server on ``device`` (cpu, cuda, sim) builds every
-    combined block with, from ``options`` (``--option KEY=VALUE``) and ``flags`` (``--scheduler``, ``--streams``,
-    ``--threads``, ``--compiler``; one given both ways is refused): checked as ``opweave.compile`` checks them, then
-    against what serving can honour, before any model loads. An option that does not apply is a
-    :class:`~opweave.errors.UsageError` naming it, never dropped: the cost sources and ``fold_bn``
-    (:data:`NOT_SERVED`), a plan over several devices or over another graph than the blocks' fx nodes, and, in
-    simulation, anything but the plan's (:data:`SIMULATED`: the simulator runs no op)."""
+    combined block with, from ``mode``, ``options`` (``--option KEY=VALUE``) and ``flags`` (``--scheduler``,
+    ``--streams``, ``--threads``, ``--compiler``; one given both ways is refused): checked as ``opweave.compile``
+    checks them, with the serving preset's defaults (:class:`opweave.pipeline.options.Served`, the options table's
+    last column), before any model loads. What a server cannot honour is a :class:`~opweave.errors.UsageError`
+    naming it and why, never dropped: the cost sources and ``fold_bn``, a plan over several devices or over another
+    graph than the blocks' fx nodes, a mode that searches, and in simulation anything but the plan's own options
+    (the simulator runs no op)."""
     from opweave.pipeline import resolve
 
     if device not in DEVICES:
         raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-    resolved = resolve("cpu" if device == "cpu" else "cuda", "default", options, check_device=False, **flags)
-    for key in sorted(resolved.given):
-        why = NOT_SERVED.get(key)
-        if key == "devices" and resolved.devices > 1:
-            why = "the engine runs every combined block on one device"
-        elif key == "coarsen" and resolved.coarsen or key == "graph" and resolved.graph != "fx":
-            why = "blocks are cut between the model's fx nodes, and their graphs scheduled as they are"
-        elif key == "cache_size" and device == "cpu":
-            why = "the CPU executor keeps the combined blocks it builds within its own bound"
-        elif device == "sim" and key not in SIMULATED:
-            why = "the simulator times plans, it runs no op"
-        if why:
-            raise UsageError(f"option {key!r} does not apply to serving on {device}: {why}")
-    return resolved
-
-
-def default_compiler() -> str | None:
-    """What compiles each block on a CPU server unless told: ONNX Runtime where it is installed (it ran blocks about
-    three times faster than eager at serving batch sizes), else none (TOP's combined op graphs)."""
-    from opweave.backends.compilers import available
-
-    return "onnxruntime" if "onnxruntime" in available() else None
+    return resolve("cpu" if device == "cpu" else "cuda", mode, options, check_device=False, serving=device, **flags)
 
 
 def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options: Options | None = None,
@@ -153,15 +120,20 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
                 step_overhead_ms: float = 0.03, profiles: dict | None = None, warm: bool = True,
                 compiler: str | None = "default", say: Callable[[str], None] | None = None) -> Engine:
     """An engine on the real executor of ``device`` (cpu, cuda) or on the simulator (``sim``, roofline ``preset``),
-    its combined blocks built with ``options`` (:func:`serving_options`; default: the device's defaults), under
-    ``policy`` (default: :func:`default_policy` of the device). ``profiles`` (simulation, see
+    its combined blocks built with ``options`` (:func:`serving_options`; default: the device's serving preset,
+    ``compiler`` given, where it is not ``"default"``, as the blocks' compiler: None for TOP's combined op graphs),
+    under ``policy`` (default: :func:`default_policy` of the device). ``profiles`` (simulation, see
     :func:`load_profiles`) replace roofline latencies. ``warm`` compiles every block alone at batch 1 first (and
-    checks it runs). ``compiler`` (CPU, where ``options`` name none): each block compiled whole by that segment
-    compiler (:class:`~opweave.serve.executors.CpuExecutor`); ``"default"``: :func:`default_compiler`; None: TOP's
-    combined op graphs. With ``warm`` every block's first variants are compiled up front (its any-batch session, or
-    its batch-1 variant: :meth:`~opweave.serve.executors.CpuExecutor.warm_model`); other batches when first asked
-    for. ``say``: told what is under way, model by model (a progress bar)."""
-    options = options if options is not None else serving_options(device)
+    checks it runs): with a compiler, every block's first variants up front (its any-batch session, or its batch-1
+    variant: :meth:`~opweave.serve.executors.CpuExecutor.warm_model`); other batches when first asked for. ``say``:
+    told what is under way, model by model (a progress bar)."""
+    if options is None:
+        chosen = {} if compiler == "default" or device != "cpu" else {"compiler": compiler or "none"}
+        options = serving_options(device, chosen)
+    elif compiler != "default":
+        raise UsageError("give the blocks' compiler in the options (serving_options(..., compiler=...)), not both")
+    if options.serving != device:
+        raise UsageError(f"the options of a server on {device} are resolved by serving_options({device!r}, ...)")
     blocked = {name: m.blocked for name, m in models.items()}
     executor: Executor
     if device == "sim":
@@ -171,15 +143,13 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
         executor = CudaExecutor(blocked, options)
         clock = RealClock()
     else:
-        if "compiler" not in options.given:
-            options = options.replace(compiler=default_compiler() if compiler == "default" else compiler)
         executor = CpuExecutor(blocked, options)
         clock = RealClock()
     policy = policy or default_policy(device)
     engine = Engine(executor, policies.create(policy, **(policy_options or {})), clock, max_queue=max_queue,
                     max_batch=max_batch, max_sub_blocks=max_sub_blocks, timeout_s=timeout_s)
     if warm:
-        if getattr(executor, "compiler", None) is not None:
+        if isinstance(executor, CpuExecutor) and executor.compiler is not None:
             executor.warm_models(max_batch, say=say)
         if say is not None:
             say("running every model once")
@@ -202,5 +172,5 @@ def device_of(executor) -> str:
     return "sim" if isinstance(executor, SimExecutor) else "real"
 
 
-__all__ = ["DEFAULT_POLICIES", "DEVICES", "NOT_SERVED", "default_compiler", "default_policy", "load_models",
+__all__ = ["DEFAULT_POLICIES", "DEVICES", "default_policy", "load_models",
            "load_profiles", "make_engine", "parse_cuts", "parse_image_size", "serving_options", "warm_up"]

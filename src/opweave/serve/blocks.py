@@ -68,7 +68,7 @@ def live_after(captured: Captured) -> list[list[str]]:
             made[node.name] = -1
         elif node.name in owner:
             made[node.name] = position[owner[node.name]]
-        reader = end if node.op == "output" else position.get(owner.get(node.name), -1)
+        reader = end if node.op == "output" else position.get(owner.get(node.name, ""), -1)
         for arg in node.all_input_nodes:
             if arg.name in made:
                 last_read[arg.name] = max(last_read.get(arg.name, -1), reader)
@@ -161,17 +161,22 @@ def capture_block(gm: fx.GraphModule, example_inputs: tuple, name: str) -> Captu
 
     ShapeProp rewrites the module's node metadata; a Captured reads it only when built, so one module serves the
     captures at every batch (the CUDA backend re-shapes a Captured the same way)."""
+    return captured_run(gm, example_inputs, name)[0]
+
+
+def captured_run(gm: fx.GraphModule, example_inputs: tuple, name: str) -> tuple[Captured, Any]:
+    """:func:`capture_block` and the block's output for ``example_inputs``: its one run (ShapeProp's) gives both."""
     kept = [n for n in gm.graph.nodes if opinfo.inplace_target(n, gm) and n.args and isinstance(n.args[0], fx.Node)]
-    _shapes(gm, example_inputs)
+    output = _shapes(gm, example_inputs)
     nodes, owner = partition(gm, kept)
-    return Captured(build_graph(gm, nodes, owner, kept, name), gm, nodes)
+    return Captured(build_graph(gm, nodes, owner, kept, name), gm, nodes), output
 
 
-def _shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
-    """ShapeProp on clones of the example inputs. (Fake tensors would skip the computation, but for the blocks of
-    the zoo models at serving batch sizes they cost more than the real run.)"""
+def _shapes(gm: fx.GraphModule, example_inputs: tuple) -> Any:
+    """ShapeProp on clones of the example inputs; the module's output. (Fake tensors would skip the computation, but
+    for the blocks of the zoo models at serving batch sizes they cost more than the real run.)"""
     with torch.no_grad():
-        ShapeProp(gm).propagate(*(x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs))
+        return ShapeProp(gm).propagate(*(x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs))
 
 
 def _constants(gm: fx.GraphModule, owner: dict[str, str]) -> set[str]:
@@ -264,7 +269,11 @@ class BlockedModel:
         Batches 1 and 2 are captured (a shape propagation, one forward pass each); a larger batch reuses their
         partition (the same module and nodes) with the op graph extrapolated from them (:meth:`graph_at`) and the
         inputs' shapes set from the stacked example, so a server meeting a new batch size runs no extra forward
-        pass to compile it."""
+        pass to compile it.
+
+        The block module is shared by its captures at every batch, and a :class:`Captured` built from it (another
+        capture, or one merging its ops: a compiled segment) reads its inputs' shapes from the module's metadata:
+        those are set to this batch's whenever a capture is asked for."""
         key = (index, batch)
         if key not in self._captures:
             if batch > 1 and not self.stackable:
@@ -273,15 +282,21 @@ class BlockedModel:
                 self._captures[key] = capture_block(self.modules[index], self.example(index, batch),
                                                     f"{self.name}.b{index}")
             else:
-                from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
                 base, graph = self.captured_block(index, 1), self.graph_at(index, batch)  # graph_at may propagate
-                placeholders = [n for n in base.gm.graph.nodes if n.op == "placeholder"]
-                for node, x in zip(placeholders, self.example(index, batch), strict=True):
-                    if isinstance(x, torch.Tensor):  # read by Captured when built: its inputs' expected shapes
-                        node.meta["tensor_meta"] = _extract_tensor_metadata(x)
+                self._shape_inputs(index, batch)  # read by Captured when built: its inputs' expected shapes
                 self._captures[key] = Captured(graph, base.gm, base.nodes)
+        self._shape_inputs(index, batch)
         return self._captures[key]
+
+    def _shape_inputs(self, index: int, batch: int) -> None:
+        """Block ``index``'s input metadata set to ``batch`` stacked samples' (no value is made)."""
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        placeholders = [n for n in self.modules[index].graph.nodes if n.op == "placeholder"]
+        for node, x in zip(placeholders, self._examples[index], strict=True):
+            if isinstance(x, (torch.Tensor, Shaped)):
+                shape = (x.shape[0] * batch, *x.shape[1:]) if len(x.shape) else ()
+                node.meta["tensor_meta"] = _extract_tensor_metadata(torch.empty(shape, dtype=x.dtype, device="meta"))
 
     def graph_at(self, index: int, batch: int) -> OpGraph:
         """Block ``index``'s op graph for ``batch`` stacked samples, without running it at that batch.
@@ -338,7 +353,7 @@ def split(captured: Captured, example_inputs: tuple, *, cuts: list[str] | None =
     for i, ops in enumerate(groups):
         last = i == len(groups) - 1
         output = None if last else live[position[ops[-1]]][0]
-        assert last or owner[output] == ops[-1]
+        assert output is None or owner[output] == ops[-1]
         blocks.append(Block(i, tuple(ops), inputs, output))
         inputs = (output,)
     modules = [block_module(captured, list(b.ops), list(b.inputs), b.output, f"{name}_block{b.index}")
@@ -350,23 +365,29 @@ def split(captured: Captured, example_inputs: tuple, *, cuts: list[str] | None =
 
 def _examples(model: BlockedModel) -> None:
     """Record each block's batch-1 example inputs (by running the example through the blocks) and decide whether
-    instances stack: every block input and output leaf must have the batch as dimension 0, at batch 1 and 2."""
+    instances stack: every block input and output leaf must have the batch as dimension 0, at batch 1 and 2. Each
+    run is the block's capture at that batch (:meth:`BlockedModel.captured_block`, kept), so that building a block
+    later runs no forward pass of its own to find its shapes."""
     values = model.flat_inputs(model.example_inputs)
-    with torch.no_grad():
-        for module in model.modules:
-            model._examples.append(tuple(values))
-            values = (module(*values),)
+    for index, module in enumerate(model.modules):
+        model._examples.append(tuple(values))
+        model._captures[(index, 1)], output = captured_run(module, tuple(values), f"{model.name}.b{index}")
+        values = (output,)
     model.stackable = (all(_batch_first(v, 1) for inputs in model._examples for v in inputs)
                        and all(_batch_first(t, 1) for t in pytree.tree_leaves(values[0])))
     if model.stackable:
         try:
             values = model.example(0, 2)
-            with torch.no_grad():
-                for module in model.modules:
-                    values = (module(*values),)
-                    model.stackable &= all(_batch_first(t, 2) for t in pytree.tree_leaves(values[0]))
+            for index, module in enumerate(model.modules):
+                captured, output = captured_run(module, tuple(values), f"{model.name}.b{index}")
+                values = (output,)
+                model.stackable &= all(_batch_first(t, 2) for t in pytree.tree_leaves(output))
+                if model.stackable:
+                    model._captures[(index, 2)] = captured
         except Exception:  # noqa: BLE001 - a model that cannot take a batch of two is simply not stacked
             model.stackable = False
+    if not model.stackable:
+        model._captures = {key: c for key, c in model._captures.items() if key[1] == 1}
     model._examples[1:] = [tuple(Shaped(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
                                  for x in inputs) for inputs in model._examples[1:]]
 

@@ -430,7 +430,7 @@ class Engine:
         out = []
         for s in self.models.values():
             if any(r.deadline is not None and r.deadline <= now for r in s.queue):
-                keep = deque()
+                keep: deque[Request] = deque()
                 for r in s.queue:
                     if r.deadline is not None and r.deadline <= now:
                         r.status, r.finished = "timeout", now

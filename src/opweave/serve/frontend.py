@@ -147,7 +147,7 @@ class HeapTrimmer:
         last = self.slack() or 0
         while not self._stop.wait(self.period_s):
             now = self.slack() or 0
-            if now > last + self.threshold_bytes:
+            if now > last + self.threshold_bytes and self._trim is not None:
                 self._trim(0)
                 self.trims += 1
                 last = self.slack() or 0
@@ -232,7 +232,11 @@ async def infer(engine: Engine, state: State, name: str, request: InferRequest,
     answer: asyncio.Future = loop.create_future()
 
     def done(r: Request) -> None:
-        loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result(r))
+        def settle() -> None:
+            if not answer.done():
+                answer.set_result(r)
+
+        loop.call_soon_threadsafe(settle)
 
     deadline = min((t for t in (request.timeout_s, timeout_s) if t is not None), default=None)
     state.enter()

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 APP_NAME = "opweave"
 DEPLOYMENT = "OpweaveReplica"
@@ -63,10 +63,10 @@ class ReplicaOptions:
     max_batch: int = 8
     max_sub_blocks: int = 4
     timeout_s: float | None = None
-    options: dict = field(default_factory=dict)  # opweave.compile's options, as serve's --option and flags give them
+    options: Any = field(default_factory=dict)  # the resolved Options (serve.assemble.serving_options), or a dict
     image_size: Any = None  # int or {"*": int, model: int}
     cuts: dict[str, list[str]] = field(default_factory=dict)
-    compiler: str | None = "default"  # the blocks' where options name none (serve.assemble.make_engine)
+    compiler: str | None = "default"  # with a dict of options that names none: the blocks' (None: TOP's graphs)
     pin_cores: bool = False  # each replica on its own `threads` cores, chosen by its local rank (see pin)
     max_body_bytes: int = 0  # raises every model's request limit (server.create_app)
     allow_symlinks_outside_root: bool = False  # the model repository's links (repository.Repository)
@@ -75,13 +75,19 @@ class ReplicaOptions:
     allow_origins: tuple[str, ...] = ()  # web pages' origins the front lets in, with CORS (server.guard)
 
     def resolved(self):
-        """The options every combined block of a replica is built with (:func:`opweave.serve.assemble.
-        serving_options`), checked before any model loads; on a CPU a replica's lanes use ``threads`` (default 1,
-        its CPU share) in all."""
+        """The options every combined block of a replica is built with: ``options`` when they are resolved already
+        (:func:`opweave.serve.assemble.serving_options`, as ``opweave serve --ray`` and :func:`deploy` hand them to
+        the replicas), else resolved from the dict, checked before any model loads; on a CPU a replica's lanes use
+        ``threads`` (default 1, its CPU share) in all."""
+        from opweave.pipeline import Options
         from opweave.serve.assemble import serving_options
 
+        if isinstance(self.options, Options):
+            return self.options
         share = {"threads": 1} if self.device == "cpu" and "threads" not in self.options else {}
-        return serving_options(self.device, {**share, **self.options})
+        chosen = {"compiler": self.compiler or "none"} if self.compiler != "default" and self.device == "cpu" \
+            and "compiler" not in self.options else {}
+        return serving_options(self.device, {**share, **chosen, **self.options})
 
     @property
     def threads(self) -> int:
@@ -107,7 +113,7 @@ class Replica:
             else {}
         self.engine = make_engine(served, device=o.device, options=settings, policy=o.policy,
                                   policy_options=o.policy_options, max_queue=o.max_queue, max_batch=o.max_batch,
-                                  max_sub_blocks=o.max_sub_blocks, timeout_s=o.timeout_s, compiler=o.compiler)
+                                  max_sub_blocks=o.max_sub_blocks, timeout_s=o.timeout_s)
         self.repository = Repository(self.engine, served, o.model_repository, device=o.device,
                                      max_batch=o.max_batch, allow_symlinks_outside_root=o.allow_symlinks_outside_root)
         self.repository.load_all(strict=o.strict)
@@ -116,7 +122,8 @@ class Replica:
                                    "the models by deploying again (serve.run / opweave serve --ray)")
         self.state = State()
         self.options = options
-        self._app = self._client = None
+        self._app: Any = None
+        self._client: Any = None
         self.engine.start()
 
     def app(self):
@@ -168,9 +175,12 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
     ``autoscaling`` config), each reserving ``num_cpus`` (default its intra-op threads) and ``num_gpus`` (default 1
     on ``cuda``). ``max_ongoing_requests`` per replica defaults to the engine's ``max_queue`` plus what its
     instances hold, so that Ray's proxy queues the rest rather than the engine refusing it."""
+    from dataclasses import replace
+
     from ray import serve
 
-    threads = options.threads  # the options are checked here, before Ray starts a replica
+    options = replace(options, options=options.resolved())  # checked here, before Ray starts a replica: resolved once
+    threads = options.threads
 
     @serve.deployment(name=DEPLOYMENT, health_check_period_s=2, health_check_timeout_s=30,
                       graceful_shutdown_timeout_s=30)
@@ -219,11 +229,12 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
     else:
         settings["num_replicas"] = replicas
     most = (autoscaling or {}).get("max_replicas", replicas)
-    front = OpweaveFront.options(num_replicas=1, ray_actor_options={"num_cpus": 0},
-                                 max_ongoing_requests=per_replica * most)
+    replica: Any = OpweaveReplica  # serve.deployment made both Deployments
+    front = cast(Any, OpweaveFront).options(num_replicas=1, ray_actor_options={"num_cpus": 0},
+                                            max_ongoing_requests=per_replica * most)
     from opweave.serve.server import LOOPBACK_HOSTS
 
-    return front.bind(OpweaveReplica.options(**settings).bind(options), options.allowed_hosts or LOOPBACK_HOSTS,
+    return front.bind(replica.options(**settings).bind(options), options.allowed_hosts or LOOPBACK_HOSTS,
                       tuple(options.allow_origins))
 
 
@@ -332,7 +343,9 @@ def deploy(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict | No
     """Deploy the engine on Ray Serve and return the proxy's URL once every replica is up. ``address``: an existing
     cluster (``ray://...`` or ``auto``); otherwise a local one on 127.0.0.1 (:func:`start_local`, ``cluster_cpus``
     CPUs). The proxy listens on ``host:port``."""
-    options.resolved()  # a refusal is told here, before Ray starts or any model loads
+    from dataclasses import replace
+
+    options = replace(options, options=options.resolved())  # refused here, before Ray starts; replicas get them
     import ray
     from ray import serve
 
@@ -351,8 +364,6 @@ def deploy(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict | No
     else:
         start_local(cluster_cpus)
     if options.allowed_hosts is None:
-        from dataclasses import replace
-
         from opweave.serve.server import default_hosts
 
         options = replace(options, allowed_hosts=default_hosts(host))

@@ -176,8 +176,10 @@ class Repository:
 
     def _confined(self, path: Path, name: str) -> Path:
         """``path`` (under ``name``'s directory) if it resolves under the root; else :class:`Refused`."""
-        if not self.allow_outside and not path.resolve().is_relative_to(self.root):
-            raise Refused("invalid", f"model {name!r}: {path.relative_to(self.root)} is a link leading outside the "
+        root = self.root
+        assert root is not None  # only a repository's models are confined to it
+        if not self.allow_outside and not path.resolve().is_relative_to(root):
+            raise Refused("invalid", f"model {name!r}: {path.relative_to(root)} is a link leading outside the "
                                      f"model repository (opweave serve --allow-symlinks-outside-root follows it)")
         return path
 
@@ -241,7 +243,9 @@ class Repository:
             raise Refused("invalid", f"model {name!r}: opweave serves one version of a model (version_policy all)")
         else:
             version = max(versions)
-        return str(version), self._confined(_program(folder / str(version)), name)
+        program = _program(folder / str(version))
+        assert program is not None  # versions holds only those with a program
+        return str(version), self._confined(program, name)
 
     # ---- changes ----------------------------------------------------------------------------------------------
     def load(self, name: str, config_json: str | None = None) -> ServedModel:
@@ -257,7 +261,7 @@ class Repository:
             try:
                 return self._link(name, config_json)
             except Refused as exc:
-                if name in self.served:
+                if name in self.served and previous is not None:
                     self.status[name] = previous
                 elif previous is not None or self._entry(name):  # a model of the repository: the index says why
                     self.status[name] = ("UNAVAILABLE", str(exc))

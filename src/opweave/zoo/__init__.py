@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -198,15 +200,16 @@ def _huggingface(model_id: str, batch_size: int, seq_len: int = 128, attn_implem
     has it). The input is what the class's ``main_input_name`` says: token ids below ``vocab_size``, or images of the
     configuration's ``num_channels`` and ``image_size``, or ``seq_len`` audio samples."""
     transformers = _require("transformers", f"hf:{model_id}")
-    cls = getattr(transformers, model_id, None) if model_id[:1].isupper() else None
+    cls: Any = getattr(transformers, model_id, None) if model_id[:1].isupper() else None
     if model_id in HF_CONFIGS:
         model_type, defaults = HF_CONFIGS[model_id]
         config = transformers.AutoConfig.for_model(model_type, **{**defaults, **overrides})
         build = transformers.AutoModel.from_config
         attn_implementation = attn_implementation or "eager"
     elif isinstance(cls, type) and hasattr(cls, "config_class"):
-        config = cls.config_class(**overrides)
-        build = cls._from_config
+        model_class: Any = cls  # a transformers model class: its config class and its own constructor from one
+        config = model_class.config_class(**overrides)
+        build = model_class._from_config
     else:
         raise UsageError(f"unknown Hugging Face id {model_id!r} (configs are built locally, without network); "
                          f"known ids: {', '.join(HF_CONFIGS)}, or a transformers model class such as T5EncoderModel")
@@ -224,4 +227,5 @@ def _huggingface(model_id: str, batch_size: int, seq_len: int = 128, attn_implem
     return model, (torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator),)
 
 
-_EXTERNAL = {"torchvision": _torchvision, "timm": _timm, "hf": _huggingface}
+_EXTERNAL: dict[str, Callable[..., tuple[nn.Module, tuple]]] = {"torchvision": _torchvision, "timm": _timm,
+                                                                 "hf": _huggingface}

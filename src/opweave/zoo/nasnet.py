@@ -96,6 +96,7 @@ class ReductionCell(nn.Module):
 
     def __init__(self, prev_ch: int, cur_ch: int, f: int, reduce_prev: bool = False, raw_prev: bool = False) -> None:
         super().__init__()
+        self.adjust_prev: nn.Module
         if raw_prev:
             self.adjust_prev, p = nn.Identity(), prev_ch
         else:
@@ -124,7 +125,7 @@ class NASNetAMobile(nn.Module):
         stem_ch = 32
         self.stem = nn.Sequential(nn.Conv2d(3, stem_ch, 3, stride=2, bias=False), nn.BatchNorm2d(stem_ch, eps=0.001))
         # Stem cells, filters f/4 and f/2: a reduction cell fed (stem, stem), then one fed (stem0, stem).
-        cells = [ReductionCell(stem_ch, stem_ch, f // 4, raw_prev=True),
+        cells: list[nn.Module] = [ReductionCell(stem_ch, stem_ch, f // 4, raw_prev=True),
                  ReductionCell(stem_ch, f, f // 2, reduce_prev=True)]
         channels = [stem_ch, f, 2 * f]  # output channels of the cells so far
         for stack in range(3):

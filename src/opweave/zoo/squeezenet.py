@@ -71,8 +71,11 @@ class SqueezeNet(nn.Module):
         for m in self.modules():  # He init keeps activations at unit scale through the ReLUs (there is no BN)
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
-                nn.init.zeros_(m.bias)
-        nn.init.normal_(self.classifier[0].weight, std=0.01)  # as torchvision: small class scores
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        classes = self.classifier[0]
+        assert isinstance(classes, nn.Conv2d)
+        nn.init.normal_(classes.weight, std=0.01)  # as torchvision: small class scores
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.flatten(self.classifier(self.features(x)), 1)

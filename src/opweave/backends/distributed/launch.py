@@ -78,7 +78,7 @@ class Ranks:
                                    timeout=timedelta(seconds=timeout_s))
         settings = rank_module.Settings(device, total_threads(threads, ranks=world), timeout_s,
                                         self.store.port)
-        ctx = mp.get_context(start_method)
+        ctx: Any = mp.get_context(start_method)  # forkserver or spawn: a context that starts processes
         if start_method == "forkserver":
             ctx.set_forkserver_preload([rank_module.__name__])
         self.controls: list = []

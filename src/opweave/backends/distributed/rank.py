@@ -129,6 +129,7 @@ class RankRuntime:
         self.messages = part.messages
         self.stand_ins = {name: None if layout is None else wire.stand_in(layout) for name, layout in part.placeholders}
         self.pool: LanePool | None = None
+        self.close: Any  # gives the streams back, or stops the workers
         if device.type == "cuda":
             lanes = sorted(part.lanes)
             pool = stream_pool(device)
@@ -163,7 +164,9 @@ class RankRuntime:
 
     # ---- CPU ----
     def _run_cpu(self, env: dict, arrivals: dict[int, Arrival]) -> None:
-        call = Call(env, self.part.num_signals, len(self.pool.workers))
+        pool = self.pool
+        assert pool is not None  # a CPU rank's
+        call = Call(env, self.part.num_signals, len(pool.workers))
         for number, arrival in arrivals.items():
             call.signals[number] = arrival
 
@@ -178,7 +181,7 @@ class RankRuntime:
                     for work in works:
                         _checked(work.wait, f"sending op {message.op!r}'s output to rank {message.dst}")
 
-        self.pool.run(call, post, caller_is_lane=False)
+        pool.run(call, post, caller_is_lane=False)
 
     def _post_cpu(self, call: Call, arrivals: dict[int, Arrival], sent: list) -> None:
         poster = _Poster(self.rank, contextlib.nullcontext)
@@ -262,7 +265,7 @@ class _Poster:
         self.rank, self.stream_of = rank, stream_of
         self.ops: list[dist.P2POp] = []
         self.done: list[tuple[int, Any]] = []  # (number of ops, callback given their works)
-        self.lane = None
+        self.lane: tuple[int, int] | None = None
 
     def receive(self, m: Message, arrival: Arrival, device: torch.device) -> None:
         buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in m.sizes]

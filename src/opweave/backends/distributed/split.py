@@ -32,7 +32,7 @@ own copy of a tensor, so a write on one device would not reach the others).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx, nn
@@ -105,7 +105,7 @@ def split(captured: Captured, plan: LaunchPlan, world: int) -> list[RankPart]:
         raise PlanError(f"the plan uses device {outside[0]}, but there are only {world} ranks (0 … {world - 1})")
     gm = captured.gm
     program = Program.from_plan(plan)  # checks the plan; each send/recv -> the signal that pairs them
-    device_of = {ins.op: ins.device for ins in plan.instrs if ins.kind == "launch"}
+    device_of = {ins.target: ins.device for ins in plan.instrs if ins.kind == "launch"}
     owner = {n.name: op for op, group in captured.nodes.items() for n in group}
     _check_inplace(captured, owner, device_of)
     position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
@@ -123,10 +123,12 @@ def split(captured: Captured, plan: LaunchPlan, world: int) -> list[RankPart]:
     for i, (ins, (lane, step)) in enumerate(zip(plan.instrs, program.issue_order, strict=True)):
         if ins.kind != "send":
             continue
-        nodes = sorted(reads.get((ins.op, ins.peer), ()), key=lambda n: position[n.name])
-        layouts = tuple(wire.layout_of(n, ins.op) for n in nodes)
+        peer = ins.peer
+        assert peer is not None  # a send names its peer
+        nodes = sorted(reads.get((ins.target, peer), ()), key=lambda n: position[n.name])
+        layouts = tuple(wire.layout_of(n, ins.target) for n in nodes)
         sizes = wire.part_sizes(layouts) or (1,)
-        messages[i] = Message(i, ins.op, ins.device, ins.peer, step.signal, lane, tuple(n.name for n in nodes),
+        messages[i] = Message(i, ins.target, ins.device, peer, step.signal, lane, tuple(n.name for n in nodes),
                               layouts, tag, sizes)
         tag += len(sizes)
 
@@ -139,7 +141,7 @@ def split(captured: Captured, plan: LaunchPlan, world: int) -> list[RankPart]:
     for op, group in captured.nodes.items():
         for node in group:
             if node.op == "call_module":
-                runs_module.setdefault(node.target, set()).add(device_of[op])
+                runs_module.setdefault(str(node.target), set()).add(device_of[op])
 
     parts = []
     for r in range(world):
@@ -222,7 +224,7 @@ def _bare_graph(gm: fx.GraphModule) -> fx.Graph:
     """A copy of ``gm.graph`` that pickles: same node names, default code generation (inputs come flat),
     metadata dropped except the placeholders' shapes (``Captured.bind`` checks inputs against them)."""
     graph = fx.Graph()
-    value, _ = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    value, _ = cast(tuple, graph.graph_copy(gm.graph, {}, return_output_node=True))  # (its value, the node)
     graph.output(value)
     for node in graph.nodes:
         meta = node.meta.get("tensor_meta") if node.op == "placeholder" else None

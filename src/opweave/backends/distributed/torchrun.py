@@ -40,6 +40,11 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
+def ranks_here() -> int:
+    """How many ranks the launcher started on this node (``LOCAL_WORLD_SIZE``; the world where it does not say)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+
+
 def run(prepare: Callable[[], tuple[Any, Any, tuple]], *, device: str = "cpu", runs: int = 10, warmup: int = 2,
         timeout_s: float = DEFAULT_TIMEOUT_S, threads: int | None = None) -> dict | None:
     """Run ``warmup + runs`` calls as this rank. ``prepare()`` runs on rank 0 only and returns ``(captured, plan,
@@ -61,7 +66,7 @@ def run(prepare: Callable[[], tuple[Any, Any, tuple]], *, device: str = "cpu", r
 def _run(prepare, device: str, runs: int, warmup: int, timeout_s: float, threads: int | None) -> dict | None:
     rank, world = rank_and_world()
     local = int(os.environ.get("LOCAL_RANK", rank))
-    threads = total_threads(threads, ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    threads = total_threads(threads, ranks=ranks_here())
     torch.set_num_threads(threads)
     if device == "cuda":
         check_devices(local + 1, device)
@@ -79,7 +84,7 @@ def _run(prepare, device: str, runs: int, warmup: int, timeout_s: float, threads
     part, inputs_here = wire.loads(received[0])
     del received, blobs
     runtime = RankRuntime(part, torch_device, threads)
-    infos: list[Any] = [None] * world if rank == 0 else None
+    infos: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(runtime.info(), infos, dst=0)
     times, values = [], {}
     for _ in range(warmup + runs):

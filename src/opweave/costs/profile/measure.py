@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from opweave.cores import intra_op_threads
 from opweave.costs import timing
 from opweave.costs.profile.kineto import RangeRun, range_runs, trace_ops
 from opweave.costs.profile.occupancy import check_categories, cuda_properties, occupancy, op_demand, ridge_point
@@ -67,19 +68,13 @@ def profile_model(captured, inputs: Sequence, *, device: str = "cuda", repeats: 
     if wrong:
         raise UsageError(f"profiling on {device}, but the model or its inputs are on {wrong[0]}; move them first "
                          f"(model.to({device!r}), inputs too) and capture again")
-    caller_threads = torch.get_num_threads()
-    if device == "cpu" and threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            env = full_env(captured, inputs)
-            if device == "cuda":
-                latency, by_op = _gpu_latencies(captured, env, repeats, warmup)
-            else:
-                latency = {op: _cpu_median_ms(captured, op, env, repeats, warmup) for op in graph.topo_order}
-                by_op = {}
-    finally:
-        torch.set_num_threads(caller_threads)
+    with intra_op_threads(threads if device == "cpu" else None) as caller_threads, torch.no_grad():
+        env = full_env(captured, inputs)
+        if device == "cuda":
+            latency, by_op = _gpu_latencies(captured, env, repeats, warmup)
+        else:
+            latency = {op: _cpu_median_ms(captured, op, env, repeats, warmup) for op in graph.topo_order}
+            by_op = {}
     props = cuda_properties() if device == "cuda" else {}
     prof = Profile(key=profile_key(graph.name, inputs, device, model_dtype(captured, inputs)), latency_ms=latency,
                    device_properties=props, repeats=repeats, warmup=warmup,

@@ -82,7 +82,7 @@ def check_categories(graph: OpGraph, ridge_flops_per_byte: float | None) -> tupl
     """The table's category per op, and the ops whose arithmetic intensity puts them on the other side of the
     device's ridge point (ops with no bytes counted are not checked)."""
     category = {o.id: o.category for o in graph.ops}
-    disagreements = []
+    disagreements: list[dict] = []
     if not ridge_flops_per_byte:
         return category, disagreements
     for o in graph.ops:

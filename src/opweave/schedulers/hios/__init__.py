@@ -51,6 +51,7 @@ References
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from opweave.costs.model import Costs
 from opweave.errors import UsageError
@@ -91,7 +92,7 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
 
 
 def _to_schedule(name: str, problem: Problem, device_of: list[int], plan: Plan, latency_ms: float,
-                 options: dict) -> Schedule:
+                 options: dict[str, Any]) -> Schedule:
     timing = evaluate(problem, device_of, plan)
     assert timing is not None and math.isclose(timing.makespan_ms, latency_ms)
     ids = problem.ids

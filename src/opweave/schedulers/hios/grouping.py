@@ -54,7 +54,7 @@ class StagePlan:
                 if k:
                     self.prev_stage[stage[0]], self.next_stage[seq[k - 1][0]] = seq[k - 1][0], stage[0]
 
-    def _regroup(self, window: list[int], merged: tuple[int, ...]):
+    def _regroup(self, window: list[int], merged: tuple[int, ...]) -> None:
         """Merge the stages of ``window`` (consecutive stages of one device) into the stage ``merged``: stage names
         and links."""
         stage_of, first, last = self.stage_of, window[0], window[-1]
@@ -155,7 +155,7 @@ class WorkingPlan(StagePlan):
         makespan_ms = max((end_ms[last] for last in self.last_stages if last >= 0), default=0.0)
         return StageTimes(makespan_ms, finish_ms, end_ms)
 
-    def merge(self, window: list[int], merged: tuple[int, ...], times: StageTimes):
+    def merge(self, window: list[int], merged: tuple[int, ...], times: StageTimes) -> None:
         """Make the candidate that :meth:`time_merge` timed (as ``times``) the current plan."""
         self.makespan_ms, self.finish_ms, self.end_ms = times.makespan_ms, times.finish_ms, times.end_ms
         stage_of, succs = self.stage_of, self.problem.succs
@@ -241,7 +241,7 @@ class ChainPlan(StagePlan):
         end_ms = self._barrier_ms(self.position[window[0]]) + self._duration_ms(merged)
         return ChainTimes(self._sum_from(end_ms, self.position[window[-1]] + 1))
 
-    def merge(self, window: list[int], merged: tuple[int, ...], times: ChainTimes):
+    def merge(self, window: list[int], merged: tuple[int, ...], times: ChainTimes) -> None:
         """Make the candidate that :meth:`time_merge` timed (as ``times``) the current plan."""
         self._regroup(window, merged)
         for w in window[1:]:

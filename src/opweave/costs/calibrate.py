@@ -9,11 +9,12 @@ Two steps, each on its own data:
    dtype and scheduler, the median of whole calls in CUDA-graph mode): every row's graph is captured as the
    benchmark captured it (one op per fx node), scheduled on the fitted op times as the benchmark scheduled on its
    profile (``ideal`` costs, its stream cap), lowered, validated, and replayed by the simulator under the fitted
-   ``gpu`` model; the kernel gap, dispatch interval, event wait, call cost and concurrency minimize the mean of
-   ``|log(predicted / measured)|`` plus a term for the measured orderings the predictions invert (within a
-   configuration, two plans whose measured spreads do not overlap: :func:`ordered_pairs`, :func:`rank_loss`), so
-   that the fit is also held to what a choice between plans needs (Nelder-Mead from the shipped values, each
-   parameter kept within its bounds).
+   ``gpu`` model (what the layers above the costs do, handed in as a :class:`Replay`:
+   :func:`opweave.pipeline.choose.replay`); the kernel gap, dispatch interval, event wait, call cost and concurrency
+   minimize the mean of ``|log(predicted / measured)|`` plus a term for the measured orderings the predictions
+   invert (within a configuration, two plans whose measured spreads do not overlap: :func:`ordered_pairs`,
+   :func:`rank_loss`), so that the fit is also held to what a choice between plans needs (Nelder-Mead from the
+   shipped values, each parameter kept within its bounds).
 
 :func:`calibrate` gives the error fitted on every row and with each model left out (its rows predicted by a device
 fitted on the other models' rows), and per configuration whether the plan predicted fastest measured fastest; it is
@@ -25,14 +26,16 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from opweave.costs import calibrated
 from opweave.costs.calibrated import BORROW, CLASSES, Device, OpClass
+from opweave.costs.model import Costs
 from opweave.errors import UsageError
 from opweave.ir.graph import OpGraph
 
@@ -150,6 +153,7 @@ def fit_classes(graph: OpGraph, trace: dict, base: Device) -> Device:
                                   f"trace: {len(members)} ops")
         if best is None or total < best[0]:
             best = (total, float(mem_eff), fitted)
+    assert best is not None  # at least one memory efficiency was tried
     _, mem_eff, fitted = best
     classes = dict(fitted)
     for cls in CLASSES:  # borrow, following the chain until a measured class
@@ -195,45 +199,43 @@ class Config:
     latency_ms: dict[str, float] | None = None  # measured op times (a profile), else the fitted classes'
 
 
-def graph_for(model: str, batch: int) -> OpGraph:
-    """The graph the benchmark scheduled: the model captured one op per fx node (float32 capture; the dtype is
-    the cost model's)."""
-    from opweave.capture import load
+@dataclass(frozen=True)
+class Replay:
+    """What the fit needs from the layers above the costs, handed in (:func:`opweave.pipeline.choose.replay`): the
+    graph the benchmark scheduled for a model at a batch, a scheduler's validated plan of a graph on costs at a
+    stream cap, and a plan's simulated whole call (ms) under costs."""
 
-    return load(model, batch_size=batch, coarsen=False)[2].graph
+    graph: Callable[[str, int], OpGraph]
+    plan: Callable[[OpGraph, Costs, str, int | None], Any]
+    makespan_ms: Callable[[OpGraph, Any, Costs], float]
 
 
-def prepare(rows: Sequence[Row], dev: Device, graphs: dict | None = None) -> dict[tuple, Config]:
+def prepare(rows: Sequence[Row], dev: Device, replay: Replay, graphs: dict | None = None) -> dict[tuple, Config]:
     """Every configuration's graph and plans: scheduled on ``dev``'s op times, as ideal costs."""
-    from opweave.plan.make import plan_for
-
     graphs = {} if graphs is None else graphs
     configs: dict[tuple, Config] = {}
     for row in rows:
         if row.config not in configs:
             key = (row.model, row.batch)
             if key not in graphs:
-                graphs[key] = graph_for(row.model, row.batch)
+                graphs[key] = replay.graph(row.model, row.batch)
             configs[row.config] = Config(graphs[key], calibrated.DTYPES.get(row.dtype, row.dtype), {})
         cfg = configs[row.config]
         if (row.scheduler, row.streams) not in cfg.plans:
             ideal = replace(calibrated.costs(cfg.graph, dev, cfg.dtype), model="ideal")
-            cfg.plans[(row.scheduler, row.streams)] = plan_for(cfg.graph, ideal, row.scheduler,
-                                                               streams=row.streams)[1]
+            cfg.plans[(row.scheduler, row.streams)] = replay.plan(cfg.graph, ideal, row.scheduler, row.streams)
     return configs
 
 
-def predict(rows: Sequence[Row], configs: dict[tuple, Config], dev: Device) -> list[float]:
+def predict(rows: Sequence[Row], configs: dict[tuple, Config], dev: Device, replay: Replay) -> list[float]:
     """The simulated whole-call time (ms) of every row on ``dev``."""
-    from opweave.backends.simulate import makespan_ms
-
     out = []
-    cache: dict[tuple, object] = {}
+    cache: dict[tuple, Costs] = {}
     for row in rows:
         cfg = configs[row.config]
         if row.config not in cache:
             cache[row.config] = calibrated.costs(cfg.graph, dev, cfg.dtype, cfg.latency_ms)
-        out.append(makespan_ms(cfg.graph, cfg.plans[(row.scheduler, row.streams)], cache[row.config]))
+        out.append(replay.makespan_ms(cfg.graph, cfg.plans[(row.scheduler, row.streams)], cache[row.config]))
     return out
 
 
@@ -263,7 +265,7 @@ def rank_loss(rows: Sequence[Row], pairs: Sequence[tuple[int, int]], predicted: 
     return inverted / len({r.config for r in rows})
 
 
-def fit_call(rows: Sequence[Row], configs: dict[tuple, Config], dev: Device, iterations: int = 60,
+def fit_call(rows: Sequence[Row], configs: dict[tuple, Config], dev: Device, replay: Replay, iterations: int = 60,
              rank_weight: float = RANK_WEIGHT, restarts: int = 0) -> Device:
     """``dev`` with the call's parameters (:data:`CALL_PARAMS`) fitted on ``rows`` (Nelder-Mead in the
     parameters scaled to their bounds, ``restarts`` more times from the best point; the replay's orderings make the
@@ -276,10 +278,11 @@ def fit_call(rows: Sequence[Row], configs: dict[tuple, Config], dev: Device, ite
 
     def device_at(x: np.ndarray) -> Device:
         values = lo + np.clip(x, 0.0, 1.0) * (hi - lo)
-        return replace(dev, **{p: round(float(v), 4) for p, v in zip(CALL_PARAMS, values, strict=True)})
+        fitted: dict[str, Any] = {p: round(float(v), 4) for p, v in zip(CALL_PARAMS, values, strict=True)}
+        return replace(dev, **fitted)
 
     def loss(x: np.ndarray) -> float:
-        pred = predict(rows, configs, device_at(x))
+        pred = predict(rows, configs, device_at(x), replay)
         error = float(np.mean([abs(math.log(p / r.measured_ms)) for r, p in zip(rows, pred, strict=True)]))
         return error + rank_weight * rank_loss(rows, pairs, pred)
 
@@ -338,20 +341,20 @@ def summary(rows: Sequence[Row], predicted: Sequence[float]) -> dict:
             "picks": picks}
 
 
-def calibrate(rows: Sequence[Row], base: Device, trace: tuple[OpGraph, dict, str] | None = None,
+def calibrate(rows: Sequence[Row], base: Device, replay: Replay, trace: tuple[OpGraph, dict, str] | None = None,
               iterations: int = 60, leave_one_out: bool = True, log=lambda text: None,
               rank_weight: float = RANK_WEIGHT) -> tuple[Device, dict]:
-    """Refit ``base``: its op classes on ``trace`` (graph, trace, model name; kept as they are without one), its
-    call on ``rows`` (:func:`fit_call`, ``rank_weight`` its ordering term). Returns the fitted device and a report:
-    every row's prediction, the error fitted on all rows, and with each model left out (its rows predicted by a
-    device whose call was fitted on the other models' rows; the op classes, fitted on the trace of ops alone and on
-    no row, are the same in every fold)."""
+    """Refit ``base`` (``replay``: the rows' graphs, plans and simulated calls): its op classes on ``trace`` (graph,
+    trace, model name; kept as they are without one), its call on ``rows`` (:func:`fit_call`, ``rank_weight`` its
+    ordering term). Returns the fitted device and a report: every row's prediction, the error fitted on all rows,
+    and with each model left out (its rows predicted by a device whose call was fitted on the other models' rows;
+    the op classes, fitted on the trace of ops alone and on no row, are the same in every fold)."""
     dev = fit_classes(trace[0], trace[1], base) if trace else base
     log(f"op classes from {'the trace of ' + trace[2] if trace else 'the base device'}; scheduling {len(rows)} rows")
-    configs = prepare(rows, dev)
-    dev = fit_call(rows, configs, dev, iterations, rank_weight)
-    predicted = predict(rows, configs, dev)
-    report = {"fitted": summary(rows, predicted),
+    configs = prepare(rows, dev, replay)
+    dev = fit_call(rows, configs, dev, replay, iterations, rank_weight)
+    predicted = predict(rows, configs, dev, replay)
+    report: dict[str, Any] = {"fitted": summary(rows, predicted),
               "rows": [{"model": r.model, "batch": r.batch, "dtype": r.dtype, "scheduler": r.scheduler,
                         "streams": r.streams, "measured_ms": r.measured_ms, "predicted_ms": p}
                        for r, p in zip(rows, predicted, strict=True)]}
@@ -362,7 +365,7 @@ def calibrate(rows: Sequence[Row], base: Device, trace: tuple[OpGraph, dict, str
         for model in models:
             train = [r for r in rows if r.model != model]
             test = [r for r in rows if r.model == model]
-            pred = predict(test, configs, fit_call(train, configs, dev, iterations, rank_weight))
+            pred = predict(test, configs, fit_call(train, configs, dev, replay, iterations, rank_weight), replay)
             held_rows += test
             held_pred += pred
             log(f"left out {model}: mean error {np.mean(np.abs(errors(test, pred))):.1%}")

@@ -1,5 +1,5 @@
-"""Memory planned from the schedule: where each buffer may be freed, the proof that every release is safe, and the
-waits that let a buffer read on other streams be freed early.
+"""Buffer lifetimes planned from the schedule: where each buffer may be freed, the proof that every release is safe,
+and the waits that let a buffer read on other streams be freed early.
 
 A **buffer** is one allocation of a run: the op that allocates it runs on its *allocating lane* (device, stream),
 and its *users* are every op that touches it (the allocating op, readers, in-place writers, ops holding a view). The
@@ -31,7 +31,7 @@ its previous value happens before it. That is all a reuse needs; blocks are neve
   stays valid: every dependency the plan ordered is still ordered), so lowering's rule that every wait is needed
   holds for the plan a scheduler gets lowered to, not for the plan with added waits.
 * :func:`capped_joins` — waits that may **cost time**, for a plan whose planned peak is still over a cap (the CUDA
-  target's is 1.25x the one-stream plan's, :func:`opweave.pipeline.memory.memory_pass`): the same joins, placed
+  target's is 1.25x the one-stream plan's, :func:`opweave.pipeline.memory_pass.memory_pass`): the same joins, placed
   right before the peak's instruction (the latest place that frees the buffer before it), the one that lowers the
   peak most first, each kept only if the caller's ``accept`` takes the plan (a budget on the simulated makespan).
   A peak made of buffers that are all still to be read is beyond any wait: the issue order itself holds them.
@@ -96,7 +96,9 @@ def _on_lane(lane: Lane, clock: Clock) -> int:
 
 def timeline(plan: LaunchPlan) -> Timeline:
     """The :class:`Timeline` of ``plan`` (raises :class:`PlanError` for a malformed plan)."""
-    return Timeline().run(plan)
+    line = Timeline()
+    line.run(plan)
+    return line
 
 
 def release_points(plan: LaunchPlan, buffers: Iterable[Buffer], *,

@@ -135,7 +135,8 @@ class _Done:
     __slots__ = ("upto", "extra")
 
     def __init__(self) -> None:
-        self.upto, self.extra = 0, set()
+        self.upto: int = 0
+        self.extra: set[int] = set()
 
     def add(self, seq: int) -> None:
         self.extra.add(seq)
@@ -156,6 +157,12 @@ class _Lane:
     queue: deque = field(default_factory=deque)
     capture: _Capture | None = None
     stream: FakeStream | None = None
+
+
+def _stream(lane: _Lane) -> FakeStream:
+    """The stream a lane stands for (set as soon as the lane is made)."""
+    assert lane.stream is not None
+    return lane.stream
 
 
 @dataclass(eq=False)
@@ -339,7 +346,7 @@ class FakeCuda:
             key = (priority, count % TORCH_POOL)
             if key not in self._slots:
                 self._slots[key] = self._new_lane(0x1000 * (1 + abs(priority)) + 0x10 * (key[1] + 1), priority)
-            return self._slots[key].stream
+            return _stream(self._slots[key])
 
     def Event(self) -> FakeEvent:  # noqa: N802
         return FakeEvent(self)
@@ -348,10 +355,10 @@ class FakeCuda:
         return FakeGraph(self)
 
     def default_stream(self, device=None) -> FakeStream:
-        return self._default.stream
+        return _stream(self._default)
 
     def current_stream(self, device=None) -> FakeStream:
-        return getattr(self._local, "stream", None) or self._default.stream
+        return getattr(self._local, "stream", None) or _stream(self._default)
 
     def set_stream(self, stream: FakeStream) -> None:
         self._local.stream = stream
@@ -391,7 +398,7 @@ class FakeCuda:
             for t in pytree.tree_leaves(values):
                 if not isinstance(t, torch.Tensor):
                     continue
-                storage = t.untyped_storage()
+                storage: Any = t.untyped_storage()  # fill_ is there, not in its stub
                 block = self._blocks.get(storage.data_ptr())
                 if block is None or block.dropped:
                     continue
@@ -531,7 +538,7 @@ class FakeCuda:
         if not isinstance(meta, torch.Tensor):
             return pytree.tree_map_only(torch.Tensor, lambda m: self._allocate(lane, m), meta)
         t = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=self.device)
-        storage = t.untyped_storage()
+        storage: Any = t.untyped_storage()  # fill_ is there, not in its stub
         nbytes = storage.nbytes()
         if nbytes:
             if self.compute:
@@ -691,7 +698,9 @@ class FakeCuda:
                 self._executing = executing
         elif isinstance(item, _GraphLaunch):
             self.stats["replays"] += 1
-            self._run({lane: deque(items) for lane, items in item.graph.lanes.items()}, {}, None)
+            lanes = item.graph.lanes
+            assert lanes is not None  # replayed: captured
+            self._run({lane: deque(items) for lane, items in lanes.items()}, {}, None)
 
 
 def _to_meta(value):
