@@ -259,7 +259,7 @@ def test_a_compiled_candidate_that_does_not_equal_the_model_is_left_out_of_the_d
     class Wrong:
         name, per_op_threads = "onnxruntime", True
 
-        def __call__(self, gm, inputs, threads, *, alone=False):
+        def __call__(self, gm, inputs, threads, **options):
             return lambda *xs: tuple(y + 1 for y in gm(*xs))
 
     monkeypatch.setitem(compilers.COMPILERS, "onnxruntime", Wrong)

@@ -114,12 +114,9 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
     if compiler is not None:
         tries = {"onnxruntime": lambda: CpuTarget().build(captured, inputs, one.derive(compiler=compiler))}
         if lanes and (options.threads or 1) >= LANE_CORES:
-            def lanes_compiled():
-                fast = CpuTarget().runnable(captured, compiled.plan, inputs,
-                                            options.derive(compiler=compiler, guard=False), compiled.costs)
-                fast.schedule = compiled.schedule
-                return fast
-            tries["onnxruntime lanes"] = lanes_compiled
+            tries["onnxruntime lanes"] = lambda: CpuTarget().runnable(
+                captured, compiled.schedule, compiled.plan, inputs, options.derive(compiler=compiler, guard=False),
+                compiled.costs)
         agrees = _Check(captured, inputs, eager)
         for label, make in tries.items():
             fast, why = _checked(make, agrees)
