@@ -22,6 +22,7 @@ import opweave as ow
 from opweave import errors
 from opweave.cli import app
 from opweave.cli.app import guard
+from opweave.errors import UsageError
 from opweave.ir import OpGraph
 from opweave.pipeline import autotune
 
@@ -335,3 +336,46 @@ def test_the_default_serving_policy_is_told_one_way():
     refused = opweave("loadgen", "--url", "http://127.0.0.1:1", "--pattern", "squeezenet:1", "--policy", "batch",
                       check_rc=2)
     assert "go with --simulate" in one_line(refused)
+
+
+def test_every_command_names_a_device_a_scheduler_and_a_mode_one_way():
+    """``--device`` defaults to auto (cuda when present) in every command that takes one; the scheduler flag is
+    ``--scheduler``/``-s`` everywhere (where a command compares schedulers it also takes a comma list or all);
+    ``--mode`` goes wherever ``--option`` does, as ``compile`` has ``mode=``."""
+    command = typer.main.get_command(app)
+    devices = schedulers_seen = modes = 0
+    for name, sub in command.commands.items():
+        params = {opt: param for param in sub.params for opt in getattr(param, "opts", ())}
+        if "--device" in params:
+            assert params["--device"].default == "auto", name
+            devices += 1
+        if "--scheduler" in params:
+            assert "-s" in params["--scheduler"].opts, name
+            schedulers_seen += 1
+        if "--option" in params:
+            assert "--mode" in params, name
+            modes += 1
+    assert devices >= 5 and schedulers_seen >= 5 and modes >= 3  # bench, profile, serve, run, profile-links, ...
+    assert "--mode" in {o for p in command.commands["bench"].params for o in p.opts}
+    assert "--mode" in {o for p in command.commands["serve"].params for o in p.opts}
+
+
+def test_every_commands_help_is_read_as_markdown_with_no_markup_left_and_flags_without_a_type():
+    """Help texts were shown with their ``code`` quotes, reST roles and a ``<bool>`` beside every flag."""
+    command = typer.main.get_command(app)
+    for name in ["", *command.commands]:
+        shown = opweave(*([name] if name else []), "--help").stdout
+        assert "``" not in shown and ":func:" not in shown and "<bool>" not in shown, name
+        assert "DIR///" not in shown, name  # an <angle> word is HTML to Markdown: it vanished
+    assert "--model-repository" in opweave("serve", "--help").stdout
+
+
+def test_a_model_file_is_a_path_in_every_command_and_a_server_may_name_it(tmp_path):
+    from opweave.serve.models import parse_model_files
+
+    path = tmp_path / "tiny.pt2"
+    path.write_bytes(b"")
+    assert parse_model_files([str(path)]) == {"tiny": path}
+    assert parse_model_files([f"other={path}"]) == {"other": path}
+    with pytest.raises(UsageError, match="two models named 'tiny'"):
+        parse_model_files([str(path), f"tiny={path}"])

@@ -13,13 +13,39 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from opweave import schedulers
 from opweave.costs import COST_MODELS, Costs, from_graph
 from opweave.errors import OpweaveError, UsageError, did_you_mean
 from opweave.ir import OpGraph
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
+
+def _plain_flags(params: list) -> list:
+    """A flag takes no value, so its help shows no type (Typer would show ``<bool>``)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Group(TyperGroup):
+    """The app's command group: help texts are Markdown (``code`` shows as code) and flags show no type."""
+
+    def get_params(self, ctx):
+        return _plain_flags(super().get_params(ctx))
+
+    def get_command(self, ctx, cmd_name):
+        command = super().get_command(ctx, cmd_name)
+        if command is not None and not getattr(command, "_plain_flags", False):
+            params = command.get_params
+            command.get_params = lambda ctx: _plain_flags(params(ctx))  # type: ignore[method-assign]
+            command._plain_flags = True  # type: ignore[attr-defined]
+        return command
+
+
+app = typer.Typer(cls=_Group, rich_markup_mode="markdown", add_completion=False, no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Inter-operator parallel DNN inference: schedule, simulate and run models on many streams.")
 out = Console()
 err = Console(stderr=True)
@@ -63,6 +89,7 @@ GraphArg = Annotated[str | None, typer.Argument(help="graph JSON file or example
 ModelOpt = Annotated[str | None, typer.Option("--model", help="zoo model name instead of a graph")]
 ModelFileOpt = Annotated[Path | None, typer.Option("--model-file", help="a model saved by torch.export.save (.pt2) "
                                                                         "instead of a zoo name")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu | cuda | auto (cuda when present)")]
 StreamsOpt = Annotated[int | None, typer.Option("--streams", min=1, help="max streams per device")]
 DevicesOpt = Annotated[int, typer.Option("--devices", min=1, help="number of devices")]
 CostOpt = Annotated[str, typer.Option("--cost-model", help="ideal | gpu")]

@@ -37,7 +37,8 @@ def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
                                                                               "device's own default)")] = None,
         devices: Annotated[int | None, typer.Option("--devices", min=1,
                                                    help="ranks (default 2; under torchrun its world size)")] = None,
-        device: Annotated[str, typer.Option(help="cpu (gloo) | cuda (NCCL)")] = "cpu",
+        device: Annotated[str, typer.Option(
+            "--device", help="cpu (gloo) | cuda (NCCL) | auto (cuda when there is a GPU per rank)")] = "auto",
         check: Annotated[bool, typer.Option("--check", help="compare with single-process eager; exit 1 beyond "
                                                             "tolerance")] = False,
         runs: Annotated[int, typer.Option(min=1)] = 10, warmup: Annotated[int, typer.Option(min=0)] = 2,
@@ -61,9 +62,11 @@ def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
     from opweave.backends.distributed import check_devices, torchrun
     from opweave.backends.threads import total_threads
     from opweave.capture import load
+    from opweave.evaluate.bench import resolve_device
     from opweave.pipeline import resolve
 
     world = torchrun.rank_and_world()[1] if torchrun.launched() else devices or 2
+    device = resolve_device(device, gpus=1 if torchrun.launched() else world) if device == "auto" else device
     if torchrun.launched() and devices is not None and devices != world:
         raise UsageError(f"--devices {devices}, but torchrun started {world} ranks (--nproc-per-node x nodes)")
     mode, settings = collect_options(options, mode, scheduler=scheduler, devices=world, streams=streams, link=link,
@@ -172,7 +175,10 @@ def _report(result: dict, check: bool, as_json: bool) -> None:
 
 @app.command("profile-links")
 @guard
-def profile_links(device: Annotated[str, typer.Option(help="cpu (gloo ranks) | cuda (NCCL, GPUs 0 and 1)")] = "cpu",
+def profile_links(device: Annotated[str, typer.Option(
+                      "--device", help="cpu (gloo ranks) | cuda (NCCL, GPUs 0 and 1) | auto (cuda when two GPUs are "
+                                        "present)")
+                  ] = "auto",
                   repeats: Annotated[int, typer.Option(min=1)] = 20,
                   max_bytes: Annotated[int, typer.Option(min=1024, help="largest message")] = 2 ** 24,
                   output: Annotated[Path | None, typer.Option("-o", "--output", help="write the link file here "
@@ -181,7 +187,9 @@ def profile_links(device: Annotated[str, typer.Option(help="cpu (gloo ranks) | c
     """Measure point-to-point time against message size between two ranks; fit latency + bytes / bandwidth."""
     from opweave.backends.distributed import profile_link
     from opweave.costs.links import fit
+    from opweave.evaluate.bench import resolve_device
 
+    device = resolve_device(device, gpus=2) if device == "auto" else device
     sizes = [2 ** k for k in range(4, max(5, max_bytes.bit_length()), 2)]
     samples = profile_link(device, sizes, repeats=repeats)
     link = fit(samples, name=f"measured-{device}",

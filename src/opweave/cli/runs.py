@@ -12,6 +12,7 @@ from rich.table import Table
 from opweave.cli.app import (
     BatchOpt,
     CoarsenOpt,
+    DeviceOpt,
     JsonOpt,
     ModelFileOpt,
     ModeOpt,
@@ -31,11 +32,11 @@ from opweave.errors import UsageError
 @guard
 def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (default inception_v3)")] = None,
           model_file: ModelFileOpt = None,
-          device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when present)")] = "auto",
+          device: DeviceOpt = "auto",
           batch_size: BatchOpt = 1,
           schedulers_: Annotated[str, typer.Option(
-              "--schedulers", help="comma list of schedulers and 'default' (what opweave.compile picks given no "
-                                   "scheduler), or all (every scheduler)")
+              "--schedulers", "--scheduler", "-s",
+              help="one scheduler, a comma list or all; 'default' is what opweave.compile picks given no scheduler")
           ] = "default,sequential,lios,opara",
           streams: StreamsOpt = None, runs: Annotated[int, typer.Option(min=1)] = 20,
           warmup: Annotated[int, typer.Option(min=0)] = 3,
@@ -46,8 +47,9 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
                              ] = None,
           mode: ModeOpt = None, options: OptionOpt = None, as_json: JsonOpt = False):
     """Real runs: eager vs opweave with each scheduler, and ``default``: what opweave.compile picks when given no
-    scheduler (on a CPU, lanes only where they beat one lane and the model; on CUDA, the plan the fitted device
-    predicts fastest). Every mode is built first, then all are timed interleaved
+    scheduler (on a CPU, the fastest of a few timed candidates: the model in one ONNX Runtime segment where the
+    ``onnx`` extra is installed, its lanes, the model itself; on CUDA, the plan the fitted device predicts fastest;
+    ``--mode max-autotune``: the fastest of a wider search). Every mode is built first, then all are timed interleaved
     (rounds of a few calls each, so that all see the same load): the median, the spread (p10 to p90, as % of the
     median) and the speed-up over eager, shown as ~ when it is within the spread (README, "How to read a
     benchmark"). A machine that other processes kept busy meanwhile gets a warning. ``--option KEY=VALUE`` sets any
@@ -97,7 +99,7 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
 @app.command()
 @guard
 def profile(model: Annotated[str, typer.Option("--model")] = "inception_v3",
-            device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when present)")] = "auto",
+            device: DeviceOpt = "auto",
             batch_size: BatchOpt = 1,
             output: Annotated[Path | None, typer.Option("-o", "--output")] = None, coarsen: CoarsenOpt = True,
             threads: Annotated[int, typer.Option(min=1, help="CPU: intra-op threads per op (a lane's budget when "

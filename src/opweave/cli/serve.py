@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from opweave.cli.app import JsonOpt, ModeOpt, OptionOpt, app, collect_options, err, guard, out
+from opweave.cli.app import DeviceOpt, JsonOpt, ModeOpt, OptionOpt, app, collect_options, err, guard, out
 from opweave.errors import DeviceError, UsageError
 
 # The default policies (opweave.serve.assemble.DEFAULT_POLICIES), said the same way in both commands' help.
@@ -29,7 +29,7 @@ PolicyFileOpt = Annotated[Path | None, typer.Option("--policy-file", help="train
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", min=1, help="requests waiting per model (then 429)")]
 MaxBatchOpt = Annotated[int, typer.Option("--max-batch", min=1, help="samples stacked in one instance")]
 HOpt = Annotated[int, typer.Option("--max-sub-blocks", min=1, help="H: sub-blocks per combined block")]
-SchedulerOpt = Annotated[str | None, typer.Option("--scheduler", help="schedules each combined block (default: "
+SchedulerOpt = Annotated[str | None, typer.Option("--scheduler", "-s", help="schedules each combined block (default: "
                                                   "lios; heft over blocks compiled whole)")]
 StreamsOpt = Annotated[int | None, typer.Option("--streams", min=1, help="streams per combined block")]
 ImageSizeOpt = Annotated[str | None, typer.Option("--image-size", help="input size of zoo CNNs: N, or N,MODEL=N,...")]
@@ -55,16 +55,18 @@ def _policy_options(policy: str, text: str | None, policy_file: Path | None) -> 
 @app.command()
 @guard
 def serve(models: Annotated[str | None, typer.Option("--models", help="comma list of zoo models")] = None,
-          model_file: Annotated[list[str] | None, typer.Option("--model-file", help="NAME=PATH.pt2 (torch.export)")
+          model_file: Annotated[list[str] | None, typer.Option(
+              "--model-file", help="a model saved by torch.export.save (.pt2), served under its file name "
+                                   "(NAME=PATH.pt2: under NAME); repeat for more")
                                 ] = None,
-          device: Annotated[str, typer.Option("--device", help="cpu | cuda")] = "cpu",
+          device: DeviceOpt = "auto",
           host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
           port: Annotated[int, typer.Option("--port", min=0, max=65535, help="0: any free port")] = 8000,
           grpc_port: Annotated[int | None, typer.Option("--grpc-port", min=0, max=65535,
                                                         help="serve KServe v2 gRPC here too (0: any free port)")
                                ] = None,
           model_repository: Annotated[Path | None, typer.Option(
-              "--model-repository", help="DIR/<name>/<version>/model.pt2 (+ DIR/<name>/config.pbtxt): every model "
+              "--model-repository", help="DIR/NAME/VERSION/model.pt2 (+ DIR/NAME/config.pbtxt): every model "
               "loaded at start (one that does not load is UNAVAILABLE, the others served). Trusted: a .pt2 is "
               "code; nothing outside DIR is loaded")] = None,
           model_control_mode: Annotated[str, typer.Option(
@@ -155,8 +157,12 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     from opweave.serve.repository import CONTROL_MODES, Repository
     from opweave.serve.server import serve as run_server
 
+    if device == "auto":
+        from opweave.evaluate.bench import resolve_device
+
+        device = resolve_device(device)
     if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+        raise UsageError(f"--device must be cpu, cuda or auto, got {device!r}")
     mode, given = collect_options(options, mode, scheduler=scheduler, streams=streams,
                                   compiler=None if compiler == "default" else compiler,
                                   threads=threads if threads is not None or not ray or device != "cpu" else 1)
@@ -306,7 +312,7 @@ def _serve_ray(options, replicas: int, max_replicas: int | None, host: str, port
 
 @app.command()
 @guard
-def export(model: Annotated[str, typer.Argument(help="zoo name, timm:<name> or hf:<name> (random weights, nothing "
+def export(model: Annotated[str, typer.Argument(help="zoo name, timm:NAME or hf:NAME (random weights, nothing "
                                                      "downloaded); with --module, the entry's name")],
            repository: Annotated[Path, typer.Argument(help="the model repository to write into (created if missing)")],
            module: Annotated[str | None, typer.Option("--module", help="MODULE:FUNCTION: your own model, a "

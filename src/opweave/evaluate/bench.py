@@ -120,10 +120,11 @@ def busy_warning(others_cpu_share: float | None, load: list[float] | None) -> st
             f"are not this machine's; time again on a quiet machine")
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` becomes ``cuda`` when a GPU is visible, else ``cpu``."""
+def resolve_device(device: str, gpus: int = 1) -> str:
+    """``auto`` becomes ``cuda`` when ``gpus`` GPUs are visible (a command's ranks on this machine), else ``cpu``;
+    every command's ``--device`` defaults to it."""
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= gpus else "cpu"
     if device not in ("cpu", "cuda"):
         raise UsageError(f"device must be cpu, cuda or auto, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():

@@ -4,9 +4,11 @@ Both build a bounded set of candidates through the device's target, keep those w
 (:func:`opweave.outputs.compare`), time them interleaved on the device (:func:`opweave.costs.timing.interleaved_ms`)
 and keep the fastest; ``Compiled.choice`` says which and what each measured.
 
-* :func:`guarded` — the CPU default (no scheduler, streams, compiler or graph given) keeps its lanes only when they
-  beat one lane in the model's order and the model itself (small models, where binding inputs and the lane code's
-  calls cost more than the lanes save, keep the model: :class:`~opweave.backends.cpu.EagerBackend`).
+* :func:`guarded` — the CPU default (no scheduler, streams, compiler or graph given) keeps the fastest of the model
+  in one ONNX Runtime segment (where the ``onnx`` extra is installed), the lanes of its plan (of ONNX Runtime
+  segments too where the cores allow), one lane of the captured ops and the model itself (small models, where
+  binding inputs and the lane code's calls cost more than the lanes save, keep the model:
+  :class:`~opweave.backends.cpu.EagerBackend`).
 * :func:`search` — ``mode="max-autotune"``: on the CPU, one lane or one lane per core (HEFT at several weights of a
   cross-lane edge), unfused, with every segment compiler present, and lanes over ONNX Runtime's optimized graph; on
   CUDA, ``torch.compile`` of the whole model (Inductor and CUDA Graphs), the multi-stream CUDA Graph of the plans

@@ -67,12 +67,17 @@ class ServedModel:
 
 
 def parse_model_files(items: list[str] | None) -> dict[str, Path]:
-    """``NAME=PATH.pt2`` items as a dict."""
+    """``--model-file`` items as a dict: ``PATH.pt2`` as every command takes it (served under its file name without
+    the suffix) or ``NAME=PATH.pt2`` (served as ``NAME``)."""
     out: dict[str, Path] = {}
     for item in items or []:
         name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise UsageError(f"--model-file {item!r} must be NAME=PATH.pt2")
+        if not sep:
+            name, path = Path(item).stem, item
+        if not name or not path:
+            raise UsageError(f"--model-file {item!r} must be PATH.pt2 or NAME=PATH.pt2")
+        if name in out:
+            raise UsageError(f"--model-file: two models named {name!r} (give NAME=PATH.pt2)")
         check_name(name, "--model-file")
         if not Path(path).is_file():
             raise UsageError(f"--model-file {name}: no file {path!r}")
