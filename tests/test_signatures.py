@@ -193,7 +193,7 @@ def test_inputs_of_the_examples_shapes_on_another_device_are_its_signature_for_t
 def test_a_new_signature_is_captured_on_the_devices_of_the_example():
     """The inputs of a new signature are moved where the example's were before the model is captured for them
     (where its parameters are); the built model moves each call's inputs itself."""
-    from opweave.api import on_devices_of
+    from opweave.pipeline.sizes import on_devices_of
 
     example = (torch.empty(4, 8, device="meta"), 3)
     moved = on_devices_of((torch.randn(2, 8), 5), example)

@@ -100,21 +100,6 @@ def device_of(model, example_inputs, example_kwargs: dict | None, options: dict)
     return "cuda" if any(isinstance(v, torch.Tensor) and v.is_cuda for v in values) else "cpu"
 
 
-def on_devices_of(args: tuple, example: tuple) -> tuple:
-    """``args`` with each tensor moved to the device of the example's tensor in the same place (when both are
-    tensors and the structure matches; else left where they are): the device the model was captured on."""
-    import torch
-    from torch.utils import _pytree as pytree
-
-    leaves, spec = pytree.tree_flatten(args)
-    where, example_spec = pytree.tree_flatten(example)
-    if spec != example_spec:
-        return args
-    moved = [x.to(e.device) if isinstance(x, torch.Tensor) and isinstance(e, torch.Tensor) and x.device != e.device
-             else x for x, e in zip(leaves, where, strict=True)]
-    return pytree.tree_unflatten(moved, spec)
-
-
 def with_signatures(compiled: Compiled, model, captured, opts, eager, example_inputs: tuple | None = None) -> Compiled:
     """``compiled``, which now serves inputs of other sizes with its plan, checked against ``model``, and builds
     itself for inputs of another signature from ``model`` (captured again for them, with the options it was built
@@ -126,7 +111,7 @@ def with_signatures(compiled: Compiled, model, captured, opts, eager, example_in
     from opweave.capture.coarsen import at_sizes
     from opweave.capture.trace import ExportedModule
     from opweave.pipeline.signatures import Signatures, key_of
-    from opweave.pipeline.sizes import Sizes
+    from opweave.pipeline.sizes import Sizes, on_devices_of
 
     example = example_inputs if example_inputs is not None else captured.example_inputs
 

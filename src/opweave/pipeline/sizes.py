@@ -166,7 +166,6 @@ class Sizes:
 
     def eager(self):
         """The model itself as a backend (past the bound), under ``no_grad`` on the example's devices."""
-        from opweave.api import on_devices_of
         from opweave.backends.cpu import EagerBackend
 
         backend = EagerBackend(self.model)
@@ -187,7 +186,6 @@ class Sizes:
     def agrees(self, args: tuple, out: Any) -> tuple[bool, str]:
         """Whether ``out`` equals the model's output on ``args`` (:func:`opweave.outputs.compare`, a tensor that
         rounds otherwise held against the model run in float64); and why not. The model raising is raised."""
-        from opweave.api import on_devices_of
         from opweave.outputs import compare, exact_outputs
 
         compiled = self.compiled
@@ -257,5 +255,20 @@ def _costs(captured, args: tuple, options):
     return targets.CudaTarget().costs(captured, args, options, device, targets._dtype(captured))
 
 
-__all__ = ["PAD_WARNING", "REPLAN_GAIN", "Padded", "Padding", "Sizes", "bucket", "changed", "padding", "replan_gain",
-           "sizes_only"]
+def on_devices_of(args: tuple, example: tuple) -> tuple:
+    """``args`` with each tensor moved to the device of the example's tensor in the same place (when both are
+    tensors and the structure matches; else left where they are): the device the model was captured on."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(args)
+    where, example_spec = pytree.tree_flatten(example)
+    if spec != example_spec:
+        return args
+    moved = [x.to(e.device) if isinstance(x, torch.Tensor) and isinstance(e, torch.Tensor) and x.device != e.device
+             else x for x, e in zip(leaves, where, strict=True)]
+    return pytree.tree_unflatten(moved, spec)
+
+
+__all__ = ["PAD_WARNING", "REPLAN_GAIN", "Padded", "Padding", "Sizes", "bucket", "changed", "on_devices_of", "padding",
+           "replan_gain", "sizes_only"]
