@@ -290,6 +290,24 @@ def test_the_race_drops_what_cannot_win_after_two_calls_and_times_the_rest():
     assert dropped == {"slow"} and len(times["fast"]) == 2  # one left: the race ends
 
 
+def test_the_race_times_each_call_right_after_an_untimed_call_of_the_same_function_when_asked():
+    """A function timed right after another one paid for what the other left running (thread pools that spin): with
+    ``settle`` each timed call follows an untimed call of the same function."""
+    from opweave.costs.timing import race_ms
+
+    trace: list[str] = []
+    timed: list[str] = []
+
+    def timer(label, fn):
+        timed.append(label)
+        assert trace[-1] == label  # the call just before was the same function's, untimed
+        fn()
+        return 1.0
+
+    race_ms({k: (lambda k=k: trace.append(k)) for k in ("a", "b")}, rounds=3, warmup=0, settle=1, timer=timer)
+    assert trace == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"] and len(timed) == 6
+
+
 def test_the_default_keeps_the_model_itself_when_it_wins_and_runs_it_as_the_lanes_would():
     # DeepFM-sized models lost to eager by the lanes' per-call cost (0.6 against 0.4 ms); the guard now times the
     # model itself, and a kept model runs under no_grad like the lanes, on the live weights

@@ -16,6 +16,7 @@ from opweave.backends.segments import op_latencies
 from opweave.capture import capture
 from opweave.errors import UsageError
 from opweave.outputs import compare
+from opweave.pipeline import autotune
 
 
 class Fork(nn.Module):
@@ -133,7 +134,7 @@ def test_op_latencies_times_every_op_compiled_alone():
 def test_max_autotune_measures_the_candidates_keeps_one_that_equals_eager_and_caches_it(tmp_path, monkeypatch):
     monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
     model, inputs = zoo.create("deepfm", batch_size=1)
-    fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune")
+    fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune", threads=autotune.LANE_CORES)
     choice = fast.choice
     assert not choice["cached"] and choice["label"] in choice["candidates"]
     timed = {k: v["median_ms"] for k, v in choice["candidates"].items() if "median_ms" in v}
@@ -142,7 +143,7 @@ def test_max_autotune_measures_the_candidates_keeps_one_that_equals_eager_and_ca
     assert {"sequential+onnxruntime-graph", "heft+onnxruntime-graph sync"} <= {k.partition(" 0")[0] for k in timed}
     with torch.inference_mode():
         assert compare(model(*inputs), fast(*inputs)).ok
-    again = opweave.compile(model, inputs, device="cpu", mode="max-autotune")
+    again = opweave.compile(model, inputs, device="cpu", mode="max-autotune", threads=autotune.LANE_CORES)
     assert again.choice["cached"] and again.choice["label"] == choice["label"]
     assert (tmp_path / "autotune.json").exists()
     with torch.inference_mode():
@@ -156,3 +157,20 @@ def test_max_autotune_chooses_the_plan_itself():
         opweave.compile(Fork(), (torch.randn(2, 16),), device="cpu", mode="fast")
     with pytest.raises(UsageError, match="now 'max-autotune'"):
         opweave.compile(Fork(), (torch.randn(2, 16),), device="cpu", mode="max-speed")
+
+
+def test_max_autotune_on_fewer_cores_than_lanes_need_searches_onnxruntime_in_one_lane(tmp_path, monkeypatch):
+    """On 2 cores the lanes of ONNX Runtime segments it picked ran slower than one segment once timed apart, and
+    timing every op alone made its build longer than torch.compile's: below LANE_CORES threads it tries the model in
+    one session and ONNX Runtime's graph in one lane."""
+    monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
+    assert [c.label for c in autotune.cpu_candidates(0.05, ["onnxruntime", "inductor"], threads=2)] == [
+        "sequential+onnxruntime", "sequential+onnxruntime-graph"]
+    assert len(autotune.cpu_candidates(0.05, ["onnxruntime", "inductor"], threads=autotune.LANE_CORES)) == 11
+    assert "sequential+inductor" in {c.label for c in autotune.cpu_candidates(0.05, ["inductor"], threads=2)}
+    model, inputs = zoo.create("deepfm", batch_size=1)
+    fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune", threads=2)
+    assert set(fast.choice["candidates"]) == {"sequential+onnxruntime", "sequential+onnxruntime-graph"}
+    assert fast.schedule.streams_used == 1
+    with torch.inference_mode():
+        assert compare(model(*inputs), fast(*inputs)).ok

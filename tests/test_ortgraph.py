@@ -304,7 +304,7 @@ def test_max_autotune_builds_ort_graph_once_when_it_fails(tmp_path, monkeypatch)
 
     monkeypatch.setattr(OrtGraph, "__init__", refuse)
     model, inputs = _model()
-    fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune")
+    fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune", threads=4)  # the wide search
     errors = [v["error"] for k, v in fast.choice["candidates"].items() if "onnxruntime-graph" in k]
     assert len(tries) == 1 and len(errors) >= 2
     assert errors[0] == "RuntimeError: no export today"

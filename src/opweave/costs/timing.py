@@ -71,12 +71,20 @@ def interleaved_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 5, 
 
 
 def race_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 15, margin: float = 1.25, warmup: int = 1,
+            settle: int = 0, budget_ms: float | None = None,
             timer: Callable[[str, Callable[[], object]], float] | None = None) -> tuple[dict[str, list[float]], set]:
     """Milliseconds of each call of ``fns``, timed interleaved one call per round (each round starting one further),
     dropping a function once it cannot be the fastest: from the second round on, one whose fastest call is more than
     ``margin`` times the leader's median (the lowest). Stops when one is left after two rounds or after ``rounds``.
     A candidate that is twice as slow costs ``warmup`` + 2 calls, not ``rounds``: a measured choice among a few
-    plans then costs about what timing its winner does. Returns every call's time per function and those dropped.
+    plans then costs about what timing its winner does. ``settle``: untimed calls of a function just before each of
+    its timed ones, so that each is timed as a loop calling it back to back sees it, not in the wake of another
+    (thread pools that spin after a call, ONNX Runtime's or a lane's, took the cores from the next function: GoogLeNet
+    in one ONNX Runtime session timed 35 ms right after other candidates, 19.5 ms back to back). Returns every timed
+    call's time per function and those dropped. ``budget_ms``: the race also stops after the first round that
+    brings the time its calls took (the timed ones, each counted ``1 + settle`` times) past it; the leader then wins
+    on the calls it had: where candidates lie within ``margin`` of each other, more rounds cost seconds per call of a
+    large model and change little (a 12-layer BERT at batch 8, about 1 s a call, took 73 s to race 15 rounds).
     ``timer(label, fn)``: the milliseconds of one call (default: ``perf_counter`` around it; tests give a script)."""
 
     def clock(label: str, fn: Callable[[], object]) -> float:
@@ -91,10 +99,16 @@ def race_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 15, margin
     names = list(fns)
     times: dict[str, list[float]] = {label: [] for label in names}
     left, dropped = list(names), set()
+    spent = 0.0
     for k in range(rounds):
         start = k % len(left)
         for label in left[start:] + left[:start]:
+            for _ in range(settle):
+                fns[label]()
             times[label].append(timer(label, fns[label]))
+            spent += times[label][-1] * (1 + settle)
+        if budget_ms is not None and spent > budget_ms:
+            break
         if k >= 1:
             lead = min(statistics.median(times[label]) for label in left)
             out = {label for label in left if min(times[label]) > margin * lead}

@@ -54,6 +54,7 @@ class Candidate:
 
 
 TIMER = None  # the clock of measured choices on the CPU: None, perf_counter around each call; tests set a script
+RACE_BUDGET_MS = 1000.0  # a CPU race stops after the round that spends this much (race_ms); the check warmed each
 
 
 def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: int = 5, runs: int = 3,
@@ -61,10 +62,12 @@ def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: i
     """The label of the fastest of ``built`` by median time, and every median (ms), timed interleaved under
     ``no_grad`` as they were checked: timed under ``inference_mode``, ``torch.compile`` runs code compiled for
     another grad mode, measured 1.2-1.8x slower on an H200 than in the mode it was compiled in. On the CPU a race
-    (:func:`opweave.costs.timing.race_ms`, ``rounds x runs`` calls at most, on :data:`TIMER`): a candidate that
-    cannot win is dropped after its second call, so a choice among a few plans costs little more than timing the
-    winner; on CUDA ``rounds`` rounds of ``runs`` calls each with its events (on a stand-in ``runtime``, the fake
-    one, on the host's clock with a synchronize after each call)."""
+    (:func:`opweave.costs.timing.race_ms`, ``rounds x runs`` timed calls at most, on :data:`TIMER`, each right after
+    an untimed call of the same candidate, as a loop would call it, until the round that spends
+    :data:`RACE_BUDGET_MS`): a candidate that cannot win is dropped after its second timed call, so a choice
+    among a few plans costs little more than timing the winner; on CUDA ``rounds`` rounds of ``runs`` calls each
+    with its events (on a stand-in ``runtime``, the fake one, on the host's clock with a synchronize after each
+    call)."""
     import torch
 
     from opweave.backends.runtime import CudaRuntime
@@ -73,7 +76,8 @@ def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: i
     calls = {label: functools.partial(fast, *inputs) for label, fast in built.items()}
     with torch.no_grad():  # the mode candidates are checked in: torch.compile's code is compiled for it
         if device == "cpu":
-            times, _ = race_ms(calls, rounds=rounds * runs, timer=TIMER)
+            times, _ = race_ms(calls, rounds=rounds * runs, warmup=0, settle=1, budget_ms=RACE_BUDGET_MS,
+                               timer=TIMER)
         else:
             sync = runtime.synchronize if runtime is not None and not isinstance(runtime, CudaRuntime) else None
             times = interleaved_ms(calls, rounds=rounds, runs=runs, device=device, sync=sync)
@@ -191,7 +195,7 @@ def _checked(make, agrees) -> tuple[Compiled | None, str]:
 
 
 # ---- mode="max-autotune" ------------------------------------------------------------------------------------------
-def cpu_candidates(sync_ms: float, compilers: list[str] | None = None) -> list[Candidate]:
+def cpu_candidates(sync_ms: float, compilers: list[str] | None = None, threads: int = LANE_CORES) -> list[Candidate]:
     """One lane (the caller's threads) or one lane per core (HEFT at several sync costs), unfused and with each
     segment compiler present (``compilers``, default :func:`opweave.backends.compilers.available`), and lanes over
     ONNX Runtime's graph. A segment boundary costs ONNX Runtime a call (and, over its whole graph, some locality),
@@ -201,12 +205,23 @@ def cpu_candidates(sync_ms: float, compilers: list[str] | None = None) -> list[C
     compiled in 22-68 s, the whole search's cold build otherwise, and lost to one ONNX Runtime segment on all four
     multi-branch models but RandWire once, within its spread (16.0 against 16.7 ms on 2026-11-26; 19.7 against 18.7
     on 2026-11-28); HEFT's lanes of Inductor segments (37-163 s each) were never the fastest
-    (``benchmarks/results/cpu_latency.json``, ``cpu_default_vs_torch_compile.json``)."""
+    (``benchmarks/results/cpu_latency.json``, ``cpu_default_vs_torch_compile.json``).
+
+    With ONNX Runtime and fewer than :data:`LANE_CORES` ``threads``, the search is ONNX Runtime in one lane: the
+    model in one session, and ONNX Runtime's own graph in one lane, no op timed alone. On 2 cores the lanes it
+    picked there ran slower than one ONNX Runtime segment once timed again apart from the other candidates
+    (GoogLeNet 30.1 against 19.6 ms, RandWire 36.8 against 18.1, Inception-v3 64.6 against 57.3 at batch 1), and
+    timing each op alone and building 11 candidates made its first build 2.3-4.7x ``torch.compile``'s at batch 8
+    (``benchmarks/results/cpu_default.json``), as the CPU default's lanes of segments wait for the cores too."""
     from opweave.backends.compilers import available
 
     compilers = available() if compilers is None else compilers
     if "onnxruntime" in compilers:
         compilers = [c for c in compilers if c != "inductor"]
+        if threads < LANE_CORES:
+            one = {"scheduler": "sequential", "streams": 1}
+            return [Candidate("sequential+onnxruntime", {**one, "compiler": "onnxruntime"}, "fitted"),
+                    Candidate("sequential+onnxruntime-graph", {**one, "graph": "onnxruntime"}, "onnxruntime-graph")]
     out = []
     for compiler in [None, *compilers]:
         base = {"compiler": compiler} if compiler else {}
@@ -371,7 +386,7 @@ def _candidates(target, captured, options: Options) -> list[Candidate]:
     if options.device == "cpu":
         from opweave.backends.threads import sync_cost_ms
 
-        return cpu_candidates(sync_cost_ms())
+        return cpu_candidates(sync_cost_ms(), threads=options.threads or 1)
     from opweave.pipeline.targets import CudaTarget, _dtype, fitted_device
 
     device, dtype = fitted_device(options.runtime), _dtype(captured)

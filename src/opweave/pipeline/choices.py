@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-SEARCH = 3  # raised whenever a device's candidate list changes (2: CUDA's segments compiled by Inductor; 3: the CPU
-# list without Inductor where ONNX Runtime is installed)
+SEARCH = 4  # raised whenever a device's candidate list changes (2: CUDA's segments compiled by Inductor; 3: the CPU
+# list without Inductor where ONNX Runtime is installed; 4: ONNX Runtime in one lane below LANE_CORES threads)
 
 
 def cache_path() -> Path:

@@ -2,8 +2,9 @@
 
 * :class:`CpuTarget` — lanes as threads (:class:`~opweave.backends.cpu.CpuBackend`), or lanes over ONNX Runtime's
   optimized graph (``graph="onnxruntime"``, :class:`~opweave.backends.ortgraph.OrtLanes`). Default plan: HEFT on one
-  lane per core, the cross-lane edge weighed at the measured thread hand-off (kept only when it beats one lane and
-  eager: :func:`opweave.pipeline.autotune.guarded`, which :func:`opweave.pipeline.flow.build` asks).
+  lane per core, the cross-lane edge weighed at the measured thread hand-off, one candidate of the default's race
+  beside the model in one ONNX Runtime segment and the model itself (:func:`opweave.pipeline.autotune.guarded`,
+  which :func:`opweave.pipeline.flow.build` asks).
 * :class:`CudaTarget` — CUDA streams, recorded into a CUDA Graph (:class:`~opweave.backends.cuda.CudaBackend`).
   Default plan: the scheduler and stream cap the calibrated simulator predicts fastest.
 
