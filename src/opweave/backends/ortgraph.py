@@ -116,6 +116,9 @@ def stable_names(graph) -> None:
         node.name = base if taken[base] == 1 else f"{base}_{taken[base] - 1}"
 
 
+PROFILE_BUDGET_S = 2.0  # the profiling runs of OrtGraph stop after this long (at least 5 runs, 3 of them warm-up)
+
+
 class OrtGraph:
     """``captured`` exported whole and optimized by ONNX Runtime; ``graph`` is an OpGraph of the optimized nodes with
     their one-thread kernel times (module docstring), or ``latency_ms`` where it names exactly those nodes (a cached
@@ -206,11 +209,18 @@ class OrtGraph:
                 for name, value in (*self.feed.items(), *zip(produced, results, strict=True))}
 
     def _profile(self, runs: int) -> dict[str, float]:
-        """Each node's kernel time (ms) on one thread: ONNX Runtime's profiler, median over ``runs`` runs."""
+        """Each node's kernel time (ms) on one thread: ONNX Runtime's profiler, median over ``runs`` runs after
+        three, or over those made within :data:`PROFILE_BUDGET_S` (at least two): a large model at batch 8 took a
+        third of a second a run on one thread, and 23 runs most of a search's build."""
+        import time
+
         with tempfile.TemporaryDirectory(prefix="opweave_ort_profile_") as tmp:
             session = self.session(self.model.SerializeToString(), 1, profile=Path(tmp) / "profile")
-            for _ in range(runs + 3):
+            start = time.perf_counter()
+            for k in range(runs + 3):
                 session.run(None, self.feed)
+                if k >= 4 and time.perf_counter() - start > PROFILE_BUDGET_S:
+                    break
             events = json.loads(Path(session.end_profiling()).read_text())
         times = collections.defaultdict(list)
         for event in events:
