@@ -507,16 +507,25 @@ def advice(data: dict) -> str:
         return [r["compile_s"] for r in rows if r["mode"] == mode and "compile_s" in r and "error" not in r]
 
     batches = list(dict.fromkeys(s["batch"] for s in summary))
-    per_batch = "; ".join(f"{span([s['default_vs_torch_compile'] for s in summary if s['batch'] == b])} at batch {b}"
-                          for b in batches)
+    per_batch = " and ".join(f"{span([s['default_vs_torch_compile'] for s in summary if s['batch'] == b])}"
+                             f"{' `torch.compile`' if i == 0 else ''} at batch {b}" for i, b in enumerate(batches))
     overlap = sum(s["default_spreads_overlap"] for s in summary)
+    slower = [s for s in summary if s["default_vs_torch_compile"] < 1 and not s["default_spreads_overlap"]]
+    within = [s for s in summary if s["default_vs_torch_compile"] < 0.95 and s["default_spreads_overlap"]]
     picks: dict[str, int] = {}
     for s in summary:
         picks[s.get("default_choice") or "?"] = picks.get(s.get("default_choice") or "?", 0) + 1
     picked = ", ".join(f"{label} {n}" for label, n in sorted(picks.items(), key=lambda kv: -kv[1]))
     eager = [s["default_vs_eager"] for s in summary if "default_vs_eager" in s]
-    text = (f"The default is {per_batch} `torch.compile` ({overlap} of {len(summary)} within the p10–p90 spread) and "
-            f"{span(eager)} eager; it kept {picked} of {len(summary)} (model and batch). It builds in "
+    text = (f"The default is {per_batch} ({overlap} of {len(summary)} within the p10–p90 spread) and "
+            f"{span(eager)} eager; it kept {picked} of {len(summary)} (model and batch).")
+    if slower:
+        text += (" It is slower than `torch.compile` on " + ", ".join(
+            f"{s['model']} at batch {s['batch']} ({s['default_vs_torch_compile']:.2f}×)" for s in slower) + "")
+        text += (", and below 0.95× within the spread on " + ", ".join(
+            f"{s['model']} at batch {s['batch']} ({s['default_vs_torch_compile']:.2f}×)" for s in within)
+            if within else "") + "."
+    text += (" It builds in "
             f"{span(builds('opweave default'), 's')}, {span([s['default_build_vs_torch_compile'] for s in summary])} "
             f"the time of `torch.compile`'s first compile ({span(builds('torch.compile'), 's')}).")
     autotuned = [s for s in summary if "max_autotune_vs_torch_compile" in s]

@@ -212,8 +212,7 @@ def test_max_autotune_block(tmp_path, monkeypatch):
 
 # ---- the CPU results ------------------------------------------------------------------------------------------------
 RESULTS = README.parent / "benchmarks" / "results"
-CPU_TABLES = ("cpu_latency", "cpu_default_vs_torch_compile", "cpu_latency_default",  # the README's, in its order
-              "cpu_latency_default_b8")
+CPU_TABLES = ("cpu_default", "cpu_latency")  # the README's, in its order
 NAMES = {"inception_v3": "Inception-v3", "googlenet": "GoogLeNet", "squeezenet": "SqueezeNet", "resnet50": "ResNet-50",
          "nasnet_a_mobile": "NASNet", "randwire": "RandWire", "bert_base": "BERT", "deepfm": "DeepFM"}
 COMPILERS = {"none": "unfused", "onnxruntime": "ONNX Runtime segments", "onnxruntime-graph": "ONNX Runtime's graph",
@@ -272,20 +271,6 @@ def test_readme_cpu_figures_are_their_json_s():
     losses = [m for m, (_, r) in best.items() if r <= 1]
     assert (f"Plans of several lanes beat one lane on {' and '.join(wins)}, not on {named(losses)}.") in prose
 
-    b1, b8 = cpu_result("cpu_latency_default")["summary"], cpu_result("cpu_latency_default_b8")["summary"]
-    both = b1 + b8
-    eager = [s for s in both if s["default_choice"] == "eager"]
-    kept = [s["default_vs_eager"] for s in both if s["default_choice"] != "eager"]
-    itself = ", ".join(f"{named([s['model'] for s in eager if s['batch'] == batch])} at batch {batch}"
-                       for batch in (1, 8))
-    slower = [s for s in both if s["default_vs_eager"] < 1]
-    assert {s["batch"] for s in slower} == {8}  # the sentence below names the batch once
-    assert (f"It is {ratios([s['default_vs_eager'] for s in b1])} eager at batch 1 and "
-            f"{ratios([s['default_vs_eager'] for s in b8])} at batch 8: where it kept lanes or one lane, "
-            f"{ratios(kept)}; where it ran the model itself ({itself}), "
-            f"{ratios([s['default_vs_eager'] for s in eager])}, slower than eager on "
-            f"{named([s['model'] for s in slower])} at batch 8.") in prose
-
 
 def new_size_sentence(data: dict) -> str:
     """What the README's "Other shapes" says a new size costs, from ``benchmarks/results/new_signature.json``."""
@@ -315,29 +300,22 @@ def test_readme_says_what_a_new_size_costs_with_its_json_s_figures():
 
 
 def test_readme_says_which_mode_to_use_on_a_cpu_with_its_json_s_figures():
-    """The default against torch.compile on the four multi-branch models, and max-autotune, with their build times:
-    the figures of the sentence that tells a CPU user which mode to use are the JSON's."""
+    """The default and max-autotune against torch.compile over the zoo, with their build times: the comparison table
+    and the sentences that tell a CPU user what the default gives are rendered from the JSON (cpu_latency.verdict,
+    cpu_latency.advice), and the first screen says where the CPU speed comes from."""
     prose = " ".join(section("Results on a CPU").split())
-    rows = cpu_result("cpu_default_vs_torch_compile")["rows"]
-
-    def of(mode: str, key: str) -> dict:
-        return {r["model"]: r[key] for r in rows if r["mode"] == mode}
-
-    def seconds(values) -> str:
-        return f"{min(values):.{0 if min(values) >= 10 else 1}f}–{max(values):.{0 if max(values) >= 10 else 1}f} s"
-
-    peer = of("torch.compile", "median_ms")
-    default, best = of("opweave default", "median_ms"), of("opweave max-autotune", "median_ms")
-    assert set(peer) == set(default) == set(best) == {"inception_v3", "googlenet", "nasnet_a_mobile", "randwire"}
-    assert (f"The default (PyTorch's own kernels, on lanes, one lane or the model itself: "
-            f"{seconds(of('opweave default', 'compile_s').values())} to build) is "
-            f"{ratios([peer[m] / default[m] for m in peer])} `torch.compile` here.") in prose
-    assert (f"keeps the fastest: {ratios([peer[m] / best[m] for m in peer])} `torch.compile`, for "
-            f"{seconds(of('opweave max-autotune', 'compile_s').values())} of building the first time on these two "
-            f"cores ({seconds(of('opweave max-autotune', 'warm_s').values())} once its choice is cached), where "
-            f"`torch.compile`'s first build took {seconds(of('torch.compile', 'compile_s').values())}.") in prose
+    data = cpu_result("cpu_default")
+    assert {s["model"] for s in data["summary"]} == set(zoo_names()) and {s["batch"] for s in data["summary"]} == {1, 8}
+    assert cpu_latency().verdict(data["summary"], data["rows"]) in section("Results on a CPU")
+    assert " ".join(cpu_latency().advice(data).split()) in prose
     first_screen = " ".join(README.read_text().split("\n## Install\n")[0].split())
-    assert 'the default is slower than `torch.compile`, and `mode="max-autotune"` is the mode to use' in first_screen
+    assert "the default's speed there comes from ONNX Runtime's compiled segments" in first_screen
+
+
+def zoo_names() -> list[str]:
+    from opweave import zoo
+
+    return zoo.names()
 
 
 # ---- the command line quick start -----------------------------------------------------------------------------------
