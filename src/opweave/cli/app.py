@@ -39,8 +39,8 @@ class _Group(TyperGroup):
         command = super().get_command(ctx, cmd_name)
         if command is not None and not getattr(command, "_plain_flags", False):
             params = command.get_params
-            command.get_params = lambda ctx: _plain_flags(params(ctx))  # type: ignore[method-assign]
-            command._plain_flags = True  # type: ignore[attr-defined]
+            command.get_params = lambda ctx: _plain_flags(params(ctx))
+            command._plain_flags = True
         return command
 
 
