@@ -169,8 +169,9 @@ COSTED_BY_ENGINE = "the engine costs every combined block, a new graph, itself"
 
 OPTIONS: dict[str, Spec] = {
     "scheduler": Spec("the scheduler that places ops on streams (opweave.schedulers.names())", "cpu, cuda",
-                      _scheduler, "cpu: the fastest of the model as one ONNX Runtime segment (when installed), "
-                      "heft's lanes and the model itself, timed; cuda: the simulator's pick; hios-lp with devices > 1",
+                      _scheduler, "cpu: the fastest of the model as one ONNX Runtime segment (when installed) and "
+                      "the model itself, timed (heft's lanes too with 4 threads or more, or without ONNX Runtime); "
+                      "cuda: the simulator's pick; hios-lp with devices > 1",
                       served=Served(lambda o: "heft" if o.serving == "cpu" and o.compiler else "lios",
                                     "lios (TOP's); cpu with a compiler: heft (the parts side by side)",
                                     simulated=True)),
