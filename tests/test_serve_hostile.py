@@ -780,33 +780,42 @@ def test_the_heap_trimmer_gives_freed_memory_back():
     assert trimmer.trims >= 1 and keep and held
 
 
-def test_the_event_loop_answers_liveness_while_eight_large_bodies_are_decoded(server, monkeypatch):
-    """Eight 1 MB bodies whose decoding is held until liveness has answered: held on worker threads it lets the
-    event loop answer; held on the event loop it would not answer at all."""
-    decoding = threading.Semaphore(0)
+def live_while_held(monkeypatch, url: str, step: str, posts: list[dict]) -> tuple:
+    """``posts`` (keywords of ``httpx.AsyncClient.post`` to ``/v2/models/...``) sent at once while
+    ``protocol.<step>`` is held as soon as one reaches it, and ``/v2/health/live`` asked meanwhile: the liveness
+    answer (a step held on the event loop leaves it unanswered: the probe times out) and every post's answer, once
+    released."""
+    reached = threading.Semaphore(0)
     release = threading.Event()
-    decode = protocol.decode
+    original = getattr(protocol, step)
 
     def held(*args, **kwargs):
-        decoding.release()
+        reached.release()
         release.wait(120)
-        return decode(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(protocol, "decode", held)
-    body = b'{"inputs": [' + b" " * (1 << 20)
+    monkeypatch.setattr(protocol, step, held)
 
     async def scenario():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
-            posts = [asyncio.create_task(c.post("/v2/models/tiny/infer", content=body)) for _ in range(8)]
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            tasks = [asyncio.create_task(c.post(**post)) for post in posts]
             try:
-                assert await asyncio.to_thread(decoding.acquire, True, 60), "no body reached its decoding"
-                async with httpx.AsyncClient(base_url=server.url, timeout=30) as probe:
+                assert await asyncio.to_thread(reached.acquire, True, 60), f"no request reached protocol.{step}"
+                async with httpx.AsyncClient(base_url=url, timeout=30) as probe:
                     live = await probe.get("/v2/health/live")
             finally:
                 release.set()
-            return live, await asyncio.gather(*posts)
+            return live, await asyncio.gather(*tasks)
 
-    live, answers = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_the_event_loop_answers_liveness_while_eight_large_bodies_are_decoded(server, monkeypatch):
+    """Eight 1 MB bodies whose decoding is held until liveness has answered: held on worker threads it lets the
+    event loop answer; held on the event loop it would not answer at all."""
+    body = b'{"inputs": [' + b" " * (1 << 20)
+    live, answers = live_while_held(monkeypatch, server.url, "decode",
+                                    [{"url": "/v2/models/tiny/infer", "content": body}] * 8)
     assert live.status_code == 200
     assert [r.status_code for r in answers] == [400] * 8 and all("malformed JSON" in r.json()["error"]
                                                                     for r in answers)
@@ -1025,30 +1034,9 @@ def test_an_answer_large_in_json_is_encoded_off_the_event_loop(bounded, monkeypa
     """fan's output takes 64 KiB as a tensor but about 330 KB written in JSON: its encoding, held until liveness has
     answered, must be on a worker thread (the decision was taken by the tensor's size: on the event loop, which
     then answered nothing)."""
-    encoding = threading.Event()
-    release = threading.Event()
-    encode = protocol.encode
-
-    def held(*args, **kwargs):
-        encoding.set()
-        release.wait(120)
-        return encode(*args, **kwargs)
-
-    monkeypatch.setattr(protocol, "encode", held)
     body, headers = fan_request(1, binary_output=False)
-
-    async def scenario():
-        async with httpx.AsyncClient(base_url=bounded.url, timeout=120) as c:
-            post = asyncio.create_task(c.post("/v2/models/fan/infer", content=body, headers=headers))
-            try:
-                assert await asyncio.to_thread(encoding.wait, 60), "no answer reached its encoding"
-                async with httpx.AsyncClient(base_url=bounded.url, timeout=30) as probe:
-                    live = await probe.get("/v2/health/live")
-            finally:
-                release.set()
-            return live, await post
-
-    live, answer = asyncio.run(scenario())
+    live, (answer,) = live_while_held(monkeypatch, bounded.url, "encode",
+                                      [{"url": "/v2/models/fan/infer", "content": body, "headers": headers}])
     assert live.status_code == 200
     assert answer.status_code == 200 and len(answer.content) > 256 << 10
     assert answer.json()["outputs"][0]["shape"] == [1, 256, 8, 8]
