@@ -148,6 +148,37 @@ def test_a_scalar_crossing_segments_is_recomputed_never_baked():
         torch.testing.assert_close(segmented.output(env), Scalar()(x))
 
 
+class Slices(nn.Module):
+    """Slices of one input, each read by one op but the first, which two ops read."""
+
+    def forward(self, x):
+        first = x[:, 0]
+        return first.relu() + first.sigmoid() + x[:, 1].exp() * x[:, 2].tanh()
+
+
+def test_a_slice_of_an_input_read_by_one_segment_is_made_inside_it_and_one_read_by_two_is_bound():
+    x = torch.randn(4, 3, 5)
+    captured = capture(Slices(), (x,))
+    prelude = {name for name, _ in captured._prelude}
+    assert len(prelude) == 3  # the three slices, bound before the ops run
+    merged = merge_ops(captured, [[op] for op in captured.graph.topo_order])  # every op its own segment
+    segmented = Segmented(merged.graph, merged.gm, merged.nodes, compiler="eager")
+    bound = [name for name, _ in segmented._prelude]
+    assert len(bound) == 1 and bound[0] in prelude  # the slice two segments read
+    inputs = {node.name for seg in segmented._segments.values() for node in seg.inputs}
+    assert inputs & prelude == set(bound) and "x" in inputs
+    whole = merge_ops(captured, [list(captured.graph.topo_order)])  # one segment: it takes the input itself
+    one = Segmented(whole.graph, whole.gm, whole.nodes, compiler="eager")
+    assert one._prelude == [] and [n.name for n in next(iter(one._segments.values())).inputs] == ["x"]
+    for model in (segmented, one):
+        for _ in range(2):
+            x = torch.randn(4, 3, 5)
+            env = model.bind((x,))
+            for seg in model.graph.topo_order:
+                model.run_op(seg, env)
+            torch.testing.assert_close(model.output(env), Slices()(x))
+
+
 def test_a_segment_past_its_signature_bound_runs_op_by_op_and_warns_once():
     class Scalar(nn.Module):
         def forward(self, x):

@@ -61,6 +61,7 @@ from typing import Any, Protocol
 import torch
 from torch import fx
 
+from opweave.backends import ortrewrite
 from opweave.errors import MissingPackageError, UsageError, first_line
 
 
@@ -284,6 +285,8 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dy
         axes.update({f"out{i}": {d: f"out{i}_{d}" for d in range(rank)} for i, rank in enumerate(output_ranks or [])
                      if rank})
         names["dynamic_axes"] = axes
+    if isinstance(gm, fx.GraphModule):  # ops ONNX Runtime runs slowly, in a form it runs fast (ortrewrite)
+        gm, _ = ortrewrite.rewrite(gm, fixed_sizes=not dynamic_dims)
     buffer = io.BytesIO()
     onnx_export: Any = torch.onnx.export  # its stub names a path; it writes to a file object too
     try:
