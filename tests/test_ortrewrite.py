@@ -4,6 +4,8 @@ is."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,7 +52,7 @@ def test_an_average_pool_becomes_a_depthwise_convolution_with_the_same_values(ke
     x = torch.randn(batch, channels, height, width)
     gm = traced(model, x)
     new, counts = rewrite(gm)
-    assert counts == {"pools": 1, "stacks": 0}
+    assert counts == {"pools": 1, "stacks": 0, "crops": 0}
     assert F.conv2d in targets(new) and "module" not in targets(new) and F.avg_pool2d not in targets(new)
     torch.testing.assert_close(new(x), model(x), rtol=1e-5, atol=1e-5)
     assert targets(gm) == targets(traced(model, x))  # the graph given is left as it is
@@ -99,7 +101,7 @@ class Aggregate(nn.Module):
 def test_a_sum_over_a_stack_becomes_a_sum_of_its_parts(form, parts):
     model, x = Aggregate(form, parts), torch.randn(2, 3, 4, 5)
     new, counts = rewrite(traced(model, x))
-    assert counts == {"pools": 0, "stacks": 1}
+    assert counts == {"pools": 0, "stacks": 1, "crops": 0}
     assert torch.stack not in targets(new) and "sum" not in targets(new) and torch.sum not in targets(new)
     torch.testing.assert_close(new(x), model(x), rtol=1e-5, atol=1e-5)
 
@@ -166,3 +168,43 @@ def test_onnx_runtime_runs_the_rewritten_export_with_the_models_values():
     run = get("onnxruntime")(traced(model, x), [x], 1)
     with torch.no_grad():
         torch.testing.assert_close(run(x)[0], model(x)[0], rtol=1e-5, atol=1e-5)
+
+
+class Crop(nn.Module):
+    def __init__(self, amounts: tuple, index: tuple, mode: str = "constant"):
+        super().__init__()
+        self.amounts, self.index, self.mode = amounts, index, mode
+
+    def forward(self, x):
+        return F.pad(x, self.amounts, mode=self.mode)[self.index] * 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(amounts=st.lists(st.integers(0, 2), min_size=4, max_size=4), starts=st.lists(st.integers(0, 2), min_size=2,
+                                                                                   max_size=2),
+       ends=st.lists(st.sampled_from([None, -1, -2]), min_size=2, max_size=2))
+def test_a_zero_pad_cropped_by_a_slice_becomes_one_pad(amounts, starts, ends):
+    index = (slice(None), slice(None), *(slice(s, e) for s, e in zip(starts, ends, strict=True)))
+    model, x = Crop(tuple(amounts), index), torch.randn(2, 3, 6, 7)
+    new, counts = rewrite(traced(model, x))
+    assert counts["crops"] == 1 and targets(new).count(F.pad) == 1
+    assert not any(n.target is operator.getitem for n in new.graph.nodes)
+    assert torch.equal(new(x), model(x))
+
+
+@pytest.mark.parametrize("index, mode", [((slice(None), slice(1, None)), "constant"),  # a dimension not padded
+                                         ((slice(None), slice(None), slice(1, None, 2)), "constant"),  # a step
+                                         ((slice(None), slice(None), slice(1, None)), "reflect")])
+def test_other_crops_are_left_as_they_are(index, mode):
+    model, x = Crop((1, 1, 1, 1), index, mode), torch.randn(2, 3, 6, 7)
+    new, counts = rewrite(traced(model, x))
+    assert counts["crops"] == 0 and torch.equal(new(x), model(x))
+
+
+def test_nasnets_shift_exports_as_one_pad_read_by_the_next_op():
+    onnx = pytest.importorskip("onnx")
+    x = torch.randn(1, 3, 9, 9)
+    gm = traced(Crop((0, 1, 0, 1), (slice(None), slice(None), slice(1, None), slice(1, None))), x)
+    nodes = onnx.load_from_string(export_onnx(gm, [x], 1)).graph.node
+    (pad,) = [n for n in nodes if n.op_type == "Pad"]  # its amounts may be computed by small ops ORT folds
+    assert [n.op_type for n in nodes if pad.output[0] in n.input] == ["Mul"]  # no Slice copies the data
