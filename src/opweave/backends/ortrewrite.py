@@ -141,7 +141,7 @@ def _crop_as_pad(graph: fx.Graph, node: fx.Node) -> bool:
     at the ``getitem`` ``node`` by one ``F.pad`` whose negative amounts crop (module docstring); whether it was."""
     if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[1], tuple):
         return False
-    pad, index = node.args
+    pad, index = node.args[0], tuple(node.args[1])  # a tuple: checked above
     if not isinstance(pad, fx.Node) or pad.op != "call_function" or pad.target is not F.pad or len(pad.users) != 1:
         return False
     args = dict(zip(("input", "pad", "mode", "value"), pad.args, strict=False)) | dict(pad.kwargs)
