@@ -30,7 +30,9 @@ the dimensions left free): ``fn`` then takes any size in them (:mod:`opweave.bac
   heft+onnxruntime took 123 ms spinning, 51 ms sleeping, against 36 ms for one lane. The export uses the TorchScript
   exporter (``dynamo=False``): it exports a segment in milliseconds where the ``torch.export``-based exporter takes
   about half a second, which for a model's hundreds of segments is minutes; when it fails the ``torch.export``-based
-  one is tried. ORT releases the GIL while it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy
+  one is tried. Before it is exported, a segment's average pools, sums over a stack and cropped zero pads are
+  rewritten into the ops ONNX Runtime runs fast (:mod:`opweave.backends.ortrewrite`). ORT releases the GIL while
+  it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy
   for contiguous tensors), outputs come back as tensors sharing ORT's arrays. A segment with a non-tensor output (a
   shape read by a later segment) cannot be exported and runs op by op. With ``dynamic_dims`` the exported graph keeps
   those dimensions of its inputs, and every dimension of its outputs, symbolic (``dynamic_axes``): one session for
