@@ -321,6 +321,40 @@ def test_the_race_times_each_call_right_after_an_untimed_call_of_the_same_functi
     assert trace == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"] and len(timed) == 6
 
 
+def test_a_call_timed_before_the_race_is_its_first_round():
+    """A compiled candidate's check is timed right after the call that compiled it, as a round would time it: the
+    race takes it as that candidate's first timed call, calls it no more in that round, and counts it in the budget."""
+    from opweave.costs.timing import race_ms
+
+    trace: list[str] = []
+    ms = {"seeded": 5.0, "other": 5.0}
+    timer = lambda label, fn: (fn(), ms[label])[1]  # noqa: E731
+    fns = {k: (lambda k=k: trace.append(k)) for k in ms}
+    times, _ = race_ms(fns, rounds=3, warmup=0, settle=1, timer=timer, seed={"seeded": [4.5]})
+    assert trace[:2] == ["other", "other"] and times["seeded"][0] == 4.5 and len(times["seeded"]) == 3
+    trace.clear()
+    times, _ = race_ms(fns, rounds=3, warmup=0, settle=1, budget_ms=15.0, timer=timer, seed={"seeded": [4.5]})
+    assert trace == ["other", "other"] and times == {"seeded": [4.5], "other": [5.0]}  # 2 x (4.5 + 5) ms: one round
+
+
+def test_the_default_checks_its_candidates_against_the_output_capture_checked(monkeypatch):
+    """The captured graph's output on the example inputs, which capture compared with the model, is the reference a
+    candidate is checked against: the graph is not run once more to make it (other inputs still are)."""
+    from opweave.capture.runtime import Captured
+    from opweave.pipeline.autotune import DEFAULT_LABELS, _Check
+
+    model, inputs = zoo.create("squeezenet", batch_size=1, image_size=64)
+    runs = []
+    original = Captured.run
+    monkeypatch.setattr(Captured, "run", lambda self, args: runs.append(args) or original(self, args))
+    fast = opweave.compile(model, inputs)
+    assert runs == [] and fast.choice["label"] in DEFAULT_LABELS
+    other = tuple(x.clone() for x in inputs)
+    check = _Check(fast.captured, other, model)
+    with torch.no_grad():
+        assert len(runs) == 1 and runs[0] is other and check(model(*other)).ok
+
+
 def test_the_default_keeps_the_model_itself_when_it_wins_and_runs_it_as_the_lanes_would():
     # DeepFM-sized models lost to eager by the lanes' per-call cost (0.6 against 0.4 ms); the guard now times the
     # model itself, and a kept model runs under no_grad like the lanes, on the live weights

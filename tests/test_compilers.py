@@ -174,3 +174,43 @@ def test_max_autotune_on_fewer_cores_than_lanes_need_searches_onnxruntime_in_one
     assert fast.schedule.streams_used == 1
     with torch.inference_mode():
         assert compare(model(*inputs), fast(*inputs)).ok
+
+
+class Weighted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.fc = nn.Linear(8, 4)
+        self.norm = nn.BatchNorm1d(4).eval()
+
+    def forward(self, ids):
+        return (self.norm(self.fc(self.embed(ids).mean(1))),)
+
+
+def test_an_onnxruntime_session_reads_a_copy_of_the_weights_that_the_exported_bytes_leave_out():
+    """The export leaves the weights out of the bytes (external initializers, each a copy handed to ONNX Runtime):
+    the bytes are small, every parameter and buffer the graph reads is there by name, the session equals the graph,
+    and a weight changed after the build is not seen, as a compiled graph's weights never are."""
+    pytest.importorskip("onnxruntime")
+    onnx = pytest.importorskip("onnx")
+    from opweave.backends.compilers import export_onnx
+
+    torch.manual_seed(0)
+    gm, ids = fx.symbolic_trace(Weighted().eval()), torch.randint(0, 50, (3, 5))
+    weights: dict = {}
+    raw = export_onnx(gm, [ids], 1, weights=weights)
+    model = onnx.load_from_string(raw)
+    names = {*dict(gm.named_parameters()), *dict(gm.named_buffers())}
+    assert {"embed.weight", "fc.weight", "fc.bias"} <= set(weights) <= names  # (the exporter may fold a norm's)
+    assert len(raw) < 4 * 50 * 8 and [i.name for i in model.graph.input] == ["in0"]
+    assert all(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer
+               if init.name in weights)
+    with torch.no_grad():
+        expected = gm(ids)[0]
+        run = get("onnxruntime")(gm, [ids], 1)
+        torch.testing.assert_close(run(ids)[0], expected, rtol=1e-5, atol=1e-5)
+        gm.fc.weight.add_(1.0)
+        torch.testing.assert_close(run(ids)[0], expected, rtol=1e-5, atol=1e-5)
+    shared = get("onnxruntime", share_weights=True)  # the server's sessions read the weights in the bytes, shared
+    with torch.no_grad():
+        torch.testing.assert_close(shared(gm, [ids], 1)(ids)[0], gm(ids)[0], rtol=1e-5, atol=1e-5)

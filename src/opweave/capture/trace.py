@@ -117,7 +117,7 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
                 continue
         nodes, owner = partition(gm, kept)
         graph = build_graph(gm, nodes, owner, kept, model_name)
-        return Captured(graph, gm, nodes, signature, example_inputs)
+        return Captured(graph, gm, nodes, signature, example_inputs, example_output=result)
     at = f" at {located}" if located else ""
     reasons = "; ".join(f.rstrip(". ") for f in failures)
     raise CaptureError(f"cannot capture {model_name} as one graph{at}: {reasons}. {SUGGESTION}")

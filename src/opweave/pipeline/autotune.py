@@ -58,7 +58,7 @@ RACE_BUDGET_MS = 500.0  # a CPU race stops after the round that spends this much
 
 
 def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: int = 5, runs: int = 3,
-            runtime=None) -> tuple[str, dict[str, float]]:
+            runtime=None, seed: dict[str, list[float]] | None = None) -> tuple[str, dict[str, float]]:
     """The label of the fastest of ``built`` by median time, and every median (ms), timed interleaved under
     ``no_grad`` as they were checked: timed under ``inference_mode``, ``torch.compile`` runs code compiled for
     another grad mode, measured 1.2-1.8x slower on an H200 than in the mode it was compiled in. On the CPU a race
@@ -67,7 +67,7 @@ def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: i
     :data:`RACE_BUDGET_MS`): a candidate that cannot win is dropped after its second timed call, so a choice
     among a few plans costs little more than timing the winner; on CUDA ``rounds`` rounds of ``runs`` calls each
     with its events (on a stand-in ``runtime``, the fake one, on the host's clock with a synchronize after each
-    call)."""
+    call). ``seed``: calls timed before, taken as the race's first round (:func:`opweave.costs.timing.race_ms`)."""
     import torch
 
     from opweave.backends.runtime import CudaRuntime
@@ -77,7 +77,7 @@ def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: i
     with torch.no_grad():  # the mode candidates are checked in: torch.compile's code is compiled for it
         if device == "cpu":
             times, _ = race_ms(calls, rounds=rounds * runs, warmup=0, settle=1, budget_ms=RACE_BUDGET_MS,
-                               timer=TIMER)
+                               timer=TIMER, seed=seed)
         else:
             sync = runtime.synchronize if runtime is not None and not isinstance(runtime, CudaRuntime) else None
             times = interleaved_ms(calls, rounds=rounds, runs=runs, device=device, sync=sync)
@@ -120,6 +120,7 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
     one = options.derive(scheduler="sequential", streams=1, costs=compiled.costs, coarsen=False,
                          scheduler_options=None, guard=False)
     left_out: dict[str, str] = {}
+    seed: dict[str, list[float]] = {}  # a compiled candidate's check, timed just after the call that compiled it
     if compiler is not None:
         tries = {"onnxruntime": lambda: CpuTarget().build(captured, inputs, one.derive(compiler=compiler))}
         if lanes and (options.threads or 1) >= LANE_CORES:
@@ -128,11 +129,12 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
                 compiled.costs)
         agrees = _Check(captured, inputs, eager)
         for label, make in tries.items():
-            fast, why = _checked(make, agrees)
+            fast, why, ms = _checked(make, agrees, label)
             if fast is None:
                 left_out[label] = why
             else:
                 built[label] = fast
+                seed[label] = [ms]
     if "onnxruntime" not in built:  # no compiled candidate in one lane: the captured ops in the model's order
         built["one lane"] = CpuTarget().build(captured, inputs, one) if lanes else compiled
     elif not lanes or (options.threads or 1) < LANE_CORES:
@@ -148,7 +150,7 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
             kept.choice = {"label": label, "compiler": compiler if label.startswith("onnxruntime") else None,
                            "candidates": {}, "left_out": left_out}
         return kept
-    best, medians = fastest(built, inputs)
+    best, medians = fastest(built, inputs, seed={label: ms for label, ms in seed.items() if label in built})
     for label, other in built.items():
         if label != best and other.backend is not built[best].backend:
             other.close()
@@ -178,10 +180,11 @@ def _say_missing() -> None:
                   "pip install 'opweave[onnx]' brings it", stacklevel=2)
 
 
-def _checked(make, agrees) -> tuple[Compiled | None, str]:
-    """``make()`` and whether its output equals the model's: the candidate, or None and why not. The segment
-    compiler's own warnings (a segment it could not compile runs op by op) are the candidate's, not the caller's:
-    the choice's timing decides what they cost."""
+def _checked(make, agrees, label: str) -> tuple[Compiled | None, str, float]:
+    """``make()`` and whether its output equals the model's: the candidate, or None and why not, and the
+    milliseconds of the call checked (on :data:`TIMER` as ``label``; building ran the candidate once, so this call is
+    timed as the race times one: :func:`fastest`'s ``seed``). The segment compiler's own warnings (a segment it could
+    not compile runs op by op) are the candidate's, not the caller's: the choice's timing decides what they cost."""
     import torch
 
     try:
@@ -189,13 +192,25 @@ def _checked(make, agrees) -> tuple[Compiled | None, str]:
             warnings.simplefilter("ignore")
             fast = make()
         with torch.no_grad():
-            check = agrees(fast(*agrees.inputs))
+            out, ms = _timed(label, functools.partial(fast, *agrees.inputs))
+            check = agrees(out)
     except Exception as exc:  # noqa: BLE001 - a candidate that cannot be built is left out, and said so
-        return None, first_line(exc)
+        return None, first_line(exc), 0.0
     if not check.ok:
         fast.close()
-        return None, check.reason
-    return fast, ""
+        return None, check.reason, ms
+    return fast, "", ms
+
+
+def _timed(label: str, fn) -> tuple[Any, float]:
+    """``fn()`` and the milliseconds it took (on :data:`TIMER`, as ``label``, where set)."""
+    result: list = []
+    if TIMER is not None:
+        ms = TIMER(label, lambda: result.append(fn()))
+        return result[0], ms
+    start = time.perf_counter()
+    value = fn()
+    return value, (time.perf_counter() - start) * 1e3
 
 
 # ---- mode="max-autotune" ------------------------------------------------------------------------------------------
@@ -308,6 +323,7 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
     latencies = _Latencies(captured, inputs, device)
     built: dict[str, Compiled] = {}
     measured: dict[str, dict] = {}
+    seed: dict[str, list[float]] = {}  # on the CPU, each check timed just after the build's own call
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task(f"{graph.name}: max-autotune, building", total=len(candidates) + 1)
@@ -317,7 +333,8 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
             try:
                 fast = _build(target, captured, inputs, options, candidate, latencies.of(candidate), eager)
                 with torch.no_grad():
-                    check = agrees(_output(fast, inputs, options))
+                    out, ms = _timed(candidate.label, functools.partial(_output, fast, inputs, options))
+                    check = agrees(out)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot be built is left out, and said so
                 measured[candidate.label] = {"error": first_line(exc)}
             else:
@@ -326,6 +343,7 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
                     measured[candidate.label]["segments"] = dict(fast.fused.stats)
                 if check.ok:
                     built[candidate.label] = fast
+                    seed[candidate.label] = [ms]
                 else:
                     measured[candidate.label]["wrong"] = check.reason
                     fast.close()
@@ -333,7 +351,8 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
         if not built:
             raise UsageError(f"{graph.name}: no max-autotune candidate equals the model: {measured}")
         bar.update(task, description=f"{graph.name}: max-autotune, timing {len(built)} candidates")
-        best, medians = fastest(built, inputs, device=device, runtime=options.runtime)
+        best, medians = fastest(built, inputs, device=device, runtime=options.runtime,
+                                seed=seed if device == "cpu" else None)
         bar.advance(task)
     for label, ms in medians.items():
         measured[label]["median_ms"] = ms
@@ -358,7 +377,11 @@ class _Check:
 
     def __init__(self, captured, inputs: tuple, eager):
         self.captured, self.inputs, self.eager = captured, inputs, eager
-        self.reference = captured.run(inputs)
+        examples = captured.example_inputs
+        same = captured.example_output is not None and len(inputs) == len(examples) and all(
+            a is b for a, b in zip(inputs, examples, strict=True))
+        # the output capture checked, for the inputs it was captured with (a BERT at batch 8: 0.2 s less to build)
+        self.reference = captured.example_output if same else captured.run(inputs)
         self._exact = None
 
     def __call__(self, out):
