@@ -214,3 +214,19 @@ def test_an_onnxruntime_session_reads_a_copy_of_the_weights_that_the_exported_by
     shared = get("onnxruntime", share_weights=True)  # the server's sessions read the weights in the bytes, shared
     with torch.no_grad():
         torch.testing.assert_close(shared(gm, [ids], 1)(ids)[0], gm(ids)[0], rtol=1e-5, atol=1e-5)
+
+
+class NamedLikeAnInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("in1", torch.randn(4))
+
+    def forward(self, a, b):
+        return (a * self.in1 + b,)
+
+
+def test_a_weight_named_like_an_input_still_exports():
+    pytest.importorskip("onnxruntime")
+    gm, a, b = fx.symbolic_trace(NamedLikeAnInput()), torch.randn(2, 4), torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(get("onnxruntime")(gm, [a, b], 1)(a, b)[0], gm(a, b)[0])

@@ -192,11 +192,14 @@ def test_a_zero_pad_cropped_by_a_slice_becomes_one_pad(amounts, starts, ends):
     assert torch.equal(new(x), model(x))
 
 
-@pytest.mark.parametrize("index, mode", [((slice(None), slice(1, None)), "constant"),  # a dimension not padded
-                                         ((slice(None), slice(None), slice(1, None, 2)), "constant"),  # a step
-                                         ((slice(None), slice(None), slice(1, None)), "reflect")])
-def test_other_crops_are_left_as_they_are(index, mode):
-    model, x = Crop((1, 1, 1, 1), index, mode), torch.randn(2, 3, 6, 7)
+@pytest.mark.parametrize("amounts, index, mode", [
+    ((1, 1, 1, 1), (slice(None), slice(1, None)), "constant"),  # a dimension not padded
+    ((1, 1, 1, 1), (slice(None), slice(None), slice(1, None, 2)), "constant"),  # a step
+    ((1, 1, 1, 1), (slice(None), slice(None), slice(1, None)), "reflect"),
+    ((1, 2, 3, 4), (slice(None), slice(None), slice(-3, None)), "constant"),  # within the padding only
+])
+def test_other_crops_are_left_as_they_are(amounts, index, mode):
+    model, x = Crop(amounts, index, mode), torch.randn(2, 3, 6, 7)
     new, counts = rewrite(traced(model, x))
     assert counts["crops"] == 0 and torch.equal(new(x), model(x))
 
@@ -208,3 +211,17 @@ def test_nasnets_shift_exports_as_one_pad_read_by_the_next_op():
     nodes = onnx.load_from_string(export_onnx(gm, [x], 1)).graph.node
     (pad,) = [n for n in nodes if n.op_type == "Pad"]  # its amounts may be computed by small ops ORT folds
     assert [n.op_type for n in nodes if pad.output[0] in n.input] == ["Mul"]  # no Slice copies the data
+
+
+class InPlace(nn.Module):
+    def forward(self, x):
+        y = F.avg_pool2d(x, 3, 1, 1)
+        y.relu_()  # its result unused: a pass that drops dead code would drop it
+        return y
+
+
+def test_an_in_place_op_whose_result_is_unused_stays():
+    model, x = InPlace(), torch.randn(1, 2, 5, 5)
+    new, counts = rewrite(traced(model, x))
+    assert counts["pools"] == 1 and "relu_" in targets(new)
+    torch.testing.assert_close(new(x), model(x))

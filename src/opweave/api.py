@@ -67,7 +67,8 @@ def compile_with(model, example_inputs, options: Options, *, example_kwargs: dic
 
     captured = capture(model, as_tuple(example_inputs), example_kwargs=example_kwargs, fold_bn=options.fold_bn)
     eager = model if isinstance(model, torch.nn.Module) else None
-    compiled = build(captured, captured.example_inputs, options, eager=eager)
+    reference, captured.example_output = captured.example_output, None  # this build's only (runtime.Captured)
+    compiled = build(captured, captured.example_inputs, options, eager=eager, reference=reference)
     return with_signatures(compiled, model, captured, options, eager)
 
 

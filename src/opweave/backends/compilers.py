@@ -362,8 +362,8 @@ def _weights_apart(gm: fx.GraphModule, inputs: list[torch.Tensor], names: dict) 
         model.graph.initializer.append(init)
         model.graph.input.remove(value)
         apart[value.name] = copy
-    if any(not i.name.startswith("in") for i in model.graph.input):
-        return None  # an input that is neither the segment's nor a weight
+    if any(i.name not in names["input_names"] for i in model.graph.input):
+        return None  # an input that is neither the segment's nor a weight (a weight named like an input renames it)
     return model.SerializeToString(), apart
 
 

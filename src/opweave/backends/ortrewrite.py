@@ -55,8 +55,8 @@ def rewrite(gm: fx.GraphModule, *, fixed_sizes: bool = True) -> tuple[fx.GraphMo
             counts["crops"] += 1
         elif _stack_sum_as_adds(new.graph, node):
             counts["stacks"] += 1
-    if any(counts.values()):
-        new.graph.eliminate_dead_code()
+    if any(counts.values()):  # each rewrite erased what it made dead (no graph-wide pass: in-place ops stay)
+        new.graph.lint()
         new.recompile()
     return new, counts
 
@@ -166,6 +166,9 @@ def _crop_as_pad(graph: fx.Graph, node: fx.Node) -> bool:
             return False  # a dimension that was not padded is cut: left as it is
         new[2 * back] -= start
         new[2 * back + 1] -= shape[dim] - stop
+        size = shape[dim] - amounts[2 * back] - amounts[2 * back + 1]  # the input's
+        if size + min(0, new[2 * back]) + min(0, new[2 * back + 1]) < 0:
+            return False  # the slice lies within the padding: a pad cannot crop more than the input has
     with graph.inserting_before(node):
         crop = graph.call_function(F.pad, (x, tuple(new)))
     crop.meta = dict(node.meta)
@@ -243,4 +246,7 @@ def _stack_sum_as_adds(graph: fx.Graph, node: fx.Node) -> bool:
     total.meta = dict(node.meta)
     node.replace_all_uses_with(total)
     graph.erase_node(node)
+    for dead in (source, *[n for n in source.all_input_nodes if n.target in _STACKS]):  # the product, the stack
+        if not dead.users:
+            graph.erase_node(dead)
     return True

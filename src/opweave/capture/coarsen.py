@@ -189,7 +189,7 @@ def merge_ops(captured: Captured, groups: list[list[str]], gm: fx.GraphModule | 
             seen.add(pair)
             edges.append(Edge(*pair, bytes=e.bytes, kind=e.kind))
     return Captured(OpGraph(ops, edges, name or fine.name), gm, nodes, signature=captured.signature,
-                    example_inputs=captured.example_inputs, example_output=captured.example_output)
+                    example_inputs=captured.example_inputs)
 
 
 def _merged_op(group: list[str], members: list[fx.Node], fine: OpGraph, gm: fx.GraphModule) -> Op:

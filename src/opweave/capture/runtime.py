@@ -53,8 +53,8 @@ class Captured:
     nodes: dict[str, list[fx.Node]]
     signature: inspect.Signature | None = None  # the model's forward(): keyword arguments are bound by it
     example_inputs: tuple = ()  # the inputs it was captured with, keyword arguments bound to their positions
-    # the graph's output on example_inputs, as capture checked it against the model (None: not kept); a measured
-    # choice checks its candidates against it rather than running the graph once more
+    # the graph's output on example_inputs as capture checked it against the model, for the build that follows the
+    # capture (opweave.compile hands it on and drops it: weights or inputs changed later would make it stale)
     example_output: Any = field(default=None, repr=False, compare=False)
     _inputs: list[tuple[fx.Node, tuple | None]] = field(init=False, repr=False)
     _free: dict[int, frozenset[int]] = field(init=False, repr=False)  # input -> dims bind takes at any size

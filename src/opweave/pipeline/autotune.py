@@ -89,7 +89,7 @@ LANE_CORES = 4  # the CPU default tries lanes of compiled segments only with at 
 DEFAULT_LABELS = ("onnxruntime", "onnxruntime lanes", "lanes", "one lane", "eager")  # what the CPU default may keep
 
 
-def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager) -> Compiled:
+def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager, reference=None) -> Compiled:
     """The CPU default: the fastest of a few candidates, measured (:func:`fastest`'s race), the others closed.
 
     * ``onnxruntime``: the model in the order it was captured, its one segment compiled by ONNX Runtime
@@ -127,14 +127,15 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
             tries["onnxruntime lanes"] = lambda: CpuTarget().runnable(
                 captured, compiled.schedule, compiled.plan, inputs, options.derive(compiler=compiler, guard=False),
                 compiled.costs)
-        agrees = _Check(captured, inputs, eager)
+        agrees = _Check(captured, inputs, eager, reference)
         for label, make in tries.items():
             fast, why, ms = _checked(make, agrees, label)
             if fast is None:
                 left_out[label] = why
             else:
                 built[label] = fast
-                seed[label] = [ms]
+                if fast.fused is not None:  # its segments were compiled by a call: the check was not its first
+                    seed[label] = [ms]
     if "onnxruntime" not in built:  # no compiled candidate in one lane: the captured ops in the model's order
         built["one lane"] = CpuTarget().build(captured, inputs, one) if lanes else compiled
     elif not lanes or (options.threads or 1) < LANE_CORES:
@@ -296,7 +297,8 @@ def cuda_candidates(graph, costs, streams: int, *, device=None, dtype: str = "fl
     return out
 
 
-def search(target, captured, inputs: tuple, options: Options, *, eager=None, candidates=None) -> Compiled:
+def search(target, captured, inputs: tuple, options: Options, *, eager=None, candidates=None,
+           reference=None) -> Compiled:
     """``mode="max-autotune"`` (module docstring): build every candidate, keep those that equal the model, time them
     interleaved, keep the fastest; the choice is cached. A transient progress bar on standard error shows the
     search. ``candidates`` replaces the device's own list (tests)."""
@@ -307,7 +309,7 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
     from opweave.pipeline import choices
 
     graph, device = captured.graph, options.device
-    agrees = _Check(captured, inputs, eager)
+    agrees = _Check(captured, inputs, eager, reference)
     key = choices.key(captured, inputs, options)
     known = choices.load(key)
     if known is not None:
@@ -343,7 +345,8 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
                     measured[candidate.label]["segments"] = dict(fast.fused.stats)
                 if check.ok:
                     built[candidate.label] = fast
-                    seed[candidate.label] = [ms]
+                    if fast.fused is not None:  # its segments were compiled by a call: the check was not its first
+                        seed[candidate.label] = [ms]
                 else:
                     measured[candidate.label]["wrong"] = check.reason
                     fast.close()
@@ -375,13 +378,11 @@ class _Check:
     rounds otherwise (``torch.compile`` of the unfolded model against the captured graph's folded BatchNorm, with
     TF32 convolutions on a GPU) is left out though it is as right as the captured graph."""
 
-    def __init__(self, captured, inputs: tuple, eager):
+    def __init__(self, captured, inputs: tuple, eager, reference=None):
         self.captured, self.inputs, self.eager = captured, inputs, eager
-        examples = captured.example_inputs
-        same = captured.example_output is not None and len(inputs) == len(examples) and all(
-            a is b for a, b in zip(inputs, examples, strict=True))
-        # the output capture checked, for the inputs it was captured with (a BERT at batch 8: 0.2 s less to build)
-        self.reference = captured.example_output if same else captured.run(inputs)
+        # ``reference``: the output capture has just checked, for these inputs (a BERT at batch 8: 0.2 s less to
+        # build than running the graph once more)
+        self.reference = reference if reference is not None else captured.run(inputs)
         self._exact = None
 
     def __call__(self, out):

@@ -26,15 +26,18 @@ from opweave.plan import LaunchPlan
 from opweave.schedulers.schedule import Schedule
 
 
-def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = None) -> Compiled:
+def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = None,
+          reference: Any = None) -> Compiled:
     """``captured`` (a :class:`~opweave.capture.Captured`) as a runnable for ``example_inputs``, as ``options``
     (from :func:`~opweave.pipeline.options.resolve`) say. ``eager``, the model itself when known, is one of the
-    candidates a measured choice may keep (the CPU's default keeps a plan only where its timing beats it)."""
+    candidates a measured choice may keep (the CPU's default keeps a plan only where its timing beats it).
+    ``reference``: the captured graph's output for ``example_inputs`` as capture just checked it, which a measured
+    choice checks its candidates against (None: it runs the graph for one)."""
     inputs = as_tuple(example_inputs)
     captured = _coarsened(captured, options)
     target = targets.for_options(options)
     if options.autotune:
-        return autotune.search(target, captured, inputs, options, eager=eager)
+        return autotune.search(target, captured, inputs, options, eager=eager, reference=reference)
     compiled: Compiled = target.build(captured, inputs, options)
     if compiled.fused is not None and compiled.fused.any_batch:  # dynamic=True: one session with a free batch
         from opweave.pipeline.signatures import takes_any_batch
@@ -45,7 +48,7 @@ def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = 
             compiled.close()
             compiled = target.build(captured, inputs, options.derive(dynamic=None))
     if options.guard:  # the CPU default's plan, kept only where timed faster than one lane and the model
-        compiled = autotune.guarded(compiled, captured, inputs, options, eager)
+        compiled = autotune.guarded(compiled, captured, inputs, options, eager, reference)
     return compiled
 
 
