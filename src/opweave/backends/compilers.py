@@ -306,25 +306,31 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dy
         if apart is not None:
             weights.update(apart[1])
             return apart[0]
-    buffer = io.BytesIO()
-    onnx_export: Any = torch.onnx.export  # its stub names a path; it writes to a file object too
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            onnx_export(gm, tuple(inputs), buffer, dynamo=False, do_constant_folding=True, **names)
-        return buffer.getvalue()
+        return _export_quietly(gm, inputs, dynamo=False, do_constant_folding=True, **names).getvalue()
     except Exception as first:  # noqa: BLE001 - the other exporter may still manage
         if dynamic_dims and not dynamic_batch:  # the other exporter keeps fixed shapes (dynamic_batch: checked after)
             raise UsageError(f"torch.onnx cannot export the segment with free sizes: {first_line(first)}") from first
         try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-                warnings.simplefilter("ignore")
-                dynamo_names = {k: v for k, v in names.items() if k != "dynamic_axes"}  # static shapes there
-                program = onnx_export(gm, tuple(inputs), dynamo=True, verbose=False, **dynamo_names)
+            dynamo_names = {k: v for k, v in names.items() if k != "dynamic_axes"}  # static shapes there
+            program = _export_quietly(gm, inputs, dynamo=True, verbose=False, **dynamo_names)
         except Exception as second:
             raise UsageError(f"torch.onnx cannot export the segment: {first_line(first)}; "
                              f"dynamo: {first_line(second)}") from second
         return program.model_proto.SerializeToString()
+
+
+def _export_quietly(gm: fx.GraphModule, inputs: list[torch.Tensor], **kwargs) -> Any:
+    """``torch.onnx.export`` of ``gm`` with its warnings and printing silenced: the TorchScript exporter
+    (``dynamo=False``) writes into a buffer, returned; the other exporter returns its program."""
+    onnx_export: Any = torch.onnx.export  # its stub names a path; it writes to a file object too
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        if kwargs.get("dynamo"):
+            return onnx_export(gm, tuple(inputs), **kwargs)
+        onnx_export(gm, tuple(inputs), buffer, **kwargs)
+    return buffer
 
 
 def _weights_apart(gm: fx.GraphModule, inputs: list[torch.Tensor], names: dict) -> tuple[bytes, dict] | None:
@@ -339,13 +345,8 @@ def _weights_apart(gm: fx.GraphModule, inputs: list[torch.Tensor], names: dict) 
     tensors.update(gm.named_buffers())
     if any(t.device.type != "cpu" or t.dtype in (torch.bfloat16, torch.complex32) for t in tensors.values()):
         return None
-    buffer = io.BytesIO()
-    onnx_export: Any = torch.onnx.export
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            onnx_export(gm, tuple(inputs), buffer, dynamo=False, do_constant_folding=False, export_params=False,
-                        **names)
+        buffer = _export_quietly(gm, inputs, dynamo=False, do_constant_folding=False, export_params=False, **names)
     except Exception:  # noqa: BLE001 - the export with its weights decides what to say
         return None
     model = onnx.load_from_string(buffer.getvalue())

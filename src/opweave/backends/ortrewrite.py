@@ -180,12 +180,9 @@ def _crop_as_pad(graph: fx.Graph, node: fx.Node) -> bool:
 
 def _sum_dim0(node: fx.Node) -> fx.Node | None:
     """The tensor ``node`` sums over its first dimension only (no keepdim, no dtype), or None."""
-    if node.op == "call_method" and node.target == "sum":
-        source, rest, kwargs = node.args[0], node.args[1:], dict(node.kwargs)
-    elif node.op == "call_function" and node.target in _SUMS:
-        source, rest, kwargs = node.args[0], node.args[1:], dict(node.kwargs)
-    else:
+    if not (node.op == "call_method" and node.target == "sum" or node.op == "call_function" and node.target in _SUMS):
         return None
+    source, rest, kwargs = node.args[0], node.args[1:], dict(node.kwargs)
     dim = rest[0] if rest else kwargs.pop("dim", None)
     keepdim = rest[1] if len(rest) > 1 else kwargs.pop("keepdim", False)
     if kwargs or len(rest) > 2 or keepdim or dim not in (0, (0,), [0]) or not isinstance(source, fx.Node):

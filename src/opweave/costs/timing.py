@@ -70,6 +70,14 @@ def interleaved_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 5, 
     return times
 
 
+def call_ms(label: str, fn: Callable[[], object]) -> float:
+    """The milliseconds of one call of ``fn`` on ``perf_counter`` (``label`` unread: the signature of
+    :func:`race_ms`'s ``timer``)."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
 def race_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 15, margin: float = 1.25, warmup: int = 1,
             settle: int = 0, budget_ms: float | None = None,
             timer: Callable[[str, Callable[[], object]], float] | None = None,
@@ -91,12 +99,7 @@ def race_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 15, margin
     of the same function: a candidate's check, just after the call that compiled it), taken as their first round:
     a BERT at batch 8, about 0.18 s a call, then races on two calls fewer."""
 
-    def clock(label: str, fn: Callable[[], object]) -> float:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-
-    timer = timer or clock
+    timer = timer or call_ms
     for fn in fns.values():
         for _ in range(warmup):
             fn()
