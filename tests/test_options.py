@@ -4,6 +4,7 @@ used or refused with a :class:`~opweave.errors.UsageError` before anything touch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,7 +18,7 @@ from opweave.backends.ortgraph import OrtLanes
 from opweave.costs.profile import profile_model
 from opweave.costs.roofline import estimate
 from opweave.errors import DeviceError, UsageError
-from opweave.pipeline import OPTIONS, Options, autotune, mode_options, option_table, parse_option, resolve
+from opweave.pipeline import MODES, OPTIONS, Options, autotune, mode_options, option_table, parse_option, resolve
 from opweave.testing.fakecuda import FakeCuda
 
 
@@ -292,7 +293,7 @@ def test_the_server_resolves_every_option_and_refuses_what_it_cannot_honour(devi
     _, _, coarse, path = made
     for key, value in _samples(coarse.graph, path).items():
         if key in SERVED[device]:
-            options = serving_options(device, {key: value})
+            options = serving_options(device, {key: value, **(WITH[key] if key == "scheduler_options" else {})})
             assert getattr(options, key) == value and key in options.given, key
         else:
             with pytest.raises(UsageError, match=repr(key)):
@@ -461,8 +462,10 @@ def test_every_option_through_every_way_in_is_used_or_refused_before_a_model_loa
     assert used["torch.compile"] == every - CUDA_ONLY - {"fold_bn"} | {"runtime"}
     assert used["bench"] == every - CUDA_ONLY - {"costs", "scheduler"}
     assert used["run"] == every - CUDA_ONLY - {"costs", "devices"}
-    assert used["serve"] == used["ray"] == {"scheduler", "streams", "cost_model", "coarsen", "compiler",
-                                            "scheduler_options", "threads", "cache_size"}
+    assert used["serve"] == {"scheduler", "streams", "cost_model", "coarsen", "compiler", "scheduler_options",
+                             "threads", "cache_size"}
+    # the replica here serves TOP's combined op graphs (no compiler): lios, which takes no sync_ms, refused at the door
+    assert used["ray"] == used["serve"] - {"scheduler_options"}
 
 
 def test_the_ray_deployment_refuses_an_option_before_ray_starts():
@@ -475,9 +478,9 @@ def test_the_ray_deployment_refuses_an_option_before_ray_starts():
 
 
 # ---- resolved once at each door, handed down resolved ------------------------------------------------------------
-def test_derived_options_are_checked_and_keep_the_request():
+def test_derived_options_are_checked_and_join_the_request():
     """What a target, a search or a server derives from resolved options goes through ``Options.derive``, which
-    checks what it changes as ``resolve`` checks a value; ``Options.replace`` changed fields unchecked."""
+    checks it by every rule ``resolve`` checks; ``Options.replace`` changed fields unchecked."""
     from opweave.backends.compilers import available
 
     options = resolve("cpu", scheduler="lios")
@@ -486,14 +489,103 @@ def test_derived_options_are_checked_and_keep_the_request():
         options.derive(streams=0)
     with pytest.raises(UsageError, match="unknown option 'bogus'"):
         options.derive(bogus=1)
+    with pytest.raises(UsageError, match="unknown option 'guard'"):  # follows from what was asked
+        options.derive(guard=False)
     with pytest.raises(UsageError, match="option 'warmup' applies to device='cuda' only"):
         options.derive(warmup=1)
-    derived = options.derive(scheduler="sequential", streams=1, guard=False)
-    assert (derived.scheduler, derived.streams, derived.guard, derived.given) == ("sequential", 1, False,
-                                                                                 options.given)
+    derived = options.derive(scheduler="sequential", streams=1)
+    assert (derived.scheduler, derived.streams, derived.guard) == ("sequential", 1, False)
+    assert derived.given == options.given | {"streams"}
+    assert options.derive(scheduler=None).scheduler == "heft" and options.derive(scheduler=None).guard
     served = resolve("cpu", serving="cpu")  # a server's blocks as ops of a plan: no compiler of the plan's own
     assert served.compiler == ("onnxruntime" if "onnxruntime" in available() else None)
     assert served.derive(compiler=None).compiler is None
+
+
+def test_derive_refuses_the_rules_across_options_that_resolve_refuses():
+    """``derive`` re-ran only the per-value checks: ``resolve("cpu", serving="cpu", fold_bn=True)`` was refused while
+    ``resolve("cpu", serving="cpu").derive(fold_bn=True)`` was accepted, as were a compiler with several devices and
+    a scheduler option the scheduler does not take."""
+    with pytest.raises(UsageError, match="option 'fold_bn' does not apply to serving on cpu"):
+        resolve("cpu", serving="cpu").derive(fold_bn=True)
+    with pytest.raises(UsageError, match="option 'compiler' applies to one device"):
+        resolve("cpu", devices=2).derive(compiler="eager")
+    with pytest.raises(UsageError, match="scheduler 'lios' takes no option 'sync_ms'"):
+        resolve("cpu", scheduler="lios").derive(scheduler_options={"sync_ms": 0.1})
+    with pytest.raises(UsageError, match="mode='max-autotune' chooses the plan itself: give no 'scheduler'"):
+        resolve("cpu", "max-autotune").derive(scheduler="lios")
+    assert resolve("cpu", "max-autotune").derive(autotune=False, scheduler="lios").scheduler == "lios"  # a candidate
+    with pytest.raises(UsageError, match="give costs or profile, not both"):
+        resolve("cpu", profile="p.json").derive(costs=estimate(opweave.examples.load("lios-fig3"), "cpu"))
+
+
+def test_a_scheduler_option_the_scheduler_that_will_run_does_not_take_is_refused_at_the_door():
+    """``scheduler_options={"sync_ms": 0.1}`` with a server's default scheduler (TOP's lios) passed the door and
+    failed at the first block's build; the option is checked against the scheduler that will run: the one given, or
+    the default (the CPU's heft, a server's, the ranks' hios-lp); on CUDA, where the simulator picks among those that
+    take the options, some must."""
+    from opweave.serve.assemble import serving_options
+
+    with pytest.raises(UsageError, match="scheduler 'lios' takes no option 'sync_ms'"):
+        serving_options("cpu", compiler="none", scheduler_options={"sync_ms": 0.1})
+    with pytest.raises(UsageError, match="scheduler 'lios' takes no option 'sync_ms'"):
+        serving_options("sim", scheduler_options={"sync_ms": 0.1})
+    assert serving_options("sim", scheduler="heft", scheduler_options={"sync_ms": 0.1}).scheduler == "heft"
+    with pytest.raises(UsageError, match="scheduler 'heft' takes no option 'r'"):
+        resolve("cpu", scheduler_options={"r": 2})  # the CPU default's lanes: heft
+    with pytest.raises(UsageError, match="scheduler 'hios-lp' takes no option 'sync_ms'"):
+        resolve("cpu", devices=2, scheduler_options={"sync_ms": 0.1})
+    with pytest.raises(UsageError, match="no scheduler takes the options bogus"):
+        resolve("cuda", scheduler_options={"bogus": 1}, check_device=False)
+    assert resolve("cuda", scheduler_options={"sync_ms": 0.1}, check_device=False).scheduler is None
+
+
+_BAD = {"streams": 0, "coarsen": "yes", "compiler": "tvm", "scheduler": "fastest", "threads": 0, "cache_size": 0,
+        "scheduler_options": {"bogus": 1}, "graph": "tvm", "buckets": [0]}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_derive_refuses_whatever_resolve_refuses_with_the_same_message(device):
+    """Over the options table, on both devices, in every mode and as every server: any set of options (each a sample,
+    another valid value or a bad one) that ``resolve`` refuses, ``derive`` from the same device, mode and server
+    refuses with the same message; what ``resolve`` accepts, ``derive`` makes equal."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    samples = {**SAMPLES, "runtime": FakeCuda(seed=0), "costs": estimate(opweave.examples.load("lios-fig3"), "cpu"),
+               "profile": "tiny.profile.json", "compiler": "none"}
+    values = {key: st.sampled_from([samples[key], *([_BAD[key]] if key in _BAD else []),
+                                    *({"compiler": ["eager", "inductor", "onnxruntime"], "graph": ["fx", "inductor"],
+                                       "scheduler": ["heft", "lios", "hios-lp", "sequential"],
+                                       "cudagraphs": [True], "devices": [1],
+                                       "scheduler_options": [{"r": 2}]}.get(key, []))])
+              for key in OPTIONS}
+    servers = [None, "cpu"] if device == "cpu" else [None, "cuda", "sim"]
+
+    def outcome(make):
+        try:
+            return make()
+        except UsageError as exc:
+            return str(exc)
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(mode=st.sampled_from(MODES), serving=st.sampled_from(servers),
+           asked=st.dictionaries(st.sampled_from(sorted(OPTIONS)), st.none(), max_size=4).flatmap(
+               lambda keys: st.fixed_dictionaries({k: values[k] for k in keys})))
+    def check(mode, serving, asked):
+        base = outcome(lambda: resolve(device, mode, serving=serving, check_device=False))
+        if isinstance(base, str):
+            return  # the mode or the server alone is refused: nothing to derive from
+        whole = outcome(lambda: resolve(device, mode, serving=serving, check_device=False, **asked))
+        derived = outcome(lambda: base.derive(**asked))
+        if isinstance(whole, str):
+            assert derived == whole, (mode, serving, asked)
+        else:
+            assert isinstance(derived, Options), (mode, serving, asked, derived)
+            fields = [f.name for f in dataclasses.fields(Options)]
+            assert {f: getattr(derived, f) for f in fields} == {f: getattr(whole, f) for f in fields}
+
+    check()
 
 
 def test_the_cpu_default_guard_is_decided_when_the_options_are_resolved():

@@ -117,15 +117,15 @@ def guarded(compiled: Compiled, captured, inputs: tuple, options: Options, eager
     lanes = compiled.schedule.streams_used > 1
     if lanes:
         built["lanes"] = compiled
-    one = options.derive(scheduler="sequential", streams=1, costs=compiled.costs, coarsen=False,
-                         scheduler_options=None, guard=False)
+    one = options.derive(scheduler="sequential", streams=1, costs=compiled.costs, profile=None, coarsen=False,
+                         scheduler_options=None)
     left_out: dict[str, str] = {}
     seed: dict[str, list[float]] = {}  # a compiled candidate's check, timed just after the call that compiled it
     if compiler is not None:
         tries = {"onnxruntime": lambda: CpuTarget().build(captured, inputs, one.derive(compiler=compiler))}
         if lanes and (options.threads or 1) >= LANE_CORES:
             tries["onnxruntime lanes"] = lambda: CpuTarget().runnable(
-                captured, compiled.schedule, compiled.plan, inputs, options.derive(compiler=compiler, guard=False),
+                captured, compiled.schedule, compiled.plan, inputs, options.derive(compiler=compiler),
                 compiled.costs)
         agrees = _Check(captured, inputs, eager, reference)
         for label, make in tries.items():
@@ -468,7 +468,7 @@ def _build(target, captured, inputs: tuple, options: Options, candidate: Candida
     """``candidate`` built through ``target`` on ``latency_ms`` (None: the target's own costs)."""
     if candidate.whole:
         return _torch_compiled(captured, inputs, options, eager, candidate.changes.get("mode", "reduce-overhead"))
-    changed = options.derive(autotune=False, guard=False, coarsen=False, **candidate.changes)
+    changed = options.derive(autotune=False, coarsen=False, **candidate.changes)
     if latency_ms is not None and candidate.costs != "onnxruntime-graph":
         from opweave.costs.roofline import estimate
 

@@ -253,17 +253,24 @@ UNFILLED: Any = None  # a field not given: filled from its Spec's default when t
 
 @dataclass(frozen=True)
 class Options:
-    """Every option of :data:`OPTIONS`, checked (:func:`resolve`) and with each default filled in from its
-    :class:`Spec` for the device (a field left unset is filled when the object is made: a default lives in
-    :data:`OPTIONS` alone; a server's, ``serving`` set, from the serving preset). ``given``: the options the caller
-    set (not the mode's or the defaults; made directly, every option passed), the request's record, which only the
-    doors read. Besides the options, what resolving decided: ``autotune`` (the mode's measured search), ``guard``
-    (the CPU default's timing of its plan against one lane and the model: nothing about the plan was asked for),
-    ``serving`` (a server's executor device: cpu, cuda or sim) and ``per_op_threads``."""
+    """Every option of :data:`OPTIONS`, checked (:func:`resolve`, :meth:`derive`) and with each default filled in from
+    its :class:`Spec` for the device (a field left unset is filled when the object is made: a default lives in
+    :data:`OPTIONS` alone; a server's, ``serving`` set, from the serving preset).
+
+    Three kinds of field, kept apart:
+
+    * **what is asked**: ``device``, ``mode``, ``serving`` (a server's executor: cpu, cuda or sim) and the options of
+      the table; ``given`` names those the caller set (not the mode's or the defaults; made directly, every option
+      passed). A few options are handles rather than settings (:data:`HANDLES`: a ``Costs`` object, a CUDA runtime, a
+      link): objects a build uses, never part of what a cached choice is keyed by.
+    * **what a build derives** (:data:`DERIVED`, set by :meth:`derive` only, never by a user): ``autotune`` (the
+      mode's measured search; a candidate of the search is built with it off), ``per_op_threads`` (what runs the ops
+      sleeps when idle: a server's whole blocks) and ``shared`` (many models share this process: a server's).
+    * **what follows from the rest**: :attr:`guard`."""
 
     device: str = "cpu"
     mode: str = "default"
-    autotune: bool = False  # the mode's measured search ("max-autotune*")
+    autotune: bool | None = None  # None: the mode's ("max-autotune*")
     scheduler: str | None = None  # None once filled: the CUDA target chooses with the graph in hand
     streams: int | None = None  # None once filled: as many as the scheduler makes (devices > 1)
     devices: int = UNFILLED
@@ -288,13 +295,15 @@ class Options:
     timeout_s: float = UNFILLED
     start_method: str = UNFILLED
     per_op_threads: bool | None = None  # what runs the ops sleeps when idle (a server's whole blocks); None: ask it
-    guard: bool | None = None  # None: filled (made directly: nothing about the plan passed, one CPU device)
+    shared: bool | None = None  # many models share this process (None: a server's options)
     serving: str | None = None  # a server's executor (cpu, cuda, sim): the serving preset's defaults
     given: frozenset[str] = _Unset()
 
     def __post_init__(self) -> None:
         passed = frozenset(key for key in OPTIONS if getattr(self, key) is not None)
         given = passed if isinstance(self.given, _Unset) else self.given
+        if self.autotune is None:
+            object.__setattr__(self, "autotune", bool(mode_options(self.mode).get("autotune")))
         # values first, rules after them (they read them), the compiler's first (a server's scheduler reads it)
         rules = sorted(OPTIONS.items(), key=lambda item: (callable(item[1].default) or callable(
             item[1].served.default), item[0] != "compiler"))
@@ -302,43 +311,52 @@ class Options:
             if getattr(self, key) is None and key not in given - passed:  # a None given ("none") stays None
                 object.__setattr__(self, key, spec.default_for(self))
         object.__setattr__(self, "given", given)
-        if self.guard is None:
-            object.__setattr__(self, "guard", self.device == "cpu" and self.devices == 1 and not self.autotune
-                               and self.serving is None and not PLAN_KEYS & passed)
+        if self.shared is None:
+            object.__setattr__(self, "shared", self.serving is not None)
+
+    @property
+    def guard(self) -> bool:
+        """Whether the build is the CPU default's race (:mod:`opweave.pipeline.search`): one CPU device, no search,
+        no server, and nothing about the plan asked for (:data:`PLAN_KEYS`)."""
+        planned = {key for key in PLAN_KEYS & self.given if getattr(self, key) is not None}  # no compiler: default's
+        return self.device == "cpu" and self.devices == 1 and not self.autotune and self.serving is None and not planned
+
+    def asked(self) -> dict[str, Any]:
+        """What was asked, as :func:`resolve` takes it: each option of ``given`` with its value (None: no compiler)."""
+        return {key: getattr(self, key) for key in OPTIONS if key in self.given}
 
     def derive(self, **changes: Any) -> Options:
-        """These options with ``changes``, each checked as :func:`resolve` checks a value (a known name, its type and
-        range, a device it applies to): what a target, a search or a server derives from the resolved options (a
-        candidate's plan, a block's build). The request's record, ``given``, stays the caller's."""
+        """These options with ``changes`` (options of the table, None for one: back to its default, but for
+        ``compiler``: none; and what a build derives, :data:`DERIVED`), checked by the rules :func:`resolve` checks,
+        every rule across options included: a change :func:`resolve` would refuse with the options asked so far is
+        refused here with the same message. What a target, a search or a server derives from the resolved options (a
+        candidate's plan, a block's build). The changes join what was asked (``given``)."""
         if changes.get("compiler") == "none":
             changes = {**changes, "compiler": None}
-        unknown = sorted(set(changes) - set(OPTIONS) - DERIVED)
-        if unknown:
-            raise UsageError(f"unknown option {unknown[0]!r}; options: {', '.join(OPTIONS)}")
-        values = {k: v for k, v in changes.items() if k in OPTIONS and v is not None}
-        _check_values(values)
-        for key in values:
-            if self.device not in OPTIONS[key].devices:
-                raise UsageError(f"option {key!r} applies to device={OPTIONS[key].devices!r} only, not "
-                                 f"{self.device!r}")
-        for key in DERIVED & set(changes):
-            if not isinstance(changes[key], bool) and not (key == "per_op_threads" and changes[key] is None):
-                raise UsageError(f"{key!r} must be true or false, got {changes[key]!r}")
-        derived = dataclasses.replace(self, **changes)
-        for key in set(changes) & set(OPTIONS):  # set to none: none, not the default filled again
-            if changes[key] is None:
-                object.__setattr__(derived, key, None)
-        return derived
+        _check_names({k: v for k, v in changes.items() if k not in DERIVED})
+        hints = {key: changes.pop(key, getattr(self, key)) for key in DERIVED}
+        for key, value in hints.items():
+            if not isinstance(value, bool) and not (key != "autotune" and value is None):
+                raise UsageError(f"{key!r} must be true or false, got {value!r}")
+        asked = self.asked()
+        for key, value in changes.items():
+            if value is None and key != "compiler":
+                asked.pop(key, None)
+            else:
+                asked[key] = value
+        return _made(self.device, self.mode, self.serving, asked, **hints)
 
 
 PLAN_KEYS = frozenset({"scheduler", "streams", "compiler", "graph"})  # given, the plan is the caller's: no guard
-DERIVED = frozenset({"autotune", "guard", "per_op_threads"})  # what Options.derive may change besides the options
+DERIVED = frozenset({"autotune", "per_op_threads", "shared"})  # what Options.derive may change besides the options
+HANDLES = frozenset({"costs", "runtime", "link"})  # options that are objects a build uses, not settings
 
 
 def mode_options(mode: str) -> dict[str, Any]:
     """What ``mode`` sets (as ``torch._inductor.list_mode_options``); the device defaults are :func:`resolve`'s."""
     if not isinstance(mode, str) or mode not in MODES:
-        hint = f" (now {RENAMED_MODES[mode]!r})" if isinstance(mode, str) and mode in RENAMED_MODES else ""
+        hint = (f" (now {RENAMED_MODES[mode]!r})" if isinstance(mode, str) and mode in RENAMED_MODES
+                else did_you_mean(mode, MODES))
         raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}{hint}")
     return {"default": {}, "reduce-overhead": {"cudagraphs": True}, "max-autotune": {"autotune": True},
             "max-autotune-no-cudagraphs": {"autotune": True, "cudagraphs": False}}[mode]
@@ -347,21 +365,21 @@ def mode_options(mode: str) -> dict[str, Any]:
 def resolve(device: str = "cpu", mode: str | None = "default", options: dict[str, Any] | None = None, *,
             check_device: bool = True, serving: str | None = None, **given: Any) -> Options:
     """The checked :class:`Options` for ``device`` from ``mode``, ``options`` and keyword options (the same names;
-    one given both ways is an error). Every refusal is a :class:`~opweave.errors.UsageError` naming the option;
-    with ``check_device``, a CUDA device that is not there is a :class:`~opweave.errors.DeviceError`, raised only
-    once the options are found consistent. ``serving``: the options of a server whose executor runs on that device
-    (cpu, cuda; sim: the simulator, ``device`` cuda), resolved with the serving preset (:class:`Served`), what a
-    server cannot honour refused with the reason."""
+    one given both ways is an error; None: not given). Every refusal is a :class:`~opweave.errors.UsageError` naming
+    the option; with ``check_device``, a CUDA device that is not there is a :class:`~opweave.errors.DeviceError`,
+    raised only once the options are found consistent. ``serving``: the options of a server whose executor runs on
+    that device (cpu, cuda; sim: the simulator, ``device`` cuda), resolved with the serving preset
+    (:class:`Served`), what a server cannot honour refused with the reason. The rules are :func:`_checked`'s, which
+    :meth:`Options.derive` runs too."""
     if device not in DEVICES:
-        raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+        raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}{did_you_mean(device, DEVICES)}")
     if serving is not None and serving not in SERVERS:
-        raise UsageError(f"device must be one of {', '.join(SERVERS)}, got {serving!r}")
+        raise UsageError(f"device must be one of {', '.join(SERVERS)}, got {serving!r}{did_you_mean(serving, SERVERS)}")
     if serving is not None and device != ("cpu" if serving == "cpu" else "cuda"):
         raise UsageError(f"a server on {serving} resolves its options for {'cpu' if serving == 'cpu' else 'cuda'}, "
                          f"not {device}")
     mode = mode or "default"
-    preset = mode_options(mode)
-    if serving is not None and preset.get("autotune"):
+    if serving is not None and mode_options(mode).get("autotune"):
         raise UsageError(f"mode={mode!r} does not apply to serving: a server builds a plan for every combination of "
                          "blocks its load brings, which a search timed on one model cannot choose; use "
                          "mode='default' (on a GPU, 'reduce-overhead' records CUDA Graphs as the default does)")
@@ -370,18 +388,55 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict[str
     both = sorted(set(options) & set(given))
     if both:
         raise UsageError(f"option {both[0]!r} given both as a keyword and in options")
-    given = {**options, **given}
-    if given.get("compiler") == "none":  # no segment compiler, asked for (a server's default is one)
-        given["compiler"] = None
-    for key in given:
+    asked = {**options, **given}
+    if asked.get("compiler") == "none":  # no segment compiler, asked for (a server's default is one)
+        asked["compiler"] = None
+    _check_names(asked)
+    opts = _made(device, mode, serving, asked)
+    if check_device and device == "cuda":
+        from opweave.backends.cuda import require_cuda
+        from opweave.backends.runtime import CUDA
+
+        require_cuda(opts.runtime or CUDA)
+    return opts
+
+
+def _check_names(asked: dict[str, Any]) -> None:
+    """An unknown option's name refused, with the name it has now or the one it was likely meant to be."""
+    for key in asked:
         if key not in OPTIONS:
             hint = (f" (now {RENAMED[key]!r})" if key in RENAMED else
                     " (now a preset: mode='default', 'reduce-overhead' or 'max-autotune'; CUDA Graphs on or off is "
                     "options cudagraphs=True/False)" if key == "mode" else "")
             hint = hint or did_you_mean(key, OPTIONS)
             raise UsageError(f"unknown option {key!r}{hint}; options: {', '.join(OPTIONS)}")
-    set_keys = {k for k, v in given.items() if v is not None or k == "compiler"}
-    values = {k: v for k, v in given.items() if v is not None}
+
+
+def _made(device: str, mode: str, serving: str | None, asked: dict[str, Any], *, autotune: bool | None = None,
+          per_op_threads: bool | None = None, shared: bool | None = None) -> Options:
+    """The :class:`Options` of what was ``asked`` (known names; None only for ``compiler``: no compiler), once
+    :func:`_checked` finds it consistent: what :func:`resolve` and :meth:`Options.derive` both make."""
+    preset = mode_options(mode)
+    autotune = bool(preset.get("autotune")) if autotune is None else autotune
+    set_keys = set(asked)
+    values = _checked(device, mode, serving, autotune, {k: v for k, v in asked.items() if v is not None}, set_keys)
+    cudagraphs: Any = values.pop("cudagraphs", preset.get("cudagraphs")) if device == "cuda" else False
+    opts = Options(device=device, mode=mode, autotune=autotune, cudagraphs=cudagraphs, serving=serving,
+                   per_op_threads=per_op_threads, shared=shared, given=frozenset(set_keys), **values)
+    if device == "cuda" and not opts.cudagraphs:
+        for key in ("capture_fallback", "static_outputs", "warmup"):
+            if key in set_keys:
+                raise UsageError(f"option {key!r} applies when CUDA Graphs are recorded (cudagraphs=True)")
+    _check_scheduler_options(opts)
+    return opts
+
+
+def _checked(device: str, mode: str, serving: str | None, autotune: bool, values: dict[str, Any],
+             set_keys: set[str]) -> dict[str, Any]:
+    """Every rule across options, for ``values`` (the options asked, None left out) of which ``set_keys`` were
+    asked: the values to make :class:`Options` from (``buckets`` as sizes, what ``graph="inductor"`` implies), or a
+    :class:`~opweave.errors.UsageError` naming the option."""
+    preset = mode_options(mode)
     _check_values(values)
     if "buckets" in values:
         values["buckets"] = buckets_of(values["buckets"])
@@ -405,11 +460,6 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict[str
         if values.get("scheduler") is not None and values["scheduler"] not in schedulers.MULTI_DEVICE:
             raise UsageError(f"scheduler {values['scheduler']!r} places every op on one device; use one of "
                              f"{', '.join(schedulers.MULTI_DEVICE)} with devices > 1")
-    if "scheduler" in values and "scheduler_options" in values:
-        from opweave import schedulers
-
-        schedulers.check_options(values["scheduler"], values["scheduler_options"])
-    autotune = bool(preset.get("autotune"))
     if autotune:
         chosen = [k for k in ("scheduler", "streams", "costs", "profile", "cost_model", "compiler", "graph",
                               "scheduler_options", "devices") if k in set_keys]
@@ -425,7 +475,6 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict[str
     if mode == "reduce-overhead" and ranks:
         raise UsageError(f"mode='reduce-overhead' records CUDA Graphs, which devices={devices} does not (each rank "
                          "runs its streams live); use mode='default'")
-    cudagraphs: Any = values.get("cudagraphs", preset.get("cudagraphs")) if cuda else False  # None: the default
     graph = values.get("graph", "fx")
     if graph == "onnxruntime":
         if cuda:
@@ -450,20 +499,24 @@ def resolve(device: str = "cpu", mode: str | None = "default", options: dict[str
         raise UsageError("give costs or profile, not both")
     if serving is not None:
         _check_served(serving, values, set_keys)
-    opts = Options(device=device, mode=mode, autotune=autotune, cudagraphs=cudagraphs, serving=serving,
-                   guard=device == "cpu" and devices == 1 and not autotune and serving is None
-                   and not PLAN_KEYS & set(values), given=frozenset(set_keys),
-                   **{k: v for k, v in values.items() if k != "cudagraphs"})
-    if cuda and not opts.cudagraphs:
-        for key in ("capture_fallback", "static_outputs", "warmup"):
-            if key in set_keys:
-                raise UsageError(f"option {key!r} applies when CUDA Graphs are recorded (cudagraphs=True)")
-    if check_device and cuda:
-        from opweave.backends.cuda import require_cuda
-        from opweave.backends.runtime import CUDA
+    return values
 
-        require_cuda(opts.runtime or CUDA)
-    return opts
+
+def _check_scheduler_options(options: Options) -> None:
+    """Scheduler options the scheduler that will run does not take, refused at the door: the scheduler given, or the
+    default one (the CPU's heft, a server's, the ranks' hios-lp); on CUDA without one, the simulator picks among the
+    schedulers that take them all, so some must."""
+    if not options.scheduler_options:
+        return
+    from opweave import schedulers
+
+    if options.scheduler is not None:
+        schedulers.check_options(options.scheduler, options.scheduler_options)
+        return
+    asked = set(options.scheduler_options)
+    if not any((taken := schedulers.options_of(name)) is None or asked <= taken for name in schedulers.names()
+               if name not in schedulers.MULTI_DEVICE):
+        raise UsageError(f"no scheduler takes the options {', '.join(sorted(asked))}; give the scheduler they are for")
 
 
 def _check_served(serving: str, values: dict[str, Any], given: set[str]) -> None:

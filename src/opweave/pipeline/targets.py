@@ -302,7 +302,7 @@ def segment_options(captured, options: Options) -> dict | None:
       211 of Inductor's nodes per call with eager's layouts, 153 without them, 156 for the whole model);
     * ``dynamic=True`` with ONNX Runtime on one stream (the whole model one session): its batch dimension is left
       free (checked at another batch by :func:`opweave.pipeline.flow.build`);
-    * a server's (``options.serving``), where many models share one process: ONNX Runtime's sessions run on the
+    * a server's (``options.shared``), where many models share one process: ONNX Runtime's sessions run on the
       process's one thread pool with no memory arena of their own, and a model's variants built per batch
       (``dynamic`` unset) read its own weights (ONNX Runtime's shared initializers); Inductor compiles unfrozen
       (its parameters the model's, not constants of its own)."""
@@ -314,12 +314,12 @@ def segment_options(captured, options: Options) -> dict | None:
             out["eager_strides"] = False
     if options.compiler == "onnxruntime" and options.dynamic is True and options.streams == 1:
         out["dynamic_batch"] = True
-    if options.serving is not None and options.compiler == "onnxruntime":
+    if options.shared and options.compiler == "onnxruntime":
         from opweave.backends.compilers import shared_pool
 
         assert options.threads is not None  # a CPU's: every core unless given
         out.update(shared_pool=shared_pool(options.threads), arena=False, share_weights=options.dynamic is None)
-    elif options.serving is not None and options.compiler == "inductor":
+    elif options.shared and options.compiler == "inductor":
         out["freeze"] = False
     return out or None
 

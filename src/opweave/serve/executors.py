@@ -332,8 +332,7 @@ class CpuExecutor(TensorExecutor):
         blocked, index = served.blocked, served.index
         stack = blocked.stackable and self.compiler == "onnxruntime"
         batch = 2 if stack else 1
-        options = self.options.derive(scheduler="sequential", streams=1, threads=threads, guard=False,
-                                      dynamic=True if stack else None if blocked.stackable else False)
+        options = self.block_options(threads, True if stack else None if blocked.stackable else False)
         example = blocked.example(index, batch)
         compiled = build(blocked.captured_block(index, batch), example, options)
         built_with = compiled.options or options  # without dynamic where the block took no other batch
@@ -344,6 +343,14 @@ class CpuExecutor(TensorExecutor):
 
         attach(compiled, served.name, example, compile_for, bound=options.cache_size)
         return Batched(compiled, bucket=bucket if blocked.stackable else int, builder=self.builder, name=served.name)
+
+    def block_options(self, threads: int, dynamic: bool | None) -> Options:
+        """What one block is built with: as ``opweave.compile`` builds a model with the executor's compiler, one lane
+        of ``threads`` threads, the block's graph as it is and the executor's bound on sizes, ``dynamic`` as the block
+        stacks, in a process many models share (``shared``: one ONNX Runtime pool, a model's weights read in
+        place)."""
+        return resolve("cpu", scheduler="sequential", streams=1, threads=threads, compiler=self.compiler,
+                       coarsen=False, dynamic=dynamic, cache_size=self.options.cache_size).derive(shared=True)
 
     def thread_counts(self) -> list[int]:
         """Every intra-op thread count a part may be called with (all the cores alone, their share beside others)."""
