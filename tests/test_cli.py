@@ -24,7 +24,7 @@ from opweave.cli import app
 from opweave.cli.app import guard
 from opweave.errors import UsageError
 from opweave.ir import OpGraph
-from opweave.pipeline import autotune
+from opweave.pipeline import targets
 
 
 def opweave(*args: str, check_rc: int | None = 0):
@@ -169,11 +169,11 @@ def test_bench_times_what_compile_picks_by_itself_and_says_what_it_picked():
     assert [r["mode"] for r in result["rows"]] == ["eager", "opweave default", "opweave sequential", "opweave lios",
                                                    "opweave opara"]
     default = result["rows"][1]
-    assert default["choice"] in autotune.DEFAULT_LABELS and default["ok"]
+    assert default["choice"] in targets.DEFAULT_LABELS and default["ok"]
     assert "choice" not in result["rows"][2]  # a scheduler given is built as it is
     table = opweave("bench", "--model", "squeezenet", "--device", "cpu", "--schedulers", "default", "--runs", "1",
                     "--warmup", "0").stdout
-    assert re.search(r"opweave default picked (" + "|".join(autotune.DEFAULT_LABELS) + ")", table), table
+    assert re.search(r"opweave default picked (" + "|".join(targets.DEFAULT_LABELS) + ")", table), table
 
 
 def test_cpu_profile_feeds_simulate_and_is_refused_for_another_model(tmp_path):

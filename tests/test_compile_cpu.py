@@ -199,12 +199,12 @@ def scripted(times: dict[str, float]):
 def test_the_cpu_default_keeps_the_fastest_of_onnxruntime_its_lanes_and_the_model(monkeypatch, fastest):
     # with ONNX Runtime installed the default's candidates are the model in one segment compiled by it, the lanes of
     # the captured ops and the model itself; its race keeps the one its clock says is fastest, and that one runs
-    from opweave.pipeline import autotune
+    from opweave.pipeline import search, targets
 
     model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
-    monkeypatch.setattr(autotune, "TIMER", scripted({"onnxruntime": 3.0, "eager": 3.0, "lanes": 3.0, "one lane": 3.0,
+    monkeypatch.setattr(search, "TIMER", scripted({"onnxruntime": 3.0, "eager": 3.0, "lanes": 3.0, "one lane": 3.0,
                                                      "onnxruntime lanes": 3.0, fastest: 1.0}))
-    fast = opweave.compile(model, inputs, threads=autotune.LANE_CORES)
+    fast = opweave.compile(model, inputs, threads=targets.LANE_CORES)
     assert set(fast.choice["candidates"]) == {"onnxruntime", "onnxruntime lanes", "lanes", "eager"}
     assert fast.choice["label"] == fastest and fast.choice["compiler"] == (
         "onnxruntime" if fastest == "onnxruntime" else None)
@@ -221,10 +221,10 @@ def test_the_cpu_default_keeps_the_fastest_of_onnxruntime_its_lanes_and_the_mode
 def test_below_lane_cores_the_cpu_default_races_onnxruntime_against_the_model_alone(monkeypatch):
     # on 2 cores one ONNX Runtime segment beat the lanes of eager ops on every zoo model and batch: they are not
     # raced there (each round of a large model's race costs a second), unless ONNX Runtime's candidate failed
-    from opweave.pipeline import autotune
+    from opweave.pipeline import search
 
     model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
-    monkeypatch.setattr(autotune, "TIMER", scripted({"onnxruntime": 2.0, "eager": 3.0, "lanes": 1.0}))
+    monkeypatch.setattr(search, "TIMER", scripted({"onnxruntime": 2.0, "eager": 3.0, "lanes": 1.0}))
     fast = opweave.compile(model, inputs, threads=2)
     assert set(fast.choice["candidates"]) == {"onnxruntime", "eager"} and fast.choice["label"] == "onnxruntime"
     with torch.inference_mode():
@@ -232,12 +232,12 @@ def test_below_lane_cores_the_cpu_default_races_onnxruntime_against_the_model_al
 
 
 def test_the_cpu_default_tries_lanes_of_onnxruntime_segments_only_where_the_cores_allow(monkeypatch):
-    from opweave.pipeline import autotune
+    from opweave.pipeline import search, targets
 
     model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
-    monkeypatch.setattr(autotune, "TIMER", scripted({"onnxruntime": 3.0, "eager": 3.0, "lanes": 3.0,
+    monkeypatch.setattr(search, "TIMER", scripted({"onnxruntime": 3.0, "eager": 3.0, "lanes": 3.0,
                                                      "onnxruntime lanes": 1.0}))
-    fast = opweave.compile(model, inputs, threads=autotune.LANE_CORES)
+    fast = opweave.compile(model, inputs, threads=targets.LANE_CORES)
     assert set(fast.choice["candidates"]) == {"onnxruntime", "onnxruntime lanes", "lanes", "eager"}
     assert fast.choice["label"] == "onnxruntime lanes" and fast.schedule.streams_used > 1
     assert fast.fused.stats["segments"] > 1
@@ -247,11 +247,11 @@ def test_the_cpu_default_tries_lanes_of_onnxruntime_segments_only_where_the_core
 
 def test_the_cpu_default_without_onnxruntime_says_so_once_and_chooses_as_before(monkeypatch):
     from opweave.backends import compilers
-    from opweave.pipeline import autotune
+    from opweave.pipeline import search, targets
 
     monkeypatch.setattr(compilers, "available", lambda: ["inductor"])
-    monkeypatch.setattr(autotune, "TIMER", scripted({"eager": 3.0, "lanes": 1.0, "one lane": 2.0}))
-    autotune._say_missing.cache_clear()
+    monkeypatch.setattr(search, "TIMER", scripted({"eager": 3.0, "lanes": 1.0, "one lane": 2.0}))
+    targets._say_missing.cache_clear()
     model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
     with pytest.warns(UserWarning, match=r"ONNX Runtime is not installed.*pip install 'opweave\[onnx\]'"):
         fast = opweave.compile(model, inputs, threads=2)
@@ -267,7 +267,7 @@ def test_the_cpu_default_without_onnxruntime_says_so_once_and_chooses_as_before(
 
 def test_a_compiled_candidate_that_does_not_equal_the_model_is_left_out_of_the_default(monkeypatch):
     from opweave.backends import compilers
-    from opweave.pipeline import autotune
+    from opweave.pipeline import search
 
     class Wrong:
         name, per_op_threads = "onnxruntime", True
@@ -276,7 +276,7 @@ def test_a_compiled_candidate_that_does_not_equal_the_model_is_left_out_of_the_d
             return lambda *xs: tuple(y + 1 for y in gm(*xs))
 
     monkeypatch.setitem(compilers.COMPILERS, "onnxruntime", Wrong)
-    monkeypatch.setattr(autotune, "TIMER", scripted({"eager": 2.0, "lanes": 3.0, "one lane": 1.0}))
+    monkeypatch.setattr(search, "TIMER", scripted({"eager": 2.0, "lanes": 3.0, "one lane": 1.0}))
     model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
     fast = opweave.compile(model, inputs, threads=2)
     assert "onnxruntime" in fast.choice["left_out"] and "onnxruntime" not in fast.choice["candidates"]
@@ -341,7 +341,8 @@ def test_the_default_checks_its_candidates_against_the_output_capture_checked(mo
     """The captured graph's output on the example inputs, which capture compared with the model, is the reference a
     candidate is checked against: the graph is not run once more to make it (other inputs still are)."""
     from opweave.capture.runtime import Captured
-    from opweave.pipeline.autotune import DEFAULT_LABELS, _Check
+    from opweave.pipeline.search import OutputCheck
+    from opweave.pipeline.targets import DEFAULT_LABELS
 
     model, inputs = zoo.create("squeezenet", batch_size=1, image_size=64)
     runs = []
@@ -350,7 +351,7 @@ def test_the_default_checks_its_candidates_against_the_output_capture_checked(mo
     fast = opweave.compile(model, inputs)
     assert runs == [] and fast.choice["label"] in DEFAULT_LABELS
     other = tuple(x.clone() for x in inputs)
-    check = _Check(fast.captured, other, model)
+    check = OutputCheck(fast.captured, other, model)
     with torch.no_grad():
         assert len(runs) == 1 and runs[0] is other and check(model(*other)).ok
     # kept for the build that follows the capture only: one from an earlier capture (weights may have changed

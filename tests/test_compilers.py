@@ -16,7 +16,7 @@ from opweave.backends.segments import op_latencies
 from opweave.capture import capture
 from opweave.errors import UsageError
 from opweave.outputs import compare
-from opweave.pipeline import autotune
+from opweave.pipeline import targets
 
 
 class Fork(nn.Module):
@@ -134,7 +134,7 @@ def test_op_latencies_times_every_op_compiled_alone():
 def test_max_autotune_measures_the_candidates_keeps_one_that_equals_eager_and_caches_it(tmp_path, monkeypatch):
     monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
     model, inputs = zoo.create("deepfm", batch_size=1)
-    fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune", threads=autotune.LANE_CORES)
+    fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune", threads=targets.LANE_CORES)
     choice = fast.choice
     assert not choice["cached"] and choice["label"] in choice["candidates"]
     timed = {k: v["median_ms"] for k, v in choice["candidates"].items() if "median_ms" in v}
@@ -143,7 +143,7 @@ def test_max_autotune_measures_the_candidates_keeps_one_that_equals_eager_and_ca
     assert {"sequential+onnxruntime-graph", "heft+onnxruntime-graph sync"} <= {k.partition(" 0")[0] for k in timed}
     with torch.inference_mode():
         assert compare(model(*inputs), fast(*inputs)).ok
-    again = opweave.compile(model, inputs, device="cpu", mode="max-autotune", threads=autotune.LANE_CORES)
+    again = opweave.compile(model, inputs, device="cpu", mode="max-autotune", threads=targets.LANE_CORES)
     assert again.choice["cached"] and again.choice["label"] == choice["label"]
     assert (tmp_path / "autotune.json").exists()
     with torch.inference_mode():
@@ -164,10 +164,10 @@ def test_max_autotune_on_fewer_cores_than_lanes_need_searches_onnxruntime_in_one
     timing every op alone made its build longer than torch.compile's: below LANE_CORES threads it tries the model in
     one session and ONNX Runtime's graph in one lane."""
     monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
-    assert [c.label for c in autotune.cpu_candidates(0.05, ["onnxruntime", "inductor"], threads=2)] == [
+    assert [c.label for c in targets.cpu_candidates(0.05, ["onnxruntime", "inductor"], threads=2)] == [
         "sequential+onnxruntime", "sequential+onnxruntime-graph"]
-    assert len(autotune.cpu_candidates(0.05, ["onnxruntime", "inductor"], threads=autotune.LANE_CORES)) == 11
-    assert "sequential+inductor" in {c.label for c in autotune.cpu_candidates(0.05, ["inductor"], threads=2)}
+    assert len(targets.cpu_candidates(0.05, ["onnxruntime", "inductor"], threads=targets.LANE_CORES)) == 11
+    assert "sequential+inductor" in {c.label for c in targets.cpu_candidates(0.05, ["inductor"], threads=2)}
     model, inputs = zoo.create("deepfm", batch_size=1)
     fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune", threads=2)
     assert set(fast.choice["candidates"]) == {"sequential+onnxruntime", "sequential+onnxruntime-graph"}

@@ -11,7 +11,7 @@ import opweave.dynamo
 import opweave.errors
 from opweave import zoo
 from opweave.outputs import compare
-from opweave.pipeline import autotune
+from opweave.pipeline import targets
 
 
 class Branchy(nn.Module):
@@ -65,7 +65,7 @@ def test_zoo_model_matches_eager():
     with torch.no_grad():
         assert torch.allclose(model(*inputs), fast(*inputs), atol=1e-4)
     compiled = opweave.dynamo.last_compiled()  # the same default plan as opweave.compile's on the CPU
-    assert compiled.choice["label"] in autotune.DEFAULT_LABELS  # what the guard kept, measured
+    assert compiled.choice["label"] in targets.DEFAULT_LABELS  # what the guard kept, measured
 
 
 def test_torch_modes_and_opweave_options_mean_what_they_mean_for_compile():

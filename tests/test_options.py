@@ -18,7 +18,7 @@ from opweave.backends.ortgraph import OrtLanes
 from opweave.costs.profile import profile_model
 from opweave.costs.roofline import estimate
 from opweave.errors import DeviceError, UsageError
-from opweave.pipeline import MODES, OPTIONS, Options, autotune, mode_options, option_table, parse_option, resolve
+from opweave.pipeline import MODES, OPTIONS, Options, mode_options, option_table, parse_option, resolve, targets
 from opweave.testing.fakecuda import FakeCuda
 
 
@@ -322,7 +322,7 @@ def test_an_option_the_scheduler_does_not_take_is_a_usage_error_naming_it():
     with pytest.raises(UsageError, match="scheduler 'sequential' takes no option 'sync_ms'"):
         opweave.compile(model, inputs, scheduler="sequential", scheduler_options={"sync_ms": 0.1})
     with opweave.compile(model, inputs, scheduler_options={"sync_ms": 0.1}) as fast:  # the default plan's guard
-        assert fast.choice["label"] in autotune.DEFAULT_LABELS  # builds one lane without heft's option
+        assert fast.choice["label"] in targets.DEFAULT_LABELS  # builds one lane without heft's option
 
 
 def test_the_docs_show_the_options_table_as_it_is():

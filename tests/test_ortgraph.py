@@ -237,7 +237,7 @@ def test_a_cached_choice_rebuilds_the_same_plan_without_profiling(monkeypatch):
     """max-autotune's cache holds the chosen plan's latencies, which name the optimized graph's nodes: building the
     choice again plans on them as given and does not profile again."""
     from opweave.pipeline import resolve
-    from opweave.pipeline.autotune import Candidate, _build
+    from opweave.pipeline.search import Candidate
     from opweave.pipeline.targets import CpuTarget
 
     model, inputs = _model()
@@ -245,8 +245,8 @@ def test_a_cached_choice_rebuilds_the_same_plan_without_profiling(monkeypatch):
     monkeypatch.setattr(OrtGraph, "_profile", lambda self, runs: pytest.fail("profiled again"))
     candidate = Candidate("heft+onnxruntime-graph", {"graph": "onnxruntime", "scheduler": "heft", "scheduler_options": {
         "sync_ms": first.schedule.options.get("sync_ms")}}, "onnxruntime-graph")
-    again = _build(CpuTarget(), coarsen(capture(model, inputs)), inputs, resolve("cpu"), candidate,
-                   first.costs.latency_ms, None)
+    again = CpuTarget().build_candidate(coarsen(capture(model, inputs)), inputs, resolve("cpu"), candidate,
+                                        first.costs.latency_ms, None)
     assert again.costs.latency_ms == first.costs.latency_ms
     assert again.schedule.stream_of == first.schedule.stream_of
     with torch.inference_mode():
@@ -305,7 +305,7 @@ def test_max_autotune_builds_ort_graph_once_when_it_fails(tmp_path, monkeypatch)
     monkeypatch.setattr(OrtGraph, "__init__", refuse)
     model, inputs = _model()
     fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune", threads=4)  # the wide search
-    errors = [v["error"] for k, v in fast.choice["candidates"].items() if "onnxruntime-graph" in k]
+    errors = [why for k, why in fast.choice["left_out"].items() if "onnxruntime-graph" in k]
     assert len(tries) == 1 and len(errors) >= 2
     assert errors[0] == "RuntimeError: no export today"
     assert all(e.startswith("UsageError: building ONNX Runtime's graph failed") for e in errors[1:])

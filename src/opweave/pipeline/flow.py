@@ -7,8 +7,9 @@ as it does for the ranks a launcher started)::
     captured ─coarsen─▶ captured ─target─▶ costs ─scheduler─▶ schedule ─lower, validate─▶ plan ─target─▶ backend
 
 The device's :mod:`target <opweave.pipeline.targets>` owns its defaults (scheduler, stream cap, thread budgets, the
-CUDA backend's options) and builds its backend; a measured choice (the CPU's guard, ``mode="max-autotune"``) is
-:mod:`opweave.pipeline.autotune`'s. :class:`Compiled` is what comes out.
+CUDA backend's options), builds its backend and offers the candidates of a measured choice (the CPU default's race,
+``mode="max-autotune"``), which :mod:`opweave.pipeline.search` builds, checks, times and caches. :class:`Compiled`
+is what comes out.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from opweave.capture.runtime import as_tuple
 from opweave.costs import Costs
 from opweave.errors import UsageError
-from opweave.pipeline import autotune, targets
+from opweave.pipeline import search, targets
 from opweave.pipeline.compiled import Compiled
 from opweave.pipeline.options import Options
 from opweave.plan import LaunchPlan
@@ -37,7 +38,9 @@ def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = 
     captured = _coarsened(captured, options)
     target = targets.for_options(options)
     if options.autotune:
-        return autotune.search(target, captured, inputs, options, eager=eager, reference=reference)
+        return search.search(target, captured, inputs, options, eager=eager, reference=reference)
+    if options.guard:  # the CPU default: the fastest of its candidates, measured
+        return search.default_race(target, captured, inputs, options, eager=eager, reference=reference)
     compiled: Compiled = target.build(captured, inputs, options)
     if compiled.fused is not None and compiled.fused.any_batch:  # dynamic=True: one session with a free batch
         from opweave.pipeline.signatures import takes_any_batch
@@ -47,8 +50,6 @@ def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = 
         else:  # a graph that baked its batch in: built per batch size, as with dynamic unset
             compiled.close()
             compiled = target.build(captured, inputs, options.derive(dynamic=None))
-    if options.guard:  # the CPU default's plan, kept only where timed faster than one lane and the model
-        compiled = autotune.guarded(compiled, captured, inputs, options, eager, reference)
     return compiled
 
 

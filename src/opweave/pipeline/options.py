@@ -36,7 +36,6 @@ default scheduler, which the target picks with the graph in hand); a device that
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -55,6 +55,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from opweave.pipeline import targets
+
 log = logging.getLogger(__name__)
 
 REPLAN_GAIN = 0.10  # a new schedule predicted at least this much faster than the plan kept plans a range again
@@ -247,12 +249,7 @@ def replan_gain(compiled, args: tuple) -> float | None:
 
 def _costs(captured, args: tuple, options):
     """The costs the target plans on, for ``captured`` at the sizes of ``args``."""
-    from opweave.pipeline import targets
-
-    if options.device == "cpu":
-        return targets.costs_for(captured, args, options, "cpu")
-    device = targets.fitted_device(options.runtime)
-    return targets.CudaTarget().costs(captured, args, options, device, targets._dtype(captured))
+    return targets.for_options(options).planning_costs(captured, args, options)
 
 
 def on_devices_of(args: tuple, example: tuple) -> tuple:
