@@ -382,6 +382,7 @@ def ways_in(monkeypatch, made, tmp_path):
         raise Built
 
     monkeypatch.setattr(opweave.capture, "capture", capture)
+    monkeypatch.setattr(opweave.api, "capture", capture)
     monkeypatch.setattr(opweave.capture, "load", load)
     for module in (opweave.pipeline, opweave.pipeline.flow, opweave.api, opweave.serve.executors):
         monkeypatch.setattr(module, "build", build)

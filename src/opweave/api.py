@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from opweave.capture import capture, load_program
+from opweave.capture.coarsen import at_sizes
+from opweave.capture.trace import ExportedModule
+from opweave.devices import device_of
 from opweave.errors import UsageError
 from opweave.pipeline import Compiled, Options, as_tuple, build, resolve
+from opweave.pipeline.signatures import attach
+from opweave.pipeline.sizes import Sizes, on_devices_of
 
 
 def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, device: str | None = None,
@@ -50,8 +58,6 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, dev
     >>> fast.schedule.streams_used, torch.allclose(fast(x), model(x))
     (2, True)
     """
-    from opweave.capture import load_program
-
     if isinstance(model, (str, Path)):
         model = load_program(model)
     device = device or device_of(model, example_inputs, example_kwargs, {**(options or {}), **kwargs})
@@ -61,10 +67,6 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, dev
 def compile_with(model, example_inputs, options: Options, *, example_kwargs: dict | None = None) -> Compiled:
     """:func:`compile` with ``options`` resolved already (:func:`opweave.pipeline.resolve`): the torch.compile
     backend resolves a graph's options once, at its door, and hands them here."""
-    import torch
-
-    from opweave.capture import capture
-
     captured = capture(model, as_tuple(example_inputs), example_kwargs=example_kwargs, fold_bn=options.fold_bn)
     eager = model if isinstance(model, torch.nn.Module) else None
     reference, captured.example_output = captured.example_output, None  # this build's only (runtime.Captured)
@@ -86,35 +88,11 @@ def compile_captured(captured, example_inputs, *, device: str | None = None, mod
                            as_tuple(example_inputs))
 
 
-def device_of(model, example_inputs, example_kwargs: dict | None, options: dict) -> str:
-    """Where a model compiled without ``device`` runs: ``"cuda"`` when a ``runtime`` option is given or an example
-    input or a parameter or buffer of the model is on a GPU, else ``"cpu"``."""
-    import torch
-    from torch.utils import _pytree as pytree
-
-    if options.get("runtime") is not None:
-        return "cuda"
-    values = pytree.tree_leaves((example_inputs, example_kwargs or {}))
-    if isinstance(model, torch.nn.Module):
-        values += [next(model.parameters(), None), next(model.buffers(), None)]
-    elif isinstance(model, torch.export.ExportedProgram):
-        values += pytree.tree_leaves(model.example_inputs) + list(model.state_dict.values())[:1]
-    return "cuda" if any(isinstance(v, torch.Tensor) and v.is_cuda for v in values) else "cpu"
-
-
 def with_signatures(compiled: Compiled, model, captured, opts, eager, example_inputs: tuple | None = None) -> Compiled:
     """``compiled``, which now serves inputs of other sizes with its plan, checked against ``model``, and builds
     itself for inputs of another signature from ``model`` (captured again for them, with the options it was built
     with; a range of sizes planned again from ``captured`` at those sizes): :mod:`opweave.pipeline.signatures`,
     :mod:`opweave.pipeline.sizes`."""
-    import torch
-
-    from opweave.capture import capture
-    from opweave.capture.coarsen import at_sizes
-    from opweave.capture.trace import ExportedModule
-    from opweave.pipeline.signatures import Signatures, key_of
-    from opweave.pipeline.sizes import Sizes, on_devices_of
-
     example = example_inputs if example_inputs is not None else captured.example_inputs
 
     def rebuild(args: tuple) -> Compiled:  # captured where the model runs: the example's device
@@ -127,11 +105,8 @@ def with_signatures(compiled: Compiled, model, captured, opts, eager, example_in
 
     runnable = ExportedModule(model) if isinstance(model, torch.export.ExportedProgram) else model
     sizes = Sizes(compiled, runnable, example, replan=replan, buckets=opts.buckets)
-    any_batch = compiled.any_batch  # its own backend takes any batch: no other batch size is another signature
-    compiled.variants = Signatures(captured.graph.name, key_of(example, any_batch=any_batch), rebuild,
-                                   bound=opts.cache_size, dynamic=opts.dynamic, arity=len(example), sizes=sizes,
-                                   any_batch=any_batch)
-    return compiled
+    return attach(compiled, captured.graph.name, example, rebuild, bound=opts.cache_size, dynamic=opts.dynamic,
+                  sizes=sizes)
 
 
-__all__ = ["Compiled", "compile", "compile_captured", "compile_with", "device_of"]
+__all__ = ["Compiled", "compile", "compile_captured", "compile_with"]

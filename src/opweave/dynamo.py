@@ -29,7 +29,7 @@ outputs equal to eager's that require grad as eager's do; a backward through the
 torch's presets (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``, ``"max-autotune-no-cudagraphs"``),
 ``options`` any of :data:`opweave.pipeline.OPTIONS` (``scheduler``, ``streams``, ``compiler``, ``cudagraphs``, ...),
 with the same defaults: no scheduler means the device's default plan. Each graph's device follows the rule
-``opweave.compile`` follows (:func:`opweave.api.device_of`: CUDA when an example input or the graph module's weights
+``opweave.compile`` follows (:func:`opweave.devices.device_of`: CUDA when an example input or the graph module's weights
 are on a GPU, or a ``runtime`` is given, the fake CUDA runtime running it on the CPU), and its options are resolved
 once, when dynamo hands the graph over, then handed down resolved to every build of it (a swapped weight's, a
 symbolic graph's first call).
@@ -132,9 +132,9 @@ class _NoBackward(torch.autograd.Function):
 
 
 def _resolved(gm: fx.GraphModule, example_inputs: tuple, mode: str | None, options: dict):
-    """The graph's options, resolved once (its device by :func:`opweave.api.device_of`, the rule
+    """The graph's options, resolved once (its device by :func:`opweave.devices.device_of`, the rule
     ``opweave.compile`` follows); ``fold_bn`` refused (module docstring), before anything is captured."""
-    from opweave.api import device_of
+    from opweave.devices import device_of
     from opweave.pipeline import resolve
 
     resolved = resolve(device_of(gm, example_inputs, None, options), mode, options)

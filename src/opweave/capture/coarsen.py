@@ -199,6 +199,7 @@ def _merged_op(group: list[str], members: list[fx.Node], fine: OpGraph, gm: fx.G
         id=head.id,
         name="+".join(group),
         target=head.target,
+        kind=head.kind,
         category="compute" if any(fine.op[op].category == "compute" for op in group) else "memory",
         shape=last.shape,
         dtype=last.dtype,

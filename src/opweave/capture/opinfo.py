@@ -32,37 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-COMPUTE_KINDS = frozenset({"conv", "linear", "matmul", "einsum", "rnn", "attention"})
-
-_KIND_OF: dict[str, str] = {}
-for _kind, _names in {
-    "conv": "conv1d conv2d conv3d convolution _convolution conv_transpose1d conv_transpose2d conv_transpose3d "
-            "convtranspose1d convtranspose2d convtranspose3d",
-    "linear": "linear",
-    "matmul": "matmul mm bmm addmm baddbmm addbmm addmv mv dot",
-    "einsum": "einsum",
-    "rnn": "lstm gru rnn lstmcell grucell rnncell",
-    "attention": "multiheadattention scaled_dot_product_attention",
-    "pool": "maxpool1d maxpool2d maxpool3d avgpool1d avgpool2d avgpool3d max_pool1d max_pool2d max_pool3d "
-            "avg_pool1d avg_pool2d avg_pool3d max_pool2d_with_indices max_pool3d_with_indices lppool1d lppool2d "
-            "lp_pool1d lp_pool2d",
-    "adaptive_pool": "adaptiveavgpool1d adaptiveavgpool2d adaptiveavgpool3d adaptivemaxpool1d adaptivemaxpool2d "
-                     "adaptivemaxpool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d "
-                     "adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d _adaptive_avg_pool2d",
-    "norm": "batchnorm1d batchnorm2d batchnorm3d batch_norm layernorm layer_norm groupnorm group_norm "
-            "instancenorm1d instancenorm2d instancenorm3d instance_norm localresponsenorm local_response_norm "
-            "rmsnorm rms_norm normalize native_batch_norm native_layer_norm native_group_norm "
-            "_native_batch_norm_legit _native_batch_norm_legit_no_training",
-    "softmax": "softmax log_softmax _softmax _log_softmax softmin logsoftmax",
-    "reduce": "sum mean amax amin prod std var logsumexp cumsum cumprod norm argmax argmin all any",
-    "data": "cat concat concatenate stack hstack vstack pad constant_pad_nd clone copy embedding embedding_bag "
-            "gather index_select index take zeros ones full empty zeros_like ones_like full_like empty_like arange "
-            "to _to_copy type float half double int long bool repeat tile roll flip slice_scatter select_scatter "
-            "index_put scatter masked_scatter channel_shuffle pixel_shuffle pixel_unshuffle new_zeros new_ones "
-            "new_full new_empty tensor as_tensor",
-}.items():
-    for _name in _names.split():
-        _KIND_OF[_name] = _kind
+from opweave.ir.kinds import category_of, kind_of, short_name
 
 # Metadata-only ops (a view, a tuple element, a size): no kernel of their own. ``contiguous`` and ``reshape`` may
 # copy a non-contiguous input; they are still treated as free (they run right after their producer either way).
@@ -120,17 +90,14 @@ def target_name(node: fx.Node, gm: fx.GraphModule) -> str:
     return f"{module}.{getattr(fn, '__qualname__', name)}"
 
 
-def short_name(target: str) -> str:
-    return target.rsplit(".", 1)[-1].lower()
-
-
 def kind(target: str) -> str:
-    """conv, linear, matmul, einsum, rnn, attention, pool, adaptive_pool, norm, softmax, reduce, data, elementwise."""
-    return _KIND_OF.get(short_name(target), "elementwise")
+    """The kind of an op running ``target`` (:func:`opweave.ir.kinds.kind_of`): what capture sets on the op."""
+    return kind_of(target)
 
 
 def category(target: str) -> str:
-    return "compute" if kind(target) in COMPUTE_KINDS else "memory"
+    """``compute`` or ``memory``, by the op's kind (:func:`opweave.ir.kinds.category_of`)."""
+    return category_of(kind_of(target))
 
 
 # ---- tensor metadata (as ShapeProp leaves it in node.meta["tensor_meta"]) -------------------------------------------

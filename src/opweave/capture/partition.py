@@ -73,6 +73,7 @@ def _op(node: fx.Node, gm: fx.GraphModule) -> Op:
         name=node.name,
         target=target,
         category=opinfo.category(target),
+        kind=opinfo.kind(target),
         shape=list(metas[0].shape) if metas else None,
         dtype=str(metas[0].dtype).removeprefix("torch.") if metas else None,
         flops=0.0 if free else opinfo.flops(node, gm),

@@ -62,7 +62,7 @@ def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
     from opweave.backends.distributed import check_devices, torchrun
     from opweave.backends.threads import total_threads
     from opweave.capture import load
-    from opweave.evaluate.bench import resolve_device
+    from opweave.devices import resolve_device
     from opweave.pipeline import resolve
 
     world = torchrun.rank_and_world()[1] if torchrun.launched() else devices or 2
@@ -187,7 +187,7 @@ def profile_links(device: Annotated[str, typer.Option(
     """Measure point-to-point time against message size between two ranks; fit latency + bytes / bandwidth."""
     from opweave.backends.distributed import profile_link
     from opweave.costs.links import fit
-    from opweave.evaluate.bench import resolve_device
+    from opweave.devices import resolve_device
 
     device = resolve_device(device, gpus=2) if device == "auto" else device
     sizes = [2 ** k for k in range(4, max(5, max_bytes.bit_length()), 2)]

@@ -55,7 +55,8 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
     benchmark"). A machine that other processes kept busy meanwhile gets a warning. ``--option KEY=VALUE`` sets any
     other option of opweave.compile for every scheduler (refused, before the model loads, where it does not apply
     to one of them)."""
-    from opweave.evaluate.bench import bench_model, resolve_device
+    from opweave.devices import resolve_device
+    from opweave.evaluate.bench import bench_model
 
     device = resolve_device(device)
     mode, settings = collect_options(options, mode, streams=streams, profile=profile, coarsen=coarsen)
@@ -109,7 +110,7 @@ def profile(model: Annotated[str, typer.Option("--model")] = "inception_v3",
     --threads intra-op threads, the budget a lane runs it with."""
     from opweave.capture import load
     from opweave.costs.profile import profile_model
-    from opweave.evaluate.bench import resolve_device
+    from opweave.devices import resolve_device
 
     device = resolve_device(device)
     _, inputs, captured = load(model, batch_size=batch_size, device=device, coarsen=coarsen)

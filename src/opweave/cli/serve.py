@@ -158,7 +158,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     from opweave.serve.server import serve as run_server
 
     if device == "auto":
-        from opweave.evaluate.bench import resolve_device
+        from opweave.devices import resolve_device
 
         device = resolve_device(device)
     if device not in ("cpu", "cuda"):

@@ -62,6 +62,7 @@ from pathlib import Path
 
 from opweave.costs.model import Costs, GpuModel, file_fields
 from opweave.errors import UsageError
+from opweave.ir import kinds
 from opweave.ir.graph import Op, OpGraph
 
 FORMAT = "opweave.device/1"
@@ -78,24 +79,10 @@ BORROW = {"conv_depthwise": "pool", "reduce": "pool", "data": "elementwise", "no
           "matmul": "conv_pointwise", "conv_pointwise": "conv", "conv": "conv_pointwise", "pool": "elementwise",
           "elementwise": "data"}
 
-_KIND = {}
-for _cls, _names in {
-    "conv": "conv1d conv2d conv3d convolution _convolution conv_transpose1d conv_transpose2d conv_transpose3d "
-            "convtranspose1d convtranspose2d convtranspose3d",
-    "matmul": "linear matmul mm bmm addmm baddbmm addbmm addmv mv dot einsum lstm gru rnn multiheadattention "
-              "scaled_dot_product_attention",
-    "norm": "batchnorm1d batchnorm2d batchnorm3d batch_norm layernorm layer_norm groupnorm group_norm "
-            "instancenorm1d instancenorm2d instancenorm3d instance_norm rmsnorm rms_norm softmax log_softmax "
-            "_softmax _log_softmax native_batch_norm native_layer_norm",
-    "pool": "maxpool1d maxpool2d maxpool3d avgpool1d avgpool2d avgpool3d max_pool1d max_pool2d max_pool3d "
-            "avg_pool1d avg_pool2d avg_pool3d max_pool2d_with_indices",
-    "reduce": "adaptiveavgpool1d adaptiveavgpool2d adaptiveavgpool3d adaptivemaxpool2d adaptive_avg_pool2d "
-              "_adaptive_avg_pool2d sum mean amax amin prod std var logsumexp cumsum norm argmax argmin",
-    "data": "cat concat concatenate stack hstack vstack pad constant_pad_nd clone copy embedding embedding_bag "
-            "gather index_select index repeat tile roll flip to _to_copy",
-}.items():
-    for _name in _names.split():
-        _KIND[_name] = _cls
+# The class an op's kind (opweave.ir.kinds) is priced as: the fit's classes, coarser than the kinds
+COST_CLASS = {"conv": "conv", "linear": "matmul", "matmul": "matmul", "einsum": "matmul", "rnn": "matmul",
+              "attention": "matmul", "norm": "norm", "softmax": "norm", "pool": "pool", "adaptive_pool": "reduce",
+              "reduce": "reduce", "data": "data"}
 
 
 @dataclass(frozen=True)
@@ -223,12 +210,12 @@ def device(name: str = "h200", path: str | Path | None = None) -> Device:
 
 # ---- one op -------------------------------------------------------------------------------------------------------
 def op_class(graph: OpGraph, op: Op) -> str:
-    """The class of ``op``: its target's kind; a convolution is ``conv_pointwise`` when its reduction depth
-    (FLOPs / 2 / output elements) equals its input's channels (1x1, one group), ``conv_depthwise`` when the depth is
-    not a whole multiple of them (grouped), ``conv`` else (or when the input's channels are unknown). A coarse op's
-    epilogues add up to :data:`EPILOGUE_DEPTH` to the depth, which is allowed for (up to a tenth of a tap)."""
-    short = (op.target or "").rsplit(".", 1)[-1].lower()
-    kind = _KIND.get(short, "elementwise")
+    """The class of ``op``: its kind's (:data:`COST_CLASS`, the kind :mod:`opweave.ir.kinds` gives it); a
+    convolution is ``conv_pointwise`` when its reduction depth (FLOPs / 2 / output elements) equals its input's
+    channels (1x1, one group), ``conv_depthwise`` when the depth is not a whole multiple of them (grouped), ``conv``
+    else (or when the input's channels are unknown). A coarse op's epilogues add up to :data:`EPILOGUE_DEPTH` to the
+    depth, which is allowed for (up to a tenth of a tap)."""
+    kind = COST_CLASS.get(kinds.of(op), "elementwise")
     if kind != "conv":
         return kind
     out = _numel(op.shape)

@@ -23,7 +23,7 @@ import torch
 
 from opweave.cores import cores
 from opweave.costs import timing
-from opweave.errors import DeviceError, UsageError
+from opweave.errors import UsageError
 from opweave.outputs import compare
 
 ROUNDS = 10  # rounds of an interleaved timing (fewer when there are fewer runs)
@@ -118,18 +118,6 @@ def busy_warning(others_cpu_share: float | None, load: list[float] | None) -> st
     loads = f" (load average {load[0]:.2f} on {cores()} CPUs)" if load else ""
     return (f"{what}{loads}: other work slows the modes unequally (eager's intra-op threads most), so these ratios "
             f"are not this machine's; time again on a quiet machine")
-
-
-def resolve_device(device: str, gpus: int = 1) -> str:
-    """``auto`` becomes ``cuda`` when ``gpus`` GPUs are visible (a command's ranks on this machine), else ``cpu``;
-    every command's ``--device`` defaults to it."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= gpus else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"device must be cpu, cuda or auto, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise DeviceError("CUDA is not available on this machine; use --device cpu (or auto)")
-    return device
 
 
 def device_name(device: str) -> str:

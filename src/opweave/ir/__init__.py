@@ -1,6 +1,7 @@
 """The operator graph: what every later layer reads.
 
 * :mod:`.graph` — :class:`Op`, :class:`Edge`, :class:`OpGraph` and the ``opweave.graph/1`` JSON format;
+* :mod:`.kinds` — what kind of operator an op is (one table; capture sets it, the costs read it);
 * :mod:`.synth` — HIOS-style random layered DAGs;
 * :mod:`.examples` — the papers' example graphs, shipped as JSON.
 

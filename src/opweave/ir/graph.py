@@ -41,6 +41,7 @@ class Op:
     latency_ms: float | None = None
     utilization: float | None = None
     resources: dict[str, float] | None = None
+    kind: str | None = None  # what capture found it to be (opweave.ir.kinds); None: read from the target
 
 
 @dataclass
@@ -205,14 +206,12 @@ class OpGraph:
 
     # ---- JSON ---------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        def compact(d: dict[str, Any]) -> dict[str, Any]:  # drop fields at their defaults
-            return {k: v for k, v in d.items() if k in ("id", "src", "dst") or v not in (None, 0.0, "data")}
+        def compact(item: Op | Edge) -> dict[str, Any]:  # drop fields at their defaults
+            defaults = {f.name: f.default for f in dataclasses.fields(item)}
+            return {k: v for k, v in asdict(item).items() if k in ("id", "src", "dst") or v != defaults[k]}
 
-        ops = [compact(asdict(o)) for o in self.ops]
-        for o in ops:
-            if o.get("category") == "compute":
-                del o["category"]
-        return {"format": FORMAT, "name": self.name, "ops": ops, "edges": [compact(asdict(e)) for e in self.edges]}
+        return {"format": FORMAT, "name": self.name, "ops": [compact(o) for o in self.ops],
+                "edges": [compact(e) for e in self.edges]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OpGraph:

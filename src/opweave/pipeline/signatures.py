@@ -342,13 +342,14 @@ _NO_ANSWER = object()
 
 
 def attach(compiled: Any, name: str, example: tuple[Any, ...], compile_for: Callable[[tuple[Any, ...]], Any], *,
-           bound: int, dynamic: bool | None = None) -> Any:
+           bound: int, dynamic: bool | None = None, sizes: Any = None) -> Any:
     """``compiled`` (built for ``example``), which from now on builds itself for inputs of another signature with
     ``compile_for`` (:class:`Signatures`: at most ``bound`` kept, refused with ``dynamic=False``, keyed without
-    dimension 0 where it takes any batch)."""
-    any_batch = compiled.any_batch
+    dimension 0 where it takes any batch; ``sizes``, a :class:`~opweave.pipeline.sizes.Sizes`, serves other sizes
+    with what is built): the one way a compiled model, a library's or a server's block, meets other inputs."""
+    any_batch = compiled.any_batch  # its own backend takes any batch: no other batch size is another signature
     compiled.variants = Signatures(name, key_of(example, any_batch=any_batch), compile_for, bound=bound,
-                                   dynamic=dynamic, arity=len(example), any_batch=any_batch)
+                                   dynamic=dynamic, arity=len(example), sizes=sizes, any_batch=any_batch)
     return compiled
 
 

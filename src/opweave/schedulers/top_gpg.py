@@ -93,8 +93,11 @@ RULES = {"work": 1, "speedup": 2}
 EMBED = 32
 
 
-def op_kind(target: str | None) -> int:
-    """Index in :data:`KINDS` of an op's target (``torch.nn.Conv2d``, ``aten.relu.default``...): first match wins."""
+def node_type(target: str | None) -> int:
+    """The policy network's node-type feature (TOP §V-C encodes each op's type one-hot): the index in :data:`KINDS`
+    of the first group of words found in an op's target (``torch.nn.Conv2d``, ``aten.relu.default``...). It is the
+    encoding the shipped weights were trained on, so it is kept as it is rather than read from the op's kind
+    (:mod:`opweave.ir.kinds`, which sorts activations, concatenations and means otherwise)."""
     text = (target or "").lower()
     for kind, words in _KIND_WORDS:
         if any(w in text for w in words):
@@ -164,7 +167,7 @@ def encode_inputs(graph: OpGraph, costs: Costs) -> tuple[torch.Tensor, list[Any]
     rows = []
     for op in graph.ops:
         kind = [0.0] * len(KINDS)
-        kind[op_kind(op.target)] = 1.0
+        kind[node_type(op.target)] = 1.0
         rows.append(kind + [math.log1p(costs.latency_ms[op.id] / scale), costs.util(op.id),
                             1.0 if costs.category.get(op.id, op.category) == "memory" else 0.0,
                             math.log1p(max(op.flops, 0.0)) / 30, math.log1p(max(op.bytes, 0.0)) / 30,
@@ -425,4 +428,4 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
 
 
 __all__ = ["DEFAULT_WEIGHTS", "FORMAT", "GPG", "KINDS", "RULES", "batch_logits", "candidate_logits", "candidates",
-           "encode_inputs", "greedy", "load", "one_thread", "op_kind", "rule_choice", "scale_ms", "schedule", "walk"]
+           "encode_inputs", "greedy", "load", "one_thread", "node_type", "rule_choice", "scale_ms", "schedule", "walk"]

@@ -161,15 +161,16 @@ def warm_up(engine: Engine) -> None:
     """Run each model once, block by block alone at batch 1, on its example inputs (compiles those signatures)."""
     ex = engine.executor
     for name, model in ex.models.items():
-        state = ex.prepare(name, [model.flat_inputs(model.example_inputs)]) if device_of(ex) != "sim" else None
+        state = ex.prepare(name, [model.flat_inputs(model.example_inputs)]) if not simulated(ex) else None
         for b in range(len(model.blocks)):
             part = Part(name, b, 1, state)
             ex.run([part])
             state = part.state
 
 
-def device_of(executor) -> str:
-    return "sim" if isinstance(executor, SimExecutor) else "real"
+def simulated(executor) -> bool:
+    """Whether ``executor`` times its blocks in simulation (it runs no op)."""
+    return isinstance(executor, SimExecutor)
 
 
 __all__ = ["DEFAULT_POLICIES", "DEVICES", "default_policy", "load_models",
