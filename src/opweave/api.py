@@ -40,7 +40,7 @@ def compile(model, example_inputs=(), *, example_kwargs: dict | None = None, dev
 
     With no scheduler, the device chooses: on the CPU, the fastest in a short race of the model in one ONNX Runtime
     segment (with the ``onnx`` extra), HEFT on one lane per core, one lane, and the model itself (``choice`` says
-    which won: :func:`opweave.pipeline.autotune.guarded`); on CUDA, the scheduler and
+    which won: :func:`opweave.pipeline.search.default_race`); on CUDA, the scheduler and
     stream cap the calibrated simulator predicts fastest (``choice`` says which and why). ``close()`` or a ``with``
     block releases worker threads, rank processes, CUDA graphs and streams.
 

@@ -111,7 +111,7 @@ def _generated(code: LaneCode, lane: Lane):
 class EagerBackend:
     """The model itself, run as the CPU lanes run a plan (under ``no_grad``, on ``threads`` intra-op threads, else the
     caller's): what ``opweave.compile``'s default keeps when neither its lanes nor one lane beat the model
-    (:func:`opweave.pipeline.autotune.guarded`, ``eager``). It calls the live model, so a later change to the model's
+    (:func:`opweave.pipeline.search.default_race`, ``eager``). It calls the live model, so a later change to the model's
     weights shows in its outputs. ``stats``: ``calls``."""
 
     def __init__(self, model, threads: int | None = None):
