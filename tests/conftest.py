@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -8,6 +9,11 @@ from hypothesis import HealthCheck, settings
 # Tests run two pytest workers on a 2-core machine; one intra-op thread per worker keeps them from spinning
 # against each other (the CPU backend's concurrency comes from its lane threads, not from intra-op threads).
 torch.set_num_threads(1)
+
+# A compile's later tiers are built in a process of their own, for a minute or more each: the suite's compiles keep
+# their first tier (the tier tests turn them on, with a build that takes a second). Servers and CLIs the tests start
+# inherit it.
+os.environ["OPWEAVE_TIERS"] = "0"
 
 # A loaded CI machine can make data generation slow; that says nothing about the code under test.
 settings.register_profile("opweave", deadline=None, suppress_health_check=[HealthCheck.too_slow])

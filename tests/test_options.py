@@ -19,6 +19,7 @@ from opweave.costs.profile import profile_model
 from opweave.costs.roofline import estimate
 from opweave.errors import DeviceError, UsageError
 from opweave.pipeline import MODES, OPTIONS, Options, mode_options, option_table, parse_option, resolve, targets
+from opweave.pipeline.tiers import Tiered
 from opweave.testing.fakecuda import FakeCuda
 
 
@@ -41,11 +42,12 @@ SAMPLES = {"runtime": FakeCuda(seed=0), "scheduler": "lios", "streams": 2, "devi
            "coarsen": False, "fold_bn": True,
            "graph": "onnxruntime", "compiler": "eager", "scheduler_options": {"sync_ms": 0.125}, "threads": 1,
            "cudagraphs": False, "capture_fallback": "eager", "static_outputs": True, "cache_size": 2, "dynamic": False,
+           "tiers": False,
            "buckets": "pow2", "warmup": 1,
            "link": "loopback", "timeout_s": 60.0, "start_method": "spawn"}  # costs and profile: made per model
 CUDA_ONLY = {"cudagraphs", "capture_fallback", "static_outputs", "warmup", "runtime"}
 RANKS_ONLY = {"link", "timeout_s", "start_method"}  # alone: refused (they need devices > 1)
-CPU_ONLY = {"graph", "threads"}
+CPU_ONLY = {"graph", "threads", "tiers"}
 WITH = {"fold_bn": {"coarsen": False},  # coarsening folds BatchNorm too: its effect shows on the fx nodes
         "scheduler_options": {"scheduler": "heft"}}  # without a scheduler the guard may keep one lane
 
@@ -180,6 +182,8 @@ def effect(key: str, value, fast, coarse) -> bool:
         return fast.schedule.streams_used == 1  # one thread: one lane
     if key == "dynamic":
         return fast.variants.dynamic is value
+    if key == "tiers":
+        return fast.options.tiers is value and not isinstance(fast.backend, Tiered)
     if key == "buckets":
         return fast.variants.sizes.buckets == value
     if key == "cache_size" and fast.variants.bound != value:
@@ -276,7 +280,7 @@ def test_the_cli_takes_every_option_with_the_same_outcome(made, tmp_path):
 
 
 SERVED = {"cpu": {"scheduler", "streams", "cost_model", "coarsen", "compiler", "scheduler_options", "threads",
-                  "cache_size"},
+                  "cache_size", "tiers"},
           "cuda": {"scheduler", "streams", "cost_model", "coarsen", "compiler", "scheduler_options", "cudagraphs",
                    "capture_fallback", "cache_size", "warmup", "runtime"},
           "sim": {"scheduler", "streams", "cost_model", "coarsen", "scheduler_options"}}
@@ -464,7 +468,7 @@ def test_every_option_through_every_way_in_is_used_or_refused_before_a_model_loa
     assert used["bench"] == every - CUDA_ONLY - {"costs", "scheduler"}
     assert used["run"] == every - CUDA_ONLY - {"costs", "devices"}
     assert used["serve"] == {"scheduler", "streams", "cost_model", "coarsen", "compiler", "scheduler_options",
-                             "threads", "cache_size"}
+                             "threads", "cache_size", "tiers"}  # tiers=false: a server's blocks keep their first
     # the replica here serves TOP's combined op graphs (no compiler): lios, which takes no sync_ms, refused at the door
     assert used["ray"] == used["serve"] - {"scheduler_options"}
 

@@ -20,7 +20,7 @@ from typing import Any
 from opweave.capture.runtime import as_tuple
 from opweave.costs import Costs
 from opweave.errors import UsageError
-from opweave.pipeline import search, targets
+from opweave.pipeline import search, targets, tiers
 from opweave.pipeline.compiled import Compiled
 from opweave.pipeline.options import Options
 from opweave.plan import LaunchPlan
@@ -39,8 +39,12 @@ def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = 
     target = targets.for_options(options)
     if options.autotune:
         return search.search(target, captured, inputs, options, eager=eager, reference=reference)
-    if options.guard:  # the CPU default: the fastest of its candidates, measured
-        return search.default_race(target, captured, inputs, options, eager=eager, reference=reference)
+    if options.guard:  # the CPU default: the fastest of its candidates, measured, then the tiers built beside it
+        compiled = search.default_race(target, captured, inputs, options, eager=eager, reference=reference)
+        if options.tiers:
+            compiled = tiers.start(compiled, eager if eager is not None else captured.gm, inputs, options,
+                                   reference)
+        return compiled
     compiled: Compiled = target.build(captured, inputs, options)
     if compiled.fused is not None and compiled.fused.any_batch:  # dynamic=True: one session with a free batch
         from opweave.pipeline.signatures import takes_any_batch

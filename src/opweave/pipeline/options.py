@@ -36,6 +36,7 @@ default scheduler, which the target picks with the graph in hand); a device that
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,10 @@ def _threads(o: Options) -> int | None:
     return total_threads(ranks=o.devices) if o.device == "cpu" else None
 
 
+def _tiers(o: Options) -> bool:
+    return o.device == "cpu" and os.environ.get("OPWEAVE_TIERS", "1") != "0"
+
+
 def _runtime(o: Options) -> Any:
     from opweave.backends.runtime import CUDA
 
@@ -220,6 +225,11 @@ OPTIONS: dict[str, Spec] = {
                     "unset: a size becomes free at its second value",
                     served=Served(refused="a server takes the batch sizes its models' configs allow, up to "
                                           "max_batch_size, and refuses other shapes by the config")),
+    "tiers": Spec("after the first tier answers, build the tiers that take long off the caller's path (the model "
+                  "compiled by Inductor with freezing, in a build process, cached on disk) and move calls to one once "
+                  "it is measured faster; false: the first tier only", "cpu", _tiers,
+                  "true (false where OPWEAVE_TIERS=0 is set)", needs="the CPU default",
+                  served=Served(False, refused="a server's blocks keep their first tier")),
     "cache_size": Spec("plans built for other input signatures besides the example's (past it such a signature "
                        "runs on the model itself, with a warning; on CUDA also the recordings kept per "
                        "signature)", "cpu, cuda", 8,
@@ -286,6 +296,7 @@ class Options:
     capture_fallback: str = UNFILLED
     static_outputs: bool = UNFILLED
     dynamic: bool | None = None
+    tiers: bool = UNFILLED
     cache_size: int = UNFILLED
     buckets: str | tuple[int, ...] | None = None  # "pow2" or sizes, ascending (resolve normalizes a list)
     runtime: Any = None
@@ -461,7 +472,7 @@ def _checked(device: str, mode: str, serving: str | None, autotune: bool, values
                              f"{', '.join(schedulers.MULTI_DEVICE)} with devices > 1")
     if autotune:
         chosen = [k for k in ("scheduler", "streams", "costs", "profile", "cost_model", "compiler", "graph",
-                              "scheduler_options", "devices") if k in set_keys]
+                              "scheduler_options", "devices", "tiers") if k in set_keys]
         if chosen:
             raise UsageError(f"mode={mode!r} chooses the plan itself: give no {chosen[0]!r}")
     if preset.get("cudagraphs") is not None and "cudagraphs" in set_keys and values["cudagraphs"] != preset[
@@ -496,6 +507,10 @@ def _checked(device: str, mode: str, serving: str | None, autotune: bool, values
         raise UsageError("compiler='onnxruntime' runs segments on the CPU; on CUDA use compiler='inductor'")
     if "costs" in set_keys and "profile" in set_keys:
         raise UsageError("give costs or profile, not both")
+    planned = sorted(k for k in PLAN_KEYS & set_keys if values.get(k) is not None)
+    if values.get("tiers") and (planned or ranks):
+        raise UsageError(f"option 'tiers' applies to the CPU default, whose plan it may replace: give no "
+                         f"{planned[0] if planned else 'devices'!r}")
     if serving is not None:
         _check_served(serving, values, set_keys)
     return values
@@ -543,7 +558,7 @@ def _check_values(values: dict[str, Any]) -> None:
         if key in values and (isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < low):
             fail(key, f"an integer >= {low}")
 
-    for key in ("coarsen", "fold_bn", "cudagraphs", "static_outputs", "dynamic"):
+    for key in ("coarsen", "fold_bn", "cudagraphs", "static_outputs", "dynamic", "tiers"):
         if key in values and not isinstance(values[key], bool):
             fail(key, "true or false")
     integer("streams", 1)

@@ -79,7 +79,7 @@ class Target:
                                                                   mode=mode)))
         if candidate.kind == "eager":
             return whole(captured, options, eager, threads=options.threads)
-        changed = options.derive(autotune=False, **candidate.changes)
+        changed = options.derive(autotune=False, tiers=None, **candidate.changes)
         if candidate.costs == "onnxruntime-graph":
             assert isinstance(self, CpuTarget)  # ONNX Runtime's graph runs on the CPU
             return self.build_ort_graph(captured, inputs, changed,

@@ -1,0 +1,323 @@
+"""Tiers: a compiled model answers at once, on its first tier, and moves to a faster one once it is built and measured.
+
+The CPU default's race (:func:`opweave.pipeline.search.default_race`) takes a second or two; the builds that make
+a model fastest take a minute (Inductor with freezing over the whole model: 14-70 s on a 2-core machine, its compile
+CPU-bound and holding the GIL). So, as tiered JIT compilers and TensorRT-RTX's lazy kernels do, the first tier serves
+while the others are built off the caller's path:
+
+* :class:`Tiered` is the backend a compiled model calls: one attribute read per call (``current``), replaced in one
+  assignment when a tier lands, so a call never waits for a build and never sees half a tier. A call whose inputs are
+  not the example's signature (another size the first tier was made to take) goes to the first tier, which a tier
+  built for the example's shapes cannot serve.
+* :class:`TierBuilder`, a daemon thread, builds each kind of :data:`KINDS` in turn: it looks in the disk cache (keyed
+  by :func:`key`: the captured graph, the model's weights, the inputs' signature, the threads, the machine and torch's
+  version, so a changed model or torch never loads a stale tier), else exports a copy of the model
+  (``torch.export``: the caller's model is never touched) and hands the program to a **build process** (``python -m
+  opweave.pipeline.tiers``, at a lower priority, so the caller's calls keep the cores first; it exits when its parent
+  does) that compiles it and writes the tier into the cache. The thread then loads the tier, checks it against the
+  model (:class:`~opweave.pipeline.search.OutputCheck`), races it against the tier in use
+  (:func:`~opweave.pipeline.search.fastest`) and moves calls over only where it is measured faster: one log line says
+  what landed and how much faster (``opweave.pipeline.tiers``, INFO), or what was kept. A build that fails, or a build
+  process that crashes or is killed, leaves the tier in use serving, with one warning.
+
+Kinds (:data:`KINDS`): ``inductor``, the model compiled by Inductor with freezing as an AOTInductor package
+(``torch._inductor.aoti_compile_and_package``: parameters folded in as constants, convolution and linear weights
+prepacked; loaded with ``aoti_load_package`` in about a second, on the caller's intra-op threads); ``exported``, the
+exported program run as it is (a check of the tier machinery, as ``compiler="eager"`` is of the segments': not in
+the default list). ``Compiled.choice["tiers"]`` lists each tier's outcome; :meth:`Tiered.wait` waits for the builds
+(``mode="max-autotune"`` builds its tiers before it returns).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opweave.cores import intra_op_threads
+from opweave.errors import first_line
+from opweave.pipeline import search
+from opweave.pipeline.signatures import key_of
+
+log = logging.getLogger(__name__)
+
+KINDS: tuple[str, ...] = ("inductor",)  # what the default builds after its first tier, in order
+VERSION = 1  # of what a tier is built from and how (in every tier's key)
+BUILD_TIMEOUT_S = 1800.0  # a build process past this is stopped (its tier is not built)
+
+
+class Tiered:
+    """The backend of a compiled model with tiers (module docstring): calls go to ``current``, the tier in use
+    (``label`` names it); ``tiers`` lists what each tier build came to."""
+
+    def __init__(self, first: Any, label: str, example: tuple[Any, ...]):
+        self.first, self.current, self.label = first, first, label
+        self.example_key = key_of(example)
+        self.tiers: list[dict[str, Any]] = []
+        self.stats: dict[str, Any] = {"calls": 0, "landed": 0}
+        self.builder: TierBuilder | None = None
+        self._closed = threading.Event()
+
+    def __call__(self, *args: Any) -> Any:
+        current = self.current
+        if current is not self.first and key_of(args) != self.example_key:
+            return self.first(*args)  # another size: the first tier takes it, a landed tier was built for one
+        return current(*args)
+
+    def free(self, args: tuple[Any, ...]) -> bool:
+        """Whether the first tier takes inputs shaped like ``args`` (:mod:`opweave.pipeline.sizes`)."""
+        take = getattr(self.first, "free", None)
+        return bool(take(args)) if take is not None else False
+
+    def land(self, label: str, tier: Any) -> None:
+        """Calls go to ``tier`` from now on (one assignment: a call in flight finishes on the tier it started on)."""
+        previous = self.current
+        self.current, self.label = tier, label
+        self.stats["landed"] += 1
+        if previous is not self.first:
+            _close(previous)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every tier build has ended (landed, kept out or failed); False if ``timeout`` passed first."""
+        builder = self.builder
+        if builder is None:
+            return True
+        builder.join(timeout)
+        return not builder.is_alive()
+
+    @property
+    def building(self) -> bool:
+        return self.builder is not None and self.builder.is_alive()
+
+    def close(self) -> None:
+        """Stop the builds (the build process is ended) and release every tier."""
+        self._closed.set()
+        if self.builder is not None:
+            self.builder.stop()
+        if self.current is not self.first:
+            _close(self.current)
+        _close(self.first)
+
+
+def _close(tier: Any) -> None:
+    close = getattr(tier, "close", None)
+    if close is not None:
+        close()
+
+
+def start(compiled: Any, model: Any, inputs: tuple[Any, ...], options: Any, reference: Any = None,
+          kinds: tuple[str, ...] | None = None) -> Any:
+    """``compiled`` (its first tier, just raced) with its backend made a :class:`Tiered` and the builds of the
+    other tiers started (``kinds``, default :data:`KINDS`); returns ``compiled``."""
+    tiered = Tiered(compiled.backend, (compiled.choice or {}).get("label", "first"), inputs)
+    compiled.backend = tiered
+    compiled.choice = {**(compiled.choice or {}), "tiers": tiered.tiers}
+    tiered.builder = TierBuilder(tiered, compiled.captured, model, inputs, options, reference,
+                                 KINDS if kinds is None else kinds)
+    tiered.builder.start()
+    return compiled
+
+
+class TierBuilder(threading.Thread):
+    """Builds, checks and races each kind of tier in turn, off the caller's path (module docstring)."""
+
+    def __init__(self, tiered: Tiered, captured: Any, model: Any, inputs: tuple[Any, ...], options: Any,
+                 reference: Any, kinds: tuple[str, ...]):
+        super().__init__(name=f"opweave-tiers-{captured.graph.name}", daemon=True)
+        self.tiered = weakref.proxy(tiered)
+        self.closed = tiered._closed
+        self.captured, self.model, self.inputs, self.options = captured, model, inputs, options
+        self.reference, self.kinds = reference, kinds
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def stop(self) -> None:
+        self.closed.set()
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+
+    def run(self) -> None:
+        try:
+            weights = weights_digest(self.model)
+            for kind in self.kinds:
+                if self.closed.is_set():
+                    return
+                start = time.perf_counter()
+                try:
+                    outcome = self._tier(kind, weights)
+                except ReferenceError:  # the compiled model was collected: nothing to build for
+                    return
+                except Exception as exc:  # noqa: BLE001 - a tier that cannot be built: the one in use serves on
+                    if self.closed.is_set():
+                        return
+                    outcome = {"kind": kind, "failed": first_line(exc)}
+                    warnings.warn(f"{self.captured.graph.name}: the {kind} tier could not be built "
+                                  f"({first_line(exc)}); the {self.tiered.label} tier serves on", stacklevel=1)
+                outcome["seconds"] = round(time.perf_counter() - start, 2)
+                self.tiered.tiers.append(outcome)
+        except ReferenceError:
+            return
+
+    def _tier(self, kind: str, weights: str) -> dict[str, Any]:
+        """Build (or find in the cache), load, check and race one tier; land it where it wins."""
+        path = tier_path(key(self.captured, self.inputs, self.options, kind, weights), kind)
+        cached = path.exists()
+        if not cached:
+            self._build(kind, path)
+        tier = load(kind, path, self.options.threads)
+        with torch.no_grad():
+            check = search.OutputCheck(self.captured, self.inputs, self.model, self.reference)(tier(*self.inputs))
+        if not check.ok:
+            return {"kind": kind, "cached": cached, "wrong": check.reason}
+        if self.closed.is_set():
+            return {"kind": kind, "cached": cached, "stopped": True}
+        tiered = self.tiered
+        in_use = tiered.label
+        best, medians = search.fastest({in_use: tiered.current, kind: tier}, self.inputs)
+        outcome = {"kind": kind, "cached": cached, "median_ms": medians.get(kind), "against": in_use,
+                   "against_ms": medians.get(in_use), "landed": best == kind}
+        if best == kind:
+            tiered.land(kind, tier)
+            log.info("%s: the %s tier landed, %.2fx faster than %s (%.3f against %.3f ms)", self.captured.graph.name,
+                     kind, medians[in_use] / medians[kind], in_use, medians[kind], medians[in_use])
+        else:
+            log.info("%s: the %s tier kept out, %.3f ms against %s's %.3f ms", self.captured.graph.name, kind,
+                     medians[kind], in_use, medians[in_use])
+        return outcome
+
+    def _build(self, kind: str, path: Path) -> None:
+        """The model exported (a copy: the caller's is never touched) and handed to a build process that writes the
+        tier at ``path``; an error naming what went wrong when it does not."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="opweave-tier-") as scratch:
+            program = Path(scratch) / "program.pt2"
+            with torch.no_grad():
+                exported = torch.export.export(copy.deepcopy(self.model).eval() if isinstance(
+                    self.model, torch.nn.Module) else self.model, self.inputs)
+            torch.export.save(exported, program)
+            del exported
+            logfile = Path(scratch) / "build.log"
+            with open(logfile, "wb") as sink:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "opweave.pipeline.tiers", kind, str(program), str(path),
+                     str(self.options.threads or 1), str(os.getpid())], stdout=sink, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL)
+                try:
+                    code = self.process.wait(BUILD_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    code = self.process.wait()
+            if self.closed.is_set():
+                raise RuntimeError("stopped")
+            if code != 0 or not path.exists():
+                tail = logfile.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+                raise RuntimeError(f"its build process exited with status {code}: {tail[0][:200]}")
+
+
+# ---- what a tier is ---------------------------------------------------------------------------------------------
+def tier_dir() -> Path:
+    return search.cache_path().parent / "tiers"
+
+
+def tier_path(entry_key: str, kind: str) -> Path:
+    return tier_dir() / f"{entry_key}.{kind}.pt2"
+
+
+def weights_digest(model: Any) -> str:
+    """A digest of the model's parameters and buffers (their names, shapes, dtypes and bytes)."""
+    digest = hashlib.blake2b(digest_size=16)
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else getattr(model, "state_dict", {})
+    for name, value in sorted(state.items()):
+        if not isinstance(value, torch.Tensor):
+            continue
+        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype}".encode())
+        data = value.detach().cpu().contiguous()
+        if data.numel():
+            digest.update(data.view(-1).view(torch.uint8).numpy().tobytes() if data.dtype != torch.uint8
+                          else data.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def key(captured: Any, inputs: tuple[Any, ...], options: Any, kind: str, weights: str) -> str:
+    """What a built tier is valid for: the captured graph (its ops, their targets and the graph's code), the model's
+    weights (:func:`weights_digest`), the inputs' signature, the threads, the machine, torch's version and
+    :data:`VERSION`."""
+    parts = {"kind": kind, "graph": captured.graph.name, "ops": [(op.id, op.target) for op in captured.graph.ops],
+             "code": captured.gm.code, "weights": weights, "inputs": repr(key_of(inputs)),
+             "threads": options.threads, "machine": search.machine(), "torch": torch.__version__, "version": VERSION}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def load(kind: str, path: Path, threads: int | None) -> Any:
+    """A built tier, called like the model (positional inputs, the model's outputs)."""
+    if kind == "inductor":
+        return _Package(torch._inductor.aoti_load_package(str(path)), threads)
+    if kind == "exported":
+        return _Package(torch.export.load(str(path)).module(), threads)
+    raise ValueError(f"unknown tier {kind!r}")
+
+
+class _Package:
+    """A loaded tier run on ``threads`` intra-op threads under ``no_grad``."""
+
+    def __init__(self, fn: Any, threads: int | None):
+        self.fn, self.threads = fn, threads
+
+    def __call__(self, *args: Any) -> Any:
+        with intra_op_threads(self.threads), torch.no_grad():
+            return self.fn(*args)
+
+
+def build(kind: str, program: Path, out: Path, threads: int) -> None:
+    """The build process's work: the exported ``program`` compiled as tier ``kind``, written to ``out`` (through a
+    temporary file: a reader never sees half a tier)."""
+    torch.set_num_threads(threads)
+    exported = torch.export.load(str(program))
+    scratch = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    if kind == "inductor":
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(scratch),
+                                                 inductor_configs={"freezing": True, "cpp.threads": threads})
+    elif kind == "exported":
+        torch.export.save(exported, scratch)
+    else:
+        raise ValueError(f"unknown tier {kind!r}")
+    os.replace(scratch, out)
+
+
+def _orphaned(parent: int) -> None:
+    """End this build process once its parent is gone (its tier would serve no one)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def main(argv: list[str]) -> int:
+    kind, program, out, threads, parent = argv
+    threading.Thread(target=_orphaned, args=(int(parent),), daemon=True).start()
+    try:
+        os.nice(10)  # the caller's calls keep the cores first
+    except OSError:
+        pass
+    build(kind, Path(program), Path(out), int(threads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
+
+__all__ = ["BUILD_TIMEOUT_S", "KINDS", "VERSION", "TierBuilder", "Tiered", "build", "key", "load", "start",
+           "tier_dir", "tier_path", "weights_digest"]

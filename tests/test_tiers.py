@@ -1,0 +1,166 @@
+"""Tiers: the CPU default answers on its first tier at once and moves to a tier built later, off the caller's path,
+only once that tier is measured faster. The builds here are ``exported`` tiers (the exported program as it is: a
+second's build, the machinery of the Inductor tier without its minute), timed on a scripted clock."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import opweave
+from opweave.outputs import compare
+from opweave.pipeline import search, tiers
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.a(x)) + torch.tanh(self.b(x))
+
+
+@pytest.fixture
+def tiered(monkeypatch, tmp_path):
+    """Tiers on, the ``exported`` kind, the cache in a fresh folder; a clock (``times``: label -> ms, "first" for the
+    first tier's label) for the races."""
+    monkeypatch.setenv("OPWEAVE_TIERS", "1")
+    monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tiers, "KINDS", ("exported",))
+    times: dict[str, float] = {}
+    monkeypatch.setattr(search, "TIMER", lambda label, fn: (fn(), times.get(label, times.get("first", 1.0)))[1])
+    torch.manual_seed(0)
+    return Branchy().eval(), (torch.randn(4, 16),), times
+
+
+def _first_label(fast) -> str:
+    return fast.backend.tiers and fast.backend.tiers[0]["against"] or fast.choice["label"]
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_a_tier_takes_the_calls_only_once_it_wins_its_race(tiered, faster):
+    model, inputs, times = tiered
+    times.update({"exported": 1.0 if faster else 3.0, "first": 2.0})
+    fast = opweave.compile(model, inputs, threads=1)
+    first = fast.backend.first
+    assert isinstance(fast.backend, tiers.Tiered) and fast.backend.wait(120)
+    [outcome] = fast.backend.tiers
+    assert outcome["kind"] == "exported" and outcome["landed"] is faster and not outcome["cached"], outcome
+    assert (fast.backend.current is first) is not faster and fast.backend.label == (
+        "exported" if faster else fast.choice["label"])
+    with torch.no_grad():
+        assert compare(model(*inputs), fast(*inputs)).ok
+        other = torch.randn(3, 16)  # another size: the first tier takes it
+        assert compare(model(other), fast(other)).ok
+    fast.close()
+
+
+def test_a_call_while_the_tier_builds_gets_the_first_tiers_answer(tiered, monkeypatch):
+    model, inputs, times = tiered
+    times.update({"exported": 0.5, "first": 2.0})
+    release = threading.Event()
+    real = tiers.TierBuilder._build
+
+    def held(self, kind, path):
+        release.wait(60)
+        return real(self, kind, path)
+
+    monkeypatch.setattr(tiers.TierBuilder, "_build", held)
+    fast = opweave.compile(model, inputs, threads=1)
+    assert fast.backend.building and fast.backend.current is fast.backend.first
+    with torch.no_grad():
+        assert compare(model(*inputs), fast(*inputs)).ok  # answered while the build is held
+    assert fast.backend.stats["landed"] == 0
+    release.set()
+    assert fast.backend.wait(120) and fast.backend.label == "exported"
+    fast.close()
+
+
+def test_a_build_process_that_dies_leaves_the_first_tier_serving_with_one_warning(tiered, monkeypatch):
+    model, inputs, times = tiered
+    real = tiers.TierBuilder._build
+
+    def killed(self, kind, path):  # the process is killed as soon as it starts
+        popen = tiers.subprocess.Popen
+
+        def started(*args, **kwargs):
+            process = popen(*args, **kwargs)
+            process.kill()
+            return process
+
+        monkeypatch.setattr(tiers.subprocess, "Popen", started)
+        return real(self, kind, path)
+
+    monkeypatch.setattr(tiers.TierBuilder, "_build", killed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = opweave.compile(model, inputs, threads=1)
+        assert fast.backend.wait(120)
+    said = [w for w in caught if "tier could not be built" in str(w.message)]
+    assert len(said) == 1 and "exited with status" in str(said[0].message)
+    assert fast.backend.current is fast.backend.first and "failed" in fast.backend.tiers[0]
+    with torch.no_grad():
+        assert compare(model(*inputs), fast(*inputs)).ok
+    fast.close()
+
+
+def test_the_tier_cache_is_keyed_by_the_model_the_inputs_and_torch(tiered, monkeypatch):
+    """A tier built once is found by the next compile of the same model (no build process); a changed weight, other
+    inputs or another torch make another key, so a stale tier is never loaded."""
+    model, inputs, times = tiered
+    times.update({"exported": 1.0, "first": 2.0})
+    fast = opweave.compile(model, inputs, threads=1)
+    assert fast.backend.wait(120) and not fast.backend.tiers[0]["cached"]
+    built = sorted(p.name for p in tiers.tier_dir().iterdir())
+    assert len(built) == 1 and built[0].endswith(".exported.pt2")
+    fast.close()
+    again = opweave.compile(model, inputs, threads=1)
+    assert again.backend.wait(120) and again.backend.tiers[0]["cached"] and again.backend.label == "exported"
+    again.close()
+    captured = fast.captured
+    options = fast.options
+    weights = tiers.weights_digest(model)
+    base = tiers.key(captured, inputs, options, "exported", weights)
+    with torch.no_grad():
+        model.a.weight[0, 0] += 1
+    assert tiers.weights_digest(model) != weights
+    assert tiers.key(captured, (torch.randn(8, 16),), options, "exported", weights) != base
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert tiers.key(captured, inputs, options, "exported", weights) != base
+
+
+def test_a_build_process_ends_with_its_parent(tmp_path):
+    """A build left behind by a process that is gone would take the cores for a tier no one loads."""
+    import subprocess
+    import sys
+
+    program = tmp_path / "p.pt2"
+    model = Branchy().eval()
+    torch.export.save(torch.export.export(model, (torch.randn(2, 16),)), program)
+    # a parent that is already gone: the build process sees another parent and ends before it builds
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, opweave.pipeline.tiers as t; t.build = lambda *a: time.sleep(30); "
+        f"sys.exit(t.main(['exported', {str(program)!r}, {str(tmp_path / 'out.pt2')!r}, '1', '1']))")])
+    assert child.wait(timeout=20) == 3 and not (tmp_path / "out.pt2").exists()
+
+
+def test_tiers_apply_to_the_cpu_default_only():
+    from opweave.errors import UsageError
+    from opweave.pipeline import resolve
+
+    with pytest.raises(UsageError, match="option 'tiers' applies to the CPU default, whose plan it may replace: "
+                                         "give no 'scheduler'"):
+        resolve("cpu", scheduler="lios", tiers=True)
+    with pytest.raises(UsageError, match="mode='max-autotune' chooses the plan itself: give no 'tiers'"):
+        resolve("cpu", "max-autotune", tiers=True)
+    assert not resolve("cpu", tiers=False).tiers and os.environ["OPWEAVE_TIERS"] == "0"
+    assert not resolve("cpu").tiers  # the suite's environment keeps compiles at their first tier
+    model = Branchy().eval()
+    fast = opweave.compile(model, (torch.randn(2, 16),), threads=1)
+    assert not isinstance(fast.backend, tiers.Tiered)
