@@ -40,11 +40,10 @@ def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = 
     if options.autotune:
         return search.search(target, captured, inputs, options, eager=eager, reference=reference)
     if options.guard:  # the CPU default: the fastest of its candidates, measured, then the tiers built beside it
-        compiled = search.default_race(target, captured, inputs, options, eager=eager, reference=reference)
+        raced: Compiled = search.default_race(target, captured, inputs, options, eager=eager, reference=reference)
         if options.tiers:
-            compiled = tiers.start(compiled, eager if eager is not None else captured.gm, inputs, options,
-                                   reference)
-        return compiled
+            raced = tiers.start(raced, eager if eager is not None else captured.gm, inputs, options, reference)
+        return raced
     compiled: Compiled = target.build(captured, inputs, options)
     if compiled.fused is not None and compiled.fused.any_batch:  # dynamic=True: one session with a free batch
         from opweave.pipeline.signatures import takes_any_batch
