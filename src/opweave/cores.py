@@ -39,12 +39,13 @@ def intra_op_threads(threads: int | None = None) -> Iterator[int]:
     True
     """
     before = torch.get_num_threads()
-    if threads is not None:
+    if threads is not None and threads != before:  # a change resizes OpenMP's team at the next kernel: only if asked
         torch.set_num_threads(threads)
     try:
         yield before
     finally:
-        torch.set_num_threads(before)
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 __all__ = ["cores", "intra_op_threads"]

@@ -77,8 +77,8 @@ class Target:
             mode = candidate.changes.get("mode", "reduce-overhead")
             return whole(captured, options, _Cloned(torch.compile(eager if eager is not None else captured.gm,
                                                                   mode=mode)))
-        if candidate.kind == "eager":
-            return whole(captured, options, eager, threads=options.threads)
+        if candidate.kind == "eager":  # the model as its caller runs it: on the caller's threads unless told
+            return whole(captured, options, eager, threads=options.threads if "threads" in options.given else None)
         changed = options.derive(autotune=False, tiers=None, **candidate.changes)
         if candidate.costs == "onnxruntime-graph":
             assert isinstance(self, CpuTarget)  # ONNX Runtime's graph runs on the CPU
