@@ -461,6 +461,7 @@ def test_a_grpc_message_that_does_not_parse_is_invalid_argument(server):
 
 # ---- JSON, RFC 8259 both ways ------------------------------------------------------------------------------------
 NON_FINITE = json.dumps({"parameters": {"allow_non_finite_inputs": {"string_value": "true"}}})
+NON_FINITE_PBTXT = 'max_batch_size: 4\nparameters { key: "allow_non_finite_inputs" value { string_value: "true" } }\n'
 
 
 def load(server, name: str, config: str | None = None) -> tuple[int, dict]:
@@ -500,8 +501,11 @@ def test_json_stays_rfc8259_and_non_finite_values_travel_as_binary_data(server, 
     # a NaN in binary data: refused, naming the input, unless the model's config lets non-finite inputs in
     status, content, _, _ = binary_nan(server, True)
     assert status == 400 and strict_json(content)["error"].startswith("input 'x' holds NaN or infinite values")
-    assert load(server, "tiny", NON_FINITE) == (200, {})
-    try:  # a NaN in, asked out in JSON: refused (in strict JSON) naming the output; asked in binary: answered exactly
+    _, root, _ = site
+    (root / "tiny" / "config.pbtxt").write_text(NON_FINITE_PBTXT)  # the operator's config: a client's cannot
+    try:
+        assert load(server, "tiny") == (200, {})
+        # a NaN in, asked out in JSON: refused (in strict JSON) naming the output; asked in binary: answered exactly
         for binary in (False, True):
             status, content, response, x = binary_nan(server, binary)
             if not binary:
@@ -515,6 +519,7 @@ def test_json_stays_rfc8259_and_non_finite_values_travel_as_binary_data(server, 
                     want = model(x).reshape(-1)
                 assert status == 200 and torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
     finally:
+        (root / "tiny" / "config.pbtxt").unlink()
         assert load(server, "tiny") == (200, {})  # the repository's config again: finite inputs only
     status, content, _, _ = binary_nan(server, True)
     assert status == 400 and "input 'x' holds NaN" in strict_json(content)["error"]
@@ -1217,10 +1222,18 @@ def test_a_request_framed_by_both_content_length_and_chunks_is_refused_and_its_c
 
 def test_a_client_config_cannot_make_a_torchscript_models_inputs_larger(tmp_path):
     """A 300-byte load with dims [3, 2048, 2048] cost 1.45 GB and 17 s, and raised the model's body limit to
-    2.4 GB: a client's config may give an input no more values than the repository's config.pbtxt does."""
-    model, _ = tiny()
+    2.4 GB: a client's config may give an input no more values than the repository's config.pbtxt does, nor another
+    data type (FP64 for FP32 doubled what each request takes)."""
+    class Cast(torch.nn.Module):  # converts at any floating type, FP64 included
+        def __init__(self):
+            super().__init__()
+            self.model = tiny()[0]
+
+        def forward(self, x):
+            return self.model(x.float())
+
     (tmp_path / "scripted" / "1").mkdir(parents=True)
-    torch.jit.save(torch.jit.script(model), str(tmp_path / "scripted" / "1" / "model.pt"))
+    torch.jit.save(torch.jit.script(Cast()), str(tmp_path / "scripted" / "1" / "model.pt"))
     (tmp_path / "scripted" / "config.pbtxt").write_text(
         'max_batch_size: 4\ninput [{ name: "x" data_type: TYPE_FP32 dims: [3, 8, 8] }]\n')
     engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
@@ -1229,8 +1242,8 @@ def test_a_client_config_cannot_make_a_torchscript_models_inputs_larger(tmp_path
     limit = protocol.request_limit(repository.served["scripted"])
     background = BackgroundServer(engine, repository.served, repository=repository)
 
-    def config(dims, name="x") -> str:
-        return json.dumps({"max_batch_size": 4, "input": [{"name": name, "data_type": "TYPE_FP32", "dims": dims}]})
+    def config(dims, name="x", kind="TYPE_FP32") -> str:
+        return json.dumps({"max_batch_size": 4, "input": [{"name": name, "data_type": kind, "dims": dims}]})
 
     with background as url:
         background.url = url
@@ -1238,6 +1251,9 @@ def test_a_client_config_cannot_make_a_torchscript_models_inputs_larger(tmp_path
             status, answer = load(background, "scripted", config(dims, name))
             assert status == 400 and "a client's config cannot make a model's inputs larger" in answer["error"], \
                 answer
+        status, answer = load(background, "scripted", config([3, 8, 8], kind="TYPE_FP64"))  # twice the bytes
+        assert status == 400 and "data_type TYPE_FP64, its config.pbtxt TYPE_FP32" in answer["error"], answer
+        assert "a client's config cannot change a model's data types" in answer["error"]
         assert protocol.request_limit(repository.served["scripted"]) == limit
         assert load(background, "scripted", config([3, 8, 8])) == (200, {})  # what the repository says: taken
         assert load(background, "scripted", config([3, 4, 4])) == (200, {})  # smaller: taken
@@ -1252,13 +1268,16 @@ def test_echoes_of_a_clients_headers_are_cut_to_64_characters(server):
 
 
 def test_the_binary_headers_length_is_digits_only(server):
-    """int() took " 115 ", "+115" and "1_15"."""
+    """int() took "+115" and "1_15"; the spaces around a field's value are no part of it (RFC 9110 5.5): " 115 " is
+    115, whichever parser read it (decode() refused it, and the parsers strip it)."""
     x = torch.randn(1, 3, 8, 8)
     header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
                                      "parameters": {"binary_data_size": 768}}]}).encode()
     size = str(len(header))
-    assert raw(server, "POST", "/v2/models/tiny/infer", header + encode_tensor(x), {HEADER: size})[0] == 200
-    for written in (f" {size} ", f"+{size}", f"{size[0]}_{size[1:]}", "\u00b2" * 3, "9" * 5000):
+    for written in (size, f" {size} ", f"\t{size}"):
+        assert raw(server, "POST", "/v2/models/tiny/infer", header + encode_tensor(x), {HEADER: written})[0] == 200
+        assert protocol.decode(server.repository.served["tiny"], header + encode_tensor(x), written).batch == 1
+    for written in (f"+{size}", f"{size[0]}_{size[1:]}", f"{size[0]} {size[1:]}", "\u00b2" * 3, "9" * 5000):
         status, answer = raw(server, "POST", "/v2/models/tiny/infer", header + encode_tensor(x), {HEADER: written})
         assert status == 400 and "is not a byte count" in answer["error"], (written, answer)
 
