@@ -4,7 +4,13 @@ hold, its log (a failed accept said once an interval, not once an attempt), answ
 and the model's checks, which a client's load config cannot loosen."""
 
 import json
+import os
+import resource
 import socket
+import subprocess
+import sys
+import tempfile
+import threading
 
 import grpc
 import pytest
@@ -19,10 +25,10 @@ from opweave.serve.protocol import HEADER, encode_tensor
 from opweave.serve.repository import Repository
 from opweave.serve.server import BackgroundServer
 from serve_models import tiny
-from test_serve_hostile import NON_FINITE, load, raw, tiny_json, tiny_request
+from test_serve_hostile import NON_FINITE, declare, load, raw, strict_json, tiny_json, tiny_request, until
 
 pytest.importorskip("tritonclient.grpc")
-from tritonclient.grpc import service_pb2_grpc  # noqa: E402
+from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
 
 EMOJI = "\U0001F600"  # four bytes of UTF-8, twelve as JSON's \uXXXX\uXXXX
 
@@ -43,6 +49,15 @@ def background(repo, control: str = "none", **options) -> BackgroundServer:
     repository = Repository(engine, served, repo, max_batch=4, control=control)
     repository.load_all()
     return BackgroundServer(engine, served, grpc=True, repository=repository, **options)
+
+
+@pytest.fixture(scope="module")
+def few(repo):
+    """tiny over HTTP and gRPC, each holding at most three connections, at most two gRPC calls at once."""
+    server = background(repo, max_connections=3, grpc_options={"max_calls": 2})
+    with server as url:
+        server.url = url
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +85,173 @@ def until_closed(sock: socket.socket) -> bytes:
     while part := sock.recv(65536):
         received += part
     return received
+
+
+# ---- connections -------------------------------------------------------------------------------------------------
+def test_idle_connections_give_way_to_a_new_one_and_busy_ones_refuse_it(few):
+    """Clients holding as many connections as the open-file limit locked every other client out: now at most
+    --max-connections are held, the one idle longest closed to make room for a new one, and a new one is answered
+    503 when every one held is busy."""
+    pool = few.connections
+    host, port = address(few)
+    idle = [socket.create_connection((host, port), timeout=60) for _ in range(3)]
+    try:
+        until(lambda: pool.open == 3 and len(pool.idle) == 3, "three idle connections held")
+        with socket.create_connection((host, port), timeout=60) as fresh:
+            assert live(fresh, host).startswith(b"HTTP/1.1 200 ")
+        assert idle[0].recv(1) == b"", "the connection idle longest was not closed"
+        until(lambda: pool.open == 2, "the fresh connection gone")
+        busy = idle[1:] + [socket.create_connection((host, port), timeout=60)]
+        idle = busy
+        for s in busy:  # a request begun: not idle
+            s.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
+        until(lambda: pool.open == 3 and not pool.idle, "three busy connections held")
+        with socket.create_connection((host, port), timeout=60) as refused:
+            head, _, body = until_closed(refused).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head and b"connection: close" in head
+        assert "--max-connections" in strict_json(body)["error"]
+        for s in busy:  # the busy ones were kept: their requests are answered
+            s.sendall(f"Host: {host}\r\nConnection: close\r\n\r\n".encode())
+            assert until_closed(s).startswith(b"HTTP/1.1 200 ")
+    finally:
+        for s in idle:
+            s.close()
+    until(lambda: pool.open == 0, "every connection gone")
+
+
+def test_grpc_connections_and_calls_are_bounded_and_calls_that_never_send_their_message_too(few):
+    """gRPC took any number of connections, and any number of calls that never sent their message (30,000 held
+    190 MB for the idle timeout): now --max-connections and --max-grpc-calls bound them."""
+    def server_live(channel) -> str:
+        try:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            return "live" if stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=60).live else "not live"
+        except grpc.RpcError as exc:
+            return exc.code().name
+
+    own = [("grpc.use_local_subchannel_pool", 1)]  # each channel on a connection of its own
+    channels = [grpc.insecure_channel(few.grpc_address, options=own) for _ in range(4)]
+    try:
+        assert [server_live(c) for c in channels] == ["live", "live", "live", "UNAVAILABLE"]
+    finally:
+        for c in channels:
+            c.close()
+    never = threading.Event()
+
+    def nothing():
+        never.wait(120)
+        return
+        yield
+
+    channel = grpc.insecure_channel(few.grpc_address)
+    try:
+        until(lambda: server_live(channel) == "live", "a connection again, the others closed")
+        call = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer",
+                                    request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                                    response_deserializer=service_pb2.ModelInferResponse.FromString)
+        silent = [call.future(nothing()) for _ in range(2)]
+        try:
+            until(lambda: server_live(channel) == "RESOURCE_EXHAUSTED", "a third call refused")
+        finally:
+            never.set()
+            for future in silent:
+                future.cancel()
+        until(lambda: server_live(channel) == "live", "calls again once the two ended")
+    finally:
+        channel.close()
+
+
+def test_grpc_metadata_is_refused_past_16_kib_every_time(few):
+    """--max-grpc-metadata-kib (16): metadata of 17 KiB was taken at random (gRPC's soft limit), up to 20 KiB."""
+    channel = grpc.insecure_channel(few.grpc_address)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    try:
+        assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=60, metadata=(("x-a", "a" * (15 << 10)),))
+        for _ in range(10):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=60, metadata=(("x-a", "a" * (17 << 10)),))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    finally:
+        channel.close()
+
+
+@pytest.mark.skipif(not hasattr(resource, "prlimit") or not os.path.exists("/proc/self/fd"),
+                    reason="lowers the server's open-file limit (prlimit) and counts its files in /proc")
+def test_a_failed_accept_is_logged_once_an_interval_without_a_traceback(repo):
+    """Past the open-file limit, asyncio logged "socket.accept() out of system resource" with a traceback for every
+    attempt, about 9 MB/s: now one line per interval, and the server answers again once files are free."""
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", "--model-file",
+                                 f"tiny={repo / 'tiny' / '1' / 'model.pt2'}", "--compiler", "none", "--port", "0"],
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+        sockets: list[socket.socket] = []
+        try:
+            line = proc.stdout.readline()
+            assert "listening on" in line
+            url = line.strip().rsplit(" ", 1)[1]
+            host, port = url.removeprefix("http://").split(":")
+            limits = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
+            resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{proc.pid}/fd")) + 4,
+                                                                limits[1]))
+
+            def logged() -> bytes:
+                log.seek(0)
+                return log.read()
+
+            for _ in range(40):  # some are accepted (four files free), the others wait in the backlog
+                sockets.append(socket.create_connection((host, int(port)), timeout=60))
+            until(lambda: b"accepting a connection failed" in logged(), "the failed accept logged")
+            threading.Event().wait(2.5)  # the event loop tries again every second
+            text = logged().decode(errors="replace")
+            assert text.count("accepting a connection failed") == 1 and "Too many open files" in text, text[-2000:]
+            assert "Traceback" not in text and "socket.accept() out of system resource" not in text, text[-2000:]
+            for s in sockets:
+                s.close()
+            sockets.clear()
+            resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, limits)
+            with socket.create_connection((host, int(port)), timeout=60) as s:
+                assert live(s, host).startswith(b"HTTP/1.1 200 ")
+        finally:
+            for s in sockets:
+                s.close()
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+# ---- gRPC messages and the memory budget -------------------------------------------------------------------------
+def test_grpc_messages_under_explicit_control_are_held_to_the_models_own_limit(explicit):
+    """Under explicit control gRPC took 64 MiB messages whatever the models' own limits (1 MiB for a 64 px
+    SqueezeNet), each read whole before it was refused: now a message over the largest model's limit (here 1 MiB;
+    a repository call's message takes 2 MiB) is refused by the length it declares."""
+    channel = grpc.insecure_channel(explicit.grpc_address, options=[("grpc.max_send_message_length", 1 << 30)])
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(tiny_request(torch.randn(1, 3, 8, 8), raw_bytes=b"\0" * (3 << 20)), timeout=60)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in info.value.details()
+    finally:
+        channel.close()
+
+
+def test_grpc_messages_are_held_in_the_servers_budget(explicit):
+    """gRPC's messages were outside --max-held-mb: 40 calls of 60 MiB raised the RSS by 1.56 GB. Now a ModelInfer
+    holds the most its message may take (here 2 MiB) in the budget before the message is read: while an HTTP body
+    holds 1 MiB of the 2.5 MiB, a call is refused UNAVAILABLE with retry-after, its message unread; answered again once
+    the body is gone."""
+    channel, x = grpc.insecure_channel(explicit.grpc_address), torch.randn(1, 3, 8, 8)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    try:
+        with declare(explicit, 1 << 20):
+            until(lambda: explicit.budget.held >= 1 << 20, "the declared body held")
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(tiny_request(x), timeout=60)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "--max-held-mb" in info.value.details()
+            assert ("retry-after", "1") in info.value.trailing_metadata()
+        until(lambda: explicit.budget.held == 0, "the body given back")
+        assert stub.ModelInfer(tiny_request(x), timeout=60).outputs
+        assert explicit.budget.held == 0
+    finally:
+        channel.close()
 
 
 # ---- echoes ------------------------------------------------------------------------------------------------------
