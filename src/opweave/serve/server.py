@@ -57,8 +57,10 @@ import errno
 import json
 import logging
 import math
+import os
 import resource
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -97,8 +99,9 @@ HEADER_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0
 MIN_BODY_RATE = 16 << 10  # bytes a second a body must bring (an answer be read) over every idle_timeout_s
 MAX_CONNECTIONS = 4096  # connections each front end holds by default (fewer where the open-file limit says so)
-RESERVED_FILES = 256  # of the open-file limit, what is kept for the process's own files and sockets accepted at once
-LISTEN_BACKLOG = 64  # connections the kernel queues for accept, and the most the event loop accepts in one turn
+RESERVED_FILES = 256  # of the open-file limit, kept for the process's own files and the sockets accepted at once
+LISTEN_BACKLOG = 2048  # connections the kernel queues for the server to accept (uvicorn's default)
+ACCEPT_BATCH = 16  # the most the event loop accepts in one turn (files taken before their connections are counted)
 LOG_EVERY_S = 10.0  # a failure that may come thousands of times a second is logged once per this interval
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -545,19 +548,20 @@ class _Guarded:
 def connection_limit(asked: int | None = None, front_ends: int = 1) -> int:
     """The connections each of ``front_ends`` front ends may hold (``--max-connections``): ``asked``, or by default
     :data:`MAX_CONNECTIONS`; either way within the process's open-file limit (``ulimit -n``) less
-    :data:`RESERVED_FILES`, shared among the front ends, so that no connection past the limit leaves the server
-    unable to accept (or open) anything. :class:`~opweave.errors.UsageError` if ``asked`` does not fit."""
+    :data:`RESERVED_FILES` (a quarter of it, where that is less), shared among the front ends, so that no connection
+    past the limit leaves the server unable to accept (or open) anything. :class:`~opweave.errors.UsageError` if
+    ``asked`` does not fit."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    room = MAX_CONNECTIONS * front_ends * 4 if soft == resource.RLIM_INFINITY else (soft - RESERVED_FILES) // front_ends
+    kept = min(RESERVED_FILES, soft // 4)
+    room = MAX_CONNECTIONS * front_ends if soft == resource.RLIM_INFINITY else (soft - kept) // front_ends
     if asked is None:
         if room < 1:
-            raise UsageError(f"the open-file limit ({soft}, ulimit -n) leaves no room for connections: the server "
-                             f"keeps {RESERVED_FILES} files for itself; raise the limit")
+            raise UsageError(f"the open-file limit ({soft}, ulimit -n) leaves no room for connections; raise it")
         return min(MAX_CONNECTIONS, room)
     if asked > room:
         raise UsageError(f"--max-connections {asked} does not fit the open-file limit ({soft}, ulimit -n): "
-                         f"{front_ends} front end(s) x {asked} connections + {RESERVED_FILES} files the server keeps "
-                         f"for itself; raise the limit or give at most {max(room, 0)}")
+                         f"{front_ends} front end(s) x {asked} connections + {kept} files the server keeps for "
+                         f"itself; raise the limit or give at most {max(room, 0)}")
     return asked
 
 
@@ -834,7 +838,7 @@ def _uvicorn_config(app, host: str, port: int, log_level: str, header_timeout_s:
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", loop="asyncio",
                           http=_http_protocol(header_timeout_s, idle_timeout_s, budget, min_body_rate,
                                               max_connections),
-                          timeout_keep_alive=idle_timeout_s, backlog=LISTEN_BACKLOG,
+                          timeout_keep_alive=idle_timeout_s, backlog=ACCEPT_BATCH,
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options)
 
 
@@ -851,6 +855,10 @@ def _server_class():
         async def startup(self, sockets=None) -> None:
             _accept_errors(asyncio.get_running_loop())
             await super().startup(sockets)
+            for server in self.servers:  # asyncio takes its listen backlog for how many it accepts in one turn
+                for listening in server.sockets:
+                    with socket.socket(fileno=os.dup(listening.fileno())) as same:  # the socket, another descriptor
+                        same.listen(LISTEN_BACKLOG)
             if self.on_listen is not None and self.servers:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 self.on_listen(host, port)
