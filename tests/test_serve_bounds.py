@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import grpc
 import pytest
@@ -53,8 +54,9 @@ def background(repo, control: str = "none", **options) -> BackgroundServer:
 
 @pytest.fixture(scope="module")
 def few(repo):
-    """tiny over HTTP and gRPC, each holding at most three connections, at most two gRPC calls at once."""
-    server = background(repo, max_connections=3, grpc_options={"max_calls": 2})
+    """tiny over HTTP and gRPC, each holding at most three connections, at most two gRPC calls at once (a request's
+    headers may take a minute: a test holds some unfinished)."""
+    server = background(repo, max_connections=3, grpc_options={"max_calls": 2}, header_timeout_s=60.0)
     with server as url:
         server.url = url
         yield server
@@ -201,9 +203,12 @@ def test_a_failed_accept_is_logged_once_an_interval_without_a_traceback(repo):
             for _ in range(40):  # some are accepted (four files free), the others wait in the backlog
                 sockets.append(socket.create_connection((host, int(port)), timeout=60))
             until(lambda: b"accepting a connection failed" in logged(), "the failed accept logged")
+            first = time.monotonic()
             threading.Event().wait(2.5)  # the event loop tries again every second
             text = logged().decode(errors="replace")
-            assert text.count("accepting a connection failed") == 1 and "Too many open files" in text, text[-2000:]
+            lines = 1 + int((time.monotonic() - first) // 10)  # one line every 10 s
+            assert 1 <= text.count("accepting a connection failed") <= lines, text[-2000:]
+            assert "Too many open files" in text
             assert "Traceback" not in text and "socket.accept() out of system resource" not in text, text[-2000:]
             for s in sockets:
                 s.close()
