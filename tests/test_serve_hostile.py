@@ -1190,7 +1190,7 @@ def test_the_server_runs_one_http_parser_on_one_event_loop_whatever_is_installed
 
     config = parsed.server.config
     assert issubclass(config.http_protocol_class, H11Protocol)
-    assert config.get_loop_factory() is asyncio.SelectorEventLoop
+    assert config.loop == "asyncio"
 
 
 def test_a_request_framed_by_both_content_length_and_chunks_is_refused_and_its_connection_closed(parsed):
