@@ -6,6 +6,7 @@ is a child process on 127.0.0.1 serving SqueezeNet at 64 px (max batch 8, ``--co
     .venv/bin/python benchmarks/serve_hostile.py                 # writes results/serve_hostile.json
     .venv/bin/python benchmarks/serve_hostile.py --quick --out /tmp
     .venv/bin/python benchmarks/serve_hostile.py --only refused_body   # one scenario (the others' results kept)
+    .venv/bin/python benchmarks/serve_hostile.py --scenarios connections,grpc_oversized   # (--only, another name)
 
 Scenarios (each against a fresh server):
 
@@ -47,6 +48,16 @@ every 50 ms and the server's RSS read every 100 ms in each; pass: the inference 
 
 These three run windows of ``--held-window-s`` (their attacks last seconds).
 
+* ``connections``: the server's open-file limit lowered to ``--nofile`` (512) for the run; ``--attackers`` clients
+  open ``--idle`` (612) connections in all at the start of each attacked window, past that limit, say nothing on
+  them and hold them to the window's end, while ``/v2/health/live`` is asked on a new connection each time (a client
+  that just came). What the server did with the idle connections (closed to make room, refused 503, held). Pass
+  also: every connection made.
+* ``grpc_oversized`` (``--model-control-mode explicit --max-held-mb 64``, an empty repository beside squeezenet):
+  ``--grpc-calls`` clients each sending ModelInfer calls one after another, of ``--grpc-mb`` (60) MB (over the
+  message cap) and of just under the cap (over squeezenet's own limit: read, then refused); the codes. Pass also:
+  the RSS beside them within the budget (64 MB) of alone, and no call answered.
+
 The numbers depend on the machine and on what else runs on it (``machine.load_average_1_5_15m``).
 """
 
@@ -55,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -68,14 +80,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, console, machine_info, table  # noqa: E402
 
 MODEL = ["--models", "squeezenet", "--image-size", "64", "--compiler", "none", "--max-batch", "8"]
-ATTACKS = ("amplification", "trickle", "unread_answers", "unfinished_bodies")
+ATTACKS = ("amplification", "trickle", "unread_answers", "unfinished_bodies", "connections", "grpc_oversized")
 FAN_FILE = "fan.pt2"
 
 
-def start(*extra: str) -> tuple[subprocess.Popen, str, str]:
-    """``opweave serve`` with HTTP and gRPC; its URL and gRPC address once it listens."""
+def start(*extra: str, nofile: int | None = None) -> tuple[subprocess.Popen, str, str]:
+    """``opweave serve`` with HTTP and gRPC (``nofile``: its open-file limit, soft and hard); its URL and gRPC
+    address once it listens."""
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "serve", *MODEL, "--port", "0", "--grpc-port", "0",
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=limit)
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()
@@ -225,19 +243,21 @@ def push(address: tuple[str, int], host: str, cap: int) -> tuple[int, int | None
 
 
 def beside(args, attack, attackers: int, reconnect_s: float, flags: tuple[str, ...] = (),
-           window_s: float | None = None) -> tuple[dict, list]:
+           window_s: float | None = None, nofile: int | None = None, fresh: bool = False,
+           grpc: bool = False) -> tuple[dict, list]:
     """A server (``flags`` added) that one client sends normal inferences one after another while ``attackers``
     threads each call ``attack(address, host, active)`` over and over (``reconnect_s`` apart) in every other window
     of ``window_s`` (default ``--window-s``; ``--rounds`` of each kind, which goes first rotating, so that both see
     the same machine; an attack that lasts ends once ``active()`` is false, at its window's end); meanwhile
-    ``/v2/health/live`` is asked every 50 ms and the server's RSS read every 100 ms. The windows' figures, and what
-    each attack returned."""
+    ``/v2/health/live`` is asked every 50 ms (``fresh``: on a new connection each time, as a client that just came)
+    and the server's RSS read every 100 ms. ``nofile``: the server's open-file limit; ``grpc``: the attack gets the
+    gRPC address (``host:port``) instead of HTTP's. The windows' figures, and what each attack returned."""
     window_s = window_s or args.window_s
     import httpx
 
-    proc, url, _ = start(*flags)
+    proc, url, grpc_address = start(*flags, nofile=nofile)
     host = url.removeprefix("http://")
-    address = (host.split(":")[0], int(host.split(":")[1]))
+    address = grpc_address if grpc else (host.split(":")[0], int(host.split(":")[1]))
     body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32",
                                    "data": [0.5] * (3 * 64 * 64)}]}).encode()
     attacking = threading.Event()
@@ -263,7 +283,11 @@ def beside(args, attack, attackers: int, reconnect_s: float, flags: tuple[str, .
             while not stop.is_set():
                 sent = time.perf_counter()
                 try:
-                    ok = c.get("/v2/health/live").status_code == 200
+                    if fresh:
+                        with httpx.Client(base_url=url, timeout=60) as new:
+                            ok = new.get("/v2/health/live").status_code == 200
+                    else:
+                        ok = c.get("/v2/health/live").status_code == 200
                 except httpx.HTTPError:
                     ok = False
                 live[phase_now[0]].append(time.perf_counter() - sent if ok else float("inf"))
@@ -499,6 +523,137 @@ def unfinished_bodies(args) -> dict:
             "held_s_median": round(statistics.median(held), 1) if held else None, "pass": passed(common)}
 
 
+def connections(args) -> dict:
+    """``--attackers`` clients that each open their share of ``--idle`` connections (past the server's open-file
+    limit, ``--nofile``) at the start of every attacked window, say nothing on them and hold them to its end, while
+    a fresh client asks ``/v2/health/live`` every 50 ms on a new connection (those clients locked every other one
+    out: liveness timed out for as long as they held them). What the server did with them: closed (idle, to make
+    room for a new connection), refused 503, or held."""
+    share = -(-args.idle // args.attackers)
+
+    def attack(address, _host, active):
+        held, failed, started = [], 0, time.perf_counter()
+        for _ in range(share):
+            try:
+                held.append(socket.create_connection(address, timeout=10))
+            except OSError:
+                failed += 1
+        opened_s = time.perf_counter() - started
+        while active():
+            time.sleep(0.05)
+        fates = {"closed": 0, "refused": 0, "held": 0}
+        for s in held:
+            s.setblocking(False)
+            try:
+                data = s.recv(64)
+            except BlockingIOError:
+                fates["held"] += 1
+            except OSError:
+                fates["closed"] += 1
+            else:
+                fates["refused" if data.startswith(b"HTTP/1.1 503") else "closed"] += 1
+            s.close()
+        return {**fates, "failed": failed, "opened_s": opened_s}
+
+    common, records = beside(args, attack, args.attackers, 0.1, nofile=args.nofile, fresh=True)
+    fates = {k: sum(r[k] for r in records) for k in ("closed", "refused", "held", "failed")}
+    common["flags"] = [f"(open-file limit {args.nofile})"]
+    return {**common, "idle_connections": share * args.attackers, "nofile": args.nofile, **fates,
+            "opened_s_max": round(max(r["opened_s"] for r in records), 2),
+            "pass": passed(common) and fates["failed"] == 0}
+
+
+def grpc_oversized(args) -> dict:
+    """``--grpc-calls`` clients each sending, one after another, ModelInfer calls of ``--grpc-mb`` MB (over gRPC's
+    message cap: under explicit control it was 64 MiB, whatever the model took) and of just under the cap (over
+    squeezenet's own limit: read whole, then refused), with ``--model-control-mode explicit --max-held-mb 64``:
+    the server's RSS beside them against alone (40 calls of 60 MB had raised it by 1.56 GB). The clients run in a
+    process of their own (:func:`grpc_attacker`, started once), so that their copies of the messages do not hold
+    this process's GIL from the normal inferences."""
+    import tempfile
+
+    budget_mb = 64
+    child = subprocess.Popen([sys.executable, __file__, "--grpc-attacker", "--grpc-mb", str(args.grpc_mb),
+                              "--grpc-calls", str(args.grpc_calls)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+
+    def tell(line: str) -> None:
+        child.stdin.write(line + "\n")
+        child.stdin.flush()
+
+    def attack(grpc_address, _host, active):
+        tell(f"go {grpc_address}")
+        while active():
+            time.sleep(0.05)
+        tell("stop")
+        return json.loads(child.stdout.readline())
+
+    try:
+        if child.stdout.readline().strip() != "ready":
+            raise SystemExit("the gRPC clients did not start")
+        with tempfile.TemporaryDirectory() as folder:
+            common, records = beside(args, attack, 1, 0.0,
+                                     ("--model-repository", folder, "--model-control-mode", "explicit",
+                                      "--max-held-mb", str(budget_mb)), grpc=True)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=120)
+    common["flags"] = ["--model-repository", "(empty)", *common["flags"][2:]]
+    codes: dict[str, int] = {}
+    for r in records:
+        for code, n in r.items():
+            codes[code] = codes.get(code, 0) + n
+    rise = common["rss_max_mb"]["attacked"] - common["rss_max_mb"]["idle"]
+    common["attackers"] = args.grpc_calls
+    return {**common, "message_mb": args.grpc_mb, "calls": sum(codes.values()), "codes": codes,
+            "rss_rise_mb": rise, "budget_mb": budget_mb,
+            "pass": passed(common) and rise <= budget_mb and sum(codes.values()) > 0 and "OK" not in codes}
+
+
+def grpc_attacker(mb: int, calls: int) -> None:
+    """What :func:`grpc_oversized` runs in a process of its own: says ``ready`` once its messages are built; on
+    ``go ADDRESS`` (a line on stdin) ``calls`` threads send ModelInfer calls one after another, alternately of ``mb``
+    MB and of just under a 2 MiB cap, until ``stop``, which it answers with the codes seen (JSON, one line)."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    def message(size: int) -> bytes:
+        r = service_pb2.ModelInferRequest(model_name="squeezenet")
+        r.inputs.add(name="x", datatype="FP32", shape=[1, 3, 64, 64])
+        r.raw_input_contents.append(b"\0" * size)
+        return r.SerializeToString()
+
+    messages = [message(mb << 20), message((2 << 20) - (64 << 10))]
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if not line.startswith("go "):
+            continue
+        address, stop, codes, lock = line.split()[1], threading.Event(), {}, threading.Lock()
+
+        def send(address=address, stop=stop, codes=codes, lock=lock) -> None:
+            with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 1 << 30)]) as channel:
+                call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes as they are
+                k = 0
+                while not stop.is_set():
+                    try:
+                        call(messages[k % 2], timeout=60)
+                        code = "OK"
+                    except grpc.RpcError as exc:
+                        code = exc.code().name
+                    with lock:
+                        codes[code] = codes.get(code, 0) + 1
+                    k += 1
+
+        threads = [threading.Thread(target=send) for _ in range(calls)]
+        for t in threads:
+            t.start()
+        sys.stdin.readline()  # stop
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        print(json.dumps(codes), flush=True)
+
+
 def passed(common: dict) -> bool:
     """The normal inferences' median beside the attackers within 1.2x of alone, liveness under a second."""
     return common["attacked_over_idle"] <= 1.2 and common["live_max_ms"]["attacked"] < 1000
@@ -527,11 +682,24 @@ def main() -> None:
                    "seconds a window (default %(default)s)")
     p.add_argument("--held", type=int, default=12, help="trickle, unread_answers, unfinished_bodies: attacking "
                                                        "clients (default %(default)s)")
-    p.add_argument("--only", help="comma list of scenarios to run (default: all)")
+    p.add_argument("--idle", type=int, default=612, help="connections: idle connections held in all (default "
+                   "%(default)s)")
+    p.add_argument("--nofile", type=int, default=512, help="connections: the server's open-file limit (default "
+                   "%(default)s)")
+    p.add_argument("--grpc-calls", type=int, default=8, help="grpc_oversized: calls in flight at once (default "
+                   "%(default)s)")
+    p.add_argument("--grpc-mb", type=int, default=60, help="grpc_oversized: the oversized messages' MB (default "
+                   "%(default)s)")
+    p.add_argument("--only", "--scenarios", dest="only", help="comma list of scenarios to run (default: all)")
+    p.add_argument("--grpc-attacker", action="store_true", help=argparse.SUPPRESS)  # grpc_oversized's clients
     args = p.parse_args()
+    if args.grpc_attacker:
+        grpc_attacker(args.grpc_mb, args.grpc_calls)
+        return
     if args.quick:
         args.requests, args.bodies, args.json_mb, args.settle_s = 4, 2, 2.0, 2.0
         args.rounds, args.window_s, args.held, args.held_window_s, args.copies = 2, 2.0, 3, 14.0, 2000
+        args.grpc_calls, args.grpc_mb = 4, 16
     oversized = b"{" + b" " * ((63 << 20) - 1)
     values = int(args.json_mb * (1 << 20) / 21)
     decoded = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32",
@@ -547,6 +715,8 @@ def main() -> None:
         "trickle": lambda: trickle(args),
         "unread_answers": lambda: unread_answers(args),
         "unfinished_bodies": lambda: unfinished_bodies(args),
+        "connections": lambda: connections(args),
+        "grpc_oversized": lambda: grpc_oversized(args),
     }
     chosen = [n.strip() for n in (args.only or ",".join(scenarios)).split(",") if n.strip()]
     unknown = [n for n in chosen if n not in scenarios]

@@ -107,8 +107,17 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
               "--min-body-rate-kib", min=0, help="HTTP: KiB a second a body must bring, and an answer be read at, "
               "over every --idle-timeout-s (a trickle does not keep a connection)")] = 16.0,
           max_held_mb: Annotated[float, typer.Option(
-              "--max-held-mb", min=1, help="HTTP: MiB that unfinished request bodies and unread answers may hold "
-              "in all; a new body past it gets 503 with Retry-After")] = 512.0,
+              "--max-held-mb", min=1, help="MiB that unfinished request bodies, unread answers and gRPC messages "
+              "may hold in all; a new body past it gets 503 with Retry-After (gRPC: UNAVAILABLE)")] = 512.0,
+          max_connections: Annotated[int | None, typer.Option(
+              "--max-connections", min=1, help="connections each front end holds at once (HTTP: the one idle "
+              "longest is closed to make room, else a new one gets 503; gRPC: a new one is closed). Default: 4096, "
+              "or fewer as the open-file limit (ulimit -n) allows")] = None,
+          max_grpc_calls: Annotated[int, typer.Option(
+              "--max-grpc-calls", min=1, help="gRPC calls in progress at once; more get RESOURCE_EXHAUSTED")] = 1024,
+          max_grpc_metadata_kib: Annotated[float, typer.Option(
+              "--max-grpc-metadata-kib", min=1, help="a gRPC call's metadata (its headers); more gets "
+              "RESOURCE_EXHAUSTED")] = 16.0,
           allowed_hosts: Annotated[str | None, typer.Option(
               "--allowed-hosts", help="comma list of the Host names clients reach the server by (a proxy's public "
               "name; *.example.com a domain's; * any); others are refused (DNS rebinding). Default: localhost, "
@@ -179,6 +188,10 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     if max_body_mb is not None and max_body_mb > max_held_mb:
         raise UsageError(f"--max-body-mb {max_body_mb:g} is more than --max-held-mb {max_held_mb:g}: a body that size "
                          "could never be admitted (raise --max-held-mb)")
+    if not ray:  # before any model loads: the connections must fit the open-file limit
+        from opweave.serve.server import connection_limit
+
+        connection_limit(max_connections, 1 if grpc_port is None else 2)
     hosts = None if allowed_hosts is None else tuple(h.strip().lower() for h in allowed_hosts.split(",") if h.strip())
     if hosts == ():
         raise UsageError("--allowed-hosts names no host (give * to answer any)")
@@ -236,7 +249,9 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     run_server(engine, served, host=host, port=port, max_body_bytes=max_body_bytes, log_level=log_level,
                on_listen=listening, grpc_port=grpc_port, repository=repository, header_timeout_s=header_timeout_s,
                idle_timeout_s=idle_timeout_s, allowed_hosts=hosts, allow_origins=origins,
-               max_held_bytes=int(max_held_mb * (1 << 20)), min_body_rate=min_body_rate_kib * 1024)
+               max_held_bytes=int(max_held_mb * (1 << 20)), min_body_rate=min_body_rate_kib * 1024,
+               max_connections=max_connections,
+               grpc_options={"max_calls": max_grpc_calls, "max_metadata_bytes": int(max_grpc_metadata_kib * 1024)})
 
 
 @contextlib.contextmanager

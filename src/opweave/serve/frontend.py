@@ -40,6 +40,7 @@ from opweave.serve.protocol import InferRequest, ProtocolError
 HTTP_STATUS = {"invalid": 400, "not_found": 404, "full": 429, "draining": 503, "overloaded": 503, "timeout": 504,
                "error": 500}
 MAX_HELD_BYTES = 512 << 20  # what unfinished request bodies and unread answers may hold, server-wide
+CONTROL_BYTES = 2 << 20  # a repository call's body or message (a load's parameters.config, at most 1 MiB of it)
 RETRY_AFTER_S = 1.0  # when a request refused by the Budget may try again
 
 
@@ -186,21 +187,33 @@ class Budget:
                                     f"--max-held-mb); retry later", RETRY_AFTER_S)
 
     @contextlib.contextmanager
-    def hold(self) -> Iterator[Callable[[int], None]]:
+    def hold(self) -> Iterator[Hold]:
         """``with budget.hold() as hold``: ``hold(n)`` makes what this request holds at least ``n`` bytes (refused
-        as :meth:`change` says), all of it given back when the block ends."""
-        held = 0
-
-        def hold(n: int) -> None:
-            nonlocal held
-            if n > held:
-                self.change(n - held, refusable=True)
-                held = n
-
+        as :meth:`change` says), ``hold.shrink(n)`` at most ``n``; all of it given back when the block ends."""
+        held = Hold(self)
         try:
-            yield hold
+            yield held
         finally:
-            self.change(-held)
+            held.shrink(0)
+
+
+class Hold:
+    """What one request holds of a :class:`Budget` (:meth:`Budget.hold`)."""
+
+    def __init__(self, budget: Budget):
+        self.budget, self.held = budget, 0
+
+    def __call__(self, n: int) -> None:
+        """Hold at least ``n`` bytes; :class:`Refused` ``overloaded`` if the budget cannot take them."""
+        if n > self.held:
+            self.budget.change(n - self.held, refusable=True)
+            self.held = n
+
+    def shrink(self, n: int) -> None:
+        """Hold at most ``n`` bytes (what was reserved before a size was known, given back down to it)."""
+        if n < self.held:
+            self.budget.change(n - self.held)
+            self.held = n
 
 
 class State:
@@ -259,5 +272,5 @@ async def infer(engine: Engine, state: State, name: str, request: InferRequest,
     return result
 
 
-__all__ = ["HTTP_STATUS", "MAX_HELD_BYTES", "RETRY_AFTER_S", "Budget", "HeapTrimmer", "Refused", "State", "infer",
-           "offload", "one_line", "release_memory"]
+__all__ = ["CONTROL_BYTES", "HTTP_STATUS", "MAX_HELD_BYTES", "RETRY_AFTER_S", "Budget", "HeapTrimmer", "Hold",
+           "Refused", "State", "infer", "offload", "one_line", "release_memory"]

@@ -22,9 +22,14 @@ The server (``grpc.aio``) runs its own event loop on a thread of its own (:class
 an ``infer`` waits on an asyncio future the engine's thread resolves, loads and unloads run on worker threads, and
 so does the decoding of a request over :data:`OFFLOAD_BYTES`.
 
-Limits (docs/serving.md, "Security"): gRPC refuses a message over ``max_message_bytes`` before parsing it
-(``RESOURCE_EXHAUSTED``); a ``ModelInfer`` over its model's :func:`~opweave.serve.protocol.request_limit` is refused
-``INVALID_ARGUMENT`` before its inputs are decoded. A refusal sets the call's code and details and returns: no
+Limits (docs/serving.md, "Security"): gRPC refuses a message over ``max_message_bytes`` (:func:`message_limit`: the
+largest request a model served takes) by the length it declares, before reading it (``RESOURCE_EXHAUSTED``); a
+``ModelInfer`` holds that many bytes of the server's :class:`~opweave.serve.frontend.Budget` (shared with HTTP)
+before its message is read (``UNAVAILABLE`` with ``retry-after`` if the budget cannot take them), then what its
+message takes until the call ends; one over its model's :func:`~opweave.serve.protocol.request_limit` is refused
+``INVALID_ARGUMENT`` before its inputs are decoded. At most ``max_connections`` connections, ``max_calls`` calls in
+progress (calls waiting for their message included) and ``max_metadata_bytes`` of a call's metadata: past them gRPC
+refuses (a connection closed; ``RESOURCE_EXHAUSTED``). A refusal sets the call's code and details and returns: no
 exception outlives the call (an aborted call's exception kept the request's frames, and the request, in a
 reference cycle until the cycle collector ran). Connections: the HTTP/2 handshake must finish within
 ``header_timeout_s``, a connection with no call for ``idle_timeout_s`` is closed, and keepalive pings find dead
@@ -37,6 +42,8 @@ finite, ...) is ``INVALID_ARGUMENT``; an answer over :data:`OFFLOAD_BYTES`
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import math
 import threading
 from typing import Any
@@ -49,14 +56,18 @@ from torch.utils import _pytree as pytree
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 import opweave
+from opweave.errors import UsageError
 from opweave.serve import frontend, protocol
 from opweave.serve.engine import Engine
-from opweave.serve.frontend import Refused, State
+from opweave.serve.frontend import Budget, Refused, State
 from opweave.serve.models import ServedModel
 from opweave.serve.repository import Repository
 from opweave.serve.stats import Statistics
 
 OFFLOAD_BYTES = 256 << 10  # a ModelInfer (or its answer) this large is decoded (encoded) on a worker thread
+MAX_CALLS = 1024  # calls in progress at once, server-wide (more: RESOURCE_EXHAUSTED, from gRPC itself)
+MAX_METADATA_BYTES = 16 << 10  # a call's metadata (its headers, as HTTP/2 counts them)
+MAX_CONNECTIONS = 4096  # connections at once (more: closed as they come, by gRPC itself)
 CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "not_found": grpc.StatusCode.NOT_FOUND,
          "full": grpc.StatusCode.RESOURCE_EXHAUSTED, "draining": grpc.StatusCode.UNAVAILABLE,
          "overloaded": grpc.StatusCode.UNAVAILABLE,
@@ -164,13 +175,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             return await work()
         except Refused as exc:
-            code, details = CODES[exc.kind], frontend.one_line(str(exc))
-            retry = exc.retry_after_s
-        if retry is not None:
-            context.set_trailing_metadata((("retry-after", str(math.ceil(retry))),))
-        context.set_code(code)
-        context.set_details(details)
-        return None
+            refused = _Refusal(exc)
+        return refused.end(context)
 
     async def ServerLive(self, request, context):
         return service_pb2.ServerLiveResponse(live=True)
@@ -256,6 +262,21 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._call(context, work)
 
 
+class _Refusal:
+    """A :class:`Refused`'s code, one line and retry-after, kept without the exception (whose traceback holds the
+    request's frames), and set on a call's context by :meth:`end`."""
+
+    def __init__(self, exc: Refused):
+        self.code, self.details, self.retry = CODES[exc.kind], frontend.one_line(str(exc)), exc.retry_after_s
+
+    def end(self, context) -> None:
+        if self.retry is not None:
+            context.set_trailing_metadata((("retry-after", str(math.ceil(self.retry))),))
+        context.set_code(self.code)
+        context.set_details(self.details)
+        return None
+
+
 SERVICE = "inference.GRPCInferenceService"
 
 
@@ -276,24 +297,39 @@ def _parser(message_class):
     return parse
 
 
-def _one_message(behaviour, timeout_s: float):
+def _one_message(behaviour, timeout_s: float, budget: Budget | None = None, reserve: int = 0):
     """``behaviour(request, context)`` as a handler of a call whose request message is read here, within
     ``timeout_s`` of the call's start (a call whose message never arrives ends ``DEADLINE_EXCEEDED``: gRPC's own
     unary handler waits for it as long as the connection lives, and a connection with a call open is never idle); a
-    message that does not parse (:class:`_Unparsable`) or is missing ends ``INVALID_ARGUMENT``."""
+    message that does not parse (:class:`_Unparsable`) or is missing ends ``INVALID_ARGUMENT``. With ``budget``, the
+    call holds ``reserve`` bytes of it (the most its message may take) before the message is read, ending
+    ``UNAVAILABLE`` with a ``retry-after`` trailer, its message unread, if the budget cannot take them; once read,
+    what the message takes, until the call ends."""
     async def call(_requests, context):
-        try:
-            request = await asyncio.wait_for(context.read(), timeout_s)
-        except asyncio.TimeoutError:
-            request = _Unparsable(f"the request's message did not arrive within {timeout_s:g} s (opweave serve "
-                                  f"--idle-timeout-s)", grpc.StatusCode.DEADLINE_EXCEEDED)
-        if request is grpc.aio.EOF:
-            request = _Unparsable("the call carries no request message")
-        if isinstance(request, _Unparsable):
-            context.set_code(request.code)
-            context.set_details(request.reason)
-            return None
-        return await behaviour(request, context)
+        with budget.hold() if budget is not None else contextlib.nullcontext() as hold:
+            if hold is not None:
+                try:
+                    hold(reserve)
+                except Refused as exc:
+                    refused = _Refusal(exc)
+                else:
+                    refused = None
+                if refused is not None:
+                    return refused.end(context)
+            try:
+                request = await asyncio.wait_for(context.read(), timeout_s)
+            except asyncio.TimeoutError:
+                request = _Unparsable(f"the request's message did not arrive within {timeout_s:g} s (opweave serve "
+                                      f"--idle-timeout-s)", grpc.StatusCode.DEADLINE_EXCEEDED)
+            if request is grpc.aio.EOF:
+                request = _Unparsable("the call carries no request message")
+            if isinstance(request, _Unparsable):
+                context.set_code(request.code)
+                context.set_details(request.reason)
+                return None
+            if hold is not None:
+                hold.shrink(request.ByteSize())
+            return await behaviour(request, context)
     return call
 
 
@@ -318,12 +354,13 @@ def _unimplemented(name: str, handler):
     return grpc.unary_unary_rpc_method_handler(refuse, **codec)
 
 
-def add_service(servicer: Servicer, server, message_timeout_s: float = 60.0) -> None:
+def add_service(servicer: Servicer, server, message_timeout_s: float = 60.0, budget: Budget | None = None,
+                max_message_bytes: int = 0) -> None:
     """Register ``servicer`` on ``server`` as tritonclient's generated code does, but with the request deserializers
     of :func:`_parser` on the calls the servicer implements (coroutines), each reading its message within
-    ``message_timeout_s`` (:func:`_one_message`; on the wire a unary call is a stream of one message): a message
-    that does not parse is ``INVALID_ARGUMENT``; the calls it does not implement answer ``UNIMPLEMENTED``
-    (:func:`_unimplemented`)."""
+    ``message_timeout_s`` (:func:`_one_message`; on the wire a unary call is a stream of one message), a
+    ``ModelInfer`` holding ``max_message_bytes`` of ``budget`` while it does: a message that does not parse is
+    ``INVALID_ARGUMENT``; the calls it does not implement answer ``UNIMPLEMENTED`` (:func:`_unimplemented`)."""
     class Table:  # what the generated registration hands a server
         def __init__(self) -> None:
             self.handlers: dict = {}
@@ -339,8 +376,9 @@ def add_service(servicer: Servicer, server, message_timeout_s: float = 60.0) -> 
     handlers = dict(table.handlers)
     for name, handler in handlers.items():
         if handler.unary_unary is not None and asyncio.iscoroutinefunction(handler.unary_unary):
+            held = budget if name == "ModelInfer" else None
             handlers[name] = grpc.stream_unary_rpc_method_handler(
-                _one_message(handler.unary_unary, message_timeout_s),
+                _one_message(handler.unary_unary, message_timeout_s, held, max_message_bytes),
                 request_deserializer=_parser(handler.request_deserializer.__self__),
                 response_serializer=handler.response_serializer)
         else:  # the generated base class's: it would end the call with its NotImplementedError
@@ -350,42 +388,73 @@ def add_service(servicer: Servicer, server, message_timeout_s: float = 60.0) -> 
         server.add_registered_method_handlers(SERVICE, handlers)
 
 
-MAX_MESSAGE_BYTES = 64 << 20  # room for the models a repository API load may bring (gRPC's own default is 4 MiB)
+SEND_MESSAGE_BYTES = 64 << 20  # the largest answer gRPC sends (what a model answers is not the client's to size)
+
+log = logging.getLogger(__name__)
 
 
 def message_limit(repository: Repository, max_body_bytes: int = 0) -> int:
-    """The largest message gRPC takes (larger ones are refused before they are parsed): the largest request limit
-    of the models served (:func:`~opweave.serve.protocol.request_limit` for gRPC's contents), at least
-    ``max_body_bytes``, and while the repository API may load models, at least :data:`MAX_MESSAGE_BYTES`."""
-    limits = [protocol.request_limit(m, protocol.RAW_BYTES_PER_VALUE) for m in repository.served.values()]
-    loads = MAX_MESSAGE_BYTES if repository.changes is None else 0
-    return min(max([protocol.HEADER_BYTES, max_body_bytes, loads, *limits]), (1 << 31) - 1)
+    """The largest message gRPC takes (a larger one is refused by the length its prefix declares, before it is
+    read): the largest gRPC request limit (:func:`~opweave.serve.protocol.request_limit`) of the models served,
+    each at its max batch or, while the repository API may load models (a client's config may raise a model's batch
+    up to the server's ``--max-batch``), at the larger of that and ``--max-batch``, then also a repository call's
+    message (:data:`~opweave.serve.frontend.CONTROL_BYTES`); at least ``max_body_bytes``. Fixed when the server
+    starts: a model loaded later that takes more is served up to it (:meth:`GrpcServer` logs so)."""
+    changes = repository.changes is None
+    limits = [protocol.request_limit(m, protocol.RAW_BYTES_PER_VALUE,
+                                     batch=max(m.max_batch, repository.max_batch) if changes else None)
+              for m in repository.served.values()]
+    control = frontend.CONTROL_BYTES if changes else 0
+    return min(max([protocol.HEADER_BYTES, max_body_bytes, control, *limits]), (1 << 31) - 1)
 
 
 class GrpcServer:
     """The gRPC service on ``host:port`` (0: any free port) on a thread with its own event loop: :meth:`start`
     returns the bound port; :meth:`stop` lets calls in flight finish (at most ``grace_s``) and ends the thread.
     ``max_body_bytes`` raises every model's request limit (``--max-body-mb``); ``max_message_bytes`` bounds a
-    message (default :func:`message_limit`; a larger one: ``RESOURCE_EXHAUSTED``, from gRPC itself).
-    ``header_timeout_s``: for the HTTP/2 handshake; ``idle_timeout_s``: a connection without calls is closed, and
-    a call whose request message has not arrived (:func:`add_service`) is ended."""
+    message (default :func:`message_limit`; a larger one: ``RESOURCE_EXHAUSTED``, from gRPC itself), and a
+    ``ModelInfer`` holds that much of ``budget`` (the HTTP server's, shared) until its message is read, then what
+    the message takes until the call ends. ``max_connections``, ``max_calls`` (in progress at once) and
+    ``max_metadata_bytes`` (a call's): more are refused by gRPC itself. ``header_timeout_s``: for the HTTP/2
+    handshake; ``idle_timeout_s``: a connection without calls is closed, and a call whose request message has not
+    arrived (:func:`add_service`) is ended."""
 
     def __init__(self, engine: Engine, repository: Repository, state: State, *, host: str = "127.0.0.1",
                  port: int = 0, max_message_bytes: int | None = None, max_body_bytes: int = 0,
-                 header_timeout_s: float = 10.0, idle_timeout_s: float = 60.0):
+                 header_timeout_s: float = 10.0, idle_timeout_s: float = 60.0, budget: Budget | None = None,
+                 max_connections: int = MAX_CONNECTIONS, max_calls: int = MAX_CALLS,
+                 max_metadata_bytes: int = MAX_METADATA_BYTES):
         self.servicer = Servicer(engine, repository, state, max_body_bytes)
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes or message_limit(repository, max_body_bytes)
+        self.budget = budget or Budget()
+        if self.max_message_bytes > self.budget.limit:
+            raise UsageError(f"a gRPC message may take {self.max_message_bytes} bytes (the largest request a model "
+                             f"served takes), more than the server may hold in all ({self.budget.limit} bytes): "
+                             f"raise opweave serve --max-held-mb")
+        self.max_body_bytes = max_body_bytes
         self.header_timeout_s, self.idle_timeout_s = header_timeout_s, idle_timeout_s
+        self.max_connections, self.max_calls, self.max_metadata_bytes = max_connections, max_calls, max_metadata_bytes
+        repository.on_load.append(self._loaded)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._grace_s = 5.0
 
+    def _loaded(self, model: ServedModel) -> None:
+        """A model loaded while the server runs: said in the log if its requests can pass the message cap."""
+        limit = protocol.request_limit(model, protocol.RAW_BYTES_PER_VALUE, self.max_body_bytes)
+        if limit > self.max_message_bytes:
+            log.warning("model %r takes gRPC requests of up to %d bytes, but gRPC takes messages of at most %d "
+                        "(fixed when the server started): larger ones are refused RESOURCE_EXHAUSTED (opweave serve "
+                        "--max-body-mb raises it)", model.name, limit, self.max_message_bytes)
+
     def options(self) -> list[tuple[str, int]]:
         """The channel arguments the server runs with (module docstring)."""
         return [("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.max_send_message_length", max(self.max_message_bytes, MAX_MESSAGE_BYTES)),
-                ("grpc.max_metadata_size", 16 << 10),
+                ("grpc.max_send_message_length", max(self.max_message_bytes, SEND_MESSAGE_BYTES)),
+                ("grpc.max_metadata_size", self.max_metadata_bytes),
+                ("grpc.absolute_max_metadata_size", self.max_metadata_bytes),  # else refused at random up to 1.25x
+                ("grpc.max_allowed_incoming_connections", self.max_connections),
                 ("grpc.server_handshake_timeout_ms", int(self.header_timeout_s * 1000)),
                 ("grpc.max_connection_idle_ms", int(self.idle_timeout_s * 1000)),
                 ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
@@ -396,8 +465,8 @@ class GrpcServer:
         failure: list[BaseException] = []
 
         async def main() -> None:
-            server = grpc.aio.server(options=self.options())
-            add_service(self.servicer, server, self.idle_timeout_s)
+            server = grpc.aio.server(options=self.options(), maximum_concurrent_rpcs=self.max_calls)
+            add_service(self.servicer, server, self.idle_timeout_s, self.budget, self.max_message_bytes)
             try:
                 self.port = server.add_insecure_port(f"{self.host}:{self.port}")
                 await server.start()
@@ -435,5 +504,5 @@ class GrpcServer:
         self.thread.join(timeout=grace_s + 10)
 
 
-__all__ = ["CODES", "CONTENTS", "MAX_MESSAGE_BYTES", "OFFLOAD_BYTES", "SERVICE", "GrpcServer", "Servicer",
-           "add_service", "decode", "encode", "message_limit", "parameters"]
+__all__ = ["CODES", "CONTENTS", "MAX_CALLS", "MAX_CONNECTIONS", "MAX_METADATA_BYTES", "OFFLOAD_BYTES", "SERVICE",
+           "GrpcServer", "Servicer", "add_service", "decode", "encode", "message_limit", "parameters"]

@@ -17,12 +17,14 @@ response never carries them: an output holding NaN or an infinity is answered on
 binary data (asked for in JSON, the request is refused, naming the output). An input holding NaN or an infinity (in
 binary data, or gRPC's typed contents) is refused, naming it, unless the model's config allows them
 (``ServedModel.allow_non_finite``). Booleans (``binary_data``, ``binary_data_output``) are JSON's ``true`` and
-``false``, ``id`` a string, and ``Inference-Header-Content-Length`` digits only.
+``false``, ``id`` a string (its answer echoes its first :data:`ID_CHARS` characters), and
+``Inference-Header-Content-Length`` digits only (the spaces and tabs around a field's value are not part of it: RFC
+9110, section 5.5). An integer of more digits than Python converts is refused in the server's own words.
 
 Sizes: :func:`request_limit` is the most bytes a valid request for a model can take (its inputs at its max batch,
 :data:`JSON_BYTES_PER_VALUE` a value); the front ends refuse a larger body before reading or decoding it. An answer
-costs no more than its model's outputs: an output asked for twice is refused (as Triton does), and
-:func:`response_bytes` bounds what a response takes before it is encoded.
+costs no more than its model's outputs and a short head: an output asked for twice is refused (as Triton does), an
+echoed ``id`` is cut, and :func:`response_bytes` bounds what a response takes, all of it, before it is encoded.
 
 The checks live in :func:`decode_request`, which the gRPC front end (:mod:`opweave.serve.grpc_server`) calls too: it
 turns a ``ModelInferRequest`` into the same request object, its ``raw_input_contents`` standing for binary data.
@@ -34,6 +36,7 @@ import gzip
 import io
 import json
 import math
+import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +53,7 @@ JSON_BYTES_PER_VALUE = 48  # one value written in JSON, its separator and indent
 JSON_RESPONSE_BYTES_PER_VALUE = 26  # the most one value of a response's JSON takes ("-1.2345678901234567e-308, ")
 RAW_BYTES_PER_VALUE = 10  # one value in gRPC's typed contents (a varint: at most 10 bytes) or raw bytes (at most 8)
 SHOWN_CHARS = 64  # of a value a client sent, what an error message quotes
+ID_CHARS = 64  # of a request's id, what its answer echoes
 NON_FINITE_PARAMETER = "allow_non_finite_inputs"  # a model config's parameter (ServedModel.allow_non_finite)
 YIELD_BYTES = 256 << 10  # JSON this large is parsed so as to let other threads run (loads)
 CHUNK_VALUES = 1 << 16  # a tensor from JSON values is built this many at a time (each step lets other threads run)
@@ -62,11 +66,13 @@ def shown(value: Any) -> str:
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 3]}..."
 
 
-def request_limit(model: ServedModel, per_value: int = JSON_BYTES_PER_VALUE, floor: int = 0) -> int:
+def request_limit(model: ServedModel, per_value: int = JSON_BYTES_PER_VALUE, floor: int = 0,
+                  batch: int | None = None) -> int:
     """The most bytes a valid request for ``model`` can take: :data:`HEADER_BYTES` and ``per_value`` bytes for each
-    value of its inputs at its max batch (:data:`JSON_BYTES_PER_VALUE` covers JSON and binary data alike,
-    :data:`RAW_BYTES_PER_VALUE` gRPC's contents); at least ``floor`` (the operator's ``--max-body-mb``)."""
-    values = sum(math.prod(model.max_batch if d == -1 else d for d in s.shape) for s in model.inputs)
+    value of its inputs at its max batch (or ``batch``) (:data:`JSON_BYTES_PER_VALUE` covers JSON and binary data
+    alike, :data:`RAW_BYTES_PER_VALUE` gRPC's contents); at least ``floor`` (the operator's ``--max-body-mb``)."""
+    batch = model.max_batch if batch is None else batch
+    values = sum(math.prod(batch if d == -1 else d for d in s.shape) for s in model.inputs)
     return max(floor, HEADER_BYTES + per_value * values)
 
 
@@ -109,8 +115,9 @@ def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferR
     """Parse and check an infer request for ``model`` (see the module docstring); :class:`ProtocolError` says what
     is wrong, naming the input."""
     if header_length is not None:
+        header_length = header_length.strip(" \t")  # RFC 9110 5.5: not part of the value (parsers strip it too)
         if not (header_length.isascii() and header_length.isdigit()) or len(header_length) > 19:  # int() takes
-            # " 115 ", "+115" and "1_15"
+            # "+115" and "1_15"
             raise ProtocolError(f"{HEADER} {shown(header_length)} is not a byte count (at most 19 digits 0-9)")
         size = int(header_length)
         if not 0 < size <= len(body):
@@ -165,8 +172,11 @@ def loads(text: bytes | bytearray | str, finite: bool = True) -> Any:
         error = f"malformed JSON: the body is not UTF-8 text (byte {exc.start})"
     except RecursionError:
         error = "malformed JSON: nested too deep"
-    except ValueError as exc:  # JSONDecodeError, an integer of more than 4300 digits
+    except json.JSONDecodeError as exc:
         error = f"malformed JSON: {exc}"
+    except ValueError:  # int() refuses a number of more digits than sys.get_int_max_str_digits() (and says so)
+        error = (f"malformed JSON: an integer of more than {sys.get_int_max_str_digits()} digits, beyond the range "
+                 f"of float64")
     else:
         if finite:
             refuse_non_finite(value)
@@ -272,7 +282,8 @@ def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(f"'id' must be a string, got {shown(request_id)}")
-    return InferRequest(tuple(given[s.name] for s in model.inputs), batch or 1, outputs, request_id,
+    return InferRequest(tuple(given[s.name] for s in model.inputs), batch or 1, outputs,
+                        None if request_id is None else request_id[:ID_CHARS],
                         None if timeout is None else timeout / 1e6)
 
 
@@ -399,11 +410,16 @@ def answers(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor
 
 
 def response_bytes(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor]) -> int:
-    """At most the bytes :func:`encode` writes for the model's output ``leaves`` but for their names and shapes: the
-    outputs asked for, each value at its datatype's size in binary data, :data:`JSON_RESPONSE_BYTES_PER_VALUE` in
-    JSON (what decides whether the response is encoded off the event loop)."""
-    return sum(t.numel() * (t.element_size() if binary else JSON_RESPONSE_BYTES_PER_VALUE)
-               for _, t, binary in answers(model, request, leaves))
+    """At least the bytes :func:`encode` writes for the model's output ``leaves``: its JSON head as written (names,
+    shapes, the echoed id), and the outputs asked for, each value at its datatype's size in binary data,
+    :data:`JSON_RESPONSE_BYTES_PER_VALUE` in JSON (what decides whether the response is encoded off the event
+    loop)."""
+    outputs = answers(model, request, leaves)
+    head = {"model_name": model.name, "model_version": model.version, "id": request.id or "",
+            "outputs": [{"name": s.name, "datatype": s.datatype, "shape": list(t.shape), "data": [],
+                         "parameters": {"binary_data_size": t.numel() * t.element_size()}} for s, t, _ in outputs]}
+    return len(json.dumps(head)) + sum(t.numel() * (t.element_size() if binary else JSON_RESPONSE_BYTES_PER_VALUE)
+                                       for _, t, binary in outputs)
 
 
 def encode(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor]) -> tuple[bytes, dict[str, str]]:
@@ -453,7 +469,7 @@ def config(model: ServedModel, policy: dict, max_queue: int) -> dict:
             "blocks": len(model.blocked.blocks)}
 
 
-__all__ = ["DTYPES", "HEADER", "HEADER_BYTES", "JSON_BYTES_PER_VALUE", "JSON_RESPONSE_BYTES_PER_VALUE",
+__all__ = ["DTYPES", "HEADER", "HEADER_BYTES", "ID_CHARS", "JSON_BYTES_PER_VALUE", "JSON_RESPONSE_BYTES_PER_VALUE",
            "NON_FINITE_PARAMETER", "RAW_BYTES_PER_VALUE", "InferRequest", "ProtocolError", "answers", "boolean",
            "config", "decode", "decode_request", "decode_tensor", "decompress", "encode", "encode_tensor", "loads",
            "metadata", "refuse_non_finite", "request_limit", "response_bytes", "shown"]

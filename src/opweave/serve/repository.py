@@ -48,9 +48,11 @@ not starting with ``.``, at most 128 characters) and no name a route takes
 must resolve to files under the resolved root (a symbolic link leaving the root is refused unless
 ``allow_symlinks_outside_root``). With ``control="none"`` (Triton's ``--model-control-mode none``) the repository
 API neither loads nor unloads: every model is loaded at start (:meth:`Repository.load_all`) and stays. A load's
-config from a client (``parameters.config``) may not raise ``max_batch_size`` above the server's ``max_batch``, nor
-give a TorchScript model's input more values than the repository's ``config.pbtxt`` gives it (so it cannot raise the
-model's request limit past what the operator's config and ``--max-batch`` allow).
+config from a client (``parameters.config``, RFC 8259 JSON as a request's) may not raise ``max_batch_size`` above
+the server's ``max_batch``, nor set the model's ``parameters`` (its checks) otherwise than the repository's
+``config.pbtxt``, nor give a TorchScript model's input another data type or more values than the repository's
+``config.pbtxt`` gives it (so it cannot loosen a check, nor raise the model's request limit past what the operator's
+config and ``--max-batch`` allow). :attr:`Repository.on_load` is told of each model loaded.
 Every refusal is one line that names the model, never a path outside the repository, and a load that fails
 puts one line in the server's log; a directory that is no plain name (or no UTF-8) is left out of the index, with a
 warning in the server's log.
@@ -72,7 +74,7 @@ from opweave.errors import OpweaveError, UsageError, first_line
 from opweave.serve.engine import Engine
 from opweave.serve.frontend import Refused, release_memory
 from opweave.serve.models import DTYPES, ServedModel, TensorSpec, reserved
-from opweave.serve.protocol import NON_FINITE_PARAMETER, shown
+from opweave.serve.protocol import NON_FINITE_PARAMETER, ProtocolError, loads, shown
 
 CONFIG = "config.pbtxt"
 MODEL_FILES = ("model.pt2", "model.pt")  # what a version directory serves: a torch.export program, else TorchScript
@@ -110,6 +112,7 @@ class Repository:
         self._changing = threading.Lock()
         self._skipped: set[str] = set()
         self._configs: dict[str, bytes] = {}  # the config each model of the repository was loaded with (_settings)
+        self.on_load: list[Callable[[ServedModel], None]] = []  # told of each model once it serves
 
     # ---- what is there ----------------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -195,7 +198,7 @@ class Repository:
                 if len(json_text) > MAX_CONFIG_CHARS:
                     raise Refused("invalid", f"model {name!r}: parameters.config of {len(json_text)} characters "
                                              f"exceeds the limit of {MAX_CONFIG_CHARS}")
-                json_format.Parse(json_text, config)
+                json_format.ParseDict(loads(json_text), config)  # RFC 8259, checked as a request's JSON is
             else:
                 path = self.folder(name) / CONFIG if self.root is not None else None
                 if text is None and path is not None and path.is_file():
@@ -206,7 +209,7 @@ class Repository:
             raise Refused("invalid", f"model {name!r}: its {CONFIG} is not UTF-8 text (byte {exc.start})") from None
         except OSError as exc:
             raise Refused("invalid", f"model {name!r}: its {CONFIG} cannot be read ({exc.strerror})") from None
-        except (json_format.ParseError, text_format.ParseError, RecursionError) as exc:
+        except (json_format.ParseError, text_format.ParseError, RecursionError, ProtocolError) as exc:
             raise Refused("invalid", f"model {name!r}: its config does not parse: {exc}") from None
         if config.name and config.name != name:
             raise Refused("invalid", f"model {name!r}: its config names it {shown(config.name)}")
@@ -280,8 +283,8 @@ class Repository:
         max_batch = self._max_batch(name, config, config_json is not None)
         allow_non_finite = _allows_non_finite(name, config)
         version, path = self.locate(name, config)
-        if config_json is not None and path.suffix == ".pt":
-            self._within_repository_inputs(name, config)
+        if config_json is not None:
+            self._within_repository_config(name, config, scripted=path.suffix == ".pt")
         source = f"{name}/{version}/{path.name}"
         settings = _settings(name, config)
         old = self.served.get(name)
@@ -306,6 +309,8 @@ class Repository:
             self.served[name] = model
             self._configs[name] = settings
             self.status[name] = ("READY", "")
+            for told in self.on_load:
+                told(model)
             return model
         raise Refused("invalid", reason)
 
@@ -321,18 +326,40 @@ class Repository:
             return asked
         return 1 if _declares_no_batching(config) else self.max_batch
 
-    def _within_repository_inputs(self, name: str, config) -> None:
-        """A client's ``config`` for a TorchScript model (whose inputs' shapes its config gives) gives no input more
-        values than the repository's ``config.pbtxt`` does, nor one it does not describe: else a 300-byte load would
-        set the size of the example the model is converted on and of every request it takes."""
-        own = {i.name: math.prod(i.dims) for i in self.read_config(name).input}
+    def _within_repository_config(self, name: str, config, scripted: bool) -> None:
+        """A client's ``config`` changes nothing the repository's ``config.pbtxt`` decides for the client: the model's
+        ``parameters`` (its checks: :data:`~opweave.serve.protocol.NON_FINITE_PARAMETER`) are the repository's
+        config's, and for a TorchScript model (whose inputs its config describes) no input has another data type or
+        more values than the repository's config gives it, nor is one there that it does not describe: else a
+        300-byte load would let every client's NaN in, or set the size of the example the model is converted on and
+        of every request it takes."""
+        own = self.read_config(name)
+        theirs = {k: v.string_value for k, v in config.parameters.items()}
+        mine = {k: v.string_value for k, v in own.parameters.items()}
+        changed = sorted(k for k in theirs.keys() | mine.keys() if theirs.get(k) != mine.get(k))
+        if changed:
+            raise Refused("invalid", f"model {name!r}: parameters.config sets parameters {shown(changed)} otherwise "
+                                     f"than its {CONFIG}: a client's config cannot change a model's parameters (its "
+                                     f"checks)")
+        if not scripted:
+            return
+        inputs = {i.name: i for i in own.input}
         for tensor in config.input:
             values = math.prod(tensor.dims)
-            if tensor.name not in own or values > own[tensor.name]:
-                allowed = f"{own[tensor.name]} values" if tensor.name in own else "no shape for it"
+            mine_in = inputs.get(tensor.name)
+            if mine_in is None or values > math.prod(mine_in.dims):
+                allowed = f"{math.prod(mine_in.dims)} values" if mine_in is not None else "no shape for it"
                 raise Refused("invalid", f"model {name!r}: parameters.config gives input {shown(tensor.name)} dims "
                                          f"{list(tensor.dims)[:8]} ({values} values), its {CONFIG} {allowed}: a "
                                          f"client's config cannot make a model's inputs larger")
+            if tensor.data_type != mine_in.data_type:
+                from tritonclient.grpc import model_config_pb2
+
+                kinds = [model_config_pb2.DataType.Name(t) if t in model_config_pb2.DataType.values() else str(t)
+                         for t in (tensor.data_type, mine_in.data_type)]
+                raise Refused("invalid", f"model {name!r}: parameters.config gives input {shown(tensor.name)} "
+                                         f"data_type {kinds[0]}, its {CONFIG} {kinds[1]}: a client's config cannot "
+                                         f"change a model's data types")
 
     def _hide(self, text: str) -> str:
         """``text`` with the repository's own path left out (paths show relative to the root)."""

@@ -34,10 +34,16 @@ decompressed); the repository calls' bodies :data:`CONTROL_BODY_BYTES`. Every bo
 have not read: one that would pass it is refused 503 with ``Retry-After``. A body over :data:`OFFLOAD_BYTES` is
 decoded, and a response that large (:func:`~opweave.serve.protocol.response_bytes`: what it will write) encoded, on
 a worker thread, never on the event loop, so ``/v2/health/live`` answers while large requests are read. Connections
-(:func:`_http_protocol`): a request's headers must arrive within ``header_timeout_s`` and fit
+(:func:`_http_protocol`): at most ``max_connections`` (:func:`connection_limit`: within the open-file limit), the one
+idle longest closed to make room for a new one, a new one answered 503 and closed when none is idle; a failed accept
+logged once per :data:`LOG_EVERY_S`; a request's headers must arrive within ``header_timeout_s`` and fit
 :data:`MAX_HEADER_BYTES`; a body must bring ``min_body_rate`` bytes a second over every ``idle_timeout_s`` (a
 trickle does not keep it), and an answer be read as fast, else the connection is closed, as is a kept-alive
 connection idle that long; a request the parser cannot read is answered 400 in JSON too.
+
+One HTTP parser, h11, on asyncio's event loop, whatever else is installed (:func:`_uvicorn_config`): uvicorn would
+pick httptools and uvloop where they are (``opweave[ray]`` brings them), and the server's answers to hostile input,
+and what its tests tried, would depend on them.
 
 Draining (:class:`DrainingServer`): the first SIGTERM stops admission (new requests get 503, readiness goes 503)
 while every accepted request is still answered; once none is left uvicorn shuts down and the process exits 0. A
@@ -47,10 +53,16 @@ second SIGTERM or a SIGINT stops at once (uvicorn's own behaviour).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import logging
 import math
+import os
+import resource
 import signal
+import socket
 import sys
+import time
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -65,6 +77,7 @@ from starlette.requests import ClientDisconnect
 from torch.utils import _pytree as pytree
 
 import opweave
+from opweave.errors import UsageError
 from opweave.serve import frontend, protocol
 from opweave.serve.engine import Engine, Observer, Request
 from opweave.serve.executors import Part, StepCost
@@ -73,7 +86,7 @@ from opweave.serve.models import ServedModel
 from opweave.serve.repository import Repository
 from opweave.serve.stats import Statistics
 
-CONTROL_BODY_BYTES = 2 << 20  # a repository call's body (a load's parameters.config, at most 1 MiB of it)
+CONTROL_BODY_BYTES = frontend.CONTROL_BYTES  # a repository call's body (a load's parameters.config, at most 1 MiB)
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # what a client on this machine calls a server bound to loopback
 WILDCARD_BINDS = ("0.0.0.0", "::", "")  # a server bound to every address of the machine
 SAFE_METHODS = ("GET", "HEAD")  # what a request of another origin may do (read, which its page cannot see: no CORS)
@@ -85,9 +98,16 @@ LINGER_S = 2.0  # how long after the answer to a refused request its connection 
 HEADER_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0
 MIN_BODY_RATE = 16 << 10  # bytes a second a body must bring (an answer be read) over every idle_timeout_s
+MAX_CONNECTIONS = 4096  # connections each front end holds by default (fewer where the open-file limit says so)
+RESERVED_FILES = 256  # of the open-file limit, kept for the process's own files and the sockets accepted at once
+LISTEN_BACKLOG = 2048  # connections the kernel queues for the server to accept (uvicorn's default)
+ACCEPT_BATCH = 16  # the most the event loop accepts in one turn (files taken before their connections are counted)
+LOG_EVERY_S = 10.0  # a failure that may come thousands of times a second is logged once per this interval
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _DECISION_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+
+log = logging.getLogger(__name__)
 
 
 class Metrics(Observer):
@@ -525,9 +545,95 @@ class _Guarded:
         await self.app(scope, receive, send)
 
 
+def connection_limit(asked: int | None = None, front_ends: int = 1) -> int:
+    """The connections each of ``front_ends`` front ends may hold (``--max-connections``): ``asked``, or by default
+    :data:`MAX_CONNECTIONS`; either way within the process's open-file limit (``ulimit -n``) less
+    :data:`RESERVED_FILES` (a quarter of it, where that is less), shared among the front ends, so that no connection
+    past the limit leaves the server unable to accept (or open) anything. :class:`~opweave.errors.UsageError` if
+    ``asked`` does not fit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    kept = min(RESERVED_FILES, soft // 4)
+    room = MAX_CONNECTIONS * front_ends if soft == resource.RLIM_INFINITY else (soft - kept) // front_ends
+    if asked is None:
+        if room < 1:
+            raise UsageError(f"the open-file limit ({soft}, ulimit -n) leaves no room for connections; raise it")
+        return min(MAX_CONNECTIONS, room)
+    if asked > room:
+        raise UsageError(f"--max-connections {asked} does not fit the open-file limit ({soft}, ulimit -n): "
+                         f"{front_ends} front end(s) x {asked} connections + {kept} files the server keeps for "
+                         f"itself; raise the limit or give at most {max(room, 0)}")
+    return asked
+
+
+class _Every:
+    """One log line per ``interval_s`` for a failure that may come thousands of times a second (a failed accept, a
+    refused connection): the first when it comes, the next once ``interval_s`` has passed, saying how many came
+    meanwhile; never a traceback."""
+
+    def __init__(self, what: str, interval_s: float = LOG_EVERY_S):
+        self.what, self.interval_s = what, interval_s
+        self.count, self.last = 0, -math.inf
+
+    def __call__(self, why: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= self.interval_s:
+            since = "" if self.last == -math.inf else f" in the last {now - self.last:.0f} s"
+            log.warning("%s %d time(s)%s: %s", self.what, self.count, since, why)
+            self.count, self.last = 0, now
+
+
+OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # accept's errors the loop retries
+
+
+def _accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """``loop``'s exception handler logs a failed accept (out of files or memory: the event loop's own report, a
+    traceback for each attempt, came thousands of times a second) once per :data:`LOG_EVERY_S`, naming the limit;
+    other reports go on as before."""
+    every = _Every("accepting a connection failed")
+    previous = loop.get_exception_handler()
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in OUT_OF_RESOURCES:
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            every(f"{exc.strerror} (the open-file limit is {soft}: ulimit -n; opweave serve --max-connections "
+                  f"keeps the server's connections below it)")
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)
+
+
+class _Connections:
+    """The HTTP connections a server holds, at most ``limit`` (nginx's ``worker_connections``), and of them the idle
+    ones (waiting for a request of which no byte has come: new, or kept alive after an answer), longest idle
+    first. At the limit a new connection takes the place of the connection idle longest, which is closed (as nginx
+    closes idle kept-alive connections first when its connections run short), and is refused if none is idle. Used
+    on the event loop's thread only."""
+
+    def __init__(self, limit: int):
+        self.limit, self.open = limit, 0
+        self.idle: dict[Any, None] = {}  # insertion order: the connection idle longest first
+        self.refusals = _Every("refused a connection")
+
+    def admit(self) -> bool:
+        """Count one more connection, closing the one idle longest at the limit; False: none is idle, refuse it."""
+        if self.open >= self.limit:
+            if not self.idle:
+                return False
+            next(iter(self.idle))._evict()
+        self.open += 1
+        return True
+
+
 def _http_protocol(header_timeout_s: float, idle_timeout_s: float, budget: Budget,
-                   min_body_rate: float = MIN_BODY_RATE):
-    """uvicorn's HTTP protocol (httptools or h11, as uvicorn picks) with the limits it lacks: a request's line and
+                   min_body_rate: float = MIN_BODY_RATE, max_connections: int = MAX_CONNECTIONS):
+    """uvicorn's h11 protocol (the server's one HTTP parser, whichever others are installed: module docstring) with
+    the limits it lacks: at most ``max_connections`` connections (:class:`_Connections`: idle ones closed first to
+    make room; past it, a new connection is answered 503 and closed at once); a request's line and
     headers must arrive within ``header_timeout_s`` of the connection (or of its first byte, on a kept-alive one)
     and fit :data:`MAX_HEADER_BYTES`; a body must bring ``min_body_rate`` bytes a second (at least one byte) over
     every ``idle_timeout_s`` (nginx's ``client_body_timeout`` with a minimum rate: a trickle does not keep it alive),
@@ -537,11 +643,19 @@ def _http_protocol(header_timeout_s: float, idle_timeout_s: float, budget: Budge
     (an answer with ``Connection: close``, which :class:`Guard` gives a refusal that left the body unread) is closed
     in stages and reads at most :data:`LINGER_BYTES` more (``_lingering``); what the parser cannot read is answered
     400 in JSON."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
     least = max(1, int(min_body_rate * idle_timeout_s))  # the bytes a body brings (an answer is read) every window
+    pool = _Connections(max_connections)
+    full = json.dumps({"error": f"the server holds its {max_connections} connections and none of them is idle "
+                                f"(opweave serve --max-connections); retry later"}).encode()
+    refusal = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+               b"retry-after: %d\r\nconnection: close\r\n\r\n" % (len(full), math.ceil(frontend.RETRY_AFTER_S))
+               ) + full
 
-    class LimitedProtocol(AutoHTTPProtocol):
+    class LimitedProtocol(H11Protocol):
+        connections = pool  # every connection's
+        _counted = False  # admitted by the pool (and not evicted from it)
         _timer: asyncio.TimerHandle | None = None
         _head = 0  # bytes received while waiting for a request's headers
         _arrived = 0  # bytes of a request's body received in the current window of idle_timeout_s
@@ -600,8 +714,23 @@ def _http_protocol(header_timeout_s: float, idle_timeout_s: float, budget: Budge
 
         def connection_made(self, transport) -> None:
             self._socket = transport
+            if not pool.admit():  # answered at once (the client may not have sent a byte), its file freed
+                transport.write(refusal)
+                transport.close()
+                pool.refusals(f"all {pool.limit} connections busy (opweave serve --max-connections)")
+                return
+            self._counted = True
             super().connection_made(_Closing(transport, self._lingering))
             self._arm(header_timeout_s)
+            pool.idle[self] = None
+
+        def _evict(self) -> None:
+            """Closed to make room for a new connection (it is idle: nothing of a request is lost)."""
+            pool.idle.pop(self, None)
+            pool.open -= 1
+            self._counted = False
+            self._disarm()
+            self._socket.close()
 
         def _lingering(self) -> bool:
             """Asked to close the connection (its answer written) while the request's body still comes (refused
@@ -620,6 +749,7 @@ def _http_protocol(header_timeout_s: float, idle_timeout_s: float, budget: Budge
             return True
 
         def data_received(self, data: bytes) -> None:
+            pool.idle.pop(self, None)
             if self._linger is not None:  # the body of a refused request: dropped, and only so much of it
                 self._linger -= len(data)
                 if self._linger <= 0 and not self._socket.is_closing():
@@ -650,8 +780,16 @@ def _http_protocol(header_timeout_s: float, idle_timeout_s: float, budget: Budge
             super().on_response_complete()  # uvicorn's keep-alive timer waits for the next request's first byte
             if self._awaiting_headers():
                 self._disarm()
+                if not self._socket.is_closing() and not self.conn.trailing_data[0]:
+                    pool.idle[self] = None  # kept alive, no byte of a next request yet
 
         def connection_lost(self, exc) -> None:
+            if self.transport is None:  # refused when it came (connection_made)
+                return
+            pool.idle.pop(self, None)
+            if self._counted:
+                pool.open -= 1
+                self._counted = False
             self._disarm()
             if self._sending is not None:
                 self._sending.cancel()
@@ -691,12 +829,16 @@ class _Closing:
 
 
 def _uvicorn_config(app, host: str, port: int, log_level: str, header_timeout_s: float, idle_timeout_s: float,
-                    budget: Budget, min_body_rate: float, **options: Any):
+                    budget: Budget, min_body_rate: float, max_connections: int, **options: Any):
+    """uvicorn's configuration: h11 (:func:`_http_protocol`) on asyncio's event loop, whichever others are installed
+    (uvicorn would pick httptools and uvloop where they are: the server's answers to hostile input, and its tests,
+    would depend on them)."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                          http=_http_protocol(header_timeout_s, idle_timeout_s, budget, min_body_rate),
-                          timeout_keep_alive=idle_timeout_s,
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", loop="asyncio",
+                          http=_http_protocol(header_timeout_s, idle_timeout_s, budget, min_body_rate,
+                                              max_connections),
+                          timeout_keep_alive=idle_timeout_s, backlog=ACCEPT_BATCH,
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options)
 
 
@@ -711,7 +853,12 @@ def _server_class():
             self.serving, self.engine, self.on_listen = state, engine, on_listen
 
         async def startup(self, sockets=None) -> None:
+            _accept_errors(asyncio.get_running_loop())
             await super().startup(sockets)
+            for server in self.servers:  # asyncio takes its listen backlog for how many it accepts in one turn
+                for listening in server.sockets:
+                    with socket.socket(fileno=os.dup(listening.fileno())) as same:  # the socket, another descriptor
+                        same.listen(LISTEN_BACKLOG)
             if self.on_listen is not None and self.servers:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 self.on_listen(host, port)
@@ -736,27 +883,34 @@ def serve(engine: Engine, models: dict[str, ServedModel], *, host: str = "127.0.
           repository: Repository | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
           idle_timeout_s: float = IDLE_TIMEOUT_S, allowed_hosts: tuple[str, ...] | list[str] | None = None,
           allow_origins: tuple[str, ...] | list[str] = (), max_held_bytes: int = frontend.MAX_HELD_BYTES,
-          min_body_rate: float = MIN_BODY_RATE) -> None:
+          min_body_rate: float = MIN_BODY_RATE, max_connections: int | None = None,
+          grpc_options: dict[str, Any] | None = None) -> None:
     """Run the server until it is stopped (SIGTERM drains; see the module docstring), then stop the engine.
-    ``grpc_port``: the gRPC service beside it (0: any free port; ``on_listen(host, port, grpc_port)`` then).
-    ``max_body_bytes``, ``header_timeout_s``, ``idle_timeout_s``: the limits of the module docstring, on both front
-    ends; ``max_held_bytes`` (the :class:`~opweave.serve.frontend.Budget`) and ``min_body_rate`` (bytes a second),
-    HTTP's. ``allowed_hosts`` (default :func:`default_hosts` of ``host``) and ``allow_origins``: :func:`guard`'s."""
+    ``grpc_port``: the gRPC service beside it (0: any free port; ``on_listen(host, port, grpc_port)`` then), with
+    ``grpc_options`` (:class:`~opweave.serve.grpc_server.GrpcServer`'s ``max_calls``, ``max_metadata_bytes``).
+    ``max_body_bytes``, ``header_timeout_s``, ``idle_timeout_s``, ``max_held_bytes`` (the
+    :class:`~opweave.serve.frontend.Budget`) and ``max_connections`` (each front end's; default
+    :func:`connection_limit`'s): the limits of the module docstring, on both front ends; ``min_body_rate`` (bytes
+    a second), HTTP's. ``allowed_hosts`` (default :func:`default_hosts` of ``host``) and ``allow_origins``:
+    :func:`guard`'s."""
     state = State()
     budget = Budget(max_held_bytes)
+    connections = connection_limit(max_connections, 1 if grpc_port is None else 2)
     repository = repository or Repository(engine, models)
     app = create_app(engine, repository.served, max_body_bytes=max_body_bytes, state=state, repository=repository,
                      allowed_hosts=default_hosts(host) if allowed_hosts is None else allowed_hosts,
                      allow_origins=allow_origins, budget=budget)
     config = _uvicorn_config(app, host, port, log_level, header_timeout_s, idle_timeout_s, budget, min_body_rate,
-                             timeout_graceful_shutdown=30)
-    engine.start()
+                             connections, timeout_graceful_shutdown=30)
     rpc = None
-    if grpc_port is not None:
+    if grpc_port is not None:  # made (and its limits checked) before the engine starts
         from opweave.serve.grpc_server import GrpcServer
 
         rpc = GrpcServer(engine, repository, state, host=host, port=grpc_port, max_body_bytes=max_body_bytes,
-                         header_timeout_s=header_timeout_s, idle_timeout_s=idle_timeout_s)
+                         header_timeout_s=header_timeout_s, idle_timeout_s=idle_timeout_s, budget=budget,
+                         max_connections=connections, **(grpc_options or {}))
+    engine.start()
+    if rpc is not None:
         grpc_port = rpc.start()
     listening = on_listen if on_listen is None or rpc is None else (lambda h, p: on_listen(h, p, grpc_port))
     server = _server_class()(config, state, engine, listening)
@@ -775,20 +929,23 @@ def serve(engine: Engine, models: dict[str, ServedModel], *, host: str = "127.0.
 class BackgroundServer:
     """A server on a thread of this process (tests, benchmarks): ``with BackgroundServer(engine, models) as url``.
     Listens on 127.0.0.1 and an ephemeral port; leaving the block drains and stops it. ``grpc=True``: the gRPC
-    service too, at :attr:`grpc_address` (``127.0.0.1:port``); ``repository``: a :class:`Repository` over
-    ``models`` (one without a directory by default), at :attr:`repository`. ``header_timeout_s``,
-    ``idle_timeout_s``, ``max_held_bytes`` (its :class:`~opweave.serve.frontend.Budget`, at :attr:`budget`) and
-    ``min_body_rate`` as :func:`serve`'s; the other options go to :func:`create_app`."""
+    service too, at :attr:`grpc_address` (``127.0.0.1:port``), with ``grpc_options``; ``repository``: a
+    :class:`Repository` over ``models`` (one without a directory by default), at :attr:`repository`.
+    ``header_timeout_s``, ``idle_timeout_s``, ``max_held_bytes`` (its :class:`~opweave.serve.frontend.Budget`, at
+    :attr:`budget`, which both front ends share), ``min_body_rate`` and ``max_connections`` as :func:`serve`'s; the
+    other options go to :func:`create_app`."""
 
     def __init__(self, engine: Engine, models: dict[str, ServedModel], *, grpc: bool = False,
                  repository: Repository | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
                  idle_timeout_s: float = IDLE_TIMEOUT_S, max_held_bytes: int = frontend.MAX_HELD_BYTES,
-                 min_body_rate: float = MIN_BODY_RATE, **options: Any):
+                 min_body_rate: float = MIN_BODY_RATE, max_connections: int | None = None,
+                 grpc_options: dict[str, Any] | None = None, **options: Any):
         self.engine, self.models, self.options = engine, models, options
         self.repository = repository or Repository(engine, models)
-        self.grpc, self.rpc, self.grpc_address = grpc, None, None
+        self.grpc, self.rpc, self.grpc_address, self.grpc_options = grpc, None, None, grpc_options or {}
         self.timeouts = {"header_timeout_s": header_timeout_s, "idle_timeout_s": idle_timeout_s}
         self.budget, self.min_body_rate = Budget(max_held_bytes), min_body_rate
+        self.max_connections = connection_limit(max_connections, 2 if grpc else 1)
 
     def __enter__(self) -> str:
         import threading
@@ -797,7 +954,9 @@ class BackgroundServer:
         self.app = create_app(self.engine, self.repository.served, state=self.state, repository=self.repository,
                               budget=self.budget, **self.options)
         config = _uvicorn_config(self.app, "127.0.0.1", 0, "warning", budget=self.budget,
-                                 min_body_rate=self.min_body_rate, **self.timeouts)
+                                 min_body_rate=self.min_body_rate, max_connections=self.max_connections,
+                                 **self.timeouts)
+        self.connections = config.http.connections  # the connections held (_Connections)
         bound = threading.Event()
         address: list = []
         self.server = _server_class()(config, self.state, self.engine,
@@ -812,7 +971,8 @@ class BackgroundServer:
             from opweave.serve.grpc_server import GrpcServer
 
             self.rpc = GrpcServer(self.engine, self.repository, self.state,
-                                  max_body_bytes=self.options.get("max_body_bytes", 0), **self.timeouts)
+                                  max_body_bytes=self.options.get("max_body_bytes", 0), budget=self.budget,
+                                  max_connections=self.max_connections, **self.grpc_options, **self.timeouts)
             self.grpc_address = f"127.0.0.1:{self.rpc.start()}"
         return f"http://{host}:{port}"
 
@@ -832,5 +992,5 @@ class BackgroundServer:
 
 
 __all__ = ["BackgroundServer", "CONTROL_BODY_BYTES", "EXTENSIONS", "Guard", "LINGER_BYTES", "LINGER_S",
-           "LOOPBACK_HOSTS", "MAX_HEADER_BYTES", "MIN_BODY_RATE", "Metrics", "OFFLOAD_BYTES", "State", "create_app",
-           "default_hosts", "guard", "serve"]
+           "LOOPBACK_HOSTS", "MAX_CONNECTIONS", "MAX_HEADER_BYTES", "MIN_BODY_RATE", "Metrics", "OFFLOAD_BYTES",
+           "State", "connection_limit", "create_app", "default_hosts", "guard", "serve"]
