@@ -28,8 +28,9 @@ RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH}" "torchvision==${T
 WORKDIR /opt/opweave
 COPY pyproject.toml README.md ./
 COPY src ./src
-# serve: FastAPI, uvicorn, Prometheus, gRPC and the KServe v2 stubs; onnx: ONNX Runtime, the CPU engine's default
-RUN pip install ".[serve,onnx]" \
+# serve: FastAPI, uvicorn, Prometheus, gRPC and the KServe v2 stubs (ONNX Runtime, the CPU engine's default, is a
+# dependency)
+RUN pip install ".[serve]" \
     && python -c "import torch; print(torch.__version__)" | cmp - /etc/opweave-torch-version \
     && useradd --create-home --uid 1000 opweave
 

@@ -253,7 +253,7 @@ def test_the_cpu_default_without_onnxruntime_says_so_once_and_chooses_as_before(
     monkeypatch.setattr(search, "TIMER", scripted({"eager": 3.0, "lanes": 1.0, "one lane": 2.0}))
     targets._say_missing.cache_clear()
     model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
-    with pytest.warns(UserWarning, match=r"ONNX Runtime is not installed.*pip install 'opweave\[onnx\]'"):
+    with pytest.warns(UserWarning, match=r"ONNX Runtime does not import.*pip install onnxruntime"):
         fast = opweave.compile(model, inputs, threads=2)
     assert set(fast.choice["candidates"]) == {"lanes", "one lane", "eager"} and fast.choice["label"] == "lanes"
     assert fast.fused is None and fast.choice["compiler"] is None

@@ -372,7 +372,7 @@ def import_onnxruntime():
     try:
         import onnxruntime
     except ImportError as exc:
-        raise MissingPackageError("compiler='onnxruntime' needs ONNX Runtime: pip install 'opweave[onnx]'") from exc
+        raise MissingPackageError("compiler='onnxruntime' needs ONNX Runtime: pip install onnxruntime") from exc
     return onnxruntime
 
 

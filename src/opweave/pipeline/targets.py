@@ -454,9 +454,9 @@ def default_compiler() -> str | None:
 
 @functools.cache
 def _say_missing() -> None:
-    warnings.warn("ONNX Runtime is not installed: opweave's CPU default runs the model's own kernels, without the "
-                  "segments ONNX Runtime compiles (docs/design.md, The CPU default); pip install 'opweave[onnx]' "
-                  "brings it", stacklevel=2)
+    warnings.warn("ONNX Runtime does not import: opweave's CPU default runs the model's own kernels, without the "
+                  "segments ONNX Runtime compiles; pip install onnxruntime (a dependency of opweave, where the "
+                  "platform has a wheel of it) brings it", stacklevel=2)
 
 
 def cpu_candidates(sync_ms: float, compilers_present: list[str] | None = None,
