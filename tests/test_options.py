@@ -708,3 +708,15 @@ def test_a_ray_replica_receives_its_options_resolved(monkeypatch):
     shipped = pickle.loads(pickle.dumps(dataclasses.replace(options, options=resolved)))
     assert len(calls) == 1
     assert shipped.threads == 1 and shipped.resolved().scheduler == "lios" and len(calls) == 1
+
+
+def test_the_model_itself_kept_by_the_default_carries_the_costs_asked_for(made, monkeypatch):
+    """A profile given to the CPU default was lost when its race kept the model itself: that candidate's metadata was
+    the roofline's, so which costs the compiled model reported depended on which candidate won a timing."""
+    from opweave.pipeline import search
+
+    model, inputs, _, path = made
+    monkeypatch.setattr(search, "TIMER", lambda label, fn: (fn(), 1.0 if label == "eager" else 5.0)[1])
+    with opweave.compile(model, inputs, profile=path) as fast:
+        assert fast.choice["label"] == "eager"
+        assert fast.costs.latency_ms == json.loads(open(path).read())["latency_ms"]

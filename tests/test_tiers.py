@@ -65,13 +65,13 @@ def test_a_call_while_the_tier_builds_gets_the_first_tiers_answer(tiered, monkey
     model, inputs, times = tiered
     times.update({"exported": 0.5, "first": 2.0})
     release = threading.Event()
-    real = tiers.TierBuilder._build
+    real = tiers.export_and_build
 
-    def held(self, kind, path):
+    def held(*args, **kwargs):
         release.wait(60)
-        return real(self, kind, path)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(tiers.TierBuilder, "_build", held)
+    monkeypatch.setattr(tiers, "export_and_build", held)
     fast = opweave.compile(model, inputs, threads=1)
     assert fast.backend.building and fast.backend.current is fast.backend.first
     with torch.no_grad():
@@ -84,9 +84,9 @@ def test_a_call_while_the_tier_builds_gets_the_first_tiers_answer(tiered, monkey
 
 def test_a_build_process_that_dies_leaves_the_first_tier_serving_with_one_warning(tiered, monkeypatch):
     model, inputs, times = tiered
-    real = tiers.TierBuilder._build
+    real = tiers.export_and_build
 
-    def killed(self, kind, path):  # the process is killed as soon as it starts
+    def killed(*args, **kwargs):  # the process is killed as soon as it starts
         popen = tiers.subprocess.Popen
 
         def started(*args, **kwargs):
@@ -95,9 +95,9 @@ def test_a_build_process_that_dies_leaves_the_first_tier_serving_with_one_warnin
             return process
 
         monkeypatch.setattr(tiers.subprocess, "Popen", started)
-        return real(self, kind, path)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(tiers.TierBuilder, "_build", killed)
+    monkeypatch.setattr(tiers, "export_and_build", killed)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fast = opweave.compile(model, inputs, threads=1)

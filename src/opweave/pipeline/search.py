@@ -57,7 +57,8 @@ from opweave.pipeline.options import HANDLES, OPTIONS, Options
 class Candidate:
     """One build a race tries. ``kind``: ``"plan"`` (the target's build with ``changes`` to the options: scheduler,
     streams, compiler, graph, scheduler options), ``"torch.compile"`` (the model compiled whole by ``torch.compile``
-    in ``changes["mode"]``) or ``"eager"`` (the model itself). ``costs``: the latencies a plan is made on
+    in ``changes["mode"]``), ``"tier"`` (a tier of :mod:`opweave.pipeline.tiers`, ``changes["tier"]``, built now) or
+    ``"eager"`` (the model itself). ``costs``: the latencies a plan is made on
     (``"fitted"``: the target's own; ``"eager"``: eager's kernels at one thread per op; a compiler's name: that
     compiler's kernels; ``"onnxruntime-graph"``: ONNX Runtime's profiler on its own graph). ``unless``: built only
     when the candidate of that label is not (it failed, or is not offered): a fallback."""

@@ -45,6 +45,7 @@ from opweave.costs.links import transfer_times
 from opweave.costs.profile import load_for
 from opweave.costs.roofline import estimate, preset_for_gpu
 from opweave.errors import UsageError
+from opweave.pipeline import tiers
 from opweave.pipeline.choose import STREAM_CAPS, choose, sync_options
 from opweave.pipeline.compiled import Compiled
 from opweave.pipeline.memory_pass import PEAK_CAP, BuildBuffers, memory_pass, with_free_joins
@@ -73,12 +74,18 @@ class Target:
                         latency_ms: dict | None, eager) -> Compiled:
         """``candidate`` (:class:`~opweave.pipeline.search.Candidate`) built: a plan with its changes to ``options``
         made on ``latency_ms`` (None: the target's own costs), or the model whole (``torch.compile``'s, or itself)."""
-        if candidate.kind == "torch.compile":
-            mode = candidate.changes.get("mode", "reduce-overhead")
-            return whole(captured, options, _Cloned(torch.compile(eager if eager is not None else captured.gm,
-                                                                  mode=mode)))
-        if candidate.kind == "eager":  # the model as its caller runs it: on the caller's threads unless told
-            return whole(captured, options, eager, threads=options.threads if "threads" in options.given else None)
+        if candidate.kind != "plan":  # the model whole: its plan's metadata on the costs this target plans on
+            model = eager if eager is not None else captured.gm
+            costs = self.planning_costs(captured, inputs, options)
+            if candidate.kind == "torch.compile":
+                return whole(captured, options, _Cloned(torch.compile(model, mode=candidate.changes.get(
+                    "mode", "reduce-overhead"))), costs)
+            if candidate.kind == "tier":  # built in a build process (or found in the disk cache), waited for
+                return whole(captured, options, tiers.built_now(candidate.changes["tier"], captured, model, inputs,
+                                                                options), costs)
+            # the model itself, as its caller runs it: on the caller's threads unless told
+            return whole(captured, options, eager, costs, threads=options.threads if "threads" in options.given
+                         else None)
         changed = options.derive(autotune=False, tiers=None, **candidate.changes)
         if candidate.costs == "onnxruntime-graph":
             assert isinstance(self, CpuTarget)  # ONNX Runtime's graph runs on the CPU
@@ -183,8 +190,12 @@ class CpuTarget(Target):
         return out
 
     def search_candidates(self, captured, inputs: tuple, options: Options) -> list[Candidate]:
-        """``mode="max-autotune"``'s list on the CPU (:func:`cpu_candidates`)."""
-        return cpu_candidates(cpu_threads.sync_cost_ms(), threads=options.threads or 1)
+        """``mode="max-autotune"``'s list on the CPU (:func:`cpu_candidates`), and the tiers the default builds
+        later (:data:`opweave.pipeline.tiers.KINDS`, where ``tiers`` is on), built before it returns."""
+        out = cpu_candidates(cpu_threads.sync_cost_ms(), threads=options.threads or 1)
+        if options.tiers:
+            out += [Candidate(f"{kind} tier", {"tier": kind}, kind="tier") for kind in tiers.KINDS]
+        return out
 
 
 class CudaTarget(Target):
@@ -332,10 +343,9 @@ class RanksTarget:
         return self.plan(captured, inputs, options)[0]
 
 
-def whole(captured, options: Options, model, *, threads: int | None = None) -> Compiled:
+def whole(captured, options: Options, model, costs: Costs, *, threads: int | None = None) -> Compiled:
     """``model`` (the model itself, or compiled whole) run as one call (:class:`~opweave.backends.cpu.EagerBackend`),
-    with the metadata of the captured graph's sequential plan: a candidate beside the plans."""
-    costs = estimate(captured.graph, "cpu" if options.device == "cpu" else "h100", model=options.cost_model)
+    with the metadata of the captured graph's sequential plan on ``costs``: a candidate beside the plans."""
     sched = schedulers.run("sequential", captured.graph, costs)
     return Compiled(captured.graph, costs, sched, validated_plan(captured.graph, sched),
                     EagerBackend(model, threads=threads), options.device, captured, options=options)

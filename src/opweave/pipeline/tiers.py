@@ -175,7 +175,7 @@ class TierBuilder(threading.Thread):
         path = tier_path(key(self.captured, self.inputs, self.options, kind, weights), kind)
         cached = path.exists()
         if not cached:
-            self._build(kind, path)
+            export_and_build(kind, self.model, self.inputs, self.options.threads, path, self)
         tier = load(kind, path, self.options.threads)
         with torch.no_grad():
             check = search.OutputCheck(self.captured, self.inputs, self.model, self.reference)(tier(*self.inputs))
@@ -197,33 +197,46 @@ class TierBuilder(threading.Thread):
                      medians[kind], in_use, medians[in_use])
         return outcome
 
-    def _build(self, kind: str, path: Path) -> None:
-        """The model exported (a copy: the caller's is never touched) and handed to a build process that writes the
-        tier at ``path``; an error naming what went wrong when it does not."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="opweave-tier-") as scratch:
-            program = Path(scratch) / "program.pt2"
-            with torch.no_grad():
-                exported = torch.export.export(copy.deepcopy(self.model).eval() if isinstance(
-                    self.model, torch.nn.Module) else self.model, self.inputs)
-            torch.export.save(exported, program)
-            del exported
-            logfile = Path(scratch) / "build.log"
-            with open(logfile, "wb") as sink:
-                self.process = subprocess.Popen(
-                    [sys.executable, "-m", "opweave.pipeline.tiers", kind, str(program), str(path),
-                     str(self.options.threads or 1), str(os.getpid())], stdout=sink, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL)
-                try:
-                    code = self.process.wait(BUILD_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    code = self.process.wait()
-            if self.closed.is_set():
-                raise RuntimeError("stopped")
-            if code != 0 or not path.exists():
-                tail = logfile.read_text(errors="replace").strip().splitlines()[-1:] or [""]
-                raise RuntimeError(f"its build process exited with status {code}: {tail[0][:200]}")
+
+def export_and_build(kind: str, model: Any, inputs: tuple[Any, ...], threads: int | None, path: Path,
+                     owner: TierBuilder | None = None) -> None:
+    """The model exported (a copy: the caller's is never touched) and handed to a build process that writes tier
+    ``kind`` at ``path``; an error naming what went wrong when it does not. ``owner``: the builder whose ``stop`` ends
+    the process (its ``process``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="opweave-tier-") as scratch:
+        program = Path(scratch) / "program.pt2"
+        with torch.no_grad():
+            exported = torch.export.export(copy.deepcopy(model).eval() if isinstance(model, torch.nn.Module)
+                                           else model, inputs)
+        torch.export.save(exported, program)
+        del exported
+        logfile = Path(scratch) / "build.log"
+        with open(logfile, "wb") as sink:
+            process = subprocess.Popen([sys.executable, "-m", "opweave.pipeline.tiers", kind, str(program), str(path),
+                                        str(threads or 1), str(os.getpid())], stdout=sink, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL)
+            if owner is not None:
+                owner.process = process
+            try:
+                code = process.wait(BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                code = process.wait()
+        if owner is not None and owner.closed.is_set():
+            raise RuntimeError("stopped")
+        if code != 0 or not path.exists():
+            tail = logfile.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+            raise RuntimeError(f"its build process exited with status {code}: {tail[0][:200]}")
+
+
+def built_now(kind: str, captured: Any, model: Any, inputs: tuple[Any, ...], options: Any) -> Any:
+    """Tier ``kind`` of ``model``, found in the cache or built now (in a build process, waited for), loaded:
+    ``mode="max-autotune"``'s candidate of it."""
+    path = tier_path(key(captured, inputs, options, kind, weights_digest(model)), kind)
+    if not path.exists():
+        export_and_build(kind, model, inputs, options.threads, path)
+    return load(kind, path, options.threads)
 
 
 # ---- what a tier is ---------------------------------------------------------------------------------------------
@@ -319,5 +332,5 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = ["BUILD_TIMEOUT_S", "KINDS", "VERSION", "TierBuilder", "Tiered", "build", "key", "load", "start",
-           "tier_dir", "tier_path", "weights_digest"]
+__all__ = ["BUILD_TIMEOUT_S", "KINDS", "VERSION", "TierBuilder", "Tiered", "build", "built_now",
+           "export_and_build", "key", "load", "start", "tier_dir", "tier_path", "weights_digest"]
