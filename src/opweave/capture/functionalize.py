@@ -43,13 +43,22 @@ def _resolve(path: str) -> Any:
 
 
 def aliases(tensor: fx.Node, gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose value may share storage with ``tensor``'s: its bases and views, transitively."""
+    """Nodes whose value may share storage with ``tensor``'s: its bases and views, transitively, and every
+    ``get_attr`` of the same attribute (``symbolic_trace`` makes one per read of a buffer)."""
     seen, todo = {tensor}, [tensor]
+    attributes: dict[Any, list[fx.Node]] | None = None
     while todo:
         node = todo.pop()
         linked = [u for u in node.users if opinfo.is_alias(u, gm) and u.args and u.args[0] is node]
         if opinfo.is_alias(node, gm) and node.args and isinstance(node.args[0], fx.Node):
             linked.append(node.args[0])
+        if node.op == "get_attr":
+            if attributes is None:
+                attributes = {}
+                for other in gm.graph.nodes:
+                    if other.op == "get_attr":
+                        attributes.setdefault(other.target, []).append(other)
+            linked += attributes[node.target]
         for other in linked:
             if other not in seen:
                 seen.add(other)
