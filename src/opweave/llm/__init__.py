@@ -11,8 +11,8 @@ signatures of one compiled model, and greedy generation on it.
 """
 
 from opweave.llm import models
-from opweave.llm.decoding import Decoder, decoder, generate
+from opweave.llm.decoding import Decoder, decoder, generate, greedy
 from opweave.llm.moe import StaticExperts, static_moe
 from opweave.llm.step import DecodeStep
 
-__all__ = ["DecodeStep", "Decoder", "StaticExperts", "decoder", "generate", "models", "static_moe"]
+__all__ = ["DecodeStep", "Decoder", "StaticExperts", "decoder", "generate", "greedy", "models", "static_moe"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -105,20 +106,32 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, 
     rows, prompt = input_ids.shape
     max_len = CACHE_QUANTUM * math.ceil((prompt + max_new_tokens) / CACHE_QUANTUM)
     run = decoder(model, rows, max_len, **options)
-    input_ids = input_ids.to(run.positions.device, torch.long)
     eos, pad = _end_tokens(model, run.positions.device)
+    return greedy(run, input_ids.to(run.positions.device, torch.long), max_new_tokens, eos=eos, pad=pad,
+                  issue=run.issue, return_logits=return_logits)
+
+
+def greedy(run: Callable[[torch.Tensor, int], torch.Tensor], input_ids: torch.Tensor, max_new_tokens: int, *,
+           eos: torch.Tensor | None = None, pad: int = 0, issue: Callable[..., Any] | None = None,
+           return_logits: bool = False) -> Any:
+    """The greedy token loop over ``run(input_ids, start) -> logits`` (the prompt at ``start=0``, then one token a
+    step): the prompt and up to ``max_new_tokens`` tokens per row, as :func:`generate` returns them (``eos``: the
+    end-of-sequence tokens, a row that has produced one continues with ``pad``; the loop stops once every row has).
+    ``issue(fn, *args)`` runs the loop's own tensor work (default: at once; :meth:`Decoder.issue`)."""
+    issue = issue or (lambda fn, *args: fn(*args))
+    rows, prompt = input_ids.shape
     ended = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
     tokens, steps = [], []
     token = None
     for i in range(max_new_tokens):
         logits = run(input_ids, 0) if token is None else run(token[:, None], prompt + i - 1)
-        last, token, ended = run.issue(_pick, logits, ended, eos, pad)
+        last, token, ended = issue(_pick, logits, ended, eos, pad)
         tokens.append(token)
         if return_logits:
             steps.append(last)
-        if eos is not None and run.issue(_all, ended):
+        if eos is not None and issue(_all, ended):
             break
-    out = run.issue(_joined, input_ids, tokens)
+    out = issue(_joined, input_ids, tokens)
     return (out, steps) if return_logits else out
 
 
