@@ -20,10 +20,14 @@ builds and compiles), medians and p10-p90 spread; tokens/s is batch x tokens ove
 * ``torch.compile``: ``torch.compile(step, mode="reduce-overhead", dynamic=False)`` on CUDA (CUDA Graph trees, the
   cache buffers marked static, as transformers marks its own), the default mode on the CPU; not on the fake runtime.
   ``cudagraph_skips`` counts the graphs torch.compile ran without a CUDA Graph;
-* ``cuda graph`` (CUDA): ``opweave.compile(step, scheduler="sequential")``, the step on one stream recorded into a
+* ``cuda-graph`` (CUDA): ``opweave.compile(step, scheduler="sequential")``, the step on one stream recorded into a
   CUDA Graph, eager's kernels in eager's order;
 * ``opweave``: what :func:`opweave.generate` builds, the device's default (the CPU's race; on CUDA the calibrated
-  simulator's pick of scheduler and streams, recorded into a CUDA Graph per signature).
+  simulator's pick of scheduler and streams, recorded into a CUDA Graph per signature);
+* ``opweave-inductor`` (CUDA): the same plan with each stream segment compiled by Inductor (``compiler="inductor"``:
+  fused kernels on the plan's streams, the cache writes between segments).
+
+``--modes`` picks among them (default: those of the device).
 
 ``tokens_equal`` says whether a mode's tokens are eager's. On CUDA (and the fake runtime) ``held_mib`` is the memory a
 mode holds once built (its cache, its graphs' pools) and ``peak_mib`` the most it held during a generation, both above
@@ -64,6 +68,9 @@ from opweave.llm.decoding import CACHE_QUANTUM
 from opweave.outputs import compare
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+MODES = {"cpu": ("eager", "torch.compile", "opweave"),
+         "cuda": ("eager", "torch.compile", "cuda-graph", "opweave", "opweave-inductor"),
+         "fake": ("eager", "cuda-graph", "opweave")}
 MiB = 2**20
 
 
@@ -79,11 +86,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="timed generations per mode (default 5; --quick 2)")
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="the models' dtype for time")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    p.add_argument("--modes", help="comma list of modes for time (default: those of the device, module docstring)")
     p.add_argument("--stem", help="name of time's files (default decode_<device>, _quick with --quick)")
     args = p.parse_args()
     args.parts = common.split_names(args.parts, ("time", "predict", "check"), "part")
     args.models = common.split_names(args.models, models.names(), "model") or (
         ["qwen2_moe"] if args.quick else models.names())
+    args.modes = common.split_names(args.modes, MODES["cuda"], "mode") or list(MODES[args.device])
     args.tokens = args.tokens or (8 if args.quick else 64)
     args.rounds = args.rounds or (2 if args.quick else 5)
     return args
@@ -168,13 +177,14 @@ def time_config(name: str, rows: int, args: argparse.Namespace) -> list[dict]:
     sync = (runtime.synchronize if runtime is not None else torch.cuda.synchronize if device == "cuda"
             else lambda: None)
     options: dict[str, Any] = {"runtime": runtime} if runtime is not None else {"device": device}
-    builders: dict[str, Callable[[], Mode]] = {"eager": lambda: eager_mode(model, rows, slots)}
-    if args.device != "fake":
-        builders["torch.compile"] = lambda: compiled_mode(model, rows, slots, device)
-    if args.device != "cpu":
-        builders["cuda graph"] = lambda: opweave_mode(model, rows, slots, "cuda graph", scheduler="sequential",
-                                                      **options)
-    builders["opweave"] = lambda: opweave_mode(model, rows, slots, "opweave", **options)
+    every: dict[str, Callable[[], Mode]] = {
+        "eager": lambda: eager_mode(model, rows, slots),
+        "torch.compile": lambda: compiled_mode(model, rows, slots, device),
+        "cuda-graph": lambda: opweave_mode(model, rows, slots, "cuda-graph", scheduler="sequential", **options),
+        "opweave": lambda: opweave_mode(model, rows, slots, "opweave", **options),
+        "opweave-inductor": lambda: opweave_mode(model, rows, slots, "opweave-inductor", compiler="inductor",
+                                                 **options)}
+    builders = {label: every[label] for label in args.modes}
     modes, rows_out, tokens = {}, [], {}
     for label, build in builders.items():
         before = mem.memory_allocated() if mem is not None else 0
@@ -271,8 +281,8 @@ def run_time(args: argparse.Namespace) -> None:
     results: list[dict] = []
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     stem = args.stem or f"decode_{args.device}" + ("_quick" if args.quick else "")
-    for name in args.models:
-        for rows in batch_sizes(args, (1, 8)):
+    for rows in batch_sizes(args, (1, 8)):  # every model at the first batch size first
+        for name in args.models:
             common.console.print(f"time: {name} batch {rows} on {args.device}")
             results += time_config(name, rows, args)
             shares = [r["others_cpu_share"] for r in results if r.get("others_cpu_share") is not None]

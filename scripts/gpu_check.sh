@@ -2,7 +2,7 @@
 # The whole GPU check, on a GPU machine with no network whose python3 already has torch, torchvision, timm,
 # transformers, pytest and pytest-timeout (no venv: the project is installed into that python3, without its deps).
 #
-#   OUT=/some/dir scripts/gpu_check.sh [lease5 | ... | lease10 | decode | decode2 | env tests more trace profile bench]
+#   OUT=/some/dir scripts/gpu_check.sh [lease5 | ... | lease10 | decode | decode2 | decode3 | env tests ... bench]
 #                                                                                              # default: all six
 #
 # Where GPU time comes in short leases (say 15 minutes of device time, the machine's start included, each command
@@ -32,10 +32,12 @@
 #            models (560 s)
 #   lease10  right after: nasnet_a_mobile at batch 8 fp32 (230 s)
 #   decode   env, the decode step's CUDA tests (tests/test_llm.py: greedy generation on CUDA streams equal to
-#            transformers'), then tokens/s of the two mixtures of experts (Mixtral- and Qwen2-MoE-style) at batch 1
-#            and 8: the model itself, torch.compile(mode="reduce-overhead") and the sequential CUDA Graph of the same
-#            step against opweave's plan, peak memory beside each (benchmarks/decode.py --device cuda) (560 s)
-#   decode2  right after: the same for the dense Llama-style and the parallel-block GPT-J-style models (300 s)
+#            transformers'), then tokens/s of the two mixtures of experts (Mixtral- and Qwen2-MoE-style) at batch 1:
+#            the model itself, torch.compile(mode="reduce-overhead") and the sequential CUDA Graph of the same step
+#            against opweave's plan, and that plan with Inductor's segments, memory beside each
+#            (benchmarks/decode.py --device cuda, results written after each model) (560 s)
+#   decode2  right after: the mixtures of experts at batch 8, without Inductor's segments (300 s)
+#   decode3  the dense Llama-style and the parallel-block GPT-J-style models at batch 1 and 8 (560 s)
 # Every bench plan measures eager, the CUDA Graph, torch.compile, opweave's default and max-autotune, lios and heft.
 # A plan's stages run with shorter limits than alone (below); a limit set in the environment wins. With more time,
 # the stages one by one (each set meant to fit one 10-minute call):
@@ -125,16 +127,20 @@ lease10)
 decode)
     stages=(env llm decode)
     : "${ENV_TIMEOUT_S:=40}" "${LLM_TIMEOUT_S:=120}" "${DECODE_TIMEOUT_S:=390}"
-    : "${DECODE_ARGS:=--models mixtral,qwen2_moe --batch-sizes 1,8}" ;;
+    : "${DECODE_ARGS:=--models mixtral,qwen2_moe --batch-sizes 1 --stem decode_cuda_moe_b1}" ;;
 decode2)
     stages=(decode)
     : "${DECODE_TIMEOUT_S:=290}"
-    : "${DECODE_ARGS:=--models llama,gptj --batch-sizes 1,8 --stem decode_cuda_dense}" ;;
+    : "${DECODE_ARGS:=--models mixtral,qwen2_moe --batch-sizes 8 --stem decode_cuda_moe_b8 --modes eager,torch.compile,cuda-graph,opweave}" ;;
+decode3)
+    stages=(env decode)
+    : "${ENV_TIMEOUT_S:=40}" "${DECODE_TIMEOUT_S:=500}"
+    : "${DECODE_ARGS:=--models llama,gptj --batch-sizes 1,8 --stem decode_cuda_dense --modes eager,torch.compile,cuda-graph,opweave}" ;;
 esac
 for stage in "${stages[@]}"; do
     case $stage in env|tests|more|trace|profile|profiles|serve|signatures|bench|llm|decode) ;;
     *) echo "unknown stage $stage (env tests more trace profile profiles serve signatures bench llm decode, or one plan" \
-            "alone: lease, lease2 ... lease10, decode, decode2)"; exit 2 ;;
+            "alone: lease, lease2 ... lease10, decode, decode2, decode3)"; exit 2 ;;
     esac
 done
 status=0

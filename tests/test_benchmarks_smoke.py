@@ -277,6 +277,6 @@ def test_decode_quick_on_the_fake_runtime(tmp_path):
     itself, the sequential CUDA Graph and opweave's plan on streams generate eager's tokens."""
     run_script("decode.py", tmp_path, "--device", "fake")
     timed = json.loads((tmp_path / "decode_fake_quick.json").read_text())["results"]
-    assert [r["mode"] for r in timed] == ["eager", "cuda graph", "opweave"]
+    assert [r["mode"] for r in timed] == ["eager", "cuda-graph", "opweave"]
     assert all(r["tokens_equal"] and r["tokens_per_s"] > 0 for r in timed)
     assert timed[1]["plan"] == "sequential (1 streams)" and not timed[2]["plan"].endswith("(1 streams)")

@@ -94,7 +94,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, 
     >>> from opweave.llm import models
     >>> model = models.create("llama", tiny=True)
     >>> prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
-    >>> tokens = opweave.generate(model, prompt, max_new_tokens=4, device="cpu")
+    >>> tokens = opweave.generate(model, prompt, max_new_tokens=4, device="cpu", scheduler="sequential")
     >>> torch.equal(tokens, model.generate(prompt, max_new_tokens=4, do_sample=False))
     True
     """
