@@ -22,11 +22,17 @@ environment only when the segment returns, before any record after it, so a cons
 early; the liveness analysis of the CUDA backend runs on the segment plan's steps and keys. Only the op-level
 plan is validated; the segment plan is derived from it by this rule alone.
 
+**State.** An op that writes module state in place (:meth:`~opweave.capture.runtime.Captured.state_writes`) is a
+segment of its own and runs as it is, op by op: a compiler holds its own copy of the weights (ONNX Runtime's
+initializers, Inductor's frozen constants), so the write would land there, and the next call would not see it.
+
 **Compiling.** A segment is an ``fx.GraphModule`` of its nodes: its inputs are the environment values it reads from
 outside (the model's inputs, values computed in ``bind``, other segments' outputs: placeholders; tensors inside
-tuples are separate placeholders; non-tensor values are baked in as constants), parameters stay module attributes,
-and its outputs are the values read by another segment or returned by the model (every leaf of them, Python scalars
-too: a scalar may depend on the data, as ``.item()``'s does, so none is baked). It is handed to the
+tuples are separate placeholders; non-tensor values are baked in as constants), parameters stay module attributes
+(but a buffer some op writes in place, module state such as a KV cache, is an input: a compiler would copy it, or
+fold it in as a constant), and its outputs are the values read by another segment or returned by the model (every
+leaf of them, Python scalars too: a scalar may depend on the data, as ``.item()``'s does, so none is baked). It is
+handed to the
 :mod:`~opweave.backends.compilers` compiler named by ``fuse`` with the thread budget of its lane (the smallest of its
 ops' budgets): ``inductor`` compiles it as ``torch._inductor.compile`` does, under ``no_grad``, with
 ``triton.cudagraphs`` off (opweave records the whole plan into its own CUDA Graph; Inductor's graphs would nest and
