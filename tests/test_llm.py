@@ -150,3 +150,14 @@ def test_generate_ends_rows_as_transformers_does():
     got = opweave.generate(model, ids, 6, device="cpu", scheduler="sequential", return_logits=True)
     assert_same(expected, got)
     assert got[0][0, 19:].eq(0).all()
+
+
+def test_a_cache_longer_than_a_sliding_window_is_refused():
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, sliding_window=16)
+    model = transformers.MistralForCausalLM(config).eval()
+    DecodeStep(model, 1, 16)  # within the window
+    with pytest.raises(UsageError, match="sliding window of 16 tokens; a cache of 32 slots"):
+        DecodeStep(model, 1, 32)

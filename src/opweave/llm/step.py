@@ -74,6 +74,25 @@ def kv_shape(config: Any) -> tuple[int, int, int]:
     return text.num_hidden_layers, kv_heads, head_dim
 
 
+def _check_attention(config: Any, max_len: int, name: str) -> None:
+    """Refuse what a cache of ``max_len`` slots under one mask over all of them would get wrong: layers that are not
+    attention (linear attention, state-space layers), a sliding window shorter than the cache, an attention that
+    takes no 4D mask."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(text, "layer_types", None) or ())
+    other = kinds - {"full_attention", "sliding_attention"}
+    if other:
+        raise UsageError(f"{name} has {', '.join(sorted(other))} layers; the decode step caches attention layers only")
+    window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
+    if window and max_len > window:
+        raise UsageError(f"{name} attends within a sliding window of {window} tokens; a cache of {max_len} slots "
+                         "would let a token see past it (use at most that many)")
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in (None, "eager", "sdpa"):
+        raise UsageError(f"{name} uses {attention} attention, which takes no 4D mask; load it with "
+                         "attn_implementation='sdpa' or 'eager'")
+
+
 class DecodeStep(nn.Module):
     """``model`` (a Hugging Face causal LM) over a static KV cache of ``batch_size`` rows and ``max_len`` slots, on
     the model's device and dtype (module docstring). ``forward(input_ids, cache_position) -> logits``."""
@@ -85,6 +104,7 @@ class DecodeStep(nn.Module):
             raise UsageError(f"{type(model).__name__} is no Hugging Face causal LM (it has no config)")
         if batch_size < 1 or max_len < 1:
             raise UsageError(f"a decode step needs batch_size >= 1 and max_len >= 1, got {batch_size} and {max_len}")
+        _check_attention(config, max_len, type(model).__name__)
         self.model = static_moe(model)
         self.batch_size, self.max_len = batch_size, max_len
         layers, kv_heads, head_dim = kv_shape(config)
