@@ -7,10 +7,11 @@ From ``DIR``: the results JSON of ``benchmarks/gpu_latency.py`` (``<device>-<dat
 ``gpu_latency_<gpu>_<date>_<PLAN>.json`` with the commit measured and the command that ran it after its date (one
 space of indent, as the committed files are); ``junit*.xml`` become ``gpu_junit_<gpu>_<date>_<PLAN>[-more].xml``;
 ``gpu_check.log`` becomes ``gpu_check_<gpu>_<date>_<PLAN>.log``; any other JSON (``new_signature_cuda.json``,
-``serving_gpu.json``, ``profiles.json``, ``decode_cuda_*.json``) ``<stem>_<gpu>_<date>_<PLAN>.json``. A file already there is refused, not
-overwritten. Then it prints, per configuration, the best opweave mode against the sequential CUDA Graph and
-torch.compile (the acceptance figures of docs/gpu.md), the tests that failed, and the commands that come next: the
-simulator scored on the new rows before any refit, the refit, the fit's report. Nothing needs a GPU.
+``serving_gpu.json``, ``profiles.json``, ``decode_cuda_*.json``) ``<stem>_<gpu>_<date>_<PLAN>.json``. A file
+already there is refused, not overwritten. Then it prints, per configuration, the best opweave mode against the
+sequential CUDA Graph and torch.compile (the acceptance figures of docs/gpu.md), the tests that failed, and the
+commands that come next: the simulator scored on the new rows before any refit, the refit, the fit's report. Nothing
+needs a GPU.
 """
 
 from __future__ import annotations
