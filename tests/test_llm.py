@@ -5,6 +5,9 @@ seconds; ``benchmarks/decode.py --check`` runs the models at batch 1 and 4 over 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -150,6 +153,10 @@ def test_generate_ends_rows_as_transformers_does():
     got = opweave.generate(model, ids, 6, device="cpu", scheduler="sequential", return_logits=True)
     assert_same(expected, got)
     assert got[0][0, 19:].eq(0).all()
+    kept = weakref.ref(model)  # the decoder kept for the model goes with it
+    del model
+    gc.collect()
+    assert kept() is None
 
 
 def test_a_cache_longer_than_a_sliding_window_is_refused():

@@ -74,14 +74,14 @@ def static_moe(model: nn.Module) -> nn.Module:
     paths = routed_experts(model)
     if not paths:
         return model
-    copies: dict[str, nn.Module] = {"": _shallow(model)}
+    copies: dict[str, nn.Module] = {"": shallow(model)}
     for path in paths:
         parent = ""
         parts = path.split(".")
         for part in parts[:-1]:
             child = f"{parent}.{part}" if parent else part
             if child not in copies:
-                copies[child] = _shallow(_child(copies[parent], part))
+                copies[child] = shallow(_child(copies[parent], part))
                 copies[parent]._modules[part] = copies[child]
             parent = child
         holder = copies[parent]
@@ -95,7 +95,7 @@ def _child(module: nn.Module, name: str) -> nn.Module:
     return child
 
 
-def _shallow(module: nn.Module) -> nn.Module:
+def shallow(module: nn.Module) -> nn.Module:
     """A copy of ``module`` sharing its parameters, buffers and submodules, whose own submodule table may change."""
     clone = copy.copy(module)
     clone._modules = dict(module._modules)

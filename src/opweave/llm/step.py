@@ -31,7 +31,7 @@ from torch import nn
 
 from opweave.capture.trace import STATE
 from opweave.errors import UsageError
-from opweave.llm.moe import static_moe
+from opweave.llm.moe import shallow, static_moe
 from opweave.zoo import ensure_torchvision_importable
 
 
@@ -105,7 +105,8 @@ class DecodeStep(nn.Module):
         if batch_size < 1 or max_len < 1:
             raise UsageError(f"a decode step needs batch_size >= 1 and max_len >= 1, got {batch_size} and {max_len}")
         _check_attention(config, max_len, type(model).__name__)
-        self.model = static_moe(model)
+        routed = static_moe(model)  # a copy sharing every parameter: the step holds no reference to ``model``
+        self.model = routed if routed is not model else shallow(model)
         self.batch_size, self.max_len = batch_size, max_len
         layers, kv_heads, head_dim = kv_shape(config)
         weight = next(model.parameters())
