@@ -2,7 +2,8 @@
 # The whole GPU check, on a GPU machine with no network whose python3 already has torch, torchvision, timm,
 # transformers, pytest and pytest-timeout (no venv: the project is installed into that python3, without its deps).
 #
-#   OUT=/some/dir scripts/gpu_check.sh [lease5 | ... | lease10 | env tests more trace profile bench]  # default: all six
+#   OUT=/some/dir scripts/gpu_check.sh [lease5 | ... | lease10 | decode | decode2 | decode3 | env tests ... bench]
+#                                                                                              # default: all six
 #
 # Where GPU time comes in short leases (say 15 minutes of device time, the machine's start included, each command
 # at most 10 minutes), the check is a sequence of plans, each one command sized to fit; run them in this order
@@ -30,6 +31,13 @@
 #            heuristic against static and batch, two patterns), torch.compile max-autotune as a second peer on two
 #            models (560 s)
 #   lease10  right after: nasnet_a_mobile at batch 8 fp32 (230 s)
+#   decode   env, the decode step's CUDA tests (tests/test_llm.py: greedy generation on CUDA streams equal to
+#            transformers'), then tokens/s of the two mixtures of experts (Mixtral- and Qwen2-MoE-style) at batch 1:
+#            the model itself, torch.compile(mode="reduce-overhead") and the sequential CUDA Graph of the same step
+#            against opweave's plan, and that plan with Inductor's segments, memory beside each
+#            (benchmarks/decode.py --device cuda, results written after each model) (560 s)
+#   decode2  right after: the mixtures of experts at batch 8, without Inductor's segments (300 s)
+#   decode3  the dense Llama-style and the parallel-block GPT-J-style models at batch 1 and 8 (560 s)
 # Every bench plan measures eager, the CUDA Graph, torch.compile, opweave's default and max-autotune, lios and heft.
 # A plan's stages run with shorter limits than alone (below); a limit set in the environment wins. With more time,
 # the stages one by one (each set meant to fit one 10-minute call):
@@ -50,6 +58,9 @@
 #                                                                          -> $OUT/profiles.json
 # serve    benchmarks/serving.py --mode gpu on $SERVE_PATTERNS, TOP's heuristic against static and batch
 #                                                                          -> $OUT/serving_gpu.json
+# llm      the decode step's CUDA tests: pytest -k cuda tests/test_llm.py              -> $OUT/junit-llm.xml
+# decode   benchmarks/decode.py --device cuda $DECODE_ARGS (default: every model at batch 1 and 8)
+#                                                                          -> $OUT/decode_cuda.json, .md
 # signatures benchmarks/new_signature.py --device cuda on $SIGNATURE_MODELS (default squeezenet and bert_base): a
 #          new size's first call against a steady call, the plan built serving it (after) and a new build (before),
 #          and with dynamic=True                                           -> $OUT/new_signature_cuda.json
@@ -113,11 +124,23 @@ lease10)
     stages=(bench)
     : "${BENCH_TIMEOUT_S:=215}"
     : "${BENCH_ARGS:=--configs nasnet_a_mobile:8:fp32 $MODES}" ;;
+decode)
+    stages=(env llm decode)
+    : "${ENV_TIMEOUT_S:=40}" "${LLM_TIMEOUT_S:=120}" "${DECODE_TIMEOUT_S:=390}"
+    : "${DECODE_ARGS:=--models mixtral,qwen2_moe --batch-sizes 1 --stem decode_cuda_moe_b1}" ;;
+decode2)
+    stages=(decode)
+    : "${DECODE_TIMEOUT_S:=290}"
+    : "${DECODE_ARGS:=--models mixtral,qwen2_moe --batch-sizes 8 --stem decode_cuda_moe_b8 --modes eager,torch.compile,cuda-graph,opweave}" ;;
+decode3)
+    stages=(env decode)
+    : "${ENV_TIMEOUT_S:=40}" "${DECODE_TIMEOUT_S:=500}"
+    : "${DECODE_ARGS:=--models llama,gptj --batch-sizes 1,8 --stem decode_cuda_dense --modes eager,torch.compile,cuda-graph,opweave}" ;;
 esac
 for stage in "${stages[@]}"; do
-    case $stage in env|tests|more|trace|profile|profiles|serve|signatures|bench) ;;
-    *) echo "unknown stage $stage (env tests more trace profile profiles serve signatures bench, or one plan alone: lease," \
-            "lease2 ... lease10)"; exit 2 ;;
+    case $stage in env|tests|more|trace|profile|profiles|serve|signatures|bench|llm|decode) ;;
+    *) echo "unknown stage $stage (env tests more trace profile profiles serve signatures bench llm decode, or one plan" \
+            "alone: lease, lease2 ... lease10, decode, decode2, decode3)"; exit 2 ;;
     esac
 done
 status=0
@@ -269,6 +292,37 @@ PY
             --models "${SIGNATURE_MODELS:-squeezenet,bert_base}" --rounds 1 --calls 3 --out "$OUT" \
             --stem new_signature_cuda
         summary signatures $rc $((SECONDS - start)) "$(ls "$OUT"/new_signature_cuda.json 2>/dev/null)" ;;
+    llm)
+        run "${LLM_TIMEOUT_S:-240}" python3 -m pytest -q -k cuda tests/test_llm.py -p no:cacheprovider --noconftest \
+            --timeout "${TEST_TIMEOUT_S:-240}" --junitxml "$OUT/junit-llm.xml" -rfEs ${TESTS_ARGS:-}
+        summary llm $rc $((SECONDS - start)) "$(junit_counts "$OUT/junit-llm.xml")" ;;
+    decode)
+        # shellcheck disable=SC2086 - DECODE_ARGS is a list of arguments
+        run "${DECODE_TIMEOUT_S:-540}" python3 benchmarks/decode.py --device cuda ${DECODE_ARGS:-} --out "$OUT"
+        facts=$(python3 - "$OUT" <<'PY' 2>/dev/null
+import json, sys
+from pathlib import Path
+files = sorted(Path(sys.argv[1]).glob("decode_cuda*.json"), key=lambda p: p.stat().st_mtime)
+if not files:
+    print("no results JSON")
+    raise SystemExit
+rows = json.loads(files[-1].read_text())["results"]
+by = {}
+for r in rows:
+    by.setdefault((r["model"], r["batch_size"]), {})[r["mode"]] = r
+parts = []
+for (model, batch), modes in by.items():
+    ours, peer = modes.get("opweave", {}), modes.get("torch.compile", {})
+    if "tokens_per_s" in ours and "tokens_per_s" in peer:
+        parts.append(f"{model} b{batch}: {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x torch.compile"
+                     f"{'' if ours.get('tokens_equal') else ' (tokens differ)'}")
+    else:
+        parts.append(f"{model} b{batch}: " + ", ".join(f"{m} {r.get('error', 'no timing')[:60]}"
+                                                      for m, r in modes.items() if "tokens_per_s" not in r))
+print(f"{files[-1].name}: " + "; ".join(parts))
+PY
+)
+        summary decode $rc $((SECONDS - start)) "$facts" ;;
     bench)
         # shellcheck disable=SC2086 - BENCH_ARGS is a list of arguments
         run "${BENCH_TIMEOUT_S:-540}" python3 benchmarks/gpu_latency.py ${BENCH_ARGS:---quick} --out "$OUT"

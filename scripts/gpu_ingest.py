@@ -7,10 +7,11 @@ From ``DIR``: the results JSON of ``benchmarks/gpu_latency.py`` (``<device>-<dat
 ``gpu_latency_<gpu>_<date>_<PLAN>.json`` with the commit measured and the command that ran it after its date (one
 space of indent, as the committed files are); ``junit*.xml`` become ``gpu_junit_<gpu>_<date>_<PLAN>[-more].xml``;
 ``gpu_check.log`` becomes ``gpu_check_<gpu>_<date>_<PLAN>.log``; any other JSON (``new_signature_cuda.json``,
-``serving_gpu.json``, ``profiles.json``) ``<stem>_<gpu>_<date>_<PLAN>.json``. A file already there is refused, not
-overwritten. Then it prints, per configuration, the best opweave mode against the sequential CUDA Graph and
-torch.compile (the acceptance figures of docs/gpu.md), the tests that failed, and the commands that come next: the
-simulator scored on the new rows before any refit, the refit, the fit's report. Nothing needs a GPU.
+``serving_gpu.json``, ``profiles.json``, ``decode_cuda_*.json``) ``<stem>_<gpu>_<date>_<PLAN>.json``. A file
+already there is refused, not overwritten. Then it prints, per configuration, the best opweave mode against the
+sequential CUDA Graph and torch.compile (the acceptance figures of docs/gpu.md), the tests that failed, and the
+commands that come next: the simulator scored on the new rows before any refit, the refit, the fit's report. Nothing
+needs a GPU.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def ingest(out: Path, plan: str, commit: str, note: str = "", results: Path = RE
     """Copy what ``out`` holds into ``results`` (module docstring); the paths written."""
     if not re.fullmatch(r"[A-Za-z0-9_-]+", plan):
         raise SystemExit(f"gpu_ingest: plan must be a plain name, got {plan!r}")
-    bench = [p for p in sorted(out.glob("*.json")) if "results" in json.loads(p.read_text())]
+    bench = [p for p in sorted(out.glob("*.json")) if {"results", "summaries"} <= set(json.loads(p.read_text()))]
     if len(bench) > 1:
         raise SystemExit(f"gpu_ingest: more than one results file in {out}: {', '.join(p.name for p in bench)}")
     data = json.loads(bench[0].read_text()) if bench else None

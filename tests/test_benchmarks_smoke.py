@@ -270,3 +270,13 @@ def test_sim_gpu_predict_quick(tmp_path):
     assert fused["best_ms"] < row["best_ms"] and abs(fused["kernels_per_call"] / 147 - 1) < 0.2
     assert row["measured"]["torch_compile_kernels"] == 147
     assert "| googlenet | 1 | fp32 |" in (tmp_path / "sim_gpu_predict.md").read_text()
+
+
+def test_decode_quick_on_the_fake_runtime(tmp_path):
+    """The GPU plan's decode benchmark end to end on the fake CUDA runtime (a tiny Qwen2-MoE at batch 1): the model
+    itself, the sequential CUDA Graph and opweave's plan on streams generate eager's tokens."""
+    run_script("decode.py", tmp_path, "--device", "fake")
+    timed = json.loads((tmp_path / "decode_fake_quick.json").read_text())["results"]
+    assert [r["mode"] for r in timed] == ["eager", "cuda-graph", "opweave"]
+    assert all(r["tokens_equal"] and r["tokens_per_s"] > 0 for r in timed)
+    assert timed[1]["plan"] == "sequential (1 streams)" and not timed[2]["plan"].endswith("(1 streams)")

@@ -375,3 +375,49 @@ def test_zoo_model_captures_and_runs_like_eager(name):
     assert all(o.flops >= 0 and o.bytes > 0 for o in g.ops)
     assert_same(run_sequential(cap, inputs), eager(model, inputs), atol=1e-5, rtol=1e-4)
     print(f"{name}: {len(g)} ops, {len(g.edges)} edges, capture {capture_s:.2f} s")
+
+
+class Cache(nn.Module):
+    """A step that writes its input at ``position`` of a cache buffer it declares as state, then reads the cache."""
+
+    def __init__(self, declared=("cache",), untraceable: bool = False):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(8, 4))
+        self.opweave_state = declared
+        self.untraceable = untraceable
+
+    def forward(self, x, position):
+        if self.untraceable and x.shape[0] > 0:  # control flow on a size: symbolic_trace fails, export takes it
+            x = x * 1
+        self.cache.index_copy_(0, position, torch.tanh(x))
+        return torch.cat([self.cache, x]).sum(0)  # symbolic_trace makes a read of the cache alone a constant
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic_trace", "export"])
+def test_declared_state_is_written_in_place_and_ordered_before_its_readers(untraceable):
+    model = Cache(untraceable=untraceable).eval()
+    x, position = torch.randn(2, 4), torch.tensor([1, 5])
+    captured = capture(model, (x, position))
+    assert not model.cache.any()  # capture leaves the state as it was
+    writes = captured.state_writes()
+    targets = {n.name: n.target for n in captured.gm.graph.nodes if n.op == "get_attr"}
+    assert len(writes) == 1 and {targets[n] for n in next(iter(writes.values()))} == {"cache"}
+    writer = next(iter(writes))
+    assert captured.graph.op[writer].target == ("aten.index_copy_" if untraceable else "torch.Tensor.index_copy_")
+    assert not any("copy_" in op.target for op in captured.graph.ops if op.id != writer)  # no write-back
+    read = next(op.id for op in captured.graph.ops if op.target.endswith("cat"))
+    assert captured.graph.reaches(writer, read)  # the cache read after the write
+    got = captured.run((x, position))
+    written = model.cache.clone()
+    model.cache.zero_()
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x, position))
+    assert torch.equal(written, model.cache) and model.cache[[1, 5]].any() and not model.cache[0].any()
+
+
+def test_state_writes_need_declaring_and_a_declared_name_must_be_a_buffer():
+    x, position = torch.randn(2, 4), torch.tensor([1, 5])
+    with pytest.raises(CaptureError, match="changes cache"):
+        capture(Cache(declared=()).eval(), (x, position))
+    with pytest.raises(ValueError, match="names kv, which is no buffer"):
+        capture(Cache(declared=("kv",)).eval(), (x, position))

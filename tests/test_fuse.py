@@ -301,6 +301,23 @@ def test_a_segment_inductor_cannot_compile_runs_op_by_op_with_a_warning():
     torch.testing.assert_close(fast(x), Custom()(x))
 
 
+def test_a_segment_run_op_by_op_reads_the_weights_it_takes_as_get_attr_nodes():
+    class Weighted(nn.Module):  # its weight is a get_attr node the segment reads, not a module's own
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return twice(torch.nn.functional.linear(x, self.weight)) + 1
+
+    model, x = Weighted(), torch.randn(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = compile_captured(capture(model, (x,)), (x,), scheduler="sequential", compiler="inductor")
+    assert fast.fused.stats["fallbacks"] == 1
+    torch.testing.assert_close(fast(x), model(x))
+
+
 def test_unknown_compiler_is_refused():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="option 'compiler' must be one of"):

@@ -72,3 +72,17 @@ def test_the_gpus_name_and_the_provenance():
         "h200", "h100", "h200"]
     data = gi.with_provenance({"device": "d", "date": "x", "commit": "old", "results": []}, "abc", "cmd")
     assert list(data) == ["device", "date", "commit", "command", "results"] and data["commit"] == "abc"
+
+
+def test_a_decode_plans_results_are_copied_beside_its_log(tmp_path):
+    """A plan that ran benchmarks/decode.py (its JSON has results but no summaries: not the GPU latency benchmark's)
+    brings it in named after the GPU, the date and the plan."""
+    gi = ingest_module()
+    out, results = tmp_path / "out", tmp_path / "results"
+    out.mkdir()
+    results.mkdir()
+    (out / "decode_cuda_moe_b1.json").write_text(json.dumps({"device": "NVIDIA H200", "results": []}))
+    shutil.copyfile(RESULTS / "gpu_check_h200_2026-11-28_lease3.log", out / "gpu_check.log")
+    written = gi.ingest(out, "decode", "abc", results=results)
+    assert sorted(p.name for p in written) == ["decode_cuda_moe_b1_h200_2026-11-28_decode.json",
+                                               "gpu_check_h200_2026-11-28_decode.log"]

@@ -24,16 +24,18 @@ from opweave.ir import Edge, GraphError, Op, OpGraph
 
 __version__ = "0.1.0"
 __all__ = ["Compiled", "Edge", "GraphError", "Op", "OpGraph", "OpweaveError", "capture", "compile", "compile_captured",
-           "examples", "schedulers", "synth", "zoo"]
+           "examples", "generate", "llm", "schedulers", "synth", "zoo"]
 
 _LAZY = {"compile": ("opweave.api", "compile"), "compile_captured": ("opweave.api", "compile_captured"),
          "Compiled": ("opweave.pipeline.compiled", "Compiled"), "capture": ("opweave.capture", None),
+         "generate": ("opweave.llm.decoding", "generate"), "llm": ("opweave.llm", None),
          "zoo": ("opweave.zoo", None), "examples": ("opweave.ir.examples", None), "synth": ("opweave.ir.synth", None)}
 
 if TYPE_CHECKING:
-    from opweave import capture, zoo
+    from opweave import capture, llm, zoo
     from opweave.api import compile, compile_captured
     from opweave.ir import examples, synth
+    from opweave.llm.decoding import generate
     from opweave.pipeline.compiled import Compiled
 
 

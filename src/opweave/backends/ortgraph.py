@@ -131,6 +131,11 @@ class OrtGraph:
 
         import onnx
 
+        written = sorted({name for names in captured.state_writes().values() for name in names})
+        if written:
+            raise UsageError(f"{captured.graph.name}: graph='onnxruntime' runs ONNX Runtime's graph of the whole "
+                             f"model, which cannot write the model's state in place ({', '.join(written)}); "
+                             "graph='fx' (the default) leaves those writes to PyTorch between its segments")
         self.ort = import_onnxruntime()
         self.captured = captured
         start = time.perf_counter()

@@ -22,11 +22,17 @@ environment only when the segment returns, before any record after it, so a cons
 early; the liveness analysis of the CUDA backend runs on the segment plan's steps and keys. Only the op-level
 plan is validated; the segment plan is derived from it by this rule alone.
 
+**State.** An op that writes module state in place (:meth:`~opweave.capture.runtime.Captured.state_writes`) is a
+segment of its own and runs as it is, op by op: a compiler holds its own copy of the weights (ONNX Runtime's
+initializers, Inductor's frozen constants), so the write would land there, and the next call would not see it.
+
 **Compiling.** A segment is an ``fx.GraphModule`` of its nodes: its inputs are the environment values it reads from
 outside (the model's inputs, values computed in ``bind``, other segments' outputs: placeholders; tensors inside
-tuples are separate placeholders; non-tensor values are baked in as constants), parameters stay module attributes,
-and its outputs are the values read by another segment or returned by the model (every leaf of them, Python scalars
-too: a scalar may depend on the data, as ``.item()``'s does, so none is baked). It is handed to the
+tuples are separate placeholders; non-tensor values are baked in as constants), parameters stay module attributes
+(but a buffer some op writes in place, module state such as a KV cache, is an input: a compiler would copy it, or
+fold it in as a constant), and its outputs are the values read by another segment or returned by the model (every
+leaf of them, Python scalars too: a scalar may depend on the data, as ``.item()``'s does, so none is baked). It is
+handed to the
 :mod:`~opweave.backends.compilers` compiler named by ``fuse`` with the thread budget of its lane (the smallest of its
 ops' budgets): ``inductor`` compiles it as ``torch._inductor.compile`` does, under ``no_grad``, with
 ``triton.cudagraphs`` off (opweave records the whole plan into its own CUDA Graph; Inductor's graphs would nest and
@@ -92,6 +98,7 @@ from opweave.backends.compilers import get as get_compiler
 from opweave.backends.threads import total_threads
 from opweave.capture import opinfo
 from opweave.capture.coarsen import merge_ops
+from opweave.capture.functionalize import writes_state
 from opweave.capture.runtime import Captured
 from opweave.cores import intra_op_threads
 from opweave.errors import CaptureError, first_line
@@ -104,13 +111,18 @@ ALIASES = 256  # signatures remembered as served by a graph compiled with free s
 COMPILE_LOCK = threading.Lock()  # Inductor's compile is not thread-safe; CPU lanes may meet a new signature at once
 
 
-def segment_groups(plan: LaunchPlan) -> list[list[str]]:
-    """The plan's segments as lists of op ids in launch order, listed in the issue order of their first launch."""
+def segment_groups(plan: LaunchPlan, alone: frozenset[str] | set[str] = frozenset()) -> list[list[str]]:
+    """The plan's segments as lists of op ids in launch order, listed in the issue order of their first launch;
+    each op in ``alone`` is a segment of its own (an op that writes module state, which runs as it is)."""
     current: dict[Lane, list[str]] = {}
     groups: list[list[str]] = []
     for ins in plan.instrs:
         lane = (ins.device, ins.stream)
         if ins.kind == "launch":
+            if ins.target in alone:
+                current.pop(lane, None)
+                groups.append([ins.target])
+                continue
             if lane not in current:
                 current[lane] = []
                 groups.append(current[lane])
@@ -141,13 +153,15 @@ def fuse_segments(captured: Captured, plan: LaunchPlan, compiler: str = "inducto
     compiler's thread count; default 1 per op when some are given, :func:`opweave.backends.threads.total_threads`
     otherwise); ``compiler_options``: keywords the compiler is made with (:func:`opweave.backends.compilers.get`)."""
     get_compiler(compiler, **(compiler_options or {}))  # refuses an unknown name before anything is built
-    groups = segment_groups(plan)
+    writes = captured.state_writes()
+    groups = segment_groups(plan, set(writes))
     merged = merge_ops(captured, groups)
     budget = {group[0]: min(threads.get(op, 1) for op in group) for group in groups} if threads else {}
     alone = len({(i.device, i.stream) for i in plan.instrs if i.kind == "launch"}) == 1
     segmented = Segmented(merged.graph, merged.gm, merged.nodes, signature=merged.signature,
                           example_inputs=merged.example_inputs, compiler=compiler, threads=budget, alone=alone,
-                          compiler_options=dict(compiler_options or {}), dynamic=dynamic)
+                          compiler_options=dict(compiler_options or {}), dynamic=dynamic,
+                          state=frozenset(name for names in writes.values() for name in names))
     return segmented, segment_plan(plan, groups)
 
 
@@ -166,6 +180,7 @@ class Segmented(Captured):
     alone: bool = False  # one lane: nothing runs beside a segment (its compiler's pool may spin)
     compiler_options: dict = field(default_factory=dict)  # keywords the compiler is made with
     dynamic: bool | None = None
+    state: frozenset[str] = frozenset()  # get_attr nodes written in place: segment inputs, never compiled in
     stats: dict = field(default_factory=dict)
     _segments: dict[str, _Segment] = field(init=False, repr=False)
     _contiguous_outputs: list[str] = field(init=False, repr=False)
@@ -275,9 +290,12 @@ class _Segment:
         inputs: dict[fx.Node, None] = {}
         for node in members:
             for arg in node.all_input_nodes:
-                if arg not in inside and arg.op != "get_attr":
+                if arg not in inside and (arg.op != "get_attr" or arg.name in owner.state):
                     inputs.setdefault(arg)
         self.inputs = list(inputs)
+        self.as_is = any(writes_state(n, owner.gm) for n in members)  # runs op by op: it writes module state
+        read = {arg.name for node in members for arg in node.all_input_nodes if arg.op == "get_attr"}
+        self.constants = [(name, path) for name, path in owner._constants if name in read]  # what op by op reads
         self.outputs = [n for n in members if any(u not in inside for u in n.users)]
         self.input_keys = [n.name for n in self.inputs]
         self.output_keys = [n.name for n in self.outputs]
@@ -292,6 +310,8 @@ class _Segment:
 
     def run(self, *values: Any) -> list[Any]:
         """The segment's output values (in the order of ``outputs``) for its input values."""
+        if self.as_is:
+            return self.unfused(values)
         key, _ = signature(values, strides=True, batch=not self.owner.any_batch)
         compiled = self.compiled.get(key, False)
         if compiled is False:
@@ -300,9 +320,7 @@ class _Segment:
             with COMPILE_LOCK:
                 compiled = self._find(key, values)
         if compiled is None:
-            env = dict(zip(self.input_keys, values, strict=True))
-            self.owner.run_unfused(self.seg, env)
-            return [env[k] for k in self.output_keys]
+            return self.unfused(values)
         try:
             results = compiled.fn(*(values if compiled.tensor_inputs else
                                     [leaf for v in values for leaf in pytree.tree_leaves(v)
@@ -353,14 +371,19 @@ class _Segment:
                         free[i] = free.get(i, frozenset()) | dims
         return free
 
+    def unfused(self, values: Any) -> list[Any]:
+        """The segment's output values for its input values, run op by op (with the parameters and constants its
+        ``get_attr`` nodes read)."""
+        scratch = dict(zip(self.input_keys, values, strict=True))
+        for name, path in self.constants:
+            scratch.setdefault(name, _attr(self.owner.gm, path))
+        self.owner.run_unfused(self.seg, scratch)
+        return [scratch[k] for k in self.output_keys]
+
     def examples(self, values: list[Any]) -> list[Any]:
         """The segment's output values for ``values``, run op by op (an error of its own ops is raised here)."""
-        scratch = dict(zip(self.input_keys, values, strict=True))
-        for name, path in self.owner._constants:  # parameters and constants the ops read
-            scratch[name] = _attr(self.owner.gm, path)
         with torch.no_grad():
-            self.owner.run_unfused(self.seg, scratch)
-        return [scratch[n.name] for n in self.outputs]
+            return self.unfused(values)
 
     def _structure(self, values: list[Any]) -> list[Any]:
         """Stand-ins of the segment's outputs, for their structure: where capture recorded every output as one

@@ -43,13 +43,22 @@ def _resolve(path: str) -> Any:
 
 
 def aliases(tensor: fx.Node, gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose value may share storage with ``tensor``'s: its bases and views, transitively."""
+    """Nodes whose value may share storage with ``tensor``'s: its bases and views, transitively, and every
+    ``get_attr`` of the same attribute (``symbolic_trace`` makes one per read of a buffer)."""
     seen, todo = {tensor}, [tensor]
+    attributes: dict[Any, list[fx.Node]] | None = None
     while todo:
         node = todo.pop()
         linked = [u for u in node.users if opinfo.is_alias(u, gm) and u.args and u.args[0] is node]
         if opinfo.is_alias(node, gm) and node.args and isinstance(node.args[0], fx.Node):
             linked.append(node.args[0])
+        if node.op == "get_attr":
+            if attributes is None:
+                attributes = {}
+                for other in gm.graph.nodes:
+                    if other.op == "get_attr":
+                        attributes.setdefault(other.target, []).append(other)
+            linked += attributes[node.target]
         for other in linked:
             if other not in seen:
                 seen.add(other)
@@ -122,3 +131,59 @@ def _set_submodule(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
     setattr(gm.get_submodule(parent) if parent else gm, field_name, module)
 
 
+
+
+def writes_state(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether ``node`` writes module state in place: an in-place op on a parameter or buffer (a ``get_attr``) or
+    on a view of one, as a static KV cache's update is."""
+    if not opinfo.inplace_target(node, gm) or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    return any(a.op == "get_attr" for a in aliases(node.args[0], gm))
+
+
+def reinplace_state(gm: fx.GraphModule) -> int:
+    """An exported update of module state turned back into the in-place op the model ran; returns how many.
+
+    ``torch.export`` functionalizes ``buffer.index_copy_(dim, index, value)`` into ``new = index_copy(buffer, ...)``
+    and writes ``new`` back into the buffer at the end of the graph (``copy_(buffer, new)``): a copy of the whole
+    buffer per call, twice, where the model wrote a few rows. Where the functional op has an in-place twin whose first
+    argument it writes, and nothing but the write-back reads the buffer (or a view of it) after the functional op,
+    the op becomes the twin on the buffer itself, its readers read the buffer, and the write-back goes: the same
+    values, the buffer updated where the model updated it. Capture then keeps the op in place
+    (:func:`rewrite_inplace`) and orders it as any in-place op on module state.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done = 0
+    for back in list(graph.nodes):
+        if back.target is not torch.ops.aten.copy_.default or back.users or len(back.args) != 2:
+            continue
+        buffer, new = back.args
+        if not isinstance(buffer, fx.Node) or buffer.op != "get_attr" or not isinstance(new, fx.Node):
+            continue
+        twin = _inplace_twin(new.target)
+        if twin is None or not new.args or new.args[0] is not buffer:
+            continue
+        later = [u for a in aliases(buffer, gm) for u in a.users if u not in (new, back) and order[u] > order[new]]
+        if later:
+            continue
+        new.target = twin
+        graph.erase_node(back)
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
+
+
+def _inplace_twin(target: Any) -> Any:
+    """``aten.index_copy.default`` -> ``aten.index_copy_.default`` (an ATen overload whose in-place twin writes its
+    first argument); None otherwise."""
+    if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket.__name__.endswith("_"):
+        return None
+    packet = getattr(getattr(torch.ops, target.namespace), target.overloadpacket.__name__ + "_", None)
+    twin = getattr(packet, target._overloadname, None) if packet is not None else None
+    if not isinstance(twin, torch._ops.OpOverload):
+        return None
+    first = twin._schema.arguments[0] if twin._schema.arguments else None
+    return twin if first is not None and first.alias_info is not None and first.alias_info.is_write else None

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from opweave.capture import opinfo
+from opweave.capture.functionalize import aliases, writes_state
 from opweave.errors import CaptureError, UsageError, first_line
 from opweave.ir.graph import OpGraph
 
@@ -184,6 +185,19 @@ class Captured:
     def output(self, env: dict[str, Any]) -> Any:
         """The model's output, in the structure ``model(*args)`` returns, rebuilt from ``env``."""
         return self.gm.graph.process_outputs(self._output(env))
+
+    def state_writes(self) -> dict[str, set[str]]:
+        """Op id -> the ``get_attr`` nodes (module state: a KV cache's buffers) it writes in place, for every op that
+        writes one, in capture order. A compiler that copies the model's weights cannot run such an op: it runs
+        as it is (:mod:`opweave.backends.segments`)."""
+        writes: dict[str, set[str]] = {}
+        for op, group in self.nodes.items():
+            for node in group:
+                if writes_state(node, self.gm):
+                    target = node.args[0]
+                    assert isinstance(target, fx.Node)
+                    writes.setdefault(op, set()).update(a.name for a in aliases(target, self.gm) if a.op == "get_attr")
+        return writes
 
     def readers(self) -> dict[str, list[str]]:
         """fx node name → ids of the ops that read its value (a value may be freed once all of them finished)."""

@@ -7,8 +7,12 @@ Pipeline (each step a plain function over the fx graph, as torch.fx passes are):
    and restored after every step, so capturing never changes the model. A model that raises is refused naming the
    module path and source line (:func:`where`); a forward that changes its own parameters or buffers (a counter, a
    BatchNorm's running statistics in training mode) is refused naming the tensor: a captured graph is replayed for
-   inference and would not reproduce the update. Keyword arguments are bound to ``forward``'s parameters and
-   passed by position from here on (:func:`positional`).
+   inference and would not reproduce the update. The exception is **state** a model declares (:data:`STATE`: the
+   buffers its forward updates in place so that the next call reads them, as a static KV cache is written at the
+   positions its inputs name): the graph keeps those writes in place, ordered with every read of the buffer
+   (``war`` and data edges, step 6), and step 5 checks that it leaves them as eager left them. Such updates must
+   be idempotent, the same inputs writing the same values, since checks and timings repeat a call. Keyword
+   arguments are bound to ``forward``'s parameters and passed by position from here on (:func:`positional`).
 
 1. **Trace.** ``torch.fx.symbolic_trace`` first. If it fails (Python control flow on tensor values or shapes, …) or
    its graph does not reproduce eager (step 5), ``torch.export.export(strict=False)`` is tried:
@@ -28,10 +32,12 @@ Pipeline (each step a plain function over the fx graph, as torch.fx passes are):
 3. **In-place → out-of-place** (:mod:`.functionalize`), where that keeps eager's meaning; otherwise the op stays
    in place and step 6 orders it with ``war`` edges. (``x += y`` on a traced tensor is already recorded by fx as
    ``operator.add`` and a rebinding; if eager's result depended on the mutation through another name, step 5
-   catches the difference and export, which functionalizes, is used instead.)
+   catches the difference and export, which functionalizes, is used instead.) An update of module state that
+   export functionalized (a new buffer computed, then copied back at the end) is first turned back into the
+   in-place op the model ran (:func:`~opweave.capture.functionalize.reinplace_state`).
 4. **Shapes** by ``torch.fx.passes.shape_prop.ShapeProp`` on clones of the example inputs.
 5. **Verify** (``verify=True``, models in eval mode): the captured module's output must equal eager's
-   (:func:`opweave.outputs.compare`).
+   (:func:`opweave.outputs.compare`), and so must the state it declares after the call.
 6. **Partition** (:mod:`.partition`): fx nodes grouped into ops (a real node plus the view-like nodes hanging off
    it), data edges between ops, the :class:`~opweave.ir.OpGraph`; :class:`~.runtime.Captured` runs it.
 """
@@ -52,13 +58,14 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree as pytree
 
 from opweave.capture.coarsen import fold_batchnorm
-from opweave.capture.functionalize import rewrite_inplace
+from opweave.capture.functionalize import reinplace_state, rewrite_inplace
 from opweave.capture.partition import build_graph, partition
 from opweave.capture.runtime import Captured, as_tuple, positional
 from opweave.errors import CaptureError, UsageError, first_line
 from opweave.outputs import compare
 
 SUGGESTION = 'torch.compile(model, backend="opweave") schedules each subgraph it can capture around such code'
+STATE = "opweave_state"  # a module attribute: names of the buffers its forward updates in place (step 0)
 
 
 def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tuple = (), *,
@@ -89,7 +96,8 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
         raise CaptureError(f"cannot fold BatchNorm into convolutions of {model_name}: it is in training mode "
                            "(call model.eval() first)")
     check = verify and not any(m.training for m in model.modules())
-    with _state_kept(model, model_name):
+    state = declared_state(model) if program is None else ()
+    with _state_kept(model, model_name, state) as written:
         expected = _eager(model, example_inputs, model_name)
     routes = [("torch.export", lambda: _from_program(program, decompose=False)),
               ("torch.export decomposed", lambda: _from_program(program))] if program is not None else [
@@ -104,8 +112,10 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
                 warnings.warn(f"{model_name}: fold_bn applies to symbolic_trace graphs only; not folded", stacklevel=2)
             elif fold_bn:
                 gm = fold_batchnorm(gm)
+            reinplace_state(gm)
             kept = rewrite_inplace(gm)
-            result = _propagate_shapes(gm, example_inputs)
+            with _state_kept(model, model_name, state) as wrote:
+                result = _propagate_shapes(gm, example_inputs)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means "try the next route"
             failures.append(f"{route}: {first_line(exc)}")
             located = where(exc, model) or located
@@ -114,6 +124,11 @@ def capture(model: nn.Module | torch.export.ExportedProgram, example_inputs: tup
             verdict = compare(expected, result)
             if not verdict.ok:
                 failures.append(f"{route} gave a graph whose output differs from eager ({verdict.reason})")
+                continue
+            verdict = compare(written, wrote)
+            if not verdict.ok:
+                failures.append(f"{route} gave a graph whose update of the state differs from eager's "
+                                f"({verdict.reason.replace('output', 'buffer')})")
                 continue
         nodes, owner = partition(gm, kept)
         graph = build_graph(gm, nodes, owner, kept, model_name)
@@ -191,24 +206,43 @@ def _signature(model: nn.Module) -> inspect.Signature | None:
         return None
 
 
+def declared_state(model: nn.Module) -> tuple[str, ...]:
+    """The buffers ``model`` declares as state its forward updates in place: its :data:`STATE` attribute, names as
+    ``named_buffers()`` gives them (none by default). A name that is no buffer of the model is a ``UsageError``."""
+    names = tuple(getattr(model, STATE, ()) or ())
+    buffers = dict(model.named_buffers())
+    unknown = [n for n in names if n not in buffers]
+    if unknown:
+        raise UsageError(f"{type(model).__name__}.{STATE} names {', '.join(unknown)}, which "
+                         f"{'is no buffer' if len(unknown) == 1 else 'are no buffers'} of the model")
+    return names
+
+
 @contextlib.contextmanager
-def _state_kept(model: nn.Module, model_name: str):
+def _state_kept(model: nn.Module, model_name: str, state: tuple[str, ...] = ()):
     """Run the block and leave the model's state as it was; a block that changed it is refused, naming the tensor.
 
     Buffers (running statistics, counters: the state a forward may update) are saved and put back bit for bit.
     Parameters, the bulk of a model's memory, are not copied: a forward that writes one in place (its version
-    counter moves) or rebinds one is refused all the same, and the message says it could not be undone.
+    counter moves) or rebinds one is refused all the same, and the message says it could not be undone. The buffers
+    named in ``state`` may change: the dict yielded receives their values as the block left them (name -> a copy),
+    and they are put back too.
     """
     params = {k: (p, p._version) for k, p in model.named_parameters()}
     saved = {k: b.detach().clone() for k, b in model.named_buffers()}
+    written: dict[str, torch.Tensor] = {}
     try:
-        yield
+        yield written
     finally:
         changed, kept = [], True
         with torch.no_grad():
             for key, tensor in model.named_buffers():
                 before = saved.get(key)
-                if before is None or tensor.shape != before.shape or not torch.equal(tensor, before):
+                if key in state:
+                    written[key] = tensor.detach().clone()
+                    if before is not None and not torch.equal(tensor, before):
+                        tensor.copy_(before)
+                elif before is None or tensor.shape != before.shape or not torch.equal(tensor, before):
                     changed.append(key)
                     if before is not None and tensor.shape == before.shape:
                         tensor.copy_(before)
@@ -282,8 +316,8 @@ def _from_program(program: torch.export.ExportedProgram, decompose: bool = True)
 
 
 def _views_as_reshapes(gm: fx.GraphModule) -> None:
-    """Every ``aten.view`` of an exported graph becomes ``aten.reshape``: the same values, copied when the input's
-    strides do not allow a view.
+    """Every ``aten.view`` of an exported graph (and ``aten._unsafe_view``, its form on a tensor just copied)
+    becomes ``aten.reshape``: the same values, copied when the input's strides do not allow a view.
 
     Export decomposes the model's ``reshape``/``flatten``/``contiguous().view`` into a plain ``view`` wherever the
     tensor it traced had compatible strides, so the graph silently assumes those strides. A run can have others: a
@@ -291,9 +325,9 @@ def _views_as_reshapes(gm: fx.GraphModule) -> None:
     the traced one. The exported graph is functional (no in-place op reads a view afterwards), so a copy instead of
     an alias changes nothing else.
     """
-    view, reshape = torch.ops.aten.view.default, torch.ops.aten.reshape.default
+    views, reshape = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default), torch.ops.aten.reshape.default
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is view:
+        if node.op == "call_function" and node.target in views:
             node.target = reshape
 
 

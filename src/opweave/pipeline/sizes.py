@@ -27,6 +27,10 @@ default's ``eager``) needs no check; a padded batch is checked at the first size
 Buckets). A ``.pt2`` program says which sizes it takes (its dimensions' ranges, :meth:`Sizes.takes`): one outside
 them is not served so, and its build meets the program's own refusal.
 
+**State.** A model that writes state in place (a static KV cache, :data:`opweave.capture.trace.STATE`) is built
+per signature from its first other one: a plan tried at a size it cannot serve has written the state before its
+check could refuse it, and its captures come from ``torch.export``, which bakes the example's sizes in.
+
 **When to plan again.** The costs the schedulers see move with the size, slowly: FLOPs grow with a batch or a
 sequence, a weight's bytes do not. The first size in each power-of-two range of a changed dimension
 (:func:`bucket`; the example's range is its plan's) re-runs the plan's scheduler on the target's costs at that size
@@ -154,12 +158,13 @@ class Sizes:
     what runs signatures past the bound; ``example``, the example inputs (a new size's inputs are moved to their
     devices for the model); ``replan(args)``, a build of the same capture at other sizes (None: never planned
     again); ``buckets``, the option. ``generic``: whether the capture is still trusted at other sizes (False once a
-    size failed its check)."""
+    size failed its check, and from the start for a model with state: module docstring, State)."""
 
     def __init__(self, compiled, model, example: tuple, *, replan=None, buckets=None):
         self._compiled = weakref.ref(compiled)
         self.model, self.example, self.replan, self.buckets = model, example, replan, buckets
-        self.generic = True
+        writes = getattr(getattr(compiled, "captured", None), "state_writes", None)
+        self.generic = not (writes is not None and writes())
         self.warned_pad = False
 
     @property
