@@ -8,7 +8,9 @@ while the others are built off the caller's path:
 * :class:`Tiered` is the backend a compiled model calls: one attribute read per call (``current``), replaced in one
   assignment when a tier lands, so a call never waits for a build and never sees half a tier. A call whose inputs are
   not the example's signature (another size the first tier was made to take) goes to the first tier, which a tier
-  built for the example's shapes cannot serve.
+  built for the example's shapes cannot serve. Once a tier lands, a first tier that holds a copy of the weights (ONNX
+  Runtime's session) is let go and the model itself takes those other sizes: the weights are held twice at most,
+  the model's own and the landed tier's.
 * :class:`TierBuilder`, a daemon thread, builds each kind of :data:`KINDS` in turn: it looks in the disk cache (keyed
   by :func:`key`: the captured graph, the model's weights, the inputs' signature, the threads, the machine and torch's
   version, so a changed model or torch never loads a stale tier), else exports a copy of the model
@@ -47,6 +49,7 @@ from typing import Any
 
 import torch
 
+from opweave.backends.cpu import EagerBackend
 from opweave.cores import intra_op_threads
 from opweave.errors import first_line
 from opweave.pipeline import search
@@ -63,8 +66,10 @@ class Tiered:
     """The backend of a compiled model with tiers (module docstring): calls go to ``current``, the tier in use
     (``label`` names it); ``tiers`` lists what each tier build came to."""
 
-    def __init__(self, first: Any, label: str, example: tuple[Any, ...]):
+    def __init__(self, first: Any, label: str, example: tuple[Any, ...], model: Any = None):
         self.first, self.current, self.label = first, first, label
+        self.model = model  # what takes the first tier's other sizes once that tier's copy of the weights is let go
+        self.released: list[Any] = []  # called when the first tier is let go (the compiled model's record of it)
         self.example_key = key_of(example)
         self.tiers: list[dict[str, Any]] = []
         self.stats: dict[str, Any] = {"calls": 0, "landed": 0}
@@ -89,6 +94,11 @@ class Tiered:
         self.stats["landed"] += 1
         if previous is not self.first:
             _close(previous)
+        elif self.model is not None and not isinstance(self.first, EagerBackend):
+            # dropped, not closed: a call of another size may be running on it (its threads end when it is collected)
+            self.first = EagerBackend(self.model)
+            for release in self.released:
+                release()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every tier build has ended (landed, kept out or failed); False if ``timeout`` passed first."""
@@ -122,7 +132,10 @@ def start(compiled: Any, model: Any, inputs: tuple[Any, ...], options: Any, refe
           kinds: tuple[str, ...] | None = None) -> Any:
     """``compiled`` (its first tier, just raced) with its backend made a :class:`Tiered` and the builds of the
     other tiers started (``kinds``, default :data:`KINDS`); returns ``compiled``."""
-    tiered = Tiered(compiled.backend, (compiled.choice or {}).get("label", "first"), inputs)
+    tiered = Tiered(compiled.backend, (compiled.choice or {}).get("label", "first"), inputs,
+                    model if isinstance(model, torch.nn.Module) else None)
+    held = weakref.ref(compiled)
+    tiered.released.append(lambda: setattr(held(), "fused", None) if held() is not None else None)
     compiled.backend = tiered
     compiled.choice = {**(compiled.choice or {}), "tiers": tiered.tiers}
     tiered.builder = TierBuilder(tiered, compiled.captured, model, inputs, options, reference,
