@@ -38,14 +38,14 @@ test: $(STAMP) docs
 # The API reference, generated from the docstrings by pdoc into site/api (git ignores it): every public package (a
 # package whose __init__ lists names, not its modules, gets its modules named here); a warning (an annotation it
 # cannot resolve, a docstring it cannot parse) fails the build.
-API_MODULES := opweave opweave.api opweave.errors opweave.outputs opweave.cores \
-	opweave.ir opweave.ir.graph opweave.ir.synth \
+API_MODULES := opweave opweave.api opweave.errors opweave.outputs opweave.cores opweave.devices \
+	opweave.ir opweave.ir.graph opweave.ir.kinds opweave.ir.synth \
 	opweave.costs opweave.costs.model opweave.costs.roofline opweave.costs.contention opweave.costs.calibrated \
 	opweave.costs.calibrate opweave.costs.links opweave.costs.timing opweave.costs.profile \
 	opweave.plan opweave.plan.launchplan opweave.plan.semantics opweave.plan.lower opweave.plan.validate \
 	opweave.plan.make opweave.plan.lifetimes opweave.backends \
 	opweave.pipeline opweave.pipeline.options opweave.pipeline.compiled opweave.pipeline.memory_pass \
-	opweave.pipeline.thread_budgets opweave.pipeline.targets opweave.pipeline.autotune opweave.pipeline.choices \
+	opweave.pipeline.thread_budgets opweave.pipeline.targets opweave.pipeline.search opweave.pipeline.tiers \
 	opweave.pipeline.choose opweave.pipeline.signatures opweave.pipeline.flow \
 	opweave.dynamo opweave.evaluate opweave.serve opweave.learn opweave.testing opweave.testing.fakecuda
 

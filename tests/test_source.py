@@ -132,7 +132,7 @@ def test_the_api_reference_has_a_page_for_every_public_package(tmp_path):
     make = (root / "Makefile").read_text()
     modules = re.search(r"API_MODULES := (.*?)\n\n", make, re.S).group(1).replace("\\\n", " ").split()
     packages = {p.name for p in (root / "src" / "opweave").iterdir() if (p / "__init__.py").exists()} - {"cli"}
-    documented = {m.split(".")[1] for m in modules if m.count(".") == 1} | {"capture", "schedulers", "zoo"}
+    documented = {m.split(".")[1] for m in modules if m.count(".") == 1} | {"capture", "llm", "schedulers", "zoo"}
     assert packages <= documented, packages - documented
     done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-m", "pdoc", *modules, "--docformat",
                            "restructuredtext", "-o", str(tmp_path)], capture_output=True, text=True, timeout=600)

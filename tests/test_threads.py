@@ -126,14 +126,16 @@ def test_a_scoped_thread_count_is_put_back_when_the_block_raises():
 def test_every_thread_count_is_set_in_one_of_the_places_that_say_why():
     """A count that is put back is :func:`opweave.cores.intra_op_threads`'s; the others are set for good, by a
     worker for its own life (``enter_budget``), a lane's generated code between ops (put back by the backend's
-    scope) or a rank process once. ``os.cpu_count()`` is read by :func:`opweave.cores.cores` alone."""
+    scope), a rank process or a tier's build process once. ``os.cpu_count()`` is read by
+    :func:`opweave.cores.cores` alone."""
     from pathlib import Path
 
     import opweave
 
     root = Path(opweave.__file__).parent
     allowed = {"set_num_threads": {"cores.py", "backends/threads.py", "backends/lanecode.py",
-                                   "backends/distributed/rank.py", "backends/distributed/torchrun.py"},
+                                   "backends/distributed/rank.py", "backends/distributed/torchrun.py",
+                                   "pipeline/tiers.py"},
                "os.cpu_count": {"cores.py"}}
     for name, where in allowed.items():
         found = {str(p.relative_to(root)) for p in root.rglob("*.py") if f"{name}(" in p.read_text()}

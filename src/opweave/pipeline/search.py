@@ -101,14 +101,16 @@ def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: i
 
 
 def race(target, captured, inputs: tuple, options: Options, candidates: list[Candidate], *, eager=None,
-         reference=None, progress: str | None = None, time_one: bool = False) -> Compiled:
+         reference=None, progress: str | None = None, time_one: bool = False, check_all: bool = False) -> Compiled:
     """The fastest of ``candidates`` built through ``target`` that equals the model, the others closed. Its
     ``choice``: ``label``, the ``compiler`` its segments were compiled by (None: none), ``candidates`` (each raced
     candidate's ``median_ms``, ``build_s`` and, compiled by segments, its segments' ``stats``) and ``left_out``
     (why each other one was not raced: it failed to build, or does not equal the model). A candidate the race cannot
     run (``kind="eager"`` without the model) is not offered. ``progress``: a transient progress bar on standard error
     with that title (a search's); ``time_one``: a candidate left alone is timed too (a search says what each
-    measured)."""
+    measured). A candidate that runs the captured ops as they are (a plan without compiled segments over the captured
+    graph) or the model itself equals the model by construction and is not run to check it, unless ``check_all``
+    (a search checks every candidate: a CUDA plan that dropped an ordering would show there)."""
     candidates = [c for c in candidates if c.kind != "eager" or eager is not None]
     agrees = OutputCheck(captured, inputs, eager, reference)
     latencies = Latencies(captured, inputs)
@@ -128,7 +130,9 @@ def race(target, captured, inputs: tuple, options: Options, candidates: list[Can
             start = time.perf_counter()
             fast, why, ms = _checked(lambda c=candidate: target.build_candidate(captured, inputs, options, c,
                                                                                 latencies.of(c), eager),
-                                     agrees, candidate.label, options)
+                                     agrees, candidate.label, options,
+                                     trusted=None if check_all else functools.partial(_as_captured, captured=captured,
+                                                                                      candidate=candidate))
             if fast is None:
                 left_out[candidate.label] = why
                 continue
@@ -136,9 +140,10 @@ def race(target, captured, inputs: tuple, options: Options, candidates: list[Can
                 candidate = dataclasses.replace(candidate, label="one lane")  # the default plan made one lane
             built[candidate.label], made_from[candidate.label] = fast, candidate
             measured[candidate.label] = {"build_s": round(time.perf_counter() - start, 2)}
-            if fast.fused is not None:  # its segments were compiled by a call: the check was not its first
+            if fast.fused is not None:
                 measured[candidate.label]["segments"] = dict(fast.fused.stats)
-                seed[candidate.label] = [ms]
+                if ms:  # its segments were compiled by a call: the check, timed, was not its first
+                    seed[candidate.label] = [ms]
         if not built:
             raise UsageError(f"{captured.graph.name}: no candidate equals the model: {left_out}")
         bar.update(task, description=f"{progress}, timing {len(built)} candidates")
@@ -158,6 +163,12 @@ def race(target, captured, inputs: tuple, options: Options, candidates: list[Can
     kept.choice = {"label": best, "compiler": _compiler_of(kept), "candidates": measured, "left_out": left_out,
                    "candidate": made_from[best].to_json(), "latency_ms": latencies.of(made_from[best])}
     return kept
+
+
+def _as_captured(fast: Compiled, *, candidate: Candidate, captured) -> bool:
+    """Whether ``fast`` runs the captured ops as they are (no compiled segment, the captured graph) or the model."""
+    return candidate.kind == "eager" or (candidate.kind == "plan" and fast.fused is None
+                                         and fast.graph is captured.graph)
 
 
 def _compiler_of(compiled: Compiled) -> str | None:
@@ -196,22 +207,26 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
     if candidates is None:
         candidates = target.search_candidates(captured, inputs, options)
     chosen = race(target, captured, inputs, options, candidates, eager=eager, reference=reference,
-                  progress=f"{graph.name}: max-autotune", time_one=True)
+                  progress=f"{graph.name}: max-autotune", time_one=True, check_all=True)
     assert chosen.choice is not None
     save(entry_key, chosen.choice)
     chosen.choice = {**chosen.choice, "cached": False}
     return chosen
 
 
-def _checked(make, agrees: OutputCheck, label: str, options: Options) -> tuple[Compiled | None, str, float]:
+def _checked(make, agrees: OutputCheck, label: str, options: Options,
+             trusted=None) -> tuple[Compiled | None, str, float]:
     """``make()`` and whether its output equals the model's: the candidate, or None and why not, and the
     milliseconds of the call checked (on :data:`TIMER` as ``label``; building ran the candidate once, so this call is
     timed as the race times one: :func:`fastest`'s ``seed``). The segment compiler's own warnings (a segment it could
-    not compile runs op by op) are the candidate's, not the caller's: the choice's timing decides what they cost."""
+    not compile runs op by op) are the candidate's, not the caller's: the choice's timing decides what they cost.
+    ``trusted(fast)``: it needs no check (its call is not made then, and its time is 0)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fast = make()
+        if trusted is not None and trusted(fast):
+            return fast, "", 0.0
         with torch.no_grad():
             result: list[Any] = []
             ms = (TIMER or call_ms)(label, lambda: result.append(_output(fast, agrees.inputs, options)))
@@ -235,8 +250,15 @@ class OutputCheck:
 
     def __init__(self, captured, inputs: tuple, eager, reference=None):
         self.captured, self.inputs, self.eager = captured, inputs, eager
-        self.reference = reference if reference is not None else captured.run(inputs)
+        self._reference = reference
         self._exact: Any = None
+
+    @property
+    def reference(self) -> Any:
+        """The captured graph's output (run for it the first time a candidate is checked, where none was given)."""
+        if self._reference is None:
+            self._reference = self.captured.run(self.inputs)
+        return self._reference
 
     def __call__(self, out):
         check = compare(self.reference, out)

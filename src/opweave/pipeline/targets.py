@@ -83,9 +83,7 @@ class Target:
             if candidate.kind == "tier":  # built in a build process (or found in the disk cache), waited for
                 return whole(captured, options, tiers.built_now(candidate.changes["tier"], captured, model, inputs,
                                                                 options), costs)
-            # the model itself, as its caller runs it: on the caller's threads unless told
-            return whole(captured, options, eager, costs, threads=options.threads if "threads" in options.given
-                         else None)
+            return whole(captured, options, eager, costs, threads=options.threads)  # the model itself
         changed = options.derive(autotune=False, tiers=None, **candidate.changes)
         if candidate.costs == "onnxruntime-graph":
             assert isinstance(self, CpuTarget)  # ONNX Runtime's graph runs on the CPU

@@ -345,10 +345,7 @@ class CpuExecutor(TensorExecutor):
         return Batched(compiled, bucket=bucket if blocked.stackable else int, builder=self.builder, name=served.name)
 
     def block_options(self, threads: int, dynamic: bool | None) -> Options:
-        """What one block is built with: as ``opweave.compile`` builds a model with the executor's compiler, one lane
-        of ``threads`` threads, the block's graph as it is and the executor's bound on sizes, ``dynamic`` as the block
-        stacks, in a process many models share (``shared``: one ONNX Runtime pool, a model's weights read in
-        place)."""
+        """A block's build: a compile's with the executor's compiler, one lane of ``threads`` threads (``shared``)."""
         return resolve("cpu", scheduler="sequential", streams=1, threads=threads, compiler=self.compiler,
                        coarsen=False, dynamic=dynamic, cache_size=self.options.cache_size).derive(shared=True)
 
