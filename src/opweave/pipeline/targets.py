@@ -70,6 +70,9 @@ class Target:
     def build(self, captured, inputs: tuple, options: Options) -> Compiled:
         raise NotImplementedError
 
+    def planning_costs(self, captured, inputs: tuple, options: Options) -> Costs:
+        raise NotImplementedError
+
     def build_candidate(self, captured, inputs: tuple, options: Options, candidate: Candidate,
                         latency_ms: dict | None, eager) -> Compiled:
         """``candidate`` (:class:`~opweave.pipeline.search.Candidate`) built: a plan with its changes to ``options``
