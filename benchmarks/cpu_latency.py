@@ -21,18 +21,24 @@ Modes (``--modes``, separated by ``;``; default :data:`DEFAULT_MODES`):
   segment a session of those nodes over bound buffers: ``opweave.backends.ortgraph``);
 * ``opweave max-autotune`` — ``opweave.compile(..., mode="max-autotune")``: opweave's own search over those plans
   (its choice is cached per model and machine: the latency phase reads it back);
-* ``opweave default`` — ``opweave.compile(model, inputs)`` with no option.
+* ``opweave default`` — ``opweave.compile(model, inputs)`` with no option: its first tier answers when it returns
+  (``first_s``), its later tiers are built in a process of their own (``opweave.pipeline.tiers``) and the latency
+  phase times it once they have landed (``compile_s`` then counts until the last tier landed, ``tier``: the tier in
+  use); ``opweave first tier`` — the same with ``tiers=False``.
 
 Every mode is built and checked against eager first, each in its own spawned child with an empty Inductor cache
-(``compile_s``: the cold build, model capture and exports included), then again in a second child on that cache
-(``warm_s``; modes that compile with Inductor). An output is ``ok`` when it equals eager's within 1e-4 of each
+(``compile_s``: the cold build, model capture and exports included; ``rss_mb``: the child's resident memory once
+built and called, beside eager's), then again in a second child on that cache (``warm_s``; modes that compile with
+Inductor; ``--no-warm`` skips it). An output is ``ok`` when it equals eager's within 1e-4 of each
 tensor's scale (:func:`opweave.outputs.compare`). Then one child per model and batch builds every mode that
 passed (on the merged caches) and times them **interleaved**: round-robin warm-up calls for ``--warmup-s``
 seconds, then ``--rounds`` rounds in which every mode runs its share of ``--runs`` calls (``perf_counter`` around
 the whole call), each round starting at the next mode (with a fixed order, sub-millisecond models measured a
-bias: the default, which on DeepFM runs the model itself, measured 0.93x eager); per mode the median and the
-minimum. On a shared machine whose load moves timings tenfold within minutes, only modes exposed to the same
-load are comparable; ratios of medians are what the summary reports.
+bias: the default, which on DeepFM runs the model itself, measured 0.93x eager), each mode's share of a round after
+two untimed calls of its own (``settle``: a call timed right after another engine's pays for the thread pools that
+engine left spinning, ONNX Runtime's and Inductor's); per mode the median and the minimum. On a shared machine
+whose load moves timings tenfold within minutes, only modes exposed to the same load are comparable; ratios of
+medians are what the summary reports.
 
 Writes ``DIR/cpu_latency.json`` (machine, settings, the command, rows, summary), ``DIR/cpu_latency.png`` and
 ``DIR/cpu_latency.md`` (:func:`document`: the date and command that produced the figures, then :func:`markdown`'s
@@ -65,6 +71,7 @@ DEFAULT_MODES = PEERS + OPWEAVE
 QUICK_MODES = ("eager", "onnxruntime", "opweave sequential", "opweave heft", "opweave heft+onnxruntime",
                "opweave default")
 TOLERANCE = 1e-4
+SETTLE = 2  # untimed calls of a mode right before its timed ones in each round
 INDUCTOR_MODES = ("torch.compile", "torch.compile freezing")
 # Modes renamed since a results file was written: its tables show today's name (the JSON keeps the one it ran under).
 RENAMED_MODES = {"opweave max-speed": "opweave max-autotune"}
@@ -85,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limits", action="store_true", help="also measure why the lanes gain or lose against ONNX "
                                                          "Runtime (see limits())")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up on one child after this long")
+    p.add_argument("--no-warm", action="store_true", help="no second build on the warm cache")
     p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory for the results")
     p.add_argument("--stem", default="cpu_latency", help="file name of the results, without suffix (default "
                                                          "%(default)s)")
@@ -170,8 +178,13 @@ def build(model, inputs, mode: str) -> tuple[Callable, dict]:
         return fn, info
     if mode.startswith("onnxruntime"):
         return onnxruntime_session(model, inputs, parallel=mode.endswith("parallel")), info
-    if mode == "opweave default":
-        fast = opweave.compile(model, inputs)
+    if mode in ("opweave default", "opweave first tier"):
+        start = time.perf_counter()
+        fast = opweave.compile(model, inputs, **({"tiers": False} if mode == "opweave first tier" else {}))
+        info["first_s"] = round(time.perf_counter() - start, 2)
+        if hasattr(fast.backend, "wait"):  # its later tiers, built off the caller's path: timed once they landed
+            fast.backend.wait()
+            info.update(tier=fast.backend.label, tiers=fast.backend.tiers)
     elif mode == "opweave max-autotune":
         fast = opweave.compile(model, inputs, device="cpu", mode="max-autotune")
     else:
@@ -203,8 +216,18 @@ def build_and_check(name: str, batch: int, mode: str, args: argparse.Namespace) 
     build_s = time.perf_counter() - start
     with torch.inference_mode():
         check = compare(reference, fn(*inputs), tolerance=TOLERANCE)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return {"model": name, "batch": batch, "mode": mode, "compile_s": round(build_s, 2), **info,
+            "rss_mb": resident_mb(), "weights_mb": round(weights / 2**20, 1),
             "max_abs_diff": check.max_diff, "ok": check.ok, **({"wrong": check.reason} if not check.ok else {})}
+
+
+def resident_mb() -> float:
+    """This process's resident memory (VmRSS), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
 
 
 def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespace) -> dict[str, dict]:
@@ -227,7 +250,7 @@ def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespac
                 break
         # each round starts at the next mode: no mode always goes first
         times = interleaved_times_ms({mode: (lambda fn=fn: fn(*inputs)) for mode, fn in fns.items()},
-                                     runs=args.runs, warmup=0, rounds=args.rounds)
+                                     runs=args.runs, warmup=0, rounds=args.rounds, settle=SETTLE)
     return {mode: {"median_ms": statistics.median(ts), "min_ms": min(ts), "p10_ms": _decile(ts, 0),
                    "p90_ms": _decile(ts, -1), **({"timed_choice": chosen[mode]} if mode in chosen else {})}
             for mode, ts in times.items()}
@@ -338,7 +361,8 @@ def measure(name: str, batch: int, args: argparse.Namespace, tmp: Path) -> list[
         if status != "ok":
             rows.append({"model": name, "batch": batch, "mode": mode, "error": row})
             continue
-        if mode in INDUCTOR_MODES or mode.endswith("+inductor") or mode == "opweave max-autotune":
+        if not args.no_warm and (mode in INDUCTOR_MODES or mode.endswith("+inductor")
+                                 or mode == "opweave max-autotune"):
             status, warm = in_child(build_and_check, (name, batch, mode, args), env, args.timeout_s)
             if status == "ok":
                 row["warm_s"] = warm["compile_s"]
@@ -416,6 +440,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             entry["default_choice"] = next((r.get("timed_choice") for r in rows if (r["model"], r["batch"], r["mode"])
                                             == (*key, "opweave default")), None)
         entry.update(against_torch_compile([r for r in rows if (r["model"], r["batch"]) == key]))
+        entry.update(against_tuned_peers([r for r in rows if (r["model"], r["batch"]) == key]))
         out.append(entry)
     return out
 
@@ -440,6 +465,76 @@ def against_torch_compile(rows: list[dict]) -> dict:
     if "opweave default" in timed:
         out["default_compiler"] = (timed["opweave default"].get("choice") or {}).get("compiler")
     return out
+
+
+PEERS_TUNED = ("torch.compile freezing", "onnxruntime")  # what CPU users tune: the better of the two is the bar
+
+
+def against_tuned_peers(rows: list[dict]) -> dict:
+    """The default (once its tiers have landed) and max-autotune against the better of the peers CPU users tune
+    (:data:`PEERS_TUNED`), from one model's and batch's rows: ratios of medians (above 1 faster), whether the p10-p90
+    spreads overlap; the default's first output and last tier against the cold compiles (torch.compile's default
+    mode, and with freezing), max-autotune's build against freezing's; resident memory beside eager's."""
+    timed = {r["mode"]: r for r in rows if "median_ms" in r}
+    built = {r["mode"]: r for r in rows if "compile_s" in r and "error" not in r}
+    peers = [timed[p] for p in PEERS_TUNED if p in timed]
+    out: dict = {}
+    if peers:
+        best = min(peers, key=lambda r: r["median_ms"])
+        out["best_peer"] = best["mode"]
+        for mode, name in (("opweave default", "default"), ("opweave max-autotune", "max_autotune")):
+            if mode in timed:
+                row = timed[mode]
+                out[f"{name}_vs_best_peer"] = round(best["median_ms"] / row["median_ms"], 3)
+                out[f"{name}_vs_best_peer_overlap"] = (row["p10_ms"] <= best["p90_ms"]
+                                                       and best["p10_ms"] <= row["p90_ms"])
+    default, freezing, plain = (built.get(m) for m in ("opweave default", "torch.compile freezing",
+                                                        "torch.compile"))
+    if default is not None and plain is not None and "first_s" in default:
+        out["default_first_vs_torch_compile"] = round(default["first_s"] / plain["compile_s"], 3)
+    if default is not None and freezing is not None:
+        out["default_last_tier_vs_freezing"] = round(default["compile_s"] / freezing["compile_s"], 3)
+        out["default_tier"] = default.get("tier")
+    autotune = built.get("opweave max-autotune")
+    if autotune is not None and freezing is not None:
+        out["max_autotune_build_vs_freezing"] = round(autotune["compile_s"] / freezing["compile_s"], 3)
+    eager = built.get("eager")
+    if eager is not None and default is not None and "rss_mb" in default:
+        out["default_rss_mb"], out["eager_rss_mb"] = default["rss_mb"], eager["rss_mb"]
+        out["weights_mb"] = default.get("weights_mb")
+    return out
+
+
+def tuned_verdict(summary: list[dict]) -> str:
+    """The default and max-autotune against the better of torch.compile (freezing) and ONNX Runtime per model and
+    batch (``~``: the p10-p90 spreads overlap), the default's first output and last tier against the cold compiles,
+    and resident memory beside eager's."""
+    shown = [s for s in summary if "default_vs_best_peer" in s]
+    if not shown:
+        return ""
+
+    def ratio(s: dict, name: str) -> str:
+        if f"{name}_vs_best_peer" not in s:
+            return ""
+        return ("~" if s[f"{name}_vs_best_peer_overlap"] else "") + f"{s[f'{name}_vs_best_peer']:.2f}x"
+
+    def share(s: dict, key: str) -> str:
+        return f"{s[key]:.2f}x" if key in s else ""
+
+    lines = ["**against the better of torch.compile (freezing) and ONNX Runtime** (ratio of medians, above 1 faster; "
+             "~: the p10-p90 spreads overlap); the default's first output against torch.compile's cold compile, its "
+             "last tier and max-autotune's build against torch.compile (freezing)'s; resident MiB once built", "",
+             "| model | batch | better peer | default | its tier | max-autotune | first output | last tier | "
+             "max-autotune build | RSS default / eager | weights |",
+             "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for s in shown:
+        rss = (f"{s['default_rss_mb']:.0f} / {s['eager_rss_mb']:.0f}" if "default_rss_mb" in s else "")
+        weights = f"{s['weights_mb']:.0f}" if s.get("weights_mb") is not None else ""
+        lines.append(f"| {s['model']} | {s['batch']} | {s.get('best_peer', '')} | {ratio(s, 'default')} | "
+                     f"{s.get('default_tier') or ''} | {ratio(s, 'max_autotune')} | "
+                     f"{share(s, 'default_first_vs_torch_compile')} | {share(s, 'default_last_tier_vs_freezing')} | "
+                     f"{share(s, 'max_autotune_build_vs_freezing')} | {rss} | {weights} |")
+    return "\n".join(lines) + "\n"
 
 
 def verdict(summary: list[dict], rows: list[dict]) -> str:
@@ -573,8 +668,9 @@ def document(data: dict, stem: str = "cpu_latency") -> str:
             f"{machine['torch']}, Python {machine['python']}"
             + (f" (modes renamed since: {'; '.join(renamed)})" if renamed else "") + ".")
     against = verdict(data["summary"], data["rows"])
+    tuned = tuned_verdict(data["summary"])
     return head + "\n\n" + markdown(data["rows"], data["summary"], data["settings"]["modes"]) + (
-        "\n" + against if against else "")
+        "\n" + against if against else "") + ("\n" + tuned if tuned else "")
 
 
 def plot(rows: list[dict], summary: list[dict], path: Path) -> None:

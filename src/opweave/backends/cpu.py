@@ -120,8 +120,13 @@ class EagerBackend:
 
     def __call__(self, *args) -> Any:
         self.stats["calls"] += 1
-        with intra_op_threads(self.threads), torch.no_grad():
-            return self.model(*args)
+        if self.threads is not None and self.threads != torch.get_num_threads():
+            with intra_op_threads(self.threads), torch.no_grad():
+                return self.model(*args)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self.model(*args)
+        return self.model(*args)  # as the caller would call it: no scope to enter
 
     def free(self, args: tuple) -> bool:
         """The model takes whatever sizes it takes."""

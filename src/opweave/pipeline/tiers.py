@@ -311,7 +311,7 @@ def build(kind: str, program: Path, out: Path, threads: int) -> None:
     temporary file: a reader never sees half a tier)."""
     torch.set_num_threads(threads)
     exported = torch.export.load(str(program))
-    scratch = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    scratch = out.with_name(f"{out.stem}.{os.getpid()}.partial{out.suffix}")  # AOTInductor wants a .pt2 name
     if kind == "inductor":
         torch._inductor.aoti_compile_and_package(exported, package_path=str(scratch),
                                                  inductor_configs={"freezing": True, "cpp.threads": threads})
