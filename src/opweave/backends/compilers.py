@@ -292,13 +292,18 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dy
     that export fails (the weights then travel in the bytes)."""
     names: dict[str, Any] = {"input_names": [f"in{i}" for i in range(len(inputs))],
                              "output_names": [f"out{i}" for i in range(outputs)]}
+    axes: dict[str, dict[int, str]] = {}
     if dynamic_batch:
-        names["dynamic_axes"] = {name: {0: "batch"} for name in names["input_names"] + names["output_names"]}
-    elif dynamic_dims:
-        axes = {f"in{i}": {d: f"in{i}_{d}" for d in sorted(dims)} for i, dims in dynamic_dims.items() if dims}
-        axes.update({f"out{i}": {d: f"out{i}_{d}" for d in range(rank)} for i, rank in enumerate(output_ranks or [])
-                     if rank})
-        names["dynamic_axes"] = axes
+        axes = {name: {0: "batch"} for name in names["input_names"] + names["output_names"]}
+    if dynamic_dims:  # besides the batch (one size for every input), the dimensions given
+        for i, dims in dynamic_dims.items():
+            axes.setdefault(f"in{i}", {}).update({d: f"in{i}_{d}" for d in sorted(dims)
+                                                  if not (dynamic_batch and d == 0)})
+        for i, rank in enumerate(output_ranks or []):
+            axes.setdefault(f"out{i}", {}).update({d: f"out{i}_{d}" for d in range(rank)
+                                                   if not (dynamic_batch and d == 0)})
+    if axes:
+        names["dynamic_axes"] = {name: dims for name, dims in axes.items() if dims}
     if isinstance(gm, fx.GraphModule):  # ops ONNX Runtime runs slowly, in a form it runs fast (ortrewrite)
         gm, _ = ortrewrite.rewrite(gm, fixed_sizes=not dynamic_dims)
     if weights is not None and isinstance(gm, fx.GraphModule):
