@@ -23,6 +23,7 @@ from opweave.errors import UsageError
 from opweave.pipeline import search, targets, tiers
 from opweave.pipeline.compiled import Compiled
 from opweave.pipeline.options import Options
+from opweave.pipeline.signatures import takes_any_batch
 from opweave.plan import LaunchPlan
 from opweave.schedulers.schedule import Schedule
 
@@ -46,8 +47,6 @@ def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = 
         return raced
     compiled: Compiled = target.build(captured, inputs, options)
     if compiled.fused is not None and compiled.fused.any_batch:  # dynamic=True: one session with a free batch
-        from opweave.pipeline.signatures import takes_any_batch
-
         if takes_any_batch(compiled, captured, inputs):
             compiled.any_batch = True
         else:  # a graph that baked its batch in: built per batch size, as with dynamic unset

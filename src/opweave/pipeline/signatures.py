@@ -20,6 +20,14 @@ a model compiled for CUDA, or the reverse, are the example's signature. A call w
   once; calls of a signature served before do not wait.
 * ``False``: a :class:`~opweave.errors.UsageError` naming the signature the model was built for.
 
+**A new signature never waits.** Where a signature needs a build (another signature, or a size the plan cannot
+take), its calls run on the model itself at once while the build is made off the callers' threads
+(:data:`opweave.backends.builder.BACKGROUND`); once built, a short race on the inputs that asked for it decides
+whether the build takes that signature's calls (one log line says which). A segment compiler meeting a new size
+does the same inside the plan: the segment runs op by op while it is compiled for those sizes
+(:mod:`opweave.backends.segments`). A model that writes state (a static KV cache) is built for a signature before
+its first call of it, as a size it cannot take would have written the state before its check could refuse it.
+
 **Bounds.** At most ``cache_size`` plans are built besides the example's (new captures, and ranges of sizes
 planned again). Past that, a signature that would need one more runs on the model itself, with a warning, once, as
 ``torch.compile`` runs a frame eagerly past its ``recompile_limit``: nothing built is dropped, so a sweep over more
@@ -47,17 +55,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
-from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from opweave.backends.builder import BACKGROUND, Builder
 from opweave.backends.cache import BoundedCache, signature
 from opweave.errors import UsageError, first_line
+from opweave.pipeline.search import fastest
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +118,7 @@ class Signatures:
         self._plan_lock = threading.Lock()  # one range of sizes planned at a time
         self._warned_bound = False
         self._checked: dict[int, frozenset[int]] = {}  # a plan's id -> the dimensions it was checked in
+        self._checks: dict[tuple[int, frozenset[int]], _Checking] = {}  # checks made beside the calls
         self._pads_checked = False
         self.stats = {"builds": 0, "replans": 0, "resized": 0, "padded": 0, "eager": 0, "evictions": 0,
                       "checks": 0}
@@ -218,10 +229,12 @@ class Signatures:
         if self.dynamic is False:
             raise self._refusal(key)
         sizes = self.sizes
-        if sizes is not None and sizes.generic and sizes_only(self.example_key, key):
-            served = self._resized(args, key)
+        if sizes is not None and sizes_only(self.example_key, key) and not sizes.stateful and sizes.takes(args):
+            served = self._resized(args, key) if sizes.generic else None
             if served is not None:
                 return served
+            self.stats["eager"] += 1  # a size the plan cannot take: the next tier down, the model itself, no build
+            return sizes.eager(), _NO_ANSWER
         return self._built_for(args, key), _NO_ANSWER
 
     def _resized(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> tuple[Any, Any] | None:
@@ -239,39 +252,76 @@ class Signatures:
         own = plan is sizes.compiled
         free = getattr(plan.backend, "free", None)
         if free is None or not free(args):
-            log.info("%s: its backend runs the sizes it was built for; building for %s", self.name, describe(key))
+            log.info("%s: its backend runs the sizes it was built for; %s runs on the model itself", self.name,
+                     describe(key))
             return None
         run = plan.backend if own else plan
-        try:
-            out = run(*args)
-        except Exception as exc:  # noqa: BLE001 - the capture cannot run this size: built on its own
-            sizes.generic = False
-            log.info("%s: the plan built for %s fails at %s (%s); building for it, and for every later size",
-                     self.name, describe(self.example_key), describe(key), exc)
-            return None
         dims = changed(self.example_key, key)
         if not sizes.trusted(plan) and not dims <= self._checked.get(id(plan), frozenset()):
-            try:
-                ok, why = sizes.agrees(args, out)
-            except Exception as exc:  # noqa: BLE001 - the model refuses them: a capture says where, as for any
-                log.info("%s: the model raises at %s (%s)", self.name, describe(key), exc)
-                return None
-            if not ok:
-                sizes.generic = False
-                log.info("%s: the plan built for %s differs from the model at %s (%s); building for it, and for "
-                         "every later size", self.name, describe(self.example_key), describe(key), why)
-                return None
-            self.stats["checks"] += 1
-            self._checked[id(plan)] = self._checked.get(id(plan), frozenset()) | dims
+            return self._checking(plan, run, own, args, key, dims), _NO_ANSWER
+        try:
+            out = run(*args)
+        except Exception as exc:  # noqa: BLE001 - the capture cannot run this size: the model itself runs it
+            sizes.generic = False
+            log.info("%s: the plan built for %s fails at %s (%s); it, and every later size, runs on the model itself",
+                     self.name, describe(self.example_key), describe(key), exc)
+            return None
         self.stats["resized"] += 1
         log.info("%s: %s served by %s", self.name, describe(key),
                  f"the plan built for {describe(self.example_key)}" if own else "the plan made for its range of sizes")
         return (OWN if own else run), out
 
+    def _checking(self, plan: Any, run: Any, own: bool, args: tuple[Any, ...], key: tuple[Any, ...],
+                  dims: frozenset[int]) -> _Checking:
+        """What runs a size at which ``plan`` is not checked yet in ``dims``: the model itself, while the plan's answer
+        at that size is checked against the model's off the callers' threads (once per plan and dimensions); then
+        the plan where it agreed, else the model, from then on for every later size too (Checked once per
+        dimension). So no call waits for the check, nor for the plan's first run at a new size."""
+        with self._lock:
+            pending = self._checks.get((id(plan), dims))
+            fresh = pending is None
+            if fresh:
+                pending = self._checks[(id(plan), dims)] = _Checking(self.sizes.eager(), run)
+            pending.keys.append(key)
+        if fresh:
+            copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in args)
+            BACKGROUND.submit((id(self), "check", id(plan), dims),
+                              lambda: self._checked_later(plan, pending, own, copies, key, dims),
+                              f"{self.name} check at {describe(key)}")
+        return pending
+
+    def _checked_later(self, plan: Any, pending: _Checking, own: bool, args: tuple[Any, ...], key: tuple[Any, ...],
+                       dims: frozenset[int]) -> None:
+        """The check :meth:`_checking` queued: the plan run at ``args`` and held against the model."""
+        sizes = self.sizes
+        why = ""
+        try:
+            out = pending.plan(*args)
+            ok, why = sizes.agrees(args, out)
+        except Exception as exc:  # noqa: BLE001 - the plan (or the model) cannot run this size: the model runs it
+            ok, why = False, first_line(exc)
+        if ok:
+            with self._lock:
+                self._checked[id(plan)] = self._checked.get(id(plan), frozenset()) | dims
+                self.stats["checks"] += 1
+                self.stats["resized"] += len(pending.keys)
+                for k in pending.keys:  # their calls go to the plan directly from now on
+                    if self._served.get(k) is pending:
+                        self._served[k] = OWN if own else pending.plan
+            pending.verdict = True
+            log.info("%s: %s served by %s (checked against the model beside the calls)", self.name, describe(key),
+                     f"the plan built for {describe(self.example_key)}" if own else
+                     "the plan made for its range of sizes")
+        else:
+            sizes.generic = False
+            pending.verdict = False
+            log.info("%s: the plan built for %s differs from the model at %s (%s); it, and every later size, runs on "
+                     "the model itself", self.name, describe(self.example_key), describe(key), why)
+
     def _plan(self, args: tuple[Any, ...], bucket: tuple[Any, ...]) -> Any:
         """The plan that serves sizes of ``bucket`` (:func:`opweave.pipeline.sizes.bucket`): the example's, or one
-        planned again for this range at the sizes of ``args`` when predicted faster enough (and within the
-        bound)."""
+        planned again for this range at the sizes of ``args`` when predicted faster enough (and within the bound),
+        which is built off the callers' threads: the example's serves the range until it is."""
         from opweave.pipeline.sizes import REPLAN_GAIN, replan_gain
 
         sizes = self.sizes
@@ -285,19 +335,30 @@ class Signatures:
             if sizes.replan is not None and self._room():
                 gain = replan_gain(plan, args)
                 if gain is not None and gain >= REPLAN_GAIN:
-                    log.info("%s: planning again for %s (predicted %.0f%% faster than the plan built for %s)",
-                             self.name, describe(key_of(args)), 100 * gain, describe(self.example_key))
-                    plan = sizes.replan(args)
-                    self.stats["replans"] += 1
+                    log.info("%s: planning again for %s, beside the calls (predicted %.0f%% faster than the plan "
+                             "built for %s)", self.name, describe(key_of(args)), 100 * gain,
+                             describe(self.example_key))
+                    copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in args)
+                    BACKGROUND.submit((id(self), "plan", bucket), lambda: self._replanned(bucket, copies),
+                                      f"{self.name} {describe(key_of(args))}")
             self._plans[bucket] = plan
             return plan
+
+    def _replanned(self, bucket: tuple[Any, ...], args: tuple[Any, ...]) -> None:
+        """A range of sizes planned again (:meth:`_plan`), off the callers' threads: its later sizes run on it."""
+        plan = self.sizes.replan(args)
+        with self._plan_lock:
+            self._plans[bucket] = plan
+            self.stats["replans"] += 1
 
     def _room(self) -> bool:
         """Whether one more plan may be built (module docstring, Bounds)."""
         return len(self._built) + sum(p is not self.sizes.compiled for p in self._plans.values()) < self.bound
 
     def _built_for(self, args: tuple[Any, ...], key: tuple[Any, ...]) -> Any:
-        """What runs ``args``: a build for them; past the bound, the model itself (module docstring, Bounds)."""
+        """What runs ``args``: the model itself while a build for them is made in the background, which then takes
+        their calls where it is no slower (module docstring, A new signature never waits); without the model to run,
+        a build made now; past the bound, the model itself (Bounds)."""
         if self.sizes is not None and not self._room():
             self.stats["eager"] += 1
             if not self._warned_bound:
@@ -307,6 +368,14 @@ class Signatures:
                               "the model itself (a larger cache_size builds more; buckets pads batches to fewer "
                               "sizes)", stacklevel=6)
             return self.sizes.eager()
+        if self.sizes is not None and not self.sizes.stateful:  # the model answers now; the build is made beside
+            eager = self.sizes.eager()
+            copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in args)
+            if BACKGROUND.submit((id(self), key), lambda: self._built_later(copies, key, eager),
+                                 f"{self.name} {describe(key)}"):
+                log.info("%s: %s runs on the model itself while it is built for (%d built so far)", self.name,
+                         describe(key), len(self._built) + 1)
+            return eager
         log.info("%s: building for a new input signature %s (%d built so far)", self.name, describe(key),
                  len(self._built) + 1)
         built = self._build(args)
@@ -314,6 +383,22 @@ class Signatures:
             self._built[key] = built
             self.stats["builds"] += 1
         return built
+
+    def _built_later(self, args: tuple[Any, ...], key: tuple[Any, ...], eager: Any) -> None:
+        """The build for ``args`` (signature ``key``), made off the callers' threads: it takes the signature's calls
+        from the model where a short race on ``args`` finds it no slower (one log line says which)."""
+        start = time.perf_counter()
+        built = self._build(args)
+        with self._lock:
+            self._built[key] = built
+            self.stats["builds"] += 1
+        best, medians = fastest({"built": built, "model": eager}, args)
+        if best == "built":
+            with self._lock:
+                self._served[key] = built
+        log.info("%s: built for %s in %.1f s: %s (%.3f ms against the model's %.3f)", self.name, describe(key),
+                 time.perf_counter() - start, "it takes the calls" if best == "built" else "the model keeps them",
+                 medians["built"], medians["model"])
 
     def _evicted(self, key: tuple[Any, ...], compiled: Any) -> None:
         """Dropped, not closed: a call may still be running it (what it holds goes when the last caller lets go).
@@ -325,6 +410,19 @@ class Signatures:
                           f"compiled for; the least recently used ({describe(key)}) is dropped and built again if it "
                           "comes back (a larger cache_size keeps more; dynamic=False refuses new signatures)",
                           stacklevel=6)
+
+
+class _Checking:
+    """Calls of sizes a plan is being checked at (:meth:`Signatures._checking`): the model itself answers them until
+    the check says the plan agrees (``verdict``), then the plan."""
+
+    def __init__(self, eager: Any, plan: Any):
+        self.eager, self.plan = eager, plan
+        self.verdict: bool | None = None
+        self.keys: list[tuple[Any, ...]] = []
+
+    def __call__(self, *args: Any) -> Any:
+        return self.plan(*args) if self.verdict else self.eager(*args)
 
 
 class _Answered:
@@ -395,62 +493,6 @@ def padded(args: tuple[Any, ...], extra: int) -> tuple[Any, ...]:
 def first_rows(out: Any, n: int) -> Any:
     """``out``'s tensors cut to their first ``n`` rows (a padded batch's own)."""
     return pytree.tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) else t, out)
-
-
-class Builder:
-    """Builds off the callers' threads: one daemon thread, jobs in the order asked, each on one intra-op thread (the
-    cores stay with the calls: :mod:`opweave.backends.threads` says why a worker's OpenMP team stays at one). A job
-    asked for while it is queued or running is not queued again. ``failed``: one line per job that raised (the
-    calls that asked for it ran on what was built)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Condition()
-        self._jobs: deque[tuple[Hashable, Callable[[], Any], str]] = deque()
-        self.pending: set[Hashable] = set()
-        self.failed: list[str] = []
-        self._thread: threading.Thread | None = None
-
-    def submit(self, key: Hashable, job: Callable[[], Any], name: str = "") -> bool:
-        """Queue ``job`` under ``key``; False if a job of that key is queued or running already."""
-        with self._lock:
-            if key in self.pending:
-                return False
-            self.pending.add(key)
-            self._jobs.append((key, job, name))
-            if self._thread is None:
-                from opweave.cores import intra_op_threads
-
-                ready = threading.Event()
-                with intra_op_threads():  # its one thread sets the process-wide default too: put it back
-                    self._thread = threading.Thread(target=self._work, args=(ready,), name="opweave-builder",
-                                                    daemon=True)
-                    self._thread.start()
-                    ready.wait()
-            self._lock.notify_all()
-        return True
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait until no job is queued or running (False if ``timeout_s`` passed first)."""
-        with self._lock:
-            return self._lock.wait_for(lambda: not self.pending, timeout_s)
-
-    def _work(self, ready: threading.Event) -> None:
-        from opweave.backends.threads import enter_budget
-
-        enter_budget(1)  # an OpenMP team of one: a worker's larger team slows every kernel of the process
-        ready.set()
-        while True:
-            with self._lock:
-                self._lock.wait_for(lambda: bool(self._jobs))
-                key, job, name = self._jobs.popleft()
-            try:
-                job()
-            except Exception as exc:  # noqa: BLE001 - the calls keep running on what was built
-                self.failed.append(f"{name or key}: {first_line(exc)}")
-            finally:
-                with self._lock:
-                    self.pending.discard(key)
-                    self._lock.notify_all()
 
 
 class Batched:

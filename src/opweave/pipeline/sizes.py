@@ -164,7 +164,8 @@ class Sizes:
         self._compiled = weakref.ref(compiled)
         self.model, self.example, self.replan, self.buckets = model, example, replan, buckets
         writes = getattr(getattr(compiled, "captured", None), "state_writes", None)
-        self.generic = not (writes is not None and writes())
+        self.stateful = bool(writes is not None and writes())  # its calls write state: each built before it runs
+        self.generic = not self.stateful
         self.warned_pad = False
 
     @property

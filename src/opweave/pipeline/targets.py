@@ -166,8 +166,11 @@ class CpuTarget(Target):
     def default_candidates(self, options: Options) -> list[Candidate]:
         """What the CPU default races (:func:`opweave.pipeline.search.default_race`), in the order they are built:
 
-        * ``onnxruntime``: the model in the order it was captured, its one segment compiled by ONNX Runtime, when
-          installed (the ``onnx`` extra; without it, one line says so, once: :func:`default_compiler`);
+        * ``onnxruntime``: the model in the order it was captured, its one segment compiled by ONNX Runtime with every
+          dimension of its inputs free (as ``dynamic=True``: a call of another size runs on the same session, nothing
+          is exported again; the example's size gets the fastest build later, its Inductor tier:
+          :mod:`opweave.pipeline.tiers`), where ONNX Runtime imports (else one line says so, once:
+          :func:`default_compiler`);
           ``onnxruntime lanes``: the lanes of the default plan, each segment compiled by it, only with at least
           :data:`LANE_CORES` threads: below that ONNX Runtime's own intra-op threads take the cores the lanes
           would run on (docs/design.md, "The CPU default");
@@ -181,7 +184,8 @@ class CpuTarget(Target):
         one = {"scheduler": "sequential", "streams": 1, "coarsen": False, "scheduler_options": None}
         out = []
         if compiler is not None:
-            out.append(Candidate("onnxruntime", {**one, "compiler": compiler}))
+            free = {"dynamic": True} if options.dynamic is not False else {}  # every size on one session
+            out.append(Candidate("onnxruntime", {**one, "compiler": compiler, **free}))
             if not few:
                 out.append(Candidate("onnxruntime lanes", {"scheduler": options.scheduler, "compiler": compiler}))
         out.append(Candidate("lanes", {"scheduler": options.scheduler},
