@@ -53,7 +53,7 @@ def test_inferenceservice_runs_the_image_with_known_flags_and_the_v2_health_rout
 
 # The GPU machine's image, as its package list read (2026-11-17): the packages opweave and its serve extra
 # need that it has. It has no network; what it lacks travels as wheels that scripts/gpu_wheels.sh downloads.
-GPU_IMAGE_HAS = {"torch", "numpy", "networkx", "rich", "typer", "matplotlib", "prometheus-client"}
+GPU_IMAGE_HAS = {"torch", "numpy", "networkx", "rich", "typer", "matplotlib", "prometheus-client", "onnxruntime"}
 
 
 def test_gpu_wheels_carry_every_dependency_the_gpu_image_lacks():

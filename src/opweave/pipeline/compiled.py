@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from opweave.backends.builder import BACKGROUND
 from opweave.backends.program import Backend
 from opweave.costs import Costs
 from opweave.ir import OpGraph
@@ -55,6 +56,13 @@ class Compiled:
             return []
         keys: list[tuple[Any, ...]] = self.variants.keys()
         return keys
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until what the model builds and checks off the callers' threads is done (a new size's check or build,
+        :mod:`opweave.pipeline.signatures`; a later tier, :mod:`opweave.pipeline.tiers`); False if ``timeout_s``
+        passed first. Calls never need it: they run on what is built meanwhile."""
+        waits = [getattr(self.backend, "wait", None), BACKGROUND.wait]
+        return all(wait(timeout_s) for wait in waits if wait is not None)
 
     def close(self) -> None:
         """Release what the backend holds (worker threads, rank processes, CUDA graphs and streams); also done when

@@ -257,7 +257,8 @@ class Signatures:
             return None
         run = plan.backend if own else plan
         dims = changed(self.example_key, key)
-        if not sizes.trusted(plan) and not dims <= self._checked.get(id(plan), frozenset()):
+        check = not sizes.trusted(plan) and not dims <= self._checked.get(id(plan), frozenset())
+        if check and plan.device == "cpu":  # CUDA records a graph per size on the caller's stream: checked below
             return self._checking(plan, run, own, args, key, dims), _NO_ANSWER
         try:
             out = run(*args)
@@ -266,6 +267,19 @@ class Signatures:
             log.info("%s: the plan built for %s fails at %s (%s); it, and every later size, runs on the model itself",
                      self.name, describe(self.example_key), describe(key), exc)
             return None
+        if check:
+            try:
+                ok, why = sizes.agrees(args, out)
+            except Exception as exc:  # noqa: BLE001 - the model refuses them: a capture says where, as for any
+                log.info("%s: the model raises at %s (%s)", self.name, describe(key), exc)
+                return None
+            if not ok:
+                sizes.generic = False
+                log.info("%s: the plan built for %s differs from the model at %s (%s); it, and every later size, runs "
+                         "on the model itself", self.name, describe(self.example_key), describe(key), why)
+                return None
+            self.stats["checks"] += 1
+            self._checked[id(plan)] = self._checked.get(id(plan), frozenset()) | dims
         self.stats["resized"] += 1
         log.info("%s: %s served by %s", self.name, describe(key),
                  f"the plan built for {describe(self.example_key)}" if own else "the plan made for its range of sizes")
@@ -368,7 +382,7 @@ class Signatures:
                               "the model itself (a larger cache_size builds more; buckets pads batches to fewer "
                               "sizes)", stacklevel=6)
             return self.sizes.eager()
-        if self.sizes is not None and not self.sizes.stateful:  # the model answers now; the build is made beside
+        if self.sizes is not None and not self.sizes.stateful and self.sizes.takes(args):  # built beside
             eager = self.sizes.eager()
             copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in args)
             if BACKGROUND.submit((id(self), key), lambda: self._built_later(copies, key, eager),
