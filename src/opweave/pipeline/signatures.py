@@ -292,10 +292,9 @@ class Signatures:
         the plan where it agreed, else the model, from then on for every later size too (Checked once per
         dimension). So no call waits for the check, nor for the plan's first run at a new size."""
         with self._lock:
-            pending = self._checks.get((id(plan), dims))
-            fresh = pending is None
-            if fresh:
-                pending = self._checks[(id(plan), dims)] = _Checking(self.sizes.eager(), run)
+            found = self._checks.get((id(plan), dims))
+            fresh = found is None
+            pending = self._checks[(id(plan), dims)] = _Checking(self.sizes.eager(), run) if found is None else found
             pending.keys.append(key)
         if fresh:
             copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in args)
