@@ -9,21 +9,23 @@ served other sizes with the plan it has built; and compiling at the example, acr
 For each model at batch 1 (bert_base: 2 layers at sequence 32), ``--rounds`` times, in a fresh compile each round:
 
 * ``compile_s``: ``opweave.compile(model, inputs, device=DEVICE)`` with the defaults (on a CPU the default races
-  its candidates, as a user's compile does).
+  its candidates, as a user's compile does), its later tiers off (``tiers=False``: the figures are a new size's, not
+  those of an Inductor build running beside the sweep).
 * **after** (what a compiled model does now): the sizes of :data:`SWEEPS` one after the other (squeezenet batches
   2-13, bert_base 12 sequence lengths, the other models batches 2-4), each first called once (``first_call_ms``,
-  its output held against the model's) then ``--calls`` times (``steady_ms``, their median); ``ratio`` is the
-  first over the steady call, ``median_ratio`` their median over the sizes and ``first_size_ratio`` the first
-  size's. Then the sweep again: ``builds_in_sweep`` counts the plans built over both sweeps (new captures and ranges
-  of sizes planned again: none built twice when it does not grow in the second sweep), ``stats`` the compiled
-  model's.
-* **before** (what a new size cost until now: captured, planned and built again): a second compile whose plan is not
-  trusted at other sizes (``variants.sizes.generic = False``, which sends every new size down that path), its first
+  its output held against the model's), then, once what that call set going beside it is done (the plan's check at
+  the new size: ``Compiled.wait``, ``settle_s``), ``--calls`` times (``steady_ms``, their median); ``ratio`` is the
+  first over the steady call, ``median_ratio`` their median over the sizes, ``max_ratio`` the largest and
+  ``first_size_ratio`` the first size's. Then the sweep again: ``builds_in_sweep`` counts the plans built over both
+  sweeps (new captures and ranges of sizes planned again: none built twice when it does not grow in the second
+  sweep), ``stats`` the compiled model's.
+* **before** (what a new size cost until now: captured, planned and built again): a second compile that serves no
+  size from its plan (``variants.sizes = None``: every new size goes to a build on the caller's thread), its first
   call at the sweep's first size and its steady calls there. Its steady call is that of a plan built for the size
   (on a CPU with ONNX Runtime, a session exported for that size), the after's one of a plan built for the example's
   (a session with free sizes): ``steady_interleaved`` times the two at that size, one call of each in turn.
-* **dynamic=True** (``--dynamic-models``): a compile with ``dynamic=True`` and its first call at the sweep's first
-  size, against its steady call.
+* **dynamic=True** (``--dynamic-models``): a compile with ``dynamic=True`` and the same sweep (``dynamic_true``:
+  its sizes, ``median_ratio``, ``max_ratio``, ``builds``).
 
 Writes ``DIR/STEM.json`` and ``DIR/STEM.md``. The figures depend on the machine and on what else runs on it
 (``machine.load_average_1_5_15m``).
@@ -111,9 +113,19 @@ def first_and_steady(model, fast, name: str, inputs: tuple, size: int, clock: Cl
 
     at = inputs_at(name, inputs, size)
     first_ms, out = clock.call_ms(fast, at)
+    start = time.perf_counter()
+    fast.wait(600)  # what the first call set going beside it (a check at the new size): the steady calls come after
+    settle_s = time.perf_counter() - start
     steady = clock.steady_ms(fast, at, calls)
     return {"size": size, "first_call_ms": first_ms, "steady_ms": steady, "ratio": first_ms / steady,
-            "equal_to_eager": compare(model(*at), out).ok}
+            "settle_s": settle_s, "equal_to_eager": compare(model(*at), out).ok}
+
+
+def sweep_of(model, fast, name: str, inputs: tuple, sizes, clock: Clock, calls: int) -> dict:
+    """Every size of ``sizes`` in turn (:func:`first_and_steady`): the rows, and the ratios' median and largest."""
+    rows = [first_and_steady(model, fast, name, inputs, size, clock, calls) for size in sizes]
+    return {"sizes": rows, "median_ratio": statistics.median(s["ratio"] for s in rows),
+            "max_ratio": max(s["ratio"] for s in rows), "first_size_ratio": rows[0]["ratio"]}
 
 
 def one_round(name: str, args, dynamic: bool) -> dict:
@@ -129,24 +141,25 @@ def one_round(name: str, args, dynamic: bool) -> dict:
     clock = Clock(args.device)
     sizes = sizes_of(name, args)
     row: dict = {}
+    first_tier = {"tiers": False} if args.device == "cpu" else {}
     with torch.no_grad():
         start = time.perf_counter()
-        fast = opweave.compile(model, inputs, device=args.device)
+        fast = opweave.compile(model, inputs, device=args.device, **first_tier)
         row["compile_s"] = time.perf_counter() - start
-        sweep = [first_and_steady(model, fast, name, inputs, size, clock, args.calls) for size in sizes]
+        swept = sweep_of(model, fast, name, inputs, sizes, clock, args.calls)
+        sweep = swept["sizes"]
         built = fast.variants.stats["builds"] + fast.variants.stats["replans"]
         again = [first_and_steady(model, fast, name, inputs, size, clock, 1) for size in sizes]
         stats = dict(fast.variants.stats)
-        row["after"] = {"sizes": sweep, "median_ratio": statistics.median(s["ratio"] for s in sweep),
-                        "first_size_ratio": sweep[0]["ratio"], "builds_in_sweep": built,
+        row["after"] = {**swept, "builds_in_sweep": built,
                         "builds_in_second_sweep": stats["builds"] + stats["replans"] - built, "stats": stats,
                         "segments": dict(fast.fused.stats) if fast.fused is not None else None,
                         "equal_to_eager": all(s["equal_to_eager"] for s in sweep + again)}
         fx_nodes = sum(len(nodes) for nodes in fast.captured.nodes.values()) if fast.captured is not None else None
         row.update({"ops": len(fast.graph), "fx_nodes": fx_nodes,
                     "plan": fast.choice.get("label") if fast.choice else fast.schedule.scheduler})
-        before = opweave.compile(model, inputs, device=args.device)
-        before.variants.sizes.generic = False  # every new size captured, planned and built again, as until now
+        before = opweave.compile(model, inputs, device=args.device, **first_tier)
+        before.variants.sizes = None  # every new size captured, planned and built on the caller's thread, as before
         row["before"] = first_and_steady(model, before, name, inputs, sizes[0], clock, args.calls)
         built_for = before.variants._built.get(next(iter(before.variants._built), None))
         row["before"]["plan"] = (built_for.choice or {}).get("label") if built_for is not None else None
@@ -159,8 +172,9 @@ def one_round(name: str, args, dynamic: bool) -> dict:
         fast.close()
         before.close()
         if dynamic:
-            free = opweave.compile(model, inputs, device=args.device, dynamic=True)
-            row["dynamic_true"] = first_and_steady(model, free, name, inputs, sizes[0], clock, args.calls)
+            free = opweave.compile(model, inputs, device=args.device, dynamic=True, **first_tier)
+            row["dynamic_true"] = {**sweep_of(model, free, name, inputs, sizes, clock, args.calls),
+                                   "builds": free.variants.stats["builds"] + free.variants.stats["replans"]}
             free.close()
     return row
 
@@ -175,6 +189,7 @@ def summarize(name: str, mine: list[dict]) -> dict:
            "compile_s": spread([r["compile_s"] for r in mine]),
            "after_median_ratio": spread([r["after"]["median_ratio"] for r in mine]),
            "after_first_size_ratio": spread([r["after"]["first_size_ratio"] for r in mine]),
+           "after_max_ratio": spread([r["after"]["max_ratio"] for r in mine]),
            "steady_after_ms": spread([r["steady_interleaved"]["after_ms"] for r in mine]),
            "steady_before_ms": spread([r["steady_interleaved"]["before_ms"] for r in mine]),
            "before_ratio": spread([r["before"]["ratio"] for r in mine]),
@@ -184,23 +199,26 @@ def summarize(name: str, mine: list[dict]) -> dict:
            "builds_in_sweep": max(r["after"]["builds_in_sweep"] for r in mine),
            "builds_in_second_sweep": max(r["after"]["builds_in_second_sweep"] for r in mine),
            "equal_to_eager": all(r["after"]["equal_to_eager"] and r["before"]["equal_to_eager"]
-                                 and r.get("dynamic_true", {}).get("equal_to_eager", True) for r in mine)}
+                                 and all(s["equal_to_eager"] for s in r.get("dynamic_true", {}).get("sizes", []))
+                                 for r in mine)}
     if "dynamic_true" in first:
-        out["dynamic_true_ratio"] = spread([r["dynamic_true"]["ratio"] for r in mine])
+        out["dynamic_true_median_ratio"] = spread([r["dynamic_true"]["median_ratio"] for r in mine])
+        out["dynamic_true_max_ratio"] = spread([r["dynamic_true"]["max_ratio"] for r in mine])
+        out["dynamic_true_builds"] = max(r["dynamic_true"]["builds"] for r in mine)
     return out
 
 
 def markdown(models: list[dict], device: str) -> str:
     lines = [f"# A new input size on {device}", "",
-             "First call of a new size over a steady call of that size. After: the plan built for the example's "
-             "size serves it (median over the sizes swept, and the first size alone); before: captured, planned and "
+             "First call of a new size over a steady call of that size. After: what a compiled model does now (the "
+             "median over the sizes swept, the largest, and the first size alone); before: captured, planned and "
              "built again (the first size). Steady ms: a call at the first size of the plan built for the example's "
-             "size (after) and of the one built for that size (before), timed interleaved. Medians over the rounds "
-             "(min-max).", "",
-             "| model | plan | compile s | sizes | after: median first / steady | after: first size | plans built "
-             "in the sweep (second sweep) | before: first call ms | before: first / steady | steady ms after / "
-             "before | dynamic=True: first size | equal to eager |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "size (after) and of the one built for that size (before), timed interleaved. dynamic=True: the same "
+             "sweep, median and largest, and the plans it built. Medians over the rounds (min-max).", "",
+             "| model | plan | compile s | sizes | after: median first / steady | after: largest | after: first size "
+             "| plans built in the sweep (second sweep) | before: first call ms | before: first / steady | steady ms "
+             "after / before | dynamic=True: median, largest (plans built) | equal to eager |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
 
     def ratio(s: dict) -> str:
         return f"{s['median']:.1f}x ({s['min']:.1f}-{s['max']:.1f})"
@@ -209,9 +227,11 @@ def markdown(models: list[dict], device: str) -> str:
         sizes = m["sizes"]
         shown = f"{sizes[0]}-{sizes[-1]}" if sizes == list(range(sizes[0], sizes[-1] + 1)) else ",".join(map(str,
                                                                                                                sizes))
-        dynamic = ratio(m["dynamic_true_ratio"]) if "dynamic_true_ratio" in m else "-"
+        dynamic = (f"{ratio(m['dynamic_true_median_ratio'])}, {ratio(m['dynamic_true_max_ratio'])} "
+                   f"({m['dynamic_true_builds']})" if "dynamic_true_median_ratio" in m else "-")
         lines.append(f"| {m['model']} | {m['plan']} | {m['compile_s']['median']:.2f} | {shown} | "
-                     f"{ratio(m['after_median_ratio'])} | {ratio(m['after_first_size_ratio'])} | "
+                     f"{ratio(m['after_median_ratio'])} | {ratio(m['after_max_ratio'])} | "
+                     f"{ratio(m['after_first_size_ratio'])} | "
                      f"{m['builds_in_sweep']} ({m['builds_in_second_sweep']}) | "
                      f"{m['before_first_call_ms']['median']:.0f} | {ratio(m['before_ratio'])} | "
                      f"{m['steady_after_ms']['median']:.1f} / {m['steady_before_ms']['median']:.1f} | {dynamic} | "

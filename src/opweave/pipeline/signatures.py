@@ -53,6 +53,7 @@ once is built once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -292,25 +293,28 @@ class Signatures:
         the plan where it agreed, else the model, from then on for every later size too (Checked once per
         dimension). So no call waits for the check, nor for the plan's first run at a new size."""
         with self._lock:
-            found = self._checks.get((id(plan), dims))
-            fresh = found is None
-            pending = self._checks[(id(plan), dims)] = _Checking(self.sizes.eager(), run) if found is None else found
+            pending = self._checks.get((id(plan), dims))
+            if pending is None:
+                pending = self._checks[(id(plan), dims)] = _Checking(self.sizes.eager(), run)
+                pending.check = functools.partial(self._queue_check, plan, pending, own, key, dims)
             pending.keys.append(key)
-        if fresh:
-            copies = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in args)
-            BACKGROUND.submit((id(self), "check", id(plan), dims),
-                              lambda: self._checked_later(plan, pending, own, copies, key, dims),
-                              f"{self.name} check at {describe(key)}")
         return pending
 
-    def _checked_later(self, plan: Any, pending: _Checking, own: bool, args: tuple[Any, ...], key: tuple[Any, ...],
-                       dims: frozenset[int]) -> None:
-        """The check :meth:`_checking` queued: the plan run at ``args`` and held against the model."""
+    def _queue_check(self, plan: Any, pending: _Checking, own: bool, key: tuple[Any, ...], dims: frozenset[int],
+                     args: tuple[Any, ...], answer: Any) -> None:
+        BACKGROUND.submit((id(self), "check", id(plan), dims),
+                          lambda: self._checked_later(plan, pending, own, args, answer, key, dims),
+                          f"{self.name} check at {describe(key)}")
+
+    def _checked_later(self, plan: Any, pending: _Checking, own: bool, args: tuple[Any, ...], answer: Any,
+                       key: tuple[Any, ...], dims: frozenset[int]) -> None:
+        """The check :meth:`_checking` queued: the plan run at ``args`` and held against the model's ``answer``
+        there (the first call's: the model is not run again)."""
         sizes = self.sizes
         why = ""
         try:
             out = pending.plan(*args)
-            ok, why = sizes.agrees(args, out)
+            ok, why = sizes.agrees(args, out, expected=answer)
         except Exception as exc:  # noqa: BLE001 - the plan (or the model) cannot run this size: the model runs it
             ok, why = False, first_line(exc)
         if ok:
@@ -427,15 +431,25 @@ class Signatures:
 
 class _Checking:
     """Calls of sizes a plan is being checked at (:meth:`Signatures._checking`): the model itself answers them until
-    the check says the plan agrees (``verdict``), then the plan."""
+    the check says the plan agrees (``verdict``), then the plan. The check is queued once the first call has its
+    answer (``check(args, answer)``): nothing beside that call slows it, and the model's answer is the check's."""
 
     def __init__(self, eager: Any, plan: Any):
         self.eager, self.plan = eager, plan
+        self.check: Callable[[tuple[Any, ...], Any], Any] = lambda args, answer: None
         self.verdict: bool | None = None
         self.keys: list[tuple[Any, ...]] = []
+        self._asked = False
 
     def __call__(self, *args: Any) -> Any:
-        return self.plan(*args) if self.verdict else self.eager(*args)
+        if self.verdict:
+            return self.plan(*args)
+        answer = self.eager(*args)
+        if not self._asked:
+            self._asked = True
+            self.check(tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in args),
+                       pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, answer))
+        return answer
 
 
 class _Answered:
