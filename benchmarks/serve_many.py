@@ -413,6 +413,7 @@ def engine_scale(entry: Path, n: int, policies: list[str], rate: float, seconds:
     """The simulated engine at ``n`` models (module docstring)."""
     from opweave.serve import policies as registry
     from opweave.serve import top
+    from opweave.serve.assemble import serving_options
     from opweave.serve.engine import Engine, Observer
     from opweave.serve.executors import SimClock, SimExecutor
     from opweave.serve.loadgen import run_simulated
@@ -431,8 +432,8 @@ def engine_scale(entry: Path, n: int, policies: list[str], rate: float, seconds:
         models = {f"m{i:02d}": blocked for i in range(n)}  # the simulator reads only their graphs
         policy = top.TopPolicy(shipped=False) if policy_name == "top" else registry.create(policy_name)
         decided = Decisions()  # every step's (the engine keeps only its latest for decision_times())
-        engine = Engine(SimExecutor(models, preset="h100"), policy, SimClock(), max_batch=8, max_sub_blocks=4,
-                        observers=[decided])
+        engine = Engine(SimExecutor(models, serving_options("sim"), preset="h100"), policy, SimClock(), max_batch=8,
+                        max_sub_blocks=4, observers=[decided])
         if policy_name == "top":  # untrained: the time to decide, not its quality, is measured
             policy.agents = top.Actors(policy.state_dim, policy.action_dims)
         begin = time.perf_counter()

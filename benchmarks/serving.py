@@ -128,14 +128,14 @@ def largest(ok, tolerance: float, max_scale: float, fails: float | None = None) 
 # ---- simulation -------------------------------------------------------------------------------------------------
 def sim_runner(args, models: list[str]):
     from opweave.serve import policies
-    from opweave.serve.assemble import load_models
+    from opweave.serve.assemble import load_models, serving_options
     from opweave.serve.engine import Engine
     from opweave.serve.executors import SimClock, SimExecutor
 
     start = time.perf_counter()
     served = load_models(models, device="sim", max_batch=MAX_BATCH)
     common.console.print(f"loaded {', '.join(models)} in {time.perf_counter() - start:.0f} s")
-    executor = SimExecutor({n: m.blocked for n, m in served.items()}, preset=args.preset)
+    executor = SimExecutor({n: m.blocked for n, m in served.items()}, serving_options("sim"), preset=args.preset)
     blocks = {n: len(m.blocked.blocks) for n, m in served.items()}
 
     def measure(policy: str, pattern: dict[str, float], scale: float, repeat: int = 0) -> dict:

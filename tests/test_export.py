@@ -61,9 +61,10 @@ def test_export_writes_what_the_server_serves_and_replaces_only_when_asked(tmp_p
     with pytest.raises(UsageError, match="not a plain name"):
         exporting.export(model, inputs, root, "a/b")
     assert sorted(p.name for p in root.iterdir()) == ["tiny"]  # no staging left behind
-    from opweave.serve.assemble import make_engine
+    from opweave.serve.assemble import make_engine, serving_options
 
-    engine = make_engine({}, device="cpu", policy="static", max_batch=4, compiler=None)
+    engine = make_engine({}, device="cpu", policy="static", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     loaded = Repository(engine, {}, root, max_batch=4, control="explicit").load("tiny")
     assert loaded.version == "2" and loaded.max_batch == 1 and [s.shape for s in loaded.inputs] == [(2, 3, 4, 4)]
 

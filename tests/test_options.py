@@ -456,7 +456,7 @@ def test_every_option_through_every_way_in_is_used_or_refused_before_a_model_loa
         attempt("run", key, value, runner.invoke, app, [
             "run", "--model", "tiny", "--devices", "2" if with_ranks else "1", "--json", *option])
         attempt("ray", key, value, lambda options: Replica(ReplicaOptions(
-            model_files={"tiny": program}, compiler=None, options=options)), {key: value})
+            model_files={"tiny": program}, options={"compiler": "none", **options})), {key: value})
     every = set(samples)
     assert all(set(by_key) == every for by_key in outcomes.values())
     used = {door: {k for k, v in by_key.items() if v == "used"} for door, by_key in outcomes.items()}

@@ -26,7 +26,7 @@ def on_device():
 
 def test_combined_blocks_are_recorded_once_per_signature_and_answer_like_eager(on_device, rt):  # noqa: F811
     model, bm = on_device
-    ex = CudaExecutor({"a": bm, "b": bm}, serving_options("cuda", runtime=rt), cache_size=2)
+    ex = CudaExecutor({"a": bm, "b": bm}, serving_options("cuda", runtime=rt, cache_size=2))
     assert ex.streams == default_streams()  # capped as opweave.compile caps lanes (it had no cap)
     x, y = torch.randn(3, 3, 8, 8, device=DEVICE), torch.randn(2, 3, 8, 8, device=DEVICE)
     first = Part("a", 0, 3, (x,))

@@ -24,7 +24,7 @@ from opweave.learn import gpg, maddpg, policy
 from opweave.pipeline import plan_for
 from opweave.schedulers import ios, top_gpg
 from opweave.serve import top
-from opweave.serve.assemble import load_models, make_engine
+from opweave.serve.assemble import load_models, make_engine, serving_options
 from opweave.serve.server import BackgroundServer
 
 
@@ -277,7 +277,7 @@ def squeezenet_sim():
     from opweave.serve.executors import SimExecutor
 
     served = load_models(["squeezenet"], device="sim", max_batch=16)
-    return SimExecutor({"squeezenet": served["squeezenet"].blocked}, preset="h100")
+    return SimExecutor({"squeezenet": served["squeezenet"].blocked}, serving_options("sim"), preset="h100")
 
 
 def simulate_top(executor, policy, scale: float, duration: float = 0.5):

@@ -128,9 +128,10 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           threads: Annotated[int | None, typer.Option("--threads", min=1, help="cpu: the threads each combined "
                                                       "block's lanes may use in all, as opweave.compile's threads "
                                                       "(default: every core; with --ray, 1 per replica)")] = None,
-          compiler: Annotated[str, typer.Option("--compiler", help="cpu: each block compiled whole by onnxruntime or "
-                                                           "inductor, or none (TOP's combined op graphs); default "
-                                                           "onnxruntime when installed")] = "default",
+          compiler: Annotated[str | None, typer.Option("--compiler", help="cpu: each block compiled whole by "
+                                                                  "onnxruntime or inductor, or none (TOP's combined op "
+                                                                  "graphs); default onnxruntime when installed")
+                              ] = None,
           mode: ModeOpt = None, options: OptionOpt = None,
           log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
     """Serve models over the Open Inference Protocol (KServe v2 / Triton HTTP, and gRPC with ``--grpc-port``) until
@@ -172,10 +173,14 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         device = resolve_device(device)
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu, cuda or auto, got {device!r}")
-    mode, given = collect_options(options, mode, scheduler=scheduler, streams=streams,
-                                  compiler=None if compiler == "default" else compiler,
-                                  threads=threads if threads is not None or not ray or device != "cpu" else 1)
-    settings = serving_options(device, given, mode=mode)  # every option checked, before any model loads
+    mode, given = collect_options(options, mode, scheduler=scheduler, streams=streams, compiler=compiler,
+                                  threads=threads)
+    if ray:  # every option checked, before any model loads
+        from opweave.serve.ray import replica_options
+
+        settings = replica_options(device, given, mode=mode)
+    else:
+        settings = serving_options(device, given, mode=mode)
     if device == "cuda" and not (ray and ray_address is not None):  # a remote cluster's replicas hold the GPUs
         import torch
 
@@ -237,7 +242,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     unavailable = [m["name"] for m in repository.index() if m["state"] != "READY"]
     down = f"; UNAVAILABLE: {', '.join(unavailable)} (see the repository index)" if unavailable else ""
 
-    chose = " (the default)" if compiler == "default" and "compiler" not in given else ""
+    chose = " (the default)" if "compiler" not in given else ""
     builds = "" if device != "cpu" else (f"; compiler {settings.compiler or 'none'}{chose}, {settings.threads} "
                                           "threads")
 
@@ -371,7 +376,7 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
                                                        help="roofline preset (simulation)")] = "h100",
             policy: SimPolicyOpt = None, policy_options: PolicyOptionsOpt = None,
             policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64,
-            max_batch: MaxBatchOpt = 8, max_sub_blocks: HOpt = 4, scheduler: SchedulerOpt = "lios",
+            max_batch: MaxBatchOpt = 8, max_sub_blocks: HOpt = 4, scheduler: SchedulerOpt = None,
             streams: StreamsOpt = None, image_size: ImageSizeOpt = None,
             profile: Annotated[list[str] | None, typer.Option("--profile", help="MODEL=PATH: measured profile "
                                                               "(opweave profile) for simulation")] = None,

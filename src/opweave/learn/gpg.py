@@ -66,6 +66,7 @@ from opweave.schedulers.top_gpg import (
     scale_ms,
     walk,
 )
+from opweave.serve.assemble import serving_options
 from opweave.serve.executors import SimExecutor, union_costs, union_graph
 
 VALIDATION_SEED = 12345  # the validation graphs' draws
@@ -82,7 +83,7 @@ class GpgGraphs:
     def __init__(self, blocked: dict, *, preset: str = "h100", max_parts: int = 6, seed: int = 0):
         """``blocked``: name -> :class:`~opweave.serve.blocks.BlockedModel` (:meth:`from_zoo` loads zoo models
         into one)."""
-        self.executor = SimExecutor(dict(blocked), preset=preset)
+        self.executor = SimExecutor(dict(blocked), serving_options("sim"), preset=preset)
         self.slots = [(n, b) for n, m in blocked.items() for b in range(len(m.blocks))]
         self.max_parts = max_parts
         self.rng = random.Random(seed)

@@ -32,9 +32,12 @@ from torch.utils import _pytree as pytree
 
 from opweave.backends.cache import BoundedCache
 from opweave.costs.model import Costs
+from opweave.costs.roofline import estimate
+from opweave.costs.roofline import preset as find_preset
 from opweave.errors import UsageError
-from opweave.pipeline import Options, build, plan_for, resolve
+from opweave.pipeline import Compiled, Options, build, resolve
 from opweave.pipeline.signatures import Batched, Builder, attach, bucket, padded, rows
+from opweave.pipeline.targets import SimTarget
 from opweave.serve.blocks import BlockedModel
 from opweave.serve.combined import (
     Part,
@@ -93,28 +96,22 @@ class StepCost:
 class Executor:
     """What every executor shares: the served models, the resolved options every combined block is built with
     (:func:`opweave.serve.assemble.serving_options`: the serving preset, checked before any model loaded; the
-    scheduler, TOP's ``lios`` unless told, and its stream cap among them) and the LRU cache of compiled signatures
-    (``stats``: hits, misses, evictions, compile seconds), of ``cache_size`` signatures (default: the options')."""
+    scheduler, TOP's ``lios`` unless told, and its stream cap among them) and the LRU cache of combined blocks built
+    (``stats``: hits, misses, evictions, compile seconds), of the options' ``cache_size`` signatures."""
 
     device = "none"
     serves = "cpu"  # the server its options are resolved for (serving_options' device)
 
-    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *,
-                 cache_size: int | None = None, pad: bool = False):
-        options = options if options is not None else resolve(
-            "cpu" if self.serves == "cpu" else "cuda", check_device=False, serving=self.serves)
+    def __init__(self, models: dict[str, BlockedModel], options: Options, *, pad: bool = False):
         if options.serving != self.serves:
             raise UsageError(f"the options of a server on {self.serves} are resolved with its serving preset: "
                              f"opweave.serve.assemble.serving_options({self.serves!r}, ...)")
-        cache_size = options.cache_size if cache_size is None else cache_size
-        if cache_size < 1:
-            raise UsageError(f"cache_size must be at least 1, got {cache_size}")
         assert options.scheduler is not None  # the serving preset's: lios unless given
         self.models, self.options = models, options
         self.scheduler: str = options.scheduler
-        self.streams, self.cache_size = options.streams, cache_size
+        self.streams, self.cache_size = options.streams, options.cache_size
         self.pad = pad
-        self._cache = BoundedCache(cache_size, self._dropped)
+        self._cache = BoundedCache(options.cache_size, self._dropped)
         self.stats = {"hits": 0, "misses": 0, "evictions": 0, "compile_s": 0.0}
 
     def bucket(self, batch: int) -> int:
@@ -123,27 +120,24 @@ class Executor:
         shapes, and a max batch of 16 then needs 5 sizes per block instead of 16."""
         return bucket(batch) if self.pad else batch
 
-    def compiled(self, sig: Signature) -> Any:
-        """The compiled entry of ``sig`` (compiled on first use; least recently used entries dropped)."""
+    def combined_block(self, sig: Signature) -> Compiled:
+        """The combined block of ``sig``, built by the pipeline (on first use; least recently used ones dropped)."""
         if sig in self._cache:
             self.stats["hits"] += 1
             return self._cache[sig]
         self.stats["misses"] += 1
         start = time.perf_counter()
-        entry = self._compile(sig)
+        built = self._build(sig)
         self.stats["compile_s"] += time.perf_counter() - start
-        self._cache[sig] = entry
-        return entry
+        self._cache[sig] = built
+        return built
 
-    def _compile(self, sig: Signature) -> Any:
+    def _build(self, sig: Signature) -> Compiled:
         raise NotImplementedError
 
-    def _dropped(self, sig: Signature, entry: Any) -> None:
+    def _dropped(self, sig: Signature, built: Compiled) -> None:
         self.stats["evictions"] += 1
-        self._evict(entry)
-
-    def _evict(self, entry: Any) -> None:
-        pass
+        built.close()
 
     def warm_model(self, name: str, blocked: BlockedModel, max_batch: int, batches: tuple[int, ...] = ()) -> None:
         """Compile ahead what serving a model about to be added needs (on any thread, while the engine runs: it
@@ -153,7 +147,7 @@ class Executor:
     def drop_model(self, name: str) -> None:
         """Forget a removed model's compiled signatures (on the engine's thread, between steps)."""
         for sig in [s for s in self._cache if any(m == name for m, _, _ in s)]:
-            self._evict(self._cache.pop(sig))
+            self._cache.pop(sig).close()
 
     # the engine's interface -------------------------------------------------------------------------------------
     def prepare(self, model: str, inputs: list[Any]) -> Any:
@@ -252,14 +246,12 @@ class CpuExecutor(TensorExecutor):
 
     device = "cpu"
 
-    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *,
-                 cache_size: int | None = None, pad: bool | None = None):
+    def __init__(self, models: dict[str, BlockedModel], options: Options, *, pad: bool = False):
         from opweave.backends.threads import total_threads
         from opweave.pipeline.targets import per_op_threads
 
-        options = options if options is not None else resolve("cpu", serving="cpu", compiler="none")
         self.compiler = options.compiler  # each block compiled whole by it (None: TOP's combined op graphs)
-        super().__init__(models, options, cache_size=cache_size, pad=bool(pad))
+        super().__init__(models, options, pad=pad)
         self.threads = options.threads  # what the lanes of a combined block may use in all
         self.total_threads = total_threads(self.threads)
         self.per_op_threads = per_op_threads(options)
@@ -280,12 +272,12 @@ class CpuExecutor(TensorExecutor):
         that bakes it in (Inductor's OpenMP teams)."""
         return None if self.compiler == "onnxruntime" else threads
 
-    def _compile(self, sig: Signature) -> Any:
+    def _build(self, sig: Signature) -> Compiled:
         if self.compiler is None:
-            return build(captured(self.models, sig)[0], (), self.options).backend
+            return build(captured(self.models, sig)[0], (), self.options)
         # the parts are the blocks' calls: no segment compiler of their own, each op's threads as its block takes
         options = self.options.derive(compiler=None, per_op_threads=self.per_op_threads)
-        return build(parts_captured(self.models, sig, self._caller), (), options).backend
+        return build(parts_captured(self.models, sig, self._caller), (), options)
 
     def _caller(self, model: str, index: int, batch: int) -> Callable:
         """What a parts graph calls for block ``index`` of ``model`` (``batch`` names it): the block built for the
@@ -389,9 +381,6 @@ class CpuExecutor(TensorExecutor):
             self.warm_model(name, blocked, max_batch, (batches or {}).get(name, ()))
         return sum(len(b.sizes()) for served in self._blocks.values() for b in served.compiled.values())
 
-    def _evict(self, entry: Any) -> None:
-        entry.close()  # stops its worker threads
-
     def drop_model(self, name: str) -> None:
         super().drop_model(name)
         for key in [k for k in self._blocks if k[0] == name]:
@@ -401,7 +390,7 @@ class CpuExecutor(TensorExecutor):
     def run(self, parts: list[Part]) -> StepCost:
         ordered, sig, inputs = self._states(parts)
         alone = self.compiler is not None and len(parts) == 1  # one part alone: its plan would be this one call
-        call = self.block(sig[0][0], sig[0][1], self.total_threads) if alone else self.compiled(sig)
+        call = self.block(sig[0][0], sig[0][1], self.total_threads) if alone else self.combined_block(sig)
         start = time.perf_counter()
         with torch.no_grad():
             outs = call(*[x for state in inputs for x in state])
@@ -446,30 +435,26 @@ class CudaExecutor(TensorExecutor):
 
     serves = "cuda"
 
-    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *,
-                 cache_size: int | None = None, pad: bool = True):
+    def __init__(self, models: dict[str, BlockedModel], options: Options, *, pad: bool = True):
         from opweave.backends.cuda import require_cuda
 
-        options = options if options is not None else resolve("cuda", check_device=False, serving="cuda")
         self.runtime = options.runtime
         require_cuda(self.runtime)
-        super().__init__(models, options, cache_size=cache_size, pad=pad)  # streams: the GPU's hardware queues
+        super().__init__(models, options, pad=pad)  # streams: the GPU's hardware queues
         self.device = self.runtime.device
 
-    def _compile(self, sig: Signature) -> Any:
+    def _build(self, sig: Signature) -> Compiled:
         combined, example = captured(self.models, sig)
-        return build(combined, example, self.options.derive(cache_size=1)).backend  # one input signature each
+        return build(combined, example, self.options.derive(cache_size=1))  # one input signature each
 
-    def _evict(self, entry: Any) -> None:
-        entry.close()  # frees its graph's memory and gives its streams back to the device's pool
 
     def run(self, parts: list[Part]) -> StepCost:
         ordered, sig, inputs = self._states(parts)
-        backend = self.compiled(sig)
+        built = self.combined_block(sig)
         stream = self.runtime.current_stream(self.device)
         start = time.perf_counter()
         with torch.no_grad():
-            outs = backend(*[x for state in inputs for x in state])
+            outs = built(*[x for state in inputs for x in state])
         stream.synchronize()
         seconds = time.perf_counter() - start
         self._store(ordered, list(outs))
@@ -479,9 +464,11 @@ class CudaExecutor(TensorExecutor):
 # ---- simulation ---------------------------------------------------------------------------------------------------
 class SimExecutor(Executor):
     """Combined blocks timed by the simulator: each part's block graph at its batch
-    (:meth:`~opweave.serve.blocks.BlockedModel.graph_at`), costs from the roofline ``preset`` (or ``profiles``), the
-    scheduler, lowering, validation, and :func:`~opweave.backends.simulate.simulate` under ``cost_model``
-    (``gpu``: concurrent ops share the device). A step takes the makespan plus ``step_overhead_ms``.
+    (:meth:`~opweave.serve.blocks.BlockedModel.graph_at`), costs from the roofline ``preset`` (or ``profiles``)
+    under the options' ``cost_model`` (the serving preset's ``gpu``: concurrent ops share the device), planned and
+    replayed through the pipeline's simulation target (:class:`~opweave.pipeline.targets.SimTarget`: the scheduler,
+    lowering, validation, and the simulator's replay of the plan). A step takes the makespan plus
+    ``step_overhead_ms``.
 
     ``step_overhead_ms`` (default 0.03 ms) stands for what a real step adds around the graph: the engine's decision,
     stacking the inputs and one CUDA Graph launch and synchronization. It is an assumption, not a measurement.
@@ -495,27 +482,22 @@ class SimExecutor(Executor):
     device = "sim"
     serves = "sim"  # a GPU's plans, simulated: streams capped at its hardware queues
 
-    def __init__(self, models: dict[str, BlockedModel], options: Options | None = None, *, preset: str = "h100",
-                 dtype: str = "float32", cost_model: str | None = None,
-                 profiles: dict[str, dict[int, Any]] | None = None, step_overhead_ms: float = 0.03,
-                 cache_size: int | None = None, pad: bool = True):
-        super().__init__(models, options, cache_size=cache_size, pad=pad)
-        from opweave.costs.roofline import preset as find_preset
-
+    def __init__(self, models: dict[str, BlockedModel], options: Options, *, preset: str = "h100",
+                 dtype: str = "float32", profiles: dict[str, dict[int, Any]] | None = None,
+                 step_overhead_ms: float = 0.03, pad: bool = True):
+        super().__init__(models, options, pad=pad)
         find_preset(preset)
-        cost_model = self.options.cost_model if cost_model is None else cost_model
-        self.preset, self.dtype, self.cost_model = preset, dtype, cost_model
+        self.preset, self.dtype = preset, dtype
         self.profiles = profiles or {}
         self.step_overhead_ms = step_overhead_ms
         self._part_costs: dict[tuple[str, int, int], Costs] = {}
 
     def part_costs(self, model: str, block: int, batch: int) -> Costs:
+        """What block ``block`` of ``model`` costs at ``batch`` on the simulated device (the class docstring)."""
         key = (model, block, batch)
         if key not in self._part_costs:
-            from opweave.costs.roofline import estimate
-
             graph = self.models[model].graph_at(block, batch)
-            costs = estimate(graph, self.preset, self.dtype, model=self.cost_model)
+            costs = estimate(graph, self.preset, self.dtype, model=self.options.cost_model)
             measured = self.profiles.get(model)
             if measured:
                 at = min(measured, key=lambda m: (abs(m - batch), m))
@@ -527,19 +509,13 @@ class SimExecutor(Executor):
             self._part_costs[key] = costs
         return self._part_costs[key]
 
-    def _compile(self, sig: Signature) -> tuple[float, float]:
-        from opweave.backends.simulate import makespan_ms
-
+    def _build(self, sig: Signature) -> Compiled:
         graph = union_graph([self.models[m].graph_at(b, n) for m, b, n in sig], name_of(sig))
-        costs = union_costs([self.part_costs(*key) for key in sig], self.cost_model)
-        sched, plan = plan_for(graph, costs, self.scheduler, streams=self.streams,
-                               **(self.options.scheduler_options or {}))
-        makespan = makespan_ms(graph, plan, costs)
-        work = sum(costs.latency_ms[o] * costs.util(o) for o in graph.ids)
-        return makespan, min(1.0, work / makespan) if makespan else 0.0
+        costs = union_costs([self.part_costs(*key) for key in sig], self.options.cost_model)
+        return SimTarget().build(graph, costs, self.options)
 
     def run(self, parts: list[Part]) -> StepCost:
-        makespan_ms, utilization = self.compiled(signature(parts, self.bucket))
+        makespan_ms, utilization = self.combined_block(signature(parts, self.bucket))()
         seconds = (makespan_ms + self.step_overhead_ms) / 1e3
         return StepCost(seconds, utilization * makespan_ms / (makespan_ms + self.step_overhead_ms))
 

@@ -63,10 +63,9 @@ class ReplicaOptions:
     max_batch: int = 8
     max_sub_blocks: int = 4
     timeout_s: float | None = None
-    options: Any = field(default_factory=dict)  # the resolved Options (serve.assemble.serving_options), or a dict
+    options: Any = field(default_factory=dict)  # the resolved Options (replica_options), or a dict of them
     image_size: Any = None  # int or {"*": int, model: int}
     cuts: dict[str, list[str]] = field(default_factory=dict)
-    compiler: str | None = "default"  # with a dict of options that names none: the blocks' (None: TOP's graphs)
     pin_cores: bool = False  # each replica on its own `threads` cores, chosen by its local rank (see pin)
     max_body_bytes: int = 0  # raises every model's request limit (server.create_app)
     allow_symlinks_outside_root: bool = False  # the model repository's links (repository.Repository)
@@ -76,23 +75,28 @@ class ReplicaOptions:
 
     def resolved(self):
         """The options every combined block of a replica is built with: ``options`` when they are resolved already
-        (:func:`opweave.serve.assemble.serving_options`, as ``opweave serve --ray`` and :func:`deploy` hand them to
-        the replicas), else resolved from the dict, checked before any model loads; on a CPU a replica's lanes use
-        ``threads`` (default 1, its CPU share) in all."""
+        (:func:`replica_options`, as ``opweave serve --ray`` and :func:`deploy` hand them to the replicas), else
+        resolved from the dict, checked before any model loads."""
         from opweave.pipeline import Options
-        from opweave.serve.assemble import serving_options
 
         if isinstance(self.options, Options):
             return self.options
-        share = {"threads": 1} if self.device == "cpu" and "threads" not in self.options else {}
-        chosen = {"compiler": self.compiler or "none"} if self.compiler != "default" and self.device == "cpu" \
-            and "compiler" not in self.options else {}
-        return serving_options(self.device, {**share, **chosen, **self.options})
+        return replica_options(self.device, self.options)
 
     @property
     def threads(self) -> int:
         """The CPU threads one replica uses (what Ray reserves for it, and the cores it is pinned to)."""
         return self.resolved().threads or 1
+
+
+def replica_options(device: str, options: dict | None = None, *, mode: str | None = None):
+    """The resolved options of one replica (:func:`opweave.serve.assemble.serving_options`, the serving preset): on
+    a CPU its lanes use ``threads`` in all, by default 1 (its share of the machine: what Ray reserves for it)."""
+    from opweave.serve.assemble import serving_options
+
+    options = options or {}
+    share = {"threads": 1} if device == "cpu" and options.get("threads") is None else {}
+    return serving_options(device, {**options, **share}, mode=mode)
 
 
 class Replica:
@@ -427,4 +431,4 @@ async def retrying_post(client, url: str, *, attempts: int = 5, backoff_s: float
 
 
 __all__ = ["APP_NAME", "DEPLOYMENT", "FRONT", "FRONT_ATTEMPTS", "Replica", "ReplicaOptions", "application", "deploy",
-           "front_app", "pin", "replica_states", "retrying_post", "shutdown", "start_local"]
+           "front_app", "pin", "replica_options", "replica_states", "retrying_post", "shutdown", "start_local"]
