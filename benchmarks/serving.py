@@ -127,10 +127,9 @@ def largest(ok, tolerance: float, max_scale: float, fails: float | None = None) 
 
 # ---- simulation -------------------------------------------------------------------------------------------------
 def sim_runner(args, models: list[str]):
-    from opweave.serve import policies
     from opweave.serve.assemble import load_models, serving_options
-    from opweave.serve.engine import Engine
-    from opweave.serve.executors import SimClock, SimExecutor
+    from opweave.serve.engine import Engine, policies
+    from opweave.serve.engine.simulation import SimClock, SimExecutor
 
     start = time.perf_counter()
     served = load_models(models, device="sim", max_batch=MAX_BATCH)

@@ -34,10 +34,10 @@ from opweave.cli.learn import learning_png
 from opweave.errors import UsageError
 from opweave.learn.policy import SCALES, STEPS, HeldOut, save_agents, train
 from opweave.schedulers.top_gpg import one_thread
-from opweave.serve import loadgen, policies, top
+from opweave.serve import loadgen
 from opweave.serve.assemble import load_models, serving_options
-from opweave.serve.engine import Engine
-from opweave.serve.executors import SimClock, SimExecutor
+from opweave.serve.engine import Engine, policies, top
+from opweave.serve.engine.simulation import SimClock, SimExecutor
 
 PATTERNS = {"multi": dict(MULTI), **{m: {m: SINGLE_RATE} for m in MULTI}}
 BASELINES = ("static", "batch", "heuristic")

@@ -1,4 +1,4 @@
-"""Blocks at single-tensor cut points (serve/blocks.py) and the combined-block graphs of the executors."""
+"""Blocks at single-tensor cut points (serve/engine/blocks.py) and the combined-block graphs of the executors."""
 
 import pytest
 import torch
@@ -11,9 +11,11 @@ from opweave.capture import capture
 from opweave.errors import UsageError
 from opweave.ir import OpGraph
 from opweave.outputs import compare
-from opweave.serve import blocks
 from opweave.serve.assemble import serving_options
-from opweave.serve.executors import CpuExecutor, Part, SimExecutor, union_graph
+from opweave.serve.engine import blocks
+from opweave.serve.engine.combined import Part, union_graph
+from opweave.serve.engine.cpu import CpuExecutor
+from opweave.serve.engine.simulation import SimExecutor
 from serve_models import Pooled, tiny
 
 

@@ -8,10 +8,11 @@ from cuda_precision import fp32_math  # noqa: F401 - autouse: no TF32 in the CUD
 from cuda_runtime import DEVICE, rt  # noqa: F401 - rt: the runtime fixture
 from opweave.backends.cuda import default_streams
 from opweave.capture import capture
-from opweave.serve import blocks, policies
 from opweave.serve.assemble import serving_options
-from opweave.serve.engine import Engine
-from opweave.serve.executors import CudaExecutor, Part, RealClock
+from opweave.serve.engine import Engine, blocks, policies
+from opweave.serve.engine.combined import Part
+from opweave.serve.engine.cuda import CudaExecutor
+from opweave.serve.engine.executors import RealClock
 from serve_models import tiny
 
 pytestmark = pytest.mark.cuda

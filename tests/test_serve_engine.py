@@ -1,5 +1,7 @@
 """The serving engine and its policies: in simulation (H100 preset) and for real on the CPU backend."""
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -7,10 +9,15 @@ import torch
 
 from opweave.capture import capture
 from opweave.errors import UsageError
-from opweave.serve import blocks, engine, loadgen, policies
+from opweave.serve import loadgen
 from opweave.serve.assemble import load_models, make_engine, serving_options
-from opweave.serve.engine import Arrival, Engine, Observer, QueueFull, simulate_arrivals
-from opweave.serve.executors import CpuExecutor, Part, RealClock, SimClock, SimExecutor
+from opweave.serve.engine import Arrival, Engine, Observer, QueueFull, blocks, policies, simulate_arrivals
+from opweave.serve.engine.combined import Part
+from opweave.serve.engine.cpu import CpuExecutor
+from opweave.serve.engine.executors import RealClock
+from opweave.serve.engine.policy import Observation, Policy, SlotObs
+from opweave.serve.engine.simulation import SimClock, SimExecutor
+from opweave.serve.engine.top import TopPolicy
 from serve_models import tiny
 
 SIMULATED = serving_options("sim")  # the simulator's serving preset
@@ -87,7 +94,7 @@ def test_heuristic_stays_within_h_and_pipelines(two_tiny):
     assert all(n <= 4 for p in steps.parts for _, _, n in p)
 
 
-class Scheme(policies.Policy):
+class Scheme(Policy):
     """A fixed block combination scheme, as TOP's model-scheduler agents give one."""
 
     name = "scheme"
@@ -100,8 +107,8 @@ class Scheme(policies.Policy):
 
 
 def observation(ready, h=4):
-    slots = tuple(policies.SlotObs(m, b, 1, 1, age) for m, b, age in ready)
-    return policies.Observation(0.0, {}, slots, h, 0.0, 0.0, 0.0, 0.0)
+    slots = tuple(SlotObs(m, b, 1, 1, age) for m, b, age in ready)
+    return Observation(0.0, {}, slots, h, 0.0, 0.0, 0.0, 0.0)
 
 
 def test_the_combined_block_with_the_highest_effective_input_ratio_runs_and_only_its_ready_slots(two_tiny):
@@ -269,9 +276,14 @@ def test_unknown_models_and_policies_are_usage_errors(two_tiny):
                                                                           "max_queue_delay_ms": 0.5}
 
 
-def test_registered_policies():
-    assert {"static", "batch", "heuristic"} <= set(policies.names())
-    assert engine.Engine is Engine and Part
+def test_the_policies_are_one_table_whatever_was_imported_before():
+    """The policies a server runs by name are one table, TOP's learned ``top`` among them, in a process that imported
+    nothing else: before, ``top`` was a name only once some module had imported its module (a registry filled as a
+    side effect of imports)."""
+    code = "from opweave.serve.engine import policies; print(','.join(policies.names()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.split() == ["static,batch,heuristic,top"]
+    assert policies.names() == list(policies.POLICIES) and isinstance(policies.create("top", shipped=False), TopPolicy)
 
 
 def test_patterns_and_arrivals():
@@ -342,7 +354,7 @@ def test_the_many_models_benchmark_reports_the_decision_time_of_every_step_not_o
     """``benchmarks/serve_many.py``'s engine run gives the percentiles and maximum of every step's decision time:
     the engine keeps only its latest steps' (``DECISIONS_KEPT``) for ``decision_times()``."""
     from benchmark_module import serve_many
-    from opweave.serve import engine as engine_module
+    from opweave.serve.engine import engine as engine_module
 
     _, path = tiny_file
     (tmp_path / "1").mkdir()

@@ -17,9 +17,10 @@ import torch
 from opweave.capture import capture
 from opweave.outputs import compare
 from opweave.pipeline.signatures import bucket, rows
-from opweave.serve import blocks
 from opweave.serve.assemble import serving_options
-from opweave.serve.executors import CpuExecutor, Part
+from opweave.serve.engine import blocks
+from opweave.serve.engine.combined import Part
+from opweave.serve.engine.cpu import CpuExecutor
 from serve_models import WAIT_S, tiny
 
 
@@ -245,8 +246,8 @@ import os
 import torch
 from opweave.capture import capture
 from opweave.serve.assemble import serving_options
-from opweave.serve import blocks
-from opweave.serve.executors import CpuExecutor
+from opweave.serve.engine import blocks
+from opweave.serve.engine.cpu import CpuExecutor
 from serve_models import tiny
 
 models = {}
@@ -283,8 +284,8 @@ import opweave
 from opweave.capture import capture
 from opweave.outputs import compare
 from opweave.serve.assemble import serving_options
-from opweave.serve import blocks
-from opweave.serve.executors import CpuExecutor
+from opweave.serve.engine import blocks
+from opweave.serve.engine.cpu import CpuExecutor
 from serve_models import tiny
 
 model, x = tiny()

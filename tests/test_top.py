@@ -23,8 +23,8 @@ from opweave.ir.synth import random_dag
 from opweave.learn import gpg, maddpg, policy
 from opweave.pipeline import plan_for
 from opweave.schedulers import ios, top_gpg
-from opweave.serve import top
 from opweave.serve.assemble import load_models, make_engine, serving_options
+from opweave.serve.engine import top
 from opweave.serve.server import BackgroundServer
 
 
@@ -274,7 +274,7 @@ class FixedActors:
 
 @pytest.fixture(scope="module")
 def squeezenet_sim():
-    from opweave.serve.executors import SimExecutor
+    from opweave.serve.engine.simulation import SimExecutor
 
     served = load_models(["squeezenet"], device="sim", max_batch=16)
     return SimExecutor({"squeezenet": served["squeezenet"].blocked}, serving_options("sim"), preset="h100")
@@ -282,7 +282,7 @@ def squeezenet_sim():
 
 def simulate_top(executor, policy, scale: float, duration: float = 0.5):
     from opweave.serve.engine import Engine
-    from opweave.serve.executors import SimClock
+    from opweave.serve.engine.simulation import SimClock
     from opweave.serve.loadgen import run_simulated
 
     engine = Engine(executor, policy, SimClock(), max_queue=64, max_batch=16, max_sub_blocks=4)

@@ -134,7 +134,7 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
     from opweave.learn import policy
     from opweave.schedulers.top_gpg import one_thread
     from opweave.serve.assemble import load_models, parse_image_size, serving_options
-    from opweave.serve.executors import SimExecutor
+    from opweave.serve.engine.simulation import SimExecutor
     from opweave.serve.loadgen import parse_pattern
 
     rates = parse_pattern(pattern)

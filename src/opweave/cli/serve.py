@@ -16,12 +16,11 @@ from opweave.cli.app import DeviceOpt, JsonOpt, ModeOpt, OptionOpt, app, collect
 from opweave.errors import DeviceError, UsageError
 
 # The default policies (opweave.serve.assemble.DEFAULT_POLICIES), said the same way in both commands' help.
-SimPolicyOpt = Annotated[str | None, typer.Option("--policy", help="with --simulate: static | batch | heuristic | top "
-                                                  "(or a registered policy); default: heuristic, the default on a GPU, "
-                                                  "which the simulator models (with --url the server runs its own)")]
-ServePolicyOpt = Annotated[str | None, typer.Option("--policy", help="static | batch | heuristic | top (or a "
-                                                    "registered policy); default: static on a CPU, heuristic on a "
-                                                    "GPU (docs/serving.md)")]
+SimPolicyOpt = Annotated[str | None, typer.Option("--policy", help="with --simulate: static | batch | heuristic | top; "
+                                                  "default: heuristic, the default on a GPU, which the simulator "
+                                                  "models (with --url the server runs its own)")]
+ServePolicyOpt = Annotated[str | None, typer.Option("--policy", help="static | batch | heuristic | top; default: "
+                                                    "static on a CPU, heuristic on a GPU (docs/serving.md)")]
 ON_DEVICE = {"cpu": "a CPU", "cuda": "a GPU", "sim": "the simulator"}  # where a default policy applies, in words
 PolicyOptionsOpt = Annotated[str | None, typer.Option("--policy-options", help="KEY=VALUE,... for the policy")]
 PolicyFileOpt = Annotated[Path | None, typer.Option("--policy-file", help="trained policy (top: opweave "
@@ -42,7 +41,7 @@ def _names(text: str | None) -> list[str]:
 
 def _policy_options(policy: str, text: str | None, policy_file: Path | None) -> dict:
     """``--policy-options`` as a dict, with ``--policy-file`` as its ``policy_file``."""
-    from opweave.serve import policies
+    from opweave.serve.engine import policies
 
     options = policies.parse_options(text)
     if policy_file is not None:
@@ -442,7 +441,7 @@ def blocks(models: Annotated[str, typer.Option("--models", help="comma list of z
     """Split models into blocks at single-tensor cut points; counts beside TOP Table II."""
     from opweave import zoo
     from opweave.serve.assemble import load_models, parse_cuts, parse_image_size
-    from opweave.serve.blocks import table_ii
+    from opweave.serve.engine.blocks import table_ii
 
     served = load_models(_names(models), device="cpu", image_size=parse_image_size(image_size), cuts=parse_cuts(cuts))
     rows = [{**table_ii(m.blocked), "top_blocks": zoo.PAPER_COUNTS.get(n, {}).get("blocks"),

@@ -8,9 +8,12 @@ from pathlib import Path
 
 from opweave.errors import UsageError
 from opweave.pipeline.options import Options
-from opweave.serve import policies, top  # noqa: F401 - importing top registers the learned policy "top"
-from opweave.serve.engine import Engine
-from opweave.serve.executors import CpuExecutor, CudaExecutor, Executor, Part, RealClock, SimClock, SimExecutor
+from opweave.serve.engine import Engine, policies
+from opweave.serve.engine.combined import Part
+from opweave.serve.engine.cpu import CpuExecutor
+from opweave.serve.engine.cuda import CudaExecutor
+from opweave.serve.engine.executors import Executor, RealClock
+from opweave.serve.engine.simulation import SimClock, SimExecutor
 from opweave.serve.models import ServedModel, check_name, load
 
 DEVICES = ("cpu", "cuda", "sim")
@@ -123,10 +126,10 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
     built with ``options`` (:func:`serving_options` of the device: the serving preset, unless given), under
     ``policy`` (default: :func:`default_policy` of the device). In simulation, ``preset`` (the roofline preset of the
     simulated GPU), ``step_overhead_ms`` and ``profiles`` (see :func:`load_profiles`, replacing roofline latencies)
-    go to :class:`~opweave.serve.executors.SimExecutor`. ``warm`` compiles every block alone at batch 1 first (and
-    checks it runs): with a compiler, every block's first variants up front (its any-batch session, or its batch-1
-    variant: :meth:`~opweave.serve.executors.CpuExecutor.warm_model`); other batches when first asked for. ``say``:
-    told what is under way, model by model (a progress bar)."""
+    go to :class:`~opweave.serve.engine.simulation.SimExecutor`. ``warm`` compiles every block alone at batch 1 first
+    (and checks it runs): with a compiler, every block's first variants up front (its any-batch session, or its
+    batch-1 variant: :meth:`~opweave.serve.engine.cpu.CpuExecutor.warm_model`); other batches when first asked for.
+    ``say``: told what is under way, model by model (a progress bar)."""
     options = serving_options(device) if options is None else options
     if options.serving != device:
         raise UsageError(f"the options of a server on {device} are resolved by serving_options({device!r}, ...)")

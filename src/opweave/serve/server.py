@@ -80,7 +80,8 @@ import opweave
 from opweave.errors import UsageError
 from opweave.serve import frontend, protocol
 from opweave.serve.engine import Engine, Observer, Request
-from opweave.serve.executors import Part, StepCost
+from opweave.serve.engine.combined import Part
+from opweave.serve.engine.executors import StepCost
 from opweave.serve.frontend import Budget, Refused, State
 from opweave.serve.models import ServedModel
 from opweave.serve.repository import Repository
