@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from opweave import zoo
 from opweave.cli import app
 from opweave.errors import UsageError
-from opweave.serve import export as exporting
 from opweave.serve.repository import Repository
+from opweave.serve.repository import export as exporting
 from serve_models import Pooled, tiny
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
@@ -119,7 +119,7 @@ def test_export_squeezenet_then_serve_the_repository_to_tritonclient_equal_to_ea
 
 def test_a_model_torch_export_refuses_writes_nothing(tmp_path):
     """The repository's directory was created before torch.export ran, so a model it refuses left one behind."""
-    from opweave.serve.export import export
+    from opweave.serve.repository.export import export
 
     class Branching(torch.nn.Module):
         def forward(self, x):

@@ -27,10 +27,11 @@ from hypothesis import strategies as st
 from opweave.errors import UsageError
 from opweave.serve import frontend, protocol
 from opweave.serve.assemble import load_models, make_engine, serving_options
+from opweave.serve.http.guard import default_hosts
 from opweave.serve.models import ServedModel, TensorSpec, parse_model_files
 from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
 from opweave.serve.repository import Repository
-from opweave.serve.server import BackgroundServer, default_hosts
+from opweave.testing.server import BackgroundServer
 from serve_models import Fan, tiny
 
 triton_grpc = pytest.importorskip("tritonclient.grpc")

@@ -20,7 +20,7 @@ from opweave.serve.engine import Unavailable
 from opweave.serve.frontend import Refused
 from opweave.serve.protocol import HEADER, encode_tensor
 from opweave.serve.repository import Repository
-from opweave.serve.server import BackgroundServer
+from opweave.testing.server import BackgroundServer
 from serve_models import WAIT_S, tiny
 
 SQUEEZE = {"image_size": 64}
@@ -474,7 +474,7 @@ def test_a_torchscript_config_whose_example_is_huge_is_refused_before_anything_i
     from google.protobuf import json_format
     from tritonclient.grpc import model_config_pb2
 
-    from opweave.serve.repository import torchscript_inputs
+    from opweave.serve.repository.layout import torchscript_inputs
 
     config = json_format.Parse('{"max_batch_size": 1, "input": [{"name": "INPUT__0", "data_type": "TYPE_FP32", '
                                '"dims": [300000, 300000]}]}', model_config_pb2.ModelConfig())

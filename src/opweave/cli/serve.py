@@ -163,7 +163,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         serving_options,
     )
     from opweave.serve.models import parse_model_files
-    from opweave.serve.repository import CONTROL_MODES, Repository
+    from opweave.serve.repository.repository import CONTROL_MODES, Repository
     from opweave.serve.server import serve as run_server
 
     if device == "auto":
@@ -193,7 +193,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         raise UsageError(f"--max-body-mb {max_body_mb:g} is more than --max-held-mb {max_held_mb:g}: a body that size "
                          "could never be admitted (raise --max-held-mb)")
     if not ray:  # before any model loads: the connections must fit the open-file limit
-        from opweave.serve.server import connection_limit
+        from opweave.serve.frontend import connection_limit
 
         connection_limit(max_connections, 1 if grpc_port is None else 2)
     hosts = None if allowed_hosts is None else tuple(h.strip().lower() for h in allowed_hosts.split(",") if h.strip())
@@ -347,7 +347,7 @@ def export(model: Annotated[str, typer.Argument(help="zoo name, timm:NAME or hf:
     """Write MODEL as an entry of a model repository: REPOSITORY/NAME/VERSION/model.pt2 (torch.export) and
     REPOSITORY/NAME/config.pbtxt (its inputs' and outputs' names, datatypes and shapes, and max_batch_size, as
     opweave serve will serve them). Then: opweave serve --model-repository REPOSITORY."""
-    from opweave.serve import export as exporting
+    from opweave.serve.repository import export as exporting
 
     if module is not None:
         made, inputs = exporting.from_factory(module)

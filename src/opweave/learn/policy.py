@@ -24,8 +24,9 @@ import torch
 
 from opweave.errors import UsageError
 from opweave.learn.maddpg import ACTOR_LR, MADDPG, REPLAY_SIZE
-from opweave.serve.engine import Engine, Observer, Simulation
-from opweave.serve.engine.simulation import SimClock, SimExecutor
+from opweave.serve.engine.engine import Engine
+from opweave.serve.engine.requests import Observer
+from opweave.serve.engine.simulation import SimClock, SimExecutor, Simulation
 from opweave.serve.engine.top import FORMAT, Actors, TopPolicy
 from opweave.serve.loadgen import arrivals, run_simulated
 

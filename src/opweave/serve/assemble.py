@@ -8,10 +8,11 @@ from pathlib import Path
 
 from opweave.errors import UsageError
 from opweave.pipeline.options import Options
-from opweave.serve.engine import Engine, policies
+from opweave.serve.engine import policies
 from opweave.serve.engine.combined import Part
 from opweave.serve.engine.cpu import CpuExecutor
 from opweave.serve.engine.cuda import CudaExecutor
+from opweave.serve.engine.engine import Engine
 from opweave.serve.engine.executors import Executor, RealClock
 from opweave.serve.engine.simulation import SimClock, SimExecutor
 from opweave.serve.models import ServedModel, check_name, load

@@ -28,7 +28,8 @@ from statistics import fmean, pvariance
 import numpy as np
 
 from opweave.errors import UsageError
-from opweave.serve.engine import Arrival, Engine, simulate_arrivals
+from opweave.serve.engine.engine import Engine
+from opweave.serve.engine.simulation import Arrival, simulate_arrivals
 
 ARRIVALS = ("poisson", "constant")
 

@@ -26,7 +26,7 @@ Sizes: :func:`request_limit` is the most bytes a valid request for a model can t
 costs no more than its model's outputs and a short head: an output asked for twice is refused (as Triton does), an
 echoed ``id`` is cut, and :func:`response_bytes` bounds what a response takes, all of it, before it is encoded.
 
-The checks live in :func:`decode_request`, which the gRPC front end (:mod:`opweave.serve.grpc_server`) calls too: it
+The checks live in :func:`decode_request`, which the gRPC front end (:mod:`opweave.serve.grpc.messages`) calls too: it
 turns a ``ModelInferRequest`` into the same request object, its ``raw_input_contents`` standing for binary data.
 """
 
