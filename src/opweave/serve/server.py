@@ -16,7 +16,7 @@ from opweave.serve.frontend import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, Budget, Sta
 from opweave.serve.http.app import create_app
 from opweave.serve.http.guard import default_hosts
 from opweave.serve.http.server import DrainingServer, uvicorn_config
-from opweave.serve.http.transport import MIN_BODY_RATE
+from opweave.serve.http.transport import MIN_BODY_RATE, limited_protocol
 from opweave.serve.models import ServedModel
 from opweave.serve.repository.repository import Repository
 
@@ -45,8 +45,8 @@ def serve(engine: Engine, models: dict[str, ServedModel], *, host: str = "127.0.
     app = create_app(engine, repository.served, max_body_bytes=max_body_bytes, state=state, repository=repository,
                      allowed_hosts=default_hosts(host) if allowed_hosts is None else allowed_hosts,
                      allow_origins=allow_origins, budget=budget)
-    config = uvicorn_config(app, host, port, log_level, header_timeout_s, idle_timeout_s, budget, min_body_rate,
-                            connections, timeout_graceful_shutdown=30)
+    protocol = limited_protocol(header_timeout_s, idle_timeout_s, budget, min_body_rate, connections)
+    config = uvicorn_config(app, host, port, log_level, protocol, timeout_graceful_shutdown=30)
     rpc = None
     if grpc_port is not None:  # made (and its limits checked) before the engine starts
         from opweave.serve.grpc.server import GrpcServer  # grpcio and tritonclient: needed with a gRPC port only

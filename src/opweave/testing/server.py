@@ -13,7 +13,7 @@ from opweave.serve.engine.engine import Engine
 from opweave.serve.frontend import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, Budget, State, connection_limit
 from opweave.serve.http.app import create_app
 from opweave.serve.http.server import DrainingServer, uvicorn_config
-from opweave.serve.http.transport import MIN_BODY_RATE
+from opweave.serve.http.transport import MIN_BODY_RATE, limited_protocol
 from opweave.serve.models import ServedModel
 from opweave.serve.repository.repository import Repository
 
@@ -46,9 +46,10 @@ class BackgroundServer:
         self.state = State()
         self.app = create_app(self.engine, self.repository.served, state=self.state, repository=self.repository,
                               budget=self.budget, **self.options)
-        config = uvicorn_config(self.app, "127.0.0.1", 0, "warning", self.header_timeout_s, self.idle_timeout_s,
-                                self.budget, self.min_body_rate, self.max_connections)
-        self.connections = config.http.connections  # the connections held (the transport's _Connections)
+        protocol = limited_protocol(self.header_timeout_s, self.idle_timeout_s, self.budget, self.min_body_rate,
+                                    self.max_connections)
+        self.connections = protocol.pool  # the connections held, and their limits
+        config = uvicorn_config(self.app, "127.0.0.1", 0, "warning", protocol)
         bound = threading.Event()
         address: list[tuple[str, int]] = []
 

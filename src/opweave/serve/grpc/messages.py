@@ -39,7 +39,7 @@ def decode(model: ServedModel, request: service_pb2.ModelInferRequest) -> protoc
     if raw and len(raw) != len(request.inputs):
         raise protocol.ProtocolError(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs "
                                      f"(one per input, or none)")
-    entries = []
+    entries: list[dict[str, Any]] = []
     floats: dict[int, Any] = {}  # typed floating-point contents (IEEE values: checked as binary data is)
     for tensor in request.inputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
@@ -47,7 +47,7 @@ def decode(model: ServedModel, request: service_pb2.ModelInferRequest) -> protoc
         given = [f.name for f, _ in tensor.contents.ListFields()]
         if given:
             want = CONTENTS.get(tensor.datatype)
-            if given != [want]:
+            if want is None or given != [want]:
                 raise protocol.ProtocolError(f"input {tensor.name!r}: contents in {', '.join(given)}; datatype "
                                              f"{tensor.datatype} takes {want or 'raw_input_contents only'}")
             if tensor.datatype in FLOAT_CONTENTS:

@@ -1,7 +1,8 @@
 """The HTTP server: uvicorn running the app (:mod:`.app`) with the transport's limits (:mod:`.transport`), and its
 draining.
 
-One HTTP parser, h11, on asyncio's event loop, whatever else is installed (:func:`uvicorn_config`): uvicorn would
+One HTTP parser, h11, on asyncio's event loop, whatever else is installed (:func:`uvicorn_config` of
+:func:`~opweave.serve.http.transport.limited_protocol`): uvicorn would
 pick httptools and uvloop where they are (``opweave[ray]`` brings them), and the server's answers to hostile input,
 and what its tests tried, would depend on them. The kernel queues :data:`LISTEN_BACKLOG` connections for the server
 to accept, while its event loop accepts at most :data:`ACCEPT_BATCH` a turn (asyncio takes the listen backlog for
@@ -23,23 +24,23 @@ from typing import Any
 import uvicorn
 
 from opweave.serve.engine.engine import Engine
-from opweave.serve.frontend import Budget, State
-from opweave.serve.http.transport import MAX_HEADER_BYTES, accept_errors, limited_protocol
+from opweave.serve.frontend import State
+from opweave.serve.http.transport import MAX_HEADER_BYTES, LimitedProtocol, accept_errors
 
 LISTEN_BACKLOG = 2048  # connections the kernel queues for the server to accept (uvicorn's default)
 ACCEPT_BATCH = 16  # the most the event loop accepts in one turn (files taken before their connections are counted)
 
 
-def uvicorn_config(app, host: str, port: int, log_level: str, header_timeout_s: float, idle_timeout_s: float,
-                   budget: Budget, min_body_rate: float, max_connections: int, **options: Any) -> uvicorn.Config:
-    """uvicorn's configuration: h11 (:func:`~opweave.serve.http.transport.limited_protocol`) on asyncio's event loop,
-    whichever others are installed (uvicorn would pick httptools and uvloop where they are: the server's answers to
-    hostile input, and its tests, would depend on them)."""
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", loop="asyncio",
-                          http=limited_protocol(header_timeout_s, idle_timeout_s, budget, min_body_rate,
-                                                max_connections),
-                          timeout_keep_alive=idle_timeout_s, backlog=ACCEPT_BATCH,
-                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options)
+def uvicorn_config(app: Any, host: str, port: int, log_level: str, protocol: type[LimitedProtocol],
+                   **options: Any) -> uvicorn.Config:
+    """uvicorn's configuration: ``protocol`` (h11 with the transport's limits, :func:`limited_protocol`) on asyncio's
+    event loop, whichever others are installed (uvicorn would pick httptools and uvloop where they are: the server's
+    answers to hostile input, and its tests, would depend on them); a kept-alive connection waits for its next
+    request the protocol's ``idle_timeout_s``."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", loop="asyncio", http=protocol,
+                          # uvicorn types it int, yet hands it to call_later, which takes seconds as a float
+                          timeout_keep_alive=protocol.pool.idle_timeout_s,  # type: ignore[arg-type]
+                          backlog=ACCEPT_BATCH, h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options)
 
 
 class DrainingServer(uvicorn.Server):

@@ -6,6 +6,8 @@ is there."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from opweave.serve.engine.combined import Part
@@ -49,8 +51,11 @@ class Metrics(Observer):
                                   "policy before its combined block ran", buckets=DECISION_BUCKETS, registry=r)
         cache = Gauge("opweave_plan_cache", "Compiled combination signatures: hits, misses, evictions", ["event"],
                       registry=r)
+        def counted(event: str) -> Callable[[], float]:
+            return lambda: engine.executor.stats[event]
+
         for event in ("hits", "misses", "evictions"):
-            cache.labels(event).set_function(lambda e=event: engine.executor.stats[e])
+            cache.labels(event).set_function(counted(event))
         for m in models:  # every series exists from the start, at 0
             self.on_add(m)
         handle = _nvml_handle() if getattr(engine.executor, "device", "cpu") != "cpu" else None
@@ -104,6 +109,7 @@ class Metrics(Observer):
         outcome = {"done": "answered"}.get(request.status, request.status)
         self.requests.labels(request.model, outcome).inc()
         if request.status == "done":
+            assert request.finished is not None and request.dequeued is not None  # an answer was dequeued first
             self.latency.labels(request.model).observe(request.latency_s)
             self.compute_time.labels(request.model).observe(request.finished - request.dequeued)
 
