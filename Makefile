@@ -52,7 +52,8 @@ API_MODULES := opweave opweave.api opweave.errors opweave.outputs opweave.cores 
 	opweave.serve.engine.simulation opweave.serve.engine.blocks opweave.serve.engine.combined \
 	opweave.serve.engine.policy opweave.serve.engine.policies opweave.serve.engine.top \
 	opweave.serve.repository.repository opweave.serve.repository.layout \
-	opweave.serve.repository.export opweave.learn opweave.testing opweave.testing.fakecuda opweave.testing.server
+	opweave.serve.repository.export opweave.learn opweave.testing opweave.testing.fakecuda opweave.testing.serving \
+	opweave.testing.loads
 
 docs: $(STAMP)
 	$(BIN)/python -W error::UserWarning -m pdoc $(API_MODULES) --docformat restructuredtext -o site/api

@@ -24,7 +24,7 @@ from opweave.serve.assemble import make_engine, serving_options
 from opweave.serve.models import ServedModel, TensorSpec
 from opweave.serve.protocol import HEADER, encode_tensor
 from opweave.serve.repository import Repository
-from opweave.testing.server import BackgroundServer
+from opweave.testing.serving import BackgroundServer
 from serve_models import tiny
 from test_serve_hostile import NON_FINITE, declare, load, raw, strict_json, tiny_json, tiny_request, until
 

@@ -18,6 +18,7 @@ from opweave.serve.engine.executors import RealClock
 from opweave.serve.engine.policy import Observation, Policy, SlotObs
 from opweave.serve.engine.simulation import SimClock, SimExecutor
 from opweave.serve.engine.top import TopPolicy
+from opweave.testing.loads import model_latency_ms, sustainable
 from serve_models import tiny
 
 SIMULATED = serving_options("sim")  # the simulator's serving preset
@@ -184,14 +185,14 @@ def test_simulation_is_deterministic(two_tiny):
 def test_heuristic_sustains_a_rate_at_which_static_sheds_load(two_tiny):
     _, models = two_tiny
     ex = SimExecutor(models, SIMULATED)
-    single = ex.model_latency_ms("a")  # static serves one request at a time: about 1000 / single requests/s
+    single = model_latency_ms(ex, "a")  # static serves one request at a time: about 1000 / single requests/s
     rate = 3 * 1000 / single
     out = {}
     for name in ("static", "heuristic"):
         eng = Engine(ex, policies.create(name), SimClock(), max_batch=8)
         out[name] = loadgen.run_simulated(eng, {"a": rate}, 0.2)[0]
-    assert out["static"]["total"]["rejected"] > 0 and not loadgen.sustainable(out["static"])
-    assert out["heuristic"]["total"]["rejected"] == 0 and loadgen.sustainable(out["heuristic"])
+    assert out["static"]["total"]["rejected"] > 0 and not sustainable(out["static"])
+    assert out["heuristic"]["total"]["rejected"] == 0 and sustainable(out["heuristic"])
 
 
 def test_real_engine_never_mixes_up_stacked_requests(two_tiny):
@@ -309,7 +310,7 @@ def test_report_counts_every_outcome_and_only_the_patterns_queues():
     assert rep["total"]["timeouts"] == 1 and rep["total"]["p99_all_ms"] == float("inf")
     assert rep["models"]["a"]["p50_ms"] == pytest.approx(10.0) and rep["models"]["a"]["queue_var"] == 1.0
     assert rep["queue_variance"] == pytest.approx(1.0)  # (2-1)^2 at both samples: "idle" is not the pattern's
-    assert not loadgen.sustainable(rep)
+    assert not sustainable(rep)
 
 
 def test_a_measured_profile_sets_the_simulated_latencies(two_tiny):

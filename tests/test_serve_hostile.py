@@ -31,7 +31,7 @@ from opweave.serve.http.guard import default_hosts
 from opweave.serve.models import ServedModel, TensorSpec, parse_model_files
 from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
 from opweave.serve.repository import Repository
-from opweave.testing.server import BackgroundServer
+from opweave.testing.serving import BackgroundServer
 from serve_models import Fan, tiny
 
 triton_grpc = pytest.importorskip("tritonclient.grpc")

@@ -20,7 +20,7 @@ from opweave.serve.engine import Unavailable
 from opweave.serve.frontend import Refused
 from opweave.serve.protocol import HEADER, encode_tensor
 from opweave.serve.repository import Repository
-from opweave.testing.server import BackgroundServer
+from opweave.testing.serving import BackgroundServer
 from serve_models import WAIT_S, tiny
 
 SQUEEZE = {"image_size": 64}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opweave.serve.assemble import load_models, make_engine, serving_options
-from opweave.testing.server import BackgroundServer
+from opweave.testing.serving import BackgroundServer
 
 triton_http = pytest.importorskip("tritonclient.http")
 import tritonclient.grpc as triton_grpc  # noqa: E402

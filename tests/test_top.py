@@ -25,7 +25,7 @@ from opweave.pipeline import plan_for
 from opweave.schedulers import ios, top_gpg
 from opweave.serve.assemble import load_models, make_engine, serving_options
 from opweave.serve.engine import top
-from opweave.testing.server import BackgroundServer
+from opweave.testing.serving import BackgroundServer
 
 
 def check_stage_schedule(graph, costs, sched, max_group_ops=3, max_groups=8):

@@ -97,10 +97,6 @@ class SimExecutor(Executor):
         seconds = (makespan_ms + self.step_overhead_ms) / 1e3
         return StepCost(seconds, utilization * makespan_ms / (makespan_ms + self.step_overhead_ms))
 
-    def model_latency_ms(self, model: str, batch: int = 1) -> float:
-        """One request of ``batch`` samples alone through every block of ``model`` (no queueing), in ms."""
-        return sum(self.run([Part(model, b, batch)]).seconds for b in range(len(self.models[model].blocks))) * 1e3
-
 
 # ---- the driver ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
