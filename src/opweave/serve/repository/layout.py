@@ -1,4 +1,4 @@
-"""The model repository (Triton's layout and repository extension): models that come and go while the server runs.
+"""A model repository on disk, in Triton's layout, and what its configs say.
 
 Layout (``opweave serve --model-repository DIR``)::
 
@@ -27,10 +27,10 @@ value { string_value: "true" } }`` lets the model's inputs hold NaN and infiniti
 request may carry the config instead (``parameters.config``: its JSON form, as ``tritonclient``'s ``load_model(name,
 config=...)`` sends it); it holds for that load only.
 
-This module holds what a repository is on disk and what a config says: the names, the version directories and their
-programs (:func:`versions_in`, :func:`program_in`), and a config's reading for a model (:func:`torchscript_inputs`,
-:func:`named_outputs`, :func:`warmup_batches`, :func:`allows_non_finite`, :func:`settings_of`);
-:class:`~opweave.serve.repository.repository.Repository` loads and unloads by them.
+Here: the names, the version directories and their programs (:func:`versions_in`, :func:`program_in`), and a
+config's reading for a model (:func:`torchscript_inputs`, :func:`named_outputs`, :func:`warmup_batches`,
+:func:`allows_non_finite`, :func:`settings_of`); :class:`~opweave.serve.repository.repository.Repository` loads and
+unloads by them while the server runs.
 """
 
 from __future__ import annotations

@@ -296,7 +296,7 @@ class Repository:
         raise Refused("invalid", reason)
 
     def _max_batch(self, name: str, config, from_client: bool) -> int:
-        """The samples per instance ``config`` asks for (module docstring), within bounds."""
+        """The samples per instance ``config`` asks for (:mod:`~opweave.serve.repository.layout`), within bounds."""
         asked = config.max_batch_size
         bound = self.max_batch if from_client else MAX_BATCH_SIZE
         if not 0 <= asked <= bound:
