@@ -47,7 +47,13 @@ API_MODULES := opweave opweave.api opweave.errors opweave.outputs opweave.cores 
 	opweave.pipeline opweave.pipeline.options opweave.pipeline.compiled opweave.pipeline.memory_pass \
 	opweave.pipeline.thread_budgets opweave.pipeline.targets opweave.pipeline.search opweave.pipeline.tiers \
 	opweave.pipeline.choose opweave.pipeline.signatures opweave.pipeline.flow \
-	opweave.dynamo opweave.evaluate opweave.serve opweave.learn opweave.testing opweave.testing.fakecuda
+	opweave.dynamo opweave.evaluate opweave.serve opweave.serve.engine.engine \
+	opweave.serve.engine.requests opweave.serve.engine.executors opweave.serve.engine.cpu opweave.serve.engine.cuda \
+	opweave.serve.engine.simulation opweave.serve.engine.blocks opweave.serve.engine.combined \
+	opweave.serve.engine.policy opweave.serve.engine.policies opweave.serve.engine.top \
+	opweave.serve.repository.repository opweave.serve.repository.layout \
+	opweave.serve.repository.export opweave.learn opweave.testing opweave.testing.fakecuda opweave.testing.serving \
+	opweave.testing.loads
 
 docs: $(STAMP)
 	$(BIN)/python -W error::UserWarning -m pdoc $(API_MODULES) --docformat restructuredtext -o site/api

@@ -35,7 +35,7 @@ at batch 1 and once at its max batch (what the runs keep: arenas, caches). Per e
 the last two counts over the models between them.
 
 ``engine`` (``--engine-models``, no server): the engine itself at that many models, each a copy of the first model's
-blocks, on the simulated H100 (:class:`opweave.serve.executors.SimExecutor`) under each policy of
+blocks, on the simulated H100 (:class:`opweave.serve.engine.simulation.SimExecutor`) under each policy of
 ``--engine-policies`` (``top`` with untrained actors: the time its agents take to decide does not depend on their
 weights), Poisson arrivals at ``--engine-rate`` requests per second per model for ``--engine-s`` simulated seconds:
 the decision time of every step (wall clock: observing the engine and asking the policy; its median, 99th percentile
@@ -344,7 +344,7 @@ def child_breakdown(root: Path, names: list[str], max_batch: int) -> dict:
     import torch
 
     from opweave.serve.assemble import make_engine
-    from opweave.serve.executors import Part
+    from opweave.serve.engine.combined import Part
     from opweave.serve.models import load
 
     libc = ctypes.CDLL(None)
@@ -411,10 +411,10 @@ def per_extra(rows: list[dict]) -> dict | None:
 # ---- the engine at scale ------------------------------------------------------------------------------------------
 def engine_scale(entry: Path, n: int, policies: list[str], rate: float, seconds: float) -> list[dict]:
     """The simulated engine at ``n`` models (module docstring)."""
-    from opweave.serve import policies as registry
-    from opweave.serve import top
-    from opweave.serve.engine import Engine, Observer
-    from opweave.serve.executors import SimClock, SimExecutor
+    from opweave.serve.assemble import serving_options
+    from opweave.serve.engine import Engine, Observer, top
+    from opweave.serve.engine import policies as registry
+    from opweave.serve.engine.simulation import SimClock, SimExecutor
     from opweave.serve.loadgen import run_simulated
     from opweave.serve.models import load
 
@@ -431,8 +431,8 @@ def engine_scale(entry: Path, n: int, policies: list[str], rate: float, seconds:
         models = {f"m{i:02d}": blocked for i in range(n)}  # the simulator reads only their graphs
         policy = top.TopPolicy(shipped=False) if policy_name == "top" else registry.create(policy_name)
         decided = Decisions()  # every step's (the engine keeps only its latest for decision_times())
-        engine = Engine(SimExecutor(models, preset="h100"), policy, SimClock(), max_batch=8, max_sub_blocks=4,
-                        observers=[decided])
+        engine = Engine(SimExecutor(models, serving_options("sim"), preset="h100"), policy, SimClock(), max_batch=8,
+                        max_sub_blocks=4, observers=[decided])
         if policy_name == "top":  # untrained: the time to decide, not its quality, is measured
             policy.agents = top.Actors(policy.state_dim, policy.action_dims)
         begin = time.perf_counter()

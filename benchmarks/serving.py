@@ -49,6 +49,7 @@ import time
 import _common as common
 
 from opweave.serve import loadgen
+from opweave.testing.loads import model_latency_ms, sustainable
 
 SINGLE_RATE = 240.0
 MULTI = {"inception_v3": 30.0, "resnet50": 60.0, "squeezenet": 120.0}
@@ -75,7 +76,7 @@ def row(rep: dict, slo_ms: float) -> dict:
             else None, "sent": t["sent"], "answered": t["answered"], "rejected": t["rejected"],
             "timeouts": t["timeouts"], "errors": t["errors"],
             "queue_var_time": round(sum(m["queue_var"] for m in rep["models"].values()) / len(rep["models"]), 3),
-            "queue_var_across": round(rep["queue_variance"], 3), "sustainable": loadgen.sustainable(rep, slo_ms)}
+            "queue_var_across": round(rep["queue_variance"], 3), "sustainable": sustainable(rep, slo_ms)}
 
 
 def search(measure, *, max_scale: float = 512.0, tolerance: float = 1.03,
@@ -127,15 +128,14 @@ def largest(ok, tolerance: float, max_scale: float, fails: float | None = None) 
 
 # ---- simulation -------------------------------------------------------------------------------------------------
 def sim_runner(args, models: list[str]):
-    from opweave.serve import policies
-    from opweave.serve.assemble import load_models
-    from opweave.serve.engine import Engine
-    from opweave.serve.executors import SimClock, SimExecutor
+    from opweave.serve.assemble import load_models, serving_options
+    from opweave.serve.engine import Engine, policies
+    from opweave.serve.engine.simulation import SimClock, SimExecutor
 
     start = time.perf_counter()
     served = load_models(models, device="sim", max_batch=MAX_BATCH)
     common.console.print(f"loaded {', '.join(models)} in {time.perf_counter() - start:.0f} s")
-    executor = SimExecutor({n: m.blocked for n, m in served.items()}, preset=args.preset)
+    executor = SimExecutor({n: m.blocked for n, m in served.items()}, serving_options("sim"), preset=args.preset)
     blocks = {n: len(m.blocked.blocks) for n, m in served.items()}
 
     def measure(policy: str, pattern: dict[str, float], scale: float, repeat: int = 0) -> dict:
@@ -179,7 +179,7 @@ def sim_runner(args, models: list[str]):
     settings = {"preset": args.preset, "cost_model": "gpu", "scheduler": "lios", "streams": 8,
                 "step_overhead_ms": executor.step_overhead_ms, "pad_batches_to_powers_of_two": executor.pad,
                 "virtual_duration_s": args.duration, "blocks": blocks,
-                "single_request_latency_ms": {n: round(executor.model_latency_ms(n), 3) for n in served}}
+                "single_request_latency_ms": {n: round(model_latency_ms(executor, n), 3) for n in served}}
     return measure, settings, lambda: dict(executor.stats)
 
 

@@ -34,10 +34,10 @@ from opweave.cli.learn import learning_png
 from opweave.errors import UsageError
 from opweave.learn.policy import SCALES, STEPS, HeldOut, save_agents, train
 from opweave.schedulers.top_gpg import one_thread
-from opweave.serve import loadgen, policies, top
-from opweave.serve.assemble import load_models
-from opweave.serve.engine import Engine
-from opweave.serve.executors import SimClock, SimExecutor
+from opweave.serve import loadgen
+from opweave.serve.assemble import load_models, serving_options
+from opweave.serve.engine import Engine, policies, top
+from opweave.serve.engine.simulation import SimClock, SimExecutor
 
 PATTERNS = {"multi": dict(MULTI), **{m: {m: SINGLE_RATE} for m in MULTI}}
 BASELINES = ("static", "batch", "heuristic")
@@ -82,7 +82,7 @@ def main() -> None:
     for name in names:
         pattern = PATTERNS[name]
         # the engine serves the pattern's models only: a top policy is trained for exactly those
-        executor = SimExecutor({m: served[m].blocked for m in pattern}, preset=args.preset)
+        executor = SimExecutor({m: served[m].blocked for m in pattern}, serving_options("sim"), preset=args.preset)
         file, source = policy_file(name, pattern, args)
         if source == "train":
             file.parent.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from opweave import zoo
 from opweave.cli import app
 from opweave.errors import UsageError
-from opweave.serve import export as exporting
 from opweave.serve.repository import Repository
+from opweave.serve.repository import export as exporting
 from serve_models import Pooled, tiny
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
@@ -61,9 +61,10 @@ def test_export_writes_what_the_server_serves_and_replaces_only_when_asked(tmp_p
     with pytest.raises(UsageError, match="not a plain name"):
         exporting.export(model, inputs, root, "a/b")
     assert sorted(p.name for p in root.iterdir()) == ["tiny"]  # no staging left behind
-    from opweave.serve.assemble import make_engine
+    from opweave.serve.assemble import make_engine, serving_options
 
-    engine = make_engine({}, device="cpu", policy="static", max_batch=4, compiler=None)
+    engine = make_engine({}, device="cpu", policy="static", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     loaded = Repository(engine, {}, root, max_batch=4, control="explicit").load("tiny")
     assert loaded.version == "2" and loaded.max_batch == 1 and [s.shape for s in loaded.inputs] == [(2, 3, 4, 4)]
 
@@ -118,7 +119,7 @@ def test_export_squeezenet_then_serve_the_repository_to_tritonclient_equal_to_ea
 
 def test_a_model_torch_export_refuses_writes_nothing(tmp_path):
     """The repository's directory was created before torch.export ran, so a model it refuses left one behind."""
-    from opweave.serve.export import export
+    from opweave.serve.repository.export import export
 
     class Branching(torch.nn.Module):
         def forward(self, x):

@@ -305,9 +305,9 @@ def test_the_server_resolves_every_option_and_refuses_what_it_cannot_honour(devi
 
 
 def test_a_server_with_blocks_compiled_whole_keeps_the_scheduler_it_is_given(made):
-    from opweave.serve import blocks
     from opweave.serve.assemble import serving_options
-    from opweave.serve.executors import CpuExecutor
+    from opweave.serve.engine import blocks
+    from opweave.serve.engine.cpu import CpuExecutor
 
     model, inputs, _, _ = made
     blocked = blocks.split(opweave.capture.capture(model, inputs), inputs, name="tiny")
@@ -362,7 +362,8 @@ def ways_in(monkeypatch, made, tmp_path):
     import opweave.pipeline
     import opweave.pipeline.flow
     import opweave.serve.assemble
-    import opweave.serve.executors
+    import opweave.serve.engine.cpu
+    import opweave.serve.engine.cuda
 
     model, inputs, _, path = made
     model.keywords = ()  # as a loaded program says it takes no keyword inputs
@@ -388,7 +389,8 @@ def ways_in(monkeypatch, made, tmp_path):
     monkeypatch.setattr(opweave.capture, "capture", capture)
     monkeypatch.setattr(opweave.api, "capture", capture)
     monkeypatch.setattr(opweave.capture, "load", load)
-    for module in (opweave.pipeline, opweave.pipeline.flow, opweave.api, opweave.serve.executors):
+    for module in (opweave.pipeline, opweave.pipeline.flow, opweave.api, opweave.serve.engine.cpu,
+                   opweave.serve.engine.cuda):
         monkeypatch.setattr(module, "build", build)
     monkeypatch.setattr(opweave.serve.assemble, "make_engine", make_engine)
     program = tmp_path / "tiny.pt2"
@@ -456,7 +458,7 @@ def test_every_option_through_every_way_in_is_used_or_refused_before_a_model_loa
         attempt("run", key, value, runner.invoke, app, [
             "run", "--model", "tiny", "--devices", "2" if with_ranks else "1", "--json", *option])
         attempt("ray", key, value, lambda options: Replica(ReplicaOptions(
-            model_files={"tiny": program}, compiler=None, options=options)), {key: value})
+            model_files={"tiny": program}, options={"compiler": "none", **options})), {key: value})
     every = set(samples)
     assert all(set(by_key) == every for by_key in outcomes.values())
     used = {door: {k for k, v in by_key.items() if v == "used"} for door, by_key in outcomes.items()}

@@ -1,4 +1,4 @@
-"""Blocks at single-tensor cut points (serve/blocks.py) and the combined-block graphs of the executors."""
+"""Blocks at single-tensor cut points (serve/engine/blocks.py) and the combined-block graphs of the executors."""
 
 import pytest
 import torch
@@ -11,9 +11,11 @@ from opweave.capture import capture
 from opweave.errors import UsageError
 from opweave.ir import OpGraph
 from opweave.outputs import compare
-from opweave.serve import blocks
 from opweave.serve.assemble import serving_options
-from opweave.serve.executors import CpuExecutor, Part, SimExecutor, union_graph
+from opweave.serve.engine import blocks
+from opweave.serve.engine.combined import Part, union_graph
+from opweave.serve.engine.cpu import CpuExecutor
+from opweave.serve.engine.simulation import SimExecutor
 from serve_models import Pooled, tiny
 
 
@@ -108,12 +110,13 @@ def test_combined_block_on_the_cpu_backend_answers_each_part(tiny_blocked):
     with torch.no_grad():
         assert torch.allclose(parts[0].state, model(x), atol=1e-5)
         assert torch.allclose(parts[1].state[0], bm.modules[0](second_inputs), atol=1e-5)
-    assert ex.stats["misses"] == 2 and len(ex.compiled((("tiny", 0, 2), ("tiny", 1, 3))).program.lanes) >= 1
+    built = ex.combined_block((("tiny", 0, 2), ("tiny", 1, 3)))
+    assert ex.stats["misses"] == 2 and len(built.backend.program.lanes) >= 1
 
 
 def test_padding_rounds_batches_up_and_drops_the_extra_rows(tiny_blocked):
     model, _, bm = tiny_blocked
-    ex = CpuExecutor({"tiny": bm}, pad=True)
+    ex = CpuExecutor({"tiny": bm}, serving_options("cpu", compiler="none"), pad=True)
     x = torch.randn(3, 3, 8, 8)
     state = (x,)
     for b in range(2):
@@ -140,11 +143,41 @@ def test_combined_module_runs_the_parts_side_by_side(tiny_blocked):
 
 def test_sim_executor_times_a_combined_block_no_longer_than_its_parts_one_after_another(tiny_blocked):
     _, _, bm = tiny_blocked
-    ex = SimExecutor({"tiny": bm})
+    ex = SimExecutor({"tiny": bm}, serving_options("sim"))
     alone = [ex.run([Part("tiny", b, 1)]).seconds for b in (0, 1)]
     both = ex.run([Part("tiny", 0, 1), Part("tiny", 1, 1)])
     assert max(alone) <= both.seconds <= sum(alone)
     assert 0 < both.utilization <= 1
+
+
+def test_sim_executor_plans_each_combined_block_through_the_pipelines_simulation_target(tiny_blocked):
+    """A combined block in simulation is a pipeline ``Compiled`` (the simulation target's): its validated plan of
+    the server's scheduler, replayed by the simulator; a step takes that replay's makespan plus the step overhead.
+    Before, the simulated executor planned and timed on its own, and its blocks were tuples beside the other
+    executors' backends."""
+    from opweave.backends.simulate import makespan_ms
+    from opweave.pipeline import Compiled
+    from opweave.plan.validate import validate
+
+    _, _, bm = tiny_blocked
+    ex = SimExecutor({"tiny": bm}, serving_options("sim", scheduler="wavefront"), step_overhead_ms=0.5)
+    sig = (("tiny", 0, 2), ("tiny", 1, 1))
+    built = ex.combined_block(sig)
+    assert isinstance(built, Compiled) and built.device == "sim" and built.options is ex.options
+    assert built.schedule.scheduler == "wavefront" and ex.combined_block(sig) is built and ex.stats["hits"] == 1
+    validate(built.graph, built.plan, built.schedule)
+    makespan, utilization = built()
+    assert makespan == makespan_ms(built.graph, built.plan, built.costs) > 0 and 0 < utilization <= 1
+    step = ex.run([Part("tiny", 0, 2), Part("tiny", 1, 1)])
+    assert step.seconds == pytest.approx((makespan + 0.5) / 1e3)
+
+
+def test_an_executor_takes_only_options_resolved_for_its_server(tiny_blocked):
+    _, _, bm = tiny_blocked
+    with pytest.raises(UsageError, match="serving_options\\('sim'"):
+        SimExecutor({"tiny": bm}, serving_options("cpu", compiler="none"))
+    with pytest.raises(UsageError, match="serving_options\\('cpu'"):
+        CpuExecutor({"tiny": bm}, serving_options("sim"))
 
 
 @given(dags(max_ops=20), st.sampled_from(["ideal", "gpu"]))
@@ -178,7 +211,7 @@ def test_a_block_at_a_large_batch_is_captured_without_a_forward_pass_and_runs_at
             strict=True))
     hook.remove()
     assert three.graph.name.endswith("x3")
-    executor = CpuExecutor({"squeezenet": blocked})
+    executor = CpuExecutor({"squeezenet": blocked}, serving_options("cpu", compiler="none"))
     x = torch.randn(5, *blocked.example(1, 1)[0].shape[1:])
     part = Part("squeezenet", 1, 5, (x,))
     executor.run([part])  # binds inputs of batch 5 against the capture's shapes
@@ -200,7 +233,7 @@ def test_blocks_compiled_whole_by_onnxruntime_run_side_by_side_and_equal_eager()
     ex.run([first])
     second, third = Part("sq", 1, 3, first.state), Part("sq", 0, 1, (y,))
     ex.run([second, third])  # two parts: two lanes when there are two cores
-    assert ex.compiled((("sq", 0, 1), ("sq", 1, 4))).program.lanes
+    assert ex.combined_block((("sq", 0, 1), ("sq", 1, 4))).backend.program.lanes
     state = second.state
     for b in range(2, len(blocked.blocks)):
         part = Part("sq", b, 3, state)

@@ -20,11 +20,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from opweave.serve import protocol
-from opweave.serve.assemble import make_engine
+from opweave.serve.assemble import make_engine, serving_options
 from opweave.serve.models import ServedModel, TensorSpec
 from opweave.serve.protocol import HEADER, encode_tensor
 from opweave.serve.repository import Repository
-from opweave.serve.server import BackgroundServer
+from opweave.testing.serving import BackgroundServer
 from serve_models import tiny
 from test_serve_hostile import NON_FINITE, declare, load, raw, strict_json, tiny_json, tiny_request, until
 
@@ -46,7 +46,8 @@ def repo(tmp_path_factory):
 
 def background(repo, control: str = "none", **options) -> BackgroundServer:
     served: dict = {}
-    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     repository = Repository(engine, served, repo, max_batch=4, control=control)
     repository.load_all()
     return BackgroundServer(engine, served, grpc=True, repository=repository, **options)

@@ -8,10 +8,11 @@ from cuda_precision import fp32_math  # noqa: F401 - autouse: no TF32 in the CUD
 from cuda_runtime import DEVICE, rt  # noqa: F401 - rt: the runtime fixture
 from opweave.backends.cuda import default_streams
 from opweave.capture import capture
-from opweave.serve import blocks, policies
 from opweave.serve.assemble import serving_options
-from opweave.serve.engine import Engine
-from opweave.serve.executors import CudaExecutor, Part, RealClock
+from opweave.serve.engine import Engine, blocks, policies
+from opweave.serve.engine.combined import Part
+from opweave.serve.engine.cuda import CudaExecutor
+from opweave.serve.engine.executors import RealClock
 from serve_models import tiny
 
 pytestmark = pytest.mark.cuda
@@ -26,7 +27,7 @@ def on_device():
 
 def test_combined_blocks_are_recorded_once_per_signature_and_answer_like_eager(on_device, rt):  # noqa: F811
     model, bm = on_device
-    ex = CudaExecutor({"a": bm, "b": bm}, serving_options("cuda", runtime=rt), cache_size=2)
+    ex = CudaExecutor({"a": bm, "b": bm}, serving_options("cuda", runtime=rt, cache_size=2))
     assert ex.streams == default_streams()  # capped as opweave.compile caps lanes (it had no cap)
     x, y = torch.randn(3, 3, 8, 8, device=DEVICE), torch.randn(2, 3, 8, 8, device=DEVICE)
     first = Part("a", 0, 3, (x,))

@@ -1,5 +1,7 @@
 """The serving engine and its policies: in simulation (H100 preset) and for real on the CPU backend."""
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -7,11 +9,20 @@ import torch
 
 from opweave.capture import capture
 from opweave.errors import UsageError
-from opweave.serve import blocks, engine, loadgen, policies
-from opweave.serve.assemble import load_models, make_engine
-from opweave.serve.engine import Arrival, Engine, Observer, QueueFull, simulate_arrivals
-from opweave.serve.executors import CpuExecutor, Part, RealClock, SimClock, SimExecutor
+from opweave.serve import loadgen
+from opweave.serve.assemble import load_models, make_engine, serving_options
+from opweave.serve.engine import Arrival, Engine, Observer, QueueFull, blocks, policies, simulate_arrivals
+from opweave.serve.engine.combined import Part
+from opweave.serve.engine.cpu import CpuExecutor
+from opweave.serve.engine.executors import RealClock
+from opweave.serve.engine.policy import Observation, Policy, SlotObs
+from opweave.serve.engine.simulation import SimClock, SimExecutor
+from opweave.serve.engine.top import TopPolicy
+from opweave.testing.loads import model_latency_ms, sustainable
 from serve_models import tiny
+
+SIMULATED = serving_options("sim")  # the simulator's serving preset
+OP_GRAPHS = serving_options("cpu", compiler="none")  # TOP's combined op graphs on the CPU, no segment compiler
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +43,7 @@ class Steps(Observer):
 
 def sim_engine(models, policy, **options):
     steps = Steps()
-    eng = Engine(SimExecutor(models), policies.create(policy), SimClock(), observers=[steps], **options)
+    eng = Engine(SimExecutor(models, SIMULATED), policies.create(policy), SimClock(), observers=[steps], **options)
     return eng, steps
 
 
@@ -58,7 +69,7 @@ def test_every_step_that_runs_a_block_reports_its_decision_time(two_tiny, policy
         def on_decision(self, seconds):
             decided.append(seconds)
 
-    eng = Engine(SimExecutor(models), policies.create(policy), SimClock(), observers=[Decisions()])
+    eng = Engine(SimExecutor(models, SIMULATED), policies.create(policy), SimClock(), observers=[Decisions()])
     simulate_arrivals(eng, burst(20))
     times = eng.decision_times()
     assert len(times) == eng.stats["steps"] > 0 and times == decided and all(t > 0 for t in times)
@@ -84,7 +95,7 @@ def test_heuristic_stays_within_h_and_pipelines(two_tiny):
     assert all(n <= 4 for p in steps.parts for _, _, n in p)
 
 
-class Scheme(policies.Policy):
+class Scheme(Policy):
     """A fixed block combination scheme, as TOP's model-scheduler agents give one."""
 
     name = "scheme"
@@ -97,14 +108,14 @@ class Scheme(policies.Policy):
 
 
 def observation(ready, h=4):
-    slots = tuple(policies.SlotObs(m, b, 1, 1, age) for m, b, age in ready)
-    return policies.Observation(0.0, {}, slots, h, 0.0, 0.0, 0.0, 0.0)
+    slots = tuple(SlotObs(m, b, 1, 1, age) for m, b, age in ready)
+    return Observation(0.0, {}, slots, h, 0.0, 0.0, 0.0, 0.0)
 
 
 def test_the_combined_block_with_the_highest_effective_input_ratio_runs_and_only_its_ready_slots(two_tiny):
     _, models = two_tiny
     scheme = [(("a", 0), ("b", 0), ("b", 1)), (("a", 1), ("b", 1)), (("a", 0),)]
-    eng = Engine(SimExecutor(models), Scheme(scheme), SimClock())
+    eng = Engine(SimExecutor(models, SIMULATED), Scheme(scheme), SimClock())
     # ready: a0 and b0 -> ratios 2/3, 0, 1: the singleton group wins
     assert eng._choose(observation([("a", 0, 1.0), ("b", 0, 2.0)])) == [("a", 0)]
     # ready: b0, b1 -> ratios 2/3, 1/2, 0: the first group runs, without a0 (its input has not arrived)
@@ -114,13 +125,13 @@ def test_the_combined_block_with_the_highest_effective_input_ratio_runs_and_only
     assert eng.stats["fallbacks"] == 0
     # a scheme that leaves a ready slot out entirely cannot stall the engine: the oldest ready slot runs alone
     assert eng._choose(observation([("b", 0, 3.0)])) == [("b", 0)] and eng.stats["fallbacks"] == 0
-    eng = Engine(SimExecutor(models), Scheme([(("a", 1),)]), SimClock())
+    eng = Engine(SimExecutor(models, SIMULATED), Scheme([(("a", 1),)]), SimClock())
     assert eng._choose(observation([("b", 0, 3.0), ("a", 0, 5.0)])) == [("a", 0)] and eng.stats["fallbacks"] == 1
 
 
 def test_a_group_larger_than_h_is_refused(two_tiny):
     _, models = two_tiny
-    eng = Engine(SimExecutor(models), Scheme([(("a", 0), ("a", 1), ("b", 0))]), SimClock(), max_sub_blocks=2)
+    eng = Engine(SimExecutor(models, SIMULATED), Scheme([(("a", 0), ("a", 1), ("b", 0))]), SimClock(), max_sub_blocks=2)
     with pytest.raises(UsageError, match="proposed 3 sub-blocks .* H is 2"):
         eng._choose(observation([("a", 0, 1.0)], h=2))
 
@@ -166,29 +177,30 @@ def test_observation_carries_what_a_learned_policy_needs(two_tiny):
 def test_simulation_is_deterministic(two_tiny):
     _, models = two_tiny
     pattern = {"a": 2000.0, "b": 1000.0}
-    reports = [loadgen.run_simulated(Engine(SimExecutor(models), policies.create("heuristic"), SimClock()),
+    reports = [loadgen.run_simulated(Engine(SimExecutor(models, SIMULATED), policies.create("heuristic"), SimClock()),
                                      pattern, 0.05)[0] for _ in range(2)]
     assert reports[0]["total"] == reports[1]["total"] and reports[0]["total"]["answered"] > 50
 
 
 def test_heuristic_sustains_a_rate_at_which_static_sheds_load(two_tiny):
     _, models = two_tiny
-    ex = SimExecutor(models)
-    single = ex.model_latency_ms("a")  # static serves one request at a time: about 1000 / single requests/s
+    ex = SimExecutor(models, SIMULATED)
+    single = model_latency_ms(ex, "a")  # static serves one request at a time: about 1000 / single requests/s
     rate = 3 * 1000 / single
     out = {}
     for name in ("static", "heuristic"):
         eng = Engine(ex, policies.create(name), SimClock(), max_batch=8)
         out[name] = loadgen.run_simulated(eng, {"a": rate}, 0.2)[0]
-    assert out["static"]["total"]["rejected"] > 0 and not loadgen.sustainable(out["static"])
-    assert out["heuristic"]["total"]["rejected"] == 0 and loadgen.sustainable(out["heuristic"])
+    assert out["static"]["total"]["rejected"] > 0 and not sustainable(out["static"])
+    assert out["heuristic"]["total"]["rejected"] == 0 and sustainable(out["heuristic"])
 
 
 def test_real_engine_never_mixes_up_stacked_requests(two_tiny):
     """24 requests from 24 threads into a running engine; a batch waits for its 4 requests (up to an hour), so
     that they are stacked however the threads' submissions interleave with the engine's steps."""
     model, models = two_tiny
-    eng = Engine(CpuExecutor(models), policies.create("batch", max_queue_delay_ms=3.6e6), RealClock(), max_batch=4)
+    eng = Engine(CpuExecutor(models, OP_GRAPHS), policies.create("batch", max_queue_delay_ms=3.6e6), RealClock(),
+                 max_batch=4)
     steps = Steps()
     eng.observers.append(steps)
     eng.start()
@@ -221,7 +233,7 @@ def test_draining_or_unloading_runs_a_batch_held_for_more_requests_at_once(two_t
     drain past the shutdown's grace period)."""
     _, models = two_tiny
     hour = {"max_batch": 4, "max_queue_delay_ms": 3.6e6}
-    eng = Engine(SimExecutor(models), policies.create("batch", **hour), SimClock(), max_batch=4)
+    eng = Engine(SimExecutor(models, SIMULATED), policies.create("batch", **hour), SimClock(), max_batch=4)
     held = [eng.submit(m) for m in "abab"]
     assert eng.step() is False and eng.queue_lengths() == {"a": 2, "b": 2}  # waiting for two more each
     eng.drain()
@@ -229,7 +241,7 @@ def test_draining_or_unloading_runs_a_batch_held_for_more_requests_at_once(two_t
         assert eng.step()
     assert [r.status for r in held] == ["done"] * 4 and eng.clock.now() < 1.0
 
-    eng = Engine(CpuExecutor(dict(models)), policies.create("batch", **hour), RealClock(), max_batch=4)
+    eng = Engine(CpuExecutor(dict(models), OP_GRAPHS), policies.create("batch", **hour), RealClock(), max_batch=4)
     eng.start()
     try:
         answered = threading.Event()
@@ -243,7 +255,7 @@ def test_draining_or_unloading_runs_a_batch_held_for_more_requests_at_once(two_t
 
 def test_a_failing_block_answers_its_requests_with_an_error_and_the_engine_goes_on(two_tiny):
     _, models = two_tiny
-    eng = Engine(CpuExecutor(models), policies.create("static"), RealClock())
+    eng = Engine(CpuExecutor(models, OP_GRAPHS), policies.create("static"), RealClock())
     bad = eng.submit("a", (torch.randn(1, 5, 8, 8),))  # 5 channels: the stem convolution fails
     good = eng.submit("b", (torch.randn(1, 3, 8, 8),))
     while eng.busy():
@@ -265,9 +277,14 @@ def test_unknown_models_and_policies_are_usage_errors(two_tiny):
                                                                           "max_queue_delay_ms": 0.5}
 
 
-def test_registered_policies():
-    assert {"static", "batch", "heuristic"} <= set(policies.names())
-    assert engine.Engine is Engine and Part
+def test_the_policies_are_one_table_whatever_was_imported_before():
+    """The policies a server runs by name are one table, TOP's learned ``top`` among them, in a process that imported
+    nothing else: before, ``top`` was a name only once some module had imported its module (a registry filled as a
+    side effect of imports)."""
+    code = "from opweave.serve.engine import policies; print(','.join(policies.names()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.split() == ["static,batch,heuristic,top"]
+    assert policies.names() == list(policies.POLICIES) and isinstance(policies.create("top", shipped=False), TopPolicy)
 
 
 def test_patterns_and_arrivals():
@@ -293,7 +310,7 @@ def test_report_counts_every_outcome_and_only_the_patterns_queues():
     assert rep["total"]["timeouts"] == 1 and rep["total"]["p99_all_ms"] == float("inf")
     assert rep["models"]["a"]["p50_ms"] == pytest.approx(10.0) and rep["models"]["a"]["queue_var"] == 1.0
     assert rep["queue_variance"] == pytest.approx(1.0)  # (2-1)^2 at both samples: "idle" is not the pattern's
-    assert not loadgen.sustainable(rep)
+    assert not sustainable(rep)
 
 
 def test_a_measured_profile_sets_the_simulated_latencies(two_tiny):
@@ -302,13 +319,14 @@ def test_a_measured_profile_sets_the_simulated_latencies(two_tiny):
     _, models = two_tiny
     bm = models["a"]
     prof = profile_model(bm.captured, bm.example_inputs, device="cpu", repeats=3, warmup=1)
-    ex = SimExecutor({"a": bm}, profiles={"a": {1: prof}}, cost_model="ideal", step_overhead_ms=0.0)
+    ex = SimExecutor({"a": bm}, serving_options("sim", cost_model="ideal"), profiles={"a": {1: prof}},
+                     step_overhead_ms=0.0)
     costs = ex.part_costs("a", 0, 1)
     assert costs.source == "profile@1"
     # at the profiled batch the latency is the measured one (times a roofline ratio of 1: equal to the last ulp)
     assert costs.latency_ms == pytest.approx({op: prof.latency_ms[op] for op in bm.blocks[0].ops}, rel=1e-12)
     # at batch 4: the measured latency times the roofline ratio of batch 4 to batch 1
-    roof = SimExecutor({"a": bm}, cost_model="ideal")
+    roof = SimExecutor({"a": bm}, serving_options("sim", cost_model="ideal"))
     four, one = roof.part_costs("a", 0, 4), roof.part_costs("a", 0, 1)
     op = bm.blocks[0].ops[0]
     assert ex.part_costs("a", 0, 4).latency_ms[op] == pytest.approx(prof.latency_ms[op] * four.latency_ms[op]
@@ -323,9 +341,9 @@ def test_the_default_policy_follows_the_device():
 
     assert (default_policy("cpu"), default_policy("cuda"), default_policy("sim")) == ("static", "heuristic",
                                                                                       "heuristic")
-    assert make_engine({}, device="cpu", compiler=None).policy.name == "static"
+    assert make_engine({}, device="cpu", options=OP_GRAPHS).policy.name == "static"
     assert make_engine({}, device="sim").policy.name == "heuristic"
-    assert make_engine({}, device="cpu", policy="batch", compiler=None).policy.name == "batch"
+    assert make_engine({}, device="cpu", policy="batch", options=OP_GRAPHS).policy.name == "batch"
     from opweave.cli.serve import ON_DEVICE  # what `opweave serve` prints after the default it chose
     from opweave.serve.assemble import DEVICES
 
@@ -337,7 +355,7 @@ def test_the_many_models_benchmark_reports_the_decision_time_of_every_step_not_o
     """``benchmarks/serve_many.py``'s engine run gives the percentiles and maximum of every step's decision time:
     the engine keeps only its latest steps' (``DECISIONS_KEPT``) for ``decision_times()``."""
     from benchmark_module import serve_many
-    from opweave.serve import engine as engine_module
+    from opweave.serve.engine import engine as engine_module
 
     _, path = tiny_file
     (tmp_path / "1").mkdir()

@@ -16,7 +16,7 @@ import torch
 from opweave import zoo
 from opweave.serve.assemble import load_models, make_engine
 from opweave.serve.protocol import encode_tensor
-from opweave.serve.server import BackgroundServer
+from opweave.testing.serving import BackgroundServer
 from serve_models import WAIT_S, Gate
 
 triton = pytest.importorskip("tritonclient.grpc")

@@ -26,11 +26,12 @@ from hypothesis import strategies as st
 
 from opweave.errors import UsageError
 from opweave.serve import frontend, protocol
-from opweave.serve.assemble import load_models, make_engine
+from opweave.serve.assemble import load_models, make_engine, serving_options
+from opweave.serve.http.guard import default_hosts
 from opweave.serve.models import ServedModel, TensorSpec, parse_model_files
 from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
 from opweave.serve.repository import Repository
-from opweave.serve.server import BackgroundServer, default_hosts
+from opweave.testing.serving import BackgroundServer
 from serve_models import Fan, tiny
 
 triton_grpc = pytest.importorskip("tritonclient.grpc")
@@ -76,7 +77,8 @@ def server(site):
     raised to 16 MiB; HTTP and gRPC."""
     parent, root, _ = site
     served: dict = {}
-    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     repository = Repository(engine, served, root, max_batch=4, control="explicit")
     repository.load_all()
     background = BackgroundServer(engine, served, grpc=True, repository=repository, max_body_bytes=16 << 20)
@@ -92,7 +94,8 @@ def limited(site):
     other tests trips them on a loaded machine); HTTP and gRPC."""
     parent, root, _ = site
     served: dict = {}
-    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     repository = Repository(engine, served, root, max_batch=4)
     repository.load_all()
     background = BackgroundServer(engine, served, grpc=True, repository=repository, header_timeout_s=3.0,
@@ -184,7 +187,8 @@ def test_loads_that_leave_the_repository_are_refused_over_http_and_grpc_and_neve
 
 def test_a_link_leaving_the_root_loads_only_with_the_operators_flag(site):
     parent, root, _ = site
-    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     allowed = Repository(engine, {}, root, max_batch=4, control="explicit", allow_symlinks_outside_root=True)
     assert allowed.load("linked").source == "linked/1/model.pt2" and "linked" in engine.models
 
@@ -392,7 +396,8 @@ def test_a_model_cannot_take_a_name_a_route_takes(server, site, tmp_path):
                                                  "model under another name"), answer
     (tmp_path / "stats" / "1").mkdir(parents=True)
     shutil.copy(root / "tiny" / "1" / "model.pt2", tmp_path / "stats" / "1" / "model.pt2")
-    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
     assert repository.load_all() == [] and "stats" not in engine.models
     index = {m["name"]: m for m in repository.index()}
@@ -412,7 +417,8 @@ def test_a_program_that_does_not_load_says_why_in_one_line_and_one_log_line(tmp_
     with zipfile.ZipFile(tmp_path / "zipped" / "1" / "model.pt2", "w") as z:
         z.writestr("archive/data.txt", "not a program")
     (tmp_path / "garbage" / "1" / "model.pt2").write_bytes(b"garbage")
-    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
     for name, why in (("zipped", 'Expected hasRecord("version") to be true'), ("garbage", "not a ZIP archive")):
         caplog.clear()
@@ -971,7 +977,8 @@ def bounded_server(site, fan_file, **options) -> BackgroundServer:
     """tiny and fan (an answer far larger than its request) at max batch 32, over HTTP."""
     parent, _, _ = site
     served = load_models([], {"tiny": parent / "tiny.pt2", "fan": fan_file}, max_batch=32)
-    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=32, compiler=None)
+    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=32,
+                         options=serving_options("cpu", compiler="none"))
     return BackgroundServer(engine, served, **options)
 
 
@@ -1176,7 +1183,8 @@ def parsed(site):
     """tiny behind the server's HTTP parser (h11, whichever others are installed)."""
     parent, _, _ = site
     served = load_models([], {"tiny": parent / "tiny.pt2"}, max_batch=4)
-    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    engine = make_engine(served, device="cpu", policy="heuristic", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     background = BackgroundServer(engine, served)
     with background as url:
         background.url = url
@@ -1233,7 +1241,8 @@ def test_a_client_config_cannot_make_a_torchscript_models_inputs_larger(tmp_path
     torch.jit.save(torch.jit.script(Cast()), str(tmp_path / "scripted" / "1" / "model.pt"))
     (tmp_path / "scripted" / "config.pbtxt").write_text(
         'max_batch_size: 4\ninput [{ name: "x" data_type: TYPE_FP32 dims: [3, 8, 8] }]\n')
-    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     repository = Repository(engine, {}, tmp_path, max_batch=4, control="explicit")
     repository.load_all()
     limit = protocol.request_limit(repository.served["scripted"])

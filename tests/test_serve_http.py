@@ -18,7 +18,7 @@ from opweave import zoo
 from opweave.serve import loadgen
 from opweave.serve.assemble import load_models, make_engine
 from opweave.serve.protocol import HEADER, encode_tensor
-from opweave.serve.server import BackgroundServer
+from opweave.testing.serving import BackgroundServer
 from serve_models import WAIT_S, Gate
 
 SQUEEZE = {"image_size": 64}

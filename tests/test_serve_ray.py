@@ -47,7 +47,8 @@ def binary_output(response: httpx.Response) -> torch.Tensor:
 def test_one_replica_alone_serves_the_v2_routes(tiny_file):
     from fastapi.testclient import TestClient
 
-    replica = Replica(ReplicaOptions(model_files={"tiny": str(tiny_file[1])}, compiler=None, max_batch=4))
+    replica = Replica(ReplicaOptions(model_files={"tiny": str(tiny_file[1])}, options={"compiler": "none"},
+                                     max_batch=4))
     try:
         assert replica.healthy()
         x = torch.randn(3, 3, 8, 8)
@@ -193,7 +194,8 @@ def test_the_fronts_body_limit_is_the_replicas_asked_once():
 def test_a_replicas_body_limit_is_its_largest_models(tiny_file):
     from opweave.serve.protocol import request_limit
 
-    replica = Replica(ReplicaOptions(model_files={"tiny": str(tiny_file[1])}, compiler=None, max_batch=4))
+    replica = Replica(ReplicaOptions(model_files={"tiny": str(tiny_file[1])}, options={"compiler": "none"},
+                                     max_batch=4))
     try:
         assert replica.body_limit() == request_limit(replica.repository.served["tiny"]) < 1 << 20
     finally:

@@ -15,12 +15,12 @@ import torch
 
 from opweave import zoo
 from opweave.errors import UsageError
-from opweave.serve.assemble import load_models, make_engine
+from opweave.serve.assemble import load_models, make_engine, serving_options
 from opweave.serve.engine import Unavailable
 from opweave.serve.frontend import Refused
 from opweave.serve.protocol import HEADER, encode_tensor
 from opweave.serve.repository import Repository
-from opweave.serve.server import BackgroundServer
+from opweave.testing.serving import BackgroundServer
 from serve_models import WAIT_S, tiny
 
 SQUEEZE = {"image_size": 64}
@@ -100,7 +100,8 @@ def binary_output(response: httpx.Response) -> torch.Tensor:
 # ---- the engine --------------------------------------------------------------------------------------------------
 def test_engine_adds_and_removes_a_model_between_steps_answering_what_it_accepted(base, repo):
     root, models = repo
-    engine = make_engine(dict(base), device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    engine = make_engine(dict(base), device="cpu", policy="heuristic", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     extra = load_models([], {"tiny": root / "tiny" / "2" / "model.pt2"}, max_batch=4)["tiny"]
     engine.start()
     try:
@@ -138,7 +139,8 @@ def test_engine_adds_and_removes_a_model_between_steps_answering_what_it_accepte
 
 def test_an_engine_with_no_model_steps_and_takes_one(repo):
     root, models = repo
-    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    engine = make_engine({}, device="cpu", policy="heuristic", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     assert engine.step() is False and engine.observe().queue_variance == 0.0
     extra = load_models([], {"tiny": root / "tiny" / "1" / "model.pt2"}, max_batch=4)["tiny"]
     engine.add_model("tiny", extra.blocked)
@@ -157,7 +159,8 @@ def test_an_engine_with_no_model_steps_and_takes_one(repo):
 # ---- the repository ----------------------------------------------------------------------------------------------
 def test_repository_layout_versions_and_config(base, repo):
     root, models = repo
-    engine = make_engine(dict(base), device="cpu", policy="heuristic", max_batch=4, compiler=None)
+    engine = make_engine(dict(base), device="cpu", policy="heuristic", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     repository = Repository(engine, dict(base), root, max_batch=4, control="explicit")
     assert repository.names() == ["broken", "squeezenet", "tiny"]
     index = {m["name"]: m for m in repository.index()}
@@ -404,7 +407,8 @@ def script_repo(tmp_path_factory):
 def test_a_torchscript_repository_serves_what_converts_equal_to_eager_and_says_why_not_the_rest(script_repo):
     root, models = script_repo
     served: dict = {}
-    engine = make_engine(served, device="cpu", policy="static", max_batch=4, compiler=None)
+    engine = make_engine(served, device="cpu", policy="static", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     repository = Repository(engine, served, root, max_batch=4)
     assert repository.names() == ["looped", "noconfig", "onnx", "scripted", "traced"]
     assert sorted(repository.load_all()) == ["scripted", "traced"]
@@ -470,7 +474,7 @@ def test_a_torchscript_config_whose_example_is_huge_is_refused_before_anything_i
     from google.protobuf import json_format
     from tritonclient.grpc import model_config_pb2
 
-    from opweave.serve.repository import torchscript_inputs
+    from opweave.serve.repository.layout import torchscript_inputs
 
     config = json_format.Parse('{"max_batch_size": 1, "input": [{"name": "INPUT__0", "data_type": "TYPE_FP32", '
                                '"dims": [300000, 300000]}]}', model_config_pb2.ModelConfig())
@@ -485,7 +489,8 @@ def test_a_version_directory_that_cannot_be_listed_is_refused_in_one_line(tmp_pa
     """A version directory without a program whose listing fails (a directory the server may enter but not read):
     the PermissionError escaped the load as a 500 with a traceback; it is a refusal naming the model."""
     (tmp_path / "m" / "1").mkdir(parents=True)
-    engine = make_engine({}, device="cpu", policy="static", max_batch=4, compiler=None)
+    engine = make_engine({}, device="cpu", policy="static", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     repository = Repository(engine, {}, tmp_path, max_batch=4)
     listing = Path.iterdir
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from opweave.serve.assemble import load_models, make_engine
-from opweave.serve.server import BackgroundServer
+from opweave.serve.assemble import load_models, make_engine, serving_options
+from opweave.testing.serving import BackgroundServer
 
 triton_http = pytest.importorskip("tritonclient.http")
 import tritonclient.grpc as triton_grpc  # noqa: E402
@@ -36,7 +36,8 @@ def test_statistics_over_http_and_grpc_count_the_requests_sent(tiny_file):
     deadline (1 µs) is a failure and no execution."""
     model, path = tiny_file
     served = load_models([], {"tiny": path}, max_batch=4)
-    engine = make_engine(served, device="cpu", policy="static", max_batch=4, compiler=None)
+    engine = make_engine(served, device="cpu", policy="static", max_batch=4,
+                         options=serving_options("cpu", compiler="none"))
     background = BackgroundServer(engine, served, grpc=True)
     with background as url:
         http = triton_http.InferenceServerClient(url.removeprefix("http://"))

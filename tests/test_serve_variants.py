@@ -17,9 +17,10 @@ import torch
 from opweave.capture import capture
 from opweave.outputs import compare
 from opweave.pipeline.signatures import bucket, rows
-from opweave.serve import blocks
 from opweave.serve.assemble import serving_options
-from opweave.serve.executors import CpuExecutor, Part
+from opweave.serve.engine import blocks
+from opweave.serve.engine.combined import Part
+from opweave.serve.engine.cpu import CpuExecutor
 from serve_models import WAIT_S, tiny
 
 
@@ -157,8 +158,8 @@ def test_a_batch_larger_than_every_variant_runs_in_pieces_and_a_smaller_one_padd
 
 def test_a_config_warms_its_batches_up_front_and_only_those(tmp_path):
     from opweave.serve.assemble import make_engine
-    from opweave.serve.export import export
     from opweave.serve.repository import Repository
+    from opweave.serve.repository.export import export
 
     model, x = tiny()
     export(model, x, tmp_path, "tiny", max_batch=8)
@@ -175,8 +176,8 @@ def test_a_config_warms_its_batches_up_front_and_only_those(tmp_path):
 def test_an_unloaded_model_leaves_its_weights_and_sessions_behind_for_no_one(tmp_path):
     pytest.importorskip("onnxruntime")
     from opweave.serve.assemble import make_engine
-    from opweave.serve.export import export
     from opweave.serve.repository import Repository
+    from opweave.serve.repository.export import export
 
     model, x = tiny()
     export(model, x, tmp_path, "tiny", max_batch=4)
@@ -210,8 +211,8 @@ def run_through(ex: CpuExecutor, name: str, x: torch.Tensor):
 def test_a_reload_builds_the_new_version_beside_the_old_which_answers_with_its_own_weights_until_it_goes(tmp_path):
     pytest.importorskip("onnxruntime")
     from opweave.serve.assemble import make_engine
-    from opweave.serve.export import export
     from opweave.serve.repository import Repository
+    from opweave.serve.repository.export import export
 
     (old, x), (new, _) = tiny(seed=0), tiny(seed=1)
     export(old, x, tmp_path, "tiny", max_batch=4)
@@ -245,8 +246,8 @@ import os
 import torch
 from opweave.capture import capture
 from opweave.serve.assemble import serving_options
-from opweave.serve import blocks
-from opweave.serve.executors import CpuExecutor
+from opweave.serve.engine import blocks
+from opweave.serve.engine.cpu import CpuExecutor
 from serve_models import tiny
 
 models = {}
@@ -283,8 +284,8 @@ import opweave
 from opweave.capture import capture
 from opweave.outputs import compare
 from opweave.serve.assemble import serving_options
-from opweave.serve import blocks
-from opweave.serve.executors import CpuExecutor
+from opweave.serve.engine import blocks
+from opweave.serve.engine.cpu import CpuExecutor
 from serve_models import tiny
 
 model, x = tiny()
@@ -329,7 +330,7 @@ import os, shutil, tempfile
 from pathlib import Path
 from opweave import zoo
 from opweave.serve.assemble import make_engine
-from opweave.serve.export import export
+from opweave.serve.repository.export import export
 from opweave.serve.repository import Repository
 
 def rss():

@@ -75,9 +75,10 @@ def test_every_onnx_runtime_session_runs_within_its_threads(options):
 
 def test_the_servers_executor_runs_every_combined_block_within_its_threads():
     from opweave.capture import capture
-    from opweave.serve import blocks
     from opweave.serve.assemble import serving_options
-    from opweave.serve.executors import CpuExecutor, Part
+    from opweave.serve.engine import blocks
+    from opweave.serve.engine.combined import Part
+    from opweave.serve.engine.cpu import CpuExecutor
 
     model, inputs = probe()
     blocked = blocks.split(capture(model, inputs), inputs, name="probe")

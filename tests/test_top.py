@@ -23,9 +23,9 @@ from opweave.ir.synth import random_dag
 from opweave.learn import gpg, maddpg, policy
 from opweave.pipeline import plan_for
 from opweave.schedulers import ios, top_gpg
-from opweave.serve import top
-from opweave.serve.assemble import load_models, make_engine
-from opweave.serve.server import BackgroundServer
+from opweave.serve.assemble import load_models, make_engine, serving_options
+from opweave.serve.engine import top
+from opweave.testing.serving import BackgroundServer
 
 
 def check_stage_schedule(graph, costs, sched, max_group_ops=3, max_groups=8):
@@ -274,15 +274,15 @@ class FixedActors:
 
 @pytest.fixture(scope="module")
 def squeezenet_sim():
-    from opweave.serve.executors import SimExecutor
+    from opweave.serve.engine.simulation import SimExecutor
 
     served = load_models(["squeezenet"], device="sim", max_batch=16)
-    return SimExecutor({"squeezenet": served["squeezenet"].blocked}, preset="h100")
+    return SimExecutor({"squeezenet": served["squeezenet"].blocked}, serving_options("sim"), preset="h100")
 
 
 def simulate_top(executor, policy, scale: float, duration: float = 0.5):
     from opweave.serve.engine import Engine
-    from opweave.serve.executors import SimClock
+    from opweave.serve.engine.simulation import SimClock
     from opweave.serve.loadgen import run_simulated
 
     engine = Engine(executor, policy, SimClock(), max_queue=64, max_batch=16, max_sub_blocks=4)

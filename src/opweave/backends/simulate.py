@@ -40,6 +40,7 @@ import logging
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from opweave.costs.contention import FluidDevice
 from opweave.costs.model import Costs
@@ -100,6 +101,24 @@ def simulate(graph: OpGraph, plan: LaunchPlan, costs: Costs, *, cuda_graph: bool
 def makespan_ms(graph: OpGraph, plan: LaunchPlan, costs: Costs, *, cuda_graph: bool | None = None) -> float:
     """The makespan :func:`simulate` reports, without its sequential replay (for callers that time many plans)."""
     return _replay(graph, plan, costs, costs.gpu.cuda_graph if cuda_graph is None else cuda_graph)[2]
+
+
+class Replay:
+    """A plan replayed by the simulator, as the backend of a plan that runs nowhere (a server in simulation): the
+    time it takes (``makespan_ms``) and the share of the device its ops keep busy on average (``utilization``: the
+    ops' latency x utilization summed, over the makespan, at most 1). Calling it runs no op and returns both."""
+
+    def __init__(self, graph: OpGraph, plan: LaunchPlan, costs: Costs):
+        self.makespan_ms = makespan_ms(graph, plan, costs)
+        work = sum(costs.latency_ms[o] * costs.util(o) for o in graph.ids)
+        self.utilization = min(1.0, work / self.makespan_ms) if self.makespan_ms else 0.0
+        self.stats: dict[str, Any] = {}
+
+    def __call__(self, *args: Any) -> tuple[float, float]:
+        return self.makespan_ms, self.utilization
+
+    def close(self) -> None:
+        pass
 
 
 def _replay(graph: OpGraph, plan: LaunchPlan, costs: Costs,

@@ -133,8 +133,8 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
     --policy-file`` (or, written to ``src/opweave/serve/data/top_<models>.pt``, shipped as the default)."""
     from opweave.learn import policy
     from opweave.schedulers.top_gpg import one_thread
-    from opweave.serve.assemble import load_models, parse_image_size
-    from opweave.serve.executors import SimExecutor
+    from opweave.serve.assemble import load_models, parse_image_size, serving_options
+    from opweave.serve.engine.simulation import SimExecutor
     from opweave.serve.loadgen import parse_pattern
 
     rates = parse_pattern(pattern)
@@ -143,7 +143,7 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
     held_out = policy.HeldOut(seeds=tuple(seeds), duration_s=eval_s, slo_ms=slo_ms, max_scale=eval_max_scale)
     start = time.perf_counter()
     served = load_models(list(rates), device="sim", max_batch=max_batch, image_size=parse_image_size(image_size))
-    executor = SimExecutor({n: m.blocked for n, m in served.items()}, preset=preset)
+    executor = SimExecutor({n: m.blocked for n, m in served.items()}, serving_options("sim"), preset=preset)
     loaded = time.perf_counter()
     curve: list[dict] = []
     with _bar() as bar, one_thread():

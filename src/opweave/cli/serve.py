@@ -16,12 +16,11 @@ from opweave.cli.app import DeviceOpt, JsonOpt, ModeOpt, OptionOpt, app, collect
 from opweave.errors import DeviceError, UsageError
 
 # The default policies (opweave.serve.assemble.DEFAULT_POLICIES), said the same way in both commands' help.
-SimPolicyOpt = Annotated[str | None, typer.Option("--policy", help="with --simulate: static | batch | heuristic | top "
-                                                  "(or a registered policy); default: heuristic, the default on a GPU, "
-                                                  "which the simulator models (with --url the server runs its own)")]
-ServePolicyOpt = Annotated[str | None, typer.Option("--policy", help="static | batch | heuristic | top (or a "
-                                                    "registered policy); default: static on a CPU, heuristic on a "
-                                                    "GPU (docs/serving.md)")]
+SimPolicyOpt = Annotated[str | None, typer.Option("--policy", help="with --simulate: static | batch | heuristic | top; "
+                                                  "default: heuristic, the default on a GPU, which the simulator "
+                                                  "models (with --url the server runs its own)")]
+ServePolicyOpt = Annotated[str | None, typer.Option("--policy", help="static | batch | heuristic | top; default: "
+                                                    "static on a CPU, heuristic on a GPU (docs/serving.md)")]
 ON_DEVICE = {"cpu": "a CPU", "cuda": "a GPU", "sim": "the simulator"}  # where a default policy applies, in words
 PolicyOptionsOpt = Annotated[str | None, typer.Option("--policy-options", help="KEY=VALUE,... for the policy")]
 PolicyFileOpt = Annotated[Path | None, typer.Option("--policy-file", help="trained policy (top: opweave "
@@ -42,7 +41,7 @@ def _names(text: str | None) -> list[str]:
 
 def _policy_options(policy: str, text: str | None, policy_file: Path | None) -> dict:
     """``--policy-options`` as a dict, with ``--policy-file`` as its ``policy_file``."""
-    from opweave.serve import policies
+    from opweave.serve.engine import policies
 
     options = policies.parse_options(text)
     if policy_file is not None:
@@ -128,9 +127,10 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
           threads: Annotated[int | None, typer.Option("--threads", min=1, help="cpu: the threads each combined "
                                                       "block's lanes may use in all, as opweave.compile's threads "
                                                       "(default: every core; with --ray, 1 per replica)")] = None,
-          compiler: Annotated[str, typer.Option("--compiler", help="cpu: each block compiled whole by onnxruntime or "
-                                                           "inductor, or none (TOP's combined op graphs); default "
-                                                           "onnxruntime when installed")] = "default",
+          compiler: Annotated[str | None, typer.Option("--compiler", help="cpu: each block compiled whole by "
+                                                                  "onnxruntime or inductor, or none (TOP's combined op "
+                                                                  "graphs); default onnxruntime when installed")
+                              ] = None,
           mode: ModeOpt = None, options: OptionOpt = None,
           log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
     """Serve models over the Open Inference Protocol (KServe v2 / Triton HTTP, and gRPC with ``--grpc-port``) until
@@ -163,7 +163,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         serving_options,
     )
     from opweave.serve.models import parse_model_files
-    from opweave.serve.repository import CONTROL_MODES, Repository
+    from opweave.serve.repository.repository import CONTROL_MODES, Repository
     from opweave.serve.server import serve as run_server
 
     if device == "auto":
@@ -172,10 +172,14 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         device = resolve_device(device)
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu, cuda or auto, got {device!r}")
-    mode, given = collect_options(options, mode, scheduler=scheduler, streams=streams,
-                                  compiler=None if compiler == "default" else compiler,
-                                  threads=threads if threads is not None or not ray or device != "cpu" else 1)
-    settings = serving_options(device, given, mode=mode)  # every option checked, before any model loads
+    mode, given = collect_options(options, mode, scheduler=scheduler, streams=streams, compiler=compiler,
+                                  threads=threads)
+    if ray:  # every option checked, before any model loads
+        from opweave.serve.ray import replica_options
+
+        settings = replica_options(device, given, mode=mode)
+    else:
+        settings = serving_options(device, given, mode=mode)
     if device == "cuda" and not (ray and ray_address is not None):  # a remote cluster's replicas hold the GPUs
         import torch
 
@@ -189,7 +193,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         raise UsageError(f"--max-body-mb {max_body_mb:g} is more than --max-held-mb {max_held_mb:g}: a body that size "
                          "could never be admitted (raise --max-held-mb)")
     if not ray:  # before any model loads: the connections must fit the open-file limit
-        from opweave.serve.server import connection_limit
+        from opweave.serve.frontend import connection_limit
 
         connection_limit(max_connections, 1 if grpc_port is None else 2)
     hosts = None if allowed_hosts is None else tuple(h.strip().lower() for h in allowed_hosts.split(",") if h.strip())
@@ -237,7 +241,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     unavailable = [m["name"] for m in repository.index() if m["state"] != "READY"]
     down = f"; UNAVAILABLE: {', '.join(unavailable)} (see the repository index)" if unavailable else ""
 
-    chose = " (the default)" if compiler == "default" and "compiler" not in given else ""
+    chose = " (the default)" if "compiler" not in given else ""
     builds = "" if device != "cpu" else (f"; compiler {settings.compiler or 'none'}{chose}, {settings.threads} "
                                           "threads")
 
@@ -343,7 +347,7 @@ def export(model: Annotated[str, typer.Argument(help="zoo name, timm:NAME or hf:
     """Write MODEL as an entry of a model repository: REPOSITORY/NAME/VERSION/model.pt2 (torch.export) and
     REPOSITORY/NAME/config.pbtxt (its inputs' and outputs' names, datatypes and shapes, and max_batch_size, as
     opweave serve will serve them). Then: opweave serve --model-repository REPOSITORY."""
-    from opweave.serve import export as exporting
+    from opweave.serve.repository import export as exporting
 
     if module is not None:
         made, inputs = exporting.from_factory(module)
@@ -371,7 +375,7 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
                                                        help="roofline preset (simulation)")] = "h100",
             policy: SimPolicyOpt = None, policy_options: PolicyOptionsOpt = None,
             policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64,
-            max_batch: MaxBatchOpt = 8, max_sub_blocks: HOpt = 4, scheduler: SchedulerOpt = "lios",
+            max_batch: MaxBatchOpt = 8, max_sub_blocks: HOpt = 4, scheduler: SchedulerOpt = None,
             streams: StreamsOpt = None, image_size: ImageSizeOpt = None,
             profile: Annotated[list[str] | None, typer.Option("--profile", help="MODEL=PATH: measured profile "
                                                               "(opweave profile) for simulation")] = None,
@@ -437,7 +441,7 @@ def blocks(models: Annotated[str, typer.Option("--models", help="comma list of z
     """Split models into blocks at single-tensor cut points; counts beside TOP Table II."""
     from opweave import zoo
     from opweave.serve.assemble import load_models, parse_cuts, parse_image_size
-    from opweave.serve.blocks import table_ii
+    from opweave.serve.engine.blocks import table_ii
 
     served = load_models(_names(models), device="cpu", image_size=parse_image_size(image_size), cuts=parse_cuts(cuts))
     rows = [{**table_ii(m.blocked), "top_blocks": zoo.PAPER_COUNTS.get(n, {}).get("blocks"),

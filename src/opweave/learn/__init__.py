@@ -12,5 +12,6 @@ pieces.
 What runs at inference stays with its user and never imports this package: the ``top-gpg`` network, its feature
 encoding, greedy decoding and the loading of its weights in :mod:`opweave.schedulers.top_gpg` (a scheduler is a pure
 function of graph and costs); the ``top`` policy, its actors and the loading of a policy file in
-:mod:`opweave.serve.top`. This package sits above ``serve`` (training drives the simulated engine) and below ``cli``.
+:mod:`opweave.serve.engine.top`. This package sits above ``serve`` (training drives the simulated engine) and below
+``cli``.
 """

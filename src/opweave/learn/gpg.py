@@ -66,7 +66,9 @@ from opweave.schedulers.top_gpg import (
     scale_ms,
     walk,
 )
-from opweave.serve.executors import SimExecutor, union_costs, union_graph
+from opweave.serve.assemble import serving_options
+from opweave.serve.engine.combined import union_costs, union_graph
+from opweave.serve.engine.simulation import SimExecutor
 
 VALIDATION_SEED = 12345  # the validation graphs' draws
 HELD_OUT_SEED = 2024  # benchmarks/top_gpg.py's graphs
@@ -80,9 +82,9 @@ class GpgGraphs:
     (10-60 ops, 3-12 layers, latencies 0.1-4 ms, utilizations uniform in 0.1-1)."""
 
     def __init__(self, blocked: dict, *, preset: str = "h100", max_parts: int = 6, seed: int = 0):
-        """``blocked``: name -> :class:`~opweave.serve.blocks.BlockedModel` (:meth:`from_zoo` loads zoo models
+        """``blocked``: name -> :class:`~opweave.serve.engine.blocks.BlockedModel` (:meth:`from_zoo` loads zoo models
         into one)."""
-        self.executor = SimExecutor(dict(blocked), preset=preset)
+        self.executor = SimExecutor(dict(blocked), serving_options("sim"), preset=preset)
         self.slots = [(n, b) for n, m in blocked.items() for b in range(len(m.blocks))]
         self.max_parts = max_parts
         self.rng = random.Random(seed)

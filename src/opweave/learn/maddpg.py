@@ -1,5 +1,5 @@
 """Multi-agent DDPG (Lowe et al. 2017), as TOP trains its serving agents (Lin et al., TOP, IEEE TPDS 2024, §V-B
-eqs. 3-4, §VI-B sizes): the actors serving runs (:class:`opweave.serve.top.Actors`) with the centralized critics,
+eqs. 3-4, §VI-B sizes): the actors serving runs (:class:`opweave.serve.engine.top.Actors`) with the centralized critics,
 target copies, replay buffer and updates that train them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from opweave.serve.top import Actors
+from opweave.serve.engine.top import Actors
 
 GAMMA, LR, BATCH, REPLAY_SIZE = 0.95, 1e-3, 100, 2000  # §VI-B (replay_size: transitions before the first update)
 CAPACITY = 100_000  # transitions the replay buffer keeps (TOP gives none; see MADDPG)
@@ -25,7 +25,7 @@ def critic_net(inputs: int) -> nn.Sequential:
 
 class MADDPG(Actors):
     """Multi-agent DDPG (Lowe et al. 2017; TOP §V-B eqs. 3-4): decentralized actors ρ^i(s) → a^i ∈ [0, 1]^{d_i}
-    (:class:`~opweave.serve.top.Actors`, TOP's policy network), centralized critics Q^i(s, a^0..a^W)
+    (:class:`~opweave.serve.engine.top.Actors`, TOP's policy network), centralized critics Q^i(s, a^0..a^W)
     (:func:`critic_net`, TOP's value network), target copies of both moved by soft updates
     (``tau``), a replay buffer of ``capacity`` transitions (oldest dropped) sampled in batches of ``batch``, discount
     γ. All agents see the same state (TOP stacks one global state for every agent).

@@ -1,12 +1,12 @@
 """TOP's Alg. 1, offline phase (Lin et al., TOP, IEEE TPDS 2024, §V-B): the MADDPG agents of serving policy
-``top`` (:class:`opweave.serve.top.TopPolicy`) trained against the simulated engine (``opweave train-policy``).
+``top`` (:class:`opweave.serve.engine.top.TopPolicy`) trained against the simulated engine (``opweave train-policy``).
 
 * :func:`reward`, :class:`ZScore` — eq. (2) on Z-scored utilization, latency and queue-length variance;
 * :class:`HeldOut`, :func:`evaluate` — the fixed held-out loads on which the actors kept are chosen, and the score:
   the highest load scale the greedy actors sustain there (the benchmarks' sustainable-rate rule);
 * :func:`train` — the training loop (:class:`~opweave.learn.maddpg.MADDPG` agents, one decision per period), with a
   held-out evaluation every so many steps; :class:`Trained` what it returns;
-* :func:`save_agents` — the policy file that :func:`opweave.serve.top.load_agents` reads (``--policy-file``, or
+* :func:`save_agents` — the policy file that :func:`opweave.serve.engine.top.load_agents` reads (``--policy-file``, or
   shipped in ``serve/data/``).
 """
 
@@ -24,10 +24,11 @@ import torch
 
 from opweave.errors import UsageError
 from opweave.learn.maddpg import ACTOR_LR, MADDPG, REPLAY_SIZE
-from opweave.serve.engine import Engine, Observer, Simulation
-from opweave.serve.executors import SimClock, SimExecutor
+from opweave.serve.engine.engine import Engine
+from opweave.serve.engine.requests import Observer
+from opweave.serve.engine.simulation import SimClock, SimExecutor, Simulation
+from opweave.serve.engine.top import FORMAT, Actors, TopPolicy
 from opweave.serve.loadgen import arrivals, run_simulated
-from opweave.serve.top import FORMAT, Actors, TopPolicy
 
 A_UTIL, B_LATENCY, C_SIGMA = 0.4, 0.4, 0.2  # eq. (2) weights (§VI-B)
 STEPS = 8000  # TOP's MADDPG "can converge within 8000 steps" (§VI-F, Fig. 22)
@@ -85,7 +86,7 @@ class HeldOut:
 def evaluate(actors: Actors, executor: SimExecutor, pattern: dict[str, float], held_out: HeldOut = HeldOut(), *,
              period_ms: float = 50.0, max_queue: int = 64, max_batch: int = 16, max_sub_blocks: int = 4) -> dict:
     """The highest scale of ``pattern`` at which ``actors``, deciding greedily every period as
-    :class:`~opweave.serve.top.TopPolicy` runs them when served (T = 0), keep the 99th percentile of every sent
+    :class:`~opweave.serve.engine.top.TopPolicy` runs them when served (T = 0), keep the 99th percentile of every sent
     request under ``held_out.slo_ms`` (rejections infinitely late) on every held-out trace: the sustainable-rate
     rule of ``benchmarks/serving.py`` on a fixed grid (doubling from scale 1, then bisecting to one grid step).
     Returns ``{"scale", "p99_ms"}`` (the worst p99 over the seeds at that scale; scale 0 if not even the lowest
@@ -331,8 +332,8 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEP
 # ---- the policy file ----------------------------------------------------------------------------------------------
 def save_agents(agents: Actors, path: str | Path, *, blocks: dict[str, int], max_sub_blocks: int,
                 meta: dict) -> None:
-    """The actors (all serving needs; weights in half precision, :func:`~opweave.serve.top.load_agents` makes them
-    float again) with the models and H they were trained for and ``meta`` (how they were trained)."""
+    """The actors (all serving needs; weights in half precision, :func:`~opweave.serve.engine.top.load_agents` makes
+    them float again) with the models and H they were trained for and ``meta`` (how they were trained)."""
     torch.save({"format": FORMAT, "blocks": blocks, "max_sub_blocks": max_sub_blocks,
                 "state_dim": agents.state_dim, "action_dims": agents.action_dims,
                 "actors": [{k: v.half() for k, v in a.state_dict().items()} for a in agents.actors], "meta": meta},

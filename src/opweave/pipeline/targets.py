@@ -13,6 +13,8 @@ On both, ``graph="inductor"`` plans over Inductor's kernels instead of the captu
 one op, each op's kernel count in the costs, every segment compiled by Inductor.
 * :class:`RanksTarget` — one rank process per device (``devices > 1``,
   :class:`~opweave.backends.distributed.DistributedBackend`).
+* :class:`SimTarget` — a server in simulation: a combined block's plan replayed by the simulator
+  (:class:`~opweave.backends.simulate.Replay`), which runs no op.
 
 **Thread budgets** (CPU): lanes x intra-op threads never exceed the threads given (``options.threads``, default
 every core; :mod:`opweave.backends.threads`). How they are split depends on what runs the ops, which says so
@@ -40,11 +42,13 @@ from opweave.backends.cuda import CudaBackend
 from opweave.backends.distributed import DistributedBackend, check_devices
 from opweave.backends.runtime import CUDA
 from opweave.backends.segments import fuse_segments
+from opweave.backends.simulate import Replay
 from opweave.costs import Costs, calibrated, from_graph
 from opweave.costs.links import transfer_times
 from opweave.costs.profile import load_for
 from opweave.costs.roofline import estimate, preset_for_gpu
 from opweave.errors import UsageError
+from opweave.ir import OpGraph
 from opweave.pipeline import tiers
 from opweave.pipeline.choose import STREAM_CAPS, choose, sync_options
 from opweave.pipeline.compiled import Compiled
@@ -346,6 +350,20 @@ class RanksTarget:
 
     def planning_costs(self, captured, inputs: tuple, options: Options) -> Costs:
         return self.plan(captured, inputs, options)[0]
+
+
+class SimTarget:
+    """A server in simulation (``serving="sim"``): a combined block's op graph planned on the costs the server gives
+    for it, validated, and replayed by the simulator as its backend (:class:`~opweave.backends.simulate.Replay`: the
+    makespan, and the share of the device the ops keep busy). The simulator runs no op: nothing is captured."""
+
+    device = "sim"
+
+    def build(self, graph: OpGraph, costs: Costs, options: Options) -> Compiled:
+        assert options.scheduler is not None  # the serving preset's: lios unless given
+        sched, plan = plan_for(graph, costs, options.scheduler, streams=options.streams,
+                               **(options.scheduler_options or {}))
+        return Compiled(graph, costs, sched, plan, Replay(graph, plan, costs), self.device, options=options)
 
 
 def whole(captured, options: Options, model, costs: Costs, *, threads: int | None = None) -> Compiled:

@@ -8,9 +8,13 @@ from pathlib import Path
 
 from opweave.errors import UsageError
 from opweave.pipeline.options import Options
-from opweave.serve import policies, top  # noqa: F401 - importing top registers the learned policy "top"
-from opweave.serve.engine import Engine
-from opweave.serve.executors import CpuExecutor, CudaExecutor, Executor, Part, RealClock, SimClock, SimExecutor
+from opweave.serve.engine import policies
+from opweave.serve.engine.combined import Part
+from opweave.serve.engine.cpu import CpuExecutor
+from opweave.serve.engine.cuda import CudaExecutor
+from opweave.serve.engine.engine import Engine
+from opweave.serve.engine.executors import Executor, RealClock
+from opweave.serve.engine.simulation import SimClock, SimExecutor
 from opweave.serve.models import ServedModel, check_name, load
 
 DEVICES = ("cpu", "cuda", "sim")
@@ -116,22 +120,18 @@ def serving_options(device: str, options: dict | None = None, *, mode: str | Non
 
 def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options: Options | None = None,
                 policy: str | None = None, policy_options: dict | None = None, max_queue: int = 64,
-                max_batch: int = 8, max_sub_blocks: int = 4, timeout_s: float | None = None, preset: str = "h100",
-                step_overhead_ms: float = 0.03, profiles: dict | None = None, warm: bool = True,
-                compiler: str | None = "default", say: Callable[[str], None] | None = None) -> Engine:
-    """An engine on the real executor of ``device`` (cpu, cuda) or on the simulator (``sim``, roofline ``preset``),
-    its combined blocks built with ``options`` (:func:`serving_options`; default: the device's serving preset,
-    ``compiler`` given, where it is not ``"default"``, as the blocks' compiler: None for TOP's combined op graphs),
-    under ``policy`` (default: :func:`default_policy` of the device). ``profiles`` (simulation, see
-    :func:`load_profiles`) replace roofline latencies. ``warm`` compiles every block alone at batch 1 first (and
-    checks it runs): with a compiler, every block's first variants up front (its any-batch session, or its batch-1
-    variant: :meth:`~opweave.serve.executors.CpuExecutor.warm_model`); other batches when first asked for. ``say``:
-    told what is under way, model by model (a progress bar)."""
-    if options is None:
-        chosen = {} if compiler == "default" or device != "cpu" else {"compiler": compiler or "none"}
-        options = serving_options(device, chosen)
-    elif compiler != "default":
-        raise UsageError("give the blocks' compiler in the options (serving_options(..., compiler=...)), not both")
+                max_batch: int = 8, max_sub_blocks: int = 4, timeout_s: float | None = None,
+                preset: str = "h100", step_overhead_ms: float = 0.03, profiles: dict | None = None,
+                warm: bool = True, say: Callable[[str], None] | None = None) -> Engine:
+    """An engine on the real executor of ``device`` (cpu, cuda) or on the simulator (``sim``), its combined blocks
+    built with ``options`` (:func:`serving_options` of the device: the serving preset, unless given), under
+    ``policy`` (default: :func:`default_policy` of the device). In simulation, ``preset`` (the roofline preset of the
+    simulated GPU), ``step_overhead_ms`` and ``profiles`` (see :func:`load_profiles`, replacing roofline latencies)
+    go to :class:`~opweave.serve.engine.simulation.SimExecutor`. ``warm`` compiles every block alone at batch 1 first
+    (and checks it runs): with a compiler, every block's first variants up front (its any-batch session, or its
+    batch-1 variant: :meth:`~opweave.serve.engine.cpu.CpuExecutor.warm_model`); other batches when first asked for.
+    ``say``: told what is under way, model by model (a progress bar)."""
+    options = serving_options(device) if options is None else options
     if options.serving != device:
         raise UsageError(f"the options of a server on {device} are resolved by serving_options({device!r}, ...)")
     blocked = {name: m.blocked for name, m in models.items()}

@@ -1,5 +1,6 @@
-"""What the HTTP and gRPC front ends share: the draining state, and one inference from a decoded request to its
-answer or a :class:`Refused` that each front end maps to its own status (no HTTP, no gRPC here).
+"""What the HTTP and gRPC front ends share: the draining state, one inference from a decoded request to its answer or
+a :class:`Refused` that each front end maps to its own status, the bytes requests may hold (:class:`Budget`), and
+the limits each front end holds its connections to (:func:`connection_limit`); no HTTP, no gRPC here.
 
 ==============  ====  =====================  ================================================
 kind            HTTP  gRPC                   when
@@ -28,13 +29,15 @@ import contextlib
 import ctypes
 import functools
 import os
+import resource
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from opweave.errors import OpweaveError, UsageError
-from opweave.serve.engine import Engine, QueueFull, Request, Unavailable
+from opweave.serve.engine.engine import Engine
+from opweave.serve.engine.requests import QueueFull, Request, Unavailable
 from opweave.serve.protocol import InferRequest, ProtocolError
 
 HTTP_STATUS = {"invalid": 400, "not_found": 404, "full": 429, "draining": 503, "overloaded": 503, "timeout": 504,
@@ -42,6 +45,10 @@ HTTP_STATUS = {"invalid": 400, "not_found": 404, "full": 429, "draining": 503, "
 MAX_HELD_BYTES = 512 << 20  # what unfinished request bodies and unread answers may hold, server-wide
 CONTROL_BYTES = 2 << 20  # a repository call's body or message (a load's parameters.config, at most 1 MiB of it)
 RETRY_AFTER_S = 1.0  # when a request refused by the Budget may try again
+HEADER_TIMEOUT_S = 10.0  # a request's headers (gRPC: the HTTP/2 handshake) must arrive within this
+IDLE_TIMEOUT_S = 60.0  # a connection idle this long is closed
+MAX_CONNECTIONS = 4096  # connections each front end holds by default (fewer where the open-file limit says so)
+RESERVED_FILES = 256  # of the open-file limit, kept for the process's own files and the sockets accepted at once
 
 
 class Refused(OpweaveError):
@@ -234,6 +241,26 @@ class State:
             self.inflight -= 1
 
 
+def connection_limit(asked: int | None = None, front_ends: int = 1) -> int:
+    """The connections each of ``front_ends`` front ends may hold (``--max-connections``): ``asked``, or by default
+    :data:`MAX_CONNECTIONS`; either way within the process's open-file limit (``ulimit -n``) less
+    :data:`RESERVED_FILES` (a quarter of it, where that is less), shared among the front ends, so that no connection
+    past the limit leaves the server unable to accept (or open) anything. :class:`~opweave.errors.UsageError` if
+    ``asked`` does not fit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    kept = min(RESERVED_FILES, soft // 4)
+    room = MAX_CONNECTIONS * front_ends if soft == resource.RLIM_INFINITY else (soft - kept) // front_ends
+    if asked is None:
+        if room < 1:
+            raise UsageError(f"the open-file limit ({soft}, ulimit -n) leaves no room for connections; raise it")
+        return min(MAX_CONNECTIONS, room)
+    if asked > room:
+        raise UsageError(f"--max-connections {asked} does not fit the open-file limit ({soft}, ulimit -n): "
+                         f"{front_ends} front end(s) x {asked} connections + {kept} files the server keeps for "
+                         f"itself; raise the limit or give at most {max(room, 0)}")
+    return asked
+
+
 async def infer(engine: Engine, state: State, name: str, request: InferRequest,
                 timeout_s: float | None = None) -> Request:
     """Queue ``request`` for model ``name`` on ``engine`` and wait (on the running event loop) for its answer; a
@@ -272,5 +299,6 @@ async def infer(engine: Engine, state: State, name: str, request: InferRequest,
     return result
 
 
-__all__ = ["CONTROL_BYTES", "HTTP_STATUS", "MAX_HELD_BYTES", "RETRY_AFTER_S", "Budget", "HeapTrimmer", "Hold",
-           "Refused", "State", "infer", "offload", "one_line", "release_memory"]
+__all__ = ["CONTROL_BYTES", "HEADER_TIMEOUT_S", "HTTP_STATUS", "IDLE_TIMEOUT_S", "MAX_CONNECTIONS", "MAX_HELD_BYTES",
+           "RESERVED_FILES", "RETRY_AFTER_S", "Budget", "HeapTrimmer", "Hold", "Refused", "State", "connection_limit",
+           "infer", "offload", "one_line", "release_memory"]

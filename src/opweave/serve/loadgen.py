@@ -28,7 +28,8 @@ from statistics import fmean, pvariance
 import numpy as np
 
 from opweave.errors import UsageError
-from opweave.serve.engine import Arrival, Engine, simulate_arrivals
+from opweave.serve.engine.engine import Engine
+from opweave.serve.engine.simulation import Arrival, simulate_arrivals
 
 ARRIVALS = ("poisson", "constant")
 
@@ -127,12 +128,6 @@ def _summary(outcomes: list[Outcome], queue: list[int], end: float) -> dict:
             "p50_ms": _percentile(answered, 50), "p99_ms": _percentile(answered, 99),
             "mean_ms": fmean(answered) if answered else math.nan, "p99_all_ms": _percentile(every, 99),
             "queue_mean": fmean(queue) if queue else 0.0, "queue_var": pvariance(queue) if len(queue) > 1 else 0.0}
-
-
-def sustainable(rep: dict, slo_ms: float = 100.0) -> bool:
-    """True if the 99th percentile of every sent request (rejections, timeouts and errors infinitely late) is under
-    ``slo_ms``: a server that sheds load does not count as sustaining it."""
-    return rep["total"]["sent"] > 0 and rep["total"]["p99_all_ms"] < slo_ms
 
 
 def table(rep: dict, title: str | None = None):
@@ -307,4 +302,4 @@ def run_http(url: str, pattern: dict[str, float], duration_s: float, kind: str =
 
 
 __all__ = ["ARRIVALS", "Outcome", "arrivals", "parse_pattern", "plot", "report", "request_body", "run_http",
-           "run_simulated", "sustainable", "table"]
+           "run_simulated", "table"]

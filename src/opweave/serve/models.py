@@ -12,7 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from opweave.errors import UsageError
-from opweave.serve.blocks import BlockedModel, split
+from opweave.serve.engine.blocks import BlockedModel, split
 
 # KServe v2 / Triton datatypes of the torch dtypes a served model may take or give.
 DATATYPES = {torch.bool: "BOOL", torch.uint8: "UINT8", torch.int8: "INT8", torch.int16: "INT16", torch.int32: "INT32",

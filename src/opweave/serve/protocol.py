@@ -26,7 +26,7 @@ Sizes: :func:`request_limit` is the most bytes a valid request for a model can t
 costs no more than its model's outputs and a short head: an output asked for twice is refused (as Triton does), an
 echoed ``id`` is cut, and :func:`response_bytes` bounds what a response takes, all of it, before it is encoded.
 
-The checks live in :func:`decode_request`, which the gRPC front end (:mod:`opweave.serve.grpc_server`) calls too: it
+The checks live in :func:`decode_request`, which the gRPC front end (:mod:`opweave.serve.grpc.messages`) calls too: it
 turns a ``ModelInferRequest`` into the same request object, its ``raw_input_contents`` standing for binary data.
 """
 
@@ -91,7 +91,7 @@ class InferRequest:
     timeout_s: float | None
 
 
-def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+def decompress(body: bytes | bytearray, encoding: str | None, limit: int) -> bytes | bytearray:
     """Undo ``Content-Encoding`` gzip or deflate (tritonclient's request compression), at most ``limit`` bytes."""
     if not encoding or encoding == "identity":
         return body
@@ -111,7 +111,7 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
-def decode(model: ServedModel, body: bytes, header_length: str | None) -> InferRequest:
+def decode(model: ServedModel, body: bytes | bytearray, header_length: str | None) -> InferRequest:
     """Parse and check an infer request for ``model`` (see the module docstring); :class:`ProtocolError` says what
     is wrong, naming the input."""
     if header_length is not None:
@@ -161,11 +161,12 @@ def loads(text: bytes | bytearray | str, finite: bool = True) -> Any:
     text over :data:`YIELD_BYTES` is parsed with a Python function per number, so that the parser (C code that
     otherwise holds the GIL to the end) lets the event loop's thread run every few milliseconds while a worker
     thread decodes it (about a third slower)."""
-    hooks = {"parse_float": _float, "parse_int": _int} if len(text) > YIELD_BYTES else {}
+    yielding = len(text) > YIELD_BYTES
     try:
         if not isinstance(text, str):
             text = text.decode("utf-8")
-        value = json.loads(text, parse_constant=_not_json, object_pairs_hook=_unique, **hooks)
+        value = json.loads(text, parse_constant=_not_json, object_pairs_hook=_unique,
+                           parse_float=_float if yielding else None, parse_int=_int if yielding else None)
     except ProtocolError:
         raise
     except UnicodeDecodeError as exc:
@@ -209,8 +210,10 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict:
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ProtocolError(f"malformed JSON: key {shown(twice)} appears twice in an object")
+        for key, _ in pairs:
+            if key in seen:
+                raise ProtocolError(f"malformed JSON: key {shown(key)} appears twice in an object")
+            seen.add(key)
     return out
 
 
@@ -427,7 +430,7 @@ def encode(model: ServedModel, request: InferRequest, leaves: list[torch.Tensor]
     outputs, blobs = [], []
     for spec, t, binary in answers(model, request, leaves):
         name = spec.name
-        entry = {"name": name, "datatype": spec.datatype, "shape": list(t.shape)}
+        entry: dict[str, Any] = {"name": name, "datatype": spec.datatype, "shape": list(t.shape)}
         if binary:
             blob = encode_tensor(t)
             entry["parameters"] = {"binary_data_size": len(blob)}

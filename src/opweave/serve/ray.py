@@ -1,6 +1,6 @@
 """The serving engine as a Ray Serve deployment: N replicas, each one engine on its own device (a CPU share or a
 GPU), behind Ray Serve's HTTP proxy with the same KServe v2 routes as ``opweave serve`` (the FastAPI app of
-:func:`opweave.serve.server.create_app`, built inside each replica), reached through a front deployment that runs no
+:func:`opweave.serve.http.app.create_app`, built inside each replica), reached through a front deployment that runs no
 model (``OpweaveFront``, :func:`front_app`): Ray's proxy hands it each request, it hands the request to a replica
 through a deployment handle (:meth:`Replica.forward`) and answers what the replica answered.
 
@@ -26,10 +26,10 @@ eager's outputs (``tests/test_serve_ray.py`` kills a replica process mid-load an
 If the front itself died, Ray's proxy would answer its requests in flight with its plain-text 500 (the front runs no
 model and holds nothing but requests in flight).
 
-The front also checks what ``opweave serve`` checks of a request before any route (:func:`opweave.serve.server.guard`:
-the ``Host`` among ``allowed_hosts``, by default the proxy's bind address's names; a web page's ``Origin`` among
-``allow_origins``, with CORS for those; the content type; the header size), and answers every refusal as
-``{"error": ...}``; the replicas, which only the front reaches, do not check them again.
+The front also checks what ``opweave serve`` checks of a request before any route
+(:func:`opweave.serve.http.guard.guard`: the ``Host`` among ``allowed_hosts``, by default the proxy's bind address's
+names; a web page's ``Origin`` among ``allow_origins``, with CORS for those; the content type; the header size), and
+answers every refusal as ``{"error": ...}``; the replicas, which only the front reaches, do not check them again.
 
 Ray runs on 127.0.0.1 when this module starts it (:func:`start_local`: no dashboard, ``_node_ip_address``), or joins
 the cluster at ``address``.
@@ -63,36 +63,40 @@ class ReplicaOptions:
     max_batch: int = 8
     max_sub_blocks: int = 4
     timeout_s: float | None = None
-    options: Any = field(default_factory=dict)  # the resolved Options (serve.assemble.serving_options), or a dict
+    options: Any = field(default_factory=dict)  # the resolved Options (replica_options), or a dict of them
     image_size: Any = None  # int or {"*": int, model: int}
     cuts: dict[str, list[str]] = field(default_factory=dict)
-    compiler: str | None = "default"  # with a dict of options that names none: the blocks' (None: TOP's graphs)
     pin_cores: bool = False  # each replica on its own `threads` cores, chosen by its local rank (see pin)
-    max_body_bytes: int = 0  # raises every model's request limit (server.create_app)
+    max_body_bytes: int = 0  # raises every model's request limit (http.app.create_app)
     allow_symlinks_outside_root: bool = False  # the model repository's links (repository.Repository)
     strict: bool = False  # a model of the repository that does not load stops the replica
-    allowed_hosts: tuple[str, ...] | None = None  # the front's Host names (None: the proxy's, server.default_hosts)
-    allow_origins: tuple[str, ...] = ()  # web pages' origins the front lets in, with CORS (server.guard)
+    allowed_hosts: tuple[str, ...] | None = None  # the front's Host names (None: the proxy's, http.guard.default_hosts)
+    allow_origins: tuple[str, ...] = ()  # web pages' origins the front lets in, with CORS (http.guard.guard)
 
     def resolved(self):
         """The options every combined block of a replica is built with: ``options`` when they are resolved already
-        (:func:`opweave.serve.assemble.serving_options`, as ``opweave serve --ray`` and :func:`deploy` hand them to
-        the replicas), else resolved from the dict, checked before any model loads; on a CPU a replica's lanes use
-        ``threads`` (default 1, its CPU share) in all."""
+        (:func:`replica_options`, as ``opweave serve --ray`` and :func:`deploy` hand them to the replicas), else
+        resolved from the dict, checked before any model loads."""
         from opweave.pipeline import Options
-        from opweave.serve.assemble import serving_options
 
         if isinstance(self.options, Options):
             return self.options
-        share = {"threads": 1} if self.device == "cpu" and "threads" not in self.options else {}
-        chosen = {"compiler": self.compiler or "none"} if self.compiler != "default" and self.device == "cpu" \
-            and "compiler" not in self.options else {}
-        return serving_options(self.device, {**share, **chosen, **self.options})
+        return replica_options(self.device, self.options)
 
     @property
     def threads(self) -> int:
         """The CPU threads one replica uses (what Ray reserves for it, and the cores it is pinned to)."""
         return self.resolved().threads or 1
+
+
+def replica_options(device: str, options: dict | None = None, *, mode: str | None = None):
+    """The resolved options of one replica (:func:`opweave.serve.assemble.serving_options`, the serving preset): on
+    a CPU its lanes use ``threads`` in all, by default 1 (its share of the machine: what Ray reserves for it)."""
+    from opweave.serve.assemble import serving_options
+
+    options = options or {}
+    share = {"threads": 1} if device == "cpu" and options.get("threads") is None else {}
+    return serving_options(device, {**options, **share}, mode=mode)
 
 
 class Replica:
@@ -103,7 +107,7 @@ class Replica:
 
         from opweave.serve.assemble import load_models, make_engine
         from opweave.serve.frontend import State
-        from opweave.serve.repository import Repository
+        from opweave.serve.repository.repository import Repository
 
         o = options
         settings = o.resolved()  # checked before any model loads
@@ -127,8 +131,8 @@ class Replica:
         self.engine.start()
 
     def app(self):
-        """The replica's FastAPI app (:func:`opweave.serve.server.create_app`), built once."""
-        from opweave.serve.server import create_app
+        """The replica's FastAPI app (:func:`opweave.serve.http.app.create_app`), built once."""
+        from opweave.serve.http.app import create_app
 
         if self._app is None:
             self._app = create_app(self.engine, self.repository.served, max_body_bytes=self.options.max_body_bytes,
@@ -213,7 +217,7 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
             self.replicas, self.allowed_hosts, self.allow_origins = replicas, allowed_hosts, allow_origins
 
         def __serve_build_asgi_app__(self):
-            from opweave.serve.server import guard
+            from opweave.serve.http.guard import guard
 
             return guard(front_app(lambda request: self.replicas.forward.remote(request),
                                    lambda: self.replicas.body_limit.remote()), self.allowed_hosts, self.allow_origins)
@@ -232,7 +236,7 @@ def application(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict
     replica: Any = OpweaveReplica  # serve.deployment made both Deployments
     front = cast(Any, OpweaveFront).options(num_replicas=1, ray_actor_options={"num_cpus": 0},
                                             max_ongoing_requests=per_replica * most)
-    from opweave.serve.server import LOOPBACK_HOSTS
+    from opweave.serve.http.guard import LOOPBACK_HOSTS
 
     return front.bind(replica.options(**settings).bind(options), options.allowed_hosts or LOOPBACK_HOSTS,
                       tuple(options.allow_origins))
@@ -364,7 +368,7 @@ def deploy(options: ReplicaOptions, *, replicas: int = 2, autoscaling: dict | No
     else:
         start_local(cluster_cpus)
     if options.allowed_hosts is None:
-        from opweave.serve.server import default_hosts
+        from opweave.serve.http.guard import default_hosts
 
         options = replace(options, allowed_hosts=default_hosts(host))
     serve.start(http_options={"host": host, "port": port})
@@ -427,4 +431,4 @@ async def retrying_post(client, url: str, *, attempts: int = 5, backoff_s: float
 
 
 __all__ = ["APP_NAME", "DEPLOYMENT", "FRONT", "FRONT_ATTEMPTS", "Replica", "ReplicaOptions", "application", "deploy",
-           "front_app", "pin", "replica_states", "retrying_post", "shutdown", "start_local"]
+           "front_app", "pin", "replica_options", "replica_states", "retrying_post", "shutdown", "start_local"]

@@ -1,7 +1,7 @@
 """A fake CUDA runtime on the CPU: the CUDA backend's logic run for real, against a stand-in for the device.
 
 :class:`FakeCuda` meets :class:`opweave.backends.runtime.Runtime`; pass it as ``runtime=`` to
-:class:`~opweave.backends.cuda.CudaBackend` (or :class:`~opweave.serve.executors.CudaExecutor`) and the backend
+:class:`~opweave.backends.cuda.CudaBackend` (or :class:`~opweave.serve.engine.cuda.CudaExecutor`) and the backend
 runs on a machine without a GPU, streams, events, CUDA graphs and all, as ``torch.distributed``'s fake process group
 runs collective code without a network. It exists to find ordering bugs: what a GPU may run in any order, the fake
 runs in a random order.

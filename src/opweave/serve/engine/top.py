@@ -1,7 +1,7 @@
 """TOP's learned serving policy ``top`` (Lin et al., TOP, IEEE TPDS 2024, §V-B, Alg. 1), as it runs online: the
 engine only calls ``Policy.launch`` and ``Policy.combine``.
 
-* :class:`TopPolicy` (registered ``top``) — state, actions, superblocks (H) and the threshold T, as a policy;
+* :class:`TopPolicy` (the policy ``top``) — state, actions, superblocks (H) and the threshold T, as a policy;
 * :class:`Actors`, :func:`actor_net` — the agents' actors, what serving runs of them;
 * :func:`load_agents` — a policy file (``--policy-file``); :func:`shipped_file` — the one shipped with the package
   for a set of models (``serve/data/``), what ``--policy top`` loads without ``--policy-file``.
@@ -17,13 +17,13 @@ import math
 from pathlib import Path
 
 from opweave.errors import UsageError
-from opweave.serve.policies import Launch, Observation, Policy, Slot, register
+from opweave.serve.engine.policy import Launch, Observation, Policy, Slot
 
 SAMPLES = 10  # n: samples stacked into a state (§VI-B)
 MIN_INTERVAL_S = 1e-4  # the launcher action's interval range is [MIN_INTERVAL_S, 1] s, log-uniform
 START_LAUNCH = 0.5  # the launcher action in force before the agents' first decision: a 10 ms interval
 FORMAT = "opweave.top-policy/1"
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"  # the serve package's data
 
 
 # ---- the actors ---------------------------------------------------------------------------------------------------
@@ -55,7 +55,6 @@ class Actors:
 
 
 # ---- the serving policy -------------------------------------------------------------------------------------------
-@register("top")
 class TopPolicy(Policy):
     """TOP's agents as a serving policy (§V-B): the launcher agent sets each model's launch interval, the model
     agents the block combination. The actors: ``agents`` given in memory (the trainer's held-out evaluation), else

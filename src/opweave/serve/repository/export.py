@@ -1,4 +1,4 @@
-"""``opweave export``: a model written as an entry of a model repository (Triton's layout, :mod:`.repository`) that
+"""``opweave export``: a model written as an entry of a model repository (Triton's layout, :mod:`.layout`) that
 ``opweave serve --model-repository`` serves as it is::
 
     REPO/<name>/config.pbtxt          name, max_batch_size, every input and output: name, data_type, dims
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from opweave.errors import UsageError, first_line
-from opweave.serve.models import ServedModel, TensorSpec
-from opweave.serve.repository import CONFIG, MODEL_FILE, NAME
+from opweave.serve.models import ServedModel, TensorSpec, load
+from opweave.serve.repository.layout import CONFIG, MODEL_FILE, NAME
 
 FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
@@ -71,8 +71,6 @@ def export(model: nn.Module, example_inputs: tuple, root: str | Path, name: str,
            max_batch: int = 8, force: bool = False) -> ServedModel:
     """Write ``model`` (in eval mode) as entry ``name``, version ``version``, of the repository at ``root`` (created if
     missing), see the module docstring; returns the model as the server will serve it."""
-    from opweave.serve.models import load
-
     if not NAME.fullmatch(name):
         raise UsageError(f"model name {name!r} is not a plain name (letters, digits, '_', '-', '.', not starting "
                          f"with '.', at most 128 characters): give --name")

@@ -23,7 +23,7 @@ import torch
 from opweave.capture.runtime import Captured
 from opweave.costs.model import Costs
 from opweave.ir.graph import Edge, Op, OpGraph
-from opweave.serve.blocks import BlockedModel, combined_module
+from opweave.serve.engine.blocks import BlockedModel, combined_module
 
 Signature = tuple[tuple[str, int, int], ...]
 
@@ -84,7 +84,7 @@ def union_costs(costs: list[Costs], model: str) -> Costs:
 def captured(models: dict[str, BlockedModel], sig: Signature) -> tuple[Captured, tuple]:
     """The blocks of ``sig`` side by side as one :class:`Captured` (op ``o`` of part ``k`` is ``p{k}_o``, as in
     :func:`union_graph`) and example inputs for it (every part's, in order). Assembled from the parts' cached
-    captures (:meth:`BlockedModel.captured_block`): the module is :func:`opweave.serve.blocks.combined_module` of
+    captures (:meth:`BlockedModel.captured_block`): the module is :func:`opweave.serve.engine.blocks.combined_module` of
     their graphs, the op graph the :func:`union_graph` of theirs, so no signature runs a forward pass to be compiled
     (a shape propagation of the combination was a third of a CPU server's time under load)."""
     from torch.fx.passes.shape_prop import _extract_tensor_metadata

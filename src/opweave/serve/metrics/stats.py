@@ -30,8 +30,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from opweave.serve.engine import Engine, Observer, Request
-from opweave.serve.executors import Part, StepCost
+from opweave.serve.engine.combined import Part
+from opweave.serve.engine.engine import Engine
+from opweave.serve.engine.executors import StepCost
+from opweave.serve.engine.requests import Observer, Request
 from opweave.serve.frontend import Refused
 from opweave.serve.models import ServedModel
 from opweave.serve.protocol import shown

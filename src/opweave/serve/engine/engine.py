@@ -4,7 +4,7 @@ block by block, and combined blocks chosen by a policy and run by an executor ag
 One **step** (:meth:`Engine.step`):
 
 1. queued requests past their deadline are answered ``timeout``;
-2. the **task launcher** asks the policy for each model's :class:`~opweave.serve.policies.Launch` and dequeues:
+2. the **task launcher** asks the policy for each model's :class:`~opweave.serve.engine.policy.Launch` and dequeues:
    a dequeue takes requests first come first served, up to ``batch`` samples, into one new **inference instance**
    (TOP §IV: "an instance can be a batch of inferences"), at most once per ``interval_s`` and while the model has
    fewer than ``max_instances`` instances in flight;
@@ -21,8 +21,10 @@ One **step** (:meth:`Engine.step`):
 Instances are one per slot when they run, so every part of a combined block is a different ``(model, block)``.
 
 Real serving runs :meth:`Engine.run_forever` on a thread (requests come from :meth:`submit` on other threads; the
-lock is released while a combined block runs); simulation runs :func:`simulate_arrivals` on a
-:class:`~opweave.serve.executors.SimClock`. Both call the same :meth:`step` with the same policy.
+lock is released while a combined block runs); simulation runs
+:func:`~opweave.serve.engine.simulation.simulate_arrivals` on a :class:`~opweave.serve.engine.simulation.SimClock`.
+Both call the same :meth:`step` with the same policy. What a request is on its way through (:class:`Request`,
+:class:`Instance`) and what observes it (:class:`Observer`) are :mod:`opweave.serve.engine.requests`'.
 """
 
 from __future__ import annotations
@@ -36,103 +38,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opweave.errors import OpweaveError, UsageError
-from opweave.serve.executors import Executor, Part, StepCost
-from opweave.serve.policies import (
-    InstanceObs,
-    Launch,
-    ModelObs,
-    Observation,
-    Policy,
-    Slot,
-    SlotObs,
-)
+from opweave.serve.engine.combined import Part
+from opweave.serve.engine.executors import Executor
+from opweave.serve.engine.policy import InstanceObs, Launch, ModelObs, Observation, Policy, Slot, SlotObs
+from opweave.serve.engine.requests import Instance, Observer, QueueFull, Request, Unavailable
 
 WINDOW_S = 1.0  # window of the arrival-rate and utilization estimates
 EWMA = 0.1  # weight of the newest sample in the moving means
 DECISIONS_KEPT = 4096  # the latest steps' decision times kept for percentiles (Engine.decision_times)
-
-
-class QueueFull(OpweaveError, RuntimeError):
-    """The model's queue is full; ``retry_after_s`` estimates when it will have room."""
-
-    def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class Unavailable(OpweaveError, RuntimeError):
-    """The engine is draining or stopped and takes no new request."""
-
-
-@dataclass(eq=False)
-class Request:
-    """One inference request: ``batch`` samples for ``model``. The engine fills in the times (clock seconds), the
-    status (``queued``, ``running``, ``done``, ``timeout``, ``error``) and the output, then calls ``on_done``.
-    ``input_s``: the dequeue's preparing of the inputs of the instance it joined; ``output_s``: the splitting of its
-    instance's outputs into answers (both shared with the requests stacked with it); ``compute_s``: the combined
-    blocks it was part of."""
-
-    id: int
-    model: str
-    inputs: Any
-    batch: int
-    arrival: float
-    deadline: float | None = None
-    on_done: Callable[[Request], None] | None = None
-    dequeued: float | None = None
-    finished: float | None = None
-    compute_s: float = 0.0
-    input_s: float = 0.0
-    output_s: float = 0.0
-    status: str = "queued"
-    output: Any = None
-    error: str | None = None
-
-    @property
-    def latency_s(self) -> float:
-        return (self.finished or self.arrival) - self.arrival
-
-    @property
-    def queue_s(self) -> float:
-        return (self.dequeued if self.dequeued is not None else self.finished or self.arrival) - self.arrival
-
-    @property
-    def infer_s(self) -> float:
-        """From its inputs' preparing to the end of its last block: its blocks, and the waits between them."""
-        if self.dequeued is None or self.finished is None:
-            return 0.0
-        return max(0.0, self.finished - self.dequeued - self.input_s - self.output_s)
-
-
-@dataclass(eq=False)
-class Instance:
-    """An inference instance: requests stacked along the batch dimension, the next block to run, its state."""
-
-    model: str
-    requests: list[Request]
-    block: int = 0
-    state: Any = None
-
-    @property
-    def batch(self) -> int:
-        return sum(r.batch for r in self.requests)
-
-    @property
-    def oldest(self) -> float:
-        return min(r.arrival for r in self.requests)
-
-
-class Observer:
-    """Hooks the engine calls (metrics, reports); every method is optional to override."""
-
-    def on_submit(self, request: Request) -> None: ...
-    def on_reject(self, model: str) -> None: ...
-    def on_dequeue(self, request: Request) -> None: ...
-    def on_step(self, parts: list[Part], cost: StepCost) -> None: ...
-    def on_decision(self, seconds: float) -> None: ...
-    def on_done(self, request: Request) -> None: ...
-    def on_add(self, model: str) -> None: ...
-    def on_remove(self, model: str) -> None: ...
 
 
 @dataclass
@@ -218,8 +131,8 @@ class Engine:
 
     # ---- models come and go -------------------------------------------------------------------------------------
     def add_model(self, name: str, blocked, max_batch: int | None = None) -> None:
-        """Serve ``blocked`` (a :class:`~opweave.serve.blocks.BlockedModel`) as ``name`` from the next step on, at
-        most ``max_batch`` samples per instance (default the engine's). Whatever is slow (capture, compiles:
+        """Serve ``blocked`` (a :class:`~opweave.serve.engine.blocks.BlockedModel`) as ``name`` from the next step on,
+        at most ``max_batch`` samples per instance (default the engine's). Whatever is slow (capture, compiles:
         ``executor.warm_model``) is the caller's to do first, off the lock; this only links it in, atomically."""
         with self.lock:
             if name in self.models:
@@ -291,7 +204,7 @@ class Engine:
             return {m: len(s.queue) for m, s in self.models.items()}
 
     def observe(self, now: float | None = None) -> Observation:
-        """What the policy sees (see :class:`~opweave.serve.policies.Observation`)."""
+        """What the policy sees (see :class:`~opweave.serve.engine.policy.Observation`)."""
         with self.lock:
             now = self.clock.now() if now is None else now
             models = {}
@@ -334,7 +247,7 @@ class Engine:
     def next_wake(self) -> float:
         """The earliest time a step could do something no submission triggers: a dequeue interval or batching delay
         ending, a deadline passing, or, while requests are queued, the policy's own next decision
-        (:meth:`~opweave.serve.policies.Policy.wake`) (inf: nothing pending)."""
+        (:meth:`~opweave.serve.engine.policy.Policy.wake`) (inf: nothing pending)."""
         with self.lock:
             times = [math.inf]
             for s in self.models.values():
@@ -555,89 +468,4 @@ class Engine:
             thread.join(timeout=10)
 
 
-# ---- simulation driver ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Arrival:
-    time: float
-    model: str
-    batch: int = 1
-
-
-@dataclass
-class SimRun:
-    """What a simulated run produced: every request (answered, timed out), the rejections, and queue-length samples
-    ``(time, {model: length})`` every ``sample_s``."""
-
-    requests: list[Request]
-    rejected: list[Arrival]
-    samples: list[tuple[float, dict[str, int]]]
-    end: float
-    stats: dict
-
-
-class Simulation:
-    """``arrivals`` (sorted by time) fed to ``engine`` on its simulated clock, advanced on demand: :meth:`advance`
-    steps until a virtual time, :meth:`finish` until every accepted request is answered. An arrival during a step
-    is submitted at its own time once the step ends: queues change only at step starts, so it sees the queue it
-    would have seen. Queue lengths are sampled every ``sample_s``."""
-
-    def __init__(self, engine: Engine, arrivals: list[Arrival], *, sample_s: float = 0.05):
-        if not getattr(engine.clock, "simulated", False):
-            raise UsageError("simulate_arrivals needs an engine on a SimClock")
-        self.engine, self.arrivals, self.sample_s = engine, arrivals, sample_s
-        self.requests: list[Request] = []
-        self.rejected: list[Arrival] = []
-        self.samples: list[tuple[float, dict[str, int]]] = []
-        self.i, self.next_sample = 0, engine.clock.now()
-
-    def _catch_up(self, now: float) -> None:
-        arrivals, engine = self.arrivals, self.engine
-        while True:
-            t_arrival = arrivals[self.i].time if self.i < len(arrivals) else math.inf
-            if self.next_sample <= now and self.next_sample <= t_arrival:
-                self.samples.append((self.next_sample, engine.queue_lengths()))
-                self.next_sample += self.sample_s
-            elif t_arrival <= now:
-                a = arrivals[self.i]
-                self.i += 1
-                try:
-                    self.requests.append(engine.submit(a.model, batch=a.batch, at=a.time))
-                except QueueFull:
-                    self.rejected.append(a)
-            else:
-                return
-
-    def advance(self, until: float = math.inf) -> bool:
-        """Step until virtual time ``until`` (or until nothing is left to do); False once nothing is left."""
-        engine, clock, arrivals = self.engine, self.engine.clock, self.arrivals
-        while True:
-            now = clock.now()
-            self._catch_up(now)
-            if now >= until:
-                return True
-            if engine.step():
-                continue
-            nxt = min(arrivals[self.i].time if self.i < len(arrivals) else math.inf, engine.next_wake())
-            if nxt == math.inf:
-                if not engine.busy():
-                    return False
-                nxt = now + 1e-4  # instances wait on nothing timed: let the policy see the time move
-            clock.advance_to(min(max(nxt, now), until))
-            if nxt <= now:
-                clock.spend(1e-6)
-
-    def result(self) -> SimRun:
-        return SimRun(self.requests, self.rejected, self.samples, self.engine.clock.now(), dict(self.engine.stats))
-
-
-def simulate_arrivals(engine: Engine, arrivals: list[Arrival], *, sample_s: float = 0.05,
-                      max_time_s: float | None = None) -> SimRun:
-    """Feed ``arrivals`` to ``engine`` on its simulated clock and step until every accepted request is answered (or
-    ``max_time_s`` of virtual time); see :class:`Simulation`."""
-    sim = Simulation(engine, arrivals, sample_s=sample_s)
-    sim.advance(math.inf if max_time_s is None else max_time_s)
-    return sim.result()
-
-
-__all__ = ["Arrival", "Engine", "Instance", "Observer", "QueueFull", "Request", "SimRun", "Simulation", "Unavailable",
-           "simulate_arrivals"]
+__all__ = ["DECISIONS_KEPT", "EWMA", "WINDOW_S", "Engine"]
