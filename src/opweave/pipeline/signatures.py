@@ -66,7 +66,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from opweave.backends.builder import BACKGROUND, Builder
-from opweave.backends.cache import BoundedCache, signature
+from opweave.backends.cache import BoundedCache, key_of
 from opweave.errors import UsageError, first_line
 from opweave.pipeline.search import fastest
 
@@ -86,12 +86,6 @@ def describe(key: tuple[Any, ...]) -> str:
             shape, dtype = leaf[:2]
             parts.append(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}")
     return ", ".join(parts) or "no inputs"
-
-
-def key_of(args: tuple[Any, ...], *, any_batch: bool = False) -> tuple[Any, ...]:
-    """The signature of ``args`` as this module keys it: :func:`~opweave.backends.cache.signature` without the
-    tensors' devices (the backends move inputs to theirs); with ``any_batch``, without their dimension 0."""
-    return signature(args, devices=False, batch=not any_batch)[0]
 
 
 class Signatures:

@@ -49,11 +49,11 @@ from typing import Any
 
 import torch
 
+from opweave.backends.cache import key_of
 from opweave.backends.cpu import EagerBackend
 from opweave.cores import intra_op_threads
 from opweave.errors import first_line
 from opweave.pipeline import search
-from opweave.pipeline.signatures import key_of
 
 log = logging.getLogger(__name__)
 
