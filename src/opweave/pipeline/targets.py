@@ -88,8 +88,8 @@ class Target:
                 return whole(captured, options, _Cloned(torch.compile(model, mode=candidate.changes.get(
                     "mode", "reduce-overhead"))), costs)
             if candidate.kind == "tier":  # built in a build process (or found in the disk cache), waited for
-                return whole(captured, options, tiers.built_now(candidate.changes["tier"], captured, model, inputs,
-                                                                options), costs)
+                return whole(captured, options, tiers.built_now(candidate.changes["tier"], captured, inputs, options),
+                             costs)
             return whole(captured, options, eager, costs, threads=options.threads)  # the model itself
         changed = options.derive(autotune=False, tiers=None, **candidate.changes)
         if candidate.costs == "onnxruntime-graph":

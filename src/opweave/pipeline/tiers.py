@@ -13,10 +13,10 @@ while the others are built off the caller's path:
   the model's own and the landed tier's.
 * :class:`TierBuilder`, a daemon thread, builds each kind of :data:`KINDS` in turn: it looks in the disk cache (keyed
   by :func:`key`: the captured graph, the model's weights, the inputs' signature, the threads, the machine and torch's
-  version, so a changed model or torch never loads a stale tier), else exports a copy of the model
-  (``torch.export``: the caller's model is never touched) and hands the program to a **build process** (``python -m
-  opweave.pipeline.tiers``, at a lower priority, so the caller's calls keep the cores first; it exits when its parent
-  does) that compiles it and writes the tier into the cache. The thread then loads the tier, checks it against the
+  version, so a changed model or torch never loads a stale tier), else saves the captured graph and hands it to a
+  **build process** (``python -m opweave.pipeline.tiers``, at a lower priority, so the caller's calls keep the cores
+  first; it exits when its parent does) that exports it (``torch.export``: seconds of Python that would hold the
+  caller's interpreter lock), compiles it and writes the tier into the cache. The thread then loads the tier, checks it against the
   model (:class:`~opweave.pipeline.search.OutputCheck`), races it against the tier in use
   (:func:`~opweave.pipeline.search.fastest`) and moves calls over only where it is measured faster: one log line says
   what landed and how much faster (``opweave.pipeline.tiers``, INFO), or what was kept. A build that fails, or a build
@@ -32,7 +32,6 @@ the default list). ``Compiled.choice["tiers"]`` lists each tier's outcome; :meth
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -163,7 +162,7 @@ class TierBuilder(threading.Thread):
 
     def run(self) -> None:
         try:
-            weights = weights_digest(self.model)
+            weights = weights_digest(self.captured.gm)
             for kind in self.kinds:
                 if self.closed.is_set():
                     return
@@ -188,7 +187,7 @@ class TierBuilder(threading.Thread):
         path = tier_path(key(self.captured, self.inputs, self.options, kind, weights), kind)
         cached = path.exists()
         if not cached:
-            export_and_build(kind, self.model, self.inputs, self.options.threads, path, self)
+            export_and_build(kind, self.captured.gm, self.inputs, self.options.threads, path, self)
         tier = load(kind, path, self.options.threads)
         with torch.no_grad():
             check = search.OutputCheck(self.captured, self.inputs, self.model, self.reference)(tier(*self.inputs))
@@ -213,17 +212,14 @@ class TierBuilder(threading.Thread):
 
 def export_and_build(kind: str, model: Any, inputs: tuple[Any, ...], threads: int | None, path: Path,
                      owner: TierBuilder | None = None) -> None:
-    """The model exported (a copy: the caller's is never touched) and handed to a build process that writes tier
-    ``kind`` at ``path``; an error naming what went wrong when it does not. ``owner``: the builder whose ``stop`` ends
-    the process (its ``process``)."""
+    """``model`` (the captured graph: an ``fx.GraphModule``, which pickles as its code and its tensors) saved with the
+    inputs and handed to a build process, which exports it and writes tier ``kind`` at ``path``: the export, Python
+    work that would hold the caller's interpreter lock for seconds, runs there too. An error naming what went wrong
+    when no tier is written. ``owner``: the builder whose ``stop`` ends the process (its ``process``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="opweave-tier-") as scratch:
-        program = Path(scratch) / "program.pt2"
-        with torch.no_grad():
-            exported = torch.export.export(copy.deepcopy(model).eval() if isinstance(model, torch.nn.Module)
-                                           else model, inputs)
-        torch.export.save(exported, program)
-        del exported
+        program = Path(scratch) / "model.pt"
+        torch.save((model, tuple(inputs)), program)
         logfile = Path(scratch) / "build.log"
         with open(logfile, "wb") as sink:
             process = subprocess.Popen([sys.executable, "-m", "opweave.pipeline.tiers", kind, str(program), str(path),
@@ -243,12 +239,12 @@ def export_and_build(kind: str, model: Any, inputs: tuple[Any, ...], threads: in
             raise RuntimeError(f"its build process exited with status {code}: {tail[0][:200]}")
 
 
-def built_now(kind: str, captured: Any, model: Any, inputs: tuple[Any, ...], options: Any) -> Any:
-    """Tier ``kind`` of ``model``, found in the cache or built now (in a build process, waited for), loaded:
+def built_now(kind: str, captured: Any, inputs: tuple[Any, ...], options: Any) -> Any:
+    """Tier ``kind`` of the captured model, found in the cache or built now (in a build process, waited for), loaded:
     ``mode="max-autotune"``'s candidate of it."""
-    path = tier_path(key(captured, inputs, options, kind, weights_digest(model)), kind)
+    path = tier_path(key(captured, inputs, options, kind, weights_digest(captured.gm)), kind)
     if not path.exists():
-        export_and_build(kind, model, inputs, options.threads, path)
+        export_and_build(kind, captured.gm, inputs, options.threads, path)
     return load(kind, path, options.threads)
 
 
@@ -307,10 +303,12 @@ class _Package:
 
 
 def build(kind: str, program: Path, out: Path, threads: int) -> None:
-    """The build process's work: the exported ``program`` compiled as tier ``kind``, written to ``out`` (through a
-    temporary file: a reader never sees half a tier)."""
+    """The build process's work: the model and inputs saved at ``program`` exported, compiled as tier ``kind`` and
+    written to ``out`` (through a temporary file: a reader never sees half a tier)."""
     torch.set_num_threads(threads)
-    exported = torch.export.load(str(program))
+    model, inputs = torch.load(program, weights_only=False)
+    with torch.no_grad():
+        exported = torch.export.export(model.eval() if isinstance(model, torch.nn.Module) else model, inputs)
     scratch = out.with_name(f"{out.stem}.{os.getpid()}.partial{out.suffix}")  # AOTInductor wants a .pt2 name
     if kind == "inductor":
         torch._inductor.aoti_compile_and_package(exported, package_path=str(scratch),
