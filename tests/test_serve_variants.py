@@ -56,11 +56,11 @@ def sessions(compiled) -> list:
 
 def test_two_onnxruntime_variants_of_a_block_read_the_same_weights(monkeypatch):
     pytest.importorskip("onnxruntime")
-    import opweave.pipeline.signatures
+    import opweave.pipeline.flow
 
     ex, blocked = tiny_executor("onnxruntime")
     # as for a graph that baked its batch in: its one session fails the check at another batch, one per batch
-    monkeypatch.setattr(opweave.pipeline.signatures, "takes_any_batch", lambda *args: False)
+    monkeypatch.setattr(opweave.pipeline.flow, "takes_any_batch", lambda *args: False)
     block = ex.block("tiny", 1)  # pooling and the linear layer (whose operand ONNX Runtime would prepack)
     block.warm([blocked.example(1, 1)])
     variants = block.sizes()

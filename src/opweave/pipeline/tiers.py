@@ -16,8 +16,8 @@ while the others are built off the caller's path:
   version, so a changed model or torch never loads a stale tier), else saves the captured graph and hands it to a
   **build process** (``python -m opweave.pipeline.tiers``, at a lower priority, so the caller's calls keep the cores
   first; it exits when its parent does) that exports it (``torch.export``: seconds of Python that would hold the
-  caller's interpreter lock), compiles it and writes the tier into the cache. The thread then loads the tier, checks it against the
-  model (:class:`~opweave.pipeline.search.OutputCheck`), races it against the tier in use
+  caller's interpreter lock), compiles it and writes the tier into the cache. The thread then loads the tier, checks
+  it against the model (:class:`~opweave.pipeline.search.OutputCheck`), races it against the tier in use
   (:func:`~opweave.pipeline.search.fastest`) and moves calls over only where it is measured faster: one log line says
   what landed and how much faster (``opweave.pipeline.tiers``, INFO), or what was kept. A build that fails, or a build
   process that crashes or is killed, leaves the tier in use serving, with one warning.
