@@ -67,6 +67,7 @@ from torch.utils import _pytree as pytree
 
 from opweave.backends.builder import BACKGROUND, Builder
 from opweave.backends.cache import BoundedCache, key_of
+from opweave.backends.cudagraph import GraphCaptureError
 from opweave.errors import UsageError, first_line
 from opweave.pipeline.search import fastest
 
@@ -257,6 +258,8 @@ class Signatures:
             return self._checking(plan, run, own, args, key, dims), _NO_ANSWER
         try:
             out = run(*args)
+        except GraphCaptureError:  # an op that cannot be recorded: the caller's error, never run eagerly instead
+            raise
         except Exception as exc:  # noqa: BLE001 - the capture cannot run this size: the model itself runs it
             sizes.generic = False
             log.info("%s: the plan built for %s fails at %s (%s); it, and every later size, runs on the model itself",
