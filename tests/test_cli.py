@@ -68,16 +68,6 @@ def test_schedule_takes_every_scheduler_or_a_list_as_its_own_error_text_offers()
     assert [r["scheduler"] for r in simulated["results"]] == ["lios", "opara"]
 
 
-@pytest.mark.parametrize(("args", "hint"), [
-    (("schedule", "lios-fig3", "-s", "lois"), "unknown scheduler 'lois' (did you mean 'lios'?)"),
-    (("simulate", "--model", "googlnet"), "unknown model 'googlnet' (did you mean 'googlenet'?)"),
-    (("bench", "--model", "squeezenet", "--device", "cpu", "--option", "schedular=lios"),
-     "unknown option 'schedular' (did you mean 'scheduler'?)"),
-])
-def test_a_misspelt_name_gets_a_did_you_mean(args, hint):
-    assert hint in one_line(opweave(*args, check_rc=2))
-
-
 def test_serve_refuses_a_body_limit_its_budget_could_never_admit():
     # a body over --max-held-mb is refused 503 whatever the load: a limit above it would refuse every such request
     assert "raise --max-held-mb" in one_line(opweave("serve", "--models", "squeezenet", "--max-body-mb", "600",

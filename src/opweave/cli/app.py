@@ -85,7 +85,8 @@ def guard(fn):
 
 
 # ---- shared options -----------------------------------------------------------------------------------------------
-GraphArg = Annotated[str | None, typer.Argument(help="graph JSON file or example name (e.g. lios-fig3)")]
+GraphArg = Annotated[str | None, typer.Argument(help="graph JSON file, example name (e.g. lios-fig3) or zoo model "
+                                                       "(as --model NAME)")]
 ModelOpt = Annotated[str | None, typer.Option("--model", help="zoo model name instead of a graph")]
 ModelFileOpt = Annotated[Path | None, typer.Option("--model-file", help="a model saved by torch.export.save (.pt2) "
                                                                         "instead of a zoo name")]
@@ -134,7 +135,8 @@ def collect_options(texts: list[str] | None, mode: str | None = None, **flags) -
 
 def graph_costs(graph: OpGraph, cost_model: str) -> Costs:
     if cost_model not in COST_MODELS:
-        raise UsageError(f"unknown cost model {cost_model!r}; choose one of {', '.join(COST_MODELS)}")
+        raise UsageError(f"unknown cost model {cost_model!r}{did_you_mean(cost_model, COST_MODELS)}; choose one of "
+                         f"{', '.join(COST_MODELS)}")
     return from_graph(graph, model=cost_model)
 
 
@@ -160,6 +162,18 @@ def linked(graph: OpGraph, link: str | None) -> OpGraph:
     from opweave.costs.links import with_link
 
     return with_link(graph, link)
+
+
+def graph_or_model(graph: str | None, model: str | None) -> tuple[str | None, str | None]:
+    """``(graph, model)`` as a command takes them: a GRAPH that is neither a file nor an example but a zoo model's
+    name is that model, as ``--model`` gives it."""
+    from opweave import zoo
+    from opweave.ir import examples
+
+    if (graph is not None and model is None and graph not in examples.names() and not Path(graph).exists()
+            and zoo.is_model(graph)):
+        return None, graph
+    return graph, model
 
 
 def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,
@@ -203,7 +217,11 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
     if str(graph) in examples.names():
         return examples.load(str(graph))
     if not Path(graph).exists():
-        raise UsageError(f"no graph file {str(graph)!r} (examples: {', '.join(examples.names())})")
+        from opweave import zoo
+
+        hint = did_you_mean(str(graph), [*examples.names(), *zoo.names()])  # a zoo name is taken as --model
+        raise UsageError(f"no graph file, example or zoo model {str(graph)!r}{hint} (examples: "
+                         f"{', '.join(examples.names())}; models: opweave models)")
     return OpGraph.load(graph)
 
 
@@ -235,7 +253,8 @@ def fitted_gpu(cost_model: str, preset: str, dtype: str, *, inductor: bool = Fal
     from opweave.costs import calibrated
 
     if calibrated.DTYPES.get(dtype) is None:
-        raise UsageError(f"unknown dtype; choose one of {', '.join(calibrated.DTYPES)}")
+        raise UsageError(f"unknown dtype {dtype!r}{did_you_mean(dtype, calibrated.DTYPES)}; choose one of "
+                         f"{', '.join(calibrated.DTYPES)}")
     fitted = cost_model == "gpu" and preset.lower() in calibrated.FITTED
     if inductor and not fitted:
         raise UsageError(f"--inductor needs --cost-model gpu and a fitted preset ({', '.join(calibrated.FITTED)}): "

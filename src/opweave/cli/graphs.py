@@ -27,6 +27,7 @@ from opweave.cli.app import (
     device_costs,
     err,
     fitted_gpu,
+    graph_or_model,
     guard,
     inductor_kernels,
     linked,
@@ -48,6 +49,7 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
              link: LinkOpt = None, dtype: DtypeOpt = "fp32", as_json: JsonOpt = False):
     """Schedule a graph and show where each op runs (a model's coarsened graph, as compile plans it, unless
     --no-coarsen); -s takes one scheduler, a comma list or all (one table each)."""
+    graph, model = graph_or_model(graph, model)
     g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
                           model_file=model_file), link)
     names = scheduler_names(scheduler)
@@ -92,6 +94,7 @@ def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
     makespan is one CUDA Graph call on the fitted device, what benchmarks/gpu_latency.py measures."""
     from opweave.backends import render
 
+    graph, model = graph_or_model(graph, model)
     launches, grouping = None, None
     if inductor:
         if profile is not None or graph is not None:

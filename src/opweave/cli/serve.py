@@ -13,7 +13,8 @@ import typer
 from rich.table import Table
 
 from opweave.cli.app import DeviceOpt, JsonOpt, ModeOpt, OptionOpt, app, collect_options, err, guard, out
-from opweave.errors import DeviceError, UsageError
+from opweave.devices import NAMES
+from opweave.errors import DeviceError, UsageError, did_you_mean
 
 # The default policies (opweave.serve.assemble.DEFAULT_POLICIES), said the same way in both commands' help.
 SimPolicyOpt = Annotated[str | None, typer.Option("--policy", help="with --simulate: static | batch | heuristic | top; "
@@ -40,14 +41,17 @@ def _names(text: str | None) -> list[str]:
 
 
 def _policy_options(policy: str, text: str | None, policy_file: Path | None) -> dict:
-    """``--policy-options`` as a dict, with ``--policy-file`` as its ``policy_file``."""
+    """``--policy-options`` as a dict, with ``--policy-file`` as its ``policy_file``; the policy's name and
+    options checked, before any model loads."""
     from opweave.serve.engine import policies
 
+    policies.check(policy)
     options = policies.parse_options(text)
     if policy_file is not None:
         if not policy_file.is_file():
             raise UsageError(f"--policy-file {policy_file}: no such file")
         options["policy_file"] = str(policy_file)
+    policies.check(policy, options)
     return options
 
 
@@ -155,6 +159,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     the options table's last column). ``--mode`` and ``--option`` are resolved as ``opweave.compile`` resolves them,
     with that preset: what a server cannot honour is refused with the reason."""
     from opweave.serve.assemble import (
+        check_models,
         default_policy,
         load_models,
         make_engine,
@@ -171,7 +176,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
         device = resolve_device(device)
     if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu, cuda or auto, got {device!r}")
+        raise UsageError(f"--device must be cpu, cuda or auto, got {device!r}{did_you_mean(device, NAMES)}")
     mode, given = collect_options(options, mode, scheduler=scheduler, streams=streams, compiler=compiler,
                                   threads=threads)
     if ray:  # every option checked, before any model loads
@@ -187,7 +192,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
             raise DeviceError("CUDA is not available on this machine; use --device cpu")
     if model_control_mode not in CONTROL_MODES:
         raise UsageError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got "
-                         f"{model_control_mode!r}")
+                         f"{model_control_mode!r}{did_you_mean(model_control_mode, CONTROL_MODES)}")
     max_body_bytes = 0 if max_body_mb is None else int(max_body_mb * (1 << 20))
     if max_body_mb is not None and max_body_mb > max_held_mb:
         raise UsageError(f"--max-body-mb {max_body_mb:g} is more than --max-held-mb {max_held_mb:g}: a body that size "
@@ -226,6 +231,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         return
     if model_repository is not None and not model_repository.is_dir():
         raise UsageError(f"--model-repository {model_repository}: no such directory")
+    if model_repository is None or models or files:
+        check_models(_names(models), files)  # before the progress line
     with _loading() as say:
         served = load_models(_names(models), files, device=device, max_batch=max_batch,
                              image_size=parse_image_size(image_size), cuts=parse_cuts(cuts), say=say) \
