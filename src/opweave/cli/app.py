@@ -7,6 +7,7 @@ line on stderr; anything else escaping a command is a bug and keeps its tracebac
 from __future__ import annotations
 
 import functools
+import typing
 import warnings
 from pathlib import Path
 from typing import Annotated
@@ -21,26 +22,45 @@ from opweave.errors import OpweaveError, UsageError, did_you_mean
 from opweave.ir import OpGraph
 
 
-def _plain_flags(params: list) -> list:
-    """A flag takes no value, so its help shows no type (Typer would show ``<bool>``)."""
+def _metavars(params: list) -> list:
+    """What a parameter's help shows for its value: a word for what it is (``MODEL``, ``N``, ``PATH``; a flag
+    nothing), never the type the code annotates it with (Typer would show ``<str>``, ``<list[Path]>``, ``<bool>``)."""
     for param in params:
-        if getattr(param, "is_flag", False) and param.metavar is None:
+        if getattr(param, "_metavar_set", False):
+            continue
+        param._metavar_set = True
+        if param.param_type_name == "argument":  # its name, as click writes it: GRAPH, [GRAPH], RESULTS...
+            name = param.metavar or (param.name or "value").upper()
+            shown = name if param.required else f"[{name}]"
+            param.metavar = name + ("..." if param.nargs != 1 else "")
+            param.display_type_rich = lambda ctx: None
+            param._usage_display_name = lambda shown=shown, many=param.nargs != 1: shown + ("..." if many else "")
+            continue
+        if param.metavar is not None:
+            continue
+        if getattr(param, "is_flag", False):
             param.metavar = ""
+            continue
+        kind = param.type_descriptor.annotation
+        kind = (typing.get_args(kind) or (kind,))[0] if typing.get_origin(kind) is list else kind
+        long = next((o for o in param.opts if o.startswith("--")), param.name or "value").lstrip("-")
+        param.metavar = {int: "N", float: "NUMBER", Path: "PATH"}.get(kind) or long.replace("-", "_").upper()
     return params
 
 
 class _Group(TyperGroup):
-    """The app's command group: help texts are Markdown (``code`` shows as code) and flags show no type."""
+    """The app's command group: help texts are Markdown (``code`` shows as code) and values show what they are
+    (:func:`_metavars`)."""
 
     def get_params(self, ctx):
-        return _plain_flags(super().get_params(ctx))
+        return _metavars(super().get_params(ctx))
 
     def get_command(self, ctx, cmd_name):
         command = super().get_command(ctx, cmd_name)
-        if command is not None and not getattr(command, "_plain_flags", False):
+        if command is not None and not getattr(command, "_metavars", False):
             params = command.get_params
-            command.get_params = lambda ctx: _plain_flags(params(ctx))
-            command._plain_flags = True
+            command.get_params = lambda ctx: _metavars(params(ctx))
+            command._metavars = True
         return command
 
 
@@ -95,7 +115,7 @@ StreamsOpt = Annotated[int | None, typer.Option("--streams", min=1, help="max st
 DevicesOpt = Annotated[int, typer.Option("--devices", min=1, help="number of devices")]
 CostOpt = Annotated[str, typer.Option("--cost-model", help="ideal | gpu")]
 PresetOpt = Annotated[str, typer.Option("--preset", help="device preset for zoo models' estimated latencies")]
-BatchOpt = Annotated[int, typer.Option("--batch-size", min=1)]
+BatchOpt = Annotated[int, typer.Option("--batch-size", min=1, help="samples per call (a zoo model's example batch)")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="fp32 | fp16 | bf16: what a zoo model's ops compute in "
                                                        "(estimated costs)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
@@ -104,8 +124,9 @@ CoarsenOpt = Annotated[bool, typer.Option("--coarsen/--no-coarsen",
                                            help="the papers' operators, each op merged with its epilogues, as "
                                                 "opweave.compile plans them (--no-coarsen: one op per fx node)")]
 OptionOpt = Annotated[list[str] | None, typer.Option(
-    "--option", help="KEY=VALUE: any option of opweave.compile (e.g. cudagraphs=false, compiler=inductor, "
-                           "scheduler_options={\"sync_ms\": 0.1}), as in the options table; repeat for more")]
+    "--option", metavar="KEY=VALUE", help="any option of opweave.compile (e.g. cudagraphs=false, compiler=inductor, "
+                                          "scheduler_options={\"sync_ms\": 0.1}), as in the options table; repeat "
+                                          "for more")]
 ModeOpt = Annotated[str | None, typer.Option(
     "--mode", help="a preset of options that means the same on every device, as torch.compile's: default, "
                    "reduce-overhead, max-autotune, max-autotune-no-cudagraphs (or --option mode=...)")]
