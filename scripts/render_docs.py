@@ -127,6 +127,11 @@ def least(rows: Iterable[Any], key: str) -> Any:
     return min(found, key=lambda r: r[key])
 
 
+def unique(values: Iterable[Any]) -> list[Any]:
+    """``values`` without repeats, in their order."""
+    return list(dict.fromkeys(values))
+
+
 def ratio(row: Any, over: str, under: str) -> float:
     """``row[over] / row[under]``."""
     return row[over] / row[under]
@@ -138,6 +143,14 @@ def span(values: Iterable[float]) -> tuple[float, float]:
     if not values:
         raise FigureError("a range of no values")
     return min(values), max(values)
+
+
+def table(columns: list[str], rows: Iterable[Iterable[Any]], right: int = 0) -> str:
+    """A Markdown table of ``rows`` (each cell written as it is) under ``columns``, the last ``right`` of them
+    aligned right."""
+    rule = ["---"] * (len(columns) - right) + ["---:"] * right
+    lines = [columns, rule, *([str(cell) for cell in row] for row in rows)]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
 @functools.cache
@@ -190,11 +203,12 @@ def gpu_tables(data: Any) -> str:
 HELPERS: dict[str, Any] = {
     "one": one, "where": where, "col": col, "span": span, "most": most, "least": least, "ratio": ratio,
     "min": min, "max": max, "sum": sum, "len": len, "abs": abs, "round": round, "sorted": sorted, "any": any,
-    "all": all, "median": statistics.median, "mean": statistics.mean,
+    "all": all, "median": statistics.median, "mean": statistics.mean, "table": table, "unique": unique,
     "cpu_tables": cpu_tables, "cpu_verdict": cpu_verdict, "cpu_advice": cpu_advice, "cpu_command": cpu_command,
     "gpu_chosen": gpu_chosen, "gpu_summary": gpu_summary, "gpu_tables": gpu_tables,
 }
-METHODS = frozenset({"items", "values", "keys", "get", "index", "count"})  # what a value's methods a figure may call
+# what a value's methods a figure may call
+METHODS = frozenset({"items", "values", "keys", "get", "index", "count", "join", "startswith", "endswith"})
 NODES = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.Store, ast.Attribute, ast.Subscript, ast.Slice,
          ast.Call, ast.keyword, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.operator,
          ast.unaryop, ast.boolop, ast.cmpop, ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp,
