@@ -3,17 +3,17 @@
 A figure taken from a results file is written between two HTML comments (invisible once the Markdown is rendered)
 that name the file and the value::
 
-    heuristic's p99 was <!--fig serve_hostile: one(d.rows, policy="heuristic").p99_ms | .1f-->200.7<!--/fig--> ms
+    `batch` sustains <!--fig serving_cpu_squeezenet_gauge: one(d.results, policy="batch").sustainable_rps | .1f-->88.0<!--/fig--> req/s
 
-``serve_hostile`` is ``benchmarks/results/serve_hostile.json`` (a stem, a name with its extension, or a short name
-the page gives it once, ``<!--fig-alias fit = sim_gpu_fit-->``), read as ``d``;
-the expression after the colon computes the value from it; the Python format spec after `` | `` (optional) writes
-it. A pair of numbers (``span(...)``, ``(a, b)``) is written as a range, ``1.21–1.91``, each end in the format (one
-number where both ends read the same); a string is written as it is, and one of several lines (a table) stands on its
-own lines between the comments. What the expression may use is small on purpose: the data (a record's fields as
-attributes, ``d.rows``), arithmetic, comparisons, comprehensions, the helpers of :data:`HELPERS` (``one``, ``where``,
-``col``, ``span``, ``load``, ``median``, ..., and the benchmarks' own table renderers), and no name that starts with
-an underscore.
+``serving_cpu_squeezenet_gauge`` is ``benchmarks/results/serving_cpu_squeezenet_gauge.json`` (a stem, a name with
+its extension, or a short name the page gives it once, ``<!--fig-alias fit = sim_gpu_fit-->``), read as ``d``; the
+expression after the colon computes the value from it; the Python format spec after `` | `` (optional) writes it. A pair of numbers (``span(...)``, ``(a, b)``) is written as a range, ``1.21–1.91``, each end in the format (one
+number where both ends read the same); a string is written as it is. A figure of several lines (a table), or one
+whose comments stand on lines of their own (a paragraph), is written as a block between them. What the expression
+may use is small on purpose: the data (a record's fields as attributes, ``d.rows``), arithmetic, comparisons,
+comprehensions and f-strings, the helpers of :data:`HELPERS` (``one``, ``where``, ``col``, ``span``, ``load``,
+``table``, ..., and the benchmarks' own table renderers), a few methods (:data:`METHODS`), and no name that starts
+with an underscore.
 
     python scripts/render_docs.py           # rewrite every page from the results files (make render-docs)
     python scripts/render_docs.py --check   # exit 1, naming the pages, where a page is not its rendering
@@ -208,7 +208,8 @@ HELPERS: dict[str, Any] = {
     "gpu_chosen": gpu_chosen, "gpu_summary": gpu_summary, "gpu_tables": gpu_tables,
 }
 # what a value's methods a figure may call
-METHODS = frozenset({"items", "values", "keys", "get", "index", "count", "join", "startswith", "endswith"})
+METHODS = frozenset({"items", "values", "keys", "get", "index", "count", "join", "startswith", "endswith", "replace",
+                     "split", "removeprefix", "removesuffix"})
 NODES = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.Store, ast.Attribute, ast.Subscript, ast.Slice,
          ast.Call, ast.keyword, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.operator,
          ast.unaryop, ast.boolop, ast.cmpop, ast.ListComp, ast.GeneratorExp, ast.SetComp, ast.DictComp,
@@ -261,8 +262,7 @@ def value_of(source: str, expr: str, spec: str, load: Callable[[str], Any]) -> s
         raise
     except Exception as exc:  # a key, an index, a division by zero: said with the marker's place
         raise FigureError(f"{type(exc).__name__}: {exc}") from None
-    text = written(value, spec.strip())
-    return f"\n\n{text}\n\n" if "\n" in text else text
+    return written(value, spec.strip())
 
 
 def render(text: str, results: Path = RESULTS, page: str = "page") -> str:
@@ -274,8 +274,11 @@ def render(text: str, results: Path = RESULTS, page: str = "page") -> str:
         line = text.count("\n", 0, match.start()) + 1
         try:
             figure = value_of(match["source"], match["expr"], match["spec"] or "", load)
+            block = "\n" in figure or match["old"].startswith("\n")  # a table, or a paragraph laid out as a block
             before = text[text.rfind("\n", 0, match.start()) + 1:match.start()]
-            if "\n" not in figure and re.fullmatch(r"\s*(?:[-*+]\s+|\d+\.\s+)?", before):
+            if block:
+                figure = f"\n\n{figure}\n\n"
+            elif re.fullmatch(r"\s*(?:[-*+]\s+|\d+\.\s+)?", before):
                 raise FigureError("a figure's marker starts a line, which ends the paragraph in Markdown")
         except FigureError as exc:
             raise FigureError(f"{page}:{line}: {match['source']}: {match['expr'].strip()}: {exc}") from None
@@ -288,6 +291,11 @@ def render(text: str, results: Path = RESULTS, page: str = "page") -> str:
         raise FigureError(f"{page}: a marker not closed by <!--/fig--> or not of the forms above, near "
                           f"{stripped[unclosed.start():unclosed.start() + 60]!r}")
     return MARKER.sub(one_marker, text)
+
+
+def plain(text: str) -> str:
+    """``text`` as a reader sees it: every marker's comments gone, its figure left."""
+    return ALIAS.sub("", MARKER.sub(lambda m: m["old"].strip("\n") if m["old"].startswith("\n") else m["old"], text))
 
 
 def pages(root: Path = ROOT) -> list[Path]:
