@@ -3,17 +3,18 @@
 A figure taken from a results file is written between two HTML comments (invisible once the Markdown is rendered)
 that name the file and the value::
 
-    `batch` sustains <!--fig serving_cpu_squeezenet_gauge: one(d.results, policy="batch").sustainable_rps | .1f-->88.0<!--/fig--> req/s
+    `batch` sustains <!--fig gauge: one(d.results, policy="batch").sustainable_rps | .1f-->88.0<!--/fig--> req/s
 
-``serving_cpu_squeezenet_gauge`` is ``benchmarks/results/serving_cpu_squeezenet_gauge.json`` (a stem, a name with
-its extension, or a short name the page gives it once, ``<!--fig-alias fit = sim_gpu_fit-->``), read as ``d``; the
-expression after the colon computes the value from it; the Python format spec after `` | `` (optional) writes it. A pair of numbers (``span(...)``, ``(a, b)``) is written as a range, ``1.21–1.91``, each end in the format (one
-number where both ends read the same); a string is written as it is. A figure of several lines (a table), or one
-whose comments stand on lines of their own (a paragraph), is written as a block between them. What the expression
-may use is small on purpose: the data (a record's fields as attributes, ``d.rows``), arithmetic, comparisons,
-comprehensions and f-strings, the helpers of :data:`HELPERS` (``one``, ``where``, ``col``, ``span``, ``load``,
-``table``, ..., and the benchmarks' own table renderers), a few methods (:data:`METHODS`), and no name that starts
-with an underscore.
+``gauge`` is a short name the page gives a results file once (``<!--fig-alias gauge =
+serving_cpu_squeezenet_gauge-->``), or a file of ``benchmarks/results/`` itself (a stem, or a name with its
+extension), read as ``d``; the expression after the colon computes the value from it; the Python format spec after
+`` | `` (optional) writes it. A pair of numbers (``span(...)``, ``(a, b)``) is written as a range, ``1.21–1.91``,
+each end in the format (one number where both ends read the same); a string is written as it is. A figure of
+several lines (a table), or one whose comments stand on lines of their own (a paragraph), is written as a block
+between them. What the expression may use is small on purpose: the data (a record's fields as attributes,
+``d.rows``), arithmetic, comparisons, comprehensions and f-strings, the helpers of :data:`HELPERS` (``one``,
+``where``, ``col``, ``span``, ``load``, ``table``, ..., and the benchmarks' own table renderers), a few methods
+(:data:`METHODS`), and no name that starts with an underscore.
 
     python scripts/render_docs.py           # rewrite every page from the results files (make render-docs)
     python scripts/render_docs.py --check   # exit 1, naming the pages, where a page is not its rendering
