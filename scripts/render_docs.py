@@ -6,11 +6,12 @@ that name the file and the value::
     `batch` sustains <!--fig gauge: one(d.results, policy="batch").sustainable_rps | .1f-->88.0<!--/fig--> req/s
 
 ``gauge`` is a short name the page gives a results file once (``<!--fig-alias gauge =
-serving_cpu_squeezenet_gauge-->``), or a file of ``benchmarks/results/`` itself (a stem, or a name with its
-extension), read as ``d``; the expression after the colon computes the value from it; the Python format spec after
-`` | `` (optional) writes it. A pair of numbers (``span(...)``, ``(a, b)``) is written as a range, ``1.21–1.91``,
-each end in the format (one number where both ends read the same); a string is written as it is. A figure of
-several lines (a table), or one whose comments stand on lines of their own (a paragraph), is written as a block
+serving_cpu_squeezenet_gauge-->``; several files, ``a, b``, read as the list of their data), or a file of
+``benchmarks/results/`` itself (a stem, or a name with its extension), read as ``d``; the expression after the colon
+computes the value from it; the Python format spec after `` | `` (optional) writes it. A pair of numbers
+(``span(...)``, ``(a, b)``) is written as a range, ``1.21–1.91``, each end in the format (one number where both ends
+read the same); a string is written as it is. A figure of several lines (a table), or one whose comments stand on
+lines of their own (a paragraph), is written as a block
 between them. What the expression may use is small on purpose: the data (a record's fields as attributes,
 ``d.rows``), arithmetic, comparisons, comprehensions and f-strings, the helpers of :data:`HELPERS` (``one``,
 ``where``, ``col``, ``span``, ``load``, ``table``, ..., and the benchmarks' own table renderers), a few methods
@@ -44,7 +45,7 @@ MARKER = re.compile(r"<!--fig (?P<source>[\w.\-]+): (?P<expr>(?:(?!-->|<!--).)+?
                     r"(?P<old>(?:(?!<!--fig).)*?)<!--/fig-->", re.S)
 
 
-ALIAS = re.compile(r"<!--fig-alias (?P<name>\w+) = (?P<source>[\w.\-]+)-->")
+ALIAS = re.compile(r"<!--fig-alias (?P<name>\w+) = (?P<source>[\w.\-]+(?:, [\w.\-]+)*)-->")
 
 
 class FigureError(ValueError):
@@ -79,6 +80,8 @@ def reader(results: Path, aliases: dict[str, str] | None = None) -> Callable[[st
     @functools.cache
     def load(name: str) -> Any:
         name = (aliases or {}).get(name, name)
+        if ", " in name:  # an alias of several files: their data, in its order
+            return [load(one) for one in name.split(", ")]
         path = results / (name if name.endswith(".json") else f"{name}.json")
         if not path.exists():
             raise FigureError(f"no results file {path.name!r} in {results}")
@@ -146,6 +149,42 @@ def span(values: Iterable[float]) -> tuple[float, float]:
     return min(values), max(values)
 
 
+def best(rows: Iterable[Any], key: str, by: tuple[str, ...] = ("run", "model", "batch_size", "dtype")) -> list[Any]:
+    """Per group of ``rows`` that agree on ``by`` (a GPU run's configuration), the row with the largest ``key``."""
+    groups: dict[tuple, list[Any]] = {}
+    for r in rows:
+        if isinstance(r, dict) and r.get(key) is not None:
+            groups.setdefault(tuple(r.get(k) for k in by), []).append(r)
+    return [max(group, key=lambda r: r[key]) for group in groups.values()]
+
+
+def gpu_rows(datas: Iterable[Any], modes: Iterable[str] | None = None) -> list[Any]:
+    """Every measured opweave row of the GPU runs ``datas`` (``benchmarks/gpu_latency.py``'s results; ``modes``:
+    those modes alone), each with ``run`` (its run's place in ``datas``) and what its configuration's peers of the
+    same run give: ``vs_graph`` and ``vs_compile`` (the CUDA Graph's and torch.compile's median over its own),
+    ``memory_vs_graph`` (its peak memory over the CUDA Graph's), ``compile_ms`` and ``compile_kernels``
+    (torch.compile's median and kernels per call), and ``search_compile_ms`` (torch.compile as a max-autotune search
+    timed it, where it did)."""
+    wanted = None if modes is None else set(modes)
+    out = []
+    for run, data in enumerate(datas):
+        measured = [r for r in data["results"] if r.get("median_ms") is not None]
+        for r in measured:
+            if not r["mode"].startswith("opweave") or wanted is not None and r["mode"] not in wanted:
+                continue
+            peers = {p["mode"]: p for p in measured
+                     if (p["model"], p["batch_size"], p["dtype"]) == (r["model"], r["batch_size"], r["dtype"])}
+            graph, compiled = peers.get("cuda-graph"), peers.get("torch.compile")
+            searched = ((r.get("candidates") or {}).get("torch.compile") or {}).get("median_ms")
+            out.append(Record({**r, "run": run, "vs_graph": graph and graph["median_ms"] / r["median_ms"],
+                               "vs_compile": compiled and compiled["median_ms"] / r["median_ms"],
+                               "memory_vs_graph": graph and r["peak_memory_mb"] / graph["peak_memory_mb"],
+                               "compile_ms": compiled and compiled["median_ms"],
+                               "compile_kernels": compiled and compiled.get("kernels_per_call"),
+                               "search_compile_ms": searched}))
+    return out
+
+
 def table(columns: list[str], rows: Iterable[Iterable[Any]], right: int = 0) -> str:
     """A Markdown table of ``rows`` (each cell written as it is) under ``columns``, the last ``right`` of them
     aligned right."""
@@ -204,7 +243,8 @@ def gpu_tables(data: Any) -> str:
 HELPERS: dict[str, Any] = {
     "one": one, "where": where, "col": col, "span": span, "most": most, "least": least, "ratio": ratio,
     "min": min, "max": max, "sum": sum, "len": len, "abs": abs, "round": round, "sorted": sorted, "any": any,
-    "all": all, "median": statistics.median, "mean": statistics.mean, "table": table, "unique": unique,
+    "all": all, "median": statistics.median, "mean": statistics.mean, "table": table, "unique": unique, "best": best,
+    "gpu_rows": gpu_rows,
     "cpu_tables": cpu_tables, "cpu_verdict": cpu_verdict, "cpu_advice": cpu_advice, "cpu_command": cpu_command,
     "gpu_chosen": gpu_chosen, "gpu_summary": gpu_summary, "gpu_tables": gpu_tables,
 }
