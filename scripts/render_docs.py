@@ -163,8 +163,8 @@ def gpu_rows(datas: Iterable[Any], modes: Iterable[str] | None = None) -> list[A
     those modes alone), each with ``run`` (its run's place in ``datas``) and what its configuration's peers of the
     same run give: ``vs_graph`` and ``vs_compile`` (the CUDA Graph's and torch.compile's median over its own),
     ``memory_vs_graph`` (its peak memory over the CUDA Graph's), ``compile_ms`` and ``compile_kernels``
-    (torch.compile's median and kernels per call), and ``search_compile_ms`` (torch.compile as a max-autotune search
-    timed it, where it did)."""
+    (torch.compile's median and kernels per call), ``timed`` (a max-autotune search's median per candidate) and
+    ``search_compile_ms`` (torch.compile as the search timed it)."""
     wanted = None if modes is None else set(modes)
     out = []
     for run, data in enumerate(datas):
@@ -175,13 +175,14 @@ def gpu_rows(datas: Iterable[Any], modes: Iterable[str] | None = None) -> list[A
             peers = {p["mode"]: p for p in measured
                      if (p["model"], p["batch_size"], p["dtype"]) == (r["model"], r["batch_size"], r["dtype"])}
             graph, compiled = peers.get("cuda-graph"), peers.get("torch.compile")
-            searched = ((r.get("candidates") or {}).get("torch.compile") or {}).get("median_ms")
+            timed = {**(r.get("candidates_ms") or {}), **{label: c["median_ms"] for label, c in
+                                                        (r.get("candidates") or {}).items() if c.get("median_ms")}}
             out.append(Record({**r, "run": run, "vs_graph": graph and graph["median_ms"] / r["median_ms"],
                                "vs_compile": compiled and compiled["median_ms"] / r["median_ms"],
                                "memory_vs_graph": graph and r["peak_memory_mb"] / graph["peak_memory_mb"],
                                "compile_ms": compiled and compiled["median_ms"],
                                "compile_kernels": compiled and compiled.get("kernels_per_call"),
-                               "search_compile_ms": searched}))
+                               "timed": Record(timed), "search_compile_ms": timed.get("torch.compile")}))
     return out
 
 
