@@ -131,6 +131,11 @@ def least(rows: Iterable[Any], key: str) -> Any:
     return min(found, key=lambda r: r[key])
 
 
+def words(values: Iterable[Any]) -> str:
+    """``values`` joined by spaces: a command's flags as typed."""
+    return " ".join(str(v) for v in values)
+
+
 def unique(values: Iterable[Any]) -> list[Any]:
     """``values`` without repeats, in their order."""
     return list(dict.fromkeys(values))
@@ -244,7 +249,7 @@ def gpu_tables(data: Any) -> str:
 HELPERS: dict[str, Any] = {
     "one": one, "where": where, "col": col, "span": span, "most": most, "least": least, "ratio": ratio,
     "min": min, "max": max, "sum": sum, "len": len, "abs": abs, "round": round, "sorted": sorted, "any": any,
-    "all": all, "median": statistics.median, "mean": statistics.mean, "table": table, "unique": unique, "best": best,
+    "all": all, "median": statistics.median, "mean": statistics.mean, "table": table, "unique": unique, "best": best, "words": words,
     "gpu_rows": gpu_rows,
     "cpu_tables": cpu_tables, "cpu_verdict": cpu_verdict, "cpu_advice": cpu_advice, "cpu_command": cpu_command,
     "gpu_chosen": gpu_chosen, "gpu_summary": gpu_summary, "gpu_tables": gpu_tables,
