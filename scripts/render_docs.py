@@ -249,8 +249,8 @@ def gpu_tables(data: Any) -> str:
 HELPERS: dict[str, Any] = {
     "one": one, "where": where, "col": col, "span": span, "most": most, "least": least, "ratio": ratio,
     "min": min, "max": max, "sum": sum, "len": len, "abs": abs, "round": round, "sorted": sorted, "any": any,
-    "all": all, "median": statistics.median, "mean": statistics.mean, "table": table, "unique": unique, "best": best, "words": words,
-    "gpu_rows": gpu_rows,
+    "all": all, "median": statistics.median, "mean": statistics.mean, "table": table, "unique": unique, "best": best,
+    "words": words, "gpu_rows": gpu_rows,
     "cpu_tables": cpu_tables, "cpu_verdict": cpu_verdict, "cpu_advice": cpu_advice, "cpu_command": cpu_command,
     "gpu_chosen": gpu_chosen, "gpu_summary": gpu_summary, "gpu_tables": gpu_tables,
 }
