@@ -102,6 +102,15 @@ def one(rows: Iterable[Any], **where: Any) -> Any:
     return found[0]
 
 
+def first(rows: Iterable[Any], **where: Any) -> Any:
+    """The first row of ``rows`` whose fields equal ``where`` (one at least): the earliest run's, where several
+    measured it."""
+    for r in rows:
+        if matches(r, where):
+            return r
+    raise FigureError(f"no row with {where}")
+
+
 def where(rows: Iterable[Any], **fields: Any) -> list[Any]:
     """The rows of ``rows`` whose fields equal ``fields`` (one at least)."""
     found = [r for r in rows if matches(r, fields)]
@@ -247,7 +256,7 @@ def gpu_tables(data: Any) -> str:
 
 
 HELPERS: dict[str, Any] = {
-    "one": one, "where": where, "col": col, "span": span, "most": most, "least": least, "ratio": ratio,
+    "one": one, "first": first, "where": where, "col": col, "span": span, "most": most, "least": least, "ratio": ratio,
     "min": min, "max": max, "sum": sum, "len": len, "abs": abs, "round": round, "sorted": sorted, "any": any,
     "all": all, "median": statistics.median, "mean": statistics.mean, "table": table, "unique": unique, "best": best,
     "words": words, "gpu_rows": gpu_rows,
