@@ -13,7 +13,7 @@ computes the value from it; the Python format spec after `` | `` (optional) writ
 read the same); a string is written as it is. A figure of several lines (a table), or one whose comments stand on
 lines of their own (a paragraph), is written as a block
 between them. What the expression may use is small on purpose: the data (a record's fields as attributes,
-``d.rows``), arithmetic, comparisons, comprehensions and f-strings, the helpers of :data:`HELPERS` (``one``,
+``d.rows``), arithmetic, comparisons, comprehensions and f-strings, the functions of :data:`FUNCTIONS` (``one``,
 ``where``, ``col``, ``span``, ``load``, ``table``, ..., and the benchmarks' own table renderers), a few methods
 (:data:`METHODS`), and no name that starts with an underscore.
 
@@ -255,7 +255,7 @@ def gpu_tables(data: Any) -> str:
     return benchmark("gpu_latency").markdown(data).rstrip()
 
 
-HELPERS: dict[str, Any] = {
+FUNCTIONS: dict[str, Any] = {
     "one": one, "first": first, "where": where, "col": col, "span": span, "most": most, "least": least, "ratio": ratio,
     "min": min, "max": max, "sum": sum, "len": len, "abs": abs, "round": round, "sorted": sorted, "any": any,
     "all": all, "median": statistics.median, "mean": statistics.mean, "table": table, "unique": unique, "best": best,
@@ -274,7 +274,7 @@ NODES = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.Store, ast.Attrib
 
 def compiled(expr: str) -> Any:
     """``expr`` compiled, once every node is one a figure may use (:data:`NODES`; no name or attribute with an
-    underscore first; a call only of :data:`HELPERS` or of :data:`METHODS`)."""
+    underscore first; a call only of :data:`FUNCTIONS` or of :data:`METHODS`)."""
     if "--" in expr:
         raise FigureError("'--' in a figure would end its HTML comment in some Markdown renderers")
     try:
@@ -288,9 +288,9 @@ def compiled(expr: str) -> Any:
         if name is not None and name.startswith("_"):
             raise FigureError(f"{name!r}: no name with an underscore first")
         if isinstance(node, ast.Call) and not (
-                isinstance(node.func, ast.Name) and (node.func.id in HELPERS or node.func.id == "load")
+                isinstance(node.func, ast.Name) and (node.func.id in FUNCTIONS or node.func.id == "load")
                 or isinstance(node.func, ast.Attribute) and node.func.attr in METHODS):
-            raise FigureError(f"{ast.unparse(node.func)}() is not a helper a figure may call")
+            raise FigureError(f"{ast.unparse(node.func)}() is not a function a figure may call")
     return compile(tree, "<figure>", "eval")
 
 
@@ -311,7 +311,7 @@ def written(value: Any, spec: str) -> str:
 
 def value_of(source: str, expr: str, spec: str, load: Callable[[str], Any]) -> str:
     """The text of one marker's figure, from the results files ``load`` reads."""
-    scope = {**HELPERS, "load": load, "d": load(source)}
+    scope = {**FUNCTIONS, "load": load, "d": load(source)}
     try:
         value = eval(compiled(expr), {"__builtins__": {}, **scope})  # noqa: S307 - compiled() allows a small grammar
     except FigureError:

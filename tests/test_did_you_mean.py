@@ -1,5 +1,5 @@
 """Every door that takes a name answers a misspelt one with the name it was likely meant to be: the Python API, the
-``torch.compile`` backend's options, every CLI command and the server's flags, through one helper
+``torch.compile`` backend's options, every CLI command and the server's flags, through one function
 (:func:`opweave.errors.did_you_mean`). Each door is refused before a model loads or a device is touched."""
 
 from __future__ import annotations

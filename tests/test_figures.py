@@ -183,7 +183,7 @@ def test_a_figure_is_written_as_prose_writes_it(tmp_path):
 
 @pytest.mark.parametrize(("expr", "why"), [
     ("d.__class__", "underscore"),
-    ("open('x')", "not a helper"),
+    ("open('x')", "not a function"),
     ("sorted(d.rows, key=lambda r: r.ms)[0].ms", "Lambda is not allowed"),
     ("one(d.rows, mode='c').ms", "0 rows"),
     ("d.row", "did you mean 'rows'"),
