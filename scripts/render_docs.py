@@ -250,6 +250,11 @@ def gpu_summary(data: Any) -> str:
     return benchmark("gpu_latency").summary_markdown(data).rstrip()
 
 
+def predict_table(data: Any) -> str:
+    """The simulator's predictions for the GPU configurations not yet measured (``sim_gpu_predict.markdown``)."""
+    return benchmark("sim_gpu_predict").markdown(data).rstrip()
+
+
 def gpu_tables(data: Any) -> str:
     """Every mode of every configuration of one GPU run (``gpu_latency.markdown``)."""
     return benchmark("gpu_latency").markdown(data).rstrip()
@@ -262,6 +267,7 @@ FUNCTIONS: dict[str, Any] = {
     "words": words, "gpu_rows": gpu_rows,
     "cpu_tables": cpu_tables, "cpu_verdict": cpu_verdict, "cpu_advice": cpu_advice, "cpu_command": cpu_command,
     "gpu_chosen": gpu_chosen, "gpu_summary": gpu_summary, "gpu_tables": gpu_tables,
+    "predict_table": predict_table,
 }
 # what a value's methods a figure may call
 METHODS = frozenset({"items", "values", "keys", "get", "index", "count", "join", "startswith", "endswith", "replace",
