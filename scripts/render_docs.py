@@ -301,15 +301,18 @@ def compiled(expr: str) -> Any:
 
 
 def written(value: Any, spec: str) -> str:
-    """``value`` as the page writes it: a number in ``spec``, a pair as a range, a string as it is."""
+    """``value`` as the page writes it: a number in ``spec``, a pair as a range (``1.2–1.8``, ``-165 to -99``), a
+    string as it is."""
     if isinstance(value, str):
         return value
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         low, high = (format(v, spec) for v in value)
-        if spec.endswith("%") and low != high:
-            low = low.removesuffix("%")  # 37–58%, as prose writes it
-        return low if low == high else f"{low}–{high}"
+        if low == high:
+            return low
+        if low.startswith("-") or high.startswith("-"):  # -165 to -99, not -165–-99
+            return f"{low} to {high}"
+        return f"{low.removesuffix('%') if spec.endswith('%') else low}–{high}"  # 37–58%, as prose writes it
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return format(value, spec)
     raise FigureError(f"a figure must be a number, a pair of numbers or a string, not {type(value).__name__}")

@@ -178,6 +178,7 @@ def test_a_figure_is_written_as_prose_writes_it(tmp_path):
     assert fig("span(col(d.rows, 'ms')) | .1f") == "10.0–15.2<!--/fig"
     assert fig("span(r.ms / 100 for r in d.rows) | .0%") == "10–15%<!--/fig"
     assert fig("span([10.0, 10.01]) | .1f") == "10.0<!--/fig"  # one figure where both ends read the same
+    assert fig("span([-165.0, -99.0]) | .0f") == "-165 to -99<!--/fig"
     assert fig("f\"{most(d.rows, 'ms').mode} took longest\"") == "b took longest<!--/fig"
 
 
