@@ -14,7 +14,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.opweave-installed
 
-.PHONY: setup demo test test-ray lint docs bench-cpu clean
+.PHONY: setup demo test test-ray lint docs render-docs bench-cpu clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,12 @@ API_MODULES := opweave opweave.api opweave.errors opweave.outputs opweave.cores 
 
 docs: $(STAMP)
 	$(BIN)/python -W error::UserWarning -m pdoc $(API_MODULES) --docformat restructuredtext -o site/api
+
+# The figures of README.md and docs/*.md rendered from benchmarks/results/*.json, and the options table from the code:
+# run after a benchmark writes new results (a test fails while a page is not its rendering).
+render-docs: $(STAMP)
+	$(BIN)/python scripts/options_table.py
+	$(BIN)/python scripts/render_docs.py
 
 test-ray: $(STAMP)
 	$(BIN)/python -m pytest -q -m ray

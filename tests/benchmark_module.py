@@ -35,3 +35,13 @@ def cpu_latency():
 
 def serve_many():
     return benchmark("serve_many")
+
+
+@functools.cache
+def render_docs():
+    """``scripts/render_docs.py``: the figures of README.md and docs/*.md rendered from their results files."""
+    path = BENCHMARKS.parent / "scripts" / "render_docs.py"
+    spec = importlib.util.spec_from_file_location("render_docs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

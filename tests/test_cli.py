@@ -68,16 +68,6 @@ def test_schedule_takes_every_scheduler_or_a_list_as_its_own_error_text_offers()
     assert [r["scheduler"] for r in simulated["results"]] == ["lios", "opara"]
 
 
-@pytest.mark.parametrize(("args", "hint"), [
-    (("schedule", "lios-fig3", "-s", "lois"), "unknown scheduler 'lois' (did you mean 'lios'?)"),
-    (("simulate", "--model", "googlnet"), "unknown model 'googlnet' (did you mean 'googlenet'?)"),
-    (("bench", "--model", "squeezenet", "--device", "cpu", "--option", "schedular=lios"),
-     "unknown option 'schedular' (did you mean 'scheduler'?)"),
-])
-def test_a_misspelt_name_gets_a_did_you_mean(args, hint):
-    assert hint in one_line(opweave(*args, check_rc=2))
-
-
 def test_serve_refuses_a_body_limit_its_budget_could_never_admit():
     # a body over --max-held-mb is refused 503 whatever the load: a limit above it would refuse every such request
     assert "raise --max-held-mb" in one_line(opweave("serve", "--models", "squeezenet", "--max-body-mb", "600",
@@ -379,3 +369,30 @@ def test_a_model_file_is_a_path_in_every_command_and_a_server_may_name_it(tmp_pa
     assert parse_model_files([f"other={path}"]) == {"other": path}
     with pytest.raises(UsageError, match="two models named 'tiny'"):
         parse_model_files([str(path), f"tiny={path}"])
+
+
+def _commands() -> list[list[str]]:
+    import typer.main
+
+    return [[], *([name] for name in typer.main.get_command(app).commands)]
+
+
+TYPE_NAMES = re.compile(r"<(str|int|float|bool|path|list|tuple|Path)\b[^>]*>|\blist\[|\{[A-Za-z_]+\}|"
+                        r"\b(TEXT|INTEGER|FLOAT|BOOLEAN|FILENAME|PATH RANGE)\b")
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "opweave")
+def test_help_shows_what_each_value_is_never_a_type_name(command):
+    """Typer showed the annotations' types (``<list[str]>``, ``<list[Path]>``, ``{results}...``) where a value's
+    meaning belongs; every flag and argument has a help text of its own."""
+    import click
+    import typer.main
+
+    result = CliRunner().invoke(app, [*command, "--help"], terminal_width=200, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    found = TYPE_NAMES.search(result.output)
+    assert found is None, f"{found.group(0)!r} in the help of opweave {' '.join(command)}:\n{result.output}"
+    group = typer.main.get_command(app)
+    target = group.commands[command[0]] if command else group
+    bare = [p.opts for p in target.get_params(click.Context(target)) if not p.help and p.name != "help"]
+    assert not bare, f"no help text for {bare} of opweave {' '.join(command)}"

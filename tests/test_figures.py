@@ -1,9 +1,15 @@
-"""Figures in prose cannot go stale: every number with a unit (ms, s, MB, %, ×, ...) in a paragraph of README.md or
-docs/*.md that cites a results file (``benchmarks/results/NAME.json``, ``.md``, ``.png``) must be one of that file's
-values, a unit conversion of one, or a ratio of two values measured side by side (two rows of one table, or two
-fields of one record), at the precision the prose gives. Tables are held to their JSON by the tests of the pages that
-render them; a figure that is a setting of the run (a flag's value) is in the JSON's command or flags, so it matches
-too. A paragraph whose figures come from elsewhere does not cite a results file."""
+"""Figures in prose cannot go stale.
+
+A figure written between the markers of ``scripts/render_docs.py`` (``<!--fig FILE: EXPR | FORMAT-->...<!--/fig-->``)
+is rendered from its results file by code: every committed page is its rendering, and a changed value in a results
+file changes the page.
+
+Every other number with a unit (ms, s, MB, %, ×, ...) in a paragraph of README.md or docs/*.md that cites a results
+file (``benchmarks/results/NAME.json``, ``.md``, ``.png``) must be one of that file's values, a unit conversion of
+one, or a ratio of two values measured side by side (two rows of one table, or two fields of one record), at the
+precision the prose gives. Tables are held to their JSON by the tests of the pages that render them; a figure that
+is a setting of the run (a flag's value) is in the JSON's command or flags, so it matches too. A paragraph whose
+figures come from elsewhere does not cite a results file."""
 
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from benchmark_module import render_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -28,8 +36,10 @@ SCALES = {"ms": (1.0, 1e3), "s": (1.0, 1e-3), "MB": (1.0, 1e-6, 2.0 ** -20), "GB
 
 
 def paragraphs(path: Path) -> list[str]:
-    """The prose paragraphs of ``path``: blank-line separated, code blocks and tables left out."""
+    """The prose paragraphs of ``path``: blank-line separated, code blocks and tables left out, and the rendered
+    figures (held to their files by the rendering) with their markers."""
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    text = render_docs().ALIAS.sub("", render_docs().MARKER.sub("", text))
     return [p for p in re.split(r"\n\s*\n", text) if p.strip() and not p.lstrip().startswith(("|", "#", "<"))]
 
 
@@ -127,3 +137,61 @@ def test_a_stale_figure_is_found():
     values, derived = leaves(data), ratios(data)
     assert held("15.2", "ms", values) and held("1.52", "×", derived) and held("0.0152", "s", values)
     assert not held("15.3", "ms", values) and not held("1.60", "×", derived)
+
+
+# ---- the figures rendered from their files ----------------------------------------------------------------------
+def test_every_page_is_its_rendering():
+    """What ``make render-docs`` writes is what is committed: no page holds a figure its results file does not."""
+    for path in render_docs().pages(ROOT):
+        text = path.read_text()
+        assert render_docs().render(text, RESULTS, path.name) == text, (
+            f"{path.relative_to(ROOT)} is not its rendering: run python scripts/render_docs.py")
+
+
+def test_a_changed_result_changes_the_page(tmp_path):
+    """A results file rerun (here a copy with one value changed) changes the figures rendered from it, and only
+    those."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for path in RESULTS.glob("*.json"):
+        (results / path.name).write_text(path.read_text())
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    held = json.loads((results / "sim_gpu_heldout_h200_2026-11-28_second.json").read_text())
+    row = next(r for r in held["chosen"] if (r["model"], r["batch"], r["dtype"]) == ("googlenet", 8, "fp32"))
+    assert "measured <!--fig held2: ratio(one(d.chosen, model=\"googlenet\"" in " ".join(page.split())
+    row["measured_ms"] = row["predicted_ms"] * 1.25
+    (results / "sim_gpu_heldout_h200_2026-11-28_second.json").write_text(json.dumps(held))
+    rendered = render_docs().render(page, results, "gpu.md")
+    changed = [(a, b) for a, b in zip(page.splitlines(), rendered.splitlines(), strict=True) if a != b]
+    assert len(changed) == 1 and "-->58%<!--/fig-->" in changed[0][0] and "-->25%<!--/fig-->" in changed[0][1], changed
+
+
+def test_a_figure_is_written_as_prose_writes_it(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"rows": [{"mode": "a", "ms": 10.0, "ok": True},
+                                                            {"mode": "b", "ms": 15.25, "ok": True}]}))
+    render = render_docs().render
+
+    def fig(expr: str) -> str:
+        return render(f"x <!--fig run: {expr}-->?<!--/fig-->", tmp_path).removeprefix("x ").split("-->")[1]
+
+    assert fig('one(d.rows, mode="b").ms | .1f') == "15.2<!--/fig"
+    assert fig("span(col(d.rows, 'ms')) | .1f") == "10.0–15.2<!--/fig"
+    assert fig("span(r.ms / 100 for r in d.rows) | .0%") == "10–15%<!--/fig"
+    assert fig("span([10.0, 10.01]) | .1f") == "10.0<!--/fig"  # one figure where both ends read the same
+    assert fig("span([-165.0, -99.0]) | .0f") == "-165 to -99<!--/fig"
+    assert fig("f\"{most(d.rows, 'ms').mode} took longest\"") == "b took longest<!--/fig"
+
+
+@pytest.mark.parametrize(("expr", "why"), [
+    ("d.__class__", "underscore"),
+    ("open('x')", "not a function"),
+    ("sorted(d.rows, key=lambda r: r.ms)[0].ms", "Lambda is not allowed"),
+    ("one(d.rows, mode='c').ms", "0 rows"),
+    ("d.row", "did you mean 'rows'"),
+])
+def test_a_figure_that_cannot_be_rendered_names_its_place(expr, why, tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"rows": [{"mode": "a", "ms": 10.0}]}))
+    with pytest.raises(render_docs().FigureError, match=rf"page.md:2: run: .*{re.escape(why)}"):
+        render_docs().render(f"text\nand <!--fig run: {expr}-->1<!--/fig-->", tmp_path, "page.md")
+    with pytest.raises(render_docs().FigureError, match="starts a line"):
+        render_docs().render("text\n<!--fig run: 1-->1<!--/fig-->", tmp_path, "page.md")

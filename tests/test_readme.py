@@ -37,7 +37,7 @@ import torch
 from typer.testing import CliRunner
 
 import opweave
-from benchmark_module import cpu_latency
+from benchmark_module import cpu_latency, render_docs
 from cuda_precision import no_tf32
 from opweave import zoo
 from opweave.capture import load
@@ -55,9 +55,15 @@ FAST_BENCH = ["--runs", "2", "--warmup", "0"]
 
 
 # ---- reading the README ---------------------------------------------------------------------------------------------
+def readme() -> str:
+    """README.md as a reader sees it: its figures, without the comments they are rendered between
+    (``scripts/render_docs.py``; ``tests/test_figures.py`` holds them to their files)."""
+    return render_docs().plain(README.read_text())
+
+
 def section(title: str) -> str:
     """The text under the ``## title`` heading, up to the next ``## `` heading."""
-    text = README.read_text()
+    text = readme()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end if end >= 0 else None]
@@ -212,30 +218,17 @@ def test_max_autotune_block(tmp_path, monkeypatch):
 
 # ---- the CPU results ------------------------------------------------------------------------------------------------
 RESULTS = README.parent / "benchmarks" / "results"
-CPU_TABLES = ("cpu_default", "cpu_latency")  # the README's, in its order
-NAMES = {"inception_v3": "Inception-v3", "googlenet": "GoogLeNet", "squeezenet": "SqueezeNet", "resnet50": "ResNet-50",
-         "nasnet_a_mobile": "NASNet", "randwire": "RandWire", "bert_base": "BERT", "deepfm": "DeepFM"}
-COMPILERS = {"none": "unfused", "onnxruntime": "ONNX Runtime segments", "onnxruntime-graph": "ONNX Runtime's graph",
-             "inductor": "Inductor segments"}
+CPU_TABLES = ("cpu_default",)  # the README's, in its order
 
 
 def cpu_result(stem: str) -> dict:
     return json.loads((RESULTS / f"{stem}.json").read_text())
 
 
-def ratios(values: list[float]) -> str:
-    """A range of ratios as the README writes it: ``1.32–1.64×``."""
-    return f"{min(values):.2f}–{max(values):.2f}×"
-
-
-def named(models: list[str]) -> str:
-    return ", ".join(NAMES[m] for m in models[:-1]) + " and " * (len(models) > 1) + NAMES[models[-1]]
-
-
 def test_cpu_result_files_are_rendered_from_their_json():
     """Each ``benchmarks/results/cpu_latency*.md`` is what cpu_latency.document renders from its JSON: the date and
     the command that produced the figures, then the tables."""
-    for stem in (*CPU_TABLES, "cpu_latency_ortgraph"):
+    for stem in (*CPU_TABLES, "cpu_latency", "cpu_latency_ortgraph"):
         data = cpu_result(stem)
         text = (RESULTS / f"{stem}.md").read_text()
         assert text == cpu_latency().document(data, stem), f"{stem}.md is not its JSON rendered"
@@ -257,19 +250,6 @@ def test_readme_cpu_tables_are_their_json_rendered():
                 for m in (cpu_result(stem)["machine"] for stem in CPU_TABLES)}
     ((cores, arch, torch_version, python),) = machines
     assert f"A {cores}-core {arch.replace('_', '-')} Linux machine, torch {torch_version}, Python {python}." in prose
-
-
-def test_readme_cpu_figures_are_their_json_s():
-    """The ratios the README's CPU results state are those of the summaries in the JSON files they cite."""
-    prose = " ".join(section("Results on a CPU").split())
-    multi = cpu_result("cpu_latency")["summary"]
-    freezing = ratios([s["vs torch.compile freezing"] for s in multi])
-    ort = ratios([s["vs onnxruntime"] for s in multi])
-    assert f"opweave's fastest mode is {freezing} `torch.compile` (freezing) and {ort} ONNX Runtime." in prose
-    best = {s["model"]: max(s["multi_over_single_lane"].items(), key=lambda kv: kv[1]) for s in multi}
-    wins = [f"{NAMES[m]} ({r:.2f}×, {COMPILERS[c]})" for m, (c, r) in best.items() if r > 1]
-    losses = [m for m, (_, r) in best.items() if r <= 1]
-    assert (f"Plans of several lanes beat one lane on {' and '.join(wins)}, not on {named(losses)}.") in prose
 
 
 def new_size_sentence(data: dict) -> str:
@@ -296,7 +276,7 @@ def new_size_sentence(data: dict) -> str:
 
 def test_readme_says_what_a_new_size_costs_with_its_json_s_figures():
     """The figures the README's "Other shapes" gives for a new size's first call are the benchmark's JSON's."""
-    assert new_size_sentence(cpu_result("new_signature")) in " ".join(README.read_text().split())
+    assert new_size_sentence(cpu_result("new_signature")) in " ".join(readme().split())
 
 
 def test_readme_says_which_mode_to_use_on_a_cpu_with_its_json_s_figures():
@@ -308,7 +288,7 @@ def test_readme_says_which_mode_to_use_on_a_cpu_with_its_json_s_figures():
     assert {s["model"] for s in data["summary"]} == set(zoo_names()) and {s["batch"] for s in data["summary"]} == {1, 8}
     assert cpu_latency().verdict(data["summary"], data["rows"]) in section("Results on a CPU")
     assert " ".join(cpu_latency().advice(data).split()) in prose
-    first_screen = " ".join(README.read_text().split("\n## Install\n")[0].split())
+    first_screen = " ".join(readme().split("\n## Install\n")[0].split())
     assert "the default's speed there comes from ONNX Runtime's compiled segments" in first_screen
 
 

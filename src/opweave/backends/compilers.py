@@ -64,7 +64,7 @@ import torch
 from torch import fx
 
 from opweave.backends import ortrewrite
-from opweave.errors import MissingPackageError, UsageError, first_line
+from opweave.errors import MissingPackageError, UsageError, did_you_mean, first_line
 
 
 class SegmentCompiler(Protocol):
@@ -398,5 +398,6 @@ def get(name: str, **options) -> SegmentCompiler:
     """The compiler called ``name``, made with ``options`` (its constructor's keywords);
     :class:`~opweave.errors.UsageError` naming the choices otherwise."""
     if name not in COMPILERS:
-        raise UsageError(f"compiler must be one of {', '.join(COMPILERS)} (or None), got {name!r}")
+        raise UsageError(f"compiler must be one of {', '.join(COMPILERS)} (or None), got {name!r}"
+                         f"{did_you_mean(name, COMPILERS)}")
     return COMPILERS[name](**options)

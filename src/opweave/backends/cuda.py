@@ -86,7 +86,7 @@ from opweave.backends.program import Lane, Program, Step
 from opweave.backends.runtime import CUDA, Runtime
 from opweave.backends.streams import CudaLanes, default_streams, stream_pool
 from opweave.capture.runtime import Captured, SharedCopies, as_tuple, module_tensors, static_input
-from opweave.errors import DeviceError, UsageError
+from opweave.errors import DeviceError, UsageError, did_you_mean
 from opweave.plan.launchplan import LaunchPlan
 
 __all__ = ["CudaBackend", "GraphCaptureError", "InputCopies", "default_streams", "input_signature", "moved",
@@ -170,7 +170,7 @@ class CudaBackend:
             raise UsageError(f"cudagraphs must be True or False, got {cudagraphs!r}")
         if capture_fallback not in CAPTURE_FALLBACKS:
             raise UsageError(f"capture_fallback must be one of {', '.join(CAPTURE_FALLBACKS)}, "
-                             f"got {capture_fallback!r}")
+                             f"got {capture_fallback!r}{did_you_mean(capture_fallback, CAPTURE_FALLBACKS)}")
         if cache_size < 1 or warmup < 1:
             raise UsageError(f"cache_size and warmup must be at least 1, got {cache_size} and {warmup}")
         self.cudagraphs, self.static_outputs, self.capture_fallback = cudagraphs, static_outputs, capture_fallback

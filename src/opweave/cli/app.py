@@ -7,6 +7,7 @@ line on stderr; anything else escaping a command is a bug and keeps its tracebac
 from __future__ import annotations
 
 import functools
+import typing
 import warnings
 from pathlib import Path
 from typing import Annotated
@@ -21,26 +22,45 @@ from opweave.errors import OpweaveError, UsageError, did_you_mean
 from opweave.ir import OpGraph
 
 
-def _plain_flags(params: list) -> list:
-    """A flag takes no value, so its help shows no type (Typer would show ``<bool>``)."""
+def _metavars(params: list) -> list:
+    """What a parameter's help shows for its value: a word for what it is (``MODEL``, ``N``, ``PATH``; a flag
+    nothing), never the type the code annotates it with (Typer would show ``<str>``, ``<list[Path]>``, ``<bool>``)."""
     for param in params:
-        if getattr(param, "is_flag", False) and param.metavar is None:
+        if getattr(param, "_metavar_set", False):
+            continue
+        param._metavar_set = True
+        if param.param_type_name == "argument":  # its name, as click writes it: GRAPH, [GRAPH], RESULTS...
+            name = param.metavar or (param.name or "value").upper()
+            shown = name if param.required else f"[{name}]"
+            param.metavar = name + ("..." if param.nargs != 1 else "")
+            param.display_type_rich = lambda ctx: None
+            param._usage_display_name = lambda shown=shown, many=param.nargs != 1: shown + ("..." if many else "")
+            continue
+        if param.metavar is not None:
+            continue
+        if getattr(param, "is_flag", False):
             param.metavar = ""
+            continue
+        kind = param.type_descriptor.annotation
+        kind = (typing.get_args(kind) or (kind,))[0] if typing.get_origin(kind) is list else kind
+        long = next((o for o in param.opts if o.startswith("--")), param.name or "value").lstrip("-")
+        param.metavar = {int: "N", float: "NUMBER", Path: "PATH"}.get(kind) or long.replace("-", "_").upper()
     return params
 
 
 class _Group(TyperGroup):
-    """The app's command group: help texts are Markdown (``code`` shows as code) and flags show no type."""
+    """The app's command group: help texts are Markdown (``code`` shows as code) and values show what they are
+    (:func:`_metavars`)."""
 
     def get_params(self, ctx):
-        return _plain_flags(super().get_params(ctx))
+        return _metavars(super().get_params(ctx))
 
     def get_command(self, ctx, cmd_name):
         command = super().get_command(ctx, cmd_name)
-        if command is not None and not getattr(command, "_plain_flags", False):
+        if command is not None and not getattr(command, "_metavars", False):
             params = command.get_params
-            command.get_params = lambda ctx: _plain_flags(params(ctx))
-            command._plain_flags = True
+            command.get_params = lambda ctx: _metavars(params(ctx))
+            command._metavars = True
         return command
 
 
@@ -85,7 +105,8 @@ def guard(fn):
 
 
 # ---- shared options -----------------------------------------------------------------------------------------------
-GraphArg = Annotated[str | None, typer.Argument(help="graph JSON file or example name (e.g. lios-fig3)")]
+GraphArg = Annotated[str | None, typer.Argument(help="graph JSON file, example name (e.g. lios-fig3) or zoo model "
+                                                       "(as --model NAME)")]
 ModelOpt = Annotated[str | None, typer.Option("--model", help="zoo model name instead of a graph")]
 ModelFileOpt = Annotated[Path | None, typer.Option("--model-file", help="a model saved by torch.export.save (.pt2) "
                                                                         "instead of a zoo name")]
@@ -94,7 +115,7 @@ StreamsOpt = Annotated[int | None, typer.Option("--streams", min=1, help="max st
 DevicesOpt = Annotated[int, typer.Option("--devices", min=1, help="number of devices")]
 CostOpt = Annotated[str, typer.Option("--cost-model", help="ideal | gpu")]
 PresetOpt = Annotated[str, typer.Option("--preset", help="device preset for zoo models' estimated latencies")]
-BatchOpt = Annotated[int, typer.Option("--batch-size", min=1)]
+BatchOpt = Annotated[int, typer.Option("--batch-size", min=1, help="samples per call (a zoo model's example batch)")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="fp32 | fp16 | bf16: what a zoo model's ops compute in "
                                                        "(estimated costs)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object instead of a table")]
@@ -103,8 +124,9 @@ CoarsenOpt = Annotated[bool, typer.Option("--coarsen/--no-coarsen",
                                            help="the papers' operators, each op merged with its epilogues, as "
                                                 "opweave.compile plans them (--no-coarsen: one op per fx node)")]
 OptionOpt = Annotated[list[str] | None, typer.Option(
-    "--option", help="KEY=VALUE: any option of opweave.compile (e.g. cudagraphs=false, compiler=inductor, "
-                           "scheduler_options={\"sync_ms\": 0.1}), as in the options table; repeat for more")]
+    "--option", metavar="KEY=VALUE", help="any option of opweave.compile (e.g. cudagraphs=false, compiler=inductor, "
+                                          "scheduler_options={\"sync_ms\": 0.1}), as in the options table; repeat "
+                                          "for more")]
 ModeOpt = Annotated[str | None, typer.Option(
     "--mode", help="a preset of options that means the same on every device, as torch.compile's: default, "
                    "reduce-overhead, max-autotune, max-autotune-no-cudagraphs (or --option mode=...)")]
@@ -134,7 +156,8 @@ def collect_options(texts: list[str] | None, mode: str | None = None, **flags) -
 
 def graph_costs(graph: OpGraph, cost_model: str) -> Costs:
     if cost_model not in COST_MODELS:
-        raise UsageError(f"unknown cost model {cost_model!r}; choose one of {', '.join(COST_MODELS)}")
+        raise UsageError(f"unknown cost model {cost_model!r}{did_you_mean(cost_model, COST_MODELS)}; choose one of "
+                         f"{', '.join(COST_MODELS)}")
     return from_graph(graph, model=cost_model)
 
 
@@ -160,6 +183,18 @@ def linked(graph: OpGraph, link: str | None) -> OpGraph:
     from opweave.costs.links import with_link
 
     return with_link(graph, link)
+
+
+def graph_or_model(graph: str | None, model: str | None) -> tuple[str | None, str | None]:
+    """``(graph, model)`` as a command takes them: a GRAPH that is neither a file nor an example but a zoo model's
+    name is that model, as ``--model`` gives it."""
+    from opweave import zoo
+    from opweave.ir import examples
+
+    if (graph is not None and model is None and graph not in examples.names() and not Path(graph).exists()
+            and zoo.is_model(graph)):
+        return None, graph
+    return graph, model
 
 
 def load_graph(graph: str | Path | None = None, model: str | None = None, *, batch_size: int = 1,
@@ -203,7 +238,11 @@ def load_graph(graph: str | Path | None = None, model: str | None = None, *, bat
     if str(graph) in examples.names():
         return examples.load(str(graph))
     if not Path(graph).exists():
-        raise UsageError(f"no graph file {str(graph)!r} (examples: {', '.join(examples.names())})")
+        from opweave import zoo
+
+        hint = did_you_mean(str(graph), [*examples.names(), *zoo.names()])  # a zoo name is taken as --model
+        raise UsageError(f"no graph file, example or zoo model {str(graph)!r}{hint} (examples: "
+                         f"{', '.join(examples.names())}; models: opweave models)")
     return OpGraph.load(graph)
 
 
@@ -235,7 +274,8 @@ def fitted_gpu(cost_model: str, preset: str, dtype: str, *, inductor: bool = Fal
     from opweave.costs import calibrated
 
     if calibrated.DTYPES.get(dtype) is None:
-        raise UsageError(f"unknown dtype; choose one of {', '.join(calibrated.DTYPES)}")
+        raise UsageError(f"unknown dtype {dtype!r}{did_you_mean(dtype, calibrated.DTYPES)}; choose one of "
+                         f"{', '.join(calibrated.DTYPES)}")
     fitted = cost_model == "gpu" and preset.lower() in calibrated.FITTED
     if inductor and not fitted:
         raise UsageError(f"--inductor needs --cost-model gpu and a fitted preset ({', '.join(calibrated.FITTED)}): "

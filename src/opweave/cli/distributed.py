@@ -32,7 +32,7 @@ from opweave.errors import UsageError
 
 @app.command("run")
 @guard
-def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
+def run(model: Annotated[str, typer.Option("--model", help="zoo model")] = "inception_v3",
         scheduler: Annotated[str | None, typer.Option("--scheduler", "-s", help="default: hios-lp (one device: the "
                                                                               "device's own default)")] = None,
         devices: Annotated[int | None, typer.Option("--devices", min=1,
@@ -41,7 +41,8 @@ def run(model: Annotated[str, typer.Option("--model")] = "inception_v3",
             "--device", help="cpu (gloo) | cuda (NCCL) | auto (cuda when there is a GPU per rank)")] = "auto",
         check: Annotated[bool, typer.Option("--check", help="compare with single-process eager; exit 1 beyond "
                                                             "tolerance")] = False,
-        runs: Annotated[int, typer.Option(min=1)] = 10, warmup: Annotated[int, typer.Option(min=0)] = 2,
+        runs: Annotated[int, typer.Option(min=1, help="timed calls")] = 10,
+        warmup: Annotated[int, typer.Option(min=0, help="untimed calls first")] = 2,
         batch_size: BatchOpt = 1,
         image_size: Annotated[int | None, typer.Option(help="input height and width of the CNN models")] = None,
         streams: StreamsOpt = None, link: LinkOpt = None,
@@ -179,7 +180,7 @@ def profile_links(device: Annotated[str, typer.Option(
                       "--device", help="cpu (gloo ranks) | cuda (NCCL, GPUs 0 and 1) | auto (cuda when two GPUs are "
                                         "present)")
                   ] = "auto",
-                  repeats: Annotated[int, typer.Option(min=1)] = 20,
+                  repeats: Annotated[int, typer.Option(min=1, help="messages timed per size")] = 20,
                   max_bytes: Annotated[int, typer.Option(min=1024, help="largest message")] = 2 ** 24,
                   output: Annotated[Path | None, typer.Option("-o", "--output", help="write the link file here "
                                                               "(for --link)")] = None,

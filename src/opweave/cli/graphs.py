@@ -27,6 +27,7 @@ from opweave.cli.app import (
     device_costs,
     err,
     fitted_gpu,
+    graph_or_model,
     guard,
     inductor_kernels,
     linked,
@@ -41,13 +42,15 @@ from opweave.errors import UsageError
 
 @app.command()
 @guard
-def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "lios",
+def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option(
+                 "--scheduler", "-s", help="one scheduler, a comma list or all (opweave.schedulers.names())")] = "lios",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
              preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = True,
              link: LinkOpt = None, dtype: DtypeOpt = "fp32", as_json: JsonOpt = False):
     """Schedule a graph and show where each op runs (a model's coarsened graph, as compile plans it, unless
     --no-coarsen); -s takes one scheduler, a comma list or all (one table each)."""
+    graph, model = graph_or_model(graph, model)
     g = linked(load_graph(graph, model, batch_size=batch_size, preset=preset, profile=profile, coarsen=coarsen,
                           model_file=model_file), link)
     names = scheduler_names(scheduler)
@@ -75,7 +78,8 @@ def schedule(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
 
 @app.command()
 @guard
-def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--scheduler", "-s")] = "all",
+def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option(
+                 "--scheduler", "-s", help="one scheduler, a comma list or all (opweave.schedulers.names())")] = "all",
              streams: StreamsOpt = None, devices: DevicesOpt = 1, cost_model: CostOpt = "ideal",
              model: ModelOpt = None, model_file: ModelFileOpt = None, batch_size: BatchOpt = 1,
              preset: PresetOpt = "h100", profile: ProfileOpt = None, coarsen: CoarsenOpt = True,
@@ -92,6 +96,7 @@ def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
     makespan is one CUDA Graph call on the fitted device, what benchmarks/gpu_latency.py measures."""
     from opweave.backends import render
 
+    graph, model = graph_or_model(graph, model)
     launches, grouping = None, None
     if inductor:
         if profile is not None or graph is not None:
@@ -137,8 +142,10 @@ def simulate(graph: GraphArg = None, scheduler: Annotated[str, typer.Option("--s
 
 @app.command()
 @guard
-def synth(ops: Annotated[int, typer.Option(min=1)] = 200, layers: Annotated[int, typer.Option(min=1)] = 14,
-          edges: Annotated[int | None, typer.Option(help="default 2 x ops")] = None, seed: int = 0,
+def synth(ops: Annotated[int, typer.Option(min=1, help="operators")] = 200,
+          layers: Annotated[int, typer.Option(min=1, help="layers the operators are spread over")] = 14,
+          edges: Annotated[int | None, typer.Option(help="edges (default 2 x ops)")] = None,
+          seed: Annotated[int, typer.Option(help="random seed: the same seed writes the same graph")] = 0,
           comm_ratio: Annotated[float, typer.Option(help="transfer = max(0.1 ms, p x producer latency)")] = 0.8,
           output: Annotated[Path | None, typer.Option("-o", "--output", help="write here (default stdout)")] = None):
     """Write a HIOS-style random layered DAG (HIOS §V-A) as graph JSON."""

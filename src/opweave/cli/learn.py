@@ -15,8 +15,8 @@ import typer
 from opweave.cli.app import app, err, guard
 from opweave.errors import UsageError
 
-ModelsOpt = Annotated[str, typer.Option("--models", help="comma list of zoo models")]
-SeedOpt = Annotated[int, typer.Option("--seed")]
+ModelsOpt = Annotated[str, typer.Option("--models", metavar="MODEL,...", help="zoo models")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="random seed of the training")]
 PlotOpt = Annotated[Path | None, typer.Option("--plot", help="learning curve PNG")]
 
 
@@ -54,7 +54,8 @@ def train_gpg(output: Annotated[Path, typer.Option("--output", "-o", help="weigh
               samples: Annotated[int, typer.Option("--samples", min=1, help="rollouts per chunk and graph")] = 4,
               lr: Annotated[float, typer.Option("--lr", min=0.0, help="Adam's first learning rate (falls "
                                                 "linearly to a tenth over the run)")] = 1e-3,
-              validate_every: Annotated[int, typer.Option("--validate-every", min=1)] = 250,
+              validate_every: Annotated[int, typer.Option("--validate-every", min=1, help="episodes between "
+                                                          "validations (the best weights are kept)")] = 250,
               seed: SeedOpt = 0, plot: PlotOpt = None):
     """Train the GPG stage partitioner (TOP §V-C) by REINFORCE with a greedy-rollout baseline on random combinations
     of 1-6 zoo blocks and random DAGs; every ``--validate-every`` episodes its greedy makespan on 30 fixed combined
@@ -102,12 +103,14 @@ def train_gpg(output: Annotated[Path, typer.Option("--output", "-o", help="weigh
 
 @app.command("train-policy")
 @guard
-def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,... requests per second")],
+def train_policy(pattern: Annotated[str, typer.Option("--pattern", metavar="MODEL:RATE,...", help="each model's "
+                                                                "requests per second")],
                  output: Annotated[Path, typer.Option("--output", "-o", help="policy file to write")],
                  steps: Annotated[int, typer.Option("--steps", min=0, help="decisions (MADDPG steps)")] = 8000,
                  period_ms: Annotated[float, typer.Option("--period-ms", min=0.1, help="virtual time per step")
                                       ] = 50.0,
-                 episode_steps: Annotated[int, typer.Option("--episode-steps", min=1)] = 40,
+                 episode_steps: Annotated[int, typer.Option("--episode-steps", min=1, help="steps per episode (each "
+                                                            "from empty queues)")] = 40,
                  scales: Annotated[str, typer.Option("--scales", help="pattern scales drawn per episode")
                                    ] = "1,2,4,8,16,32",
                  warmup: Annotated[int, typer.Option("--warmup", min=1, help="transitions before the first update "
@@ -118,13 +121,17 @@ def train_policy(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:R
                                        ] = "101,102",
                  eval_s: Annotated[float, typer.Option("--eval-s", min=0.01, help="virtual seconds per held-out "
                                                        "run")] = 1.0,
-                 eval_max_scale: Annotated[float, typer.Option("--eval-max-scale", min=1.0)] = 128.0,
+                 eval_max_scale: Annotated[float, typer.Option("--eval-max-scale", min=1.0, help="highest scale "
+                                                               "of the pattern tried on held-out traces")] = 128.0,
                  slo_ms: Annotated[float, typer.Option("--slo-ms", min=0.1, help="held-out p99 bound")] = 100.0,
                  preset: Annotated[str, typer.Option("--preset", "--device-preset", help="roofline preset")] = "h100",
-                 max_batch: Annotated[int, typer.Option("--max-batch", min=1)] = 16,
-                 max_queue: Annotated[int, typer.Option("--max-queue", min=1)] = 64,
+                 max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="samples stacked in one "
+                                                        "instance")] = 16,
+                 max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="requests waiting per model "
+                                                        "(then refused)")] = 64,
                  max_sub_blocks: Annotated[int, typer.Option("--max-sub-blocks", min=1, help="H")] = 4,
-                 image_size: Annotated[str | None, typer.Option("--image-size", help="N, or N,MODEL=N,...")
+                 image_size: Annotated[str | None, typer.Option("--image-size", metavar="N[,MODEL=N...]",
+                                                                      help="input size of zoo CNNs")
                                        ] = None,
                  seed: SeedOpt = 0, plot: PlotOpt = None):
     """Train TOP's MADDPG agents (launcher + one per model; TOP §V-B, Alg. 1) against the simulated executor on

@@ -38,8 +38,8 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
               "--schedulers", "--scheduler", "-s",
               help="one scheduler, a comma list or all; 'default' is what opweave.compile picks given no scheduler")
           ] = "default,sequential,lios,opara",
-          streams: StreamsOpt = None, runs: Annotated[int, typer.Option(min=1)] = 20,
-          warmup: Annotated[int, typer.Option(min=0)] = 3,
+          streams: StreamsOpt = None, runs: Annotated[int, typer.Option(min=1, help="timed calls per mode")] = 20,
+          warmup: Annotated[int, typer.Option(min=0, help="untimed calls per mode first")] = 3,
           profile: Annotated[Path | None, typer.Option(help="schedule on this measured profile")] = None,
           coarsen: Annotated[bool | None, typer.Option("--coarsen/--no-coarsen",
                                                       help="the papers' operators, as opweave.compile plans them "
@@ -99,10 +99,12 @@ def bench(model: Annotated[str | None, typer.Option("--model", help="zoo model (
 
 @app.command()
 @guard
-def profile(model: Annotated[str, typer.Option("--model")] = "inception_v3",
+def profile(model: Annotated[str, typer.Option("--model", help="zoo model")] = "inception_v3",
             device: DeviceOpt = "auto",
             batch_size: BatchOpt = 1,
-            output: Annotated[Path | None, typer.Option("-o", "--output")] = None, coarsen: CoarsenOpt = True,
+            output: Annotated[Path | None, typer.Option("-o", "--output", help="profile file to write (default: "
+                                                        "MODEL-bBATCH-DEVICE.profile.json here)")] = None,
+            coarsen: CoarsenOpt = True,
             threads: Annotated[int, typer.Option(min=1, help="CPU: intra-op threads per op (a lane's budget when "
                                                             "the lanes fill the cores)")] = 1):
     """Measure each op's latency (and kernel resources on CUDA) and save a profile the cost model loads (of the

@@ -13,7 +13,8 @@ import typer
 from rich.table import Table
 
 from opweave.cli.app import DeviceOpt, JsonOpt, ModeOpt, OptionOpt, app, collect_options, err, guard, out
-from opweave.errors import DeviceError, UsageError
+from opweave.devices import NAMES
+from opweave.errors import DeviceError, UsageError, did_you_mean
 
 # The default policies (opweave.serve.assemble.DEFAULT_POLICIES), said the same way in both commands' help.
 SimPolicyOpt = Annotated[str | None, typer.Option("--policy", help="with --simulate: static | batch | heuristic | top; "
@@ -22,7 +23,8 @@ SimPolicyOpt = Annotated[str | None, typer.Option("--policy", help="with --simul
 ServePolicyOpt = Annotated[str | None, typer.Option("--policy", help="static | batch | heuristic | top; default: "
                                                     "static on a CPU, heuristic on a GPU (docs/serving.md)")]
 ON_DEVICE = {"cpu": "a CPU", "cuda": "a GPU", "sim": "the simulator"}  # where a default policy applies, in words
-PolicyOptionsOpt = Annotated[str | None, typer.Option("--policy-options", help="KEY=VALUE,... for the policy")]
+PolicyOptionsOpt = Annotated[str | None, typer.Option("--policy-options", metavar="KEY=VALUE,...",
+                                                      help="the policy's options (e.g. drain_s=0.5 for heuristic)")]
 PolicyFileOpt = Annotated[Path | None, typer.Option("--policy-file", help="trained policy (top: opweave "
                                                     "train-policy; default: the one shipped for the models)")]
 MaxQueueOpt = Annotated[int, typer.Option("--max-queue", min=1, help="requests waiting per model (then 429)")]
@@ -31,8 +33,11 @@ HOpt = Annotated[int, typer.Option("--max-sub-blocks", min=1, help="H: sub-block
 SchedulerOpt = Annotated[str | None, typer.Option("--scheduler", "-s", help="schedules each combined block (default: "
                                                   "lios; heft over blocks compiled whole)")]
 StreamsOpt = Annotated[int | None, typer.Option("--streams", min=1, help="streams per combined block")]
-ImageSizeOpt = Annotated[str | None, typer.Option("--image-size", help="input size of zoo CNNs: N, or N,MODEL=N,...")]
-CutsOpt = Annotated[list[str] | None, typer.Option("--cuts", help="MODEL=OP+OP...: cut blocks exactly there")]
+ImageSizeOpt = Annotated[str | None, typer.Option("--image-size", metavar="N[,MODEL=N...]",
+                                                  help="input size of zoo CNNs: N for all, MODEL=N for one")]
+CutsOpt = Annotated[list[str] | None, typer.Option("--cuts", metavar="MODEL=OP+OP...",
+                                                   help="cut the model's blocks exactly after these ops; repeat for "
+                                                        "more models")]
 
 
 def _names(text: str | None) -> list[str]:
@@ -40,26 +45,30 @@ def _names(text: str | None) -> list[str]:
 
 
 def _policy_options(policy: str, text: str | None, policy_file: Path | None) -> dict:
-    """``--policy-options`` as a dict, with ``--policy-file`` as its ``policy_file``."""
+    """``--policy-options`` as a dict, with ``--policy-file`` as its ``policy_file``; the policy's name and
+    options checked, before any model loads."""
     from opweave.serve.engine import policies
 
+    policies.check(policy)
     options = policies.parse_options(text)
     if policy_file is not None:
         if not policy_file.is_file():
             raise UsageError(f"--policy-file {policy_file}: no such file")
         options["policy_file"] = str(policy_file)
+    policies.check(policy, options)
     return options
 
 
 @app.command()
 @guard
-def serve(models: Annotated[str | None, typer.Option("--models", help="comma list of zoo models")] = None,
+def serve(models: Annotated[str | None, typer.Option("--models", metavar="MODEL,...", help="zoo models")] = None,
           model_file: Annotated[list[str] | None, typer.Option(
-              "--model-file", help="a model saved by torch.export.save (.pt2), served under its file name "
-                                   "(NAME=PATH.pt2: under NAME); repeat for more")
-                                ] = None,
+              "--model-file", metavar="[NAME=]PATH.pt2", help="a model saved by torch.export.save (.pt2), served "
+                                                                "under its file name (NAME=PATH.pt2: under NAME); "
+                                                                "repeat for more")] = None,
           device: DeviceOpt = "auto",
-          host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+          host: Annotated[str, typer.Option("--host", help="address to listen on (0.0.0.0: every interface)")
+                          ] = "127.0.0.1",
           port: Annotated[int, typer.Option("--port", min=0, max=65535, help="0: any free port")] = 8000,
           grpc_port: Annotated[int | None, typer.Option("--grpc-port", min=0, max=65535,
                                                         help="serve KServe v2 gRPC here too (0: any free port)")
@@ -132,7 +141,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
                                                                   "graphs); default onnxruntime when installed")
                               ] = None,
           mode: ModeOpt = None, options: OptionOpt = None,
-          log_level: Annotated[str, typer.Option("--log-level")] = "warning"):
+          log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level: critical, error, "
+                                                 "warning, info, debug or trace")] = "warning"):
     """Serve models over the Open Inference Protocol (KServe v2 / Triton HTTP, and gRPC with ``--grpc-port``) until
     SIGTERM, which drains. ``--model-repository`` serves Triton's repository layout (docs/serving.md). ``--ray``
     runs ``--replicas`` engines as a Ray Serve deployment instead (opweave.serve.ray).
@@ -155,6 +165,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
     the options table's last column). ``--mode`` and ``--option`` are resolved as ``opweave.compile`` resolves them,
     with that preset: what a server cannot honour is refused with the reason."""
     from opweave.serve.assemble import (
+        check_models,
         default_policy,
         load_models,
         make_engine,
@@ -171,7 +182,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
 
         device = resolve_device(device)
     if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu, cuda or auto, got {device!r}")
+        raise UsageError(f"--device must be cpu, cuda or auto, got {device!r}{did_you_mean(device, NAMES)}")
     mode, given = collect_options(options, mode, scheduler=scheduler, streams=streams, compiler=compiler,
                                   threads=threads)
     if ray:  # every option checked, before any model loads
@@ -187,7 +198,7 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
             raise DeviceError("CUDA is not available on this machine; use --device cpu")
     if model_control_mode not in CONTROL_MODES:
         raise UsageError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got "
-                         f"{model_control_mode!r}")
+                         f"{model_control_mode!r}{did_you_mean(model_control_mode, CONTROL_MODES)}")
     max_body_bytes = 0 if max_body_mb is None else int(max_body_mb * (1 << 20))
     if max_body_mb is not None and max_body_mb > max_held_mb:
         raise UsageError(f"--max-body-mb {max_body_mb:g} is more than --max-held-mb {max_held_mb:g}: a body that size "
@@ -226,6 +237,8 @@ def serve(models: Annotated[str | None, typer.Option("--models", help="comma lis
         return
     if model_repository is not None and not model_repository.is_dir():
         raise UsageError(f"--model-repository {model_repository}: no such directory")
+    if model_repository is None or models or files:
+        check_models(_names(models), files)  # before the progress line
     with _loading() as say:
         served = load_models(_names(models), files, device=device, max_batch=max_batch,
                              image_size=parse_image_size(image_size), cuts=parse_cuts(cuts), say=say) \
@@ -364,12 +377,13 @@ def export(model: Annotated[str, typer.Argument(help="zoo name, timm:NAME or hf:
 
 @app.command()
 @guard
-def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,... requests per second")],
+def loadgen(pattern: Annotated[str, typer.Option("--pattern", metavar="MODEL:RATE,...", help="each model's "
+                                                           "requests per second")],
             url: Annotated[str | None, typer.Option("--url", help="server to load (http://host:port)")] = None,
             arrivals: Annotated[str, typer.Option("--arrivals", help="poisson | constant")] = "poisson",
             duration: Annotated[float, typer.Option("--duration", min=0.01, help="seconds of arrivals")] = 10.0,
             scale: Annotated[float, typer.Option("--scale", min=0.0001, help="multiply every rate")] = 1.0,
-            seed: Annotated[int, typer.Option("--seed")] = 0,
+            seed: Annotated[int, typer.Option("--seed", help="random seed of the arrivals")] = 0,
             simulate: Annotated[bool, typer.Option("--simulate", help="run the engine in simulation, no HTTP")] = False,
             device_preset: Annotated[str, typer.Option("--preset", "--device-preset",
                                                        help="roofline preset (simulation)")] = "h100",
@@ -377,8 +391,9 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
             policy_file: PolicyFileOpt = None, max_queue: MaxQueueOpt = 64,
             max_batch: MaxBatchOpt = 8, max_sub_blocks: HOpt = 4, scheduler: SchedulerOpt = None,
             streams: StreamsOpt = None, image_size: ImageSizeOpt = None,
-            profile: Annotated[list[str] | None, typer.Option("--profile", help="MODEL=PATH: measured profile "
-                                                              "(opweave profile) for simulation")] = None,
+            profile: Annotated[list[str] | None, typer.Option(
+                "--profile", metavar="MODEL=PATH", help="measured profile (opweave profile) for simulation; repeat "
+                                                        "for more models")] = None,
             output: Annotated[Path | None, typer.Option("--output", "-o", help="write the JSON report here")] = None,
             plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG here")] = None,
             as_json: JsonOpt = False):
@@ -436,7 +451,7 @@ def loadgen(pattern: Annotated[str, typer.Option("--pattern", help="MODEL:RATE,.
 
 @app.command()
 @guard
-def blocks(models: Annotated[str, typer.Option("--models", help="comma list of zoo models")] = "inception_v3,"
+def blocks(models: Annotated[str, typer.Option("--models", metavar="MODEL,...", help="zoo models")] = "inception_v3,"
            "resnet50,squeezenet", image_size: ImageSizeOpt = None, cuts: CutsOpt = None, as_json: JsonOpt = False):
     """Split models into blocks at single-tensor cut points; counts beside TOP Table II."""
     from opweave import zoo

@@ -61,7 +61,7 @@ from importlib import resources
 from pathlib import Path
 
 from opweave.costs.model import Costs, GpuModel, file_fields
-from opweave.errors import UsageError
+from opweave.errors import UsageError, did_you_mean
 from opweave.ir import kinds
 from opweave.ir.graph import Op, OpGraph
 
@@ -201,7 +201,7 @@ def device(name: str = "h200", path: str | Path | None = None) -> Device:
     H100 is measured."""
     key = name.lower()
     if key not in FITTED:
-        raise UsageError(f"no fitted device {name!r}; fitted: {', '.join(FITTED)}")
+        raise UsageError(f"no fitted device {name!r}{did_you_mean(key, FITTED)}; fitted: {', '.join(FITTED)}")
     fitted = Device.load(path or device_path("h200"))
     if key == "h100":
         return replace(fitted, datasheet=H100, fit={**fitted.fit, "derived": "from the H200 fit by datasheet ratios"})
@@ -318,7 +318,7 @@ def costs(graph: OpGraph, dev: Device, dtype: str = "float32", latency_ms: Mappi
     model="ideal")``, which is what the GPU benchmark scheduled on."""
     dtype = DTYPES.get(dtype, dtype)
     if dtype not in ITEMSIZE:
-        raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        raise UsageError(f"unknown dtype {dtype!r}{did_you_mean(dtype, DTYPES)}; choose one of {', '.join(DTYPES)}")
     measured, launches = latency_ms or {}, launches or {}
     return Costs(
         latency_ms={o.id: measured[o.id] if o.id in measured

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from opweave.errors import UsageError
+from opweave.errors import UsageError, did_you_mean
 from opweave.ir.graph import Edge, Op, OpGraph
 
 FORMAT = "opweave.link/1"
@@ -83,7 +83,8 @@ def load(spec: str | Path | Link) -> Link:
         return PRESETS[str(spec).lower()]
     path = Path(spec)
     if not path.exists():
-        raise UsageError(f"unknown link {str(spec)!r}: not a preset ({', '.join(PRESETS)}) nor a file")
+        raise UsageError(f"unknown link {str(spec)!r}{did_you_mean(str(spec).lower(), PRESETS)}: not a preset "
+                         f"({', '.join(PRESETS)}) nor a file")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

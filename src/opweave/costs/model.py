@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from opweave.errors import GraphError, UsageError
+from opweave.errors import GraphError, UsageError, did_you_mean
 from opweave.ir.graph import OpGraph
 
 COST_MODELS = ("ideal", "gpu")
@@ -78,7 +78,8 @@ class Costs:
 
     def __post_init__(self) -> None:
         if self.model not in COST_MODELS:
-            raise UsageError(f"unknown cost model {self.model!r}; choose one of {', '.join(COST_MODELS)}")
+            raise UsageError(f"unknown cost model {self.model!r}{did_you_mean(self.model, COST_MODELS)}; choose one of "
+                             f"{', '.join(COST_MODELS)}")
 
     def util(self, op: str) -> float:
         return self.utilization.get(op, 1.0)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from opweave.costs.model import Costs
-from opweave.errors import UsageError
+from opweave.errors import UsageError, did_you_mean
 from opweave.ir.graph import Op, OpGraph
 
 UTILIZATION_MIN = 0.05
@@ -84,7 +84,7 @@ def preset(name: str) -> Device:
     """The preset called ``name`` (case-insensitive)."""
     preset = PRESETS.get(name.lower())
     if preset is None:
-        raise UsageError(f"unknown device {name!r}; presets: {', '.join(PRESETS)}")
+        raise UsageError(f"unknown device {name!r}{did_you_mean(name.lower(), PRESETS)}; presets: {', '.join(PRESETS)}")
     return preset
 
 
@@ -100,7 +100,8 @@ def op_latency_ms(op: Op, dev: Device, dtype: str = "float32") -> float:
 
 def _check_dtype(dtype: str) -> None:
     if dtype not in _ITEMSIZE:
-        raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(_ITEMSIZE)}")
+        raise UsageError(f"unknown dtype {dtype!r}{did_you_mean(dtype, _ITEMSIZE)}; choose one of "
+                         f"{', '.join(_ITEMSIZE)}")
 
 
 def op_utilization(op: Op, dev: Device) -> float:

@@ -163,7 +163,7 @@ def _serving_compiler(o: Options) -> str | None:
         return None
     from opweave.backends.compilers import available
 
-    return "onnxruntime" if "onnxruntime" in available() else None  # it ran blocks about 3x faster than eager
+    return "onnxruntime" if "onnxruntime" in available() else None  # faster than eager blocks: docs/serving.md
 
 
 ONE_DEVICE = "the engine runs every combined block on one device"
@@ -551,8 +551,8 @@ def _check_served(serving: str, values: dict[str, Any], given: set[str]) -> None
 def _check_values(values: dict[str, Any]) -> None:
     """Each given value's type and range, one line naming the option."""
 
-    def fail(key: str, want: str) -> None:
-        raise UsageError(f"option {key!r} must be {want}, got {values[key]!r}")
+    def fail(key: str, want: str, names: Any = ()) -> None:
+        raise UsageError(f"option {key!r} must be {want}, got {values[key]!r}{did_you_mean(values[key], names)}")
 
     def integer(key: str, low: int) -> None:
         if key in values and (isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < low):
@@ -573,17 +573,17 @@ def _check_values(values: dict[str, Any]) -> None:
                "start_method": ("forkserver", "spawn")}
     for key, allowed in choices.items():
         if key in values and values[key] not in allowed:
-            fail(key, "one of " + ", ".join(allowed))
+            fail(key, "one of " + ", ".join(allowed), allowed)
     if "cost_model" in values:
         from opweave.costs import COST_MODELS
 
         if values["cost_model"] not in COST_MODELS:
-            fail("cost_model", "one of " + ", ".join(COST_MODELS))
+            fail("cost_model", "one of " + ", ".join(COST_MODELS), COST_MODELS)
     if "scheduler" in values:
         from opweave import schedulers
 
         if values["scheduler"] not in schedulers.names():
-            fail("scheduler", "one of " + ", ".join(schedulers.names()))
+            fail("scheduler", "one of " + ", ".join(schedulers.names()), schedulers.names())
     if "scheduler_options" in values and not isinstance(values["scheduler_options"], dict):
         fail("scheduler_options", "a dict of the scheduler's keyword options")
     if "runtime" in values and not all(hasattr(values["runtime"], a) for a in ("launch", "is_available", "Stream")):

@@ -59,8 +59,8 @@ def check_options(name: str, options: Iterable[str]) -> None:
     known = options_of(name)
     unknown = sorted(set(options) - known) if known is not None else []
     if unknown:
-        raise UsageError(f"scheduler {name!r} takes no option {unknown[0]!r} (its options: "
-                         f"{', '.join(sorted(known or ())) or 'none'})")
+        raise UsageError(f"scheduler {name!r} takes no option {unknown[0]!r}{did_you_mean(unknown[0], known or ())} "
+                         f"(its options: {', '.join(sorted(known or ())) or 'none'})")
 
 
 def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, devices: int = 1,

@@ -72,7 +72,7 @@ from torch import nn
 
 from opweave.cores import intra_op_threads
 from opweave.costs.model import Costs
-from opweave.errors import UsageError
+from opweave.errors import UsageError, did_you_mean
 from opweave.ir.graph import OpGraph
 from opweave.schedulers import ios
 from opweave.schedulers.schedule import Schedule
@@ -311,7 +311,7 @@ def walk(net: GPG | None, g2e: torch.Tensor | None, index: dict[str, int], graph
     A pass costs about 20 small torch calls whatever its size, so a graph of c chunks pays for one pass per round
     instead of c; the choices are those of walking each chunk alone."""
     if rule is not None and rule not in RULES:
-        raise UsageError(f"top-gpg rule {rule!r}: choose one of {', '.join(RULES)}")
+        raise UsageError(f"top-gpg rule {rule!r}{did_you_mean(rule, RULES)}: choose one of {', '.join(RULES)}")
     walks = [_Walk(block, ios.block_descendants(graph, block), (1 << len(block)) - 1) for block in blocks]
     active = [w for w in walks if w.state]
     while active:
@@ -404,7 +404,7 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
     if max_group_ops < 1 or max_groups < 1 or max_block_ops < 1 or max_states < 2:
         raise UsageError("top-gpg needs max_group_ops, max_groups, max_block_ops >= 1 and max_states >= 2")
     if rule is not None and rule not in RULES:
-        raise UsageError(f"top-gpg rule {rule!r}: choose one of {', '.join(RULES)}")
+        raise UsageError(f"top-gpg rule {rule!r}{did_you_mean(rule, RULES)}: choose one of {', '.join(RULES)}")
     group_cap = max_groups if streams is None else min(max_groups, streams)
     options: dict[str, int | str] = {"max_group_ops": max_group_ops, "max_groups": group_cap,
                                      "max_block_ops": max_block_ops, "max_states": max_states}

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from opweave.errors import UsageError
+from opweave import zoo
+from opweave.errors import UsageError, did_you_mean
 from opweave.pipeline.options import Options
 from opweave.serve.engine import policies
 from opweave.serve.engine.combined import Part
@@ -27,7 +28,7 @@ DEFAULT_POLICIES = {"cpu": "static", "cuda": "heuristic", "sim": "heuristic"}
 def default_policy(device: str) -> str:
     """The serving policy for ``device`` when none is asked for (:data:`DEFAULT_POLICIES`)."""
     if device not in DEFAULT_POLICIES:
-        raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+        raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}{did_you_mean(device, DEVICES)}")
     return DEFAULT_POLICIES[device]
 
 
@@ -40,21 +41,30 @@ def load_models(names: list[str], files: dict[str, Path] | None = None, *, devic
     on the CPU (only the graphs are used). ``say``: told what is under way, one line per model (a progress bar)."""
     sizes = image_size if isinstance(image_size, dict) else {"*": image_size}
     files = files or {}
-    both = sorted(set(names) & set(files))
-    if both:
-        raise UsageError(f"model {both[0]!r} is both a zoo name and a --model-file")
-    if not names and not files:
-        raise UsageError("no model to serve; give --models and/or --model-file")
+    check_models(names, files)
     where = "cpu" if device == "sim" else device
     out = {}
     every = [*names, *files]
     for i, name in enumerate(every, 1):
-        check_name(name)
         if say is not None:
             say(f"loading {name} ({i}/{len(every)}): capture and blocks")
         out[name] = load(name, path=files.get(name), device=where, max_batch=max_batch,
                          image_size=sizes.get(name, sizes.get("*")), cuts=(cuts or {}).get(name))
     return out
+
+
+def check_models(names: list[str], files: dict[str, Path]) -> None:
+    """The names :func:`load_models` is given, checked before the first model loads: each a zoo model (with the name
+    it was likely meant to be) or a file's, none both, none reserved, and one at least."""
+    both = sorted(set(names) & set(files))
+    if both:
+        raise UsageError(f"model {both[0]!r} is both a zoo name and a --model-file")
+    if not names and not files:
+        raise UsageError("no model to serve; give --models and/or --model-file")
+    for name in [*names, *files]:
+        check_name(name)
+        if name not in files:
+            zoo.check(name)
 
 
 def parse_image_size(text: str | None) -> dict[str, int] | None:
@@ -80,7 +90,8 @@ def load_profiles(items: list[str] | None, models: dict[str, ServedModel]) -> di
     for item in items or []:
         model, sep, path = item.partition("=")
         if not sep or model not in models:
-            raise UsageError(f"--profile {item!r} must be MODEL=PATH with MODEL one of {', '.join(models)}")
+            raise UsageError(f"--profile {item!r} must be MODEL=PATH with MODEL one of {', '.join(models)}"
+                             f"{did_you_mean(model, models)}")
         prof = Profile.load(path)
         missing = [op for op in models[model].blocked.captured.graph.ids if op not in prof.latency_ms]
         if missing:
@@ -114,7 +125,7 @@ def serving_options(device: str, options: dict | None = None, *, mode: str | Non
     from opweave.pipeline import resolve
 
     if device not in DEVICES:
-        raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+        raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {device!r}{did_you_mean(device, DEVICES)}")
     return resolve("cpu" if device == "cpu" else "cuda", mode, options, check_device=False, serving=device, **flags)
 
 

@@ -27,7 +27,7 @@ from statistics import fmean, pvariance
 
 import numpy as np
 
-from opweave.errors import UsageError
+from opweave.errors import UsageError, did_you_mean
 from opweave.serve.engine.engine import Engine
 from opweave.serve.engine.simulation import Arrival, simulate_arrivals
 
@@ -61,7 +61,7 @@ def arrivals(pattern: dict[str, float], duration_s: float, kind: str = "poisson"
     every 1/rate seconds, the first at half a gap (models at the same rate then arrive together, as TOP's periodic
     sensors may)."""
     if kind not in ARRIVALS:
-        raise UsageError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {kind!r}")
+        raise UsageError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {kind!r}{did_you_mean(kind, ARRIVALS)}")
     if duration_s <= 0 or scale <= 0:
         raise UsageError(f"duration and scale must be positive, got {duration_s} and {scale}")
     out: list[Arrival] = []
@@ -180,7 +180,8 @@ def run_simulated(engine: Engine, pattern: dict[str, float], duration_s: float, 
     """The pattern through ``engine`` (on a SimClock) with no HTTP: the report and every outcome."""
     unknown = sorted(set(pattern) - set(engine.models))
     if unknown:
-        raise UsageError(f"pattern names {unknown[0]!r}, which the engine does not serve ({', '.join(engine.models)})")
+        raise UsageError(f"pattern names {unknown[0]!r}{did_you_mean(unknown[0], engine.models)}, which the engine "
+                         f"does not serve ({', '.join(engine.models)})")
     start = engine.clock.now()
     arr = [Arrival(a.time + start, a.model, a.batch) for a in arrivals(pattern, duration_s, kind, seed=seed,
                                                                           scale=scale)]

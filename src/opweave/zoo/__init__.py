@@ -100,6 +100,27 @@ def names() -> list[str]:
     return list(_BUILTIN)
 
 
+def is_model(name: str) -> bool:
+    """Whether ``name`` names a model :func:`create` builds: a built-in one, or one with a known prefix
+    (``torchvision:``, ``timm:``, ``hf:``) whose name after it is not checked until it is built.
+
+    >>> is_model("googlenet"), is_model("timm:resnet18"), is_model("lios-fig3")
+    (True, True, False)
+    """
+    prefix, sep, rest = name.partition(":")
+    return name in _BUILTIN or bool(sep and rest) and prefix in _EXTERNAL
+
+
+def check(name: str) -> None:
+    """A :class:`~opweave.errors.UsageError` for a name that is not a model (:func:`is_model`), with the name it was
+    likely meant to be: what a door that takes model names checks before it builds any."""
+    if not is_model(name):
+        rest = name.partition(":")[2]
+        hint = did_you_mean(name, names()) or did_you_mean(name, [f"{p}:{rest}" for p in _EXTERNAL])
+        raise UsageError(f"unknown model {name!r}{hint}; built-in models: {', '.join(names())}; or use a prefix: "
+                         f"{', '.join(p + ':<name>' for p in _EXTERNAL)}")
+
+
 def takes_image_size(name: str) -> bool:
     """Whether ``create(name, image_size=...)`` applies: the built-in CNNs, ``torchvision:`` and ``timm:`` models,
     and ``hf:`` ones (where it is a configuration field); not deepfm and bert_base, nor an unknown name.
@@ -121,11 +142,8 @@ def create(name: str, batch_size: int = 1, **kwargs) -> tuple[nn.Module, tuple[t
     """Build model ``name`` with seeded random weights, in eval mode, and a batch of example inputs for it."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be >= 1, got {batch_size}")
+    check(name)
     prefix, _, external_name = name.partition(":")
-    if name not in _BUILTIN and prefix not in _EXTERNAL:
-        raise UsageError(f"unknown model {name!r}{did_you_mean(name, names())}; built-in models: "
-                         f"{', '.join(names())}; "
-                       f"or use a prefix: {', '.join(p + ':<name>' for p in _EXTERNAL)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if name in _BUILTIN:
@@ -175,7 +193,8 @@ def _torchvision(name: str, batch_size: int, image_size: int | None = None, **kw
     models = _require("torchvision", f"torchvision:{name}").models
     builder = getattr(models, name, None)
     if builder is None or not callable(builder) or name.startswith("_"):
-        raise UsageError(f"torchvision.models has no model {name!r}")
+        known = models.list_models() if hasattr(models, "list_models") else []
+        raise UsageError(f"torchvision.models has no model {name!r}{did_you_mean(name, known)}")
     if name in ("googlenet", "inception_v3"):  # aux classifiers only run in training; explicit init avoids a warning
         kwargs = {"aux_logits": False, "init_weights": True, **kwargs}
     model = builder(weights=None, **kwargs)
@@ -211,7 +230,8 @@ def _huggingface(model_id: str, batch_size: int, seq_len: int = 128, attn_implem
         config = model_class.config_class(**overrides)
         build = model_class._from_config
     else:
-        raise UsageError(f"unknown Hugging Face id {model_id!r} (configs are built locally, without network); "
+        raise UsageError(f"unknown Hugging Face id {model_id!r}{did_you_mean(model_id, HF_CONFIGS)} (configs are "
+                         "built locally, without network); "
                          f"known ids: {', '.join(HF_CONFIGS)}, or a transformers model class such as T5EncoderModel")
     try:
         model = build(config, attn_implementation=attn_implementation) if attn_implementation else build(config)

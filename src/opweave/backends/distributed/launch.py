@@ -39,7 +39,7 @@ from opweave.backends.distributed import wire
 from opweave.backends.distributed.split import split
 from opweave.backends.threads import total_threads
 from opweave.capture.runtime import Captured
-from opweave.errors import DeviceError, RankError, UsageError
+from opweave.errors import DeviceError, RankError, UsageError, did_you_mean
 from opweave.plan.launchplan import LaunchPlan
 
 START_METHODS = ("forkserver", "spawn")
@@ -60,7 +60,7 @@ def check_devices(world: int, device: str, ops: int | None = None) -> None:
         if world > torch.cuda.device_count():
             raise DeviceError(f"devices={world} but only {torch.cuda.device_count()} GPU(s) are visible")
     elif device != "cpu":
-        raise UsageError(f"device must be cpu or cuda, got {device!r}")
+        raise UsageError(f"device must be cpu or cuda, got {device!r}{did_you_mean(device, ('cpu', 'cuda'))}")
 
 
 class Ranks:
@@ -69,7 +69,8 @@ class Ranks:
     def __init__(self, world: int, target, args: list[tuple], *, device: str = "cpu", threads: int | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "forkserver"):
         if start_method not in START_METHODS:
-            raise UsageError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+            raise UsageError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}"
+                             f"{did_you_mean(start_method, START_METHODS)}")
         if start_method not in mp.get_all_start_methods():
             start_method = "spawn"
         self.world = world

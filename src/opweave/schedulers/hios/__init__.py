@@ -54,7 +54,7 @@ import math
 from typing import Any
 
 from opweave.costs.model import Costs
-from opweave.errors import UsageError
+from opweave.errors import UsageError, did_you_mean
 from opweave.ir.graph import OpGraph
 from opweave.schedulers.hios.grouping import parallelize
 from opweave.schedulers.hios.mapping import map_lp, map_mr, priorities
@@ -68,7 +68,8 @@ def schedule(graph: OpGraph, costs: Costs, *, streams: int | None = None, device
              window: int = DEFAULT_WINDOW) -> Schedule:
     """HIOS-LP or HIOS-MR on ``devices`` GPUs, each GPU running stages of at most min(window, streams) ops."""
     if variant not in ("lp", "mr"):
-        raise UsageError(f"unknown HIOS variant {variant!r}; choose 'lp' or 'mr'")
+        raise UsageError(f"unknown HIOS variant {variant!r}{did_you_mean(variant, ('lp', 'mr'))}; choose 'lp' or "
+                         "'mr'")
     if window < 1:
         raise UsageError(f"window must be at least 1, got {window}")
     window = min(window, streams) if streams else window

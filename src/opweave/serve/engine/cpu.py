@@ -36,7 +36,7 @@ class CpuExecutor(TensorExecutor):
       :class:`~opweave.pipeline.Compiled` of its own, one lane compiled whole by that segment compiler
       (:meth:`block`), and a signature compiles to a graph of its parts as single ops, scheduled (by default with
       ``heft``) onto the lanes: parts run side by side, one part alone gets every thread. ONNX Runtime runs these
-      blocks about three times faster than eager PyTorch at serving batch sizes on a CPU, and a part compiled whole
+      blocks faster than eager PyTorch at serving batch sizes on a CPU (docs/serving.md), and a part compiled whole
       needs no compile per combination (a combination is only its parts' placement: milliseconds). ONNX Runtime
       takes any batch (each block built with ``dynamic=True``: exported once with a free batch dimension, checked at
       another batch), so batches are not padded (up to a third of a padded batch's work was zeros). A part alone

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from opweave.errors import OpweaveError, UsageError
+from opweave.errors import OpweaveError, UsageError, did_you_mean
 from opweave.serve.engine.combined import Part
 from opweave.serve.engine.executors import Executor
 from opweave.serve.engine.policy import InstanceObs, Launch, ModelObs, Observation, Policy, Slot, SlotObs
@@ -104,7 +104,8 @@ class Engine:
         with self.lock:
             state = self.models.get(model)
             if state is None:
-                raise UsageError(f"unknown model {model!r}; serving {', '.join(self.models)}")
+                raise UsageError(f"unknown model {model!r}{did_you_mean(model, self.models)}; serving "
+                                 f"{', '.join(self.models)}")
             if state.closing:
                 raise Unavailable(f"model {model!r} is being unloaded")
             if batch < 1 or batch > state.max_batch:
@@ -152,7 +153,8 @@ class Engine:
         with self.lock:
             state = self.models.get(name)
             if state is None:
-                raise UsageError(f"unknown model {name!r}; serving {', '.join(self.models)}")
+                raise UsageError(f"unknown model {name!r}{did_you_mean(name, self.models)}; serving "
+                                 f"{', '.join(self.models)}")
             self._bind(name, None)  # a policy that cannot do without it refuses here, before anything changes
             state.closing = True
             self.wakeup.notify_all()

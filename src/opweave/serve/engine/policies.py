@@ -16,10 +16,11 @@ A policy of one's own implements the same two methods and runs on an engine as t
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from opweave.errors import UsageError
+from opweave.errors import UsageError, did_you_mean
 from opweave.serve.engine.policy import Launch, Observation, Policy, Slot, oldest_first
 from opweave.serve.engine.top import TopPolicy
 
@@ -125,13 +126,25 @@ def names() -> list[str]:
 
 def create(name: str, **options) -> Policy:
     """Policy ``name`` (:data:`POLICIES`) made with ``options``; :class:`~opweave.errors.UsageError` for a name it
-    does not hold, or options its policy does not take."""
-    if name not in POLICIES:
-        raise UsageError(f"unknown policy {name!r}; choose one of {', '.join(names())}")
+    does not hold, or options its policy does not take (:func:`check`)."""
+    check(name, options)
     try:
         return POLICIES[name](**options)
     except TypeError as exc:
         raise UsageError(f"policy {name!r}: {exc}") from None
+
+
+def check(name: str, options: dict | None = None) -> None:
+    """A :class:`~opweave.errors.UsageError` for a policy name :data:`POLICIES` does not hold, or an option its
+    policy does not take, with the name it was likely meant to be: what a server checks before any model loads."""
+    if name not in POLICIES:
+        raise UsageError(f"unknown policy {name!r}{did_you_mean(name, names())}; choose one of {', '.join(names())}")
+    params = inspect.signature(POLICIES[name]).parameters.values()
+    taken = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = sorted(set(options or ()) - taken)
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in params):
+        raise UsageError(f"policy {name!r} takes no option {unknown[0]!r}{did_you_mean(unknown[0], taken)}; it takes "
+                         f"{', '.join(sorted(taken)) or 'none'}")
 
 
 def parse_options(text: str | None) -> dict:
@@ -152,4 +165,4 @@ def parse_options(text: str | None) -> dict:
     return out
 
 
-__all__ = ["POLICIES", "Batch", "Heuristic", "Static", "create", "names", "parse_options"]
+__all__ = ["POLICIES", "Batch", "Heuristic", "Static", "check", "create", "names", "parse_options"]

@@ -41,7 +41,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from opweave.errors import OpweaveError, UsageError, first_line
+from opweave.errors import OpweaveError, UsageError, did_you_mean, first_line
 from opweave.serve.engine.engine import Engine
 from opweave.serve.frontend import Refused, release_memory
 from opweave.serve.models import ServedModel, load, reserved
@@ -78,7 +78,8 @@ class Repository:
                  device: str = "cpu", max_batch: int = 8, unload_timeout_s: float = 120.0,
                  control: str = "none", allow_symlinks_outside_root: bool = False):
         if control not in CONTROL_MODES:
-            raise UsageError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got {control!r}")
+            raise UsageError(f"--model-control-mode must be one of {', '.join(CONTROL_MODES)}, got {control!r}"
+                             f"{did_you_mean(control, CONTROL_MODES)}")
         self.engine, self.served = engine, served
         self.root = None if root is None else Path(root).resolve()
         if self.root is not None and not self.root.is_dir():
