@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 
 import grpc
 import pytest
@@ -326,3 +327,15 @@ def test_an_integer_of_thousands_of_digits_is_refused_in_the_servers_words(expli
     assert status == 400 and "an integer of more than 4300 digits" in answer["error"], answer
     assert "set_int_max_str_digits" not in answer["error"]
 
+
+
+def test_a_grpc_stream_reads_no_more_than_its_window_before_the_message_is_asked_for():
+    """gRPC grew each stream's receive window by bandwidth probing, so concurrent calls of 60 MB over the cap pushed
+    megabytes each into the server before it refused them (its RSS rose 163 MB against a 64 MB budget beside eight
+    such clients); probing is off: a stream takes its 64 KiB window until the server reads."""
+    from opweave.serve.grpc.server import GrpcServer
+
+    options = dict(GrpcServer.options(types.SimpleNamespace(
+        max_message_bytes=2 << 20, max_metadata_bytes=16 << 10, max_connections=64, header_timeout_s=10.0,
+        idle_timeout_s=60.0)))
+    assert options["grpc.http2.bdp_probe"] == 0 and options["grpc.max_receive_message_length"] == 2 << 20

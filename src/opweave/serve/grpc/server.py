@@ -104,7 +104,8 @@ class GrpcServer:
                 ("grpc.server_handshake_timeout_ms", int(self.header_timeout_s * 1000)),
                 ("grpc.max_connection_idle_ms", int(self.idle_timeout_s * 1000)),
                 ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
-                ("grpc.so_reuseport", 0)]
+                ("grpc.so_reuseport", 0),
+                ("grpc.http2.bdp_probe", 0)]  # each stream's window stays at 64 KiB: no megabytes read unasked
 
     def start(self, timeout_s: float = 30.0) -> int:
         bound = threading.Event()
