@@ -167,3 +167,22 @@ def test_tiers_apply_to_the_cpu_default_only():
     model = Branchy().eval()
     fast = opweave.compile(model, (torch.randn(2, 16),), threads=1)
     assert not isinstance(fast.backend, tiers.Tiered)
+
+
+def test_a_model_that_writes_its_state_builds_no_tier(tiered):
+    """A tier's race runs the model beside the caller's calls: on a model that writes state in place (a KV cache) it
+    would write that state between the caller's own writes, so such a model keeps its first tier."""
+
+    class Cache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(4, 3))
+            self.opweave_state = ("cache",)
+
+        def forward(self, x, position):
+            self.cache.index_copy_(0, position, torch.tanh(x))
+            return torch.cat([self.cache, x]).sum(0)
+
+    model = Cache().eval()
+    fast = opweave.compile(model, (torch.randn(1, 3), torch.tensor([0])), threads=1)
+    assert not isinstance(fast.backend, tiers.Tiered)

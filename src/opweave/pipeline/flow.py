@@ -42,7 +42,7 @@ def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = 
         return search.search(target, captured, inputs, options, eager=eager, reference=reference)
     if options.guard:  # the CPU default: the fastest of its candidates, measured, then the tiers built beside it
         raced: Compiled = search.default_race(target, captured, inputs, options, eager=eager, reference=reference)
-        if options.tiers:
+        if options.tiers and not captured.state_writes():  # a tier's race would write the model's state beside
             raced = tiers.start(raced, eager if eager is not None else captured.gm, inputs, options, reference)
         return raced
     compiled: Compiled = target.build(captured, inputs, options)
