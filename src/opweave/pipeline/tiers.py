@@ -16,10 +16,11 @@ while the others are built off the caller's path:
   version, so a changed model or torch never loads a stale tier), else saves the captured graph and hands it to a
   **build process** (``python -m opweave.pipeline.tiers``, at a lower priority, so the caller's calls keep the cores
   first; it exits when its parent does) that exports it (``torch.export``: seconds of Python that would hold the
-  caller's interpreter lock), compiles it and writes the tier into the cache. The thread then loads the tier, checks
-  it against the model (:class:`~opweave.pipeline.search.OutputCheck`), races it against the tier in use
-  (:func:`~opweave.pipeline.search.fastest`) and moves calls over only where it is measured faster: one log line says
-  what landed and how much faster (``opweave.pipeline.tiers``, INFO), or what was kept. A build that fails, or a build
+  caller's interpreter lock), compiles it and writes the tier into the cache. The thread then loads the tier and
+  checks it against the model (:class:`~opweave.pipeline.search.OutputCheck`); the caller's next calls race it
+  against the tier in use (:class:`LiveRace`, on the caller's own thread, where its kernels run as they will) and
+  move every call over only where it is measured faster: one log line says what landed and how much faster
+  (``opweave.pipeline.tiers``, INFO), or what was kept. A build that fails, or a build
   process that crashes or is killed, leaves the tier in use serving, with one warning.
 
 Kinds (:data:`KINDS`): ``inductor``, the model compiled by Inductor with freezing as an AOTInductor package
@@ -36,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +53,7 @@ import torch
 from opweave.backends.cache import key_of
 from opweave.backends.cpu import EagerBackend
 from opweave.cores import intra_op_threads
+from opweave.costs.timing import call_ms
 from opweave.errors import first_line
 from opweave.pipeline import search
 
@@ -73,13 +76,26 @@ class Tiered:
         self.tiers: list[dict[str, Any]] = []
         self.stats: dict[str, Any] = {"calls": 0, "landed": 0}
         self.builder: TierBuilder | None = None
+        self.race: LiveRace | None = None  # a tier built, raced on the calls it takes before it takes them all
         self._closed = threading.Event()
 
     def __call__(self, *args: Any) -> Any:
-        current = self.current
-        if current is not self.first and key_of(args) != self.example_key:
+        current, race = self.current, self.race
+        if (current is not self.first or race is not None) and key_of(args) != self.example_key:
             return self.first(*args)  # another size: the first tier takes it, a landed tier was built for one
+        if race is not None:
+            return race(self, args)
         return current(*args)
+
+    def propose(self, label: str, tier: Any, outcome: dict[str, Any]) -> None:
+        """Race ``tier`` against the tier in use on the caller's calls (:class:`LiveRace`), then land it where it is
+        faster; ``outcome``, its record in :attr:`tiers`, says how it went."""
+        self.race = LiveRace(self.label, self.current, label, tier, outcome)
+
+    @property
+    def racing(self) -> bool:
+        """Whether a tier built is being raced on the calls."""
+        return self.race is not None
 
     def free(self, args: tuple[Any, ...]) -> bool:
         """Whether the first tier takes inputs shaped like ``args`` (:mod:`opweave.pipeline.sizes`)."""
@@ -119,6 +135,58 @@ class Tiered:
         if self.current is not self.first:
             _close(self.current)
         _close(self.first)
+
+
+class LiveRace:
+    """A tier built, raced against the tier in use on the caller's own calls (on the caller's thread, as the caller
+    runs them: timed from another thread, an Inductor tier's OpenMP kernels ran 2.6x slower than on the caller's,
+    beside the caller's idle team). The calls come in blocks of :data:`BLOCK` on one tier, then on the other, for
+    :data:`BLOCKS` blocks each; in each block the first call is untimed (it pays for the other tier's pools left
+    spinning), the others timed on :data:`opweave.pipeline.search.TIMER`'s clock. Every call returns its tier's
+    answer, and both tiers are checked to equal the model. Then the faster median takes every call (the built tier
+    lands, :meth:`Tiered.land`) or the built tier is let go; one log line says which."""
+
+    def __init__(self, in_use: str, current: Any, label: str, tier: Any, outcome: dict[str, Any]):
+        self.labels, self.tiers = (in_use, label), (current, tier)
+        self.times: tuple[list[float], list[float]] = ([], [])
+        self.outcome, self.calls, self.lock = outcome, 0, threading.Lock()
+
+    def __call__(self, tiered: Tiered, args: tuple[Any, ...]) -> Any:
+        with self.lock:
+            k, self.calls = self.calls, self.calls + 1
+        block, at = divmod(k, BLOCK)
+        which = block % 2
+        if block >= 2 * BLOCKS:
+            return tiered.current(*args)  # decided by another thread, or being decided
+        if at == 0:
+            return self.tiers[which](*args)
+        result: list[Any] = []
+        ms = (search.TIMER or call_ms)(self.labels[which], lambda: result.append(self.tiers[which](*args)))
+        with self.lock:
+            self.times[which].append(ms)
+            done = all(len(t) >= BLOCKS * (BLOCK - 1) for t in self.times) and tiered.race is self
+            if done:
+                tiered.race = None
+        if done:
+            self.decide(tiered)
+        return result[0]
+
+    def decide(self, tiered: Tiered) -> None:
+        (in_use, label), (ms_in_use, ms) = self.labels, (statistics.median(t) for t in self.times)
+        landed = ms < ms_in_use
+        self.outcome.update(median_ms=round(ms, 4), against=in_use, against_ms=round(ms_in_use, 4), landed=landed)
+        name = self.outcome.get("graph", "")
+        if landed:
+            tiered.land(label, self.tiers[1])
+            log.info("%s: the %s tier landed, %.2fx faster than %s (%.3f against %.3f ms)", name, label,
+                     ms_in_use / ms, in_use, ms, ms_in_use)
+        else:
+            _close(self.tiers[1])
+            log.info("%s: the %s tier kept out, %.3f ms against %s's %.3f ms", name, label, ms, in_use, ms_in_use)
+
+
+BLOCK = 4  # calls on one tier in a row in a live race (the first untimed)
+BLOCKS = 4  # blocks of each tier in a live race
 
 
 def _close(tier: Any) -> None:
@@ -187,7 +255,7 @@ class TierBuilder(threading.Thread):
         path = tier_path(key(self.captured, self.inputs, self.options, kind, weights), kind)
         cached = path.exists()
         if not cached:
-            export_and_build(kind, self.captured.gm, self.inputs, self.options.threads, path, self)
+            export_and_build(kind, (self.model, self.captured.gm), self.inputs, self.options.threads, path, self)
         tier = load(kind, path, self.options.threads)
         with torch.no_grad():
             check = search.OutputCheck(self.captured, self.inputs, self.model, self.reference)(tier(*self.inputs))
@@ -195,36 +263,27 @@ class TierBuilder(threading.Thread):
             return {"kind": kind, "cached": cached, "wrong": check.reason}
         if self.closed.is_set():
             return {"kind": kind, "cached": cached, "stopped": True}
-        tiered = self.tiered
-        in_use = tiered.label
-        best, medians = search.fastest({in_use: tiered.current, kind: tier}, self.inputs)
-        outcome = {"kind": kind, "cached": cached, "median_ms": medians.get(kind), "against": in_use,
-                   "against_ms": medians.get(in_use), "landed": best == kind}
-        if best == kind:
-            tiered.land(kind, tier)
-            log.info("%s: the %s tier landed, %.2fx faster than %s (%.3f against %.3f ms)", self.captured.graph.name,
-                     kind, medians[in_use] / medians[kind], in_use, medians[kind], medians[in_use])
-        else:
-            log.info("%s: the %s tier kept out, %.3f ms against %s's %.3f ms", self.captured.graph.name, kind,
-                     medians[kind], in_use, medians[in_use])
+        outcome: dict[str, Any] = {"kind": kind, "cached": cached, "graph": self.captured.graph.name}
+        self.tiered.propose(kind, tier, outcome)  # raced on the caller's calls (LiveRace), which decide
         return outcome
 
 
-def export_and_build(kind: str, model: Any, inputs: tuple[Any, ...], threads: int | None, path: Path,
+def export_and_build(kind: str, models: tuple[Any, ...], inputs: tuple[Any, ...], threads: int | None, path: Path,
                      owner: TierBuilder | None = None) -> None:
-    """``model`` (the captured graph: an ``fx.GraphModule``, which pickles as its code and its tensors) saved with the
-    inputs and handed to a build process, which exports it and writes tier ``kind`` at ``path``: the export, Python
-    work that would hold the caller's interpreter lock for seconds, runs there too. An error naming what went wrong
-    when no tier is written. ``owner``: the builder whose ``stop`` ends the process (its ``process``)."""
+    """The first of ``models`` (the model, then its captured graph) that pickles, saved with the inputs and handed to
+    a build process, which exports it and writes tier ``kind`` at ``path``: the export, Python work that would hold
+    the caller's interpreter lock for seconds, runs there. Where none pickles (a class the build process cannot
+    import), the last is exported here and its program handed over. An error naming what went wrong when no tier is
+    written. ``owner``: the builder whose ``stop`` ends the process (its ``process``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="opweave-tier-") as scratch:
-        program = Path(scratch) / "model.pt"
-        torch.save((model, tuple(inputs)), program)
+        program = _saved(models, tuple(inputs), Path(scratch))
         logfile = Path(scratch) / "build.log"
         with open(logfile, "wb") as sink:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # imports what we import
             process = subprocess.Popen([sys.executable, "-m", "opweave.pipeline.tiers", kind, str(program), str(path),
                                         str(threads or 1), str(os.getpid())], stdout=sink, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL)
+                                       stdin=subprocess.DEVNULL, env=env)
             if owner is not None:
                 owner.process = process
             try:
@@ -244,7 +303,7 @@ def built_now(kind: str, captured: Any, inputs: tuple[Any, ...], options: Any) -
     ``mode="max-autotune"``'s candidate of it."""
     path = tier_path(key(captured, inputs, options, kind, weights_digest(captured.gm)), kind)
     if not path.exists():
-        export_and_build(kind, captured.gm, inputs, options.threads, path)
+        export_and_build(kind, (captured.gm,), inputs, options.threads, path)
     return load(kind, path, options.threads)
 
 
@@ -302,13 +361,34 @@ class _Package:
             return self.fn(*args)
 
 
-def build(kind: str, program: Path, out: Path, threads: int) -> None:
-    """The build process's work: the model and inputs saved at ``program`` exported, compiled as tier ``kind`` and
-    written to ``out`` (through a temporary file: a reader never sees half a tier)."""
-    torch.set_num_threads(threads)
-    model, inputs = torch.load(program, weights_only=False)
+def _saved(models: tuple[Any, ...], inputs: tuple[Any, ...], folder: Path) -> Path:
+    """What :func:`export_and_build` hands its build process (module docstring)."""
+    for model in models:
+        if isinstance(model, torch.nn.Module) and any(type(m).__module__ == "__main__" for m in model.modules()):
+            continue  # a class of the caller's script, which the build process (another __main__) cannot import
+        saved = folder / "model.pt"
+        try:
+            torch.save((model, inputs), saved)
+            return saved
+        except Exception:  # noqa: BLE001 - a model that does not pickle: the next, or an export here
+            saved.unlink(missing_ok=True)
+    program = folder / "program.pt2"
     with torch.no_grad():
-        exported = torch.export.export(model.eval() if isinstance(model, torch.nn.Module) else model, inputs)
+        torch.export.save(torch.export.export(models[-1], inputs), program)
+    return program
+
+
+def build(kind: str, program: Path, out: Path, threads: int) -> None:
+    """The build process's work: the model and inputs saved at ``program`` (or the program exported from them)
+    exported, compiled as tier ``kind`` and written to ``out`` (through a temporary file: a reader never sees half a
+    tier)."""
+    torch.set_num_threads(threads)
+    if program.suffix == ".pt2":
+        exported = torch.export.load(str(program))
+    else:
+        model, inputs = torch.load(program, weights_only=False)
+        with torch.no_grad():
+            exported = torch.export.export(model.eval() if isinstance(model, torch.nn.Module) else model, inputs)
     scratch = out.with_name(f"{out.stem}.{os.getpid()}.partial{out.suffix}")  # AOTInductor wants a .pt2 name
     if kind == "inductor":
         torch._inductor.aoti_compile_and_package(exported, package_path=str(scratch),
