@@ -692,18 +692,14 @@ def main() -> None:
                                                            "this many MiB (default %(default)s)")
     p.add_argument("--copies", type=int, default=20_000, help="amplification: copies of the output asked for "
                                                                    "(default %(default)s)")
-    p.add_argument("--held-window-s", type=float, default=15.0, help="trickle, unread_answers, unfinished_bodies: "
-                   "seconds a window (default %(default)s)")
-    p.add_argument("--held", type=int, default=12, help="trickle, unread_answers, unfinished_bodies: attacking "
-                                                       "clients (default %(default)s)")
-    p.add_argument("--idle", type=int, default=612, help="connections: idle connections held in all (default "
-                   "%(default)s)")
-    p.add_argument("--nofile", type=int, default=512, help="connections: the server's open-file limit (default "
-                   "%(default)s)")
-    p.add_argument("--grpc-calls", type=int, default=8, help="grpc_oversized: calls in flight at once (default "
-                   "%(default)s)")
-    p.add_argument("--grpc-mb", type=int, default=60, help="grpc_oversized: the oversized messages' MB (default "
-                   "%(default)s)")
+    for flag, kind, default, what in (
+            ("--held-window-s", float, 15.0, "trickle, unread_answers, unfinished_bodies: seconds a window"),
+            ("--held", int, 12, "trickle, unread_answers, unfinished_bodies: attacking clients"),
+            ("--idle", int, 612, "connections: idle connections held in all"),
+            ("--nofile", int, 512, "connections: the server's open-file limit"),
+            ("--grpc-calls", int, 8, "grpc_oversized: calls in flight at once"),
+            ("--grpc-mb", int, 60, "grpc_oversized: the oversized messages' MB")):
+        p.add_argument(flag, type=kind, default=default, help=f"{what} (default %(default)s)")
     p.add_argument("--only", "--scenarios", dest="only", help="comma list of scenarios to run (default: all)")
     p.add_argument("--grpc-attacker", action="store_true", help=argparse.SUPPRESS)  # grpc_oversized's clients
     args = p.parse_args()

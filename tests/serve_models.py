@@ -105,3 +105,19 @@ class Gate(Observer):
 
     def open(self) -> None:
         self.opened.set()
+
+
+class Silent:
+    """A gRPC client stream that sends no message until it is released (``release()``, at most ``wait_s``): a call
+    whose headers came and whose message never does."""
+
+    def __init__(self, wait_s: float = 120.0):
+        self.released, self.wait_s = threading.Event(), wait_s
+
+    def messages(self):
+        self.released.wait(self.wait_s)
+        return
+        yield
+
+    def release(self) -> None:
+        self.released.set()

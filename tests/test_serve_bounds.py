@@ -23,11 +23,10 @@ from hypothesis import strategies as st
 from opweave.serve import protocol
 from opweave.serve.assemble import make_engine, serving_options
 from opweave.serve.models import ServedModel, TensorSpec
-from opweave.serve.protocol import HEADER, encode_tensor
 from opweave.serve.repository import Repository
 from opweave.testing.serving import BackgroundServer
-from serve_models import tiny
-from test_serve_hostile import NON_FINITE, declare, load, raw, strict_json, tiny_json, tiny_request, until
+from serve_models import Silent, tiny
+from test_serve_hostile import NON_FINITE, binary_infer, declare, load, raw, strict_json, tiny_json, tiny_request, until
 
 pytest.importorskip("tritonclient.grpc")
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
@@ -140,12 +139,7 @@ def test_grpc_connections_and_calls_are_bounded_and_calls_that_never_send_their_
     finally:
         for c in channels:
             c.close()
-    never = threading.Event()
-
-    def nothing():
-        never.wait(120)
-        return
-        yield
+    silence = Silent()
 
     channel = grpc.insecure_channel(few.grpc_address)
     try:
@@ -153,11 +147,11 @@ def test_grpc_connections_and_calls_are_bounded_and_calls_that_never_send_their_
         call = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer",
                                     request_serializer=service_pb2.ModelInferRequest.SerializeToString,
                                     response_deserializer=service_pb2.ModelInferResponse.FromString)
-        silent = [call.future(nothing()) for _ in range(2)]
+        silent = [call.future(silence.messages()) for _ in range(2)]
         try:
             until(lambda: server_live(channel) == "RESOURCE_EXHAUSTED", "a third call refused")
         finally:
-            never.set()
+            silence.release()
             for future in silent:
                 future.cancel()
         until(lambda: server_live(channel) == "live", "calls again once the two ended")
@@ -309,10 +303,7 @@ def test_a_clients_load_config_cannot_loosen_the_models_checks(explicit):
     assert explicit.repository.served["tiny"] is first and not first.allow_non_finite
     x = torch.randn(1, 3, 8, 8)
     x[0, 0, 0, 0] = float("nan")
-    header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
-                                     "parameters": {"binary_data_size": 768}}]}).encode()
-    status, answer = raw(explicit, "POST", "/v2/models/tiny/infer", header + encode_tensor(x),
-                         {HEADER: str(len(header))})
+    status, answer = binary_infer(explicit, x)
     assert status == 400 and answer["error"].startswith("input 'x' holds NaN"), answer
 
 

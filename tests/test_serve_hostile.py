@@ -32,7 +32,7 @@ from opweave.serve.models import ServedModel, TensorSpec, parse_model_files
 from opweave.serve.protocol import HEADER, ProtocolError, encode_tensor
 from opweave.serve.repository import Repository
 from opweave.testing.serving import BackgroundServer
-from serve_models import Fan, tiny
+from serve_models import Fan, Silent, tiny
 
 triton_grpc = pytest.importorskip("tritonclient.grpc")
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
@@ -547,13 +547,17 @@ def test_numbers_beyond_float64_or_fp32_are_refused_naming_the_input(server, wri
         assert protocol.decode_request(spec_model("FP64"), request).inputs[0][0, 0].item() == float(written)
 
 
+def binary_infer(server, x: torch.Tensor) -> tuple[int, dict]:
+    """``x`` sent to the tiny model as binary tensor data (KServe's binary extension): the status and the answer."""
+    header = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": x.numel() * 4}}]}).encode()
+    return raw(server, "POST", "/v2/models/tiny/infer", header + encode_tensor(x), {HEADER: str(len(header))})
+
+
 def test_infinities_in_binary_data_and_typed_grpc_contents_are_refused_naming_the_input(server):
     x = torch.randn(1, 3, 8, 8)
     x[0, 1, 2, 3] = float("inf")
-    header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3, 8, 8], "datatype": "FP32",
-                                     "parameters": {"binary_data_size": 768}}]}).encode()
-    status, answer = raw(server, "POST", "/v2/models/tiny/infer", header + encode_tensor(x),
-                         {HEADER: str(len(header))})
+    status, answer = binary_infer(server, x)
     assert status == 400 and answer["error"].startswith("input 'x' holds NaN or infinite values"), answer
     channel, stub = grpc_stub(server)
     try:
@@ -1312,24 +1316,19 @@ def test_a_number_beyond_float64_is_refused_wherever_it_stands(server, where):
 def test_a_grpc_call_whose_message_never_comes_ends_after_the_idle_timeout(limited):
     """1,842 calls that sent their headers and no message were kept for 150 s: a connection with a call open is
     never idle, and gRPC waited for the message as long as the connection lived."""
-    never = threading.Event()
-
-    def nothing():
-        never.wait(120)
-        return
-        yield
+    silence = Silent()
 
     channel = grpc.insecure_channel(limited.grpc_address)
     try:
         call = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer",
                                     request_serializer=service_pb2.ModelInferRequest.SerializeToString,
                                     response_deserializer=service_pb2.ModelInferResponse.FromString)
-        future = call.future(nothing())
+        future = call.future(silence.messages())
         try:
             with pytest.raises(grpc.RpcError) as info:
                 future.result(timeout=60)
         finally:
-            never.set()
+            silence.release()
             future.cancel()
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "did not arrive within 3 s" in info.value.details(), info.value.details()

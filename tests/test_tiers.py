@@ -16,15 +16,7 @@ import opweave
 from opweave.backends.cpu import EagerBackend
 from opweave.outputs import compare
 from opweave.pipeline import search, tiers
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
-
-    def forward(self, x):
-        return torch.relu(self.a(x)) + torch.tanh(self.b(x))
+from threads_probe import Plain as Branchy  # two branches and their sum
 
 
 @pytest.fixture
