@@ -633,6 +633,18 @@ def advice(data: dict) -> str:
         text += (f" `mode=\"max-autotune\"` is {span([s['max_autotune_vs_torch_compile'] for s in autotuned])} "
                  f"`torch.compile`, for {span(builds('opweave max-autotune'), 's')} of building the first time, "
                  f"{span([s['max_autotune_build_vs_torch_compile'] for s in autotuned])} `torch.compile`'s.")
+    tuned = [s for s in data["summary"] if "default_vs_best_peer" in s]
+    if tuned:
+        ahead = sum(s["default_vs_best_peer"] >= 1 for s in tuned)
+        text += (f" Against the better of `torch.compile` with freezing and ONNX Runtime on the whole model, the peers "
+                 f"CPU users tune, the default once its tiers have landed is "
+                 f"{span([s['default_vs_best_peer'] for s in tuned])} ({ahead} of {len(tuned)} at 1.00× or above)")
+        firsts = [s["default_first_vs_torch_compile"] for s in tuned if "default_first_vs_torch_compile" in s]
+        lasts = [s["default_last_tier_vs_freezing"] for s in tuned if "default_last_tier_vs_freezing" in s]
+        if firsts and lasts:
+            text += (f"; its first output comes {span(firsts)} into `torch.compile`'s cold compile, its last tier "
+                     f"lands {span(lasts)} into the freezing compile's")
+        text += "."
     return text
 
 

@@ -230,6 +230,11 @@ def cpu_verdict(data: Any) -> str:
     return benchmark("cpu_latency").verdict(data["summary"], data["rows"]).rstrip()
 
 
+def cpu_tuned(data: Any) -> str:
+    """The README's table of the default against the peers CPU users tune (``cpu_latency.tuned_verdict``)."""
+    return benchmark("cpu_latency").tuned_verdict(data["summary"]).rstrip()
+
+
 def cpu_advice(data: Any) -> str:
     """What the README says of the CPU default against ``torch.compile`` (``cpu_latency.advice``)."""
     return benchmark("cpu_latency").advice(data).rstrip()
@@ -265,7 +270,8 @@ FUNCTIONS: dict[str, Any] = {
     "min": min, "max": max, "sum": sum, "len": len, "abs": abs, "round": round, "sorted": sorted, "any": any,
     "all": all, "median": statistics.median, "mean": statistics.mean, "table": table, "unique": unique, "best": best,
     "words": words, "gpu_rows": gpu_rows,
-    "cpu_tables": cpu_tables, "cpu_verdict": cpu_verdict, "cpu_advice": cpu_advice, "cpu_command": cpu_command,
+    "cpu_tables": cpu_tables, "cpu_verdict": cpu_verdict, "cpu_tuned": cpu_tuned, "cpu_advice": cpu_advice,
+    "cpu_command": cpu_command,
     "gpu_chosen": gpu_chosen, "gpu_summary": gpu_summary, "gpu_tables": gpu_tables,
     "predict_table": predict_table,
 }

@@ -252,33 +252,6 @@ def test_readme_cpu_tables_are_their_json_rendered():
     assert f"A {cores}-core {arch.replace('_', '-')} Linux machine, torch {torch_version}, Python {python}." in prose
 
 
-def new_size_sentence(data: dict) -> str:
-    """What the README's "Other shapes" says a new size costs, from ``benchmarks/results/new_signature.json``."""
-    models = {m["model"]: m for m in data["models"]}
-    sq, bert = models["squeezenet"], models["bert_base"]
-
-    def x(spread: dict) -> str:
-        return f"{spread['median']:.1f}×"
-
-    after = [m["after_median_ratio"]["median"] for m in data["models"]]
-    before = [m["before_ratio"]["median"] for m in data["models"]]
-    return (f"On this {data['machine']['cpus_usable']}-core CPU a new size's first call costs "
-            f"{x(sq['after_median_ratio'])} a steady call of that size for SqueezeNet (compiled at batch 1, batches "
-            f"2–13) and {x(bert['after_median_ratio'])} for BERT (2 layers, compiled at 32 tokens, 12 other "
-            f"lengths), the median over the sizes, where capturing and building it anew cost {x(sq['before_ratio'])} "
-            f"and {x(bert['before_ratio'])}; the first new size, which exports ONNX Runtime's session once more and is "
-            f"checked against the model, "
-            f"{x(sq['after_first_size_ratio'])} and {x(bert['after_first_size_ratio'])} "
-            f"({x(sq['dynamic_true_ratio'])} and {x(bert['dynamic_true_ratio'])} with `dynamic=True`). Over the "
-            f"zoo the median is {min(after):.1f}–{max(after):.1f}× ({min(before):.0f}–{max(before):.0f}× built "
-            f"anew), measured {data['machine']['date'][:10]} (`benchmarks/results/new_signature.md`).")
-
-
-def test_readme_says_what_a_new_size_costs_with_its_json_s_figures():
-    """The figures the README's "Other shapes" gives for a new size's first call are the benchmark's JSON's."""
-    assert new_size_sentence(cpu_result("new_signature")) in " ".join(readme().split())
-
-
 def test_readme_says_which_mode_to_use_on_a_cpu_with_its_json_s_figures():
     """The default and max-autotune against torch.compile over the zoo, with their build times: the comparison table
     and the sentences that tell a CPU user what the default gives are rendered from the JSON (cpu_latency.verdict,

@@ -1,0 +1,211 @@
+"""A server meeting new batch sizes while steady traffic runs: what the steady requests' tail pays, what each new size's
+first request costs, and whether every answer equals the model run eagerly.
+
+    .venv/bin/python benchmarks/serve_sizes.py [--models squeezenet] [--sizes 2-13] [--max-batch 16]
+                                               [--alone-s 15] [--calls 3] [--stem serve_sizes]
+    .venv/bin/python benchmarks/serve_sizes.py --quick      # sizes 2-4, 5 s alone
+
+For each model of ``--models``: ``opweave export MODEL --max-batch N`` (random weights) into a repository, served by
+``opweave serve --model-repository REPO --device cpu --max-batch N`` with the defaults otherwise, a child process on
+127.0.0.1 (started fresh per model). One client thread sends the model's batch-1 request over HTTP (binary inputs),
+one after the other:
+
+* **alone**: for ``--alone-s`` seconds, nothing else running (after 20 untimed requests): its latencies;
+* **sweep**: while that client goes on, a second client sends each batch size of ``--sizes`` in turn (each new to
+  the server: ``first_ms``), then ``--calls`` more at that size (``steady_ms``, their median; ``ratio`` = first over
+  steady); the steady client's latencies from the sweep's first request to its last answer are ``during``;
+* **after**: ``--alone-s`` seconds alone again (the machine's load may have moved: both alone phases are reported).
+
+``p99_ratio`` is the steady client's 99th percentile during the sweep over its 99th percentile alone (before).
+Every answer (steady and swept) is held against the exported program run eagerly on the same inputs
+(:func:`opweave.outputs.compare`): ``all_equal_eager``.
+
+Only batch sizes: the repository's config gives every other dimension fixed (a variable dimension is refused at
+load), so a sequence length cannot vary in a served model.
+
+Writes ``DIR/STEM.json`` and ``DIR/STEM.md``. The figures depend on the machine and on what else runs on it
+(``load_average`` per model, ``machine.load_average_1_5_15m`` at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import _common as common
+from serve_many import Reference, infer, percentiles, start
+
+QUICK_SIZES = "2-4"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="squeezenet", help="comma list of zoo models (default %(default)s)")
+    p.add_argument("--sizes", default="2-13", help="batch sizes swept, A-B or a comma list (default %(default)s)")
+    p.add_argument("--max-batch", type=int, default=16, help="the config's max_batch_size (default %(default)s)")
+    p.add_argument("--alone-s", type=float, default=15.0, help="seconds of steady traffic alone (default %(default)s)")
+    p.add_argument("--calls", type=int, default=3, help="requests per size after its first (default %(default)s)")
+    p.add_argument("--stem", default="serve_sizes", help="file name without suffix (default %(default)s)")
+    p.add_argument("--out", type=Path, default=common.RESULTS_DIR, help="directory (default %(default)s)")
+    p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, 5 s alone, 1 call per size")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.alone_s, args.calls = QUICK_SIZES, 5.0, 1
+    return args
+
+
+def sizes_of(text: str) -> list[int]:
+    if "-" in text:
+        low, high = (int(x) for x in text.split("-"))
+        return list(range(low, high + 1))
+    return [int(x) for x in text.split(",") if x]
+
+
+class Sized(Reference):
+    """The exported model's request at ``batch`` samples (seeded random inputs) and what the program answers."""
+
+    def __init__(self, entry: Path, batch: int, seed: int):
+        import torch
+
+        super().__init__(entry)
+        generator = torch.Generator().manual_seed(seed)
+        inputs = []
+        for name, datatype, x in self.inputs:
+            shape = (batch, *x.shape[1:])
+            inputs.append((name, datatype, torch.randn(shape, generator=generator).to(x.dtype)
+                           if x.dtype.is_floating_point else x.expand(shape).contiguous()))
+        self.inputs = inputs
+        program = torch.export.load(str(next(entry.rglob("model.pt2"))))
+        with torch.no_grad():
+            from torch.utils import _pytree as pytree
+            self.expected = pytree.tree_leaves(program.module()(*[x for _, _, x in self.inputs]))
+        self.payload = self.body()
+
+
+class Steady(threading.Thread):
+    """One client sending ``ref``'s request one after the other until stopped: each answer's end time, latency and
+    whether it equals eager."""
+
+    def __init__(self, url: str, name: str, ref: Reference):
+        super().__init__(daemon=True)
+        self.url, self.name, self.ref = url, name, ref
+        self.stop, self.times, self.right = threading.Event(), [], True
+
+    def run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=120) as client:
+            while not self.stop.is_set():
+                ms, out = infer(client, self.url, self.name, self.ref.payload)
+                self.times.append((time.perf_counter(), ms))
+                self.right = self.right and self.ref.equal(out)
+
+
+def one_model(model: str, args) -> dict:
+    import httpx
+
+    sizes = sizes_of(args.sizes)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "opweave", "export", model, tmp, "--max-batch", str(args.max_batch)],
+                       check=True, capture_output=True)
+        entry = next(p for p in Path(tmp).iterdir() if p.is_dir() and not p.name.startswith("."))
+        steady_ref = Sized(entry, 1, seed=0)
+        swept = {n: Sized(entry, n, seed=n) for n in sizes}
+        load_average = os.getloadavg()
+        proc, url, ready_s = start(Path(tmp), ["--max-batch", str(args.max_batch)], "cpu")
+        try:
+            with httpx.Client(timeout=120) as client:
+                for _ in range(20):
+                    infer(client, url, model, steady_ref.payload)
+            steady = Steady(url, model, steady_ref)
+            steady.start()
+            t0 = time.perf_counter()
+            time.sleep(args.alone_s)
+            t1 = time.perf_counter()
+            rows = []
+            with httpx.Client(timeout=120) as client:
+                for n in sizes:
+                    first_ms, out = infer(client, url, model, swept[n].payload)
+                    right = swept[n].equal(out)
+                    again = []
+                    for _ in range(args.calls):
+                        ms, out = infer(client, url, model, swept[n].payload)
+                        again.append(ms)
+                        right = right and swept[n].equal(out)
+                    median = statistics.median(again)
+                    rows.append({"size": n, "first_ms": first_ms, "steady_ms": median, "ratio": first_ms / median,
+                                 "equal_to_eager": right})
+            t2 = time.perf_counter()
+            time.sleep(args.alone_s)
+            t3 = time.perf_counter()
+            steady.stop.set()
+            steady.join(120)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def window(begin: float, end: float) -> dict:
+        return percentiles([ms for done, ms in steady.times if begin < done <= end])
+
+    alone, during, after = window(t0, t1), window(t1, t2), window(t2, t3)
+    return {"model": model, "load_average": load_average, "ready_s": ready_s, "alone": alone, "during": during,
+            "after": after, "p99_ratio": during["p99_ms"] / alone["p99_ms"],
+            "p99_ratio_after": during["p99_ms"] / after["p99_ms"], "sizes": rows,
+            "first_over_steady_median": statistics.median(r["ratio"] for r in rows),
+            "first_over_steady_max": max(r["ratio"] for r in rows),
+            "all_equal_eager": steady.right and all(r["equal_to_eager"] for r in rows)}
+
+
+def markdown(data: dict) -> str:
+    m = data["machine"]
+    lines = [f"# New batch sizes sent to a server beside steady traffic ({m['cpus_usable']}-core CPU, torch "
+             f"{m['torch']}, {m['date'][:16].replace('T', ' ')} UTC)", "",
+             "Steady: batch-1 requests one after the other; its p99 alone, during the sweep of new sizes, and alone "
+             "again after. Each new size: its first request over the median of the requests after it.", "",
+             "| model | sizes | steady p99 alone / during / after ms | during over alone | new size first / steady: "
+             "median, largest | answers equal eager |", "|---|---|---|---|---|---|"]
+    for r in data["models"]:
+        sizes = [s["size"] for s in r["sizes"]]
+        lines.append(f"| {r['model']} | {sizes[0]}-{sizes[-1]} | {r['alone']['p99_ms']:.1f} / "
+                     f"{r['during']['p99_ms']:.1f} / {r['after']['p99_ms']:.1f} | {r['p99_ratio']:.2f}x | "
+                     f"{r['first_over_steady_median']:.2f}x, "
+                     f"{r['first_over_steady_max']:.2f}x | {r['all_equal_eager']} |")
+    lines += ["", "Per size (ms):", "", "| model | size | first | steady | ratio | equal |",
+              "|---|---|---|---|---|---|"]
+    for r in data["models"]:
+        for s in r["sizes"]:
+            lines.append(f"| {r['model']} | {s['size']} | {s['first_ms']:.1f} | {s['steady_ms']:.1f} | "
+                         f"{s['ratio']:.2f} | {s['equal_to_eager']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch  # noqa: F401 - loaded once here, before the children
+
+    models = []
+    for model in [m for m in args.models.split(",") if m]:
+        common.console.print(f"{model}: sizes {args.sizes} beside steady traffic ...")
+        models.append(one_model(model, args))
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
+    data = {"machine": common.machine_info(), "settings": settings, "models": models}
+    args.out.mkdir(parents=True, exist_ok=True)
+    common.write_json(args.out / f"{args.stem}.json", data)
+    text = markdown(data)
+    (args.out / f"{args.stem}.md").write_text(text)
+    common.console.print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
