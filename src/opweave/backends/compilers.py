@@ -23,22 +23,22 @@ the dimensions left free): ``fn`` then takes any size in them (:mod:`opweave.bac
 * ``onnxruntime`` — each segment exported with ``torch.onnx`` and run by one ONNX Runtime ``InferenceSession`` whose
   intra-op pool has the lane's ``threads`` (sequential executor, one inter-op thread). The pool spins between parallel
   sections, as ORT's does by default, only when the caller says the segment runs ``alone`` (the segments of a one-lane
-  plan); otherwise it sleeps when idle, since another lane may need the core. Spinning matters both ways: GoogLeNet
-  whole at 2 threads took 13.2 ms with the pool sleeping against 11.3 ms spinning, so a one-lane plan lost to plain
-  ONNX Runtime; but in a plan with two lanes, a segment that the replayed plan runs alone (so it gets both cores) may
-  in fact overlap the other lane, and spinning pools then took the cores from each other: Inception-v3's
-  heft+onnxruntime took 123 ms spinning, 51 ms sleeping, against 36 ms for one lane. The export uses the TorchScript
-  exporter (``dynamo=False``): it exports a segment in milliseconds where the ``torch.export``-based exporter takes
-  about half a second, which for a model's hundreds of segments is minutes; when it fails the ``torch.export``-based
-  one is tried. Before it is exported, a segment's average pools, sums over a stack and cropped zero pads are
-  rewritten into the ops ONNX Runtime runs fast (:mod:`opweave.backends.ortrewrite`). ORT releases the GIL while
-  it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy
+  plan); otherwise it sleeps when idle, since another lane may need the core. Spinning matters both ways: a model
+  compiled whole runs slower with the pool sleeping than spinning, so a sleeping one-lane plan lost to plain ONNX
+  Runtime; but in a plan with two lanes, a segment that the replayed plan runs alone (so it gets both cores) may in
+  fact overlap the other lane, and spinning pools then take the cores from each other, which made a two-lane plan
+  several times slower than one lane (the measurements: docs/design.md, §3.6, segments). The export uses the
+  TorchScript exporter (``dynamo=False``): it exports a segment far faster than the ``torch.export``-based exporter,
+  whose cost per segment adds up to minutes over a model's hundreds of segments; when it fails the
+  ``torch.export``-based one is tried. Before it is exported, a segment's average pools, sums over a stack and
+  cropped zero pads are rewritten into the ops ONNX Runtime runs fast (:mod:`opweave.backends.ortrewrite`). ORT
+  releases the GIL while it runs, so lanes overlap. Inputs are handed over as NumPy views (no copy
   for contiguous tensors), outputs come back as tensors sharing ORT's arrays. A segment with a non-tensor output (a
   shape read by a later segment) cannot be exported and runs op by op. With ``dynamic_dims`` the exported graph keeps
   those dimensions of its inputs, and every dimension of its outputs, symbolic (``dynamic_axes``): one session for
-  every size of them. On this 2-core machine the zoo's plans built at batch 1 (BERT: 32 tokens) with such a session
-  ran at the first new size 0.84-1.12x as fast as the plans built for that size, timed interleaved
-  (``benchmarks/results/new_signature.md``, steady ms): within the machine's noise. Three choices serve many sessions
+  every size of them. The zoo's plans built at batch 1 (BERT: 32 tokens) with such a session run at the first new
+  size as fast as the plans built for that size, within the machine's noise (timed interleaved:
+  ``benchmarks/results/new_signature.md``, steady ms). Three choices serve many sessions
   in one process (the server's blocks): ``shared_pool`` runs a session on ONNX Runtime's process-wide thread pool
   (:func:`shared_pool`) instead of a pool of its own (once that pool exists every session of the process runs on it:
   ONNX Runtime allows no other); ``arena=False`` gives it no memory arena (what a run allocates goes back to the C
@@ -287,9 +287,9 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dy
     ``weights``: a dict to fill; where given, the parameters and buffers are left out of the bytes (initializers
     whose data lies outside the model, :func:`_weights_apart`) and ``weights`` gets a copy of each, by name, to
     hand to ONNX Runtime (``SessionOptions.add_external_initializers``). The exporter then neither writes the
-    weights nor runs ONNX's shape inference over them: a 2-layer BERT at batch 8 (152 MB of weights) exported in
-    0.88 s against 1.34 s, and its session was made in 0.12 s against 0.24 s, running as fast. Left empty where
-    that export fails (the weights then travel in the bytes)."""
+    weights nor runs ONNX's shape inference over them, so a model with large weights exports and makes its session
+    faster, and runs as fast (docs/design.md, §3.6, segments). Left empty where that export fails (the weights then
+    travel in the bytes)."""
     names: dict[str, Any] = {"input_names": [f"in{i}" for i in range(len(inputs))],
                              "output_names": [f"out{i}" for i in range(outputs)]}
     axes: dict[str, dict[int, str]] = {}

@@ -2,9 +2,9 @@
 
 ``compiler="inductor"`` compiles each stream segment of a plan on its own, so Inductor fuses only inside a segment:
 a pointwise epilogue cut from its producer becomes a kernel of its own, and a concatenation whose inputs sit in
-other segments copies them where the whole graph would have written them in place (GoogLeNet at batch 1 on an
-H200: 206 kernels per call against ``torch.compile``'s 147). Here the order is turned round, as ``graph=
-"onnxruntime"`` does for ONNX Runtime (:mod:`opweave.backends.ortgraph`):
+other segments copies them where the whole graph would have written them in place (GoogLeNet's plan so compiled ran
+more kernels per call than ``torch.compile``: docs/design.md, §3.6, inductorgraph). Here the order is turned round,
+as ``graph="onnxruntime"`` does for ONNX Runtime (:mod:`opweave.backends.ortgraph`):
 
 1. **Inductor lowers and schedules the whole model once** (:func:`fused_kernels`): the captured model as one graph
    (:func:`opweave.backends.segments.whole_module`), compiled with the same settings as a segment

@@ -26,10 +26,9 @@ boundary and its fusions stop there. Here the order is turned round:
 Each value is written once per call and the calls are serialised (one lock per backend), so the buffers need no
 ordering beyond the plan's: a reader runs after its producer's signal, as the validator proved.
 
-Why the buffers matter (2-core machine, 2026-11-26, NASNet-A Mobile at batch 1, HEFT with a 0.1 ms sync cost: 179
-segments): the same segments run one after another on one thread took 32.4 ms with ONNX Runtime's ordinary
-``run`` (new output arrays each call) and 30.3 ms with bound buffers, against 26.4 ms for the whole model on one
-thread; on two lanes, 20.3 ms against 17.4 ms, and ONNX Runtime's own whole model on both cores took 18.2 ms.
+Why the buffers matter: with ONNX Runtime's ordinary ``run``, a plan of many small segments pays for new output
+arrays at every segment of every call; bound buffers take that cost away and bring the segments closer to the
+whole model run as one session (the measurement: docs/design.md, §3.6, ortgraph).
 
 Memory: the boundary buffers are held for the compiled model's life (all values crossing segments at once, as a
 CUDA graph's static memory is), beside each session's own arena for the values inside it.
@@ -215,8 +214,8 @@ class OrtGraph:
 
     def _profile(self, runs: int) -> dict[str, float]:
         """Each node's kernel time (ms) on one thread: ONNX Runtime's profiler, median over ``runs`` runs after
-        three, or over those made within :data:`PROFILE_BUDGET_S` (at least two): a large model at batch 8 took a
-        third of a second a run on one thread, and 23 runs most of a search's build."""
+        three, or over those made within :data:`PROFILE_BUDGET_S` (at least two): a large model's one-thread runs at
+        batch 8 are slow, and a fixed count of them took most of a search's build (docs/design.md, §3.6, ortgraph)."""
         import time
 
         with tempfile.TemporaryDirectory(prefix="opweave_ort_profile_") as tmp:

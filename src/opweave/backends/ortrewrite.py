@@ -3,29 +3,28 @@ ONNX Runtime runs fast.
 
 ONNX Runtime's CPU kernels are uneven: some ops that Inductor fuses or runs in channels-last are slow there in
 the form ``torch.onnx`` exports them, and a model whose time goes to them loses to ``torch.compile`` although its
-convolutions run as fast. Two forms are rewritten (:func:`rewrite`), each measured on the 2-core machine the CPU
-results were measured on (ONNX Runtime's profiler, kernel time per call, batch 8):
+convolutions run as fast. Three forms are rewritten (:func:`rewrite`), each chosen from ONNX Runtime's profiler
+(kernel time per call; the measurements: docs/design.md, §3.6, segments):
 
-* **average pooling as a depthwise convolution.** ``AveragePool`` took 28.6 ms of NASNet-A mobile's 122 ms (40
-  pools of 3x3); one pool of ``[8, 44, 56, 56]`` took 6.6 ms where a depthwise ``Conv`` with the pool's constant
-  weights took 0.58 ms, and 1.6 ms against 0.27-0.72 ms over 11 channels. A pool that leaves the padding out of its
-  mean (``count_include_pad=False``) sums with weights of one and multiplies by one over each output position's
-  count of real inputs, a constant of the output's height and width. Rewritten only with ``ceil_mode=False`` and no
-  ``divisor_override``, and only where the export has fixed sizes except the batch (the weights are sized by the
-  channels, the counts by height and width).
+* **average pooling as a depthwise convolution.** ONNX Runtime runs ``AveragePool`` several times slower than a
+  depthwise ``Conv`` with the pool's constant weights, and NASNet-A mobile's many 3x3 pools make it a large share
+  of that model's time. A pool that leaves the padding out of its mean (``count_include_pad=False``) sums with
+  weights of one and multiplies by one over each output position's count of real inputs, a constant of the
+  output's height and width. Rewritten only with ``ceil_mode=False`` and no ``divisor_override``, and only where
+  the export has fixed sizes except the batch (the weights are sized by the channels, the counts by height and
+  width).
 * **a sum over a stack as a sum of its parts.** RandWire's aggregation ``(torch.stack(xs) * w).sum(0)`` exports as
-  ``Unsqueeze``/``Concat``/``Mul``/``ReduceSum``: 50 ms of its 147 ms at batch 8, ``ReduceSum`` over the first axis
-  alone 24 ms. Written ``xs[0] * w[0] + xs[1] * w[1] + ...`` (the stack never made) the whole model took 84 ms
-  against 115 ms. Rewritten where the stack is read only by the product (or the sum) and the weight's rank is known
+  ``Unsqueeze``/``Concat``/``Mul``/``ReduceSum``, a large share of the model's time, ``ReduceSum`` over the first
+  axis the most of it; written ``xs[0] * w[0] + xs[1] * w[1] + ...`` (the stack never made) the whole model runs
+  faster. Rewritten where the stack is read only by the product (or the sum) and the weight's rank is known
   (recorded shapes).
 * **a zero pad cropped by a slice as one pad.** NASNet's factorized reduction shifts a tensor by a pixel,
-  ``F.pad(x, (0, 1, 0, 1))[:, :, 1:, 1:]``: a ``Pad`` and two ``Slice`` copies, 12 ms of NASNet's batch 8 over four
-  such shifts, where one ``Pad`` with negative amounts (which crop, in ONNX as in ``F.pad``) took 1.1 ms against
-  2.7 ms on ``[8, 32, 111, 111]``. Rewritten where the slice only crops the padded dimensions, by steps of one, and
-  sizes are fixed.
+  ``F.pad(x, (0, 1, 0, 1))[:, :, 1:, 1:]``: a ``Pad`` and two ``Slice`` copies, where one ``Pad`` with negative
+  amounts (which crop, in ONNX as in ``F.pad``) makes one copy and runs faster. Rewritten where the slice only
+  crops the padded dimensions, by steps of one, and sizes are fixed.
 
 And one form is rewritten so that the TorchScript exporter takes it at all (without it the segment goes to the
-``torch.export``-based exporter, about half a second a segment where the TorchScript one takes milliseconds):
+``torch.export``-based exporter, far slower per segment than the TorchScript one):
 
 * **a dtype conversion of an exported graph** (``aten._to_copy(x, dtype=d)``, which the TorchScript exporter has no
   symbolic for) as ``aten.to(x, d)``: in an ONNX graph both are one ``Cast``.

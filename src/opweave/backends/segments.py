@@ -256,8 +256,8 @@ def absorb_prelude(gm: fx.GraphModule, nodes: dict[str, list[fx.Node]]) -> dict[
 
     A model that slices one input into many (DeepFM's 26 ``sparse[:, i]``) otherwise binds each slice in Python on
     every call and hands the compiled segment 26 inputs to check, convert and feed; read inside the segment, its
-    compiler does the slicing. DeepFM at batch 1 in one ONNX Runtime segment: a call took 0.28 ms with the slices
-    bound, 0.14 ms with them inside the segment, the session called alone 0.12 ms. A prelude node read by several
+    compiler does the slicing: at batch 1 in one ONNX Runtime segment, binding DeepFM's slices in Python cost about
+    as much as the session itself (docs/design.md, §3.6, segments). A prelude node read by several
     segments, by the output or by no segment stays in the prelude (bound once, read by each), and so does one that
     reads a value other than a tensor (a size: a segment bakes such values into its signature)."""
     from torch.fx.passes.shape_prop import TensorMetadata

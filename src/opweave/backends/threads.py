@@ -19,9 +19,9 @@ thread; every other lane's worker runs its ops on one thread. libgomp keeps a th
 parallel region with it, and once the threads held in teams outnumber the cores it throttles its spin-wait for the
 whole process (``GOMP_SPINCOUNT``'s 300000 iterations drop to the throttled 1000: every team's threads then sleep
 between parallel regions and are woken by futex). So one worker that ever ran a two-thread kernel slowed every
-OpenMP kernel in the process from then on, the lanes' own and the user's: eager GoogLeNet took 64 ms against 40 ms
-while two idle threads held two-thread teams, and 40 ms when they held one-thread teams
-(``benchmarks/omp_teams.py``). Within the caller's thread the count changes from op to op as the budgets say.
+OpenMP kernel in the process from then on, the lanes' own and the user's: eager GoogLeNet ran markedly slower while
+two idle threads held two-thread teams than when they held one-thread teams (``benchmarks/omp_teams.py``, figures in
+docs/design.md, §3.6, cpu). Within the caller's thread the count changes from op to op as the budgets say.
 
 :func:`budgets` gives a plan's lanes their threads when no per-op budgets are given: one to each lane but the first, the
 rest of the cores to the first (a single lane keeps every core), so the lanes never hold more threads than there are
@@ -29,10 +29,9 @@ cores. Per-op budgets (:func:`opweave.pipeline.thread_budgets.op_threads`, from 
 lane that runs alone gets every core) are given only to ONNX Runtime segments (``compiler="onnxruntime"``,
 ``graph="onnxruntime"``; :func:`opweave.pipeline.thread_budgets.lane_threads`): ONNX Runtime's pools sleep when idle
 there. An OpenMP team does not: after a two-thread kernel the caller's second thread spins on, and a worker lane that
-starts its next op meanwhile finds both cores taken. On the 2-core machine (2026-11-25, batch 1, medians of 20 calls
-interleaved in one process whose workers never held a team above one thread), HEFT's two lanes with per-op budgets
-against every op on one thread: GoogLeNet 56.7 / 51.2 ms, NASNet 48.2 / 45.9, RandWire 46.8 / 35.6, Inception-v3 100.7 /
-100.6. ``cores`` is the number of CPUs this process may run on (:func:`opweave.cores.cores`).
+starts its next op meanwhile finds both cores taken: timed on 2 cores, HEFT's two lanes with per-op budgets were
+no faster than with every op on one thread (docs/design.md, §3.6, cpu). ``cores`` is the number of CPUs this
+process may run on (:func:`opweave.cores.cores`).
 """
 
 from __future__ import annotations

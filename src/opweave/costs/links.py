@@ -61,9 +61,8 @@ PRESETS: dict[str, Link] = {
     "pcie4": Link("pcie4", 0.015, 31.5, "PCIe 4.0 x16: 16 GT/s x 16 lanes x 128/130 / 8; latency assumed"),
     # PCI Express Base Specification 5.0: 32 GT/s per lane, 128b/130b -> 3.938 GB/s per lane, x16 = 63.0 GB/s.
     "pcie5": Link("pcie5", 0.015, 63.0, "PCIe 5.0 x16: 32 GT/s x 16 lanes x 128/130 / 8; latency assumed"),
-    # CPU ranks on one machine: gloo over TCP on the loopback interface. No datasheet: a fit of `opweave
-    # profile-links --device cpu` on the shared 2-core development machine, rounded: 1.84 ms + bytes / 2.25 GB/s and
-    # 1.89 ms + bytes / 2.07 GB/s at load average 3.7-3.9; 2.86 ms + bytes / 0.54 GB/s at load average 10. The
+    # CPU ranks on one machine: gloo over TCP on the loopback interface. No datasheet: fits of `opweave profile-links
+    # --device cpu` on the shared 2-core development machine, rounded (the fits: docs/distributed.md, "Links"). The
     # latency is mostly the operating system scheduling busy processes on two shared cores, and should be far lower
     # on an idle machine with spare cores (not measured here). Measure yours with profile-links.
     "loopback": Link("loopback", 1.9, 2.0, "gloo over TCP loopback, fitted by opweave profile-links on a loaded "

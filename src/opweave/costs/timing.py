@@ -90,16 +90,16 @@ def race_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 15, margin
     A candidate that is twice as slow costs ``warmup`` + 2 calls, not ``rounds``: a measured choice among a few
     plans then costs about what timing its winner does. ``settle``: untimed calls of a function just before each of
     its timed ones, so that each is timed as a loop calling it back to back sees it, not in the wake of another
-    (thread pools that spin after a call, ONNX Runtime's or a lane's, took the cores from the next function: GoogLeNet
-    in one ONNX Runtime session timed 35 ms right after other candidates, 19.5 ms back to back). Returns every timed
-    call's time per function and those dropped. ``budget_ms``: the race also stops after the first round that
-    brings the time its calls took (the timed ones, each counted ``1 + settle`` times) past it; the leader then wins
-    on the calls it had: where candidates lie within ``margin`` of each other, more rounds cost seconds per call of a
-    large model and change little (a 12-layer BERT at batch 8, about 1 s a call, took 73 s to race 15 rounds).
+    (thread pools that spin after a call, ONNX Runtime's or a lane's, take the cores from the next function: a
+    session timed right after other candidates measured far slower than back to back, docs/design.md, §3.6, cpu).
+    Returns every timed call's time per function and those dropped. ``budget_ms``: the race also stops after the
+    first round that brings the time its calls took (the timed ones, each counted ``1 + settle`` times) past it; the
+    leader then wins on the calls it had: where candidates lie within ``margin`` of each other, more rounds cost
+    seconds per call of a large model and change little.
     ``timer(label, fn)``: the milliseconds of one call (default: ``perf_counter`` around it; tests give a script).
     ``seed``: calls of some functions timed before the race as its rounds would time them (right after an untimed call
     of the same function: a candidate's check, just after the call that compiled it), taken as their first round:
-    a BERT at batch 8, about 0.18 s a call, then races on two calls fewer."""
+    the race then makes fewer calls of them (docs/design.md, §3.6, cpu)."""
 
     timer = timer or call_ms
     for fn in fns.values():

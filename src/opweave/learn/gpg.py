@@ -15,8 +15,8 @@ choice equal to the greedy one has A = 0 exactly and costs nothing. Per graph, `
 chunk from the softmax; the loss is −Σ A · log π(E | S) / samples − ``entropy`` (0.01) × the policy's mean entropy,
 and Adam (TOP's η = 0.001, falling linearly to a tenth over the run) takes one step per graph. The sample-mean
 baseline this replaces (one advantage per rollout, shared by all its steps) learned nothing a one-line rule does not
-do: the weights it kept (episode 25 of 600) gave the same mean makespan over the DP as "take the ending with the
-largest work" on the benchmark's graphs (1.0353 against 1.0350).
+do: the weights it kept gave the same mean makespan over the DP as "take the ending with the largest work" on the
+benchmark's graphs (docs/schedulers.md).
 
 :func:`train_best` validates every so many episodes on fixed graphs (:meth:`GpgGraphs.validation`: combined blocks
 of 1-6 sub-blocks, five of each size, drawn with :data:`VALIDATION_SEED`) against IOS's DP, and keeps the weights
@@ -33,9 +33,9 @@ The default weights (``schedulers/data/top_gpg.pt``, float16, about 230 KB) are 
     opweave train-gpg --episodes 20000 --seed 0 -o src/opweave/schedulers/data/top_gpg.pt \
         --plot benchmarks/results/top_gpg_train.png
 
-(about 30-40 minutes on one busy core: some 0.08 s per training graph, and 30 DP solves once for validation); the
-file records the command, the episode kept and its validation ratios in its ``meta``, and the learning curve goes
-to ``top_gpg_train.json`` beside the plot.
+(the training graphs take most of the time, the validation graphs' DP solves are made once; how long the shipped
+weights took: docs/schedulers.md); the file records the command, the episode kept and its validation ratios in its
+``meta``, and the learning curve goes to ``top_gpg_train.json`` beside the plot.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ class MADDPG(Actors):
     * Adam, the critics at TOP's η = 10⁻³ (``lr``), the actors at 10⁻⁴ (``actor_lr``, one rate or one per
       agent), DDPG's rates (Lillicrap et al. 2016). TOP's eqs. (3)-(4) are plain gradient steps with one η; under
       Adam, whose steps do not shrink with the gradient, η = 10⁻³ drove the model agents' outputs to 0 or 1 within
-      50 updates (ResNet-50), where every block lands in the first or last interval: superblocks.
+      a few dozen updates (ResNet-50; docs/serving.md, ``top``), where every block lands in the first or last
+      interval: superblocks.
     * Updates start once ``warmup`` transitions are stored (Alg. 1 line 19: ``replay_size``, 2000) and run once per
       stored transition. The buffer keeps ``capacity`` = 10⁵ transitions, all of a training's: TOP gives the
       number before updates, not how many are kept, and 2000 would keep only the last 50 episodes, so what the

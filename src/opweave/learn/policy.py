@@ -219,7 +219,8 @@ def train(executor: SimExecutor, pattern: dict[str, float], *, steps: int = STEP
     it was computed from with the statistics of now (:meth:`MADDPG.relabel`): as the actors improve, the running
     means follow them, and a transition rewarded against old statistics scored a 10 ms launch interval of the
     start as well as a 0.1 ms one of now; the critics lost the difference and, in a seeded ResNet-50 run, the
-    launcher went back from 0.1 ms to 1 s intervals after 550 updates (relabelled, it stayed below 0.3 ms past 850).
+    launcher drifted back from the shortest intervals to the longest; relabelled, it kept them short
+    (docs/serving.md, ``top``).
 
     **The actors kept.** Alg. 1 does not say which actors to deploy, and the in-training reward cannot say it (it
     is Z-scored, noisy, and taken with exploration noise). Before the first step and every ``eval_every`` steps

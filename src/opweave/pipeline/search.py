@@ -81,7 +81,7 @@ def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: i
             runtime=None, seed: dict[str, list[float]] | None = None) -> tuple[str, dict[str, float]]:
     """The label of the fastest of ``built`` by median time, and every median (ms), timed interleaved under
     ``no_grad`` as they were checked: timed under ``inference_mode``, ``torch.compile`` runs code compiled for
-    another grad mode, measured 1.2-1.8x slower on an H200 than in the mode it was compiled in. On the CPU a race
+    another grad mode, measurably slower than in the mode it was compiled in (docs/design.md, §3.8). On the CPU a race
     (:func:`opweave.costs.timing.race_ms`, ``rounds x runs`` timed calls at most, on :data:`TIMER`, each right after
     an untimed call of the same candidate, as a loop would call it, until the round that spends
     :data:`RACE_BUDGET_MS`): a candidate that cannot win is dropped after its second timed call, so a choice
@@ -245,8 +245,8 @@ class OutputCheck:
     captured graph's own distance (made only when a candidate needs it). Without the second clause, a candidate that
     rounds otherwise (``torch.compile`` of the unfolded model against the captured graph's folded BatchNorm, with
     TF32 convolutions on a GPU) is left out though it is as right as the captured graph. ``reference``: the output
-    capture has just checked, for these inputs (a BERT at batch 8: 0.2 s less to build than running the graph once
-    more); None: the captured graph is run for it."""
+    capture has just checked, for these inputs (a build then skips one run of the captured graph, which counts for a
+    large model; docs/design.md, §3.8); None: the captured graph is run for it."""
 
     def __init__(self, captured, inputs: tuple, eager, reference=None):
         self.captured, self.inputs, self.eager = captured, inputs, eager

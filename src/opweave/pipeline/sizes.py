@@ -19,8 +19,8 @@ the call's. What the check catches is a size baked into what runs: a capture who
 and a ``.pt2`` keeps its dynamic dimensions free), or a segment compiled for one size, which both fail at the first
 other value of that dimension, the value at which ONNX Runtime's session with free sizes is made. A later size in
 dimensions already checked runs through the same graph and the same session, so it is not checked again: checking
-every size cost one run of the model each (a new size's first call 5-18x a steady call of BERT on this 2-core
-machine, ``benchmarks/results/new_signature_every_size_checked.md``), where ``torch.compile`` checks none (its
+every size cost one run of the model each (a new size's first call several times a steady call of BERT:
+``benchmarks/results/new_signature_every_size_checked.md``), where ``torch.compile`` checks none (its
 guards trust a graph with symbolic sizes). A capture that fails, or raises, sends that signature and every later
 one to a build of its own from a new capture, as any other signature is. A plan that runs the model itself (the CPU
 default's ``eager``) needs no check; a padded batch is checked at the first size padded (module docstring,

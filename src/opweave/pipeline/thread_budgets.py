@@ -38,7 +38,7 @@ def op_threads(sim: Any, total: int | None = None, overlap: float = 0.1) -> dict
     than ``overlap`` of the op's time, so an op that runs alone gets every core. Every other lane's op gets one
     thread (:mod:`opweave.backends.threads`: a worker with a bigger team slows every OpenMP kernel of the
     process). A lane changes
-    its thread count between ops (``torch.set_num_threads`` costs about 0.1 µs).
+    its thread count between ops (``torch.set_num_threads`` costs next to nothing beside an op).
 
     >>> from types import SimpleNamespace
     >>> sim = SimpleNamespace(start_ms={"a": 0, "b": 0, "c": 4, "d": 6}, finish_ms={"a": 4, "b": 3, "c": 6, "d": 8},

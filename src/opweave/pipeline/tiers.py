@@ -1,9 +1,9 @@
 """Tiers: a compiled model answers at once, on its first tier, and moves to a faster one once it is built and measured.
 
-The CPU default's race (:func:`opweave.pipeline.search.default_race`) takes a second or two; the builds that make
-a model fastest take a minute (Inductor with freezing over the whole model: 14-70 s on a 2-core machine, its compile
-CPU-bound and holding the GIL). So, as tiered JIT compilers and TensorRT-RTX's lazy kernels do, the first tier serves
-while the others are built off the caller's path:
+The CPU default's race (:func:`opweave.pipeline.search.default_race`) is short; the builds that make a model fastest
+take far longer (Inductor with freezing over the whole model, its compile CPU-bound and holding the GIL;
+docs/design.md, §3.8). So, as tiered JIT compilers and TensorRT-RTX's lazy kernels do, the first tier serves while
+the others are built off the caller's path:
 
 * :class:`Tiered` is the backend a compiled model calls: one attribute read per call (``current``), replaced in one
   assignment when a tier lands, so a call never waits for a build and never sees half a tier. A call whose inputs are
@@ -139,12 +139,13 @@ class Tiered:
 
 class LiveRace:
     """A tier built, raced against the tier in use on the caller's own calls (on the caller's thread, as the caller
-    runs them: timed from another thread, an Inductor tier's OpenMP kernels ran 2.6x slower than on the caller's,
-    beside the caller's idle team). The calls come in blocks of :data:`BLOCK` on one tier, then on the other, for
-    :data:`BLOCKS` blocks each; in each block the first call is untimed (it pays for the other tier's pools left
-    spinning), the others timed on :data:`opweave.pipeline.search.TIMER`'s clock. Every call returns its tier's
-    answer, and both tiers are checked to equal the model. Then the faster median takes every call (the built tier
-    lands, :meth:`Tiered.land`) or the built tier is let go; one log line says which."""
+    runs them: timed from another thread, an Inductor tier's OpenMP kernels ran markedly slower than on the
+    caller's, beside the caller's idle team; docs/design.md, §3.8). The calls come in blocks of :data:`BLOCK` on
+    one tier, then on the other, for :data:`BLOCKS` blocks each; in each block the first call is untimed (it pays
+    for the other tier's pools left spinning), the others timed on :data:`opweave.pipeline.search.TIMER`'s clock.
+    Every call returns its tier's answer, and both tiers are checked to equal the model. Then the faster median
+    takes every call (the built tier lands, :meth:`Tiered.land`) or the built tier is let go; one log line says
+    which."""
 
     def __init__(self, in_use: str, current: Any, label: str, tier: Any, outcome: dict[str, Any]):
         self.labels, self.tiers = (in_use, label), (current, tier)

@@ -70,8 +70,8 @@ def run(name: str, graph: OpGraph, costs: Costs, *, streams: int | None = None, 
     ``scheduling_time_s`` is the wall time of the scheduler call, the graph's cached structure (topological order,
     reachability) included when the call builds it. As :mod:`timeit` does, the cyclic garbage collector is paused
     for that call: otherwise the scheduler's first few thousand allocations set off whatever full collection the
-    caller had made due, and after a model capture (some 270,000 tracked objects) that one pass costs 0.1–0.25 s on
-    a 2-core machine, more than any polynomial scheduler takes on a 906-op graph. The schedulers build no
+    caller had made due, and after a model capture (hundreds of thousands of tracked objects) that one pass costs
+    more than any polynomial scheduler takes on a 906-op graph (docs/design.md, §3.4). The schedulers build no
     reference cycles of note, so their memory is freed by reference counting as usual; a due collection runs
     after the call.
 

@@ -18,8 +18,8 @@ Choices where the text is for another setting:
 * **A ready list instead of insertion.** §4.1 takes the ops in decreasing rank and inserts an op into an idle
   gap of a processor when it fits. A lane here runs its ops in launch order (FIFO) and the launch order is the
   scheduling order, so an op can only go after the last one of its lane; taking ops in static rank order would
-  then leave the gaps idle (a high-rank op whose inputs come late blocks its lane for the ready ones behind it: on
-  RandWire's CPU costs the makespan was 14.1 ms against 10.1 ms this way). So, as HLFET does (Adam, Chandy and
+  then leave the gaps idle (a high-rank op whose inputs come late blocks its lane for the ready ones behind it,
+  which lengthened RandWire's makespan on its CPU costs: docs/design.md, §3.4). So, as HLFET does (Adam, Chandy and
   Dickson, CACM 1974) and LIOS's Alg. 1 (§IV), each step takes the highest-ranked op among those whose
   predecessors are all scheduled.
 * **Ties.** Equal ranks: the earlier op in the graph's topological order; equal EFTs: the lowest lane.

@@ -32,7 +32,7 @@ this chunking *is* a heuristic (stages cannot span two chunks). Chunks are sched
 ≤ s disjoint pieces among the state's pieces (each ≤ r ops), so the work is O(states · Σ_{j≤s} C(pieces, j)),
 exponential in the chunk's width; the chunk bounds keep it small. Cut ops cost O(V + E) (dominators) and chunking
 O(V · max_states). ``benchmarks/hios_sim.py`` records the scheduling time on 50/120/400-op random DAGs (HIOS
-shape, 14 layers): about 0.2 / 0.6 / 2 s in CPython 3.11 on a busy 2-core machine.
+shape, 14 layers; ``ios_timing`` in ``benchmarks/results/hios_sim.json``).
 
 Output: ``stage_of`` = global stage index, ``stream_of`` = group index inside the stage, device 0 everywhere,
 ``predicted_ms`` = sum of stage latencies (which the ideal replay of the plan reproduces: every op of a stage has

@@ -116,7 +116,8 @@ def _mlp(*sizes: int, last_relu: bool = True) -> nn.Sequential:
 
 def _run(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     """``layers(x)`` without the module-call machinery: the same ``linear`` and ``relu`` calls, so the same bits,
-    about 5 µs less per layer (a step of the walk runs 7 layers, and GPG's speed is the point of it)."""
+    without a module call's Python overhead per layer (a step of the walk runs 7 layers, and GPG's speed is the
+    point of it)."""
     for layer in layers:
         x = F.linear(x, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else torch.relu(x)
     return x
@@ -387,8 +388,8 @@ def _load(path: str, mtime: int) -> GPG:
 
 def one_thread() -> AbstractContextManager[int]:
     """Run torch with one intra-op thread, then restore the setting (:func:`opweave.cores.intra_op_threads`). The
-    networks are tiny: a second thread only adds synchronization (a 60-op DAG: 0.06 s with one thread, 0.6-2.6 s
-    with two on a busy 2-core machine)."""
+    networks are tiny: a second thread only adds synchronization, which made a small DAG's partition many times
+    slower (docs/design.md, §3.7)."""
     return intra_op_threads(1)
 
 

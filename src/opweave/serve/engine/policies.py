@@ -76,7 +76,7 @@ class Heuristic(Policy):
     the device is busy concurrent parts only slow each other down and full batches are what raises throughput;
     then a second instance of a model only helps when one full batch cannot take its queue. An earlier version
     that always spread the H slots over the models (pipelining at any load) split the batches at high load and
-    lost to ``batch``: p50 3.0 ms against 1.7 ms for SqueezeNet at 32 x 240 FPS in simulation (H100 preset).
+    lost to ``batch`` on latency (docs/serving.md, Policies).
     The rule keeps every instance in flight running at every step: about H instances, H slots.
 
     **Combination.** The ready slots, oldest request first, greedily up to H (ties: the slot further along, which

@@ -69,9 +69,9 @@ class TopPolicy(Policy):
     patterns are single-model, and their agents decided on a state whose queue part was always zero. The lengths
     carry the deviations (their differences) and the load. The logarithm: nothing caps the instances in flight (the
     launcher sets a frequency only), and past the device's capacity they pile up at a block by the hundreds
-    (ResNet-50 at 64 × 240/s, 0.1 ms intervals: up to 1564), inputs that saturated the actors. **σ** is the
-    variance of the queue lengths pooled over the n samples and the W models (with one model, the variance of its
-    queue over time: TOP's σ across queues would always be 0).
+    (docs/serving.md, ``top``), inputs that saturated the actors. **σ** is the variance of the queue lengths pooled
+    over the n samples and the W models (with one model, the variance of its queue over time: TOP's σ across queues
+    would always be 0).
 
     **Actions (§V-B "A").** Launcher: a⁰ ∈ [0, 1]^W, model m's interval 10^{-4(1 − a)} s, i.e. (0, 1] s as TOP
     says, mapped log-uniformly onto [0.1 ms, 1 s] (a linear map spends almost the whole range on intervals far
@@ -183,8 +183,8 @@ class TopPolicy(Policy):
         blocks far apart in a model are those that a pipeline of its instances holds ready at once, so a group of
         them can run full; a group of neighbouring blocks is never ready at once for one instance, and with every
         block alone (the previous start) the engine's tie order runs block 0 first, so new instances keep
-        overtaking those in flight (SqueezeNet's pattern, simulated H100, 0.3 ms intervals: sustainable scale 61 with
-        this combination, 17 with every block alone)."""
+        overtaking those in flight: the highest sustainable load was far lower than with the strided start
+        (docs/serving.md, ``top``)."""
         if not self.models:
             return []
         return self.combination([[START_LAUNCH] * len(self.models)] + self.start_actions())
