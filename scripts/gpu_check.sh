@@ -13,7 +13,7 @@
 # SHA); a lease runs an odd plan first, then at once, while the machine is warm, the even one after it. A
 # configuration (model, batch, dtype) took 46-152 s with the modes below (an H200, 2026-11-28, the sum of its rows'
 # mode_s: googlenet at batch 8 fp32 to nasnet_a_mobile at batch 1 fp32; max-autotune's segments compiled by Inductor
-# now add 11-61 s on googlenet and inception_v3):
+# add more, docs/gpu.md says how much where it was measured):
 #   lease, lease2  (ran 2026-11-28) batch 8 fp16 and batch 1 fp32
 #   lease3, lease4 (ran 2026-11-28, a second machine) every CUDA test; randwire at batch 8 fp16, nasnet_a_mobile and
 #            randwire at batch 1 fp32, googlenet and inception_v3 at batch 8 fp32; then lease6 with a 175 s limit
