@@ -184,6 +184,15 @@ def start(root: Path, extra: list[str], device: str, src: Path | None = None) ->
     return proc, line.strip().rsplit(" ", 1)[1], time.perf_counter() - begin
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """End a server started by :func:`start`: asked to drain and stop, killed if it has not within 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def infer(client, url: str, name: str, payload: tuple[bytes, dict]):
     """One request; its latency (ms) and output tensors."""
     import torch
@@ -300,11 +309,7 @@ def one_count(n: int, entries: list[Path], args, references: list[Reference]) ->
                 row["unload"] = unload_half(proc, url, names, rss, args.baseline_mb)
             return row
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
 
 
 def steady_versus(entries: list[Path], args, reference: Reference, rounds: int = 10) -> dict:
@@ -329,8 +334,7 @@ def steady_versus(entries: list[Path], args, reference: Reference, rounds: int =
                                      for _ in range(max(1, args.requests // rounds))]
         finally:
             for proc, _, _ in servers.values():
-                proc.terminate()
-                proc.wait(30)
+                stop(proc)
     return {k: percentiles(v) if isinstance(v, list) else v for k, v in times.items()} | {
         "baseline_src": str(args.baseline_src), "rounds": rounds}
 

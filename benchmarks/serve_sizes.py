@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 import _common as common
-from serve_many import Reference, infer, percentiles, start
+from serve_many import Reference, infer, percentiles, start, stop
 
 QUICK_SIZES = "2-4"
 
@@ -148,11 +148,7 @@ def one_model(model: str, args) -> dict:
             steady.stop.set()
             steady.join(120)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
 
     def window(begin: float, end: float) -> dict:
         return percentiles([ms for done, ms in steady.times if begin < done <= end])
