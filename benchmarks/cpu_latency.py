@@ -551,15 +551,18 @@ def verdict(summary: list[dict], rows: list[dict]) -> str:
 
     def build_s(s: dict, mode: str) -> str:
         row = next((r for r in rows if (r["model"], r["batch"], r["mode"]) == (s["model"], s["batch"], mode)), {})
-        return f"{row['compile_s']:.1f}" if "compile_s" in row else ""
+        if "compile_s" not in row:
+            return ""
+        return f"{row['first_s']:.1f} / {row['compile_s']:.1f}" if "first_s" in row else f"{row['compile_s']:.1f}"
 
     def ratio(s: dict, name: str) -> str:
         if f"{name}_vs_torch_compile" not in s:
             return ""
         return ("~" if s[f"{name}_spreads_overlap"] else "") + f"{s[f'{name}_vs_torch_compile']:.2f}x"
 
+    tiered = any("first_s" in r for r in rows if r["mode"] == "opweave default")
     lines = ["**against torch.compile** (ratio of medians, above 1 faster; ~: the p10-p90 spreads overlap; cold "
-             "builds in s)", "",
+             "builds in s" + ("; the default's: its first output / its last tier landed)" if tiered else ")"), "",
              "| model | batch | default | max-autotune | default's pick | build: torch.compile | default | "
              "max-autotune |", "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for s in shown:
@@ -625,9 +628,17 @@ def advice(data: dict) -> str:
         text += (", and below 0.95× within the spread on " + ", ".join(
             f"{s['model']} at batch {s['batch']} ({s['default_vs_torch_compile']:.2f}×)" for s in within)
             if within else "") + "."
-    text += (" It builds in "
-            f"{span(builds('opweave default'), 's')}, {span([s['default_build_vs_torch_compile'] for s in summary])} "
-            f"the time of `torch.compile`'s first compile ({span(builds('torch.compile'), 's')}).")
+    firsts = [r["first_s"] for r in rows if r["mode"] == "opweave default" and "first_s" in r and "error" not in r]
+    if firsts:  # tiered: its first tier answers, its last lands later
+        text += (f" It answers its first call {span(firsts, 's')} after it is asked to compile, "
+                 f"{span([s['default_first_vs_torch_compile'] for s in summary])} the time of `torch.compile`'s "
+                 f"first compile ({span(builds('torch.compile'), 's')}), and its last tier lands after "
+                 f"{span(builds('opweave default'), 's')}.")
+    else:
+        text += (" It builds in "
+                 f"{span(builds('opweave default'), 's')}, "
+                 f"{span([s['default_build_vs_torch_compile'] for s in summary])} "
+                 f"the time of `torch.compile`'s first compile ({span(builds('torch.compile'), 's')}).")
     autotuned = [s for s in summary if "max_autotune_vs_torch_compile" in s]
     if autotuned:
         text += (f" `mode=\"max-autotune\"` is {span([s['max_autotune_vs_torch_compile'] for s in autotuned])} "
@@ -636,14 +647,14 @@ def advice(data: dict) -> str:
     tuned = [s for s in data["summary"] if "default_vs_best_peer" in s]
     if tuned:
         ahead = sum(s["default_vs_best_peer"] >= 1 for s in tuned)
+        close = sum(s["default_vs_best_peer_overlap"] for s in tuned)
         text += (f" Against the better of `torch.compile` with freezing and ONNX Runtime on the whole model, the peers "
                  f"CPU users tune, the default once its tiers have landed is "
-                 f"{span([s['default_vs_best_peer'] for s in tuned])} ({ahead} of {len(tuned)} at 1.00× or above)")
-        firsts = [s["default_first_vs_torch_compile"] for s in tuned if "default_first_vs_torch_compile" in s]
+                 f"{span([s['default_vs_best_peer'] for s in tuned])} ({ahead} of {len(tuned)} at 1.00× or above, "
+                 f"{close} within the spread)")
         lasts = [s["default_last_tier_vs_freezing"] for s in tuned if "default_last_tier_vs_freezing" in s]
-        if firsts and lasts:
-            text += (f"; its first output comes {span(firsts)} into `torch.compile`'s cold compile, its last tier "
-                     f"lands {span(lasts)} into the freezing compile's")
+        if lasts:
+            text += f", its last tier landing {span(lasts)} the time of the freezing compile"
         text += "."
     return text
 
