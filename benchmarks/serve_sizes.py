@@ -40,7 +40,9 @@ import time
 from pathlib import Path
 
 import _common as common
+import torch
 from serve_many import Reference, infer, percentiles, start, stop
+from torch.utils import _pytree as pytree
 
 QUICK_SIZES = "2-4"
 
@@ -72,8 +74,6 @@ class Sized(Reference):
     """The exported model's request at ``batch`` samples (seeded random inputs) and what the program answers."""
 
     def __init__(self, entry: Path, batch: int, seed: int):
-        import torch
-
         super().__init__(entry)
         generator = torch.Generator().manual_seed(seed)
         inputs = []
@@ -82,10 +82,10 @@ class Sized(Reference):
             inputs.append((name, datatype, torch.randn(shape, generator=generator).to(x.dtype)
                            if x.dtype.is_floating_point else x.expand(shape).contiguous()))
         self.inputs = inputs
-        program = torch.export.load(str(next(entry.rglob("model.pt2"))))
-        with torch.no_grad():
-            from torch.utils import _pytree as pytree
-            self.expected = pytree.tree_leaves(program.module()(*[x for _, _, x in self.inputs]))
+        module = torch.export.load(str(next(entry.rglob("model.pt2")))).module()
+        with torch.no_grad():  # sample by sample: the program was exported at batch 1
+            rows = [pytree.tree_leaves(module(*[x[i:i + 1] for _, _, x in self.inputs])) for i in range(batch)]
+        self.expected = [torch.cat(column) for column in zip(*rows, strict=True)]
         self.payload = self.body()
 
 
@@ -187,8 +187,6 @@ def markdown(data: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch  # noqa: F401 - loaded once here, before the children
-
     models = []
     for model in [m for m in args.models.split(",") if m]:
         common.console.print(f"{model}: sizes {args.sizes} beside steady traffic ...")
