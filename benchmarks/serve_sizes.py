@@ -14,9 +14,13 @@ one after the other:
 * **sweep**: while that client goes on, a second client sends each batch size of ``--sizes`` in turn (each new to
   the server: ``first_ms``), then ``--calls`` more at that size (``steady_ms``, their median; ``ratio`` = first over
   steady); the steady client's latencies from the sweep's first request to its last answer are ``during``;
+* **repeat**: the same sweep again, every size served before: the same load without anything new
+  (``during_repeat``);
 * **after**: ``--alone-s`` seconds alone again (the machine's load may have moved: both alone phases are reported).
 
-``p99_ratio`` is the steady client's 99th percentile during the sweep over its 99th percentile alone (before).
+``p99_ratio`` is the steady client's 99th percentile during the sweep over its 99th percentile alone (before);
+``p99_ratio_vs_repeat`` over its 99th percentile during the repeat: what the sizes being new cost the steady
+traffic, beside what their work on the shared cores costs it.
 Every answer (steady and swept) is held against the exported program run eagerly on the same inputs
 (:func:`opweave.outputs.compare`): ``all_equal_eager``.
 
@@ -108,6 +112,19 @@ class Steady(threading.Thread):
                 self.right = self.right and self.ref.equal(out)
 
 
+def one_size(client, url: str, model: str, n: int, ref: Reference, calls: int) -> dict:
+    """Size ``n``'s request once (``first_ms``), then ``calls`` times more (their median, ``steady_ms``); whether
+    every answer equals eager."""
+    first_ms, out = infer(client, url, model, ref.payload)
+    right, again = ref.equal(out), []
+    for _ in range(calls):
+        ms, out = infer(client, url, model, ref.payload)
+        again.append(ms)
+        right = right and ref.equal(out)
+    median = statistics.median(again)
+    return {"size": n, "first_ms": first_ms, "steady_ms": median, "ratio": first_ms / median, "equal_to_eager": right}
+
+
 def one_model(model: str, args) -> dict:
     import httpx
 
@@ -129,22 +146,13 @@ def one_model(model: str, args) -> dict:
             t0 = time.perf_counter()
             time.sleep(args.alone_s)
             t1 = time.perf_counter()
-            rows = []
             with httpx.Client(timeout=120) as client:
-                for n in sizes:
-                    first_ms, out = infer(client, url, model, swept[n].payload)
-                    right = swept[n].equal(out)
-                    again = []
-                    for _ in range(args.calls):
-                        ms, out = infer(client, url, model, swept[n].payload)
-                        again.append(ms)
-                        right = right and swept[n].equal(out)
-                    median = statistics.median(again)
-                    rows.append({"size": n, "first_ms": first_ms, "steady_ms": median, "ratio": first_ms / median,
-                                 "equal_to_eager": right})
-            t2 = time.perf_counter()
-            time.sleep(args.alone_s)
+                rows = [one_size(client, url, model, n, swept[n], args.calls) for n in sizes]
+                t2 = time.perf_counter()  # the same sweep again: every size served before, the same load
+                repeat = [one_size(client, url, model, n, swept[n], args.calls) for n in sizes]
             t3 = time.perf_counter()
+            time.sleep(args.alone_s)
+            t4 = time.perf_counter()
             steady.stop.set()
             steady.join(120)
         finally:
@@ -153,27 +161,31 @@ def one_model(model: str, args) -> dict:
     def window(begin: float, end: float) -> dict:
         return percentiles([ms for done, ms in steady.times if begin < done <= end])
 
-    alone, during, after = window(t0, t1), window(t1, t2), window(t2, t3)
+    alone, during, repeated, after = window(t0, t1), window(t1, t2), window(t2, t3), window(t3, t4)
     return {"model": model, "load_average": load_average, "ready_s": ready_s, "alone": alone, "during": during,
-            "after": after, "p99_ratio": during["p99_ms"] / alone["p99_ms"],
+            "during_repeat": repeated, "after": after, "p99_ratio": during["p99_ms"] / alone["p99_ms"],
+            "p99_ratio_vs_repeat": during["p99_ms"] / repeated["p99_ms"],
             "p99_ratio_after": during["p99_ms"] / after["p99_ms"], "sizes": rows,
             "first_over_steady_median": statistics.median(r["ratio"] for r in rows),
             "first_over_steady_max": max(r["ratio"] for r in rows),
-            "all_equal_eager": steady.right and all(r["equal_to_eager"] for r in rows)}
+            "all_equal_eager": steady.right and all(r["equal_to_eager"] for r in rows + repeat)}
 
 
 def markdown(data: dict) -> str:
     m = data["machine"]
     lines = [f"# New batch sizes sent to a server beside steady traffic ({m['cpus_usable']}-core CPU, torch "
              f"{m['torch']}, {m['date'][:16].replace('T', ' ')} UTC)", "",
-             "Steady: batch-1 requests one after the other; its p99 alone, during the sweep of new sizes, and alone "
-             "again after. Each new size: its first request over the median of the requests after it.", "",
-             "| model | sizes | steady p99 alone / during / after ms | during over alone | new size first / steady: "
-             "median, largest | answers equal eager |", "|---|---|---|---|---|---|"]
+             "Steady: batch-1 requests one after the other; its p99 alone, during the sweep of new sizes, during the "
+             "same sweep repeated (nothing new), and alone again after. Each new size: its first request over the "
+             "median of the requests after it.", "",
+             "| model | sizes | steady p99 alone / during / repeat / after ms | during over alone | during over "
+             "repeat | new size first / steady: median, largest | answers equal eager |",
+             "|---|---|---|---|---|---|---|"]
     for r in data["models"]:
         sizes = [s["size"] for s in r["sizes"]]
         lines.append(f"| {r['model']} | {sizes[0]}-{sizes[-1]} | {r['alone']['p99_ms']:.1f} / "
-                     f"{r['during']['p99_ms']:.1f} / {r['after']['p99_ms']:.1f} | {r['p99_ratio']:.2f}x | "
+                     f"{r['during']['p99_ms']:.1f} / {r['during_repeat']['p99_ms']:.1f} / {r['after']['p99_ms']:.1f} | "
+                     f"{r['p99_ratio']:.2f}x | {r['p99_ratio_vs_repeat']:.2f}x | "
                      f"{r['first_over_steady_median']:.2f}x, "
                      f"{r['first_over_steady_max']:.2f}x | {r['all_equal_eager']} |")
     lines += ["", "Per size (ms):", "", "| model | size | first | steady | ratio | equal |",
