@@ -321,6 +321,33 @@ def test_the_race_times_each_call_right_after_an_untimed_call_of_the_same_functi
     assert trace == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"] and len(timed) == 6
 
 
+def test_the_default_times_a_candidate_as_a_loop_calls_it_not_in_the_wake_of_another(monkeypatch):
+    """A candidate whose first calls after another one's run slow (a decode step's kernels after a plan's calls)
+    is timed as a loop calling it back to back sees it: the CPU race keeps the one that is faster in a loop."""
+    from opweave.pipeline import search
+
+    trace: list[str] = []
+
+    def after_own(label: str) -> int:  # calls of ``label`` in a row just before the one being timed
+        run = 0
+        for seen in reversed(trace[:-1]):
+            if seen != label:
+                break
+            run += 1
+        return run
+
+    def timer(label, fn):
+        fn()
+        if label == "model":  # slow for its first calls after the plan's, then fastest
+            return 7.5 if after_own("model") >= 3 else 40.0
+        return 14.0
+
+    monkeypatch.setattr(search, "TIMER", timer)
+    built = {k: (lambda k=k: trace.append(k)) for k in ("plan", "model")}
+    best, medians = search.fastest(built, ())
+    assert best == "model" and medians["model"] == 7.5
+
+
 def test_a_call_timed_before_the_race_is_its_first_round():
     """A compiled candidate's check is timed right after the call that compiled it, as a round would time it: the
     race takes it as that candidate's first timed call, calls it no more in that round, and counts it in the budget."""
