@@ -356,6 +356,10 @@ def export(model: Annotated[str, typer.Argument(help="zoo name, timm:NAME or hf:
                                                   "config, where requests can stack")] = 8,
            image_size: Annotated[int | None, typer.Option("--image-size", min=1, help="input size of a zoo "
                                                           "CNN")] = None,
+           free_dim: Annotated[list[str] | None, typer.Option(
+               "--free-dim", metavar="INPUT:DIM=MIN-MAX", help="a dimension whose size may vary between requests (a "
+               "sequence length), served at any size in MIN..MAX; INPUT:DIM,INPUT:DIM=MIN-MAX for dimensions that are "
+               "always equal; repeat for more")] = None,
            force: Annotated[bool, typer.Option("--force", help="replace an entry that exists")] = False):
     """Write MODEL as an entry of a model repository: REPOSITORY/NAME/VERSION/model.pt2 (torch.export) and
     REPOSITORY/NAME/config.pbtxt (its inputs' and outputs' names, datatypes and shapes, and max_batch_size, as
@@ -368,7 +372,9 @@ def export(model: Annotated[str, typer.Argument(help="zoo name, timm:NAME or hf:
     else:
         made, inputs = exporting.from_zoo(model, image_size)
         entry = name or exporting.entry_name(model)
-    served = exporting.export(made, inputs, repository, entry, version=version, max_batch=max_batch, force=force)
+    free = exporting.parse_free_dims(free_dim)
+    served = exporting.export(made, inputs, repository, entry, version=version, max_batch=max_batch, force=force,
+                              free=free)
     shapes = ", ".join(f"{s.name} {s.datatype} {list(s.shape)}" for s in served.inputs)
     err.print(f"wrote {repository / entry / str(version) / 'model.pt2'} and {repository / entry / 'config.pbtxt'} "
               f"(inputs {shapes}; {len(served.blocked.blocks)} blocks); serve it: opweave serve --model-repository "

@@ -156,6 +156,8 @@ def make_engine(models: dict[str, ServedModel], *, device: str = "cpu", options:
     else:
         executor = CpuExecutor(blocked, options)
         clock = RealClock()
+    for name, m in blocked.items():
+        executor.check_sizes(name, m)
     policy = policy or default_policy(device)
     engine = Engine(executor, policies.create(policy, **(policy_options or {})), clock, max_queue=max_queue,
                     max_batch=max_batch, max_sub_blocks=max_sub_blocks, timeout_s=timeout_s)

@@ -5,6 +5,7 @@ the tensor specs the Open Inference Protocol reports (names, shapes with -1 for 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +41,25 @@ def check_name(name: str, what: str = "model name") -> None:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One input or output as the protocol describes it; ``shape[0]`` is -1 when requests may carry any batch."""
+    """One input or output as the protocol describes it; ``shape[0]`` is -1 when requests may carry any batch, and
+    another dimension is -1 where its size may vary between requests (a sequence length), within ``ranges``: per such
+    dimension ``(dimension, smallest, largest, symbol)``; the dimensions of one symbol, in any input, are equal in a
+    request (an output's largest is -1: it follows from the inputs)."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
+    ranges: tuple[tuple[int, int, int, str], ...] = ()
+
+    @property
+    def batched(self) -> bool:
+        """Whether dimension 0 is the batch (-1, and not a varying size of its own)."""
+        return self.shape[:1] == (-1,) and all(r[0] != 0 for r in self.ranges)
+
+    def largest(self, batch: int) -> tuple[int, ...]:
+        """The largest shape a request at ``batch`` samples may give it."""
+        top = {r[0]: r[2] for r in self.ranges}
+        return tuple(batch if (i == 0 and self.batched) else top.get(i, d) for i, d in enumerate(self.shape))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,22 +124,68 @@ def load(name: str, *, path: Path | None = None, device: str = "cpu", max_batch:
     blocked = split(captured, example, cuts=cuts, name=name)
     batch = max_batch if blocked.stackable else 1
     names = getattr(module, "input_names", None) or [node.name for node in blocked.input_values]
-    inputs = tuple(_spec(n, x, blocked.stackable) for n, x in
-                   zip(names, blocked.flat_inputs(example), strict=True))
+    flat = blocked.flat_inputs(example)
+    # a TorchScript module's sizes are its config's, fixed (its conversion may leave them free)
+    scripted = path is not None and Path(path).suffix != ".pt2"
+    free_in, free_out = ([], []) if scripted else varying(module, flat, blocked.stackable)
+    blocked.sizes_vary = any(free_in)
+    inputs = tuple(_spec(n, x, blocked.stackable, ranges) for n, x, ranges in
+                   zip(names, flat, free_in or [()] * len(flat), strict=True))
     with torch.no_grad():
         result = blocked.run(*example)
     leaves = pytree.tree_leaves(result)
-    outputs = tuple(_spec(f"output__{i}", t, blocked.stackable) for i, t in enumerate(leaves))
+    if len(free_out) != len(leaves):
+        free_out = [()] * len(leaves)
+    outputs = tuple(_spec(f"output__{i}", t, blocked.stackable, ranges)
+                    for i, (t, ranges) in enumerate(zip(leaves, free_out, strict=True)))
     return ServedModel(name, blocked, inputs, outputs, batch, source)
 
 
-def _spec(name: str, value, stackable: bool) -> TensorSpec:
+def varying(module, inputs: tuple, stackable: bool) -> tuple[list[tuple], list[tuple]]:
+    """The dimensions of a ``torch.export`` program's inputs and outputs whose sizes it leaves free, besides the
+    batch where instances stack: per input and per output ``((dimension, smallest, largest, symbol), ...)``. An
+    input's range is the program's own, its largest the example's size where the program leaves it unbounded (the
+    server bounds what a request may make it hold); dimensions of one ``symbol`` must be equal in a request (the
+    program's guards say so). An output's largest is -1 (it follows from the inputs). Nothing varies in a program
+    without free dimensions, or in another model."""
+    program = getattr(module, "exported", None)
+    if program is None:
+        return [], []
+    first = 1 if stackable else 0
+
+    def free(value, example=None) -> tuple:
+        out: list[tuple[int, int, int, str]] = []
+        for d, size in enumerate(value.shape if isinstance(value, torch.Tensor) else ()):
+            if d < first or not isinstance(size, torch.SymInt):
+                continue
+            expr = size.node.expr
+            found = program.range_constraints.get(expr)
+            fixed = int(example.shape[d]) if isinstance(example, torch.Tensor) else -1
+            low = int(found.lower) if found is not None else 1
+            upper = float(found.upper) if found is not None else math.inf
+            high = int(upper) if upper != math.inf and example is not None else fixed
+            out.append((d, low, high, str(expr)))
+        return tuple(out)
+
+    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    users = [values.get(s.arg.name) for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    free_in = [free(v, x) for v, x in zip(users, inputs, strict=False)]
+    if not any(free_in):
+        return [], []
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    returned = [spec.arg.name for spec in program.graph_signature.output_specs if spec.kind.name == "USER_OUTPUT"]
+    nodes = {getattr(a, "name", None): a for a in pytree.tree_leaves(output.args)}
+    free_out = [free(nodes[name].meta.get("val")) if name in nodes else () for name in returned]
+    return free_in, free_out
+
+
+def _spec(name: str, value, stackable: bool, ranges: tuple = ()) -> TensorSpec:
     if not isinstance(value, torch.Tensor) or value.dtype not in DATATYPES:
         raise UsageError(f"{name}: only tensors of {', '.join(str(d) for d in DATATYPES)} can be served, "
                          f"got {type(value).__name__}")
-    shape = tuple(value.shape)
-    return TensorSpec(name, DATATYPES[value.dtype], ((-1,) + shape[1:]) if stackable else shape)
+    shape = tuple(-1 if any(r[0] == i for r in ranges) else n for i, n in enumerate(value.shape))
+    return TensorSpec(name, DATATYPES[value.dtype], ((-1,) + shape[1:]) if stackable else shape, tuple(ranges))
 
 
 __all__ = ["DATATYPES", "DTYPES", "RESERVED_NAMES", "ServedModel", "TensorSpec", "check_name", "load",
-           "parse_model_files", "reserved"]
+           "parse_model_files", "reserved", "varying"]

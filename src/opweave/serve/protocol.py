@@ -21,10 +21,13 @@ binary data, or gRPC's typed contents) is refused, naming it, unless the model's
 ``Inference-Header-Content-Length`` digits only (the spaces and tabs around a field's value are not part of it: RFC
 9110, section 5.5). An integer of more digits than Python converts is refused in the server's own words.
 
-Sizes: :func:`request_limit` is the most bytes a valid request for a model can take (its inputs at its max batch,
-:data:`JSON_BYTES_PER_VALUE` a value); the front ends refuse a larger body before reading or decoding it. An answer
-costs no more than its model's outputs and a short head: an output asked for twice is refused (as Triton does), an
-echoed ``id`` is cut, and :func:`response_bytes` bounds what a response takes, all of it, before it is encoded.
+Sizes: an input's shape is its model's, -1 standing for the batch and for a dimension whose size varies (a sequence
+length: within the range the model's program gives it, and equal wherever the program takes two dimensions equal).
+:func:`request_limit` is the most bytes a valid request for a model can take (its inputs at its max batch, their
+varying dimensions at their largest, :data:`JSON_BYTES_PER_VALUE` a value); the front ends refuse a larger body
+before reading or decoding it. An answer costs no more than its model's outputs and a short head: an output asked for
+twice is refused (as Triton does), an echoed ``id`` is cut, and :func:`response_bytes` bounds what a response takes,
+all of it, before it is encoded.
 
 The checks live in :func:`decode_request`, which the gRPC front end (:mod:`opweave.serve.grpc.messages`) calls too: it
 turns a ``ModelInferRequest`` into the same request object, its ``raw_input_contents`` standing for binary data.
@@ -72,7 +75,7 @@ def request_limit(model: ServedModel, per_value: int = JSON_BYTES_PER_VALUE, flo
     value of its inputs at its max batch (or ``batch``) (:data:`JSON_BYTES_PER_VALUE` covers JSON and binary data
     alike, :data:`RAW_BYTES_PER_VALUE` gRPC's contents); at least ``floor`` (the operator's ``--max-body-mb``)."""
     batch = model.max_batch if batch is None else batch
-    values = sum(math.prod(batch if d == -1 else d for d in s.shape) for s in model.inputs)
+    values = sum(math.prod(s.largest(batch)) for s in model.inputs)
     return max(floor, HEADER_BYTES + per_value * values)
 
 
@@ -277,6 +280,7 @@ def decode_request(model: ServedModel, request: Any, raw: RawData | None = None,
     missing = [n for n in specs if n not in given]
     if missing:
         raise ProtocolError(f"missing input {missing[0]!r} for model {model.name!r}")
+    _check_equal_sizes(model, given)
     refuse_non_finite(request, skip=tuple(e["data"] for e in entries if isinstance(e.get("data"), list)))
     timeout = params.get("timeout")
     if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or
@@ -314,13 +318,29 @@ def _check_shape(model: ServedModel, spec: TensorSpec, shape: list[int], batch: 
     want = list(spec.shape)
     if len(shape) != len(want) or any(w not in (-1, d) for w, d in zip(want, shape, strict=True)):
         raise ProtocolError(f"input {spec.name!r}: shape {shape}, expected {want}")
-    if want and want[0] == -1:
+    for dim, low, high, _ in spec.ranges:
+        if not low <= shape[dim] <= high:
+            raise ProtocolError(f"input {spec.name!r}: dimension {dim} is {shape[dim]}, outside {low}..{high}")
+    if spec.batched:
         if not 1 <= shape[0] <= model.max_batch:
             raise ProtocolError(f"input {spec.name!r}: batch {shape[0]} is outside 1..{model.max_batch}")
         if batch is not None and shape[0] != batch:
             raise ProtocolError(f"input {spec.name!r}: batch {shape[0]} differs from the other inputs' {batch}")
         return shape[0]
     return batch
+
+
+def _check_equal_sizes(model: ServedModel, given: dict[str, torch.Tensor]) -> None:
+    """The dimensions the model takes equal (one symbol of :attr:`TensorSpec.ranges`) are equal in the request: a
+    request the model would fail on never reaches it (beside other requests run with it)."""
+    seen: dict[str, tuple[str, int, int]] = {}
+    for spec in model.inputs:
+        for dim, _, _, symbol in spec.ranges:
+            size = given[spec.name].shape[dim]
+            first = seen.setdefault(symbol, (spec.name, dim, size))
+            if first[2] != size:
+                raise ProtocolError(f"input {spec.name!r}: dimension {dim} is {size}, input {first[0]!r}'s dimension "
+                                    f"{first[1]} is {first[2]}: model {model.name!r} takes them equal")
 
 
 def decode_tensor(data: bytes, spec: TensorSpec, shape: list[int]) -> torch.Tensor:

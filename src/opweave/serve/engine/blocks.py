@@ -214,6 +214,9 @@ class BlockedModel:
 
     ``stackable``: instances of this model may be stacked along dimension 0 (every block input and output leaf has
     the batch as its first dimension, checked at batch 1 and 2); otherwise every instance holds one request.
+    ``sizes_vary``: requests may differ in sizes other than the batch (a sequence length: a ``torch.export`` program
+    exported with that dimension free); only requests of equal sizes stack, and each block serves the other sizes
+    with what it was built for (:meth:`opweave.serve.engine.cpu.CpuExecutor.build_block`).
     """
 
     name: str
@@ -223,6 +226,7 @@ class BlockedModel:
     blocks: list[Block]
     modules: list[fx.GraphModule]
     stackable: bool = True
+    sizes_vary: bool = False
     _captures: dict[tuple[int, int], Captured] = field(default_factory=dict, repr=False)
     _examples: list[tuple] = field(default_factory=list, repr=False)  # batch-1 inputs of each block (later: Shaped)
     _graphs: dict[tuple[int, int], OpGraph] = field(default_factory=dict, repr=False)

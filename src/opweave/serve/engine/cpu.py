@@ -15,6 +15,7 @@ import torch
 from opweave.backends.threads import total_threads
 from opweave.pipeline import Compiled, Options, build, resolve
 from opweave.pipeline.signatures import Batched, Builder, attach, bucket, rows
+from opweave.pipeline.sizes import Sizes
 from opweave.pipeline.targets import per_op_threads
 from opweave.pipeline.thread_budgets import op_budgets
 from opweave.serve.engine.blocks import BlockedModel
@@ -67,6 +68,7 @@ class CpuExecutor(TensorExecutor):
         self._blocks: dict[tuple[str, int], ServedBlock] = {}
         self._warmed: dict[tuple[str, int], ServedBlock] = {}  # a reload's blocks, built while the old ones serve
         self.builder = Builder()
+        self.varying_sizes = self.compiler is not None  # each block's session takes other sizes (build_block)
 
     @property
     def shared_pool(self) -> bool:
@@ -133,7 +135,8 @@ class CpuExecutor(TensorExecutor):
         blocked, index = served.blocked, served.index
         stack = blocked.stackable and self.compiler == "onnxruntime"
         batch = 2 if stack else 1
-        options = self.block_options(threads, True if stack else None if blocked.stackable else False)
+        free = stack or blocked.sizes_vary
+        options = self.block_options(threads, True if free else None if blocked.stackable else False)
         example = blocked.example(index, batch)
         compiled = build(blocked.captured_block(index, batch), example, options)
         built_with = compiled.options or options  # without dynamic where the block took no other batch
@@ -142,7 +145,11 @@ class CpuExecutor(TensorExecutor):
             size = rows(args)
             return build(blocked.captured_block(index, size), blocked.example(index, size), built_with)
 
-        attach(compiled, served.name, example, compile_for, bound=options.cache_size)
+        # Other sizes than the batch (a sequence length): run by what is built where its backend takes them, checked
+        # against the block itself at the first of them (that call answered by the block, the check beside it),
+        # else by the block itself; never built per size.
+        sizes = Sizes(compiled, blocked.modules[index], example) if blocked.sizes_vary else None
+        attach(compiled, served.name, example, compile_for, bound=options.cache_size, sizes=sizes)
         return Batched(compiled, bucket=bucket if blocked.stackable else int, builder=self.builder, name=served.name)
 
     def block_options(self, threads: int, dynamic: bool | None) -> Options:

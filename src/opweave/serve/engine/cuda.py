@@ -27,6 +27,7 @@ class CudaExecutor(TensorExecutor):
     models and inputs there)."""
 
     serves = "cuda"
+    varying_sizes = False  # one CUDA Graph per combination signature: a size of its own per recording
 
     def __init__(self, models: dict[str, BlockedModel], options: Options, *, pad: bool = True):
         self.runtime = options.runtime

@@ -5,7 +5,9 @@ One **step** (:meth:`Engine.step`):
 
 1. queued requests past their deadline are answered ``timeout``;
 2. the **task launcher** asks the policy for each model's :class:`~opweave.serve.engine.policy.Launch` and dequeues:
-   a dequeue takes requests first come first served, up to ``batch`` samples, into one new **inference instance**
+   a dequeue takes requests first come first served, up to ``batch`` samples of equal sizes (a model whose
+   sequence length varies stacks only requests of one length: :meth:`~opweave.serve.engine.executors.Executor.sizes`),
+   into one new **inference instance**
    (TOP §IV: "an instance can be a batch of inferences"), at most once per ``interval_s`` and while the model has
    fewer than ``max_instances`` instances in flight;
 3. the policy proposes **combined blocks** (groups of ``(model, block)`` slots, at most H each); the engine runs the
@@ -14,7 +16,8 @@ One **step** (:meth:`Engine.step`):
    proposed group has a ready slot while instances are ready, the oldest ready slot runs alone (a policy may not
    stall the engine; counted in ``stats["fallbacks"]``);
 4. in each chosen slot the ready instances of that model at that block are **stacked** along the batch dimension
-   (oldest first, up to the model's max batch) and stay one instance from then on (they are at the same place);
+   (oldest first, up to the model's max batch, those of the oldest's sizes) and stay one instance from then on
+   (they are at the same place);
 5. the executor runs the combined block; each instance keeps its block's output as its state (its intermediate
    between blocks, TOP §VI-A) and moves to its next block; an instance past its last block answers its requests.
 
@@ -370,7 +373,9 @@ class Engine:
                     s.wake = s.queue[0].arrival + launch.max_delay_s  # wait for a fuller batch
                     break
                 taken = [s.queue.popleft()]
-                while s.queue and sum(r.batch for r in taken) + s.queue[0].batch <= want:
+                sizes = self.executor.sizes(taken[0].inputs)
+                while s.queue and sum(r.batch for r in taken) + s.queue[0].batch <= want and \
+                        self.executor.sizes(s.queue[0].inputs) == sizes:
                     taken.append(s.queue.popleft())
                 for r in taken:
                     r.dequeued, r.status = now, "running"
@@ -408,8 +413,10 @@ class Engine:
         state = self.models[model]
         waiting = sorted((i for i in state.instances if i.block == block), key=lambda i: i.oldest)
         taken = [waiting[0]]
+        sizes = self.executor.sizes(waiting[0].state)
         for inst in waiting[1:]:
-            if sum(i.batch for i in taken) + inst.batch <= state.max_batch:
+            if sum(i.batch for i in taken) + inst.batch <= state.max_batch and \
+                    self.executor.sizes(inst.state) == sizes:
                 taken.append(inst)
         if len(taken) == 1:
             return taken[0]

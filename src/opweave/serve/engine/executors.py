@@ -67,6 +67,7 @@ class Executor:
 
     device = "none"
     serves = "cpu"  # the server its options are resolved for (serving_options' device)
+    varying_sizes = True  # serves a model whose sizes vary between requests (BlockedModel.sizes_vary)
 
     def __init__(self, models: dict[str, BlockedModel], options: Options, *, pad: bool = False):
         if options.serving != self.serves:
@@ -105,6 +106,15 @@ class Executor:
         self.stats["evictions"] += 1
         built.close()
 
+    def check_sizes(self, name: str, blocked: BlockedModel) -> None:
+        """A :class:`~opweave.errors.UsageError` where sizes of ``blocked`` vary between requests (a sequence length)
+        and this executor would build each size anew (:attr:`varying_sizes`)."""
+        if blocked.sizes_vary and not self.varying_sizes:
+            raise UsageError(f"model {name!r} takes sizes that vary between requests (a sequence length), which "
+                             f"opweave serves on the CPU with a segment compiler (onnxruntime, inductor), not on this "
+                             f"server ({self.device}, compiler {self.options.compiler}), where each size would be "
+                             "built anew: export it with fixed sizes")
+
     def warm_model(self, name: str, blocked: BlockedModel, max_batch: int, batches: tuple[int, ...] = ()) -> None:
         """Compile ahead what serving a model about to be added needs (on any thread, while the engine runs: it
         touches nothing the engine's thread reads); ``batches``: batch sizes its config asks to have ready (Triton's
@@ -122,6 +132,11 @@ class Executor:
 
     def merge(self, model: str, states: list[Any]) -> Any:
         """One state for instances stacked along the batch dimension, in order."""
+        return None
+
+    def sizes(self, state: Any) -> Any:
+        """What must be equal for two requests' inputs or instances' states to stack (:meth:`merge`): None where
+        anything stacks."""
         return None
 
     def run(self, parts: list[Part]) -> StepCost:
@@ -147,6 +162,11 @@ class TensorExecutor(Executor):
         if len(states) == 1:
             return states[0]
         return tuple(torch.cat(column) for column in zip(*states, strict=True))
+
+    def sizes(self, state: Any) -> Any:
+        """Every tensor's sizes but the batch (a sequence length differs between requests of a model whose sizes
+        vary: those stack only with their own)."""
+        return tuple(tuple(x.shape[1:]) if isinstance(x, torch.Tensor) else None for x in state or ())
 
     def outputs(self, model: str, state: Any, batches: list[int]) -> list[Any]:
         result = self.models[model].unflatten_output(state)

@@ -9,7 +9,8 @@ download) or the user's own (:func:`from_factory`: ``pkg.module:function`` retur
 The config says what the server will serve, because it is read off the program loaded as the server loads it
 (:func:`opweave.serve.models.load`): the inputs' names (the program's arguments), datatypes and shapes, and
 ``max_batch_size`` (``max_batch`` where requests may stack along the first dimension, without it in ``dims``; else 0,
-Triton's "does not batch", with the whole shape). Nothing of the entry is written unless that load succeeds (the
+Triton's "does not batch", with the whole shape), a dimension exported free (``--free-dim``: a sequence length) as -1.
+Nothing of the entry is written unless that load succeeds (the
 repository's directory is created for the staging), and an existing entry is replaced only when asked (``force``).
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from opweave.errors import UsageError, first_line
+from opweave.errors import UsageError, did_you_mean, first_line
 from opweave.serve.models import ServedModel, TensorSpec, load
 from opweave.serve.repository.layout import CONFIG, MODEL_FILE, NAME
 
@@ -67,10 +68,54 @@ def from_factory(spec: str) -> tuple[nn.Module, tuple]:
     return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
+def parse_free_dims(items: list[str] | None) -> list[tuple[list[tuple[str, int]], int, int]]:
+    """``--free-dim`` items, ``INPUT:DIM[,INPUT:DIM...]=MIN-MAX``: dimensions whose size may vary between requests
+    (a sequence length), one size for every dimension an item names (they are equal in each request), within
+    MIN..MAX."""
+    out = []
+    for item in items or []:
+        dims, sep, span = item.partition("=")
+        low, dash, high = span.partition("-")
+        named = [d.rpartition(":") for d in dims.split(",")]
+        if not sep or not dash or not low.isdigit() or not high.isdigit() or \
+                not all(n and colon and d.isdigit() for n, colon, d in named):
+            raise UsageError(f"--free-dim {item!r} must be INPUT:DIM[,INPUT:DIM...]=MIN-MAX, e.g. input_ids:1=8-128")
+        if not 1 <= int(low) <= int(high):
+            raise UsageError(f"--free-dim {item!r}: MIN-MAX must be a range of positive sizes")
+        out.append(([(n, int(d)) for n, _, d in named], int(low), int(high)))
+    return out
+
+
+def dynamic_shapes(model: nn.Module, example_inputs: tuple, free: list[tuple[list[tuple[str, int]], int, int]]
+                   ) -> dict | None:
+    """``torch.export``'s ``dynamic_shapes`` for ``free`` (:func:`parse_free_dims`), keyed by ``forward``'s argument
+    names: one ``Dim`` per item."""
+    if not free:
+        return None
+    import inspect
+
+    names = list(inspect.signature(model.forward).parameters)[:len(example_inputs)]
+    shapes: dict[str, dict | None] = dict.fromkeys(names)
+    for k, (dims, low, high) in enumerate(free):
+        dim = torch.export.Dim(f"free{k}", min=low, max=high)
+        for input_name, axis in dims:
+            if input_name not in shapes:
+                raise UsageError(f"--free-dim: the model takes no input {input_name!r} (its inputs: "
+                                 f"{', '.join(names)}){did_you_mean(input_name, names)}")
+            x = example_inputs[names.index(input_name)]
+            if not isinstance(x, torch.Tensor) or not 0 <= axis < x.dim():
+                raise UsageError(f"--free-dim: input {input_name!r} has no dimension {axis}")
+            shapes[input_name] = {**(shapes[input_name] or {}), axis: dim}
+    return shapes
+
+
 def export(model: nn.Module, example_inputs: tuple, root: str | Path, name: str, *, version: int = 1,
-           max_batch: int = 8, force: bool = False) -> ServedModel:
+           max_batch: int = 8, force: bool = False,
+           free: list[tuple[list[tuple[str, int]], int, int]] | None = None) -> ServedModel:
     """Write ``model`` (in eval mode) as entry ``name``, version ``version``, of the repository at ``root`` (created if
-    missing), see the module docstring; returns the model as the server will serve it."""
+    missing), see the module docstring; returns the model as the server will serve it. ``free``: dimensions whose
+    size may vary between requests (:func:`parse_free_dims`), exported free: the config gives them as -1 and the
+    server takes any size in their range."""
     if not NAME.fullmatch(name):
         raise UsageError(f"model name {name!r} is not a plain name (letters, digits, '_', '-', '.', not starting "
                          f"with '.', at most 128 characters): give --name")
@@ -84,7 +129,10 @@ def export(model: nn.Module, example_inputs: tuple, root: str | Path, name: str,
                          f"(--force replaces it)")
     try:
         with torch.no_grad():
-            program = torch.export.export(model.eval(), tuple(example_inputs), strict=False)
+            program = torch.export.export(model.eval(), tuple(example_inputs), strict=False,
+                                          dynamic_shapes=dynamic_shapes(model, tuple(example_inputs), free or []))
+    except UsageError:
+        raise
     except Exception as exc:  # noqa: BLE001 - whatever torch.export raised, said in one line
         raise UsageError(f"{name}: torch.export cannot export it ({first_line(exc)})") from None
     root.mkdir(parents=True, exist_ok=True)
@@ -117,4 +165,4 @@ def config_text(model: ServedModel, max_batch: int) -> str:
         text_format.MessageToString(config)
 
 
-__all__ = ["config_text", "entry_name", "export", "from_factory", "from_zoo"]
+__all__ = ["config_text", "dynamic_shapes", "entry_name", "export", "from_factory", "from_zoo", "parse_free_dims"]

@@ -359,6 +359,7 @@ class Repository:
         if named and sorted(named) != sorted(s.name for s in model.inputs):
             raise Refused("invalid", f"model {name!r}: its config lists inputs {shown(named)}, the program takes "
                                      f"{[s.name for s in model.inputs]} (opweave does not rename inputs)")
+        self.engine.executor.check_sizes(name, model.blocked)
         model.version = version
         self.engine.executor.warm_model(name, model.blocked, model.max_batch, warmup_batches(config))
         return model
