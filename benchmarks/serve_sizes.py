@@ -182,7 +182,8 @@ def one_model(model: str, args) -> dict:
 
     alone, during, repeated, after = window(t0, t1), window(t1, t2), window(t2, t3), window(t3, t4)
     return {"model": model, "swept": "length" if lengths else "batch", "load_average": load_average,
-            "ready_s": ready_s, "alone": alone, "during": during, "during_repeat": repeated, "after": after, "p99_ratio": during["p99_ms"] / alone["p99_ms"],
+            "ready_s": ready_s, "alone": alone, "during": during, "during_repeat": repeated, "after": after,
+            "p99_ratio": during["p99_ms"] / alone["p99_ms"],
             "p99_ratio_vs_repeat": during["p99_ms"] / repeated["p99_ms"],
             "p99_ratio_after": during["p99_ms"] / after["p99_ms"], "sizes": rows,
             "first_over_steady_median": statistics.median(r["ratio"] for r in rows),
@@ -195,8 +196,8 @@ def markdown(data: dict) -> str:
     lines = [f"# New sizes sent to a server beside steady traffic ({m['cpus_usable']}-core CPU, torch "
              f"{m['torch']}, {m['date'][:16].replace('T', ' ')} UTC)", "",
              "Steady: batch-1 requests (of the exported length) one after the other; its p99 alone, during the "
-             "sweep of new sizes, during the same sweep repeated (nothing new), and alone again after. Each new size: its first request over the "
-             "median of the requests after it.", "",
+             "sweep of new sizes, during the same sweep repeated (nothing new), and alone again after. Each new "
+             "size: its first request over the median of the requests after it.", "",
              "| model | swept | steady p99 alone / during / repeat / after ms | during over alone | during over "
              "repeat | new size first / steady: median, largest | answers equal eager |",
              "|---|---|---|---|---|---|---|"]
