@@ -81,7 +81,7 @@ class Static(Policy):
         chosen = oldest if passed >= (o.blocks if self.patience is None else self.patience) else shortest
         self.passed[m] = (obs.now - oldest.age_s, oldest.block, passed + (chosen is not oldest))
         first = (m, chosen.block)
-        return [(first,)] + [(s,) for s in order if s != first]
+        return [(s,) for s in [first, *(s for s in order if s != first)]]
 
     def describe(self) -> dict:
         return {"policy": self.name, "patience": self.patience}
