@@ -26,6 +26,8 @@ from opweave.errors import UsageError, did_you_mean
 from opweave.serve.engine.policy import Launch, Observation, Policy, Slot, oldest_first
 from opweave.serve.engine.top import TopPolicy
 
+ONE = Launch(batch=1, max_instances=1)  # one request per instance, one instance in flight
+
 
 class Static(Policy):
     """A plain server, the baseline: one request per instance, one block per step, no stacking and no combination;
@@ -62,9 +64,10 @@ class Static(Policy):
     def launch(self, obs: Observation) -> dict[str, Launch]:
         out = {}
         for m, o in obs.models.items():
-            left = [i.batch * (o.blocks - i.block) for i in o.instances]
-            smaller = bool(left) and 0 < o.head_batch * o.blocks < min(left)
-            out[m] = Launch(batch=1, max_instances=len(left) + 1 if smaller else 1)
+            out[m] = ONE
+            if o.instances and o.head_batch and o.head_batch * o.blocks < min(
+                    i.batch * (o.blocks - i.block) for i in o.instances):
+                out[m] = Launch(batch=1, max_instances=len(o.instances) + 1)
         return out
 
     def combine(self, obs: Observation) -> list[tuple[Slot, ...]]:
@@ -73,6 +76,9 @@ class Static(Policy):
             return []
         m = order[0][0]
         o = obs.models[m]
+        if len(o.instances) == 1:  # it runs: nothing is passed over
+            self.passed.pop(m, None)
+            return [(s,) for s in order]
         oldest = max(o.instances, key=lambda i: i.age_s)
         shortest = min(o.instances, key=lambda i: (i.batch * (o.blocks - i.block), -i.age_s))
         arrival, block, passed = self.passed.get(m, (math.nan, -1, 0))
