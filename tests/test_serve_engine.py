@@ -14,7 +14,7 @@ from opweave.serve.assemble import load_models, make_engine, serving_options
 from opweave.serve.engine import Arrival, Engine, Observer, QueueFull, blocks, policies, simulate_arrivals
 from opweave.serve.engine.combined import Part
 from opweave.serve.engine.cpu import CpuExecutor
-from opweave.serve.engine.executors import RealClock
+from opweave.serve.engine.executors import Executor, RealClock, StepCost
 from opweave.serve.engine.policy import Observation, Policy, SlotObs
 from opweave.serve.engine.simulation import SimClock, SimExecutor
 from opweave.serve.engine.top import TopPolicy
@@ -378,3 +378,83 @@ def test_loading_says_each_model_as_it_loads_and_compiles(tiny_file):
     assert made.executor.compiler is not None  # the CPU's default compiles each block
     assert said == ["loading deepfm (1/2): capture and blocks", "loading tiny (2/2): capture and blocks",
                     "compiling deepfm's blocks (1/2)", "compiling tiny's blocks (2/2)", "running every model once"]
+
+
+class Chain:
+    """Stands for a blocked model on :class:`Scripted`: only its block count and stackability are read."""
+
+    def __init__(self, blocks: int):
+        self.blocks, self.stackable = [None] * blocks, True
+
+
+class Scripted(Executor):
+    """A block costs 0.1 ms plus 1 ms per sample, as a CPU's does (its time grows with the batch)."""
+
+    def __init__(self, models):
+        self.models = models
+
+    def run(self, parts):
+        return StepCost(sum(1e-4 + 1e-3 * p.batch for p in parts))
+
+
+def chain_engine(policy="static", blocks=12, **options):
+    steps = Steps()
+    eng = Engine(Scripted({"m": Chain(blocks)}), policies.create(policy, **options), SimClock(), max_batch=16,
+                 observers=[steps])
+    return eng, steps
+
+
+def test_static_answers_a_small_request_before_the_large_one_in_flight_without_stacking_them():
+    eng, steps = chain_engine()
+    large = eng.submit("m", batch=13)
+    assert eng.step() and steps.parts == [[("m", 0, 13)]]
+    small = eng.submit("m", batch=1)
+    for _ in range(12):  # its 12 blocks, one a step, none waiting for the large one's
+        assert eng.step()
+    assert small.status == "done" and large.status == "running"
+    assert steps.parts[1:] == [[("m", b, 1)] for b in range(12)]
+    while eng.step():
+        pass
+    assert large.status == "done" and all(len(p) == 1 and p[0][2] in (1, 13) for p in steps.parts)  # never stacked
+
+
+def test_static_runs_requests_of_one_size_one_at_a_time_in_arrival_order():
+    eng, steps = chain_engine(blocks=3)
+    requests = [eng.submit("m", batch=4) for _ in range(3)]
+    assert eng.observe().models["m"].head_batch == 4
+    while eng.step():
+        pass
+    assert steps.parts == [[("m", b, 4)] for _ in requests for b in range(3)]
+    assert [r.finished for r in requests] == sorted(r.finished for r in requests)
+
+
+@pytest.mark.parametrize("patience", [None, 3])
+def test_static_never_starves_a_large_request_behind_a_stream_of_small_ones(patience):
+    """A batch-1 request always queued: the batch-13 one still moves, one block at least every patience + 2 of its
+    model's steps (patience: the model's 12 blocks unless given)."""
+    eng, steps = chain_engine(patience=patience)
+    large = eng.submit("m", batch=13)
+    for _ in range(400):
+        if large.status == "done":
+            break
+        if not eng.queue_lengths()["m"]:
+            eng.submit("m", batch=1)
+        assert eng.step()
+    assert large.status == "done"
+    ran = [i for i, p in enumerate(steps.parts) if p[0][2] == 13]
+    assert len(ran) == 12 and max(b - a for a, b in zip(ran, ran[1:], strict=False)) <= (patience or 12) + 2
+    assert sum(p[0][2] == 1 for p in steps.parts) >= 11 * (patience or 12)  # and small ones ran ahead of it
+
+
+def test_static_counts_a_requests_work_by_its_inputs_so_a_short_sequence_runs_before_a_long_one_in_flight():
+    """Two batch-1 requests of one model, one of 128 tokens and one of 16: counted in samples they were equal and the
+    short one waited for all of the long one's blocks; counted by their inputs' elements the short one starts beside
+    the long one and is answered first."""
+    eng, steps = chain_engine(blocks=12)
+    long = eng.submit("m", [torch.zeros(1, 128, dtype=torch.long)], batch=1)
+    assert eng.step()
+    short = eng.submit("m", [torch.zeros(1, 16, dtype=torch.long)], batch=1)
+    for _ in range(12):
+        assert eng.step()
+    assert short.status == "done" and long.status == "running"
+    assert long.work == 128 and short.work == 16

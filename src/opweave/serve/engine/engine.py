@@ -17,7 +17,8 @@ One **step** (:meth:`Engine.step`):
    stall the engine; counted in ``stats["fallbacks"]``);
 4. in each chosen slot the ready instances of that model at that block are **stacked** along the batch dimension
    (oldest first, up to the model's max batch, those of the oldest's sizes) and stay one instance from then on
-   (they are at the same place);
+   (they are at the same place); under a policy that does not stack (``Policy.stacks`` false) the slot runs one of
+   them alone, the one with the least work (the oldest among equals);
 5. the executor runs the combined block; each instance keeps its block's output as its state (its intermediate
    between blocks, TOP §VI-A) and moves to its next block; an instance past its last block answers its requests.
 
@@ -220,7 +221,8 @@ class Engine:
                 models[m] = ModelObs(
                     m, s.blocks, len(s.queue), sum(r.batch for r in s.queue),
                     now - s.queue[0].arrival if s.queue else 0.0, len(s.arrivals) / span, s.latency_s,
-                    tuple(InstanceObs(i.block, i.batch, now - i.oldest) for i in s.instances), s.max_batch)
+                    tuple(InstanceObs(i.block, i.batch, now - i.oldest, i.work) for i in s.instances), s.max_batch,
+                    s.queue[0].batch if s.queue else 0, s.queue[0].work if s.queue else 0)
             while self._steps and self._steps[0][0] <= now - WINDOW_S:
                 _, sec, used = self._steps.popleft()
                 self._busy_s -= sec
@@ -409,9 +411,13 @@ class Engine:
         return best
 
     def _stack(self, model: str, block: int) -> Instance:
-        """Merge the ready instances of ``model`` at ``block`` (oldest first, up to its max batch) into one."""
+        """Merge the ready instances of ``model`` at ``block`` (oldest first, up to its max batch, of the oldest's
+        sizes) into one; under a policy that does not stack, the one of them with the least work (the oldest among
+        equals)."""
         state = self.models[model]
         waiting = sorted((i for i in state.instances if i.block == block), key=lambda i: i.oldest)
+        if not self.policy.stacks:
+            return min(waiting, key=lambda i: i.work)  # min keeps the first (oldest) of equals
         taken = [waiting[0]]
         sizes = self.executor.sizes(waiting[0].state)
         for inst in waiting[1:]:

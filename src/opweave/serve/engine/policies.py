@@ -2,7 +2,8 @@
 --policy``): :data:`POLICIES`, one table, and :func:`create`. Each implements
 :class:`~opweave.serve.engine.policy.Policy` (what it sees and decides, TOP §IV, §V-B).
 
-* ``static`` — a plain server: one single-request instance per model at a time, one block per step, oldest first.
+* ``static`` — a plain server: one request at a time per model, one block per step, oldest first; a request smaller
+  than what is left of those in flight starts beside them and runs first (shortest remaining work first).
 * ``batch`` — Triton's dynamic batcher per model (max batch size, max queue delay), one instance per model at a
   time; the models' current blocks run side by side as Triton runs different models concurrently.
 * ``heuristic`` — ours: the H slots of a combined block shared among the models in proportion to their arrival rate
@@ -17,6 +18,7 @@ A policy of one's own implements the same two methods and runs on an engine as t
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,15 +26,73 @@ from opweave.errors import UsageError, did_you_mean
 from opweave.serve.engine.policy import Launch, Observation, Policy, Slot, oldest_first
 from opweave.serve.engine.top import TopPolicy
 
+ONE = Launch(batch=1, max_instances=1)  # one request per instance, one instance in flight
+
 
 class Static(Policy):
-    """A plain server, the baseline: one single-request instance per model at a time, no stacking and no
-    combination (one block per step; the oldest request's block first)."""
+    """A plain server, the baseline: one request per instance, one block per step, no stacking and no combination;
+    per model one request at a time, oldest first, except that a smaller request does not wait behind a larger one.
+
+    **Launcher.** A model dequeues its next request while no instance of it is in flight, or when that request's work
+    is less than what is left of every instance in flight: its work
+    (:attr:`~opweave.serve.engine.requests.Request.work`: its inputs' elements, so samples times their sizes, a longer
+    sequence more) times the blocks it has left (a request's blocks are its model's; instances in flight: their work
+    times the blocks they have to go).
+    Requests of one size thus run one at a time in arrival order, as before; a batch-1 request that arrives while a
+    batch-13 one is in flight starts at once.
+
+    **Which block runs.** The model whose oldest ready request is oldest (across models, oldest first as before), and
+    within it the instance with the least work left (work times blocks to go; the oldest among equals): shortest
+    remaining work first, block by block. Why: one step runs one block, so without it each of the small request's
+    blocks waited for the large one to finish, and its latency was the large one's; with it the small one waits for
+    at most the block that was running when it came. A request's own blocks are never stacked with another's (a
+    stacked instance would move at the pace of the larger one).
+
+    **No starvation.** The model's oldest instance is passed over at most ``patience`` steps of its model in a row
+    (default: the model's block count, so one smaller request runs from its first block to its last); then it runs
+    one block (if a smaller instance waits at the same block, that one runs first, then the oldest). So a large
+    request advances at least one block every ``patience`` + 2 of its model's steps, however many small ones come.
+    """
 
     name = "static"
+    stacks = False
+
+    def __init__(self, patience: int | None = None):
+        if patience is not None and patience < 0:
+            raise UsageError(f"patience must be at least 0, got {patience}")
+        self.patience = patience
+        self.passed: dict[str, tuple[float, int, int]] = {}  # model -> its oldest instance (arrival, block), passes
 
     def launch(self, obs: Observation) -> dict[str, Launch]:
-        return {m: Launch(batch=1, max_instances=1) for m in obs.models}
+        out = {}
+        for m, o in obs.models.items():
+            out[m] = ONE
+            if o.instances and o.head_batch and (o.head_work or o.head_batch) * o.blocks < min(
+                    (i.work or i.batch) * (o.blocks - i.block) for i in o.instances):
+                out[m] = Launch(batch=1, max_instances=len(o.instances) + 1)
+        return out
+
+    def combine(self, obs: Observation) -> list[tuple[Slot, ...]]:
+        order = [s.key for s in oldest_first(obs.ready)]
+        if not order:
+            return []
+        m = order[0][0]
+        o = obs.models[m]
+        if len(o.instances) == 1:  # it runs: nothing is passed over
+            self.passed.pop(m, None)
+            return [(s,) for s in order]
+        oldest = max(o.instances, key=lambda i: i.age_s)
+        shortest = min(o.instances, key=lambda i: ((i.work or i.batch) * (o.blocks - i.block), -i.age_s))
+        arrival, block, passed = self.passed.get(m, (math.nan, -1, 0))
+        if block != oldest.block or not abs(arrival - (obs.now - oldest.age_s)) < 1e-6:
+            passed = 0  # the oldest moved on, or another instance is now the oldest
+        chosen = oldest if passed >= (o.blocks if self.patience is None else self.patience) else shortest
+        self.passed[m] = (obs.now - oldest.age_s, oldest.block, passed + (chosen is not oldest))
+        first = (m, chosen.block)
+        return [(s,) for s in [first, *(s for s in order if s != first)]]
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "patience": self.patience}
 
 
 @dataclass

@@ -46,6 +46,7 @@ class InstanceObs:
     block: int  # the next block it runs
     batch: int
     age_s: float  # time since its oldest request arrived
+    work: int = 0  # its requests' work (Request.work: their inputs' elements); 0: unknown, its batch stands for it
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class ModelObs:
     latency_s: float  # moving mean of end-to-end latency (0 before the first answer)
     instances: tuple[InstanceObs, ...]
     max_batch: int
+    head_batch: int = 0  # samples of the request first in its queue (0: none queued)
+    head_work: int = 0  # that request's work (Request.work; 0: none queued)
 
     @property
     def progress(self) -> tuple[int, ...]:
@@ -98,9 +101,14 @@ class Observation:
 
 class Policy:
     """Base policy: dequeue one request at a time, run the oldest ready slot alone. Subclasses override
-    :meth:`launch` and :meth:`combine`; :meth:`bind` is called once with the served models before any step."""
+    :meth:`launch` and :meth:`combine`; :meth:`bind` is called once with the served models before any step.
+
+    ``stacks``: whether the engine stacks a model's ready instances at the same block into one when their slot runs
+    (TOP §VI-A). A policy that keeps them apart (False) has the slot run one of them: the one with the least work,
+    the oldest among equals (the one that frees its slot soonest)."""
 
     name = "base"
+    stacks = True
 
     def bind(self, blocks: dict[str, int], max_batch: dict[str, int], max_sub_blocks: int) -> None:
         self.model_blocks, self.model_max_batch, self.max_sub_blocks = blocks, max_batch, max_sub_blocks

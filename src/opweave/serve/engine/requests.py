@@ -51,6 +51,14 @@ class Request:
     error: str | None = None
 
     @property
+    def work(self) -> int:
+        """What it asks of its model, beside the model's other requests: the elements of its inputs (samples times
+        their sizes: a longer sequence is more work), its samples where its inputs hold no tensor."""
+        flat = self.inputs if isinstance(self.inputs, (list, tuple)) else ()
+        elements = sum(int(x.numel()) for x in flat if callable(getattr(x, "numel", None)))
+        return elements or self.batch
+
+    @property
     def latency_s(self) -> float:
         return (self.finished or self.arrival) - self.arrival
 
@@ -78,6 +86,10 @@ class Instance:
     @property
     def batch(self) -> int:
         return sum(r.batch for r in self.requests)
+
+    @property
+    def work(self) -> int:
+        return sum(r.work for r in self.requests)
 
     @property
     def oldest(self) -> float:
