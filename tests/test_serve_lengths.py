@@ -152,9 +152,26 @@ def held(monkeypatch):
     return Held()
 
 
+def test_the_sessions_are_checked_at_another_length_before_the_model_serves_so_a_new_length_runs_on_them(exported):
+    """Loading the model checks each block's session at another length (its answer held against the block's), so a
+    request of a length never seen runs on the sessions directly: no check at request time, nothing built."""
+    root, model, _ = exported
+    served = load("attend", path=root / "attend" / "1" / "model.pt2", max_batch=4)
+    assert served.blocked.other_sizes[0].shape == (1, 7)  # exported at 8: one shorter
+    engine = make_engine({"attend": served}, device="cpu", max_batch=4)
+    variants = [engine.executor.block("attend", i).compiled.variants for i in range(len(served.blocked.blocks))]
+    assert all(v.stats["checks"] == 1 for v in variants)
+    ids, mask = inputs(2, 13, seed=5)
+    out = engine.executor.block("attend", 0)(*served.blocked.flat_inputs((ids, mask)))
+    torch.testing.assert_close(out, served.blocked.modules[0](ids, mask))
+    assert all(v.stats["checks"] == 1 and v.stats["builds"] == 0 for v in variants)
+    assert variants[0].stats["resized"] >= 2  # the load's length and this one, on the session
+    engine.stop()
+
+
 def test_a_new_length_is_answered_by_the_blocks_themselves_while_the_sessions_check_is_held_back(exported, held):
-    """The first request of a new length is answered at once, by each block run eagerly, while the session's answer
-    at that length waits to be checked; once checked, the length runs on the sessions."""
+    """A length met before the load's check is done (held back here) is answered at once, by each block run eagerly,
+    while the session's answer waits to be checked; once checked, lengths run on the sessions."""
     root, model, _ = exported
     served = load("attend", path=root / "attend" / "1" / "model.pt2", max_batch=4)
     engine = make_engine({"attend": served}, device="cpu", max_batch=4)

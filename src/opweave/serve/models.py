@@ -129,6 +129,8 @@ def load(name: str, *, path: Path | None = None, device: str = "cpu", max_batch:
     scripted = path is not None and Path(path).suffix != ".pt2"
     free_in, free_out = ([], []) if scripted else varying(module, flat, blocked.stackable)
     blocked.sizes_vary = any(free_in)
+    if blocked.sizes_vary:
+        blocked.other_sizes = resized(flat, free_in)
     inputs = tuple(_spec(n, x, blocked.stackable, ranges) for n, x, ranges in
                    zip(names, flat, free_in or [()] * len(flat), strict=True))
     with torch.no_grad():
@@ -179,6 +181,22 @@ def varying(module, inputs: tuple, stackable: bool) -> tuple[list[tuple], list[t
     return free_in, free_out
 
 
+def resized(inputs: tuple, free: list[tuple]) -> tuple:
+    """``inputs`` with every free dimension (:func:`varying`) one shorter, or one longer where the range allows no
+    shorter: the example's values cut, or its first ones repeated (valid token ids stay valid)."""
+    chosen: dict[str, int] = {}
+    out = []
+    for x, dims in zip(inputs, free, strict=True):
+        for d, low, high, symbol in dims:
+            size = x.shape[d]
+            other = chosen.setdefault(symbol, size - 1 if size - 1 >= low else size + 1)
+            if other > high or other < low:
+                continue
+            x = x.narrow(d, 0, other) if other < size else torch.cat([x, x.narrow(d, 0, other - size)], d)
+        out.append(x.contiguous() if isinstance(x, torch.Tensor) else x)
+    return tuple(out)
+
+
 def _spec(name: str, value, stackable: bool, ranges: tuple = ()) -> TensorSpec:
     if not isinstance(value, torch.Tensor) or value.dtype not in DATATYPES:
         raise UsageError(f"{name}: only tensors of {', '.join(str(d) for d in DATATYPES)} can be served, "
@@ -188,4 +206,4 @@ def _spec(name: str, value, stackable: bool, ranges: tuple = ()) -> TensorSpec:
 
 
 __all__ = ["DATATYPES", "DTYPES", "RESERVED_NAMES", "ServedModel", "TensorSpec", "check_name", "load",
-           "parse_model_files", "reserved", "varying"]
+           "parse_model_files", "reserved", "resized", "varying"]

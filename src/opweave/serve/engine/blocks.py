@@ -216,7 +216,8 @@ class BlockedModel:
     the batch as its first dimension, checked at batch 1 and 2); otherwise every instance holds one request.
     ``sizes_vary``: requests may differ in sizes other than the batch (a sequence length: a ``torch.export`` program
     exported with that dimension free); only requests of equal sizes stack, and each block serves the other sizes
-    with what it was built for (:meth:`opweave.serve.engine.cpu.CpuExecutor.build_block`).
+    with what it was built for (:meth:`opweave.serve.engine.cpu.CpuExecutor.build_block`), checked at load on
+    ``other_sizes``.
     """
 
     name: str
@@ -227,6 +228,7 @@ class BlockedModel:
     modules: list[fx.GraphModule]
     stackable: bool = True
     sizes_vary: bool = False
+    other_sizes: tuple = ()  # with sizes_vary: block 0's inputs at other sizes than the example's (checked at load)
     _captures: dict[tuple[int, int], Captured] = field(default_factory=dict, repr=False)
     _examples: list[tuple] = field(default_factory=list, repr=False)  # batch-1 inputs of each block (later: Shaped)
     _graphs: dict[tuple[int, int], OpGraph] = field(default_factory=dict, repr=False)
@@ -247,6 +249,15 @@ class BlockedModel:
             for module in self.modules[:-1]:
                 values = (module(*values),)
             return self.unflatten_output(self.modules[-1](*values))
+
+    def examples_at(self, values: tuple) -> list[tuple]:
+        """Each block's inputs when the model runs on ``values`` (block 0's inputs), the blocks run eagerly."""
+        out = []
+        with torch.no_grad():
+            for module in self.modules:
+                out.append(tuple(values))
+                values = (module(*values),)
+        return out
 
     @property
     def input_values(self) -> list[fx.Node]:

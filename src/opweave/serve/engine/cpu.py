@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opweave.backends.builder import BACKGROUND
 from opweave.backends.threads import total_threads
 from opweave.pipeline import Compiled, Options, build, resolve
 from opweave.pipeline.signatures import Batched, Builder, attach, bucket, rows
@@ -146,8 +147,9 @@ class CpuExecutor(TensorExecutor):
             return build(blocked.captured_block(index, size), blocked.example(index, size), built_with)
 
         # Other sizes than the batch (a sequence length): run by what is built where its backend takes them, checked
-        # against the block itself at the first of them (that call answered by the block, the check beside it),
-        # else by the block itself; never built per size.
+        # against the block itself once (warm_model checks it at other sizes before the model serves; a size met
+        # before that check is answered by the block, the check beside it), else by the block itself; never built
+        # per size.
         sizes = Sizes(compiled, blocked.modules[index], example) if blocked.sizes_vary else None
         attach(compiled, served.name, example, compile_for, bound=options.cache_size, sizes=sizes)
         return Batched(compiled, bucket=bucket if blocked.stackable else int, builder=self.builder, name=served.name)
@@ -171,18 +173,26 @@ class CpuExecutor(TensorExecutor):
         block for every thread key a lane may call it with, and there, unless it takes any batch, the sizes of
         ``batches`` (a config's warm-up batch sizes, Triton's ``model_warmup``). Every other batch is built when
         first asked for, in the background. A new version of a served model (a reload) gets blocks of its own, which
-        it takes when it is served: the old version's requests still run on the old blocks meanwhile."""
+        it takes when it is served: the old version's requests still run on the old blocks meanwhile. A model whose
+        sizes vary (a sequence length) has each block's session checked at other sizes too (its ``other_sizes``), so
+        that a request of a new size runs on the sessions at once."""
         if self.compiler is None:
             return
         sizes = sorted({bucket(n) for n in batches if 1 <= n <= max_batch} | {1}) if blocked.stackable else [1]
+        other = blocked.examples_at(blocked.other_sizes) if blocked.sizes_vary else []
         made = {}
         for index in range(len(blocked.blocks)):
             served = self._blocks.get((name, index))
             if served is None or served.blocked is not blocked:
                 served = ServedBlock(name, index, blocked)
             for threads in dict.fromkeys(self.threads_key(n) or self.total_threads for n in self.thread_counts()):
-                self._built(served, threads).warm([blocked.example(index, n) for n in sizes])
+                built = self._built(served, threads)
+                built.warm([blocked.example(index, n) for n in sizes])
+                if other:  # checked at other sizes now, so that no request's size waits for or runs beside a check
+                    built(*other[index])
             made[(name, index)] = served
+        if other:
+            BACKGROUND.wait()
         current = self.models.get(name)
         (self._blocks if current is None or current is blocked else self._warmed).update(made)
 
