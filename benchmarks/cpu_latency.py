@@ -63,6 +63,8 @@ import _common as common
 from opweave.errors import first_line
 
 MULTI_BRANCH_MODELS = ("inception_v3", "googlenet", "nasnet_a_mobile", "randwire")
+# The third-party models the default is checked on (tests/test_third_party.py), at their coverage configuration.
+THIRD_PARTY = ("torchvision:mobilenet_v3_small", "timm:test_vit", "hf:BertModel", "hf:GPT2Model")
 PEERS = ("eager", "torch.compile", "torch.compile freezing", "onnxruntime", "onnxruntime parallel")
 OPWEAVE = ("opweave sequential", "opweave heft", "opweave sequential+onnxruntime", "opweave heft+onnxruntime",
            "opweave sequential+onnxruntime-graph", "opweave heft+onnxruntime-graph",
@@ -80,8 +82,9 @@ RENAMED_MODES = {"opweave max-speed": "opweave max-autotune"}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="deepfm and squeezenet at batch 1, a few modes, few runs")
-    p.add_argument("--models", help="comma list of zoo models, 'all' or 'multi-branch' (Inception-v3, GoogLeNet, "
-                                    "NASNet and RandWire; default all)")
+    p.add_argument("--models", help="comma list of zoo models (torchvision:, timm:, hf: names too), 'all', "
+                                    "'third-party' (THIRD_PARTY) or 'multi-branch' (Inception-v3, GoogLeNet, NASNet "
+                                    "and RandWire; default all)")
     p.add_argument("--batch-sizes", default="1,8", help="comma list (default %(default)s)")
     p.add_argument("--modes", help="modes separated by ';' (default: every mode in the module docstring)")
     p.add_argument("--bert-layers", type=int, default=2, help="layers of bert_base (default %(default)s)")
@@ -114,8 +117,10 @@ def model_names(args: argparse.Namespace) -> list[str]:
         return zoo.names()
     if args.models == "multi-branch":
         return list(MULTI_BRANCH_MODELS)
+    if args.models == "third-party":
+        return list(THIRD_PARTY)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in zoo.names()]
+    unknown = [n for n in names if n not in zoo.names() and ":" not in n]  # torchvision:, timm:, hf: checked built
     if unknown:
         raise SystemExit(f"unknown model {unknown[0]!r}; zoo: {', '.join(zoo.names())}")
     return names
@@ -124,7 +129,10 @@ def model_names(args: argparse.Namespace) -> list[str]:
 # ---- building one mode (in a child) ---------------------------------------------------------------------------
 def create(name: str, batch: int, args: argparse.Namespace):
     from opweave import zoo
+    from opweave.evaluate import coverage
 
+    if name in coverage.MODELS:  # a third-party model at the configuration the coverage run checks
+        return zoo.create(name, batch_size=batch, **coverage.MODELS[name])
     return zoo.create(name, batch_size=batch, **({"num_layers": args.bert_layers} if name == "bert_base" else {}))
 
 

@@ -1,4 +1,4 @@
-"""Third-party coverage (issue: any model a user brings): every model of ``opweave.evaluate.coverage.MODELS``
+"""Third-party coverage (any model a user brings): every model of ``opweave.evaluate.coverage.MODELS``
 (torchvision, timm, transformers; random weights, small configurations) under sequential, lios, nimble, opara and
 hios-lp equals eager on its example input and on a second random one. ``benchmarks/coverage.py`` prints the same run as
 a table.
@@ -45,7 +45,7 @@ def test_the_default_equals_eager_on_models_a_user_brings(name):
     assert row["schedulers"]["default"]["difference"] <= coverage.TOLERANCE
 
 
-def test_the_issue_t5_encoder_equals_eager_under_every_scheduler():
+def test_the_t5_encoder_equals_eager_under_every_scheduler():
     # T5EncoderModel, 2 layers, default sizes, random weights, token ids (1, 32): it failed under lios and nimble with
     # "view size is not compatible with input tensor's size and stride" (see backends/cpu.py and capture/trace.py)
     row = coverage.check("hf:T5EncoderModel", num_layers=2, seq_len=32)
