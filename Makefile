@@ -1,8 +1,8 @@
 # `make demo` and `make test` work on a fresh machine: they create .venv, install torch first (so no step pulls the
 # multi-GB CUDA build from the registry), then the torchvision release made for that torch (0.(minor+15): 0.28 for
-# 2.13; any other would replace torch), then opweave (ONNX Runtime among its dependencies) with its extras, `models`
-# (timm, transformers), `onnx` (onnxscript, torch.onnx's second exporter) and `ray` (Ray Serve: tests/test_serve_ray.py, marked `ray`, about 30 s, runs in `make test`;
-# `make test-ray` runs it alone) among them. `make test` runs ruff, mypy on the whole package (pyproject's
+# 2.13; any other would replace torch), then opweave (ONNX Runtime and both torch.onnx exporters among its
+# dependencies) with its extras, `models` (timm, transformers) and `ray` (Ray Serve: tests/test_serve_ray.py, marked
+# `ray`, about 30 s, runs in `make test`; `make test-ray` runs it alone) among them. `make test` runs ruff, mypy on the whole package (pyproject's
 # [tool.mypy]: strictly where the code is pure) and the tests.
 # Elsewhere: make test TORCH_SPEC='torch>=2.4'
 # The torchvision pick reads torch's installed version without importing torch: torch does not require numpy, so
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip show -q torchvision 2>/dev/null || $(BIN)/pip install -q "$$($(BIN)/python -c '$(TORCHVISION_FOR_TORCH)')"
-	$(BIN)/pip install -q -e ".[dev,serve,models,onnx,ray]"
+	$(BIN)/pip install -q -e ".[dev,serve,models,ray]"
 	touch $(STAMP)
 
 demo: $(STAMP)

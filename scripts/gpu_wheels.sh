@@ -11,10 +11,11 @@
 # installs whatever .whl/ holds before its stages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Not in the GPU machine's image (its package list, 2026-11-17): opweave's dependencies cachetools and onnx;
-# the serve extra's FastAPI, uvicorn and what they need beyond the image (starlette, pydantic and its parts).
+# Not in the GPU machine's image (its package list, 2026-11-17): opweave's dependencies cachetools, onnx and
+# onnxscript (with onnx-ir and ml-dtypes, which it needs; pure Python but ml-dtypes); the serve extra's FastAPI,
+# uvicorn and what they need beyond the image (starlette, pydantic and its parts).
 PINNED=(fastapi==0.115.12 starlette==0.46.2 pydantic==2.11.7 pydantic-core==2.33.2 annotated-types==0.7.0
-        typing-inspection==0.4.1 uvicorn==0.34.3 onnx==1.23.2)
+        typing-inspection==0.4.1 uvicorn==0.34.3 onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 ml-dtypes==0.5.4)
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p .whl
 version=$("$PY" -m pip show cachetools 2>/dev/null | sed -n 's/^Version: //p' || true)

@@ -158,6 +158,26 @@ def test_a_build_process_ends_with_its_parent(tmp_path):
     assert child.wait(timeout=20) == 3 and not (tmp_path / "out.pt2").exists()
 
 
+def test_a_build_process_loads_a_timm_model_where_torchvision_needs_its_operators_defined(tmp_path):
+    """timm imports torchvision; PyPI's torchvision beside a CPU torch fails its import ("operator torchvision::nms
+    does not exist") unless opweave.zoo defines the operators first, which the caller's process had done and the build
+    process had not: every timm or torchvision model's tier failed to build there."""
+    import subprocess
+    import sys
+
+    from opweave import zoo
+
+    model, inputs = zoo.create("timm:test_vit", image_size=32)
+    saved = tmp_path / "model.pt"
+    torch.save((model.eval(), inputs), saved)
+    out = tmp_path / "out.pt2"
+    done = subprocess.run([sys.executable, "-m", "opweave.pipeline.tiers", "exported", str(saved), str(out), "1",
+                           str(os.getpid())], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with torch.no_grad():
+        assert compare(model(*inputs), torch.export.load(str(out)).module()(*inputs)).ok
+
+
 def test_tiers_apply_to_the_cpu_default_only():
     from opweave.errors import UsageError
     from opweave.pipeline import resolve

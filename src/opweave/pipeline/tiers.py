@@ -56,6 +56,7 @@ from opweave.cores import intra_op_threads
 from opweave.costs.timing import call_ms
 from opweave.errors import first_line
 from opweave.pipeline import search
+from opweave.zoo import ensure_torchvision_importable
 
 log = logging.getLogger(__name__)
 
@@ -387,6 +388,7 @@ def build(kind: str, program: Path, out: Path, threads: int) -> None:
     if program.suffix == ".pt2":
         exported = torch.export.load(str(program))
     else:
+        ensure_torchvision_importable()  # as the caller's zoo did: unpickling a timm or torchvision model imports it
         model, inputs = torch.load(program, weights_only=False)
         with torch.no_grad():
             exported = torch.export.export(model.eval() if isinstance(model, torch.nn.Module) else model, inputs)
