@@ -32,6 +32,23 @@ def tiny_file(tmp_path_factory):
     return model, path
 
 
+@pytest.fixture
+def held(monkeypatch):
+    """The process's background builder holding its jobs until the test runs them (``held.run()``): a new size's
+    check or build is held back while the test calls."""
+    from opweave.backends import builder
+
+    jobs: list = []
+
+    class Held:
+        def run(self) -> None:
+            while jobs:
+                jobs.pop(0)()
+
+    monkeypatch.setattr(builder.BACKGROUND, "submit", lambda key, job, name="": jobs.append(job) or True)
+    return Held()
+
+
 def pytest_pyfunc_call(pyfuncitem):
     """A test marked ``own_pools`` reads the thread pool of an ONNX Runtime session of its own. Once a serving test
     in this worker has made ONNX Runtime's process-wide pool (``opweave.backends.compilers.shared_pool``), ONNX

@@ -136,22 +136,6 @@ def test_requests_of_several_lengths_sent_at_once_are_answered_each_equal_to_eag
             assert batched.compiled.variants.stats["builds"] == 0
 
 
-@pytest.fixture
-def held(monkeypatch):
-    """The process's background builder holding its jobs until the test runs them (``held.run()``)."""
-    from opweave.backends import builder
-
-    jobs: list = []
-
-    class Held:
-        def run(self) -> None:
-            while jobs:
-                jobs.pop(0)()
-
-    monkeypatch.setattr(builder.BACKGROUND, "submit", lambda key, job, name="": jobs.append(job) or True)
-    return Held()
-
-
 def test_the_sessions_are_checked_at_another_length_before_the_model_serves_so_a_new_length_runs_on_them(exported):
     """Loading the model checks each block's session at another length (its answer held against the block's), so a
     request of a length never seen runs on the sessions directly: no check at request time, nothing built."""

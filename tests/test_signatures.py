@@ -445,22 +445,6 @@ def test_one_onnx_runtime_session_with_a_free_batch_takes_every_batch():
 
 
 # ---- a new size never waits ------------------------------------------------------------------------------------------
-@pytest.fixture
-def held(monkeypatch):
-    """The process's background builder holding its jobs until the test runs them (``held.run()``)."""
-    from opweave.backends import builder
-
-    jobs: list = []
-
-    class Held:
-        def run(self) -> None:
-            while jobs:
-                jobs.pop(0)()
-
-    monkeypatch.setattr(builder.BACKGROUND, "submit", lambda key, job, name="": jobs.append(job) or True)
-    return Held()
-
-
 def test_a_new_size_is_answered_at_once_on_the_model_while_its_check_is_held_back(held):
     """The first call of a new size did the plan's first run there and a run of the model to check it before it
     returned; now the model itself answers it, the check waits for the builder, and once the plan agrees the size's
