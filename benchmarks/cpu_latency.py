@@ -24,7 +24,8 @@ Modes (``--modes``, separated by ``;``; default :data:`DEFAULT_MODES`):
 * ``opweave default`` — ``opweave.compile(model, inputs)`` with no option: its first tier answers when it returns
   (``first_s``), its later tiers are built in a process of their own (``opweave.pipeline.tiers``) and the latency
   phase times it once they have landed (``compile_s`` then counts until the last tier landed, ``tier``: the tier in
-  use); ``opweave first tier`` — the same with ``tiers=False``.
+  use); ``opweave first tier`` — the same with ``tiers=False``; ``opweave first tier fixed`` — and ``dynamic=False``
+  (its ONNX Runtime session exported at the example's sizes, not with every dimension free).
 
 Every mode is built and checked against eager first, each in its own spawned child with an empty Inductor cache
 (``compile_s``: the cold build, model capture and exports included; ``rss_mb``: the child's resident memory once
@@ -186,9 +187,10 @@ def build(model, inputs, mode: str) -> tuple[Callable, dict]:
         return fn, info
     if mode.startswith("onnxruntime"):
         return onnxruntime_session(model, inputs, parallel=mode.endswith("parallel")), info
-    if mode in ("opweave default", "opweave first tier"):
+    if mode in ("opweave default", "opweave first tier", "opweave first tier fixed"):
         start = time.perf_counter()
-        fast = opweave.compile(model, inputs, **({"tiers": False} if mode == "opweave first tier" else {}))
+        options = {} if mode == "opweave default" else {"tiers": False}
+        fast = opweave.compile(model, inputs, **options, **({"dynamic": False} if mode.endswith("fixed") else {}))
         info["first_s"] = round(time.perf_counter() - start, 2)
         if hasattr(fast.backend, "wait"):  # its later tiers, built off the caller's path: timed once they landed
             fast.backend.wait()
