@@ -221,8 +221,8 @@ def test_a_tier_is_raced_on_the_callers_own_thread(tiered, monkeypatch):
     seen: list[int] = []
     real = tiers.load
 
-    def recorded(kind, path, threads):
-        tier = real(kind, path, threads)
+    def recorded(kind, path, *rest):
+        tier = real(kind, path, *rest)
         return lambda *args: seen.append(threading.get_ident()) or tier(*args)
 
     monkeypatch.setattr(tiers, "load", recorded)
@@ -231,3 +231,49 @@ def test_a_tier_is_raced_on_the_callers_own_thread(tiered, monkeypatch):
     checked = len(seen)  # the builder's check of its output against the model, before any race
     raced(fast, inputs)
     assert checked == 1 and set(seen[checked:]) == {threading.get_ident()} and fast.backend.label == "exported"
+
+
+def test_a_tier_built_during_anothers_race_races_the_winner_after_it(tiered, monkeypatch):
+    """Two tiers: the second, built while the first is raced, waits for that race, then races the tier that won it
+    (proposed at once, it would have replaced the first's race, leaving that tier neither landed nor let go)."""
+    model, inputs, times = tiered
+    monkeypatch.setattr(tiers, "KINDS", ("onnxruntime-fixed", "exported"))
+    times.update({"first": 3.0, "onnxruntime-fixed": 2.0, "exported": 1.0})
+    fast = opweave.compile(model, inputs, threads=1)
+    assert fast.choice["label"] == "onnxruntime" and fast.backend.wait(120)
+    assert fast.backend.racing and len(fast.backend.pending) == 1  # both built, the first raced, the second waits
+    with torch.no_grad():
+        for _ in range(4 * tiers.BLOCK * tiers.BLOCKS + 4):
+            assert compare(model(*inputs), fast(*inputs)).ok
+    sized, exported = fast.backend.tiers
+    assert sized["landed"] and sized["against"] == "onnxruntime", sized
+    assert exported["landed"] and exported["against"] == "onnxruntime-fixed", exported
+    assert fast.backend.label == "exported" and not fast.backend.racing and not fast.backend.pending
+    fast.close()
+
+
+def test_the_onnxruntime_fixed_tier_is_the_session_at_the_examples_sizes(tiered, monkeypatch):
+    """The first tier's session leaves every size free; its tier at the example's sizes answers as the model,
+    is cached as an ONNX file, lands where faster, and is not built where the first tier is it already."""
+    model, inputs, times = tiered
+    monkeypatch.setattr(tiers, "KINDS", ("onnxruntime-fixed",))
+    times.update({"first": 2.0, "onnxruntime-fixed": 1.0})
+    fast = opweave.compile(model, inputs, threads=1)
+    assert fast.backend.wait(120)
+    raced(fast, inputs)
+    [outcome] = fast.backend.tiers
+    assert outcome["landed"] and fast.backend.label == "onnxruntime-fixed", outcome
+    assert [p.suffix for p in tiers.tier_dir().iterdir()] == [".onnx"]
+    import onnx
+
+    [path] = tiers.tier_dir().iterdir()
+    dims = [[d.dim_value for d in i.type.tensor_type.shape.dim] for i in onnx.load(str(path)).graph.input]
+    assert dims == [[4, 16]]  # every dimension fixed (the first tier's are free)
+    with torch.no_grad():
+        assert compare(model(*inputs), fast(*inputs)).ok
+        other = torch.randn(3, 16)  # another size: not the tier's
+        assert compare(model(other), fast(other)).ok
+    fast.close()
+    fixed = opweave.compile(model, inputs, threads=1, dynamic=False)
+    assert fixed.backend.wait(120) and fixed.backend.tiers == []
+    fixed.close()

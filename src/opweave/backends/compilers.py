@@ -176,12 +176,7 @@ class OnnxRuntime:
         weights: dict[str, torch.Tensor] | None = None if share_weights else {}
         model = export_onnx(gm, inputs, outputs, dynamic_batch=dynamic_batch, dynamic_dims=dynamic_dims,
                             output_ranks=ranks, weights=weights)
-        options = ort.SessionOptions()
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.log_severity_level = 3
-        session_threads(options, threads, alone=alone, shared=shared_pool)
-        if not arena:
-            options.enable_cpu_mem_arena = False
+        options = session_options(threads, alone=alone, shared_pool=shared_pool, arena=arena)
         shared = {}
         if share_weights:
             shared = shared_initializers(model, gm)
@@ -194,6 +189,19 @@ class OnnxRuntime:
             options.add_external_initializers(list(shared), list(shared.values()))
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         return OrtSegment(session, ort.RunOptions(), shared)
+
+
+def session_options(threads: int, *, alone: bool = False, shared_pool: bool = False, arena: bool = True) -> Any:
+    """The ``SessionOptions`` of a segment's session: nodes run in order, errors only logged, ``threads``
+    (:func:`session_threads`), no memory arena of its own unless ``arena``."""
+    ort = import_onnxruntime()
+    options = ort.SessionOptions()
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    session_threads(options, threads, alone=alone, shared=shared_pool)
+    if not arena:
+        options.enable_cpu_mem_arena = False
+    return options
 
 
 def shared_initializers(model: bytes, gm: fx.GraphModule) -> dict[str, Any]:

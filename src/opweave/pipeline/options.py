@@ -225,8 +225,9 @@ OPTIONS: dict[str, Spec] = {
                     "unset: a size becomes free at its second value",
                     served=Served(refused="a server takes the batch sizes its models' configs allow, up to "
                                           "max_batch_size, and refuses other shapes by the config")),
-    "tiers": Spec("after the first tier answers, build the tiers that take long off the caller's path (the model "
-                  "compiled by Inductor with freezing, in a build process, cached on disk) and move calls to one once "
+    "tiers": Spec("after the first tier answers, build the other tiers off the caller's path (ONNX Runtime's session "
+                  "at the example's sizes, then the model compiled by Inductor with freezing; in a build process, "
+                  "cached on disk) and move calls to one once "
                   "it is measured faster; false: the first tier only", "cpu", _tiers,
                   "true (false where OPWEAVE_TIERS=0 is set)", needs="the CPU default",
                   served=Served(False, refused="a server's blocks keep their first tier")),

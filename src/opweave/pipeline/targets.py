@@ -172,7 +172,7 @@ class CpuTarget(Target):
 
         * ``onnxruntime``: the model in the order it was captured, its one segment compiled by ONNX Runtime with every
           dimension of its inputs free (as ``dynamic=True``: a call of another size runs on the same session, nothing
-          is exported again; the example's size gets the fastest build later, its Inductor tier:
+          is exported again; the example's sizes get their own session later, and an Inductor build, as tiers:
           :mod:`opweave.pipeline.tiers`), where ONNX Runtime imports (else one line says so, once:
           :func:`default_compiler`);
           ``onnxruntime lanes``: the lanes of the default plan, each segment compiled by it, only with at least
@@ -203,7 +203,8 @@ class CpuTarget(Target):
         later (:data:`opweave.pipeline.tiers.KINDS`, where ``tiers`` is on), built before it returns."""
         out = cpu_candidates(cpu_threads.sync_cost_ms(), threads=options.threads or 1)
         if options.tiers:
-            out += [Candidate(f"{kind} tier", {"tier": kind}, kind="tier") for kind in tiers.KINDS]
+            out += [Candidate(f"{kind} tier", {"tier": kind}, kind="tier") for kind in tiers.KINDS
+                    if kind != "onnxruntime-fixed"]  # the session at the example's sizes: sequential+onnxruntime above
         return out
 
 

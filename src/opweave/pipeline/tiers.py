@@ -20,15 +20,21 @@ the others are built off the caller's path:
   checks it against the model (:class:`~opweave.pipeline.search.OutputCheck`); the caller's next calls race it
   against the tier in use (:class:`LiveRace`, on the caller's own thread, where its kernels run as they will) and
   move every call over only where it is measured faster: one log line says what landed and how much faster
-  (``opweave.pipeline.tiers``, INFO), or what was kept. A build that fails, or a build
+  (``opweave.pipeline.tiers``, INFO), or what was kept. One tier is raced at a time, each against the winner of
+  the race before it. A build that fails, or a build
   process that crashes or is killed, leaves the tier in use serving, with one warning.
 
-Kinds (:data:`KINDS`): ``inductor``, the model compiled by Inductor with freezing as an AOTInductor package
-(``torch._inductor.aoti_compile_and_package``: parameters folded in as constants, convolution and linear weights
-prepacked; loaded with ``aoti_load_package`` in about a second, on the caller's intra-op threads); ``exported``, the
-exported program run as it is (a check of the tier machinery, as ``compiler="eager"`` is of the segments': not in
-the default list). ``Compiled.choice["tiers"]`` lists each tier's outcome; :meth:`Tiered.wait` waits for the builds
-(``mode="max-autotune"`` builds its tiers before it returns).
+Kinds (:data:`KINDS`, in the order they are built: the quick first): ``onnxruntime-fixed``, the model's ONNX
+Runtime session exported at the example's sizes (the first tier's session leaves every dimension free, so that a
+new size runs on it, and ONNX Runtime then neither folds shapes nor rewrites what needs them, which made that
+session slower at the example's sizes on a quiet 2-core machine: benchmarks/results/cpu_free_dims.json; a few
+seconds' build; :func:`default_kinds`); ``inductor``, the model compiled by Inductor with freezing as an
+AOTInductor package (``torch._inductor.aoti_compile_and_package``: parameters folded in as constants,
+convolution and linear weights prepacked; loaded with ``aoti_load_package`` in about a second, on the caller's
+intra-op threads); ``exported``, the exported program run as it is (a check of the tier machinery, as
+``compiler="eager"`` is of the segments': not in the default list). ``Compiled.choice["tiers"]`` lists each tier's
+outcome; :meth:`Tiered.wait` waits for the builds (``mode="max-autotune"`` builds its Inductor tier before it
+returns; its own candidates hold ONNX Runtime sessions at the example's sizes).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ import torch
 
 from opweave.backends.cache import key_of
 from opweave.backends.cpu import EagerBackend
+from opweave.backends.segments import whole_module
+from opweave.backends.threads import total_threads
 from opweave.cores import intra_op_threads
 from opweave.costs.timing import call_ms
 from opweave.errors import first_line
@@ -60,7 +68,8 @@ from opweave.zoo import ensure_torchvision_importable
 
 log = logging.getLogger(__name__)
 
-KINDS: tuple[str, ...] = ("inductor",)  # what the default builds after its first tier, in order
+KINDS: tuple[str, ...] = ("onnxruntime-fixed", "inductor")  # what the default builds after its first tier, in order
+SUFFIX = {"onnxruntime-fixed": ".onnx"}  # a tier's file, by kind (else an AOTInductor or exported package, .pt2)
 VERSION = 1  # of what a tier is built from and how (in every tier's key)
 BUILD_TIMEOUT_S = 1800.0  # a build process past this is stopped (its tier is not built)
 
@@ -78,6 +87,8 @@ class Tiered:
         self.stats: dict[str, Any] = {"calls": 0, "landed": 0}
         self.builder: TierBuilder | None = None
         self.race: LiveRace | None = None  # a tier built, raced on the calls it takes before it takes them all
+        self.pending: list[tuple[str, Any, dict[str, Any]]] = []  # tiers built, waiting for the race before theirs
+        self.lock = threading.Lock()  # over race, pending, current: a race starts against the tier then in use
         self._closed = threading.Event()
 
     def __call__(self, *args: Any) -> Any:
@@ -90,8 +101,26 @@ class Tiered:
 
     def propose(self, label: str, tier: Any, outcome: dict[str, Any]) -> None:
         """Race ``tier`` against the tier in use on the caller's calls (:class:`LiveRace`), then land it where it is
-        faster; ``outcome``, its record in :attr:`tiers`, says how it went."""
-        self.race = LiveRace(self.label, self.current, label, tier, outcome)
+        faster; ``outcome``, its record in :attr:`tiers`, says how it went. A tier built while another is raced
+        waits for that race's end, then races the tier in use then (one race at a time, each against the winner of
+        the last)."""
+        with self.lock:
+            self.pending.append((label, tier, outcome))
+            if self.race is None:
+                self._next_race()
+
+    def _next_race(self) -> None:
+        """Start the race of the first tier waiting (under :attr:`lock`)."""
+        if self.pending and not self._closed.is_set():
+            label, tier, outcome = self.pending.pop(0)
+            self.race = LiveRace(self.label, self.current, label, tier, outcome)
+
+    def decided(self, race: LiveRace) -> None:
+        """``race`` has its times: it lands its tier or lets it go, then the next tier waiting is raced."""
+        with self.lock:
+            race.decide(self)
+            self.race = None
+            self._next_race()
 
     @property
     def racing(self) -> bool:
@@ -133,6 +162,11 @@ class Tiered:
         self._closed.set()
         if self.builder is not None:
             self.builder.stop()
+        with self.lock:
+            waiting = [tier for _, tier, _ in self.pending] + ([self.race.tiers[1]] if self.race is not None else [])
+            self.pending, self.race = [], None
+        for tier in waiting:
+            _close(tier)
         if self.current is not self.first:
             _close(self.current)
         _close(self.first)
@@ -151,7 +185,7 @@ class LiveRace:
     def __init__(self, in_use: str, current: Any, label: str, tier: Any, outcome: dict[str, Any]):
         self.labels, self.tiers = (in_use, label), (current, tier)
         self.times: tuple[list[float], list[float]] = ([], [])
-        self.outcome, self.calls, self.lock = outcome, 0, threading.Lock()
+        self.outcome, self.calls, self.lock, self.timed = outcome, 0, threading.Lock(), False
 
     def __call__(self, tiered: Tiered, args: tuple[Any, ...]) -> Any:
         with self.lock:
@@ -166,11 +200,10 @@ class LiveRace:
         ms = (search.TIMER or call_ms)(self.labels[which], lambda: result.append(self.tiers[which](*args)))
         with self.lock:
             self.times[which].append(ms)
-            done = all(len(t) >= BLOCKS * (BLOCK - 1) for t in self.times) and tiered.race is self
-            if done:
-                tiered.race = None
+            done = not self.timed and all(len(t) >= BLOCKS * (BLOCK - 1) for t in self.times)
+            self.timed = self.timed or done
         if done:
-            self.decide(tiered)
+            tiered.decided(self)
         return result[0]
 
     def decide(self, tiered: Tiered) -> None:
@@ -208,9 +241,19 @@ def start(compiled: Any, model: Any, inputs: tuple[Any, ...], options: Any, refe
     compiled.backend = tiered
     compiled.choice = {**(compiled.choice or {}), "tiers": tiered.tiers}
     tiered.builder = TierBuilder(tiered, compiled.captured, model, inputs, options, reference,
-                                 KINDS if kinds is None else kinds)
+                                 default_kinds(options) if kinds is None else kinds)
     tiered.builder.start()
     return compiled
+
+
+def default_kinds(options: Any) -> tuple[str, ...]:
+    """The kinds of :data:`KINDS` the default builds after its first tier: ``onnxruntime-fixed`` (its session exported
+    at the example's sizes) only where ONNX Runtime imports and the first tier's session left its sizes free (with
+    ``dynamic=False`` it is that tier already)."""
+    from opweave.backends.compilers import available
+
+    fixed = options.dynamic is False or "onnxruntime" not in available()
+    return tuple(kind for kind in KINDS if not (kind == "onnxruntime-fixed" and fixed))
 
 
 class TierBuilder(threading.Thread):
@@ -257,8 +300,9 @@ class TierBuilder(threading.Thread):
         path = tier_path(key(self.captured, self.inputs, self.options, kind, weights), kind)
         cached = path.exists()
         if not cached:
-            export_and_build(kind, (self.model, self.captured.gm), self.inputs, self.options.threads, path, self)
-        tier = load(kind, path, self.options.threads)
+            models, inputs = _handed(kind, (self.model, self.captured.gm), self.captured, self.inputs)
+            export_and_build(kind, models, inputs, self.options.threads, path, self)
+        tier = load(kind, path, self.options.threads, self.captured, self.inputs)
         with torch.no_grad():
             check = search.OutputCheck(self.captured, self.inputs, self.model, self.reference)(tier(*self.inputs))
         if not check.ok:
@@ -305,8 +349,18 @@ def built_now(kind: str, captured: Any, inputs: tuple[Any, ...], options: Any) -
     ``mode="max-autotune"``'s candidate of it."""
     path = tier_path(key(captured, inputs, options, kind, weights_digest(captured.gm)), kind)
     if not path.exists():
-        export_and_build(kind, (captured.gm,), inputs, options.threads, path)
-    return load(kind, path, options.threads)
+        export_and_build(kind, *_handed(kind, (captured.gm,), captured, inputs), options.threads, path)
+    return load(kind, path, options.threads, captured, inputs)
+
+
+def _handed(kind: str, models: tuple[Any, ...], captured: Any, inputs: tuple[Any, ...]) -> tuple[tuple, tuple]:
+    """What the build process of tier ``kind`` is given: ``models`` and ``inputs``, or for ``onnxruntime-fixed`` the
+    captured model as one graph over its tensor inputs (:func:`~opweave.backends.segments.whole_module`: what the
+    first tier's session was exported from, here at the example's sizes)."""
+    if kind != "onnxruntime-fixed":
+        return models, inputs
+    whole = whole_module(captured, inputs)
+    return (whole.gm,), tuple(whole.inputs)
 
 
 # ---- what a tier is ---------------------------------------------------------------------------------------------
@@ -315,7 +369,7 @@ def tier_dir() -> Path:
 
 
 def tier_path(entry_key: str, kind: str) -> Path:
-    return tier_dir() / f"{entry_key}.{kind}.pt2"
+    return tier_dir() / f"{entry_key}.{kind}{SUFFIX.get(kind, '.pt2')}"
 
 
 def weights_digest(model: Any) -> str:
@@ -343,8 +397,11 @@ def key(captured: Any, inputs: tuple[Any, ...], options: Any, kind: str, weights
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def load(kind: str, path: Path, threads: int | None) -> Any:
-    """A built tier, called like the model (positional inputs, the model's outputs)."""
+def load(kind: str, path: Path, threads: int | None, captured: Any = None, inputs: tuple[Any, ...] = ()) -> Any:
+    """A built tier, called like the model (positional inputs, the model's outputs); ``captured`` and ``inputs``,
+    the model captured and its example, map the calls of an ``onnxruntime-fixed`` tier to its session's inputs."""
+    if kind == "onnxruntime-fixed":
+        return _Session(whole_module(captured, inputs), path, threads)
     if kind == "inductor":
         return _Package(torch._inductor.aoti_load_package(str(path)), threads)
     if kind == "exported":
@@ -361,6 +418,27 @@ class _Package:
     def __call__(self, *args: Any) -> Any:
         with intra_op_threads(self.threads), torch.no_grad():
             return self.fn(*args)
+
+
+class _Session:
+    """An ``onnxruntime-fixed`` tier: the model's session exported at the example's sizes, with as many threads as the
+    first tier's (spinning between runs: nothing runs beside it), its calls mapped through ``whole``
+    (:class:`~opweave.backends.segments.Whole`)."""
+
+    def __init__(self, whole: Any, path: Path, threads: int | None):
+        from opweave.backends.compilers import OrtSegment, import_onnxruntime, session_options
+
+        ort = import_onnxruntime()
+        options = session_options(threads or total_threads(), alone=True)
+        self.whole = whole
+        self.segment = OrtSegment(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]),
+                                  ort.RunOptions())
+
+    def __call__(self, *args: Any) -> Any:
+        env, tensors = self.whole.bind(args)
+        if tensors is None:
+            raise ValueError("the onnxruntime-fixed tier runs the example's signature only")
+        return self.whole.output(env, self.segment(*tensors))
 
 
 def _saved(models: tuple[Any, ...], inputs: tuple[Any, ...], folder: Path) -> Path:
@@ -385,6 +463,16 @@ def build(kind: str, program: Path, out: Path, threads: int) -> None:
     exported, compiled as tier ``kind`` and written to ``out`` (through a temporary file: a reader never sees half a
     tier)."""
     torch.set_num_threads(threads)
+    scratch = out.with_name(f"{out.stem}.{os.getpid()}.partial{out.suffix}")  # AOTInductor wants a .pt2 name
+    if kind == "onnxruntime-fixed":  # the graph module and its tensors, exported at their sizes
+        from opweave.backends.compilers import export_onnx
+
+        gm, inputs = torch.load(program, weights_only=False)
+        with torch.no_grad():
+            outputs = len(gm(*inputs))
+        scratch.write_bytes(export_onnx(gm, list(inputs), outputs))
+        os.replace(scratch, out)
+        return
     if program.suffix == ".pt2":
         exported = torch.export.load(str(program))
     else:
@@ -392,7 +480,6 @@ def build(kind: str, program: Path, out: Path, threads: int) -> None:
         model, inputs = torch.load(program, weights_only=False)
         with torch.no_grad():
             exported = torch.export.export(model.eval() if isinstance(model, torch.nn.Module) else model, inputs)
-    scratch = out.with_name(f"{out.stem}.{os.getpid()}.partial{out.suffix}")  # AOTInductor wants a .pt2 name
     if kind == "inductor":
         torch._inductor.aoti_compile_and_package(exported, package_path=str(scratch),
                                                  inductor_configs={"freezing": True, "cpp.threads": threads})
@@ -426,5 +513,5 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = ["BUILD_TIMEOUT_S", "KINDS", "VERSION", "TierBuilder", "Tiered", "build", "built_now",
-           "export_and_build", "key", "load", "start", "tier_dir", "tier_path", "weights_digest"]
+__all__ = ["BUILD_TIMEOUT_S", "KINDS", "SUFFIX", "VERSION", "TierBuilder", "Tiered", "build", "built_now",
+           "default_kinds", "export_and_build", "key", "load", "start", "tier_dir", "tier_path", "weights_digest"]
