@@ -55,6 +55,7 @@ def test_a_tier_takes_the_calls_only_once_it_wins_its_race(tiered, faster):
     assert outcome["kind"] == "exported" and outcome["landed"] is faster and not outcome["cached"], outcome
     assert (fast.backend.current is first) is not faster and fast.backend.label == (
         "exported" if faster else fast.choice["label"])
+    assert ("landed_at" in fast.backend.stats) is faster  # when it took the calls (the benchmark's landed_s)
     if faster and fast.choice["label"] == "onnxruntime":  # its copy of the weights let go: the model takes other sizes
         assert isinstance(fast.backend.first, EagerBackend) and fast.fused is None
     with torch.no_grad():

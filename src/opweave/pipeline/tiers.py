@@ -14,15 +14,15 @@ the others are built off the caller's path:
 * :class:`TierBuilder`, a daemon thread, builds each kind of :data:`KINDS` in turn: it looks in the disk cache (keyed
   by :func:`key`: the captured graph, the model's weights, the inputs' signature, the threads, the machine and torch's
   version, so a changed model or torch never loads a stale tier), else saves the captured graph and hands it to a
-  **build process** (``python -m opweave.pipeline.tiers``, at a lower priority, so the caller's calls keep the cores
-  first; it exits when its parent does) that exports it (``torch.export``: seconds of Python that would hold the
-  caller's interpreter lock), compiles it and writes the tier into the cache. The thread then loads the tier and
-  checks it against the model (:class:`~opweave.pipeline.search.OutputCheck`); the caller's next calls race it
-  against the tier in use (:class:`LiveRace`, on the caller's own thread, where its kernels run as they will) and
+  **build process** (``python -m opweave.pipeline.tiers``, at the lowest priority, :data:`BUILD_NICE`, so the caller's
+  calls keep the cores first; it exits when its parent does) that exports it (``torch.export``: seconds of Python that
+  would hold the caller's interpreter lock), compiles it and writes the tier into the cache. The thread then loads the
+  tier and checks it against the model (:class:`~opweave.pipeline.search.OutputCheck`); the caller's next calls race
+  it against the tier in use (:class:`LiveRace`, on the caller's own thread, where its kernels run as they will) and
   move every call over only where it is measured faster: one log line says what landed and how much faster
-  (``opweave.pipeline.tiers``, INFO), or what was kept. One tier is raced at a time, each against the winner of
-  the race before it. A build that fails, or a build
-  process that crashes or is killed, leaves the tier in use serving, with one warning.
+  (``opweave.pipeline.tiers``, INFO), or what was kept. One tier is raced at a time, each against the winner of the
+  race before it. A build that fails, or a build process that crashes or is killed, leaves the tier in use serving,
+  with one warning.
 
 Kinds (:data:`KINDS`, in the order they are built: the quick first): ``onnxruntime-fixed``, the model's ONNX
 Runtime session exported at the example's sizes (the first tier's session leaves every dimension free, so that a
@@ -72,6 +72,7 @@ KINDS: tuple[str, ...] = ("onnxruntime-fixed", "inductor")  # what the default b
 SUFFIX = {"onnxruntime-fixed": ".onnx"}  # a tier's file, by kind (else an AOTInductor or exported package, .pt2)
 VERSION = 1  # of what a tier is built from and how (in every tier's key)
 BUILD_TIMEOUT_S = 1800.0  # a build process past this is stopped (its tier is not built)
+BUILD_NICE = 19  # the build process's niceness: the lowest priority (benchmarks/tier_build.py measured 10 and 19)
 
 
 class Tiered:
@@ -137,6 +138,7 @@ class Tiered:
         previous = self.current
         self.current, self.label = tier, label
         self.stats["landed"] += 1
+        self.stats["landed_at"] = time.perf_counter()  # on the clock of time.perf_counter
         if previous is not self.first:
             _close(previous)
         elif self.model is not None and not isinstance(self.first, EagerBackend):
@@ -502,7 +504,7 @@ def main(argv: list[str]) -> int:
     kind, program, out, threads, parent = argv
     threading.Thread(target=_orphaned, args=(int(parent),), daemon=True).start()
     try:
-        os.nice(10)  # the caller's calls keep the cores first
+        os.nice(BUILD_NICE)  # the caller's calls keep the cores first
     except OSError:
         pass
     build(kind, Path(program), Path(out), int(threads))
@@ -513,5 +515,6 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = ["BUILD_TIMEOUT_S", "KINDS", "SUFFIX", "VERSION", "TierBuilder", "Tiered", "build", "built_now",
-           "default_kinds", "export_and_build", "key", "load", "start", "tier_dir", "tier_path", "weights_digest"]
+__all__ = ["BUILD_NICE", "BUILD_TIMEOUT_S", "KINDS", "SUFFIX", "VERSION", "TierBuilder", "Tiered", "build",
+           "built_now", "default_kinds", "export_and_build", "key", "load", "start", "tier_dir", "tier_path",
+           "weights_digest"]
