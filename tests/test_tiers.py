@@ -26,6 +26,7 @@ def tiered(monkeypatch, tmp_path):
     monkeypatch.setenv("OPWEAVE_TIERS", "1")
     monkeypatch.setenv("OPWEAVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tiers, "KINDS", ("exported",))
+    monkeypatch.setattr(tiers, "SETTLE_S", 0.0)  # one untimed call a block
     times: dict[str, float] = {}
     monkeypatch.setattr(search, "TIMER", lambda label, fn: (fn(), times.get(label, times.get("first", 1.0)))[1])
     torch.manual_seed(0)
@@ -278,3 +279,55 @@ def test_the_onnxruntime_fixed_tier_is_the_session_at_the_examples_sizes(tiered,
     fixed = opweave.compile(model, inputs, threads=1, dynamic=False)
     assert fixed.backend.wait(120) and fixed.backend.tiers == []
     fixed.close()
+
+
+def test_the_next_build_waits_while_a_race_is_called(tiered, monkeypatch):
+    """A build beside a race slows the race's calls (on 2 cores a race beside an Inductor build timed both tiers at
+    3x their steady time and kept the faster out): the next build starts once the race is decided, while calls
+    come."""
+    model, inputs, times = tiered
+    monkeypatch.setattr(tiers, "KINDS", ("onnxruntime-fixed", "exported"))
+    monkeypatch.setattr(tiers, "RACE_IDLE_S", 600.0)  # calls come far more often than this
+    times.update({"first": 3.0, "onnxruntime-fixed": 2.0, "exported": 1.0})
+    started: list[str] = []
+    real = tiers.export_and_build
+    monkeypatch.setattr(tiers, "export_and_build", lambda kind, *a, **k: started.append(kind) or real(kind, *a, **k))
+    fast = opweave.compile(model, inputs, threads=1)
+    with torch.no_grad():
+        while not fast.backend.racing:
+            assert fast.backend.building
+            fast(*inputs)
+        for _ in range(2 * tiers.BLOCK * tiers.BLOCKS - 1):  # the race, all but its last call
+            fast(*inputs)
+            assert started == ["onnxruntime-fixed"] and fast.backend.racing
+        fast(*inputs)  # decided: the next build starts
+    assert not fast.backend.racing and fast.backend.label == "onnxruntime-fixed"
+    assert fast.backend.wait(120) and started == ["onnxruntime-fixed", "exported"]
+    raced(fast, inputs)
+    assert fast.backend.label == "exported"
+    fast.close()
+
+
+def test_a_race_block_times_its_calls_only_once_the_other_tiers_pools_settle(tiered, monkeypatch):
+    """Two ONNX Runtime sessions called in turn ran their first calls after a switch at twice their steady time, so
+    that a race of one untimed call a block timed both at that and kept the faster tier out: a block's calls are
+    timed only once SETTLE_S has passed since it began."""
+    model, inputs, times = tiered
+    times.update({"exported": 1.0, "first": 2.0})
+    clock = [0.0]
+    monkeypatch.setattr(tiers, "_now", lambda: clock[0])
+    monkeypatch.setattr(tiers, "SETTLE_S", 4 / 64)
+    fast = opweave.compile(model, inputs, threads=1)
+    assert fast.backend.wait(120) and fast.backend.racing
+    race, seen = fast.backend.race, []
+    with torch.no_grad():
+        while fast.backend.racing:
+            before = (race.block, sum(map(len, race.times)))
+            fast(*inputs)
+            seen.append((before[0], sum(map(len, race.times)) > before[1]))  # (block, timed)
+            clock[0] += 1 / 64  # each call takes 1/64 s (sums exact in binary)
+    for block in range(2 * tiers.BLOCKS):
+        mine = [timed for b, timed in seen if b == block]
+        assert mine == [False] * 4 + [True] * (tiers.BLOCK - 1), (block, mine)  # SETTLE_S untimed, then timed
+    assert fast.backend.label == "exported"
+    fast.close()

@@ -21,8 +21,8 @@ the others are built off the caller's path:
   it against the tier in use (:class:`LiveRace`, on the caller's own thread, where its kernels run as they will) and
   move every call over only where it is measured faster: one log line says what landed and how much faster
   (``opweave.pipeline.tiers``, INFO), or what was kept. One tier is raced at a time, each against the winner of the
-  race before it. A build that fails, or a build process that crashes or is killed, leaves the tier in use serving,
-  with one warning.
+  race before it, and the next build waits for a race while calls come (:data:`RACE_IDLE_S`). A build that fails, or a
+  build process that crashes or is killed, leaves the tier in use serving, with one warning.
 
 Kinds (:data:`KINDS`, in the order they are built: the quick first): ``onnxruntime-fixed``, the model's ONNX
 Runtime session exported at the example's sizes (the first tier's session leaves every dimension free, so that a
@@ -72,6 +72,7 @@ KINDS: tuple[str, ...] = ("onnxruntime-fixed", "inductor")  # what the default b
 SUFFIX = {"onnxruntime-fixed": ".onnx"}  # a tier's file, by kind (else an AOTInductor or exported package, .pt2)
 VERSION = 1  # of what a tier is built from and how (in every tier's key)
 BUILD_TIMEOUT_S = 1800.0  # a build process past this is stopped (its tier is not built)
+RACE_IDLE_S = 1.0  # the next build waits for a race until no call has come for this long
 BUILD_NICE = 19  # the build process's niceness: the lowest priority (benchmarks/tier_build.py measured 10 and 19)
 
 
@@ -177,33 +178,45 @@ class Tiered:
 class LiveRace:
     """A tier built, raced against the tier in use on the caller's own calls (on the caller's thread, as the caller
     runs them: timed from another thread, an Inductor tier's OpenMP kernels ran markedly slower than on the
-    caller's, beside the caller's idle team; docs/design.md, §3.8). The calls come in blocks of :data:`BLOCK` on
-    one tier, then on the other, for :data:`BLOCKS` blocks each; in each block the first call is untimed (it pays
-    for the other tier's pools left spinning), the others timed on :data:`opweave.pipeline.search.TIMER`'s clock.
-    Every call returns its tier's answer, and both tiers are checked to equal the model. Then the faster median
-    takes every call (the built tier lands, :meth:`Tiered.land`) or the built tier is let go; one log line says
-    which."""
+    caller's, beside the caller's idle team; docs/design.md, §3.8). The calls come in blocks on one tier, then on
+    the other, :data:`BLOCKS` blocks each. A block's first calls are untimed, at least one and until
+    :data:`SETTLE_S` has passed since the block began: they pay for the other tier's pools left spinning (two ONNX
+    Runtime sessions of SqueezeNet, called in turn on 2 cores, ran their first four or five calls after a switch
+    at twice their steady time); then :data:`BLOCK` - 1 calls are timed on
+    :data:`opweave.pipeline.search.TIMER`'s clock. Every call returns its tier's answer, and both tiers are checked
+    to equal the model. Then the faster median takes every call (the built tier lands, :meth:`Tiered.land`) or the
+    built tier is let go; one log line says which."""
 
     def __init__(self, in_use: str, current: Any, label: str, tier: Any, outcome: dict[str, Any]):
         self.labels, self.tiers = (in_use, label), (current, tier)
         self.times: tuple[list[float], list[float]] = ([], [])
-        self.outcome, self.calls, self.lock, self.timed = outcome, 0, threading.Lock(), False
+        self.outcome, self.calls, self.lock, self.finished = outcome, 0, threading.Lock(), False
+        self.block, self.untimed, self.timed = 0, 0, 0  # the block under way
+        self.began: float | None = None
 
     def __call__(self, tiered: Tiered, args: tuple[Any, ...]) -> Any:
         with self.lock:
-            k, self.calls = self.calls, self.calls + 1
-        block, at = divmod(k, BLOCK)
-        which = block % 2
-        if block >= 2 * BLOCKS:
+            self.calls += 1
+            which, now = self.block % 2, _now()
+            if self.block >= 2 * BLOCKS:
+                which = -1
+            if self.began is None:
+                self.began = now
+            timed = self.untimed > 0 and now - self.began >= SETTLE_S
+            self.untimed += not timed
+        if which < 0:
             return tiered.current(*args)  # decided by another thread, or being decided
-        if at == 0:
+        if not timed:
             return self.tiers[which](*args)
         result: list[Any] = []
         ms = (search.TIMER or call_ms)(self.labels[which], lambda: result.append(self.tiers[which](*args)))
         with self.lock:
             self.times[which].append(ms)
-            done = not self.timed and all(len(t) >= BLOCKS * (BLOCK - 1) for t in self.times)
-            self.timed = self.timed or done
+            self.timed += 1
+            if self.timed >= BLOCK - 1:  # the next block, on the other tier
+                self.block, self.began, self.untimed, self.timed = self.block + 1, None, 0, 0
+            done = not self.finished and all(len(t) >= BLOCKS * (BLOCK - 1) for t in self.times)
+            self.finished = self.finished or done
         if done:
             tiered.decided(self)
         return result[0]
@@ -222,8 +235,10 @@ class LiveRace:
             log.info("%s: the %s tier kept out, %.3f ms against %s's %.3f ms", name, label, ms, in_use, ms_in_use)
 
 
-BLOCK = 4  # calls on one tier in a row in a live race (the first untimed)
+BLOCK = 4  # a live race's block: one call untimed at least, then BLOCK - 1 timed
 BLOCKS = 4  # blocks of each tier in a live race
+SETTLE_S = 0.2  # a block's calls are untimed until this long since it began
+_now = time.perf_counter  # the clock a block's settling is read on
 
 
 def _close(tier: Any) -> None:
@@ -279,6 +294,7 @@ class TierBuilder(threading.Thread):
         try:
             weights = weights_digest(self.captured.gm)
             for kind in self.kinds:
+                self._await_race()
                 if self.closed.is_set():
                     return
                 start = time.perf_counter()
@@ -314,6 +330,22 @@ class TierBuilder(threading.Thread):
         outcome: dict[str, Any] = {"kind": kind, "cached": cached, "graph": self.captured.graph.name}
         self.tiered.propose(kind, tier, outcome)  # raced on the caller's calls (LiveRace), which decide
         return outcome
+
+    def _await_race(self) -> None:
+        """Before the next build: wait while a tier is raced and calls keep coming (a build beside a race would slow
+        both tiers' calls unevenly: the race would measure the build), or until nobody has called for
+        :data:`RACE_IDLE_S` (a build then disturbs no call)."""
+        seen, since = -1, time.monotonic()
+        while not self.closed.is_set():
+            race = self.tiered.race
+            if race is None and not self.tiered.pending:
+                return
+            calls = race.calls if race is not None else seen
+            if calls != seen:
+                seen, since = calls, time.monotonic()
+            elif time.monotonic() - since > RACE_IDLE_S:
+                return
+            time.sleep(0.02)
 
 
 def export_and_build(kind: str, models: tuple[Any, ...], inputs: tuple[Any, ...], threads: int | None, path: Path,
@@ -515,6 +547,6 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-__all__ = ["BUILD_NICE", "BUILD_TIMEOUT_S", "KINDS", "SUFFIX", "VERSION", "TierBuilder", "Tiered", "build",
-           "built_now", "default_kinds", "export_and_build", "key", "load", "start", "tier_dir", "tier_path",
-           "weights_digest"]
+__all__ = ["BUILD_NICE", "BUILD_TIMEOUT_S", "KINDS", "RACE_IDLE_S", "SUFFIX", "VERSION", "TierBuilder", "Tiered",
+           "build", "built_now", "default_kinds", "export_and_build", "key", "load", "start", "tier_dir",
+           "tier_path", "weights_digest"]
