@@ -183,18 +183,29 @@ def _zeros(program: torch.export.ExportedProgram) -> tuple | None:
     return tuple(torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype, device=v.device) for v in tensors)
 
 
+def user_inputs(program: torch.export.ExportedProgram) -> list:
+    """The example values (fake tensors, symbolic where a size is free) of ``program``'s user inputs, in order."""
+    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    return [values.get(s.arg.name) for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+
+
+def size_range(program: torch.export.ExportedProgram, size: Any) -> tuple[int, float] | None:
+    """The smallest and largest value of a free size (a ``SymInt`` of ``program``), as its range constraints say
+    (None where they say nothing)."""
+    found = program.range_constraints.get(size.node.expr)
+    return (int(found.lower), float(found.upper)) if found is not None else None
+
+
 def _ranges(program: torch.export.ExportedProgram) -> list[dict[int, tuple[int, float]]]:
     """Per user input of ``program``, each dimension's smallest and largest size (:attr:`ExportedModule.ranges`)."""
-    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
-    users = [values.get(s.arg.name) for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     out: list[dict[int, tuple[int, float]]] = []
-    for value in users:
+    for value in user_inputs(program):
         dims: dict[int, tuple[int, float]] = {}
         for d, size in enumerate(value.shape if isinstance(value, torch.Tensor) else ()):
             if not isinstance(size, torch.SymInt):
                 dims[d] = (int(size), int(size))
-            elif (found := program.range_constraints.get(size.node.expr)) is not None:
-                dims[d] = (int(found.lower), float(found.upper))
+            elif (found := size_range(program, size)) is not None:
+                dims[d] = found
         out.append(dims)
     return out
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
+from opweave.capture.trace import size_range, user_inputs
 from opweave.errors import UsageError
 from opweave.serve.engine.blocks import BlockedModel, split
 
@@ -128,8 +129,7 @@ def load(name: str, *, path: Path | None = None, device: str = "cpu", max_batch:
     # a TorchScript module's sizes are its config's, fixed (its conversion may leave them free)
     scripted = path is not None and Path(path).suffix != ".pt2"
     free_in, free_out = ([], []) if scripted else varying(module, flat, blocked.stackable)
-    blocked.sizes_vary = any(free_in)
-    if blocked.sizes_vary:
+    if any(free_in):
         blocked.other_sizes = resized(flat, free_in)
     inputs = tuple(_spec(n, x, blocked.stackable, ranges) for n, x, ranges in
                    zip(names, flat, free_in or [()] * len(flat), strict=True))
@@ -160,18 +160,13 @@ def varying(module, inputs: tuple, stackable: bool) -> tuple[list[tuple], list[t
         for d, size in enumerate(value.shape if isinstance(value, torch.Tensor) else ()):
             if d < first or not isinstance(size, torch.SymInt):
                 continue
-            expr = size.node.expr
-            found = program.range_constraints.get(expr)
+            low, upper = size_range(program, size) or (1, math.inf)
             fixed = int(example.shape[d]) if isinstance(example, torch.Tensor) else -1
-            low = int(found.lower) if found is not None else 1
-            upper = float(found.upper) if found is not None else math.inf
             high = int(upper) if upper != math.inf and example is not None else fixed
-            out.append((d, low, high, str(expr)))
+            out.append((d, low, high, str(size.node.expr)))
         return tuple(out)
 
-    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
-    users = [values.get(s.arg.name) for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-    free_in = [free(v, x) for v, x in zip(users, inputs, strict=False)]
+    free_in = [free(v, x) for v, x in zip(user_inputs(program), inputs, strict=False)]
     if not any(free_in):
         return [], []
     output = next(n for n in program.graph.nodes if n.op == "output")

@@ -214,10 +214,10 @@ class BlockedModel:
 
     ``stackable``: instances of this model may be stacked along dimension 0 (every block input and output leaf has
     the batch as its first dimension, checked at batch 1 and 2); otherwise every instance holds one request.
-    ``sizes_vary``: requests may differ in sizes other than the batch (a sequence length: a ``torch.export`` program
-    exported with that dimension free); only requests of equal sizes stack, and each block serves the other sizes
-    with what it was built for (:meth:`opweave.serve.engine.cpu.CpuExecutor.build_block`), checked at load on
-    ``other_sizes``.
+    ``other_sizes``: block 0's inputs at other sizes than the example's, where requests may differ in sizes other
+    than the batch (a sequence length: a ``torch.export`` program exported with that dimension free; empty
+    otherwise); only requests of equal sizes stack, and each block serves the other sizes with what it was built for
+    (:meth:`opweave.serve.engine.cpu.CpuExecutor.build_block`), checked at load on them.
     """
 
     name: str
@@ -227,11 +227,15 @@ class BlockedModel:
     blocks: list[Block]
     modules: list[fx.GraphModule]
     stackable: bool = True
-    sizes_vary: bool = False
-    other_sizes: tuple = ()  # with sizes_vary: block 0's inputs at other sizes than the example's (checked at load)
+    other_sizes: tuple = ()  # block 0's inputs at other sizes than the example's (checked at load); () if fixed
     _captures: dict[tuple[int, int], Captured] = field(default_factory=dict, repr=False)
     _examples: list[tuple] = field(default_factory=list, repr=False)  # batch-1 inputs of each block (later: Shaped)
     _graphs: dict[tuple[int, int], OpGraph] = field(default_factory=dict, repr=False)
+
+    @property
+    def sizes_vary(self) -> bool:
+        """Whether requests may differ in sizes other than the batch (``other_sizes``)."""
+        return bool(self.other_sizes)
 
     # ---- running ------------------------------------------------------------------------------------------------
     def flat_inputs(self, args: tuple) -> tuple:

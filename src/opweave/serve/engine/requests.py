@@ -5,6 +5,7 @@ block), the refusals of a submission (:class:`QueueFull`, :class:`Unavailable`),
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +51,11 @@ class Request:
     output: Any = None
     error: str | None = None
 
-    @property
+    @functools.cached_property
     def work(self) -> int:
         """What it asks of its model, beside the model's other requests: the elements of its inputs (samples times
-        their sizes: a longer sequence is more work), its samples where its inputs hold no tensor."""
+        their sizes: a longer sequence is more work), its samples where its inputs hold no tensor. Read once: the
+        policies read it at every engine step."""
         flat = self.inputs if isinstance(self.inputs, (list, tuple)) else ()
         elements = sum(int(x.numel()) for x in flat if callable(getattr(x, "numel", None)))
         return elements or self.batch
