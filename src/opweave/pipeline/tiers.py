@@ -9,8 +9,8 @@ the others are built off the caller's path:
   assignment when a tier lands, so a call never waits for a build and never sees half a tier. A call whose inputs are
   not the example's signature (another size the first tier was made to take) goes to the first tier, which a tier
   built for the example's shapes cannot serve. Once a tier lands, a first tier that holds a copy of the weights (ONNX
-  Runtime's session) is let go and the model itself takes those other sizes: the weights are held twice at most,
-  the model's own and the landed tier's.
+  Runtime's session) is let go and the model itself takes those other sizes, so that the first tier's copy of the
+  weights is not held beside the landed tier's (what is held is measured: benchmarks/tier_memory.py).
 * :class:`TierBuilder`, a daemon thread, builds each kind of :data:`KINDS` in turn: it looks in the disk cache (keyed
   by :func:`key`: the captured graph, the model's weights, the inputs' signature, the threads, the machine and torch's
   version, so a changed model or torch never loads a stale tier), else saves the captured graph and hands it to a
