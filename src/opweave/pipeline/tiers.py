@@ -317,10 +317,14 @@ class TierBuilder(threading.Thread):
         """Build (or find in the cache), load, check and race one tier; land it where it wins."""
         path = tier_path(key(self.captured, self.inputs, self.options, kind, weights), kind)
         cached = path.exists()
+        whole = _whole(kind, self.captured, self.inputs)
         if not cached:
-            models, inputs = _handed(kind, (self.model, self.captured.gm), self.captured, self.inputs)
+            models: tuple[Any, ...] = (self.model, self.captured.gm)
+            inputs = self.inputs
+            if whole is not None:
+                models, inputs = (whole.gm,), tuple(whole.inputs)
             export_and_build(kind, models, inputs, self.options.threads, path, self)
-        tier = load(kind, path, self.options.threads, self.captured, self.inputs)
+        tier = load(kind, path, self.options.threads, whole)
         with torch.no_grad():
             check = search.OutputCheck(self.captured, self.inputs, self.model, self.reference)(tier(*self.inputs))
         if not check.ok:
@@ -382,19 +386,19 @@ def built_now(kind: str, captured: Any, inputs: tuple[Any, ...], options: Any) -
     """Tier ``kind`` of the captured model, found in the cache or built now (in a build process, waited for), loaded:
     ``mode="max-autotune"``'s candidate of it."""
     path = tier_path(key(captured, inputs, options, kind, weights_digest(captured.gm)), kind)
+    whole = _whole(kind, captured, inputs)
     if not path.exists():
-        export_and_build(kind, *_handed(kind, (captured.gm,), captured, inputs), options.threads, path)
-    return load(kind, path, options.threads, captured, inputs)
+        models, given = ((whole.gm,), tuple(whole.inputs)) if whole is not None else ((captured.gm,), inputs)
+        export_and_build(kind, models, given, options.threads, path)
+    return load(kind, path, options.threads, whole)
 
 
-def _handed(kind: str, models: tuple[Any, ...], captured: Any, inputs: tuple[Any, ...]) -> tuple[tuple, tuple]:
-    """What the build process of tier ``kind`` is given: ``models`` and ``inputs``, or for ``onnxruntime-fixed`` the
-    captured model as one graph over its tensor inputs (:func:`~opweave.backends.segments.whole_module`: what the
-    first tier's session was exported from, here at the example's sizes)."""
-    if kind != "onnxruntime-fixed":
-        return models, inputs
-    whole = whole_module(captured, inputs)
-    return (whole.gm,), tuple(whole.inputs)
+def _whole(kind: str, captured: Any, inputs: tuple[Any, ...]) -> Any:
+    """For ``onnxruntime-fixed``, the captured model as one graph over its tensor inputs
+    (:func:`~opweave.backends.segments.whole_module`: what the first tier's session was exported from): its build
+    process exports it at the example's sizes, and its session's calls are mapped through it; None for other kinds
+    (their build process gets the model itself)."""
+    return whole_module(captured, inputs) if kind == "onnxruntime-fixed" else None
 
 
 # ---- what a tier is ---------------------------------------------------------------------------------------------
@@ -431,11 +435,11 @@ def key(captured: Any, inputs: tuple[Any, ...], options: Any, kind: str, weights
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def load(kind: str, path: Path, threads: int | None, captured: Any = None, inputs: tuple[Any, ...] = ()) -> Any:
-    """A built tier, called like the model (positional inputs, the model's outputs); ``captured`` and ``inputs``,
-    the model captured and its example, map the calls of an ``onnxruntime-fixed`` tier to its session's inputs."""
+def load(kind: str, path: Path, threads: int | None, whole: Any = None) -> Any:
+    """A built tier, called like the model (positional inputs, the model's outputs); ``whole`` (:func:`_whole`)
+    maps the calls of an ``onnxruntime-fixed`` tier to its session's inputs."""
     if kind == "onnxruntime-fixed":
-        return _Session(whole_module(captured, inputs), path, threads)
+        return _Session(whole, path, threads)
     if kind == "inductor":
         return _Package(torch._inductor.aoti_load_package(str(path)), threads)
     if kind == "exported":
