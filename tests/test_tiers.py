@@ -269,7 +269,8 @@ def test_the_onnxruntime_fixed_tier_is_the_session_at_the_examples_sizes(tiered,
     import onnx
 
     [path] = tiers.tier_dir().iterdir()
-    dims = [[d.dim_value for d in i.type.tensor_type.shape.dim] for i in onnx.load(str(path)).graph.input]
+    dims = [[d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in onnx.load(str(path), load_external_data=False).graph.input]
     assert dims == [[4, 16]]  # every dimension fixed (the first tier's are free)
     with torch.no_grad():
         assert compare(model(*inputs), fast(*inputs)).ok
@@ -279,6 +280,46 @@ def test_the_onnxruntime_fixed_tier_is_the_session_at_the_examples_sizes(tiered,
     fixed = opweave.compile(model, inputs, threads=1, dynamic=False)
     assert fixed.backend.wait(120) and fixed.backend.tiers == []
     fixed.close()
+
+
+class StackedSum(nn.Module):
+    """RandWire's aggregation, a weighted sum over a stack, between two linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+        self.w = nn.Parameter(torch.rand(2))
+
+    def forward(self, x):
+        xs = torch.stack([self.a(x).relu(), self.b(x).relu()])
+        return self.out((xs * self.w.sigmoid().view(2, 1, 1)).sum(0))
+
+
+def test_the_onnxruntime_fixed_tier_is_exported_as_the_first_tiers_session_and_reads_the_models_weights(
+        tiered, monkeypatch):
+    """The tier's graph is rewritten for ONNX Runtime as the first tier's segments are (a stacked sum as a sum of
+    its parts: no ReduceSum), although its build process gets the graph pickled (which loses the shapes the
+    rewrites read); its file holds no weights: the session reads the model's own tensors."""
+    _, inputs, times = tiered
+    model = StackedSum().eval()
+    monkeypatch.setattr(tiers, "KINDS", ("onnxruntime-fixed",))
+    times.update({"first": 2.0, "onnxruntime-fixed": 1.0})
+    fast = opweave.compile(model, inputs, threads=1)
+    assert fast.backend.wait(120)
+    raced(fast, inputs)
+    assert fast.backend.label == "onnxruntime-fixed", fast.backend.tiers
+    import onnx
+
+    [path] = tiers.tier_dir().iterdir()
+    graph = onnx.load(str(path), load_external_data=False).graph
+    assert "ReduceSum" not in {node.op_type for node in graph.node}
+    assert graph.initializer and all(i.data_location == onnx.TensorProto.EXTERNAL for i in graph.initializer)
+    own = {t.data_ptr() for t in model.state_dict().values()}
+    read = {v.data_ptr() for v in fast.backend.current.segment.shared.values()}
+    assert own & read and read <= own | {v.data_ptr() for v in fast.backend.current.whole.gm.buffers()}
+    with torch.no_grad():
+        assert compare(model(*inputs), fast(*inputs)).ok
+    fast.close()
 
 
 def test_the_next_build_waits_while_a_race_is_called(tiered, monkeypatch):

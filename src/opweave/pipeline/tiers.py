@@ -39,6 +39,7 @@ returns; its own candidates hold ONNX Runtime sessions at the example's sizes).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -70,7 +71,7 @@ log = logging.getLogger(__name__)
 
 KINDS: tuple[str, ...] = ("onnxruntime-fixed", "inductor")  # what the default builds after its first tier, in order
 SUFFIX = {"onnxruntime-fixed": ".onnx"}  # a tier's file, by kind (else an AOTInductor or exported package, .pt2)
-VERSION = 1  # of what a tier is built from and how (in every tier's key)
+VERSION = 2  # of what a tier is built from and how (in every tier's key)
 BUILD_TIMEOUT_S = 1800.0  # a build process past this is stopped (its tier is not built)
 RACE_IDLE_S = 1.0  # the next build waits for a race until no call has come for this long
 BUILD_NICE = 19  # the build process's niceness: the lowest priority (benchmarks/tier_build.py measured 10 and 19)
@@ -397,8 +398,15 @@ def _whole(kind: str, captured: Any, inputs: tuple[Any, ...]) -> Any:
     """For ``onnxruntime-fixed``, the captured model as one graph over its tensor inputs
     (:func:`~opweave.backends.segments.whole_module`: what the first tier's session was exported from): its build
     process exports it at the example's sizes, and its session's calls are mapped through it; None for other kinds
-    (their build process gets the model itself)."""
-    return whole_module(captured, inputs) if kind == "onnxruntime-fixed" else None
+    (their build process gets the model itself). Its graph is rewritten for ONNX Runtime
+    (:mod:`~opweave.backends.ortrewrite`) here, where the shapes capture recorded are: a pickled graph loses them, and
+    the build process would export the slow forms (RandWire's stacked sums: 19 against 15.5 ms at batch 1)."""
+    if kind != "onnxruntime-fixed":
+        return None
+    from opweave.backends import ortrewrite
+
+    whole = whole_module(captured, inputs)
+    return dataclasses.replace(whole, gm=ortrewrite.rewrite(whole.gm, fixed_sizes=True)[0])
 
 
 # ---- what a tier is ---------------------------------------------------------------------------------------------
@@ -468,15 +476,39 @@ class _Session:
 
         ort = import_onnxruntime()
         options = session_options(threads or total_threads(), alone=True)
+        weights = external_weights(path, whole.gm)
+        if weights:
+            options.add_external_initializers(list(weights), list(weights.values()))
         self.whole = whole
         self.segment = OrtSegment(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]),
-                                  ort.RunOptions())
+                                  ort.RunOptions(), weights)
 
     def __call__(self, *args: Any) -> Any:
         env, tensors = self.whole.bind(args)
         if tensors is None:
             raise ValueError("the onnxruntime-fixed tier runs the example's signature only")
         return self.whole.output(env, self.segment(*tensors))
+
+
+def external_weights(path: Path, gm: Any) -> dict[str, Any]:
+    """The weights an ``onnxruntime-fixed`` tier's file leaves out (exported apart, as the segments' are:
+    :func:`~opweave.backends.compilers.export_onnx`'s ``weights``), each an ``OrtValue`` over ``gm``'s tensor of that
+    name, which the session reads in place: the tier holds no copy of the weights beyond what ONNX Runtime makes of
+    them (a layout it rewrites them to). So, as with Inductor's freezing, the tier runs the weights the model had
+    when it was compiled; weights changed in place afterwards call for a new ``opweave.compile``."""
+    import onnx
+
+    from opweave.backends.compilers import import_onnxruntime
+
+    ort = import_onnxruntime()
+    tensors: dict[str, torch.Tensor] = dict(gm.named_parameters())
+    tensors.update(gm.named_buffers())
+    names = [init.name for init in onnx.load(str(path), load_external_data=False).graph.initializer
+             if init.data_location == onnx.TensorProto.EXTERNAL]
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise ValueError(f"the onnxruntime-fixed tier reads weights the model lacks: {missing[:3]}")
+    return {name: ort.OrtValue.ortvalue_from_numpy(tensors[name].detach().contiguous().numpy()) for name in names}
 
 
 def _saved(models: tuple[Any, ...], inputs: tuple[Any, ...], folder: Path) -> Path:
@@ -508,7 +540,7 @@ def build(kind: str, program: Path, out: Path, threads: int) -> None:
         gm, inputs = torch.load(program, weights_only=False)
         with torch.no_grad():
             outputs = len(gm(*inputs))
-        scratch.write_bytes(export_onnx(gm, list(inputs), outputs))
+        scratch.write_bytes(export_onnx(gm, list(inputs), outputs, weights={}))  # read from the model (_Session)
         os.replace(scratch, out)
         return
     if program.suffix == ".pt2":
