@@ -293,7 +293,7 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dy
     each output's rank), whose sizes ONNX Runtime infers from the inputs'.
 
     ``weights``: a dict to fill; where given, the parameters and buffers are left out of the bytes (initializers
-    whose data lies outside the model, :func:`_weights_apart`) and ``weights`` gets a copy of each, by name, to
+    whose data lies outside the model, :func:`_weights_apart`) and ``weights`` gets each (contiguous), by name, to
     hand to ONNX Runtime (``SessionOptions.add_external_initializers``). The exporter then neither writes the
     weights nor runs ONNX's shape inference over them, so a model with large weights exports and makes its session
     faster, and runs as fast (docs/design.md, §3.6, segments). Left empty where that export fails (the weights then
@@ -348,8 +348,10 @@ def _export_quietly(gm: fx.GraphModule, inputs: list[torch.Tensor], **kwargs) ->
 
 def _weights_apart(gm: fx.GraphModule, inputs: list[torch.Tensor], names: dict) -> tuple[bytes, dict] | None:
     """``gm`` exported without its weights (:func:`export_onnx`'s ``weights``): each parameter or buffer the graph
-    reads becomes an initializer whose data is external, named as in ``gm``, and a copy of it (contiguous, read by
-    ONNX Runtime in place; a copy, so that a parameter changed later is not half seen); None where the TorchScript
+    reads becomes an initializer whose data is external, named as in ``gm``, and the tensor itself (read by ONNX
+    Runtime in place, where it lies: no copy of the weights beyond the layouts ONNX Runtime rewrites some to; as with
+    Inductor's freezing, the session runs the weights as they were when it was made, and weights changed in place
+    afterwards call for a new compile); None where the TorchScript
     exporter fails or a weight has no NumPy dtype. Constants are not folded in the export (a folded weight would be
     a new tensor with no data): ONNX Runtime folds them when it makes the session."""
     import onnx
@@ -368,7 +370,7 @@ def _weights_apart(gm: fx.GraphModule, inputs: list[torch.Tensor], names: dict) 
         tensor = tensors.get(value.name)
         if tensor is None:
             continue
-        copy = tensor.detach().clone().contiguous()
+        copy = tensor.detach().contiguous()
         init = onnx.TensorProto(name=value.name, dims=list(copy.shape),
                                 data_type=onnx.helper.np_dtype_to_tensor_dtype(copy.numpy().dtype))
         init.data_location = onnx.TensorProto.EXTERNAL
