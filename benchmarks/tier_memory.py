@@ -2,13 +2,17 @@
 
     .venv/bin/python benchmarks/tier_memory.py [--models resnet50,googlenet,bert_base] [--batch 1]
 
-Each (model, mode) in a fresh spawned process, resident memory (VmRSS) read at three points: ``libraries`` (torch,
+Each (model, mode) in a fresh spawned process, resident memory read at three points (VmRSS, and apart its
+anonymous pages, RssAnon, the process's own memory, and RssFile, pages of files it maps): ``libraries`` (torch,
 opweave, ONNX Runtime, onnx, onnxscript and Inductor imported, so their code is not counted as the model's),
 ``model`` (the model made, its weights in memory), ``built`` (for ``eager``: 20 calls made; for ``opweave default``:
 compiled, its tier builds waited for and their races decided by calls; then ``gc.collect()`` and glibc's
 ``malloc_trim``, so memory freed is given back and what remains is what is held). ``held`` = the default's ``built -
-model`` less eager's (what running the model takes either way: activations, pools), in copies of the weights: the
-copies the compiled model holds besides the model's own. Writes ``benchmarks/results/tier_memory.json`` and ``.md``.
+model`` less eager's (what running the model takes either way: activations, pools), in anonymous pages, in copies
+of the weights: the copies the compiled model holds besides the model's own. Mapped files are reported apart: an
+AOTInductor package's shared library holds its constants and stays mapped once loaded (PyTorch does not unload it
+when the package is dropped), pages the kernel may drop at any time and would read again from the file.
+Writes ``benchmarks/results/tier_memory.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -25,14 +29,18 @@ RESULTS = Path(__file__).parent / "results"
 MODES = ("eager", "opweave default")
 
 
-def rss_mb() -> float:
+def rss_mb() -> dict[str, float]:
+    """Resident MiB: ``rss`` in all, ``anon`` (the process's own pages) and ``file`` (pages of files it maps)."""
+    keys = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}
+    out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+        name = line.split(":")[0]
+        if name in keys:
+            out[keys[name]] = round(int(line.split()[1]) / 1024, 1)
+    return out
 
 
-def trimmed_mb() -> float:
+def trimmed_mb() -> dict[str, float]:
     """Resident memory once the garbage is collected and glibc gives back what it freed."""
     import ctypes
     import gc
@@ -77,7 +85,7 @@ def child(name: str, batch: int, mode: str, cache: str, conn) -> None:
                 fast(*inputs)
             row.update(tier=fast.backend.label, tiers=[{k: t.get(k) for k in ("kind", "landed", "cached")}
                                                        for t in fast.backend.tiers])
-    row.update(libraries_mb=round(libraries, 1), model_mb=round(made, 1), built_mb=round(trimmed_mb(), 1))
+    row.update(libraries_mb=libraries, model_mb=made, built_mb=trimmed_mb())
     conn.send(row)
     conn.close()
 
@@ -107,25 +115,34 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.models.split(","):
             eager, default = (measure(name, args.batch, mode, cache) for mode in MODES)
             rows += [eager, default]
-            run_eager = eager["built_mb"] - eager["model_mb"]
-            extra = default["built_mb"] - default["model_mb"] - run_eager
+            def beyond(kind: str, row: dict) -> float:
+                return row["built_mb"][kind] - row["model_mb"][kind]
+
+            run_eager = beyond("anon", eager)
+            extra = beyond("anon", default) - run_eager
+            files = beyond("file", default) - beyond("file", eager)
             summary.append({"model": name, "batch": args.batch, "weights_mb": default["weights_mb"],
                             "tier": default["tier"], "eager_run_mb": round(run_eager, 1),
                             "compiled_extra_mb": round(extra, 1),
-                            "held_copies": round(extra / default["weights_mb"], 2)})
+                            "held_copies": round(extra / default["weights_mb"], 2),
+                            "file_mb": round(files, 1)})
             common.console.print(summary[-1])
     command = "python benchmarks/tier_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
     data = {"command": command.strip(), "machine": machine, "rows": rows, "summary": summary}
     common.write_json(RESULTS / f"{args.stem}.json", data)
     lines = ["# Copies of the weights a compiled model holds", "",
              f"`{data['command']}` — {machine['date']}, torch {machine['torch']}", "",
-             "Resident MiB once built, its tiers landed, garbage collected and freed memory given back; beyond the "
-             "model's own weights and what running it eagerly takes.", "",
-             "| model | batch | weights MiB | tier in use | eager's run MiB | compiled beyond it MiB | copies held |",
-             "|---|---:|---:|---|---:|---:|---:|"]
+             "Resident MiB of the process's own memory (anonymous pages) once built, its tiers landed, garbage "
+             "collected and freed memory given back; beyond the model's own weights and what running it eagerly "
+             "takes. Pages of files it maps (a loaded library's, an AOTInductor package's code and constants, "
+             "which stay mapped once loaded) apart: the kernel drops them when memory is short and reads them "
+             "again if they are used.", "",
+             "| model | batch | weights MiB | tier in use | eager's run MiB | compiled beyond it MiB | copies held "
+             "| mapped files MiB |",
+             "|---|---:|---:|---|---:|---:|---:|---:|"]
     for s in summary:
         lines.append(f"| {s['model']} | {s['batch']} | {s['weights_mb']} | {s['tier']} | {s['eager_run_mb']} | "
-                     f"{s['compiled_extra_mb']} | {s['held_copies']:.2f} |")
+                     f"{s['compiled_extra_mb']} | {s['held_copies']:.2f} | {s['file_mb']} |")
     (RESULTS / f"{args.stem}.md").write_text("\n".join(lines) + "\n")
     return 0
 

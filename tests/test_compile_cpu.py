@@ -231,6 +231,30 @@ def test_below_lane_cores_the_cpu_default_races_onnxruntime_against_the_model_al
         assert compare(model(*inputs), fast(*inputs)).ok
 
 
+def test_the_cpu_defaults_onnxruntime_segment_reads_the_models_own_weights_where_lanes_fold_batchnorm(monkeypatch):
+    """One ONNX Runtime segment plans on the model as captured (ONNX Runtime folds BatchNorm itself): it holds no
+    folded copy of the weights, and its session reads the model's own tensors; a candidate of lanes plans on the
+    coarse graph (BatchNorm folded into a copy of the convolutions' weights), which both of its candidates share."""
+    from opweave.pipeline import search, targets
+
+    model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
+    own = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    monkeypatch.setattr(search, "TIMER", scripted({"onnxruntime": 1.0, "eager": 3.0, "lanes": 3.0,
+                                                     "onnxruntime lanes": 2.0}))
+    fast = opweave.compile(model, inputs, threads=targets.LANE_CORES)
+    assert fast.choice["label"] == "onnxruntime"
+    weights = list(fast.captured.gm.state_dict().values())
+    assert weights and all(t.untyped_storage().data_ptr() in own for t in weights)
+    with torch.inference_mode():
+        assert compare(model(*inputs), fast(*inputs)).ok
+    assert fast.options.coarsen is False
+    lanes = fast.options.derive(coarsen=True)
+    coarse = targets.coarsened(fast.captured, lanes)
+    assert coarse is targets.coarsened(fast.captured, lanes) and len(coarse.graph.ops) < len(
+        fast.captured.graph.ops)
+    assert any(t.untyped_storage().data_ptr() not in own for t in coarse.gm.state_dict().values())
+
+
 def test_the_cpu_default_tries_lanes_of_onnxruntime_segments_only_where_the_cores_allow(monkeypatch):
     from opweave.pipeline import search, targets
 

@@ -36,15 +36,15 @@ def build(captured: Any, example_inputs: Any, options: Options, *, eager: Any = 
     ``reference``: the captured graph's output for ``example_inputs`` as capture just checked it, which a measured
     choice checks its candidates against (None: it runs the graph for one)."""
     inputs = as_tuple(example_inputs)
-    captured = _coarsened(captured, options)
     target = targets.for_options(options)
-    if options.autotune:
+    if options.autotune:  # each candidate coarsens the captured model as it plans it (targets.coarsened)
         return search.search(target, captured, inputs, options, eager=eager, reference=reference)
     if options.guard:  # the CPU default: the fastest of its candidates, measured, then the tiers built beside it
         raced: Compiled = search.default_race(target, captured, inputs, options, eager=eager, reference=reference)
         if options.tiers and not captured.state_writes():  # a tier's race would write the model's state beside
             raced = tiers.start(raced, eager if eager is not None else captured.gm, inputs, options, reference)
         return raced
+    captured = targets.coarsened(captured, options)
     compiled: Compiled = target.build(captured, inputs, options)
     if compiled.fused is not None and compiled.fused.any_batch:  # dynamic=True: one session with a free batch
         if takes_any_batch(compiled, captured, inputs):
@@ -71,18 +71,9 @@ def plan_ranks(captured: Any, example_inputs: Any, options: Options) -> Planned:
     launcher started (``opweave run`` under torchrun) run this plan, each its own share."""
     if options.devices < 2:
         raise UsageError(f"a plan over ranks needs devices > 1, got devices={options.devices}")
-    captured = _coarsened(captured, options)
+    captured = targets.coarsened(captured, options)
     costs, schedule, plan = targets.RanksTarget().plan(captured, as_tuple(example_inputs), options)
     return Planned(captured, costs, schedule, plan)
-
-
-def _coarsened(captured: Any, options: Options) -> Any:
-    """``captured`` as the options plan it: coarsened (the papers' operators) unless ``coarsen=False``."""
-    if not options.coarsen:
-        return captured
-    from opweave.capture import coarsen
-
-    return coarsen(captured)
 
 
 __all__ = ["Compiled", "Planned", "as_tuple", "build", "plan_ranks"]

@@ -117,7 +117,8 @@ def race(target, captured, inputs: tuple, options: Options, candidates: list[Can
     (a search checks every candidate: a CUDA plan that dropped an ordering would show there)."""
     candidates = [c for c in candidates if c.kind != "eager" or eager is not None]
     agrees = OutputCheck(captured, inputs, eager, reference)
-    latencies = Latencies(captured, inputs)
+    planned = functools.partial(target.planned, captured, options)
+    latencies = Latencies(planned, inputs)
     built: dict[str, Compiled] = {}
     made_from: dict[str, Candidate] = {}
     measured: dict[str, dict[str, Any]] = {}
@@ -135,8 +136,8 @@ def race(target, captured, inputs: tuple, options: Options, candidates: list[Can
             fast, why, ms = _checked(lambda c=candidate: target.build_candidate(captured, inputs, options, c,
                                                                                 latencies.of(c), eager),
                                      agrees, candidate.label, options,
-                                     trusted=None if check_all else functools.partial(_as_captured, captured=captured,
-                                                                                      candidate=candidate))
+                                     trusted=None if check_all else functools.partial(_as_captured, captured=planned(
+                                         candidate), candidate=candidate))
             if fast is None:
                 left_out[candidate.label] = why
                 continue
@@ -286,44 +287,50 @@ def _output(fast, inputs: tuple, options: Options):
 
 
 class Latencies:
-    """The op latencies each candidate plans on, measured once per source (:class:`Candidate`)."""
+    """The op latencies each candidate plans on, measured once per source (:class:`Candidate`) and graph:
+    ``planned(candidate)`` is the captured model as the candidate plans it (coarsened or not)."""
 
-    def __init__(self, captured, inputs: tuple):
-        self.captured, self.inputs = captured, inputs
-        self.known: dict[str, dict | None] = {"fitted": None}  # the target's own costs
-        self.ort_graph: Any = None  # built with the first of its candidates; its latencies are its own graph's nodes'
+    def __init__(self, planned: Any, inputs: tuple):
+        self.planned, self.inputs = planned, inputs
+        self.known: dict[tuple[str, int], dict | None] = {}
+        self.ort_graphs: dict[int, Any] = {}  # ONNX Runtime's graph of each captured model, built with the first
+        # of its candidates; its latencies are its own graph's nodes'
 
     def of(self, candidate: Candidate) -> dict | None:
-        if candidate.kind != "plan":
+        if candidate.kind != "plan" or candidate.costs == "fitted":  # the target's own costs
             return None
-        source = candidate.costs
-        if source not in self.known:
+        source, captured = candidate.costs, self.planned(candidate)
+        key = (source, id(captured))
+        if key not in self.known:
             if source == "eager":
                 from opweave.costs.profile import profile_model  # torch.profiler, loaded only when a search needs it
 
-                self.known[source] = profile_model(self.captured, self.inputs, device="cpu", repeats=5, warmup=1,
-                                                   threads=1).latency_ms
+                self.known[key] = profile_model(captured, self.inputs, device="cpu", repeats=5, warmup=1,
+                                                threads=1).latency_ms
             elif source == "onnxruntime-graph":
-                self.known[source] = self.graph().graph.latencies()
+                self.known[key] = self.graph(captured).graph.latencies()
             else:  # a compiler's kernels are timed as they will run
                 from opweave.backends.segments import op_latencies  # loads the compiler's package when asked
 
-                self.known[source] = op_latencies(self.captured, self.inputs, source)
-        return self.known[source]
+                self.known[key] = op_latencies(captured, self.inputs, source)
+        return self.known[key]
 
-    def graph(self):
-        """ONNX Runtime's optimized graph, built once for all its candidates (a failure is said by the first)."""
-        if self.ort_graph is None:
+    def graph(self, captured):
+        """ONNX Runtime's optimized graph of ``captured``, built once for all its candidates (a failure is said by
+        the first)."""
+        made = self.ort_graphs.get(id(captured))
+        if made is None:
             from opweave.backends.ortgraph import OrtGraph  # ONNX Runtime, an optional package
 
             try:
-                self.ort_graph = OrtGraph(self.captured, self.inputs)
+                made = self.ort_graphs[id(captured)] = OrtGraph(captured, self.inputs)
             except Exception:
-                self.ort_graph = UsageError("building ONNX Runtime's graph failed (see the first of its candidates)")
+                self.ort_graphs[id(captured)] = UsageError(
+                    "building ONNX Runtime's graph failed (see the first of its candidates)")
                 raise
-        if isinstance(self.ort_graph, Exception):
-            raise self.ort_graph
-        return self.ort_graph
+        if isinstance(made, Exception):
+            raise made
+        return made
 
 
 # ---- the cache of searches ---------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import logging
 import warnings
+import weakref
 from dataclasses import replace
 
 import torch
@@ -68,14 +69,41 @@ DEFAULT_LABELS = ("onnxruntime", "onnxruntime lanes", "lanes", "one lane", "eage
 SEGMENTED_SYNCS = 128  # a plan with more syncs has too many segments for Inductor to compile in a search
 
 
+_COARSENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a captured model -> it coarsened
+
+
+def coarsened(captured, options: Options):
+    """``captured`` as ``options`` plan it: coarsened (the papers' operators, :func:`~opweave.capture.coarsen`)
+    unless ``coarsen=False``, once per captured model (a measured choice's candidates share it). The coarse graph
+    folds BatchNorm into a copy of the convolutions' weights; a candidate that runs the captured model as one
+    compiled segment gains nothing by it (ONNX Runtime and Inductor fold BatchNorm themselves) and says
+    ``coarsen=False``: it then reads the model's own weights and holds no folded copy of them."""
+    if not options.coarsen:
+        return captured
+    done = _COARSENED.get(captured)
+    if done is None:
+        from opweave.capture import coarsen
+
+        done = _COARSENED[captured] = coarsen(captured)
+    return done
+
+
 class Target:
-    """What the CPU and CUDA targets share: the build of a candidate of a measured choice."""
+    """What the CPU and CUDA targets share: the build of a candidate of a measured choice (the captured model as
+    it was captured, :func:`coarsened` as the candidate plans it)."""
 
     def build(self, captured, inputs: tuple, options: Options) -> Compiled:
         raise NotImplementedError
 
     def planning_costs(self, captured, inputs: tuple, options: Options) -> Costs:
         raise NotImplementedError
+
+    def planned(self, captured, options: Options, candidate: Candidate):
+        """The captured model as ``candidate`` plans it (:func:`coarsened` with its changes; a model-whole kind
+        plans on it as captured)."""
+        if candidate.kind != "plan":
+            return captured
+        return coarsened(captured, options.derive(autotune=False, tiers=None, **candidate.changes))
 
     def build_candidate(self, captured, inputs: tuple, options: Options, candidate: Candidate,
                         latency_ms: dict | None, eager) -> Compiled:
@@ -92,6 +120,7 @@ class Target:
                              costs)
             return whole(captured, options, eager, costs, threads=options.threads)  # the model itself
         changed = options.derive(autotune=False, tiers=None, **candidate.changes)
+        captured = coarsened(captured, changed)  # as planned(): the graph its latencies were measured on
         if candidate.costs == "onnxruntime-graph":
             assert isinstance(self, CpuTarget)  # ONNX Runtime's graph runs on the CPU
             return self.build_ort_graph(captured, inputs, changed,
@@ -508,7 +537,7 @@ def cpu_candidates(sync_ms: float, compilers_present: list[str] | None = None,
         present = [c for c in present if c != "inductor"]
         if threads < LANE_CORES:
             one = {"scheduler": "sequential", "streams": 1}
-            return [Candidate("sequential+onnxruntime", {**one, "compiler": "onnxruntime"}, "fitted"),
+            return [Candidate("sequential+onnxruntime", {**one, "compiler": "onnxruntime", "coarsen": False}, "fitted"),
                     Candidate("sequential+onnxruntime-graph", {**one, "graph": "onnxruntime"}, "onnxruntime-graph")]
     out = []
     for compiler in [None, *present]:
