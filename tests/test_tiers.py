@@ -276,6 +276,8 @@ def test_the_onnxruntime_fixed_tier_is_the_session_at_the_examples_sizes(tiered,
         assert compare(model(*inputs), fast(*inputs)).ok
         other = torch.randn(3, 16)  # another size: not the tier's
         assert compare(model(other), fast(other)).ok
+        strided = torch.randn(16, 4).t()  # the example's size in another layout: not the tier's either
+        assert compare(model(strided), fast(strided)).ok
     fast.close()
     fixed = opweave.compile(model, inputs, threads=1, dynamic=False)
     assert fixed.backend.wait(120) and fixed.backend.tiers == []

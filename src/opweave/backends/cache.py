@@ -38,10 +38,11 @@ def signature(values: Sequence, *, strides: bool = False, devices: bool = True,
     return (head, *(_leaf(x, strides, devices, by_address, batch) for x in leaves)), leaves
 
 
-def key_of(args: Sequence, *, any_batch: bool = False) -> tuple:
+def key_of(args: Sequence, *, any_batch: bool = False, strides: bool = False) -> tuple:
     """The signature of a compiled model's inputs ``args`` as it keys them: :func:`signature` without the tensors'
-    devices (the backends move inputs to theirs); with ``any_batch``, without their dimension 0."""
-    return signature(args, devices=False, batch=not any_batch)[0]
+    devices (the backends move inputs to theirs); with ``any_batch``, without their dimension 0; with ``strides``,
+    with the tensors' strides (for what was built for one layout)."""
+    return signature(args, devices=False, strides=strides, batch=not any_batch)[0]
 
 
 def _leaf(x: Any, strides: bool, devices: bool, by_address: Callable[[torch.Tensor], bool] | None,

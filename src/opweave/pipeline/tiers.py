@@ -7,8 +7,9 @@ the others are built off the caller's path:
 
 * :class:`Tiered` is the backend a compiled model calls: one attribute read per call (``current``), replaced in one
   assignment when a tier lands, so a call never waits for a build and never sees half a tier. A call whose inputs are
-  not the example's signature (another size the first tier was made to take) goes to the first tier, which a tier
-  built for the example's shapes cannot serve. Once a tier lands, a first tier that holds a copy of the weights (ONNX
+  not the example's signature (another size the first tier was made to take, or the example's sizes in another
+  layout: a transposed or channels-last tensor) goes to the first tier, which a tier built for the example's shapes
+  and strides cannot serve. Once a tier lands, a first tier that holds a copy of the weights (ONNX
   Runtime's session) is let go and the model itself takes those other sizes, so that the first tier's copy of the
   weights is not held beside the landed tier's (what is held is measured: benchmarks/tier_memory.py).
 * :class:`TierBuilder`, a daemon thread, builds each kind of :data:`KINDS` in turn: it looks in the disk cache (keyed
@@ -85,7 +86,7 @@ class Tiered:
         self.first, self.current, self.label = first, first, label
         self.model = model  # what takes the first tier's other sizes once that tier's copy of the weights is let go
         self.released: list[Any] = []  # called when the first tier is let go (the compiled model's record of it)
-        self.example_key = key_of(example)
+        self.example_key = key_of(example, strides=True)  # a tier is built for the example's layout too
         self.tiers: list[dict[str, Any]] = []
         self.stats: dict[str, Any] = {"calls": 0, "landed": 0}
         self.builder: TierBuilder | None = None
@@ -96,7 +97,7 @@ class Tiered:
 
     def __call__(self, *args: Any) -> Any:
         current, race = self.current, self.race
-        if (current is not self.first or race is not None) and key_of(args) != self.example_key:
+        if (current is not self.first or race is not None) and key_of(args, strides=True) != self.example_key:
             return self.first(*args)  # another size: the first tier takes it, a landed tier was built for one
         if race is not None:
             return race(self, args)
