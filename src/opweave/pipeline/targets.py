@@ -99,16 +99,18 @@ class Target:
         raise NotImplementedError
 
     def planned(self, captured, options: Options, candidate: Candidate):
-        """The captured model as ``candidate`` plans it (:func:`coarsened` with its changes; a model-whole kind
-        plans on it as captured)."""
-        if candidate.kind != "plan":
-            return captured
-        return coarsened(captured, options.derive(autotune=False, tiers=None, **candidate.changes))
+        """The captured model as ``candidate`` plans it: :func:`coarsened` as a plan's changes to ``options`` say, a
+        model-whole kind's metadata as ``options`` do."""
+        if candidate.kind == "plan":
+            options = options.derive(autotune=False, tiers=None, **candidate.changes)
+        return coarsened(captured, options)
 
     def build_candidate(self, captured, inputs: tuple, options: Options, candidate: Candidate,
                         latency_ms: dict | None, eager) -> Compiled:
         """``candidate`` (:class:`~opweave.pipeline.search.Candidate`) built: a plan with its changes to ``options``
-        made on ``latency_ms`` (None: the target's own costs), or the model whole (``torch.compile``'s, or itself)."""
+        made on ``latency_ms`` (None: the target's own costs), or the model whole (``torch.compile``'s, or itself).
+        ``captured`` is the model as captured; the candidate plans on it as :meth:`planned` says."""
+        captured = self.planned(captured, options, candidate)  # the graph its latencies were measured on
         if candidate.kind != "plan":  # the model whole: its plan's metadata on the costs this target plans on
             model = eager if eager is not None else captured.gm
             costs = self.planning_costs(captured, inputs, options)
@@ -120,7 +122,6 @@ class Target:
                              costs)
             return whole(captured, options, eager, costs, threads=options.threads)  # the model itself
         changed = options.derive(autotune=False, tiers=None, **candidate.changes)
-        captured = coarsened(captured, changed)  # as planned(): the graph its latencies were measured on
         if candidate.costs == "onnxruntime-graph":
             assert isinstance(self, CpuTarget)  # ONNX Runtime's graph runs on the CPU
             return self.build_ort_graph(captured, inputs, changed,
@@ -214,7 +215,10 @@ class CpuTarget(Target):
         * ``eager``: the model itself (when known), so the default is never slower than the model."""
         compiler = default_compiler()
         few = (options.threads or 1) < LANE_CORES
-        one = {"scheduler": "sequential", "streams": 1, "coarsen": False, "scheduler_options": None}
+        # one segment plans on the model as captured (no BatchNorm folded into a copy of the weights: ONNX Runtime
+        # folds it), unless costs measured for the coarse graph were given
+        one = {"scheduler": "sequential", "streams": 1, "scheduler_options": None,
+               "coarsen": options.coarsen and (options.profile is not None or options.costs is not None)}
         out = []
         if compiler is not None:
             free = {"dynamic": True} if options.dynamic is not False else {}  # every size on one session
@@ -537,7 +541,7 @@ def cpu_candidates(sync_ms: float, compilers_present: list[str] | None = None,
         present = [c for c in present if c != "inductor"]
         if threads < LANE_CORES:
             one = {"scheduler": "sequential", "streams": 1}
-            return [Candidate("sequential+onnxruntime", {**one, "compiler": "onnxruntime", "coarsen": False}, "fitted"),
+            return [Candidate("sequential+onnxruntime", {**one, "compiler": "onnxruntime"}, "fitted"),
                     Candidate("sequential+onnxruntime-graph", {**one, "graph": "onnxruntime"}, "onnxruntime-graph")]
     out = []
     for compiler in [None, *present]:
