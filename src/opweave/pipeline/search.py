@@ -210,7 +210,7 @@ def search(target, captured, inputs: tuple, options: Options, *, eager=None, can
                     return chosen
             chosen.close()
     if candidates is None:
-        candidates = target.search_candidates(captured, inputs, options)
+        candidates = target.search_candidates(target.planned(captured, options), inputs, options)
     chosen = race(target, captured, inputs, options, candidates, eager=eager, reference=reference,
                   progress=f"{graph.name}: max-autotune", time_one=True, check_all=True)
     assert chosen.choice is not None

@@ -98,10 +98,10 @@ class Target:
     def planning_costs(self, captured, inputs: tuple, options: Options) -> Costs:
         raise NotImplementedError
 
-    def planned(self, captured, options: Options, candidate: Candidate):
+    def planned(self, captured, options: Options, candidate: Candidate | None = None):
         """The captured model as ``candidate`` plans it: :func:`coarsened` as a plan's changes to ``options`` say, a
-        model-whole kind's metadata as ``options`` do."""
-        if candidate.kind == "plan":
+        model-whole kind's metadata (or, with no candidate, the list of candidates) as ``options`` do."""
+        if candidate is not None and candidate.kind == "plan":
             options = options.derive(autotune=False, tiers=None, **candidate.changes)
         return coarsened(captured, options)
 
