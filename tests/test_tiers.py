@@ -265,6 +265,7 @@ def test_the_onnxruntime_fixed_tier_is_the_session_at_the_examples_sizes(tiered,
     raced(fast, inputs)
     [outcome] = fast.backend.tiers
     assert outcome["landed"] and fast.backend.label == "onnxruntime-fixed", outcome
+    assert fast.backend.current.direct is not None  # its calls skip binding the captured model
     assert [p.suffix for p in tiers.tier_dir().iterdir()] == [".onnx"]
     import onnx
 
@@ -321,6 +322,32 @@ def test_the_onnxruntime_fixed_tier_is_exported_as_the_first_tiers_session_and_r
     assert own & read and read <= own | {v.data_ptr() for v in fast.backend.current.whole.gm.buffers()}
     with torch.no_grad():
         assert compare(model(*inputs), fast(*inputs)).ok
+    fast.close()
+
+
+class ReturnsItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return {"y": self.fc(x).relu(), "x": x}
+
+
+def test_the_onnxruntime_fixed_tier_binds_the_calls_of_a_model_that_returns_an_input(tiered, monkeypatch):
+    """A model whose output holds one of its inputs is not called past the captured model's binding: the tier's
+    answer is the model's, its input returned as it is."""
+    _, inputs, times = tiered
+    model = ReturnsItsInput().eval()
+    monkeypatch.setattr(tiers, "KINDS", ("onnxruntime-fixed",))
+    times.update({"first": 2.0, "onnxruntime-fixed": 1.0})
+    fast = opweave.compile(model, inputs, threads=1)
+    assert fast.backend.wait(120)
+    raced(fast, inputs)
+    assert fast.backend.label == "onnxruntime-fixed" and fast.backend.current.direct is None
+    with torch.no_grad():
+        out = fast(*inputs)
+        assert compare(model(*inputs), out).ok and out["x"] is inputs[0]
     fast.close()
 
 

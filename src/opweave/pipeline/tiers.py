@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from opweave.backends.cache import key_of
 from opweave.backends.cpu import EagerBackend
@@ -470,7 +471,10 @@ class _Package:
 class _Session:
     """An ``onnxruntime-fixed`` tier: the model's session exported at the example's sizes, with as many threads as the
     first tier's (spinning between runs: nothing runs beside it), its calls mapped through ``whole``
-    (:class:`~opweave.backends.segments.Whole`)."""
+    (:class:`~opweave.backends.segments.Whole`). Where the model takes tensors and returns what the session computes
+    (:func:`_direct`), a call hands its arguments to the session and builds the output from its results without
+    binding the captured model: :class:`Tiered` sends it only calls of the example's signature, and what binding
+    checked, ONNX Runtime checks too (a tensor of another size is refused)."""
 
     def __init__(self, whole: Any, path: Path, threads: int | None):
         from opweave.backends.compilers import OrtSegment, import_onnxruntime, session_options
@@ -483,12 +487,36 @@ class _Session:
         self.whole = whole
         self.segment = OrtSegment(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]),
                                   ort.RunOptions(), weights)
+        self.direct = _direct(whole)
 
     def __call__(self, *args: Any) -> Any:
+        if self.direct is not None:
+            positions, leaves, spec = self.direct
+            results = self.segment(*(args[i] for i in positions))
+            return pytree.tree_unflatten([results[i] for i in leaves], spec)
         env, tensors = self.whole.bind(args)
         if tensors is None:
             raise ValueError("the onnxruntime-fixed tier runs the example's signature only")
         return self.whole.output(env, self.segment(*tensors))
+
+
+def _direct(whole: Any) -> tuple[list[int], list[int], Any] | None:
+    """For a model called with tensors only, each of which the session takes as it is, and whose output is made of
+    the session's results alone (no input, no constant returned): the positions of the arguments the session takes,
+    which result each leaf of the output is, and the output's structure; else None (calls are bound, then)."""
+    example = tuple(whole.segmented.example_inputs)
+    if not example or not all(isinstance(a, torch.Tensor) for a in example):
+        return None
+    env, tensors = whole.bind(example)
+    if tensors is None:
+        return None
+    positions = [next((i for i, a in enumerate(example) if a is t), -1) for t in tensors]
+    markers = [torch.empty(0) for _ in whole.outputs]
+    leaves, spec = pytree.tree_flatten(whole.output(env, markers))
+    picked = [next((i for i, m in enumerate(markers) if leaf is m), -1) for leaf in leaves]
+    if -1 in positions or -1 in picked:
+        return None
+    return positions, picked, spec
 
 
 def external_weights(path: Path, gm: Any) -> dict[str, Any]:
