@@ -43,6 +43,16 @@ def raced(fast, inputs) -> None:
     assert not fast.backend.racing
 
 
+def fixed_landed(model, inputs, times, monkeypatch):
+    """``model`` compiled with the ``onnxruntime-fixed`` tier alone, the tier built and raced (and faster)."""
+    monkeypatch.setattr(tiers, "KINDS", ("onnxruntime-fixed",))
+    times.update({"first": 2.0, "onnxruntime-fixed": 1.0})
+    fast = opweave.compile(model, inputs, threads=1)
+    assert fast.backend.wait(120)
+    raced(fast, inputs)
+    return fast
+
+
 @pytest.mark.parametrize("faster", [True, False])
 def test_a_tier_takes_the_calls_only_once_it_wins_its_race(tiered, faster):
     model, inputs, times = tiered
@@ -258,11 +268,7 @@ def test_the_onnxruntime_fixed_tier_is_the_session_at_the_examples_sizes(tiered,
     """The first tier's session leaves every size free; its tier at the example's sizes answers as the model,
     is cached as an ONNX file, lands where faster, and is not built where the first tier is it already."""
     model, inputs, times = tiered
-    monkeypatch.setattr(tiers, "KINDS", ("onnxruntime-fixed",))
-    times.update({"first": 2.0, "onnxruntime-fixed": 1.0})
-    fast = opweave.compile(model, inputs, threads=1)
-    assert fast.backend.wait(120)
-    raced(fast, inputs)
+    fast = fixed_landed(model, inputs, times, monkeypatch)
     [outcome] = fast.backend.tiers
     assert outcome["landed"] and fast.backend.label == "onnxruntime-fixed", outcome
     assert fast.backend.current.direct is not None  # its calls skip binding the captured model
@@ -305,11 +311,7 @@ def test_the_onnxruntime_fixed_tier_is_exported_as_the_first_tiers_session_and_r
     rewrites read); its file holds no weights: the session reads the model's own tensors."""
     _, inputs, times = tiered
     model = StackedSum().eval()
-    monkeypatch.setattr(tiers, "KINDS", ("onnxruntime-fixed",))
-    times.update({"first": 2.0, "onnxruntime-fixed": 1.0})
-    fast = opweave.compile(model, inputs, threads=1)
-    assert fast.backend.wait(120)
-    raced(fast, inputs)
+    fast = fixed_landed(model, inputs, times, monkeypatch)
     assert fast.backend.label == "onnxruntime-fixed", fast.backend.tiers
     import onnx
 
@@ -339,11 +341,7 @@ def test_the_onnxruntime_fixed_tier_binds_the_calls_of_a_model_that_returns_an_i
     answer is the model's, its input returned as it is."""
     _, inputs, times = tiered
     model = ReturnsItsInput().eval()
-    monkeypatch.setattr(tiers, "KINDS", ("onnxruntime-fixed",))
-    times.update({"first": 2.0, "onnxruntime-fixed": 1.0})
-    fast = opweave.compile(model, inputs, threads=1)
-    assert fast.backend.wait(120)
-    raced(fast, inputs)
+    fast = fixed_landed(model, inputs, times, monkeypatch)
     assert fast.backend.label == "onnxruntime-fixed" and fast.backend.current.direct is None
     with torch.no_grad():
         out = fast(*inputs)
