@@ -185,8 +185,7 @@ class OnnxRuntime:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # no NCHWc copies
             options.add_session_config_entry("session.disable_prepacking", "1")
         if weights:  # read by the session where they lie: kept alive with it
-            shared = {name: ort.OrtValue.ortvalue_from_numpy(t.numpy()) for name, t in weights.items()}
-            options.add_external_initializers(list(shared), list(shared.values()))
+            shared = external_initializers(options, weights)
         session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         return OrtSegment(session, ort.RunOptions(), shared)
 
@@ -204,6 +203,23 @@ def session_options(threads: int, *, alone: bool = False, shared_pool: bool = Fa
     return options
 
 
+def graph_tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """``gm``'s parameters and buffers, by name."""
+    tensors: dict[str, torch.Tensor] = dict(gm.named_parameters())
+    tensors.update(gm.named_buffers())
+    return tensors
+
+
+def external_initializers(options: Any, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``weights`` handed to a session's ``options`` as the data of the initializers of those names that a model
+    exported apart leaves out (:func:`export_onnx`'s ``weights``), read where they lie: each an ``OrtValue`` over the
+    tensor (contiguous), which the session's owner keeps alive with it (returned)."""
+    ort = import_onnxruntime()
+    shared = {name: ort.OrtValue.ortvalue_from_numpy(t.detach().contiguous().numpy()) for name, t in weights.items()}
+    options.add_external_initializers(list(shared), list(shared.values()))
+    return shared
+
+
 def shared_initializers(model: bytes, gm: fx.GraphModule) -> dict[str, Any]:
     """The initializers of the ONNX ``model`` that are ``gm``'s own parameters or buffers (the same name, shape,
     dtype and values: the exporter may have folded a constant into a tensor of the same name), each as an
@@ -212,8 +228,7 @@ def shared_initializers(model: bytes, gm: fx.GraphModule) -> dict[str, Any]:
     from onnx import numpy_helper
 
     ort = import_onnxruntime()
-    tensors: dict[str, torch.Tensor] = dict(gm.named_parameters())
-    tensors.update(gm.named_buffers())
+    tensors = graph_tensors(gm)
     out = {}
     for init in onnx.load_from_string(model).graph.initializer:
         tensor = tensors.get(init.name)
@@ -356,8 +371,7 @@ def _weights_apart(gm: fx.GraphModule, inputs: list[torch.Tensor], names: dict) 
     a new tensor with no data): ONNX Runtime folds them when it makes the session."""
     import onnx
 
-    tensors: dict[str, torch.Tensor] = dict(gm.named_parameters())
-    tensors.update(gm.named_buffers())
+    tensors = graph_tensors(gm)
     if any(t.device.type != "cpu" or t.dtype in (torch.bfloat16, torch.complex32) for t in tensors.values()):
         return None
     try:

@@ -292,15 +292,15 @@ class Latencies:
 
     def __init__(self, planned: Any, inputs: tuple):
         self.planned, self.inputs = planned, inputs
-        self.known: dict[tuple[str, int], dict | None] = {}
-        self.ort_graphs: dict[int, Any] = {}  # ONNX Runtime's graph of each captured model, built with the first
+        self.known: dict[tuple[str, Any], dict | None] = {}  # by (source, graph): a captured model by identity
+        self.ort_graphs: dict[Any, Any] = {}  # ONNX Runtime's graph of each captured model, built with the first
         # of its candidates; its latencies are its own graph's nodes'
 
     def of(self, candidate: Candidate) -> dict | None:
         if candidate.kind != "plan" or candidate.costs == "fitted":  # the target's own costs
             return None
         source, captured = candidate.costs, self.planned(candidate)
-        key = (source, id(captured))
+        key = (source, captured)
         if key not in self.known:
             if source == "eager":
                 from opweave.costs.profile import profile_model  # torch.profiler, loaded only when a search needs it
@@ -318,14 +318,14 @@ class Latencies:
     def graph(self, captured):
         """ONNX Runtime's optimized graph of ``captured``, built once for all its candidates (a failure is said by
         the first)."""
-        made = self.ort_graphs.get(id(captured))
+        made = self.ort_graphs.get(captured)
         if made is None:
             from opweave.backends.ortgraph import OrtGraph  # ONNX Runtime, an optional package
 
             try:
-                made = self.ort_graphs[id(captured)] = OrtGraph(captured, self.inputs)
+                made = self.ort_graphs[captured] = OrtGraph(captured, self.inputs)
             except Exception:
-                self.ort_graphs[id(captured)] = UsageError(
+                self.ort_graphs[captured] = UsageError(
                     "building ONNX Runtime's graph failed (see the first of its candidates)")
                 raise
         if isinstance(made, Exception):

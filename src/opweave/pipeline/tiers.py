@@ -322,11 +322,8 @@ class TierBuilder(threading.Thread):
         cached = path.exists()
         whole = _whole(kind, self.captured, self.inputs)
         if not cached:
-            models: tuple[Any, ...] = (self.model, self.captured.gm)
-            inputs = self.inputs
-            if whole is not None:
-                models, inputs = (whole.gm,), tuple(whole.inputs)
-            export_and_build(kind, models, inputs, self.options.threads, path, self)
+            export_and_build(kind, *_handed(whole, (self.model, self.captured.gm), self.inputs), self.options.threads,
+                             path, self)
         tier = load(kind, path, self.options.threads, whole)
         with torch.no_grad():
             check = search.OutputCheck(self.captured, self.inputs, self.model, self.reference)(tier(*self.inputs))
@@ -391,9 +388,14 @@ def built_now(kind: str, captured: Any, inputs: tuple[Any, ...], options: Any) -
     path = tier_path(key(captured, inputs, options, kind, weights_digest(captured.gm)), kind)
     whole = _whole(kind, captured, inputs)
     if not path.exists():
-        models, given = ((whole.gm,), tuple(whole.inputs)) if whole is not None else ((captured.gm,), inputs)
-        export_and_build(kind, models, given, options.threads, path)
+        export_and_build(kind, *_handed(whole, (captured.gm,), inputs), options.threads, path)
     return load(kind, path, options.threads, whole)
+
+
+def _handed(whole: Any, models: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[tuple, tuple]:
+    """What a build process is given: the graph of ``whole`` (:func:`_whole`) and its tensors where there is one,
+    else ``models`` (the first that pickles) and ``inputs``."""
+    return ((whole.gm,), tuple(whole.inputs)) if whole is not None else (models, inputs)
 
 
 def _whole(kind: str, captured: Any, inputs: tuple[Any, ...]) -> Any:
@@ -477,13 +479,11 @@ class _Session:
     checked, ONNX Runtime checks too (a tensor of another size is refused)."""
 
     def __init__(self, whole: Any, path: Path, threads: int | None):
-        from opweave.backends.compilers import OrtSegment, import_onnxruntime, session_options
+        from opweave.backends.compilers import OrtSegment, external_initializers, import_onnxruntime, session_options
 
         ort = import_onnxruntime()
         options = session_options(threads or total_threads(), alone=True)
-        weights = external_weights(path, whole.gm)
-        if weights:
-            options.add_external_initializers(list(weights), list(weights.values()))
+        weights = external_initializers(options, external_weights(path, whole.gm))
         self.whole = whole
         self.segment = OrtSegment(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]),
                                   ort.RunOptions(), weights)
@@ -519,25 +519,24 @@ def _direct(whole: Any) -> tuple[list[int], list[int], Any] | None:
     return positions, picked, spec
 
 
-def external_weights(path: Path, gm: Any) -> dict[str, Any]:
+def external_weights(path: Path, gm: Any) -> dict[str, torch.Tensor]:
     """The weights an ``onnxruntime-fixed`` tier's file leaves out (exported apart, as the segments' are:
-    :func:`~opweave.backends.compilers.export_onnx`'s ``weights``), each an ``OrtValue`` over ``gm``'s tensor of that
-    name, which the session reads in place: the tier holds no copy of the weights beyond what ONNX Runtime makes of
-    them (a layout it rewrites them to). So, as with Inductor's freezing, the tier runs the weights the model had
-    when it was compiled; weights changed in place afterwards call for a new ``opweave.compile``."""
+    :func:`~opweave.backends.compilers.export_onnx`'s ``weights``): ``gm``'s tensors of those names, which the
+    session reads in place (:func:`~opweave.backends.compilers.external_initializers`): the tier holds no copy of
+    the weights beyond what ONNX Runtime makes of them (a layout it rewrites them to). So, as with Inductor's
+    freezing, the tier runs the weights the model had when it was compiled; weights changed in place afterwards call
+    for a new ``opweave.compile``."""
     import onnx
 
-    from opweave.backends.compilers import import_onnxruntime
+    from opweave.backends.compilers import graph_tensors
 
-    ort = import_onnxruntime()
-    tensors: dict[str, torch.Tensor] = dict(gm.named_parameters())
-    tensors.update(gm.named_buffers())
+    tensors = graph_tensors(gm)
     names = [init.name for init in onnx.load(str(path), load_external_data=False).graph.initializer
              if init.data_location == onnx.TensorProto.EXTERNAL]
     missing = [name for name in names if name not in tensors]
     if missing:
         raise ValueError(f"the onnxruntime-fixed tier reads weights the model lacks: {missing[:3]}")
-    return {name: ort.OrtValue.ortvalue_from_numpy(tensors[name].detach().contiguous().numpy()) for name in names}
+    return {name: tensors[name] for name in names}
 
 
 def _saved(models: tuple[Any, ...], inputs: tuple[Any, ...], folder: Path) -> Path:
