@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 import opweave
 import opweave.dynamo
 from opweave.backends.ortgraph import OrtLanes
+from opweave.capture import coarsen
 from opweave.costs.profile import profile_model
 from opweave.costs.roofline import estimate
 from opweave.errors import DeviceError, UsageError
@@ -93,7 +94,7 @@ def _samples(captured_graph, profile_path) -> dict:
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """The tiny model, its inputs, and a profile and costs of its coarsened graph (what compile schedules)."""
-    from opweave.capture import capture, coarsen
+    from opweave.capture import capture
 
     model, inputs = tiny()
     coarse = coarsen(capture(model, inputs))
@@ -232,11 +233,13 @@ def test_the_torch_compile_backend_uses_or_refuses_every_option(made):
     model, inputs, coarse, path = made
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(model, backend="opweave")(*inputs)
-    graph = opweave.dynamo.last_compiled()  # dynamo's graph of the model: costs and profile must name its ops
+        torch.compile(model, backend="opweave", options={"coarsen": False})(*inputs)  # the graph as dynamo gave it
+    # dynamo's graph coarsened, as a compile given costs plans it (not the default compile's: its graph is coarse
+    # or not as the candidate that won its race planned): costs and profile must name its ops
+    dynamo = coarsen(opweave.dynamo.last_compiled().captured)
     dynamo_path = path.parent / "dynamo.profile.json"
-    profile_model(graph.captured, graph.captured.example_inputs, device="cpu", repeats=2, warmup=1).save(dynamo_path)
-    samples = {**_samples(graph.graph, dynamo_path), "costs": estimate(graph.graph, "cpu", model="ideal")}
+    profile_model(dynamo, dynamo.example_inputs, device="cpu", repeats=2, warmup=1).save(dynamo_path)
+    samples = {**_samples(dynamo.graph, dynamo_path), "costs": estimate(dynamo.graph, "cpu", model="ideal")}
     for key, value in samples.items():
         torch._dynamo.reset()
         fast = torch.compile(model, backend="opweave", options={key: value, **WITH.get(key, {})})
@@ -251,7 +254,7 @@ def test_the_torch_compile_backend_uses_or_refuses_every_option(made):
             SAMPLES["runtime"].synchronize()
             assert opweave.outputs.compare(model(*inputs), got, tolerance=1e-4).ok, key
         compiled = opweave.dynamo.last_compiled()
-        assert effect(key, value, compiled, graph.graph if key != "coarsen" else coarse.graph), key
+        assert effect(key, value, compiled, dynamo.graph if key != "coarsen" else coarse.graph), key
         compiled.close()
     torch._dynamo.reset()
 
