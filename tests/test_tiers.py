@@ -181,7 +181,7 @@ def test_a_build_process_loads_a_timm_model_where_torchvision_needs_its_operator
 
     model, inputs = zoo.create("timm:test_vit", image_size=32)
     saved = tmp_path / "model.pt"
-    torch.save((model.eval(), inputs), saved)
+    torch.save((model.eval(), inputs, ()), saved)  # as tiers._saved saves it
     out = tmp_path / "out.pt2"
     done = subprocess.run([sys.executable, "-m", "opweave.pipeline.tiers", "exported", str(saved), str(out), "1",
                            str(os.getpid())], capture_output=True, text=True, timeout=300)
@@ -322,6 +322,36 @@ def test_the_onnxruntime_fixed_tier_is_exported_as_the_first_tiers_session_and_r
     own = {t.data_ptr() for t in model.state_dict().values()}
     read = {v.data_ptr() for v in fast.backend.current.segment.shared.values()}
     assert own & read and read <= own | {v.data_ptr() for v in fast.backend.current.whole.gm.buffers()}
+    with torch.no_grad():
+        assert compare(model(*inputs), fast(*inputs)).ok
+    fast.close()
+
+
+class SlicedBuffer(nn.Module):
+    """What Hugging Face's models do with their position ids: a buffer sliced to the input's length (captured by
+    ``torch.export``, which keeps the slice an op: the branch on a size stops ``symbolic_trace``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.rand(1, 32))
+
+    def forward(self, x):
+        if x.shape[1] > 32:
+            raise ValueError("at most 32 features")
+        return self.fc(x) * self.scale[:, :x.shape[1]]
+
+
+def test_the_onnxruntime_fixed_tier_lands_where_its_build_process_makes_a_constant_the_caller_lacks(
+        tiered, monkeypatch):
+    """The build process loads the graph traced again, which makes the sliced buffer a constant of a new name: its
+    data travels in the tier's file, and the session reads the model's weights in place."""
+    _, inputs, times = tiered
+    model = SlicedBuffer().eval()
+    fast = fixed_landed(model, inputs, times, monkeypatch)
+    assert fast.backend.label == "onnxruntime-fixed", fast.backend.tiers
+    assert {t.data_ptr() for t in model.fc.parameters()} <= {
+        v.data_ptr() for v in fast.backend.current.segment.shared.values()}
     with torch.no_grad():
         assert compare(model(*inputs), fast(*inputs)).ok
     fast.close()

@@ -57,7 +57,7 @@ import inspect
 import io
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 import torch
@@ -301,7 +301,7 @@ class OrtSegment:
 
 def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dynamic_batch: bool = False,
                 dynamic_dims: dict | None = None, output_ranks: list[int] | None = None,
-                weights: dict[str, torch.Tensor] | None = None) -> bytes:
+                weights: dict[str, torch.Tensor] | None = None, apart: Collection[str] | None = None) -> bytes:
     """``gm`` as an ONNX model (bytes), parameters as initializers; TorchScript exporter first (module docstring).
     ``dynamic_batch``: dimension 0 of every input and output is left free. ``dynamic_dims`` (input position -> its
     dimensions) leaves those dimensions of the inputs free, and every dimension of the outputs (``output_ranks``:
@@ -309,7 +309,8 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dy
 
     ``weights``: a dict to fill; where given, the parameters and buffers are left out of the bytes (initializers
     whose data lies outside the model, :func:`_weights_apart`) and ``weights`` gets each (contiguous), by name, to
-    hand to ONNX Runtime (``SessionOptions.add_external_initializers``). The exporter then neither writes the
+    hand to ONNX Runtime (``SessionOptions.add_external_initializers``); ``apart``: the names of the weights left out
+    so (None: every one), the others' data travels in the bytes. The exporter then neither writes the
     weights nor runs ONNX's shape inference over them, so a model with large weights exports and makes its session
     faster, and runs as fast (docs/design.md, §3.6, segments). Left empty where that export fails (the weights then
     travel in the bytes)."""
@@ -330,10 +331,10 @@ def export_onnx(gm: fx.GraphModule, inputs: list[torch.Tensor], outputs: int, dy
     if isinstance(gm, fx.GraphModule):  # ops ONNX Runtime runs slowly, in a form it runs fast (ortrewrite)
         gm, _ = ortrewrite.rewrite(gm, fixed_sizes=not dynamic_dims)
     if weights is not None and isinstance(gm, fx.GraphModule):
-        apart = _weights_apart(gm, inputs, names)
-        if apart is not None:
-            weights.update(apart[1])
-            return apart[0]
+        done = _weights_apart(gm, inputs, names, apart)
+        if done is not None:
+            weights.update(done[1])
+            return done[0]
     try:
         return _export_quietly(gm, inputs, dynamo=False, do_constant_folding=True, **names).getvalue()
     except Exception as first:  # noqa: BLE001 - the other exporter may still manage
@@ -361,15 +362,18 @@ def _export_quietly(gm: fx.GraphModule, inputs: list[torch.Tensor], **kwargs) ->
     return buffer
 
 
-def _weights_apart(gm: fx.GraphModule, inputs: list[torch.Tensor], names: dict) -> tuple[bytes, dict] | None:
+def _weights_apart(gm: fx.GraphModule, inputs: list[torch.Tensor], names: dict,
+                   apart: Collection[str] | None = None) -> tuple[bytes, dict] | None:
     """``gm`` exported without its weights (:func:`export_onnx`'s ``weights``): each parameter or buffer the graph
     reads becomes an initializer whose data is external, named as in ``gm``, and the tensor itself (read by ONNX
     Runtime in place, where it lies: no copy of the weights beyond the layouts ONNX Runtime rewrites some to; as with
     Inductor's freezing, the session runs the weights as they were when it was made, and weights changed in place
     afterwards call for a new compile); None where the TorchScript
     exporter fails or a weight has no NumPy dtype. Constants are not folded in the export (a folded weight would be
-    a new tensor with no data): ONNX Runtime folds them when it makes the session."""
+    a new tensor with no data): ONNX Runtime folds them when it makes the session. ``apart``: the names of the
+    weights left out (None: every one); the others are initializers with their data."""
     import onnx
+    from onnx import numpy_helper
 
     tensors = graph_tensors(gm)
     if any(t.device.type != "cpu" or t.dtype in (torch.bfloat16, torch.complex32) for t in tensors.values()):
@@ -379,22 +383,25 @@ def _weights_apart(gm: fx.GraphModule, inputs: list[torch.Tensor], names: dict) 
     except Exception:  # noqa: BLE001 - the export with its weights decides what to say
         return None
     model = onnx.load_from_string(buffer.getvalue())
-    apart: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for value in list(model.graph.input):
         tensor = tensors.get(value.name)
         if tensor is None:
             continue
         copy = tensor.detach().contiguous()
+        model.graph.input.remove(value)
+        if apart is not None and value.name not in apart:
+            model.graph.initializer.append(numpy_helper.from_array(copy.numpy(), value.name))
+            continue
         init = onnx.TensorProto(name=value.name, dims=list(copy.shape),
                                 data_type=onnx.helper.np_dtype_to_tensor_dtype(copy.numpy().dtype))
         init.data_location = onnx.TensorProto.EXTERNAL
         init.external_data.add(key="location", value="opweave-memory")
         model.graph.initializer.append(init)
-        model.graph.input.remove(value)
-        apart[value.name] = copy
+        out[value.name] = copy
     if any(i.name not in names["input_names"] for i in model.graph.input):
         return None  # an input that is neither the segment's nor a weight (a weight named like an input renames it)
-    return model.SerializeToString(), apart
+    return model.SerializeToString(), out
 
 
 def import_onnxruntime():

@@ -60,6 +60,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from opweave.backends.cache import key_of
+from opweave.backends.compilers import graph_tensors
 from opweave.backends.cpu import EagerBackend
 from opweave.backends.segments import whole_module
 from opweave.backends.threads import total_threads
@@ -352,8 +353,8 @@ class TierBuilder(threading.Thread):
             time.sleep(0.02)
 
 
-def export_and_build(kind: str, models: tuple[Any, ...], inputs: tuple[Any, ...], threads: int | None, path: Path,
-                     owner: TierBuilder | None = None) -> None:
+def export_and_build(kind: str, models: tuple[Any, ...], inputs: tuple[Any, ...], in_place: tuple[str, ...],
+                     threads: int | None, path: Path, owner: TierBuilder | None = None) -> None:
     """The first of ``models`` (the model, then its captured graph) that pickles, saved with the inputs and handed to
     a build process, which exports it and writes tier ``kind`` at ``path``: the export, Python work that would hold
     the caller's interpreter lock for seconds, runs there. Where none pickles (a class the build process cannot
@@ -361,7 +362,7 @@ def export_and_build(kind: str, models: tuple[Any, ...], inputs: tuple[Any, ...]
     written. ``owner``: the builder whose ``stop`` ends the process (its ``process``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="opweave-tier-") as scratch:
-        program = _saved(models, tuple(inputs), Path(scratch))
+        program = _saved(models, tuple(inputs), in_place, Path(scratch))
         logfile = Path(scratch) / "build.log"
         with open(logfile, "wb") as sink:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # imports what we import
@@ -392,10 +393,15 @@ def built_now(kind: str, captured: Any, inputs: tuple[Any, ...], options: Any) -
     return load(kind, path, options.threads, whole)
 
 
-def _handed(whole: Any, models: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[tuple, tuple]:
-    """What a build process is given: the graph of ``whole`` (:func:`_whole`) and its tensors where there is one,
-    else ``models`` (the first that pickles) and ``inputs``."""
-    return ((whole.gm,), tuple(whole.inputs)) if whole is not None else (models, inputs)
+def _handed(whole: Any, models: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[tuple, tuple, tuple]:
+    """What a build process is given: the graph of ``whole`` (:func:`_whole`), its tensors and the names of its
+    weights (its parameters and buffers, which its session reads in place) where there is one, else ``models`` (the
+    first that pickles) and ``inputs``. The names, because a pickled graph is traced again when it is loaded, and
+    that makes what the graph computes from buffers alone a constant of a new name (Hugging Face's sliced position
+    ids and attention mask: ``_tensor_constant0``...), which the caller lacks: its data travels in the tier's file."""
+    if whole is None:
+        return models, inputs, ()
+    return (whole.gm,), tuple(whole.inputs), tuple(graph_tensors(whole.gm))
 
 
 def _whole(kind: str, captured: Any, inputs: tuple[Any, ...]) -> Any:
@@ -528,8 +534,6 @@ def external_weights(path: Path, gm: Any) -> dict[str, torch.Tensor]:
     for a new ``opweave.compile``."""
     import onnx
 
-    from opweave.backends.compilers import graph_tensors
-
     tensors = graph_tensors(gm)
     names = [init.name for init in onnx.load(str(path), load_external_data=False).graph.initializer
              if init.data_location == onnx.TensorProto.EXTERNAL]
@@ -539,14 +543,15 @@ def external_weights(path: Path, gm: Any) -> dict[str, torch.Tensor]:
     return {name: tensors[name] for name in names}
 
 
-def _saved(models: tuple[Any, ...], inputs: tuple[Any, ...], folder: Path) -> Path:
-    """What :func:`export_and_build` hands its build process (module docstring)."""
+def _saved(models: tuple[Any, ...], inputs: tuple[Any, ...], in_place: tuple[str, ...], folder: Path) -> Path:
+    """What :func:`export_and_build` hands its build process (module docstring), with ``in_place``
+    (:func:`_handed`)."""
     for model in models:
         if isinstance(model, torch.nn.Module) and any(type(m).__module__ == "__main__" for m in model.modules()):
             continue  # a class of the caller's script, which the build process (another __main__) cannot import
         saved = folder / "model.pt"
         try:
-            torch.save((model, inputs), saved)
+            torch.save((model, inputs, in_place), saved)
             return saved
         except Exception:  # noqa: BLE001 - a model that does not pickle: the next, or an export here
             saved.unlink(missing_ok=True)
@@ -565,17 +570,18 @@ def build(kind: str, program: Path, out: Path, threads: int) -> None:
     if kind == "onnxruntime-fixed":  # the graph module and its tensors, exported at their sizes
         from opweave.backends.compilers import export_onnx
 
-        gm, inputs = torch.load(program, weights_only=False)
+        gm, inputs, in_place = torch.load(program, weights_only=False)
         with torch.no_grad():
             outputs = len(gm(*inputs))
-        scratch.write_bytes(export_onnx(gm, list(inputs), outputs, weights={}))  # read from the model (_Session)
+        # the caller's weights read from the model (_Session); constants the load made travel in the file
+        scratch.write_bytes(export_onnx(gm, list(inputs), outputs, weights={}, apart=in_place))
         os.replace(scratch, out)
         return
     if program.suffix == ".pt2":
         exported = torch.export.load(str(program))
     else:
         ensure_torchvision_importable()  # as the caller's zoo did: unpickling a timm or torchvision model imports it
-        model, inputs = torch.load(program, weights_only=False)
+        model, inputs, _ = torch.load(program, weights_only=False)
         with torch.no_grad():
             exported = torch.export.export(model.eval() if isinstance(model, torch.nn.Module) else model, inputs)
     if kind == "inductor":
