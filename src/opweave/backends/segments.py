@@ -259,7 +259,11 @@ def absorb_prelude(gm: fx.GraphModule, nodes: dict[str, list[fx.Node]]) -> dict[
     compiler does the slicing: at batch 1 in one ONNX Runtime segment, binding DeepFM's slices in Python cost about
     as much as the session itself (docs/design.md, §3.6, segments). A prelude node read by several
     segments, by the output or by no segment stays in the prelude (bound once, read by each), and so does one that
-    reads a value other than a tensor (a size: a segment bakes such values into its signature)."""
+    reads a value other than a tensor (a size: a segment bakes such values into its signature). A check
+    ``torch.export`` left on a node (:func:`~opweave.capture.opinfo.is_assertion`) is not a reader: it moves with the
+    node, and runs where the segment runs op by op (a compiled graph leaves it out). So a slice of a weight that
+    export checked (timm's position embedding, resized to the image) is read inside the segment, as a constant its
+    compiler folds, not a new input of every call."""
     from torch.fx.passes.shape_prop import TensorMetadata
 
     owner = {n: seg for seg, group in nodes.items() for n in group}
@@ -270,9 +274,13 @@ def absorb_prelude(gm: fx.GraphModule, nodes: dict[str, list[fx.Node]]) -> dict[
         if not all(isinstance(n.meta.get("tensor_meta"), TensorMetadata) or n.op == "get_attr"
                    for n in (node, *node.all_input_nodes)):
             continue  # a size read as a value (a symbolic batch) stays an input: a segment bakes such values
-        readers = {owner.get(user) for user in node.users}
+        checks = [user for user in node.users if opinfo.is_assertion(user, gm) and user not in owner]
+        readers = {owner.get(user) for user in node.users if user not in checks}
         seg = readers.pop() if len(readers) == 1 else None
         if seg is not None:
+            for check in checks:  # after the node, in the segment (the list is reversed below)
+                owner[check] = seg
+                moved.setdefault(seg, []).append(check)
             owner[node] = seg
             moved.setdefault(seg, []).append(node)
     if not moved:
@@ -450,7 +458,8 @@ class _Segment:
                 if arg.op == "get_attr" and arg not in copies:
                     copies[arg] = graph.get_attr(str(arg.target))
         for node in members:
-            copies[node] = graph.node_copy(node, copies.__getitem__)
+            if not opinfo.is_assertion(node, self.owner.gm):  # a check: run op by op, left out of a compiled graph
+                copies[node] = graph.node_copy(node, copies.__getitem__)
         outs, specs = [], []
         for node, example in zip(self.outputs, examples, strict=True):
             paths, spec = pytree.tree_flatten_with_path(example)

@@ -42,7 +42,8 @@ TRIVIAL = frozenset(
     "split_with_sizes tensor_split unbind narrow select slice detach alias identity as_strided "
     "_assert_tensor_metadata _assert_scalar".split()
 )
-_NON_TENSOR = frozenset({"size", "sym_size", "dim", "numel", "_assert_tensor_metadata", "_assert_scalar"})
+_ASSERTIONS = frozenset({"_assert_tensor_metadata", "_assert_scalar"})
+_NON_TENSOR = frozenset({"size", "sym_size", "dim", "numel"}) | _ASSERTIONS
 _DROPOUTS = frozenset("dropout dropout1d dropout2d dropout3d alphadropout featurealphadropout alpha_dropout "
                       "feature_alpha_dropout feature_dropout".split())
 # Elementwise ops that fuse into the op producing their input (coarsening's epilogues): activations, bias/residual
@@ -155,6 +156,12 @@ def is_trivial(node: fx.Node, gm: fx.GraphModule) -> bool:
     if short == "getitem":  # x[idx] with a tensor index is a gather (a real op); a slice or tuple element is a view
         return not any(node_metas(index) for index in _flat_nodes(node.args[1:]))
     return short in TRIVIAL
+
+
+def is_assertion(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """A check ``torch.export`` left in the graph (a tensor's dtype and device, a size's range): no value, no
+    kernel."""
+    return node.op == "call_function" and short_name(target_name(node, gm)) in _ASSERTIONS
 
 
 def is_alias(node: fx.Node, gm: fx.GraphModule) -> bool:
