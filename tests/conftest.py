@@ -6,6 +6,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from opweave.pipeline import search
+
 # Tests run two pytest workers on a 2-core machine; one intra-op thread per worker keeps them from spinning
 # against each other (the CPU backend's concurrency comes from its lane threads, not from intra-op threads).
 torch.set_num_threads(1)
@@ -14,6 +16,11 @@ torch.set_num_threads(1)
 # their first tier (the tier tests turn them on, with a build that takes a second). Servers and CLIs the tests start
 # inherit it.
 os.environ["OPWEAVE_TIERS"] = "0"
+
+# A measured choice settles each candidate for 20 ms of calls before timing it (thread pools that spin for a time):
+# on the suite's tiny models that is hundreds of calls a timed call, for no outcome a test reads. The tests of the
+# settling set it.
+search.SETTLE_MS = 0.0
 
 # A loaded CI machine can make data generation slow; that says nothing about the code under test.
 settings.register_profile("opweave", deadline=None, suppress_health_check=[HealthCheck.too_slow])

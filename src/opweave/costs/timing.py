@@ -81,7 +81,7 @@ def call_ms(label: str, fn: Callable[[], object]) -> float:
 
 
 def race_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 15, margin: float = 1.25, warmup: int = 1,
-            settle: int = 0, budget_ms: float | None = None,
+            settle: int = 0, settle_ms: float = 0.0, budget_ms: float | None = None,
             timer: Callable[[str, Callable[[], object]], float] | None = None,
             seed: Mapping[str, list[float]] | None = None) -> tuple[dict[str, list[float]], set]:
     """Milliseconds of each call of ``fns``, timed interleaved one call per round (each round starting one further),
@@ -91,7 +91,10 @@ def race_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 15, margin
     plans then costs about what timing its winner does. ``settle``: untimed calls of a function just before each of
     its timed ones, so that each is timed as a loop calling it back to back sees it, not in the wake of another
     (thread pools that spin after a call, ONNX Runtime's or a lane's, take the cores from the next function: a
-    session timed right after other candidates measured far slower than back to back, docs/design.md, §3.6, cpu).
+    session timed right after other candidates measured far slower than back to back, docs/design.md, §3.6, cpu);
+    ``settle_ms``: and more, until that long has passed since the first of them (a pool spins for a time, not for a
+    number of calls: at a tenth of a millisecond a call, three calls of an ONNX Runtime session after an Inductor
+    package's measured it 3.5x slower than it runs in a loop).
     Returns every timed call's time per function and those dropped. ``budget_ms``: the race also stops after the
     first round that brings the time its calls took (the timed ones, each counted ``1 + settle`` times) past it; the
     leader then wins on the calls it had: where candidates lie within ``margin`` of each other, more rounds cost
@@ -117,10 +120,9 @@ def race_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 15, margin
                 times[label] = seed[label]
                 spent += sum(seed[label]) * (1 + settle)
                 continue
-            for _ in range(settle):
-                fns[label]()
+            untimed = _settle(fns[label], settle, settle_ms)
             times[label].append(timer(label, fns[label]))
-            spent += times[label][-1] * (1 + settle)
+            spent += times[label][-1] * (1 + untimed)
         if budget_ms is not None and spent > budget_ms:
             break
         if k >= 1:
@@ -131,3 +133,15 @@ def race_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 15, margin
             if len(left) == 1:
                 break
     return times, dropped
+
+
+_now = time.perf_counter  # the clock a race's settling is read on
+
+
+def _settle(fn: Callable[[], object], calls: int, ms: float) -> int:
+    """Untimed calls of ``fn``: at least ``calls``, and until ``ms`` have passed since the first; how many."""
+    start, made = _now(), 0
+    while made < calls or (_now() - start) * 1e3 < ms:
+        fn()
+        made += 1
+    return made

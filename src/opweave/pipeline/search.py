@@ -79,6 +79,9 @@ RACE_BUDGET_MS = 500.0  # a CPU race stops after the round that spends this much
 # after a plan's calls (a decode step's own kernels ran several times slower for its first calls after the plan's,
 # so the race kept a plan the token loop then ran slower than the model); after three it runs as a loop calls it
 SETTLE = 3
+# and until this long has passed since the first of them: a pool left spinning by the candidate before (ONNX Runtime's,
+# OpenMP's) spins for a time, not a number of calls (race_ms)
+SETTLE_MS = 20.0
 
 
 def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: int = 5, runs: int = 3,
@@ -87,15 +90,16 @@ def fastest(built: dict[str, Any], inputs: tuple, device: str = "cpu", rounds: i
     ``no_grad`` as they were checked: timed under ``inference_mode``, ``torch.compile`` runs code compiled for
     another grad mode, measurably slower than in the mode it was compiled in (docs/design.md, §3.8). On the CPU a race
     (:func:`opweave.costs.timing.race_ms`, ``rounds x runs`` timed calls at most, on :data:`TIMER`, each right after
-    :data:`SETTLE` untimed calls of the same candidate, as a loop would call it, until the round that spends
-    :data:`RACE_BUDGET_MS`): a candidate that cannot win is dropped after its second timed call, so a choice
-    among a few plans costs little more than timing the winner; on CUDA ``rounds`` rounds of ``runs`` calls each
-    with its events (on a stand-in ``runtime``, the fake one, on the host's clock with a synchronize after each
-    call). ``seed``: calls timed before, taken as the race's first round (:func:`opweave.costs.timing.race_ms`)."""
+    :data:`SETTLE` untimed calls of the same candidate and :data:`SETTLE_MS`, as a loop would call it, until the
+    round that spends :data:`RACE_BUDGET_MS`): a candidate that cannot win is dropped after its second timed call,
+    so a choice among a few plans costs little more than timing the winner; on CUDA ``rounds`` rounds of ``runs``
+    calls each with its events (on a stand-in ``runtime``, the fake one, on the host's clock with a synchronize after
+    each call). ``seed``: calls timed before, taken as the race's first round (:func:`opweave.costs.timing.race_ms`)."""
     calls = {label: functools.partial(fast, *inputs) for label, fast in built.items()}
     with torch.no_grad():  # the mode candidates are checked in: torch.compile's code is compiled for it
         if device == "cpu":
-            times, _ = race_ms(calls, rounds=rounds * runs, warmup=0, settle=SETTLE, budget_ms=RACE_BUDGET_MS,
+            times, _ = race_ms(calls, rounds=rounds * runs, warmup=0, settle=SETTLE, settle_ms=SETTLE_MS,
+                               budget_ms=RACE_BUDGET_MS,
                                timer=TIMER, seed=seed)
         else:
             sync = runtime.synchronize if runtime is not None and not isinstance(runtime, CudaRuntime) else None
