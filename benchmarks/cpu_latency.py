@@ -144,14 +144,15 @@ def onnxruntime_session(model, inputs, parallel: bool, threads: int | None = Non
     ``threads``: the intra-op pool (default ORT's, one thread per core; ``torch.set_num_threads`` does not reach
     ORT)."""
     import torch
+    from torch.utils import _pytree as pytree
 
     from opweave.backends.compilers import export_onnx, import_onnxruntime
     from opweave.backends.threads import cores
 
     ort = import_onnxruntime()
     with torch.no_grad():
-        outputs = model(*inputs)
-    count = len(outputs) if isinstance(outputs, (tuple, list)) else 1
+        leaves, spec = pytree.tree_flatten(model(*inputs))  # the exporter returns the output's leaves in this order
+    count = len(leaves)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if parallel:
@@ -165,7 +166,7 @@ def onnxruntime_session(model, inputs, parallel: bool, threads: int | None = Non
 
     def run(*xs):
         out = [torch.from_numpy(a) for a in session.run(None, {n: x.numpy() for n, x in zip(names, xs, strict=True)})]
-        return out[0] if count == 1 and not isinstance(outputs, (tuple, list)) else type(outputs)(out)
+        return pytree.tree_unflatten(out, spec)  # the model's structure (a Hugging Face model's output class)
 
     return run
 
