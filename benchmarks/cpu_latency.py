@@ -38,8 +38,9 @@ passed (on the merged caches) and times them **interleaved**: round-robin warm-u
 seconds, then ``--rounds`` rounds in which every mode runs its share of ``--runs`` calls (``perf_counter`` around
 the whole call), each round starting at the next mode (with a fixed order, sub-millisecond models measured a
 bias: the default, which on DeepFM runs the model itself, measured 0.93x eager), each mode's share of a round after
-two untimed calls of its own (``settle``: a call timed right after another engine's pays for the thread pools that
-engine left spinning, ONNX Runtime's and Inductor's); per mode the median and the minimum. On a shared machine
+two untimed calls of its own and 20 ms of them at least (``settle``: a call timed right after another engine's pays
+for the thread pools that engine left spinning, ONNX Runtime's and Inductor's, and they spin for a time: at a tenth
+of a millisecond a call, two calls were not enough); per mode the median and the minimum. On a shared machine
 whose load moves timings tenfold within minutes, only modes exposed to the same load are comparable; ratios of
 medians are what the summary reports.
 
@@ -77,6 +78,7 @@ QUICK_MODES = ("eager", "onnxruntime", "opweave sequential", "opweave heft", "op
                "opweave default")
 TOLERANCE = 1e-4
 SETTLE = 2  # untimed calls of a mode right before its timed ones in each round
+SETTLE_MS = 20.0  # and until this long has passed: the pools another engine left spinning spin for a time
 INDUCTOR_MODES = ("torch.compile", "torch.compile freezing")
 # Modes renamed since a results file was written: its tables show today's name (the JSON keeps the one it ran under).
 RENAMED_MODES = {"opweave max-speed": "opweave max-autotune"}
@@ -270,7 +272,8 @@ def interleaved(name: str, batch: int, modes: list[str], args: argparse.Namespac
                 break
         # each round starts at the next mode: no mode always goes first
         times = interleaved_times_ms({mode: (lambda fn=fn: fn(*inputs)) for mode, fn in fns.items()},
-                                     runs=args.runs, warmup=0, rounds=args.rounds, settle=SETTLE)
+                                     runs=args.runs, warmup=0, rounds=args.rounds, settle=SETTLE,
+                                     settle_ms=SETTLE_MS)
     return {mode: {"median_ms": statistics.median(ts), "min_ms": min(ts), "p10_ms": _decile(ts, 0),
                    "p90_ms": _decile(ts, -1), **({"timed_choice": chosen[mode]} if mode in chosen else {})}
             for mode, ts in times.items()}

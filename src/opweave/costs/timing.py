@@ -51,14 +51,15 @@ def median_ms(fn: Callable[[], object], *, runs: int, warmup: int, device: str =
 
 def interleaved_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 5, runs: int | Sequence[int] = 3,
                    warmup: int = 2, device: str = "cpu", sync: Callable[[], object] | None = None,
-                   settle: int = 0) -> dict[str, list[float]]:
+                   settle: int = 0, settle_ms: float = 0.0) -> dict[str, list[float]]:
     """Milliseconds of every call of each of ``fns``, timed interleaved so that all see the same load (as
     ``torch.utils.benchmark``'s comparisons are): ``warmup`` untimed calls each, then ``rounds`` rounds in which
     each runs ``runs`` timed calls in a row (:func:`times_ms`; or one count per round, ``runs`` a sequence, whose
     length is then the rounds), the first function of a round one further than the last round's (none always goes
     first). ``settle``: untimed calls of a function just before its timed ones in each round, so that each is timed
     as a user calling it alone meets it, not in the wake of another (thread pools that spin after a run, ONNX
-    Runtime's and Inductor's, take the cores from the next function: :func:`race_ms`)."""
+    Runtime's and Inductor's, take the cores from the next function: :func:`race_ms`); ``settle_ms``: untimed calls
+    before those until that long has passed (they spin for a time, :func:`race_ms`)."""
     per_round = [runs] * rounds if isinstance(runs, int) else list(runs)
     for fn in fns.values():
         for _ in range(warmup):
@@ -68,6 +69,8 @@ def interleaved_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 5, 
     for k, calls in enumerate(per_round if names else []):
         start = k % len(names)
         for label in names[start:] + names[:start]:
+            if settle_ms:
+                _settle(fns[label], 0, settle_ms)
             times[label] += times_ms(fns[label], runs=calls, warmup=settle, device=device, sync=sync)
     return times
 

@@ -37,18 +37,20 @@ def median_ms(fn: Callable, args: Sequence, *, runs: int = 20, warmup: int = 3, 
 
 
 def interleaved_times_ms(fns: dict[str, Callable[[], object]], *, runs: int, warmup: int, rounds: int = ROUNDS,
-                         device: str = "cpu", settle: int = 0) -> dict[str, list[float]]:
+                         device: str = "cpu", settle: int = 0, settle_ms: float = 0.0) -> dict[str, list[float]]:
     """``runs`` timed calls of each of ``fns`` (milliseconds, :func:`opweave.costs.timing.times_ms`), after
     ``warmup`` untimed calls of each: in ``rounds`` rounds (at most ``runs``), each running every function its
     share of the calls in a row, the first function of a round one further than the last round's (none always goes
     first). A load that comes and goes then falls on every function alike, as in ``torch.utils.benchmark``'s
-    interleaved comparisons and ``opweave.compile``'s choice between plans. ``settle``: untimed calls of each function
-    right before its share in every round (:func:`opweave.costs.timing.interleaved_ms`)."""
+    interleaved comparisons and ``opweave.compile``'s choice between plans. ``settle`` and ``settle_ms``: untimed
+    calls of each function right before its share in every round, a number and a time
+    (:func:`opweave.costs.timing.interleaved_ms`)."""
     if runs < 1 or warmup < 0:
         raise UsageError(f"runs must be at least 1 and warmup at least 0, got {runs} and {warmup}")
     rounds = max(1, min(rounds, runs))
     per_round = [runs // rounds + (i < runs % rounds) for i in range(rounds)]
-    return timing.interleaved_ms(fns, runs=per_round, warmup=warmup, device=device, settle=settle)
+    return timing.interleaved_ms(fns, runs=per_round, warmup=warmup, device=device, settle=settle,
+                                 settle_ms=settle_ms)
 
 
 def summarize(times_ms: Sequence[float]) -> dict:
