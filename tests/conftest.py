@@ -72,3 +72,20 @@ def pytest_pyfunc_call(pyfuncitem):
                           timeout=600)
     assert done.returncode == 0, f"in a fresh interpreter:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
     return True
+
+
+@pytest.fixture
+def four_ms_calls(monkeypatch):
+    """Functions ``a`` and ``b`` and the trace of their calls, each call taking 4 ms on the scripted clock the
+    settling before a timed call reads (``opweave.costs.timing._now``)."""
+    from opweave.costs import timing
+
+    clock = [0.0]
+    monkeypatch.setattr(timing, "_now", lambda: clock[0])
+    trace: list[str] = []
+
+    def call(name):
+        trace.append(name)
+        clock[0] += 0.004
+
+    return {name: (lambda name=name: call(name)) for name in "ab"}, trace

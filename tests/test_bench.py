@@ -23,21 +23,11 @@ def test_modes_alternate_in_rounds_each_starting_one_mode_further():
     assert timed == ["a", "a", "b", "b", "c", "c"] + ["b", "b", "c", "c", "a", "a"] + ["c", "a", "b"]
 
 
-def test_each_modes_share_of_a_round_follows_untimed_calls_of_its_own_for_a_time(monkeypatch):
+def test_each_modes_share_of_a_round_follows_untimed_calls_of_its_own_for_a_time(four_ms_calls):
     """Pools another engine left spinning spin for a time: with ``settle_ms`` a mode's share follows its own untimed
     calls until that long has passed (each call 4 ms on a scripted clock: three calls reach 10 ms), then ``settle``
     more."""
-    from opweave.costs import timing
-
-    clock = [0.0]
-    monkeypatch.setattr(timing, "_now", lambda: clock[0])
-    calls: list[str] = []
-
-    def call(name):
-        calls.append(name)
-        clock[0] += 0.004
-
-    fns = {name: (lambda name=name: call(name)) for name in "ab"}
+    fns, calls = four_ms_calls
     times = bench.interleaved_times_ms(fns, runs=1, warmup=0, rounds=1, settle=1, settle_ms=10.0)
     assert calls == ["a"] * 5 + ["b"] * 5 and all(len(t) == 1 for t in times.values())  # 3 + 1 untimed, 1 timed
 

@@ -345,20 +345,14 @@ def test_the_race_times_each_call_right_after_an_untimed_call_of_the_same_functi
     assert trace == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"] and len(timed) == 6
 
 
-def test_the_race_settles_each_timed_call_for_a_time_as_well_as_a_number_of_calls(monkeypatch):
+def test_the_race_settles_each_timed_call_for_a_time_as_well_as_a_number_of_calls(monkeypatch, four_ms_calls):
     """A pool left spinning by the function before spins for a time: with ``settle_ms`` the untimed calls go on until
     that long has passed (here each call takes 4 ms on a scripted clock: three untimed calls reach 10 ms), and a
     measured choice settles so (search.SETTLE_MS)."""
     from opweave.costs import timing
     from opweave.pipeline import search
 
-    clock = [0.0]
-    monkeypatch.setattr(timing, "_now", lambda: clock[0])
-    trace: list[str] = []
-
-    def call(label):
-        trace.append(label)
-        clock[0] += 0.004
+    fns, trace = four_ms_calls
 
     def timer(label, fn):
         trace.append(label.upper())  # a timed call
@@ -366,7 +360,6 @@ def test_the_race_settles_each_timed_call_for_a_time_as_well_as_a_number_of_call
         trace.pop()
         return 1.0
 
-    fns = {k: (lambda k=k: call(k)) for k in ("a", "b")}
     timing.race_ms(fns, rounds=1, warmup=0, settle=1, settle_ms=10.0, timer=timer)
     assert trace == ["a", "a", "a", "A", "b", "b", "b", "B"]
     trace.clear()
