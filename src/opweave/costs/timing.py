@@ -99,9 +99,9 @@ def race_ms(fns: Mapping[str, Callable[[], object]], *, rounds: int = 15, margin
     number of calls: at a tenth of a millisecond a call, three calls of an ONNX Runtime session after an Inductor
     package's measured it 3.5x slower than it runs in a loop).
     Returns every timed call's time per function and those dropped. ``budget_ms``: the race also stops after the
-    first round that brings the time its calls took (the timed ones, each counted ``1 + settle`` times) past it; the
-    leader then wins on the calls it had: where candidates lie within ``margin`` of each other, more rounds cost
-    seconds per call of a large model and change little.
+    first round that brings the time its calls took (the timed ones, each counted once more per untimed call made
+    before it) past it; the leader then wins on the calls it had: where candidates lie within ``margin`` of each
+    other, more rounds cost seconds per call of a large model and change little.
     ``timer(label, fn)``: the milliseconds of one call (default: ``perf_counter`` around it; tests give a script).
     ``seed``: calls of some functions timed before the race as its rounds would time them (right after an untimed call
     of the same function: a candidate's check, just after the call that compiled it), taken as their first round:
