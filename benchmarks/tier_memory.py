@@ -6,10 +6,13 @@ Each (model, mode) in a fresh spawned process, resident memory read at three poi
 anonymous pages, RssAnon, the process's own memory, and RssFile, pages of files it maps): ``libraries`` (torch,
 opweave, ONNX Runtime, onnx, onnxscript and Inductor imported, so their code is not counted as the model's),
 ``model`` (the model made, its weights in memory), ``built`` (for ``eager``: 20 calls made; for ``opweave default``:
-compiled, its tier builds waited for and their races decided by calls; then ``gc.collect()`` and glibc's
-``malloc_trim``, so memory freed is given back and what remains is what is held). ``held`` = the default's ``built -
-model`` less eager's (what running the model takes either way: activations, pools), in anonymous pages, in copies
-of the weights: the copies the compiled model holds besides the model's own. Mapped files are reported apart: an
+compiled, its tier builds waited for and their races decided by calls; for ``onnxruntime``, the peer of
+benchmarks/cpu_latency.py, ONNX Runtime's session of the whole model as a user makes it, 20 calls made; then
+``gc.collect()`` and glibc's ``malloc_trim``, so memory freed is given back and what remains is what is held).
+``held`` = the default's ``built - model`` less eager's (what running the model takes either way: activations,
+pools), in anonymous pages, in copies of the weights: the copies the compiled model holds besides the model's own;
+the peer's the same way, so that what an engine holds of its own (its kernels' packed weights, its arena, its
+thread pools) shows beside what the compiled model holds. Mapped files are reported apart: an
 AOTInductor package's shared library holds its constants and stays mapped once loaded (PyTorch does not unload it
 when the package is dropped), pages the kernel may drop at any time and would read again from the file.
 Writes ``benchmarks/results/tier_memory.json`` and ``.md``.
@@ -26,7 +29,7 @@ from pathlib import Path
 import _common as common
 
 RESULTS = Path(__file__).parent / "results"
-MODES = ("eager", "opweave default")
+MODES = ("eager", "opweave default", "onnxruntime")
 
 
 def rss_mb() -> dict[str, float]:
@@ -74,6 +77,12 @@ def child(name: str, batch: int, mode: str, cache: str, conn) -> None:
         if mode == "eager":
             for _ in range(20):
                 model(*inputs)
+        elif mode == "onnxruntime":
+            from cpu_latency import onnxruntime_session
+
+            peer = onnxruntime_session(model, inputs, parallel=False)
+            for _ in range(20):
+                peer(*inputs)
         else:
             fast = opweave.compile(model, inputs)
             fast.wait()
@@ -113,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, summary = [], []
     with tempfile.TemporaryDirectory(prefix="opweave-tier-memory-") as cache:
         for name in args.models.split(","):
-            eager, default = (measure(name, args.batch, mode, cache) for mode in MODES)
-            rows += [eager, default]
+            eager, default, peer = (measure(name, args.batch, mode, cache) for mode in MODES)
+            rows += [eager, default, peer]
             def beyond(kind: str, row: dict) -> float:
                 return row["built_mb"][kind] - row["model_mb"][kind]
 
@@ -125,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                             "tier": default["tier"], "eager_run_mb": round(run_eager, 1),
                             "compiled_extra_mb": round(extra, 1),
                             "held_copies": round(extra / default["weights_mb"], 2),
+                            "peer_extra_mb": round(beyond("anon", peer) - run_eager, 1),
+                            "peer_copies": round((beyond("anon", peer) - run_eager) / default["weights_mb"], 2),
                             "file_mb": round(files, 1)})
             common.console.print(summary[-1])
     command = "python benchmarks/tier_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -136,13 +147,15 @@ def main(argv: list[str] | None = None) -> int:
              "collected and freed memory given back; beyond the model's own weights and what running it eagerly "
              "takes. Pages of files it maps (a loaded library's, an AOTInductor package's code and constants, "
              "which stay mapped once loaded) apart: the kernel drops them when memory is short and reads them "
-             "again if they are used.", "",
+             "again if they are used. Beside it, ONNX Runtime's session of the whole model as a user makes it (the "
+             "peer of benchmarks/cpu_latency.py), measured the same way.", "",
              "| model | batch | weights MiB | tier in use | eager's run MiB | compiled beyond it MiB | copies held "
-             "| mapped files MiB |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
+             "| mapped files MiB | ONNX Runtime whole beyond it MiB | its copies |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         lines.append(f"| {s['model']} | {s['batch']} | {s['weights_mb']} | {s['tier']} | {s['eager_run_mb']} | "
-                     f"{s['compiled_extra_mb']} | {s['held_copies']:.2f} | {s['file_mb']} |")
+                     f"{s['compiled_extra_mb']} | {s['held_copies']:.2f} | {s['file_mb']} | {s['peer_extra_mb']} | "
+                     f"{s['peer_copies']:.2f} |")
     (RESULTS / f"{args.stem}.md").write_text("\n".join(lines) + "\n")
     return 0
 
