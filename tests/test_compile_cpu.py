@@ -234,7 +234,12 @@ def test_below_lane_cores_the_cpu_default_races_onnxruntime_against_the_model_al
 def test_the_cpu_defaults_onnxruntime_segment_reads_the_models_own_weights_where_lanes_fold_batchnorm(monkeypatch):
     """One ONNX Runtime segment plans on the model as captured (ONNX Runtime folds BatchNorm itself): it holds no
     folded copy of the weights, and its session reads the model's own tensors; a candidate of lanes plans on the
-    coarse graph (BatchNorm folded into a copy of the convolutions' weights), which both of its candidates share."""
+    coarse graph (BatchNorm folded into a copy of the convolutions' weights), which both of its candidates share
+    while they are raced, and which the compiled model no longer holds once the one segment won (the cache of coarse
+    graphs kept it, and its folded copy of the weights, as long as the captured model lived)."""
+    import gc
+
+    from opweave.capture.runtime import Captured
     from opweave.pipeline import search, targets
 
     model, inputs = zoo.create("googlenet", batch_size=1, image_size=64)
@@ -248,6 +253,10 @@ def test_the_cpu_defaults_onnxruntime_segment_reads_the_models_own_weights_where
     with torch.inference_mode():
         assert compare(model(*inputs), fast(*inputs)).ok
     assert fast.options.coarsen is False
+    gc.collect()
+    ptrs = [[t.untyped_storage().data_ptr() for t in c.gm.state_dict().values()] for c in gc.get_objects()
+            if isinstance(c, Captured)]
+    assert not [p for p in ptrs if set(p) & own and set(p) - own], "a folded copy of the weights outlived the race"
     lanes = fast.options.derive(coarsen=True)
     coarse = targets.coarsened(fast.captured, lanes)
     assert coarse is targets.coarsened(fast.captured, lanes) and len(coarse.graph.ops) < len(

@@ -69,22 +69,28 @@ DEFAULT_LABELS = ("onnxruntime", "onnxruntime lanes", "lanes", "one lane", "eage
 SEGMENTED_SYNCS = 128  # a plan with more syncs has too many segments for Inductor to compile in a search
 
 
-_COARSENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a captured model -> it coarsened
+# a captured model -> it coarsened, held by weak reference at both ends: what plans on the coarse graph holds it
+_COARSENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def coarsened(captured, options: Options):
     """``captured`` as ``options`` plan it: coarsened (the papers' operators, :func:`~opweave.capture.coarsen`)
-    unless ``coarsen=False``, once per captured model (a measured choice's candidates share it). The coarse graph
-    folds BatchNorm into a copy of the convolutions' weights; a candidate that runs the captured model as one
-    compiled segment gains nothing by it (ONNX Runtime and Inductor fold BatchNorm themselves) and says
-    ``coarsen=False``: it then reads the model's own weights and holds no folded copy of them."""
+    unless ``coarsen=False``, once per captured model while something holds the coarse graph (a measured choice's
+    candidates share it). The coarse graph folds BatchNorm into a copy of the convolutions' weights; a candidate
+    that runs the captured model as one compiled segment gains nothing by it (ONNX Runtime and Inductor fold
+    BatchNorm themselves) and says ``coarsen=False``: it then reads the model's own weights and holds no folded copy
+    of them. The cache holds the coarse graph by weak reference, so that once a race is over its folded copy lives
+    only where the candidate that won plans on it (held from the captured model, it outlived the race: a compiled
+    ResNet-50 whose one ONNX Runtime segment won held a third copy of the weights)."""
     if not options.coarsen:
         return captured
-    done = _COARSENED.get(captured)
+    known = _COARSENED.get(captured)
+    done = known() if known is not None else None
     if done is None:
         from opweave.capture import coarsen
 
-        done = _COARSENED[captured] = coarsen(captured)
+        done = coarsen(captured)
+        _COARSENED[captured] = weakref.ref(done)
     return done
 
 
