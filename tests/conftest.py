@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from opweave.pipeline import search
+from opweave.pipeline import search, tiers
 
 # Tests run two pytest workers on a 2-core machine; one intra-op thread per worker keeps them from spinning
 # against each other (the CPU backend's concurrency comes from its lane threads, not from intra-op threads).
@@ -21,6 +21,9 @@ os.environ["OPWEAVE_TIERS"] = "0"
 # on the suite's tiny models that is hundreds of calls a timed call, for no outcome a test reads. The tests of the
 # settling set it.
 search.SETTLE_MS = 0.0
+# A tier's live race likewise times each block's calls until they add up to 20 ms; its tests count calls on a
+# scripted clock (the test of that rule sets it).
+tiers.TIMED_MS = 0.0
 
 # A loaded CI machine can make data generation slow; that says nothing about the code under test.
 settings.register_profile("opweave", deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -429,3 +429,28 @@ def test_a_race_block_times_its_calls_only_once_the_other_tiers_pools_settle(tie
         assert mine == [False] * 4 + [True] * (tiers.BLOCK - 1), (block, mine)  # SETTLE_S untimed, then timed
     assert fast.backend.label == "exported"
     fast.close()
+
+
+def test_a_race_block_times_calls_until_they_add_up_to_timed_ms(tiered, monkeypatch):
+    """A model of a tenth of a millisecond a call, timed three calls a block, was raced on 12 calls a tier whose
+    spread on a 2-core machine is as wide as the gap between two tiers: a block's timed calls go on until they add
+    up to TIMED_MS (at least BLOCK - 1 of them), so a fast tier is timed many times and a slow one as before."""
+    model, inputs, times = tiered
+    times.update({"exported": 0.5, "first": 0.25})  # ms a call on the scripted clock
+    monkeypatch.setattr(tiers, "TIMED_MS", 4.0)
+    fast = opweave.compile(model, inputs, threads=1)
+    assert fast.backend.wait(120) and fast.backend.racing
+    race, blocks = fast.backend.race, []
+    with torch.no_grad():
+        for _ in range(400):
+            if not fast.backend.racing:
+                break
+            before = (race.block, [len(t) for t in race.times])
+            fast(*inputs)
+            blocks.append((before[0], [len(t) for t in race.times] != before[1]))
+    assert not fast.backend.racing
+    timed = [sum(t for b, t in blocks if b == block) for block in range(2 * tiers.BLOCKS)]
+    assert timed == [16, 8] * tiers.BLOCKS  # 4 ms of 0.25 ms calls (the tier in use), of 0.5 ms (the one built)
+    assert [len(t) for t in race.times] == [16 * tiers.BLOCKS, 8 * tiers.BLOCKS]
+    assert fast.backend.label != "exported"  # the tier in use is faster: the one built is kept out
+    fast.close()

@@ -186,16 +186,18 @@ class LiveRace:
     the other, :data:`BLOCKS` blocks each. A block's first calls are untimed, at least one and until
     :data:`SETTLE_S` has passed since the block began: they pay for the other tier's pools left spinning (two ONNX
     Runtime sessions of SqueezeNet, called in turn on 2 cores, ran their first four or five calls after a switch
-    at twice their steady time); then :data:`BLOCK` - 1 calls are timed on
-    :data:`opweave.pipeline.search.TIMER`'s clock. Every call returns its tier's answer, and both tiers are checked
-    to equal the model. Then the faster median takes every call (the built tier lands, :meth:`Tiered.land`) or the
-    built tier is let go; one log line says which."""
+    at twice their steady time); then calls are timed on :data:`opweave.pipeline.search.TIMER`'s clock, at least
+    :data:`BLOCK` - 1 and until they add up to :data:`TIMED_MS` (a model of a tenth of a millisecond a call is timed
+    some 200 times a block, not 3: its calls' spread on a 2-core machine is as wide as the gap between two tiers).
+    Every call returns its tier's answer, and both tiers are checked to equal the model. Then the faster median
+    takes every call (the built tier lands, :meth:`Tiered.land`) or the built tier is let go; one log line says
+    which."""
 
     def __init__(self, in_use: str, current: Any, label: str, tier: Any, outcome: dict[str, Any]):
         self.labels, self.tiers = (in_use, label), (current, tier)
         self.times: tuple[list[float], list[float]] = ([], [])
         self.outcome, self.calls, self.lock, self.finished = outcome, 0, threading.Lock(), False
-        self.block, self.untimed, self.timed = 0, 0, 0  # the block under way
+        self.block, self.untimed, self.timed, self.timed_ms = 0, 0, 0, 0.0  # the block under way
         self.began: float | None = None
 
     def __call__(self, tiered: Tiered, args: tuple[Any, ...]) -> Any:
@@ -216,10 +218,10 @@ class LiveRace:
         ms = (search.TIMER or call_ms)(self.labels[which], lambda: result.append(self.tiers[which](*args)))
         with self.lock:
             self.times[which].append(ms)
-            self.timed += 1
-            if self.timed >= BLOCK - 1:  # the next block, on the other tier
-                self.block, self.began, self.untimed, self.timed = self.block + 1, None, 0, 0
-            done = not self.finished and all(len(t) >= BLOCKS * (BLOCK - 1) for t in self.times)
+            self.timed, self.timed_ms = self.timed + 1, self.timed_ms + ms
+            if self.timed >= BLOCK - 1 and self.timed_ms >= TIMED_MS:  # the next block, on the other tier
+                self.block, self.began, self.untimed, self.timed, self.timed_ms = self.block + 1, None, 0, 0, 0.0
+            done = not self.finished and self.block >= 2 * BLOCKS
             self.finished = self.finished or done
         if done:
             tiered.decided(self)
@@ -239,7 +241,8 @@ class LiveRace:
             log.info("%s: the %s tier kept out, %.3f ms against %s's %.3f ms", name, label, ms, in_use, ms_in_use)
 
 
-BLOCK = 4  # a live race's block: one call untimed at least, then BLOCK - 1 timed
+BLOCK = 4  # a live race's block: one call untimed at least, then BLOCK - 1 timed at least
+TIMED_MS = 20.0  # and timed calls until they add up to this
 BLOCKS = 4  # blocks of each tier in a live race
 SETTLE_S = 0.2  # a block's calls are untimed until this long since it began
 _now = time.perf_counter  # the clock a block's settling is read on
