@@ -434,7 +434,7 @@ def test_a_race_block_times_its_calls_only_once_the_other_tiers_pools_settle(tie
 def test_a_race_block_times_calls_until_they_add_up_to_timed_ms(tiered, monkeypatch):
     """A model of a tenth of a millisecond a call, timed three calls a block, was raced on 12 calls a tier whose
     spread on a 2-core machine is as wide as the gap between two tiers: a block's timed calls go on until they add
-    up to TIMED_MS (at least BLOCK - 1 of them), so a fast tier is timed many times and a slow one as before."""
+    up to TIMED_MS (at least BLOCK - 1 of them): the shorter a tier's calls, the more of them are timed."""
     model, inputs, times = tiered
     times.update({"exported": 0.5, "first": 0.25})  # ms a call on the scripted clock
     monkeypatch.setattr(tiers, "TIMED_MS", 4.0)
