@@ -454,3 +454,31 @@ def test_a_race_block_times_calls_until_they_add_up_to_timed_ms(tiered, monkeypa
     assert [len(t) for t in race.times] == [16 * tiers.BLOCKS, 8 * tiers.BLOCKS]
     assert fast.backend.label != "exported"  # the tier in use is faster: the one built is kept out
     fast.close()
+
+
+def test_a_timed_call_that_ends_after_its_block_counts_for_no_block(monkeypatch):
+    """Callers on several threads: a call timed on one tier that ends after other calls have ended its block counted
+    for the next block, the other tier's, which then ended on fewer of its own calls (with many callers, a tier
+    could end the race with none timed). Here the other callers are calls made while the first one runs."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(tiers, "SETTLE_S", 0.0)
+    monkeypatch.setattr(search, "TIMER", lambda label, fn: (fn(), 1.0)[1])
+    state = {"nested": 0}
+
+    def in_use(*args):
+        if state["nested"]:  # the others' calls, made (and ended) while this one runs
+            state["nested"] -= 1
+            for _ in range(tiers.BLOCK - 1):
+                race(tiered, args)
+        return "in use"
+
+    race = tiers.LiveRace("first", in_use, "built", lambda *args: "built", {})
+    tiered = SimpleNamespace(current=in_use, decided=lambda r: None)
+    race(tiered, ())  # block 0's untimed call
+    state["nested"] = 1
+    race(tiered, ())  # timed; block 0 ends inside it (the nested calls), then it ends
+    assert race.block == 1 and race.timed == 0
+    while race.block == 1:
+        race(tiered, ())
+    assert len(race.times[1]) == tiers.BLOCK - 1  # block 1 timed BLOCK - 1 calls of its own tier

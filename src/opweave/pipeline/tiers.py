@@ -203,7 +203,8 @@ class LiveRace:
     def __call__(self, tiered: Tiered, args: tuple[Any, ...]) -> Any:
         with self.lock:
             self.calls += 1
-            which, now = self.block % 2, _now()
+            block, now = self.block, _now()
+            which = block % 2
             if self.block >= 2 * BLOCKS:
                 which = -1
             if self.began is None:
@@ -218,7 +219,8 @@ class LiveRace:
         ms = (search.TIMER or call_ms)(self.labels[which], lambda: result.append(self.tiers[which](*args)))
         with self.lock:
             self.times[which].append(ms)
-            self.timed, self.timed_ms = self.timed + 1, self.timed_ms + ms
+            if self.block == block:  # a call that ends after its block did (another thread's) counts for none
+                self.timed, self.timed_ms = self.timed + 1, self.timed_ms + ms
             if self.timed >= BLOCK - 1 and self.timed_ms >= TIMED_MS:  # the next block, on the other tier
                 self.block, self.began, self.untimed, self.timed, self.timed_ms = self.block + 1, None, 0, 0, 0.0
             done = not self.finished and self.block >= 2 * BLOCKS
