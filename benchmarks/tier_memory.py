@@ -130,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             run_eager = beyond("anon", eager)
             extra = beyond("anon", default) - run_eager
             files = beyond("file", default) - beyond("file", eager)
+            peer_extra = beyond("anon", peer) - run_eager
             summary.append({"model": name, "batch": args.batch, "weights_mb": default["weights_mb"],
                             "tier": default["tier"], "eager_run_mb": round(run_eager, 1),
                             "compiled_extra_mb": round(extra, 1),
                             "held_copies": round(extra / default["weights_mb"], 2),
-                            "peer_extra_mb": round(beyond("anon", peer) - run_eager, 1),
-                            "peer_copies": round((beyond("anon", peer) - run_eager) / default["weights_mb"], 2),
+                            "peer_extra_mb": round(peer_extra, 1),
+                            "peer_copies": round(peer_extra / default["weights_mb"], 2),
                             "file_mb": round(files, 1)})
             common.console.print(summary[-1])
     command = "python benchmarks/tier_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
