@@ -482,3 +482,33 @@ def test_a_timed_call_that_ends_after_its_block_counts_for_no_block(monkeypatch)
     while race.block == 1:
         race(tiered, ())
     assert len(race.times[1]) == tiers.BLOCK - 1  # block 1 timed BLOCK - 1 calls of its own tier
+
+
+def test_the_build_process_checks_the_vector_instruction_sets_side_by_side(monkeypatch):
+    """Inductor checks each vector instruction set the processor names with a compiler run and a loading process, one
+    after another (8 s on an empty cache on 2 cores); the build process runs those checks on threads beside its
+    export, and the compile then finds their answers. A check that raises is Inductor's to report, not the build's."""
+    from torch._inductor import cpu_vec_isa
+
+    both = threading.Barrier(2, timeout=30)  # passed only by two checks running at once
+    checked = []
+
+    class Isa:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        def __str__(self):
+            return self.name
+
+        def __bool__(self):
+            if self.fails:
+                raise RuntimeError("no compiler")
+            both.wait()
+            checked.append(self.name)
+            return True
+
+    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
+    monkeypatch.setattr(cpu_vec_isa, "supported_vec_isa_list",
+                        [Isa("avx512"), Isa("avx2"), Isa("amx_tile"), Isa("avx512", fails=True)])
+    tiers.vector_checks(workers=3).result(timeout=60)
+    assert sorted(checked) == ["avx2", "avx512"]  # side by side, each set the processor names, amx_tile not
