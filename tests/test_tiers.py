@@ -512,3 +512,29 @@ def test_the_build_process_checks_the_vector_instruction_sets_side_by_side(monke
                         [Isa("avx512"), Isa("avx2"), Isa("amx_tile"), Isa("avx512", fails=True)])
     tiers.vector_checks(workers=3).result(timeout=60)
     assert sorted(checked) == ["avx2", "avx512"]  # side by side, each set the processor names, amx_tile not
+
+
+def test_the_vector_checks_threads_import_nothing(tmp_path):
+    """The checks' threads imported what a check uses (``torch._inductor.codecache``, ``torch.utils.cpp_extension``
+    and setuptools under it) while the build process's main thread imported the same for its export: the build then
+    failed with ``KeyError: 'torch._dynamo'`` (a module found half made). They are imported before the threads start."""
+    import subprocess
+    import sys
+
+    script = (
+        "import builtins, sys, threading\n"
+        "import torch\n"
+        "from opweave.pipeline import tiers\n"
+        "seen, imported = [], builtins.__import__\n"
+        "def spy(name, globals=None, locals=None, fromlist=(), level=0):\n"
+        "    if threading.current_thread() is not threading.main_thread() and level == 0 and name not in sys.modules:\n"
+        "        seen.append(name)\n"
+        "    return imported(name, globals, locals, fromlist, level)\n"
+        "builtins.__import__ = spy\n"
+        "tiers.vector_checks().result(timeout=600)\n"
+        "builtins.__import__ = imported\n"
+        "print(sorted(set(seen)))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

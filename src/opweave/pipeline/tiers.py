@@ -608,15 +608,21 @@ def vector_checks(workers: int = 3) -> Any:
     Before its first CPU kernel, Inductor compiles and loads a small program per instruction set the processor names
     (six on an AVX-512 machine with VNNI), one after another: 8.2 s on an empty Inductor cache on the 2-core machine
     the benchmarks run on, where three threads took 3.9 s (each check is a compiler run, then a loading process: the
-    threads wait on both, not on the interpreter); DeepFM's Inductor tier then built in 18.0-18.9 s against
-    21.5-23.5 s (three builds each, alternated). Its answers are cached in Inductor's cache directory, so the
-    compile that follows finds them. A check that fails here is not an error: the compile checks again."""
+    threads wait on both, not on the interpreter); DeepFM's Inductor tier then built in 17.7-20.8 s against
+    21.3-23.5 s (three builds each, alternated). Its answers are cached in Inductor's cache directory, so the
+    compile that follows finds them. A check that fails here is not an error: the compile checks again. The modules
+    the checks use are imported here, before the threads start: imported on a thread while the export imported them
+    too, ``torch._dynamo`` was found half made (``KeyError: 'torch._dynamo'``) and the build failed."""
     from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        import torch.utils.cpp_extension  # noqa: F401 - what a check imports (setuptools among it)
+        from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+    except Exception:  # noqa: BLE001 - no Inductor here: the compile reports it
+        return None
 
     def check() -> None:
         try:
-            from torch._inductor import cpu_vec_isa
-
             named = cpu_vec_isa.x86_isa_checker() if hasattr(cpu_vec_isa, "x86_isa_checker") else []
             isas = [isa for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", [])
                     if all(flag in named for flag in str(isa).split())]
