@@ -4,6 +4,7 @@ second's build, the machinery of the Inductor tier without its minute), timed on
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 import warnings
@@ -511,7 +512,7 @@ def test_the_build_process_checks_the_vector_instruction_sets_side_by_side(monke
     monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
     monkeypatch.setattr(cpu_vec_isa, "supported_vec_isa_list",
                         [Isa("avx512"), Isa("avx2"), Isa("amx_tile"), Isa("avx512", fails=True)])
-    tiers.vector_checks(workers=3).result(timeout=60)
+    concurrent.futures.wait(tiers.vector_checks(workers=3), timeout=60)
     assert sorted(checked) == ["avx2", "avx512"]  # side by side, each set the processor names
     assert "amx_tile" not in called  # a set the processor does not name is not checked
 
@@ -524,7 +525,7 @@ def test_the_vector_checks_threads_import_nothing(tmp_path):
     import sys
 
     script = (
-        "import sys, threading\n"
+        "import concurrent.futures, sys, threading\n"
         "import torch\n"
         "from opweave.pipeline import tiers\n"
         "seen = []\n"
@@ -534,7 +535,7 @@ def test_the_vector_checks_threads_import_nothing(tmp_path):
         "            seen.append(name)\n"
         "        return None\n"
         "sys.meta_path.insert(0, Spy())\n"
-        "tiers.vector_checks().result(timeout=600)\n"
+        "concurrent.futures.wait(tiers.vector_checks(), timeout=600)\n"
         "print(sorted(set(seen)))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})

@@ -40,6 +40,7 @@ returns; its own candidates hold ONNX Runtime sessions at the example's sizes).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -582,7 +583,7 @@ def build(kind: str, program: Path, out: Path, threads: int) -> None:
         scratch.write_bytes(export_onnx(gm, list(inputs), outputs, weights={}, apart=in_place))
         os.replace(scratch, out)
         return
-    checks = vector_checks() if kind == "inductor" else None  # beside the export: the compiler runs, not Python
+    checks = vector_checks() if kind == "inductor" else []  # beside the export: the compiler runs, not Python
     if program.suffix == ".pt2":
         exported = torch.export.load(str(program))
     else:
@@ -590,8 +591,7 @@ def build(kind: str, program: Path, out: Path, threads: int) -> None:
         model, inputs, _ = torch.load(program, weights_only=False)
         with torch.no_grad():
             exported = torch.export.export(model.eval() if isinstance(model, torch.nn.Module) else model, inputs)
-    if checks is not None:
-        checks.result()
+    concurrent.futures.wait(checks)
     if kind == "inductor":
         torch._inductor.aoti_compile_and_package(exported, package_path=str(scratch),
                                                  inductor_configs={"freezing": True, "cpp.threads": threads})
@@ -602,8 +602,8 @@ def build(kind: str, program: Path, out: Path, threads: int) -> None:
     os.replace(scratch, out)
 
 
-def vector_checks(workers: int = 3) -> Any:
-    """Inductor's check of the machine's vector instruction sets, started on ``workers`` threads; a future of it.
+def vector_checks(workers: int = 3) -> list[Any]:
+    """Inductor's checks of the machine's vector instruction sets, started on ``workers`` threads: their futures.
 
     Before its first CPU kernel, Inductor compiles and loads a small program per instruction set the processor names
     (six on an AVX-512 machine with VNNI), one after another: 8.2 s on an empty Inductor cache on the 2-core machine
@@ -619,23 +619,16 @@ def vector_checks(workers: int = 3) -> Any:
     try:
         import torch.utils.cpp_extension  # noqa: F401 - what a check imports (setuptools among it)
         from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+
+        named = cpu_vec_isa.x86_isa_checker() if hasattr(cpu_vec_isa, "x86_isa_checker") else []
+        isas = [isa for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", [])
+                if all(flag in named for flag in str(isa).split())]
     except Exception:  # noqa: BLE001 - no Inductor here: the compile reports it
-        return None
-
-    def check() -> None:
-        try:
-            named = cpu_vec_isa.x86_isa_checker() if hasattr(cpu_vec_isa, "x86_isa_checker") else []
-            isas = [isa for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", [])
-                    if all(flag in named for flag in str(isa).split())]
-            with ThreadPoolExecutor(workers) as pool:
-                list(pool.map(bool, isas))
-        except Exception:  # noqa: BLE001 - Inductor checks again, and reports its own errors
-            pass
-
-    pool = ThreadPoolExecutor(1)
-    future = pool.submit(check)
+        return []
+    pool = ThreadPoolExecutor(workers)
+    futures = [pool.submit(bool, isa) for isa in isas]  # a check that raises: Inductor checks again, and reports it
     pool.shutdown(wait=False)
-    return future
+    return futures
 
 
 def _orphaned(parent: int) -> None:
