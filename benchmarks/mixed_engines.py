@@ -1,7 +1,7 @@
 """Each part of a model on the faster of ONNX Runtime and Inductor, against each engine whole, on the CPU.
 
     .venv/bin/python benchmarks/mixed_engines.py [--models googlenet,inception_v3,randwire,nasnet_a_mobile]
-                                                 [--batch 1] [--rounds 7] [--calls 5] [--width 1] [--stem STEM]
+                                                 [--batch 1] [--rounds 7] [--calls 5] [--stem STEM]
                                                  [--out DIR] [--quick]
 
 For each model, the captured graph coarsened as the default plans it (the papers' operators) and built four ways,
@@ -9,15 +9,16 @@ every graph compiled as the segment compilers make them (ONNX Runtime; Inductor 
 threads, one lane:
 
 * ``whole onnxruntime`` and ``whole inductor``: the model as one segment;
-* ``blocks onnxruntime`` and ``blocks inductor``: the model cut in capture order wherever at most ``--width`` ops'
-  values cross the cut (between two of GoogLeNet's inception blocks one tensor does), each run a segment.
+* ``blocks onnxruntime`` and ``blocks inductor``: the model cut in capture order after each op that leaves one value
+  live, its own (:func:`opweave.serve.engine.blocks.cut_points`, the serving blocks' cuts: between two of GoogLeNet's
+  inception blocks one tensor is live), each run a segment.
 
 First every build is called ``--calls`` times a round, the builds one after the other, for ``--rounds`` rounds, each
 segment timed where it runs (after the segment before it); then ``mixed`` takes each block on the engine that ran it
 faster there, and the wholes, ``mixed``, the blocks all on ONNX Runtime and ``peer`` (ONNX Runtime's session of the
-whole model, as benchmarks/cpu_latency.py makes it) are timed the same way. A segment's ONNX Runtime session, where
-the model is cut, sleeps its pool when idle (a pool left spinning took the cores from the next segment's:
-GoogLeNet's 18 segments ran 231 ms a call against 16 ms whole). Writes ``DIR/STEM.json`` and ``.md``
+whole model, as benchmarks/cpu_latency.py makes it) are timed the same way, whole calls only. A segment's ONNX
+Runtime session, where the model is cut, sleeps its pool when idle (a pool left spinning took the cores from the next
+segment's: GoogLeNet's 18 segments ran 231 ms a call against 16 ms whole). Writes ``DIR/STEM.json`` and ``.md``
 (default ``benchmarks/results/mixed_engines``).
 """
 
@@ -33,29 +34,11 @@ from pathlib import Path
 import _common as common
 
 RESULTS = Path(__file__).parent / "results"
-MODELS = ("googlenet", "inception_v3", "nasnet_a_mobile", "randwire", "deepfm")
+MODELS = ("googlenet", "inception_v3", "nasnet_a_mobile", "randwire", "squeezenet", "deepfm")
 ENGINES = ("onnxruntime", "inductor")
 
 
-def blocks(graph, width: int) -> list[list[str]]:
-    """``graph``'s ops in capture order, cut wherever at most ``width`` ops' values cross from the ops before to the
-    ops after (between two of GoogLeNet's inception blocks one tensor does): runs that hand few values over."""
-    order = graph.topo_order
-    position = {op: i for i, op in enumerate(order)}
-    last_use: dict[str, int] = {}
-    for e in graph.edges:
-        last_use[e.src] = max(last_use.get(e.src, -1), position[e.dst])
-    groups, current = [], []
-    for i, op in enumerate(order):
-        current.append(op)
-        crossing = sum(1 for src in order[: i + 1] if last_use.get(src, -1) > i)
-        if crossing <= width and i + 1 < len(order):
-            groups.append(current)
-            current = []
-    return groups + [current]
-
-
-def measure(name: str, batch: int, rounds: int, calls: int, width: int) -> dict:
+def measure(name: str, batch: int, rounds: int, calls: int, image_size: int | None = None) -> dict:
     import torch
 
     from opweave import zoo
@@ -64,15 +47,17 @@ def measure(name: str, batch: int, rounds: int, calls: int, width: int) -> dict:
     from opweave.capture import capture, coarsen
     from opweave.capture.coarsen import merge_ops
     from opweave.cores import intra_op_threads
+    from opweave.serve.engine.blocks import cut_points, segments
 
     sys.path.insert(0, str(Path(__file__).parent))
     from cpu_latency import onnxruntime_session
 
-    model, inputs = zoo.create(name, batch_size=batch)
+    model, inputs = zoo.create(name, batch_size=batch, **({"image_size": image_size} if image_size else {}))
     model.eval()
     captured = coarsen(capture(model, inputs))
     threads = total_threads()
-    levels = {"whole": [captured.graph.topo_order], "blocks": blocks(captured.graph, width)}
+    order = captured.graph.topo_order
+    levels = {"whole": [order], "blocks": segments(order, cut_points(captured))}
     built: dict[tuple[str, str], tuple] = {}
     started = time.perf_counter()
     with torch.no_grad(), warnings.catch_warnings():
@@ -101,10 +86,10 @@ def measure(name: str, batch: int, rounds: int, calls: int, width: int) -> dict:
                 segmented.run_op(op, env)
                 record.append((time.perf_counter() - start) * 1e3)
 
-    def timed_rounds(sequences: dict[str, list]) -> dict[str, dict]:
-        """Each sequence run whole ``calls`` times a round, one after the other, its segments timed in place (what
-        a segment costs where it runs in the plan, after the segment before it, the other engine's pools
-        included); medians over the rounds of the whole call and of each segment."""
+    def timed_rounds(sequences: dict[str, list], parts: bool = True) -> dict[str, dict]:
+        """Each sequence run whole ``calls`` times a round, one after the other; with ``parts``, its segments timed in
+        place too (what a segment costs where it runs in the plan, after the segment before it, the other engine's
+        pools included). Medians over the rounds of the whole call and of each segment."""
         whole_ms = {name: [] for name in sequences}
         each = {name: [[] for _ in seq] for name, seq in sequences.items()}
         with intra_op_threads(threads), torch.no_grad():
@@ -112,15 +97,15 @@ def measure(name: str, batch: int, rounds: int, calls: int, width: int) -> dict:
                 for name, sequence in sequences.items():
                     run(sequence)
                     for _ in range(calls):
-                        record: list[float] = []
+                        record: list[float] | None = [] if parts else None
                         start = time.perf_counter()
                         run(sequence, record)
                         whole_ms[name].append((time.perf_counter() - start) * 1e3)
-                        for i, ms in enumerate(record):
+                        for i, ms in enumerate(record or []):
                             each[name][i].append(ms)
         return {name: {"ms": statistics.median(whole_ms[name]),
                        "p10": sorted(whole_ms[name])[len(whole_ms[name]) // 10],
-                       "segments": [statistics.median(t) for t in each[name]]} for name in sequences}
+                       "segments": [statistics.median(t) for t in each[name] if t]} for name in sequences}
 
     class Peer:
         def run_op(self, op, env):
@@ -135,8 +120,9 @@ def measure(name: str, batch: int, rounds: int, calls: int, width: int) -> dict:
     mixed = [(built["blocks", e][0], g[0], built["blocks", e][1]) for e, g in zip(chosen, blocks_at, strict=True)]
     final = timed_rounds({"whole onnxruntime": sequences["whole onnxruntime"],
                           "whole inductor": sequences["whole inductor"], "mixed": mixed,
-                          "blocks onnxruntime": sequences["blocks onnxruntime"], "peer": sequences["peer"]})
-    row = {"model": name, "batch": batch, "ops": len(captured.graph), "threads": threads, "width": width,
+                          "blocks onnxruntime": sequences["blocks onnxruntime"], "peer": sequences["peer"]},
+                         parts=False)  # the whole calls alone: no clock read inside them
+    row = {"model": name, "batch": batch, "ops": len(captured.graph), "threads": threads,
            "build_s": round(build_s, 1), "segments": len(blocks_at),
            "inductor_segments": chosen.count("inductor"),
            "choice_ms": {k: round(v["ms"], 3) for k, v in first.items()},
@@ -156,19 +142,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=5, help="timed calls of each segment a round")
-    parser.add_argument("--width", type=int, default=1, help="cut where at most this many ops' values cross")
     parser.add_argument("--stem", default="mixed_engines")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the results (default %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="deepfm, one round of one call (a check that it runs)")
+    parser.add_argument("--image-size", type=int, help="the CNNs' image size (default: the model's own)")
+    parser.add_argument("--quick", action="store_true",
+                        help="squeezenet at 64x64 pixels, one round of one call (a check that it runs)")
     args = parser.parse_args()
     if args.quick:
-        args.models, args.rounds, args.calls = "deepfm", 1, 1
+        args.models, args.rounds, args.calls, args.image_size = "squeezenet", 1, 1, 64
     names = common.split_names(args.models, MODELS, "model")
     clock = common.Stopwatch()
     rows = []
     for name in names:
         print(f"{name} b{args.batch} ...", flush=True)
-        rows.append(measure(name, args.batch, args.rounds, args.calls, args.width))
+        rows.append(measure(name, args.batch, args.rounds, args.calls, args.image_size))
         print({k: v for k, v in rows[-1].items() if k != "per_segment"}, flush=True)
     data = {"machine": common.machine_info(), "command": " ".join(["python", *sys.argv]), "rows": rows,
             "elapsed_s": clock.elapsed_s}
